@@ -1,0 +1,107 @@
+//! The seam between the protocol and whatever serves the blocks.
+//!
+//! The protocol crate knows nothing of caching: it sees a [`BlockDevice`] per connection and an
+//! [`ExportProvider`] that opens one by name. Transmission flags are derived from
+//! [`Capabilities`], never hard-coded by the server loop.
+
+use std::fmt;
+
+/// What a device can do; the NBD transmission flags follow from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    pub read_only: bool,
+    pub can_flush: bool,
+    pub can_fua: bool,
+    pub can_trim: bool,
+    pub can_zero: bool,
+    /// WRITE_ZEROES with NBD_CMD_FLAG_FAST_ZERO can be honoured (zeroing is never slower than a write).
+    pub can_fast_zero: bool,
+}
+
+/// Block sizes advertised with NBD_INFO_BLOCK_SIZE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSizes {
+    pub minimum: u32,
+    pub preferred: u32,
+    pub maximum: u32,
+}
+
+/// Why a device refused or failed a command; mapped to an NBD errno in exactly one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceErrorKind {
+    /// EIO: the storage behind the device failed.
+    Io,
+    /// ENOSPC: the device has no room for the write.
+    NoSpace,
+    /// EINVAL: the request makes no sense for this device.
+    Invalid,
+    /// ENOTSUP: the device cannot do this (e.g. FAST_ZERO that would be slow).
+    NotSupported,
+    /// EPERM: the device is read-only.
+    ReadOnly,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceError {
+    pub kind: DeviceErrorKind,
+    pub message: String,
+}
+
+impl DeviceError {
+    pub fn new(kind: DeviceErrorKind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into() }
+    }
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+/// One connection's view of an export. Requests reach it already validated: offset + length lie
+/// within `size()`, lengths are within the advertised maximum, and commands the capabilities do
+/// not allow never arrive.
+///
+/// Calls are synchronous and may block briefly on local file I/O.
+pub trait BlockDevice: Send {
+    fn size(&self) -> u64;
+    fn capabilities(&self) -> Capabilities;
+    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError>;
+    fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError>;
+    /// `may_trim`: the client did not set NO_HOLE. `fast_only`: FAST_ZERO was set; fail with
+    /// `NotSupported` rather than zeroing slowly.
+    fn write_zeroes(
+        &mut self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> Result<(), DeviceError>;
+    fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError>;
+    fn flush(&mut self) -> Result<(), DeviceError>;
+}
+
+/// One export as listed by NBD_OPT_LIST and described by NBD_OPT_INFO.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportInfo {
+    pub name: String,
+    pub description: String,
+    pub size: u64,
+    pub capabilities: Capabilities,
+    pub block_sizes: BlockSizes,
+}
+
+/// Opens a device per connection. Shared by all connections of a server.
+pub trait ExportProvider: Send + Sync + 'static {
+    fn list(&self) -> Vec<ExportInfo>;
+    /// Describes an export without opening it (NBD_OPT_INFO). `None` if unknown.
+    /// The empty name means the default export.
+    fn info(&self, name: &str) -> Option<ExportInfo>;
+    /// Opens a fresh device for one connection (NBD_OPT_GO / NBD_OPT_EXPORT_NAME). Dropping the
+    /// device ends that connection's state.
+    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError>;
+}
