@@ -1,1 +1,26 @@
-//! placeholder
+//! The storage engine of overspill: one copy-on-write overlay per VM over a read-only golden
+//! image, with a bounded RAM tier that overflows in 2 MiB segments to a local spill log, and the
+//! accounting of every tier.
+//!
+//! The engine knows nothing of NBD or sockets. It is synchronous and deterministic: files and
+//! the host's memory pressure come in through seams ([`BackingFile`], [`HostMemory::rebalance`])
+//! so that the planner and the simulation tests run the same code as the server.
+
+pub mod budget;
+pub mod error;
+pub mod golden;
+pub mod overlay;
+pub mod ram;
+mod ranges;
+pub mod spill;
+pub mod stats;
+pub mod store;
+pub mod units;
+
+pub use budget::HostMemory;
+pub use error::{EngineError, Result};
+pub use golden::{GoldenImage, MemImage, RawImage};
+pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};
+pub use stats::VmStats;
+pub use store::{BackingFile, ScratchFile};
+pub use units::{BLOCK_BYTES, BLOCK_SIZE, SEGMENT_BYTES};

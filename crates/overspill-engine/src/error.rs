@@ -1,0 +1,39 @@
+//! The engine's one error type.
+
+use std::io;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The write cache has no room: RAM-only mode is full, or the spill space is exhausted.
+    #[error("no space left in the write cache: {0}")]
+    NoSpace(String),
+    /// A range outside the virtual disk reached the engine; the protocol layer should have
+    /// refused it.
+    #[error("range {offset}+{len} is outside the {size}-byte disk")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+impl EngineError {
+    /// File errors become `NoSpace` when the filesystem is full, so the guest sees ENOSPC, not EIO.
+    pub fn from_io(what: &'static str, source: io::Error) -> Self {
+        if source.raw_os_error() == Some(libc_enospc()) || source.kind() == io::ErrorKind::StorageFull {
+            Self::NoSpace(format!("{what}: {source}"))
+        } else {
+            Self::Io { what, source }
+        }
+    }
+}
+
+fn libc_enospc() -> i32 {
+    rustix::io::Errno::NOSPC.raw_os_error()
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

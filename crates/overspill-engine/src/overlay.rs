@@ -1,0 +1,698 @@
+//! One VM's copy-on-write overlay over a golden image.
+//!
+//! Each 4 KiB block of the virtual disk is in exactly one state:
+//! - **absent**: never written (or trimmed); reads come from the golden image;
+//! - **zero**: covered by a zeroed range and not in the map; reads as zeroes, stores nothing;
+//! - **ram**: a page in the RAM tier;
+//! - **spill**: a slot of the spill log (in the open segment's buffer, or on disk);
+//! - **file**: at its own offset in an in-place cache file (modes `disk` and `shared`).
+//!
+//! The block map holds the ram, spill and file states and wins over the zeroed ranges, so that a
+//! write into a zeroed range needs no range split. Lookups return a plan ([`Source`]); the I/O runs
+//! after. Unaligned requests are cut into head, whole blocks and tail in one place
+//! ([`block_spans`]); a partial block is read, patched and stored whole, so a 4 KiB guest write
+//! costs at most one 4 KiB read, never a segment rewrite.
+//!
+//! Writes in `ram+disk` go to RAM while the VM is under its memory target; above it, the coldest
+//! RAM block moves to the spill log's open segment to make room (so hot blocks stay in RAM and
+//! the disk sees only whole 2 MiB segments). TRIM and WRITE_ZEROES release a block's RAM page or
+//! spill slot at once.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+
+use crate::budget::HostMemory;
+use crate::error::{EngineError, Result};
+use crate::golden::GoldenImage;
+use crate::ram::{RamSlot, RamTier};
+use crate::ranges::RangeSet;
+use crate::spill::{Purpose, SpillLog};
+use crate::stats::{OpCounter, VmStats};
+use crate::store::BackingFile;
+use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
+
+/// Where a VM's writes go; one per seed configuration, so they can be compared side by side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WriteCacheMode {
+    /// A per-VM differencing file on shared storage, 4 KiB writes in place (the MCS baseline).
+    Shared,
+    /// A per-VM cache file on local disk, 4 KiB writes in place (PVS "cache on device hard disk").
+    Disk,
+    /// RAM only; ENOSPC when the target is reached (PVS "cache in device RAM").
+    Ram,
+    /// RAM, overflowing in 2 MiB segments to a local spill file (PVS "cache in RAM with overflow").
+    RamDisk,
+}
+
+impl WriteCacheMode {
+    pub const ALL: [WriteCacheMode; 4] = [Self::Shared, Self::Disk, Self::Ram, Self::RamDisk];
+
+    /// Whether the mode needs a backing file, and what it is for.
+    pub fn backing_file(self) -> Option<BackingKind> {
+        match self {
+            Self::Shared => Some(BackingKind::SharedDifferencing),
+            Self::Disk => Some(BackingKind::LocalCache),
+            Self::Ram => None,
+            Self::RamDisk => Some(BackingKind::SpillLog),
+        }
+    }
+}
+
+/// The files a mode writes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackingKind {
+    /// Identity-mapped, sized like the disk, under the shared-storage directory.
+    SharedDifferencing,
+    /// Identity-mapped, sized like the disk, on local disk.
+    LocalCache,
+    /// Append-only 2 MiB segments on local disk.
+    SpillLog,
+}
+
+impl fmt::Display for WriteCacheMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Shared => "shared",
+            Self::Disk => "disk",
+            Self::Ram => "ram",
+            Self::RamDisk => "ram+disk",
+        })
+    }
+}
+
+impl FromStr for WriteCacheMode {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|mode| mode.to_string() == s)
+            .ok_or_else(|| EngineError::Config(format!("unknown mode {s:?}: use shared, disk, ram or ram+disk")))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct OverlayConfig {
+    pub mode: WriteCacheMode,
+    /// The VM's cache memory target: RAM tier, open spill segment and index together.
+    pub ram_target_bytes: u64,
+    /// Limit on the spill file (mode `ram+disk`); `None` lets the filesystem decide.
+    pub spill_max_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Ram(RamSlot),
+    Spill(SpillAddr),
+    File,
+}
+
+/// Where a block's current contents are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Golden,
+    Zero,
+    Ram(RamSlot),
+    Spill(SpillAddr),
+    File,
+}
+
+enum Tier {
+    Ram,
+    RamDisk(SpillLog),
+    InPlace { file: Box<dyn BackingFile>, shared: bool, blocks: u64 },
+}
+
+pub struct Overlay {
+    golden: Arc<dyn GoldenImage>,
+    size: u64,
+    config: OverlayConfig,
+    map: FxHashMap<BlockIndex, Slot>,
+    zeros: RangeSet,
+    ram: RamTier,
+    tier: Tier,
+    host: Arc<HostMemory>,
+    accounted_bytes: u64,
+    stats: Arc<VmStats>,
+}
+
+/// Map bytes per entry: key, value and hashbrown's control byte.
+const MAP_ENTRY_BYTES: u64 = (std::mem::size_of::<(BlockIndex, Slot)>() + 1) as u64;
+
+impl Overlay {
+    /// `backing` must be given exactly when `config.mode.backing_file()` asks for one; in-place
+    /// files must be at least as large as the golden image.
+    pub fn new(
+        golden: Arc<dyn GoldenImage>,
+        config: OverlayConfig,
+        backing: Option<Box<dyn BackingFile>>,
+        host: Arc<HostMemory>,
+        stats: Arc<VmStats>,
+    ) -> Result<Self> {
+        let tier = match (config.mode.backing_file(), backing) {
+            (None, None) => Tier::Ram,
+            (Some(BackingKind::SpillLog), Some(file)) => Tier::RamDisk(SpillLog::new(file, config.spill_max_bytes)?),
+            (Some(kind @ (BackingKind::LocalCache | BackingKind::SharedDifferencing)), Some(file)) => {
+                Tier::InPlace { file, shared: kind == BackingKind::SharedDifferencing, blocks: 0 }
+            }
+            (wanted, given) => {
+                return Err(EngineError::Config(format!(
+                    "mode {} wants backing {wanted:?} but {} was given",
+                    config.mode,
+                    if given.is_some() { "a file" } else { "none" }
+                )))
+            }
+        };
+        host.attach();
+        let overlay = Self {
+            size: golden.size(),
+            golden,
+            config,
+            map: FxHashMap::default(),
+            zeros: RangeSet::default(),
+            ram: RamTier::default(),
+            tier,
+            host,
+            accounted_bytes: 0,
+            stats,
+        };
+        overlay.stats.cache_memory_target_bytes.set(overlay.config.ram_target_bytes);
+        overlay.stats.cache_disk_size_bytes.set(overlay.disk_size_bytes());
+        Ok(overlay)
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn mode(&self) -> WriteCacheMode {
+        self.config.mode
+    }
+
+    pub fn stats(&self) -> &Arc<VmStats> {
+        &self.stats
+    }
+
+    /// The backing file (spill log or in-place cache file), for inspection.
+    pub fn backing(&self) -> Option<&dyn BackingFile> {
+        match &self.tier {
+            Tier::Ram => None,
+            Tier::RamDisk(spill) => Some(spill.backing()),
+            Tier::InPlace { file, .. } => Some(file.as_ref()),
+        }
+    }
+
+    /// Cache memory in use: RAM pages, the open spill segment and every index structure.
+    pub fn memory_used_bytes(&self) -> u64 {
+        let spill = match &self.tier {
+            Tier::RamDisk(spill) => spill.memory_bytes(),
+            _ => 0,
+        };
+        self.ram.data_bytes()
+            + self.ram.index_bytes()
+            + self.map.capacity() as u64 * MAP_ENTRY_BYTES
+            + self.zeros.memory_bytes()
+            + spill
+    }
+
+    /// The target now in force: the VM's own, cut by host pressure.
+    pub fn memory_target_bytes(&self) -> u64 {
+        self.host.effective_target(self.config.ram_target_bytes)
+    }
+
+    pub fn disk_used_bytes(&self) -> u64 {
+        match &self.tier {
+            Tier::Ram => 0,
+            Tier::RamDisk(spill) => spill.disk_used_bytes(),
+            Tier::InPlace { blocks, .. } => blocks * BLOCK_BYTES,
+        }
+    }
+
+    fn disk_size_bytes(&self) -> u64 {
+        match &self.tier {
+            Tier::Ram => 0,
+            Tier::RamDisk(spill) => spill.disk_size_bytes(),
+            Tier::InPlace { .. } => self.size,
+        }
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(EngineError::OutOfRange { offset, len, size: self.size }),
+        }
+    }
+
+    fn source(&self, block: BlockIndex) -> Source {
+        match self.map.get(&block) {
+            Some(Slot::Ram(slot)) => Source::Ram(*slot),
+            Some(Slot::Spill(addr)) => Source::Spill(*addr),
+            Some(Slot::File) => Source::File,
+            None if self.zeros.contains(block.0) => Source::Zero,
+            None => Source::Golden,
+        }
+    }
+
+    pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let len = buf.len() as u64;
+        self.check_range(offset, len)?;
+        self.stats.guest_read.add(len);
+        let spans: Vec<BlockSpan> = block_spans(offset, len).collect();
+        let mut i = 0;
+        let mut pos = 0usize;
+        while i < spans.len() {
+            let span = spans[i];
+            let source = self.source(span.block);
+            match source {
+                // Golden and in-place file blocks are identity-mapped: a run of them is one read.
+                Source::Golden | Source::File => {
+                    let mut run_len = span.len;
+                    let mut j = i + 1;
+                    while j < spans.len() && self.source(spans[j].block) == source {
+                        run_len += spans[j].len;
+                        j += 1;
+                    }
+                    let run_offset = span.block.byte_offset() + span.within as u64;
+                    let target = &mut buf[pos..pos + run_len];
+                    let blocks = (j - i) as u64;
+                    if source == Source::Golden {
+                        self.read_golden(target, run_offset)?;
+                        self.stats.read_blocks_golden.add(blocks);
+                    } else {
+                        self.read_in_place(target, run_offset)?;
+                        self.stats.read_blocks_cache_file.add(blocks);
+                    }
+                    pos += run_len;
+                    i = j;
+                    continue;
+                }
+                Source::Zero => {
+                    buf[pos..pos + span.len].fill(0);
+                    self.stats.read_blocks_zero.inc();
+                }
+                Source::Ram(slot) => {
+                    let page = self.ram.get(slot);
+                    buf[pos..pos + span.len].copy_from_slice(&page[span.within..span.within + span.len]);
+                    self.stats.read_blocks_ram.inc();
+                }
+                Source::Spill(addr) => {
+                    let mut block = [0u8; BLOCK_SIZE];
+                    let (spill, stats) = self.spill_and_stats();
+                    spill.read(addr, &mut block, stats)?;
+                    buf[pos..pos + span.len].copy_from_slice(&block[span.within..span.within + span.len]);
+                    self.stats.read_blocks_spill.inc();
+                }
+            }
+            pos += span.len;
+            i += 1;
+        }
+        Ok(())
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let len = data.len() as u64;
+        self.check_range(offset, len)?;
+        self.stats.guest_write.add(len);
+        self.shrink_to_target();
+        let result = self.write_spans(offset, data);
+        self.after_mutation();
+        result
+    }
+
+    fn write_spans(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        if let Tier::InPlace { .. } = self.tier {
+            return self.write_in_place(offset, data);
+        }
+        let mut pos = 0usize;
+        for span in block_spans(offset, data.len() as u64) {
+            let piece = &data[pos..pos + span.len];
+            pos += span.len;
+            if let Ok(whole) = <&Block>::try_from(piece) {
+                self.put_block(span.block, whole)?;
+            } else {
+                let mut block = self.read_block(span.block)?;
+                block[span.within..span.within + span.len].copy_from_slice(piece);
+                self.put_block(span.block, &block)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zeroes a range without storing data: whole blocks join the zeroed ranges, partial ones are
+    /// patched. `NO_HOLE` makes no difference here, since nothing is preallocated for a VM that
+    /// is thrown away, and zeroing is never slower than writing (so FAST_ZERO always holds).
+    pub fn write_zeroes(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.stats.guest_zero.add(len);
+        self.shrink_to_target();
+        let result = self.zero_spans(offset, len);
+        self.after_mutation();
+        result
+    }
+
+    fn zero_spans(&mut self, offset: u64, len: u64) -> Result<()> {
+        let (whole_first, whole_end) = whole_blocks(offset, len);
+        for span in block_spans(offset, len).filter(|span| !span.is_whole()) {
+            let mut block = self.read_block(span.block)?;
+            block[span.within..span.within + span.len].fill(0);
+            self.store_block(span.block, &block)?;
+        }
+        if whole_first < whole_end {
+            self.drop_blocks(whole_first, whole_end)?;
+            self.zeros.insert(whole_first, whole_end);
+            self.stats.zero_blocks.add(whole_end - whole_first);
+        }
+        Ok(())
+    }
+
+    /// Gives whole blocks back: RAM pages and spill slots are freed, in-place file blocks are
+    /// punched, and the blocks read from the golden image again. Partial blocks are left alone,
+    /// which TRIM allows.
+    pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.stats.guest_trim.add(len);
+        let (first, end) = whole_blocks(offset, len);
+        let result = if first < end {
+            self.zeros.remove(first, end);
+            self.drop_blocks(first, end)
+        } else {
+            Ok(())
+        };
+        self.after_mutation();
+        result
+    }
+
+    /// Nothing to make durable: the cache dies with the VM. Counted, and otherwise a no-op.
+    pub fn flush(&mut self) -> Result<()> {
+        self.stats.guest_flush.add(0);
+        Ok(())
+    }
+
+    fn spill_mut(&mut self) -> &mut SpillLog {
+        self.spill_and_stats().0
+    }
+
+    /// The spill log with the counters it updates (disjoint borrows of `self`).
+    fn spill_and_stats(&mut self) -> (&mut SpillLog, &VmStats) {
+        match &mut self.tier {
+            Tier::RamDisk(spill) => (spill, &self.stats),
+            _ => unreachable!("spill slots exist only in ram+disk mode"),
+        }
+    }
+
+    fn read_golden(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.golden.read_at(buf, offset).map_err(|source| EngineError::Io { what: "reading golden image", source })?;
+        self.stats.golden_read.add(buf.len() as u64);
+        Ok(())
+    }
+
+    fn in_place_counters(&self, shared: bool) -> (&OpCounter, &OpCounter) {
+        if shared {
+            (&self.stats.shared_read, &self.stats.shared_write)
+        } else {
+            (&self.stats.cache_file_read, &self.stats.cache_file_write)
+        }
+    }
+
+    fn read_in_place(&mut self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let Tier::InPlace { file, shared, .. } = &mut self.tier else {
+            unreachable!("file slots exist only in in-place modes")
+        };
+        let shared = *shared;
+        file.read_at(buf, offset).map_err(|e| EngineError::from_io("reading cache file", e))?;
+        self.in_place_counters(shared).0.add(buf.len() as u64);
+        Ok(())
+    }
+
+    /// The current contents of one block, from whichever tier holds it.
+    fn read_block(&mut self, block: BlockIndex) -> Result<Block> {
+        let mut data = [0u8; BLOCK_SIZE];
+        match self.source(block) {
+            Source::Golden => self.read_golden(&mut data, block.byte_offset())?,
+            Source::Zero => {}
+            Source::Ram(slot) => data.copy_from_slice(self.ram.get(slot)),
+            Source::Spill(addr) => {
+                let (spill, stats) = self.spill_and_stats();
+                spill.read(addr, &mut data, stats)?
+            }
+            Source::File => self.read_in_place(&mut data, block.byte_offset())?,
+        }
+        Ok(data)
+    }
+
+    /// Stores a whole block in whatever tier the mode uses.
+    fn store_block(&mut self, block: BlockIndex, data: &Block) -> Result<()> {
+        if let Tier::InPlace { .. } = self.tier {
+            self.write_in_place(block.byte_offset(), data)
+        } else {
+            self.put_block(block, data)
+        }
+    }
+
+    /// Modes `ram` and `ram+disk`: overwrite in memory where the block already is in memory,
+    /// otherwise place it anew and release its old copy.
+    fn put_block(&mut self, block: BlockIndex, data: &Block) -> Result<()> {
+        let old = self.map.get(&block).copied();
+        match old {
+            Some(Slot::Ram(slot)) => {
+                self.ram.get_mut(slot).copy_from_slice(data);
+                self.stats.write_blocks_ram.inc();
+            }
+            Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment) => {
+                self.spill_mut().overwrite_open(addr, data);
+                self.stats.write_blocks_spill.inc();
+            }
+            _ => {
+                // Placing can compact the spill log, which may move this very block: release
+                // whatever the map holds after placing, not the copy looked up before.
+                let new = self.place(block, data)?;
+                if let Some(current) = self.map.insert(block, new) {
+                    self.release(current);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Finds a new home for a block that is not in memory. On error nothing changed.
+    fn place(&mut self, block: BlockIndex, data: &Block) -> Result<Slot> {
+        if !self.ram_has_room() {
+            match self.tier {
+                Tier::RamDisk(_) => {
+                    if self.ram.blocks() == 0 {
+                        let addr = self.append_spill(block, data)?;
+                        self.stats.write_blocks_spill.inc();
+                        return Ok(Slot::Spill(addr));
+                    }
+                    // Keep the new (hot) block in RAM and push the coldest one out.
+                    self.evict_coldest()?;
+                }
+                _ => {
+                    return Err(EngineError::NoSpace(format!(
+                        "RAM cache target of {} bytes reached",
+                        self.memory_target_bytes()
+                    )))
+                }
+            }
+        }
+        self.stats.write_blocks_ram.inc();
+        Ok(Slot::Ram(self.ram.insert(block, data)))
+    }
+
+    fn ram_has_room(&self) -> bool {
+        let need = BLOCK_BYTES + MAP_ENTRY_BYTES;
+        self.memory_used_bytes() + need <= self.memory_target_bytes() && self.host.has_room(need)
+    }
+
+    /// Appends guest data to the spill log; when the space is exhausted, compacts once and retries.
+    fn append_spill(&mut self, block: BlockIndex, data: &Block) -> Result<SpillAddr> {
+        let (spill, stats) = self.spill_and_stats();
+        match spill.append(block, data, Purpose::Guest, stats) {
+            Err(EngineError::NoSpace(_)) if spill.wants_compaction() => {
+                self.compact()?;
+                let (spill, stats) = self.spill_and_stats();
+                spill.append(block, data, Purpose::Guest, stats)
+            }
+            other => other,
+        }
+    }
+
+    fn evict_coldest(&mut self) -> Result<()> {
+        let Some((slot, owner)) = self.ram.coldest() else { return Ok(()) };
+        let data = *self.ram.get(slot);
+        let addr = self.append_spill(owner, &data)?;
+        self.map.insert(owner, Slot::Spill(addr));
+        self.ram.remove(slot);
+        Ok(())
+    }
+
+    /// Spills until the VM is within its (possibly shrunken) target. Best effort: a full spill
+    /// disk leaves the VM over target, and the write that follows reports the error if it needs
+    /// space.
+    fn shrink_to_target(&mut self) {
+        if !matches!(self.tier, Tier::RamDisk(_)) {
+            return;
+        }
+        while self.ram.blocks() > 0 && self.memory_used_bytes() > self.memory_target_bytes() {
+            if let Err(error) = self.evict_coldest() {
+                tracing::debug!(%error, "could not spill down to the memory target");
+                break;
+            }
+        }
+    }
+
+    fn release(&mut self, old: Slot) {
+        match old {
+            Slot::Ram(slot) => self.ram.remove(slot),
+            Slot::Spill(addr) => {
+                let (spill, stats) = self.spill_and_stats();
+                spill.release(addr, stats);
+            }
+            Slot::File => unreachable!("in-place blocks are overwritten in place, never released"),
+        }
+    }
+
+    /// Removes every mapped block in `[first, end)`, freeing its storage.
+    fn drop_blocks(&mut self, first: u64, end: u64) -> Result<()> {
+        let mut mapped: Vec<BlockIndex> = if end - first <= self.map.len() as u64 {
+            (first..end).map(BlockIndex).filter(|b| self.map.contains_key(b)).collect()
+        } else {
+            self.map.keys().copied().filter(|b| (first..end).contains(&b.0)).collect()
+        };
+        mapped.sort_unstable();
+        if let Tier::InPlace { .. } = self.tier {
+            return self.punch_in_place(&mapped);
+        }
+        for block in mapped {
+            if let Some(old) = self.map.remove(&block) {
+                self.release(old);
+            }
+        }
+        Ok(())
+    }
+
+    fn punch_in_place(&mut self, sorted: &[BlockIndex]) -> Result<()> {
+        let Tier::InPlace { file, blocks, .. } = &mut self.tier else { unreachable!("checked by caller") };
+        let mut i = 0;
+        while i < sorted.len() {
+            let mut j = i + 1;
+            while j < sorted.len() && sorted[j].0 == sorted[j - 1].0 + 1 {
+                j += 1;
+            }
+            let run = (j - i) as u64;
+            file.punch_hole(sorted[i].byte_offset(), run * BLOCK_BYTES)
+                .map_err(|e| EngineError::from_io("punching cache file", e))?;
+            for block in &sorted[i..j] {
+                self.map.remove(block);
+            }
+            *blocks -= run;
+            i = j;
+        }
+        Ok(())
+    }
+
+    /// Modes `disk` and `shared`: partial blocks are read, patched and written whole; the
+    /// aligned body goes down in one write at its own offset.
+    fn write_in_place(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let (first, end) = whole_blocks(offset, data.len() as u64);
+        let mut pos = 0usize;
+        for span in block_spans(offset, data.len() as u64) {
+            let piece = &data[pos..pos + span.len];
+            pos += span.len;
+            if !span.is_whole() {
+                let mut block = self.read_block(span.block)?;
+                block[span.within..span.within + span.len].copy_from_slice(piece);
+                self.write_file(span.block.byte_offset(), &block, span.block.0, span.block.0 + 1)?;
+            }
+        }
+        if first < end {
+            let body_start = (first * BLOCK_BYTES - offset) as usize;
+            let body_len = ((end - first) * BLOCK_BYTES) as usize;
+            self.write_file(first * BLOCK_BYTES, &data[body_start..body_start + body_len], first, end)?;
+        }
+        Ok(())
+    }
+
+    fn write_file(&mut self, offset: u64, data: &[u8], first: u64, end: u64) -> Result<()> {
+        let Tier::InPlace { file, shared, blocks } = &mut self.tier else { unreachable!("in-place mode") };
+        file.write_at(data, offset).map_err(|e| EngineError::from_io("writing cache file", e))?;
+        let shared = *shared;
+        for block in (first..end).map(BlockIndex) {
+            if self.map.insert(block, Slot::File).is_none() {
+                *blocks += 1;
+            }
+        }
+        self.stats.write_blocks_cache_file.add(end - first);
+        self.in_place_counters(shared).1.add(data.len() as u64);
+        Ok(())
+    }
+
+    /// Moves the live blocks of the emptiest spill segments into the open one, so that their
+    /// space can be punched out, while compaction pays.
+    fn compact(&mut self) -> Result<()> {
+        while self.spill_mut().wants_compaction() {
+            let (spill, stats) = self.spill_and_stats();
+            let Some(victim) = spill.compaction_victim() else { break };
+            let (buffer, owners) = spill.read_segment(victim, stats)?;
+            for (slot, owner) in owners.into_iter().enumerate() {
+                // Slots are below 512.
+                let addr = SpillAddr { segment: victim, slot: slot as u16 };
+                if self.map.get(&owner) != Some(&Slot::Spill(addr)) {
+                    continue;
+                }
+                let data: &Block = buffer[slot * BLOCK_SIZE..(slot + 1) * BLOCK_SIZE]
+                    .try_into()
+                    .expect("segment buffers are whole blocks");
+                let (spill, stats) = self.spill_and_stats();
+                let new = spill.append(owner, data, Purpose::Compaction, stats)?;
+                spill.release(addr, stats);
+                stats.compaction_bytes_moved.add(BLOCK_BYTES);
+                self.map.insert(owner, Slot::Spill(new));
+            }
+            tracing::debug!(segment = victim.0, "compacted spill segment");
+        }
+        Ok(())
+    }
+
+    fn after_mutation(&mut self) {
+        if matches!(self.tier, Tier::RamDisk(_)) && self.spill_mut().wants_compaction() {
+            if let Err(error) = self.compact() {
+                tracing::warn!(%error, "spill compaction stopped");
+            }
+        }
+        if self.map.is_empty() && self.map.capacity() > 0 {
+            self.map = FxHashMap::default();
+        }
+        let used = self.memory_used_bytes();
+        self.host.account(self.accounted_bytes, used);
+        self.accounted_bytes = used;
+        let stats = &self.stats;
+        stats.cache_memory_used_bytes.set(used);
+        stats.cache_memory_target_bytes.set(self.memory_target_bytes());
+        if used > stats.cache_memory_peak_bytes.get() {
+            stats.cache_memory_peak_bytes.set(used);
+        }
+        let disk = self.disk_used_bytes();
+        stats.cache_disk_used_bytes.set(disk);
+        stats.cache_disk_size_bytes.set(self.disk_size_bytes());
+        if disk > stats.cache_disk_peak_bytes.get() {
+            stats.cache_disk_peak_bytes.set(disk);
+        }
+    }
+}
+
+impl Drop for Overlay {
+    fn drop(&mut self) {
+        self.host.detach(self.accounted_bytes);
+    }
+}
+
+/// The whole blocks inside `[offset, offset + len)`, as `[first, end)` block indices.
+fn whole_blocks(offset: u64, len: u64) -> (u64, u64) {
+    let first = offset.div_ceil(BLOCK_BYTES);
+    let end = (offset + len) / BLOCK_BYTES;
+    (first, end.max(first))
+}
