@@ -1,1 +1,20 @@
-//! placeholder
+//! The NBD protocol, server side (and a small client): fixed-newstyle handshake, request framing
+//! and replies, over Unix or TCP sockets.
+//!
+//! This crate knows nothing of caching. It serves whatever [`BlockDevice`] an [`ExportProvider`]
+//! opens for each connection; transmission flags follow from the device's [`Capabilities`].
+//! The handshake and request parsing are sans-IO ([`handshake`], [`request`]) so they can be
+//! tested and fuzzed without sockets; [`connection`] moves the bytes.
+
+pub mod client;
+pub mod connection;
+pub mod device;
+pub mod handshake;
+pub mod memory;
+pub mod request;
+pub mod server;
+pub mod wire;
+
+pub use connection::{serve_connection, Limits, Transport};
+pub use device::{BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
+pub use server::{ListenAddr, Listener, Server, ServerConfig};

@@ -1,0 +1,284 @@
+//! One client connection, from greeting to disconnect, on a blocking socket.
+//!
+//! A connection is one VM: its device is owned by the connection's thread, requests are served in
+//! order (the overlay is single-writer anyway, and its RAM tier is a memcpy), and replies are
+//! batched: they collect in an output buffer that is written out only before the connection
+//! would block reading, so a pipelined burst of 32 requests costs one read and one write
+//! syscall, while a lone request is answered at once.
+
+use std::io::{self, Read, Write};
+use std::time::Duration;
+
+use crate::device::{BlockDevice, DeviceError};
+use crate::handshake::{Handshake, HandshakeError, Negotiated, Progress};
+use crate::request::{errno_of, validate, Command, FramingError, RequestHeader};
+use crate::wire::*;
+use crate::ExportProvider;
+
+/// Limits that bound what one client can make the server do.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest read or write payload accepted; advertised as the maximum block size.
+    pub max_payload_bytes: u32,
+    /// Time a client has to finish the handshake.
+    pub handshake_timeout: Duration,
+    /// A connection with no request for this long is closed; `None` waits forever.
+    pub idle_timeout: Option<Duration>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_payload_bytes: 32 << 20, handshake_timeout: Duration::from_secs(10), idle_timeout: None }
+    }
+}
+
+/// A byte stream the server can serve on: a Unix or TCP socket (or either end of a socketpair).
+pub trait Transport: Read + Write + Send + 'static {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+}
+
+impl Transport for std::os::unix::net::UnixStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
+    }
+}
+
+impl Transport for std::net::TcpStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::net::TcpStream::set_read_timeout(self, timeout)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    #[error("handshake: {0}")]
+    Handshake(#[from] HandshakeError),
+    #[error("framing: {0}")]
+    Framing(#[from] FramingError),
+    #[error("socket: {0}")]
+    Io(#[from] io::Error),
+    #[error("client went away in the middle of a message")]
+    Truncated,
+}
+
+/// How a connection ended without error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ending {
+    /// The client aborted during the handshake, or closed before choosing an export.
+    NoExport,
+    /// The client sent NBD_CMD_DISC, or closed between requests.
+    Disconnected { export: String, requests: u64 },
+}
+
+/// Input buffer size: room for a burst of pipelined 4 KiB writes per read syscall. It grows for
+/// a larger write payload and shrinks back once that is consumed, so idle VMs stay cheap.
+const INPUT_BYTES: usize = 256 * 1024;
+/// Flush the output early once this much is waiting, so large reads do not pile up.
+const OUTPUT_HIGH_WATER: usize = 4 << 20;
+
+struct Wire<T> {
+    stream: T,
+    /// `input[start..end]` is received and not yet consumed.
+    input: Vec<u8>,
+    start: usize,
+    end: usize,
+    output: Vec<u8>,
+}
+
+impl<T: Transport> Wire<T> {
+    fn new(stream: T, output: Vec<u8>) -> Self {
+        Self { stream, input: vec![0; INPUT_BYTES], start: 0, end: 0, output }
+    }
+
+    fn buffered(&self) -> &[u8] {
+        &self.input[self.start..self.end]
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        debug_assert!(self.start <= self.end);
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            if self.input.len() > INPUT_BYTES {
+                self.input = vec![0; INPUT_BYTES];
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        if !self.output.is_empty() {
+            self.stream.write_all(&self.output)?;
+            self.output.clear();
+        }
+        Ok(())
+    }
+
+    /// Reads more input, making room for at least `want` buffered bytes; `false` at end of
+    /// stream. Replies go out first: the client may wait for them before it sends more.
+    fn fill(&mut self, want: usize) -> io::Result<bool> {
+        self.flush()?;
+        if self.input.len() - self.start < want || self.end == self.input.len() {
+            self.input.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+            if self.input.len() < want {
+                self.input.resize(want, 0);
+            }
+        }
+        loop {
+            match self.stream.read(&mut self.input[self.end..]) {
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(n > 0);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Ensures `n` bytes are buffered. `Ok(false)` if the stream ended before any byte of them.
+    fn need(&mut self, n: usize) -> Result<bool, ConnectionError> {
+        while self.buffered().len() < n {
+            let had = self.buffered().len();
+            if !self.fill(n)? {
+                return if had == 0 { Ok(false) } else { Err(ConnectionError::Truncated) };
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Serves one connection to its end. Errors are this connection's only; the caller logs them.
+pub fn serve_connection<T: Transport>(
+    stream: T,
+    exports: &dyn ExportProvider,
+    limits: &Limits,
+) -> Result<Ending, ConnectionError> {
+    let mut wire = Wire::new(stream, Handshake::greeting());
+    wire.stream.set_read_timeout(Some(limits.handshake_timeout))?;
+    let mut handshake = Handshake::new();
+    let negotiated = loop {
+        let (used, progress) = handshake.advance(&wire.input[wire.start..wire.end], &mut wire.output, exports)?;
+        wire.consume(used);
+        match progress {
+            Progress::NeedMore => {
+                if !wire.fill(1)? {
+                    return Ok(Ending::NoExport);
+                }
+            }
+            Progress::Close => {
+                wire.flush()?;
+                return Ok(Ending::NoExport);
+            }
+            Progress::Transmission(negotiated) => break negotiated,
+        }
+    };
+    wire.stream.set_read_timeout(limits.idle_timeout)?;
+    tracing::debug!(export = %negotiated.export, structured = negotiated.structured_replies, "transmission");
+    transmit(&mut wire, negotiated, limits)
+}
+
+fn transmit<T: Transport>(
+    wire: &mut Wire<T>,
+    mut session: Negotiated,
+    limits: &Limits,
+) -> Result<Ending, ConnectionError> {
+    let mut requests = 0u64;
+    let size = session.info.size;
+    let caps = session.info.capabilities;
+    let max = limits.max_payload_bytes;
+    loop {
+        if !wire.need(REQUEST_HEADER_BYTES)? {
+            break;
+        }
+        let mut raw = [0u8; REQUEST_HEADER_BYTES];
+        raw.copy_from_slice(&wire.buffered()[..REQUEST_HEADER_BYTES]);
+        let header = RequestHeader::parse(&raw)?;
+        let payload = header.payload_bytes(max)? as usize;
+        // The header is buffered, so this can only fail or succeed, not see a clean end.
+        wire.need(REQUEST_HEADER_BYTES + payload)?;
+        requests += 1;
+        let command = validate(&header, size, caps, max);
+        let data_range = REQUEST_HEADER_BYTES..REQUEST_HEADER_BYTES + payload;
+        let disconnect = match command {
+            Err(errno) => {
+                reply_status(wire, &session, header.cookie, Err((errno, "invalid request".into())));
+                false
+            }
+            Ok(Command::Disconnect) => true,
+            Ok(Command::Read { offset, length }) => {
+                read(wire, &mut session, header.cookie, offset, length);
+                false
+            }
+            Ok(command) => {
+                let data = &wire.input[wire.start..][data_range.clone()];
+                let result = execute(session.device.as_mut(), command, data);
+                reply_status(wire, &session, header.cookie, result.map_err(|e| (errno_of(e.kind), e.message)));
+                false
+            }
+        };
+        wire.consume(REQUEST_HEADER_BYTES + payload);
+        if disconnect {
+            break;
+        }
+        if wire.output.len() >= OUTPUT_HIGH_WATER {
+            wire.flush()?;
+        }
+    }
+    wire.flush()?;
+    Ok(Ending::Disconnected { export: session.export, requests })
+}
+
+fn execute(device: &mut dyn BlockDevice, command: Command, data: &[u8]) -> Result<(), DeviceError> {
+    match command {
+        Command::Write { offset, fua, .. } => device.write(offset, data, fua),
+        Command::Flush => device.flush(),
+        Command::Trim { offset, length, fua } => device.trim(offset, u64::from(length), fua),
+        Command::WriteZeroes { offset, length, may_trim, fast_only, fua } => {
+            device.write_zeroes(offset, u64::from(length), may_trim, fast_only, fua)
+        }
+        Command::Read { .. } | Command::Disconnect => unreachable!("handled by the caller"),
+    }
+}
+
+/// Replies to a command that returns no data. Structured replies are not needed for these
+/// (the spec allows simple replies to anything but reads), but errors then carry a message.
+fn reply_status<T>(wire: &mut Wire<T>, session: &Negotiated, cookie: u64, result: Result<(), (Errno, String)>) {
+    match result {
+        Ok(()) => simple_reply(&mut wire.output, cookie, 0),
+        Err((errno, message)) if session.structured_replies => {
+            structured_error(&mut wire.output, cookie, errno as u32, &message)
+        }
+        Err((errno, _)) => simple_reply(&mut wire.output, cookie, errno as u32),
+    }
+}
+
+/// Reads straight into the output buffer behind the reply header, so data is copied once.
+fn read<T>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u64, length: u32) {
+    let out = &mut wire.output;
+    let mark = out.len();
+    if session.structured_replies {
+        if length == 0 {
+            chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
+            return;
+        }
+        chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, 8 + length);
+        put_u64(out, offset);
+    } else {
+        simple_reply(out, cookie, 0);
+    }
+    let data_start = out.len();
+    out.resize(data_start + length as usize, 0);
+    if let Err(error) = session.device.read(offset, &mut out[data_start..]) {
+        out.truncate(mark);
+        tracing::debug!(%error, offset, length, "read failed");
+        let errno = errno_of(error.kind);
+        if session.structured_replies {
+            structured_error(out, cookie, errno as u32, &error.message);
+        } else {
+            simple_reply(out, cookie, errno as u32);
+        }
+    }
+}

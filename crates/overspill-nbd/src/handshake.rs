@@ -1,0 +1,465 @@
+//! The fixed-newstyle handshake as a state machine over bytes (sans-IO).
+//!
+//! States: the server has sent its greeting and waits for the **client flags**; then it reads
+//! **options** until one of them ends the handshake: GO or EXPORT_NAME move the connection to
+//! transmission with an opened device, ABORT (or a refused EXPORT_NAME) closes it. The socket
+//! loop only moves bytes: [`Handshake::advance`] consumes whole messages from its input and
+//! appends replies to its output, so it can be unit-tested and fuzzed without sockets.
+//!
+//! A malformed message is a [`HandshakeError`] and the caller closes the connection; a well-formed
+//! option the server cannot honour gets an NBD_REP_ERR_* reply and negotiation goes on.
+
+use crate::device::{BlockDevice, Capabilities, ExportInfo, ExportProvider};
+use crate::wire::*;
+
+/// Option payloads above this are refused by closing: export names are at most 4096 bytes and
+/// nothing this server accepts needs more.
+pub const MAX_OPTION_BYTES: u32 = 16 * 1024;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum HandshakeError {
+    #[error("client flags {0:#x} include bits this server does not know")]
+    UnknownClientFlags(u32),
+    #[error("client does not speak fixed newstyle")]
+    NotFixedNewstyle,
+    #[error("option magic {0:#x} is not IHAVEOPT")]
+    BadOptionMagic(u64),
+    #[error("option {option} carries {length} bytes, more than the {MAX_OPTION_BYTES} allowed")]
+    OptionTooLarge { option: u32, length: u32 },
+    #[error("export {0:?} cannot be served")]
+    ExportRefused(String),
+}
+
+/// What the handshake produced once it is over.
+pub struct Negotiated {
+    pub export: String,
+    pub device: Box<dyn BlockDevice>,
+    pub info: ExportInfo,
+    pub structured_replies: bool,
+}
+
+impl std::fmt::Debug for Negotiated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Negotiated")
+            .field("export", &self.export)
+            .field("info", &self.info)
+            .field("structured_replies", &self.structured_replies)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+pub enum Progress {
+    /// More input is needed; everything consumed so far has been answered.
+    NeedMore,
+    Transmission(Negotiated),
+    /// The client aborted; close after sending the output.
+    Close,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    ClientFlags,
+    Options,
+}
+
+#[derive(Debug)]
+pub struct Handshake {
+    phase: Phase,
+    no_zeroes: bool,
+    structured_replies: bool,
+}
+
+impl Default for Handshake {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The transmission flags that follow from what a device can do.
+pub fn transmission_flags(caps: Capabilities) -> u16 {
+    let mut flags = TFLAG_HAS_FLAGS | TFLAG_SEND_FUA;
+    for (on, flag) in [
+        (caps.read_only, TFLAG_READ_ONLY),
+        (caps.can_flush, TFLAG_SEND_FLUSH),
+        (caps.can_trim, TFLAG_SEND_TRIM),
+        (caps.can_zero, TFLAG_SEND_WRITE_ZEROES),
+        (caps.can_zero && caps.can_fast_zero, TFLAG_SEND_FAST_ZERO),
+    ] {
+        if on {
+            flags |= flag;
+        }
+    }
+    if !caps.can_fua {
+        flags &= !TFLAG_SEND_FUA;
+    }
+    flags
+}
+
+impl Handshake {
+    pub fn new() -> Self {
+        Self { phase: Phase::ClientFlags, no_zeroes: false, structured_replies: false }
+    }
+
+    /// The server's first message.
+    pub fn greeting() -> Vec<u8> {
+        let mut out = Vec::with_capacity(18);
+        put_u64(&mut out, NBDMAGIC);
+        put_u64(&mut out, IHAVEOPT);
+        put_u16(&mut out, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        out
+    }
+
+    /// Consumes whole messages from `input`, appending replies to `output`. Returns how many bytes
+    /// were consumed (the caller drops them) and where the handshake stands.
+    pub fn advance(
+        &mut self,
+        input: &[u8],
+        output: &mut Vec<u8>,
+        exports: &dyn ExportProvider,
+    ) -> Result<(usize, Progress), HandshakeError> {
+        let mut consumed = 0;
+        loop {
+            let rest = &input[consumed..];
+            match self.phase {
+                Phase::ClientFlags => {
+                    if rest.len() < 4 {
+                        return Ok((consumed, Progress::NeedMore));
+                    }
+                    let flags = be_u32(rest);
+                    consumed += 4;
+                    if flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
+                        return Err(HandshakeError::UnknownClientFlags(flags));
+                    }
+                    if flags & CLIENT_FIXED_NEWSTYLE == 0 {
+                        return Err(HandshakeError::NotFixedNewstyle);
+                    }
+                    self.no_zeroes = flags & CLIENT_NO_ZEROES != 0;
+                    self.phase = Phase::Options;
+                }
+                Phase::Options => {
+                    if rest.len() < 16 {
+                        return Ok((consumed, Progress::NeedMore));
+                    }
+                    let magic = be_u64(rest);
+                    if magic != IHAVEOPT {
+                        return Err(HandshakeError::BadOptionMagic(magic));
+                    }
+                    let option = be_u32(&rest[8..]);
+                    let length = be_u32(&rest[12..]);
+                    if length > MAX_OPTION_BYTES {
+                        return Err(HandshakeError::OptionTooLarge { option, length });
+                    }
+                    let total = 16 + length as usize;
+                    if rest.len() < total {
+                        return Ok((consumed, Progress::NeedMore));
+                    }
+                    consumed += total;
+                    match self.option(option, &rest[16..total], output, exports)? {
+                        Progress::NeedMore => {}
+                        done => return Ok((consumed, done)),
+                    }
+                }
+            }
+        }
+    }
+
+    fn option(
+        &mut self,
+        option: u32,
+        data: &[u8],
+        out: &mut Vec<u8>,
+        exports: &dyn ExportProvider,
+    ) -> Result<Progress, HandshakeError> {
+        match option {
+            OPT_EXPORT_NAME => {
+                let name = String::from_utf8_lossy(data).into_owned();
+                // This option has no error reply: the spec's answer to a bad name is to close.
+                let info = exports.info(&name).ok_or_else(|| HandshakeError::ExportRefused(name.clone()))?;
+                let device = exports.open(&name).map_err(|_| HandshakeError::ExportRefused(name.clone()))?;
+                put_u64(out, info.size);
+                put_u16(out, transmission_flags(info.capabilities));
+                if !self.no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                Ok(Progress::Transmission(Negotiated {
+                    export: name,
+                    device,
+                    info,
+                    structured_replies: self.structured_replies,
+                }))
+            }
+            OPT_ABORT => {
+                option_reply(out, option, REP_ACK, &[]);
+                Ok(Progress::Close)
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    option_reply(out, option, REP_ERR_INVALID, b"LIST takes no data");
+                    return Ok(Progress::NeedMore);
+                }
+                for export in exports.list() {
+                    let mut payload = Vec::with_capacity(4 + export.name.len() + export.description.len());
+                    put_u32(&mut payload, export.name.len() as u32);
+                    payload.extend_from_slice(export.name.as_bytes());
+                    payload.extend_from_slice(export.description.as_bytes());
+                    option_reply(out, option, REP_SERVER, &payload);
+                }
+                option_reply(out, option, REP_ACK, &[]);
+                Ok(Progress::NeedMore)
+            }
+            OPT_STRUCTURED_REPLY => {
+                if data.is_empty() {
+                    self.structured_replies = true;
+                    option_reply(out, option, REP_ACK, &[]);
+                } else {
+                    option_reply(out, option, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data");
+                }
+                Ok(Progress::NeedMore)
+            }
+            OPT_INFO | OPT_GO => Ok(self.info_or_go(option, data, out, exports)),
+            OPT_STARTTLS => {
+                option_reply(out, option, REP_ERR_UNSUP, b"TLS is not configured on this server");
+                Ok(Progress::NeedMore)
+            }
+            _ => {
+                option_reply(out, option, REP_ERR_UNSUP, b"option not supported");
+                Ok(Progress::NeedMore)
+            }
+        }
+    }
+
+    fn info_or_go(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>, exports: &dyn ExportProvider) -> Progress {
+        let Some((name, requests)) = parse_info_request(data) else {
+            option_reply(out, option, REP_ERR_INVALID, b"malformed INFO/GO request");
+            return Progress::NeedMore;
+        };
+        let Some(info) = exports.info(&name) else {
+            option_reply(out, option, REP_ERR_UNKNOWN, format!("no export named {name:?}").as_bytes());
+            return Progress::NeedMore;
+        };
+        let device = if option == OPT_GO {
+            match exports.open(&name) {
+                Ok(device) => Some(device),
+                Err(error) => {
+                    tracing::warn!(export = %name, %error, "could not open export");
+                    option_reply(out, option, REP_ERR_UNKNOWN, format!("cannot open export: {error}").as_bytes());
+                    return Progress::NeedMore;
+                }
+            }
+        } else {
+            None
+        };
+        let mut payload = Vec::with_capacity(32);
+        put_u16(&mut payload, INFO_EXPORT);
+        put_u64(&mut payload, info.size);
+        put_u16(&mut payload, transmission_flags(info.capabilities));
+        option_reply(out, option, REP_INFO, &payload);
+        // Block sizes are sent whether asked for or not: the minimum is what the device really
+        // handles, so a client that ignores them loses nothing.
+        payload.clear();
+        put_u16(&mut payload, INFO_BLOCK_SIZE);
+        put_u32(&mut payload, info.block_sizes.minimum);
+        put_u32(&mut payload, info.block_sizes.preferred);
+        put_u32(&mut payload, info.block_sizes.maximum);
+        option_reply(out, option, REP_INFO, &payload);
+        if requests.contains(&INFO_NAME) {
+            payload.clear();
+            put_u16(&mut payload, INFO_NAME);
+            payload.extend_from_slice(info.name.as_bytes());
+            option_reply(out, option, REP_INFO, &payload);
+        }
+        if requests.contains(&INFO_DESCRIPTION) && !info.description.is_empty() {
+            payload.clear();
+            put_u16(&mut payload, INFO_DESCRIPTION);
+            payload.extend_from_slice(info.description.as_bytes());
+            option_reply(out, option, REP_INFO, &payload);
+        }
+        option_reply(out, option, REP_ACK, &[]);
+        match device {
+            Some(device) => Progress::Transmission(Negotiated {
+                export: name,
+                device,
+                info,
+                structured_replies: self.structured_replies,
+            }),
+            None => Progress::NeedMore,
+        }
+    }
+}
+
+/// INFO/GO data: u32 name length, name, u16 request count, u16 requests. `None` if the lengths
+/// do not add up or the name is not UTF-8.
+fn parse_info_request(data: &[u8]) -> Option<(String, Vec<u16>)> {
+    let name_len = be_u32(data.get(..4)?) as usize;
+    let name = data.get(4..4usize.checked_add(name_len)?)?;
+    let rest = &data[4 + name_len..];
+    let count = be_u16(rest.get(..2)?) as usize;
+    let list = &rest[2..];
+    if list.len() != count * 2 {
+        return None;
+    }
+    let requests = list.chunks_exact(2).map(be_u16).collect();
+    Some((std::str::from_utf8(name).ok()?.to_owned(), requests))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{BlockSizes, DeviceError, DeviceErrorKind};
+    use crate::memory::OneExport;
+
+    fn option(out: &mut Vec<u8>, option: u32, data: &[u8]) {
+        put_u64(out, IHAVEOPT);
+        put_u32(out, option);
+        put_u32(out, data.len() as u32);
+        out.extend_from_slice(data);
+    }
+
+    fn go(name: &str, requests: &[u16]) -> Vec<u8> {
+        let mut data = Vec::new();
+        put_u32(&mut data, name.len() as u32);
+        data.extend_from_slice(name.as_bytes());
+        put_u16(&mut data, requests.len() as u16);
+        for &r in requests {
+            put_u16(&mut data, r);
+        }
+        data
+    }
+
+    /// Splits option replies into (option, type, payload).
+    fn replies(mut out: &[u8]) -> Vec<(u32, u32, Vec<u8>)> {
+        let mut all = Vec::new();
+        while !out.is_empty() {
+            assert_eq!(be_u64(out), OPTION_REPLY_MAGIC);
+            let len = be_u32(&out[16..]) as usize;
+            all.push((be_u32(&out[8..]), be_u32(&out[12..]), out[20..20 + len].to_vec()));
+            out = &out[20 + len..];
+        }
+        all
+    }
+
+    #[test]
+    fn go_after_list_and_structured_reply_opens_the_device() {
+        let exports = OneExport::new("golden", 1 << 20);
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+        option(&mut input, OPT_LIST, &[]);
+        option(&mut input, OPT_STRUCTURED_REPLY, &[]);
+        option(&mut input, 42, b"whatever");
+        option(&mut input, OPT_GO, &go("golden", &[INFO_NAME]));
+        let mut hs = Handshake::new();
+        // Byte by byte: partial messages must wait, not fail.
+        let mut out = Vec::new();
+        let mut pending = Vec::new();
+        let mut result = None;
+        for &b in &input {
+            pending.push(b);
+            let (used, progress) = hs.advance(&pending, &mut out, &exports).expect("valid");
+            pending.drain(..used);
+            if let Progress::Transmission(n) = progress {
+                result = Some(n);
+            }
+        }
+        let negotiated = result.expect("GO ends the handshake");
+        assert!(negotiated.structured_replies);
+        assert_eq!(negotiated.export, "golden");
+        let r = replies(&out);
+        assert_eq!(r[0].1, REP_SERVER);
+        assert_eq!(&r[0].2[4..10], b"golden");
+        assert_eq!((r[1].1, r[2].1, r[3].1), (REP_ACK, REP_ACK, REP_ERR_UNSUP));
+        assert_eq!(r[4].1, REP_INFO);
+        assert_eq!(be_u16(&r[4].2), INFO_EXPORT);
+        assert_eq!(be_u64(&r[4].2[2..]), 1 << 20);
+        let block = r.iter().find(|(_, t, p)| *t == REP_INFO && be_u16(p) == INFO_BLOCK_SIZE).expect("block size");
+        assert_eq!((be_u32(&block.2[2..]), be_u32(&block.2[6..]), be_u32(&block.2[10..])), (1, 4096, 32 << 20));
+        assert!(r.iter().any(|(_, t, p)| *t == REP_INFO && be_u16(p) == INFO_NAME && &p[2..] == b"golden"));
+        assert_eq!(r.last().map(|x| x.1), Some(REP_ACK));
+    }
+
+    #[test]
+    fn unknown_export_and_malformed_go_get_errors_and_negotiation_goes_on() {
+        let exports = OneExport::new("golden", 4096);
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        option(&mut input, OPT_GO, &go("nope", &[]));
+        let mut bad = go("golden", &[1, 2]);
+        bad.pop();
+        option(&mut input, OPT_INFO, &bad);
+        option(&mut input, OPT_LIST, b"x");
+        option(&mut input, OPT_ABORT, &[]);
+        let mut out = Vec::new();
+        let (used, progress) = Handshake::new().advance(&input, &mut out, &exports).expect("well-framed");
+        assert_eq!(used, input.len());
+        assert!(matches!(progress, Progress::Close));
+        let kinds: Vec<u32> = replies(&out).iter().map(|r| r.1).collect();
+        assert_eq!(kinds, vec![REP_ERR_UNKNOWN, REP_ERR_INVALID, REP_ERR_INVALID, REP_ACK]);
+    }
+
+    #[test]
+    fn export_name_sends_size_flags_and_padding_unless_no_zeroes() {
+        for (client_flags, expected_len) in
+            [(CLIENT_FIXED_NEWSTYLE, 134), (CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES, 10)]
+        {
+            let exports = OneExport::new("", 8192);
+            let mut input = Vec::new();
+            put_u32(&mut input, client_flags);
+            option(&mut input, OPT_EXPORT_NAME, b"");
+            let mut out = Vec::new();
+            let (_, progress) = Handshake::new().advance(&input, &mut out, &exports).expect("valid");
+            assert!(matches!(progress, Progress::Transmission(_)));
+            assert_eq!(out.len(), expected_len);
+            assert_eq!(be_u64(&out), 8192);
+            assert_ne!(be_u16(&out[8..]) & TFLAG_SEND_TRIM, 0);
+        }
+    }
+
+    #[test]
+    fn framing_errors_close() {
+        let exports = OneExport::new("", 4096);
+        let cases: Vec<(Vec<u8>, HandshakeError)> = vec![
+            (vec![0, 0, 0, 0x10], HandshakeError::UnknownClientFlags(0x10)),
+            (vec![0, 0, 0, 0], HandshakeError::NotFixedNewstyle),
+            ([vec![0, 0, 0, 1], vec![0xff; 16]].concat(), HandshakeError::BadOptionMagic(u64::MAX)),
+        ];
+        for (input, expected) in cases {
+            let err = Handshake::new().advance(&input, &mut Vec::new(), &exports).expect_err("must close");
+            assert_eq!(err, expected);
+        }
+        let mut big = vec![0, 0, 0, 1];
+        put_u64(&mut big, IHAVEOPT);
+        put_u32(&mut big, OPT_GO);
+        put_u32(&mut big, u32::MAX);
+        let err = Handshake::new().advance(&big, &mut Vec::new(), &exports).expect_err("must close");
+        assert!(matches!(err, HandshakeError::OptionTooLarge { .. }));
+    }
+
+    #[test]
+    fn a_device_that_fails_to_open_is_reported_not_fatal() {
+        struct Failing;
+        impl ExportProvider for Failing {
+            fn list(&self) -> Vec<ExportInfo> {
+                Vec::new()
+            }
+            fn info(&self, name: &str) -> Option<ExportInfo> {
+                Some(ExportInfo {
+                    name: name.into(),
+                    description: String::new(),
+                    size: 4096,
+                    capabilities: Capabilities::default(),
+                    block_sizes: BlockSizes { minimum: 1, preferred: 4096, maximum: 4096 },
+                })
+            }
+            fn open(&self, _: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+                Err(DeviceError::new(DeviceErrorKind::NoSpace, "spill dir full"))
+            }
+        }
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        option(&mut input, OPT_GO, &go("", &[]));
+        let mut out = Vec::new();
+        let (_, progress) = Handshake::new().advance(&input, &mut out, &Failing).expect("framing ok");
+        assert!(matches!(progress, Progress::NeedMore));
+        assert_eq!(replies(&out)[0].1, REP_ERR_UNKNOWN);
+    }
+}

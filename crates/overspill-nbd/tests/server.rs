@@ -1,0 +1,210 @@
+//! The server over real sockets (socketpairs and a Unix listener) with the project's client and
+//! with raw bytes: correct replies, and bad input that costs one connection, never the server.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use overspill_nbd::client::{Client, ClientError};
+use overspill_nbd::memory::OneExport;
+use overspill_nbd::server::socketpair;
+use overspill_nbd::wire::*;
+use overspill_nbd::{Limits, Server, ServerConfig};
+
+const SIZE: usize = 1 << 20;
+
+fn server() -> (Server, OneExport) {
+    let exports = OneExport::new("disk", SIZE);
+    let config = ServerConfig {
+        limits: Limits { max_payload_bytes: 1 << 16, handshake_timeout: Duration::from_secs(2), idle_timeout: None },
+        max_connections: 8,
+    };
+    (Server::new(Arc::new(exports.clone()), config), exports)
+}
+
+fn client(server: &Server, structured: bool) -> Client {
+    let stream = socketpair(server).expect("socketpair");
+    Client::handshake(Box::new(stream), "disk", structured).expect("handshake")
+}
+
+/// A client that keeps working is the proof that the server survived whatever came before.
+fn assert_healthy(server: &Server) {
+    let mut c = client(server, true);
+    let data = vec![0xa5u8; 8192];
+    c.write(4096, &data, false).expect("write");
+    let mut back = vec![0u8; 8192];
+    c.read(4096, &mut back).expect("read");
+    assert_eq!(back, data);
+    c.disconnect().expect("disc");
+}
+
+#[test]
+fn reads_writes_trims_and_zeroes_with_both_reply_styles() {
+    let (server, exports) = server();
+    for structured in [false, true] {
+        let mut c = client(&server, structured);
+        assert_eq!(c.size(), SIZE as u64);
+        assert_eq!(c.structured_replies(), structured);
+        assert!(c.can_trim() && c.can_zero() && c.can_flush());
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        c.write(1000, &data, true).expect("write");
+        c.write_zeroes(2000, 100, false).expect("zero");
+        c.flush().expect("flush");
+        c.trim(0, 4096).expect("trim");
+        let mut back = vec![0u8; data.len()];
+        c.read(1000, &mut back).expect("read");
+        let mut expected = data.clone();
+        expected[1000..1100].fill(0);
+        assert_eq!(back, expected);
+        let mut empty = [];
+        c.read(0, &mut empty).expect("zero-length read");
+        c.disconnect().expect("disc");
+    }
+    assert_eq!(exports.device().snapshot()[2000..2100], [0u8; 100]);
+}
+
+#[test]
+fn invalid_requests_get_errors_and_the_connection_goes_on() {
+    let (server, _) = server();
+    for structured in [false, true] {
+        let mut c = client(&server, structured);
+        let mut buf = vec![0u8; 4096];
+        let err = c.read(SIZE as u64 - 100, &mut buf).expect_err("past the end");
+        assert_eq!(err.errno(), Some(Errno::Inval as u32));
+        let err = c.write(SIZE as u64, &buf, false).expect_err("past the end");
+        assert_eq!(err.errno(), Some(Errno::NoSpc as u32));
+        let err = c.write_zeroes(u64::MAX - 10, 4096, false).expect_err("offset overflow");
+        assert_eq!(err.errno(), Some(Errno::NoSpc as u32));
+        let mut big = vec![0u8; (1 << 16) + 1];
+        let err = c.read(0, &mut big).expect_err("above the maximum block size");
+        assert_eq!(err.errno(), Some(Errno::Inval as u32));
+        let cookie = c.send_request(200, 0, 0, 0, &[]).expect("send");
+        let err = c.reply(cookie, None).expect_err("unknown command");
+        assert_eq!(err.errno(), Some(Errno::Inval as u32));
+        let cookie = c.send_request(CMD_FLUSH, CMD_FLAG_FUA | 0x100, 0, 0, &[]).expect("send");
+        assert_eq!(c.reply(cookie, None).expect_err("bad flags").errno(), Some(Errno::Inval as u32));
+        // Still in sync: a normal round trip works on the same connection.
+        c.write(0, &[7; 512], false).expect("write after errors");
+        c.read(0, &mut buf[..512]).expect("read after errors");
+        assert_eq!(buf[..512], [7u8; 512]);
+    }
+    assert_healthy(&server);
+}
+
+fn raw(server: &Server) -> UnixStream {
+    let s = socketpair(server).expect("socketpair");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    s
+}
+
+/// Reads until the server closes; `true` if it did (rather than timing out).
+fn closed_by_server(s: &mut UnixStream) -> bool {
+    let mut sink = [0u8; 4096];
+    loop {
+        match s.read(&mut sink) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+fn after_handshake(server: &Server) -> UnixStream {
+    let mut s = raw(server);
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).expect("greeting");
+    let mut msg = Vec::new();
+    put_u32(&mut msg, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+    put_u64(&mut msg, IHAVEOPT);
+    put_u32(&mut msg, OPT_EXPORT_NAME);
+    put_u32(&mut msg, 4);
+    msg.extend_from_slice(b"disk");
+    s.write_all(&msg).expect("send");
+    let mut answer = [0u8; 10];
+    s.read_exact(&mut answer).expect("export answer");
+    s
+}
+
+#[test]
+fn broken_framing_closes_only_that_connection() {
+    let (server, _) = server();
+    let mut cases: Vec<(&str, UnixStream, Vec<u8>)> = Vec::new();
+    // Garbage instead of client flags.
+    cases.push(("garbage handshake", raw(&server), b"GET / HTTP/1.1\r\n\r\n".to_vec()));
+    // A bad option magic.
+    let mut bad_opt = Vec::new();
+    put_u32(&mut bad_opt, CLIENT_FIXED_NEWSTYLE);
+    put_u64(&mut bad_opt, 0xdead_beef);
+    put_u64(&mut bad_opt, 0);
+    cases.push(("wrong option magic", raw(&server), bad_opt));
+    // An option length far beyond anything reasonable.
+    let mut huge = Vec::new();
+    put_u32(&mut huge, CLIENT_FIXED_NEWSTYLE);
+    put_u64(&mut huge, IHAVEOPT);
+    put_u32(&mut huge, OPT_GO);
+    put_u32(&mut huge, u32::MAX);
+    cases.push(("oversized option", raw(&server), huge));
+    // Transmission: wrong request magic.
+    cases.push(("wrong request magic", after_handshake(&server), vec![0x55; 28]));
+    // A write whose payload is over the limit: framing cannot be trusted.
+    let mut big_write = Vec::new();
+    put_u32(&mut big_write, REQUEST_MAGIC);
+    put_u16(&mut big_write, 0);
+    put_u16(&mut big_write, CMD_WRITE);
+    put_u64(&mut big_write, 1);
+    put_u64(&mut big_write, 0);
+    put_u32(&mut big_write, u32::MAX);
+    cases.push(("oversized write", after_handshake(&server), big_write));
+    for (what, mut stream, bytes) in cases {
+        let _ = stream.write_all(&bytes);
+        assert!(closed_by_server(&mut stream), "{what}: server should close the connection");
+        assert_healthy(&server);
+    }
+}
+
+#[test]
+fn a_client_that_vanishes_mid_write_costs_nothing_else() {
+    let (server, exports) = server();
+    let mut s = after_handshake(&server);
+    let mut msg = Vec::new();
+    put_u32(&mut msg, REQUEST_MAGIC);
+    put_u16(&mut msg, 0);
+    put_u16(&mut msg, CMD_WRITE);
+    put_u64(&mut msg, 1);
+    put_u64(&mut msg, 0);
+    put_u32(&mut msg, 4096);
+    msg.extend_from_slice(&[0xee; 1000]);
+    s.write_all(&msg).expect("send half a write");
+    drop(s);
+    assert_healthy(&server);
+    // The half-sent write was never applied.
+    assert!(exports.device().snapshot()[..1000].iter().all(|&b| b != 0xee));
+}
+
+#[test]
+fn connections_over_the_limit_are_refused_and_slots_come_back() {
+    let (server, _) = server();
+    let held: Vec<Client> = (0..8).map(|_| client(&server, false)).collect();
+    let stream = socketpair(&server).expect("socketpair");
+    assert!(Client::handshake(Box::new(stream), "disk", false).is_err(), "ninth connection refused");
+    drop(held);
+    // Threads notice the closed sockets and release their slots.
+    for _ in 0..100 {
+        if server.active_connections() == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_healthy(&server);
+}
+
+#[test]
+fn unknown_export_is_refused_by_go() {
+    let (server, _) = server();
+    let stream = socketpair(&server).expect("socketpair");
+    match Client::handshake(Box::new(stream), "nope", true) {
+        Err(ClientError::Refused { reply, .. }) => assert_eq!(reply, (1 << 31) | 6),
+        other => panic!("expected NBD_REP_ERR_UNKNOWN, got {other:?}"),
+    }
+}
