@@ -1,1 +1,39 @@
-fn main() {}
+//! The `overspill` command: parses arguments and wires the engine to the NBD server. No storage
+//! or protocol logic lives here.
+
+use clap::{Parser, Subcommand};
+use overspill::serve;
+use tracing_subscriber::EnvFilter;
+
+#[derive(Debug, Parser)]
+#[command(name = "overspill", version, about = "RAM write cache with overflow to disk for fleets of VMs, over NBD")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log filter (tracing's env-filter syntax); RUST_LOG overrides it.
+    #[arg(long, global = true, default_value = "info")]
+    log: String,
+    /// Log as JSON lines instead of human-readable text.
+    #[arg(long, global = true)]
+    log_json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve golden images over NBD, one copy-on-write overlay per connection (VM).
+    Serve(serve::ServeArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&cli.log))?;
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if cli.log_json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+    match cli.command {
+        Command::Serve(args) => serve::run(args),
+    }
+}

@@ -1,0 +1,278 @@
+//! Wiring: each NBD connection gets a fresh engine overlay over the golden image it asked for.
+//!
+//! An export name is `IMAGE` or `IMAGE@VM`: the part after `@` names the VM in logs and metrics;
+//! without it the server numbers connections. The empty name is the `--base` image. Cache files
+//! are named `overspill-<server pid>-<vm number>.<kind>` so that a restarted server can tell the
+//! files of dead servers (removed at start) from those of live ones (left alone).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use overspill_engine::{
+    BackingFile, BackingKind, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile, VmStats,
+    WriteCacheMode,
+};
+use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
+use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
+
+/// Where and how every VM's write cache is kept.
+#[derive(Debug, Clone)]
+pub struct CacheSettings {
+    pub mode: WriteCacheMode,
+    pub ram_target_bytes: u64,
+    pub spill_max_bytes: Option<u64>,
+    pub spill_dir: PathBuf,
+    pub shared_dir: PathBuf,
+}
+
+/// A connected VM, for metrics and status views.
+#[derive(Debug, Clone)]
+pub struct VmHandle {
+    pub export: String,
+    pub vm: String,
+    pub stats: Arc<VmStats>,
+}
+
+/// The VMs connected now; an entry leaves when its connection ends.
+#[derive(Debug, Default)]
+pub struct VmRegistry {
+    vms: Mutex<BTreeMap<u64, VmHandle>>,
+}
+
+impl VmRegistry {
+    pub fn snapshot(&self) -> Vec<VmHandle> {
+        self.lock().values().cloned().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, VmHandle>> {
+        self.vms.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+pub struct OverlayExports {
+    images: BTreeMap<String, Arc<dyn GoldenImage>>,
+    settings: CacheSettings,
+    host: Arc<HostMemory>,
+    registry: Arc<VmRegistry>,
+    next_vm: AtomicU64,
+}
+
+const CAPABILITIES: Capabilities = Capabilities {
+    read_only: false,
+    can_flush: true,
+    // The cache lives as long as the VM's connection by design; an acknowledged write is as
+    // durable as it will ever be, so FUA costs nothing.
+    can_fua: true,
+    can_trim: true,
+    can_zero: true,
+    // Zeroing stores no data, so it is never slower than writing.
+    can_fast_zero: true,
+};
+
+impl OverlayExports {
+    pub fn new(
+        images: BTreeMap<String, Arc<dyn GoldenImage>>,
+        settings: CacheSettings,
+        host: Arc<HostMemory>,
+    ) -> std::io::Result<Self> {
+        for dir in [&settings.spill_dir, &settings.shared_dir] {
+            std::fs::create_dir_all(dir)?;
+            remove_stale_cache_files(dir);
+        }
+        Ok(Self { images, settings, host, registry: Arc::default(), next_vm: AtomicU64::new(1) })
+    }
+
+    pub fn registry(&self) -> Arc<VmRegistry> {
+        self.registry.clone()
+    }
+
+    pub fn host(&self) -> &Arc<HostMemory> {
+        &self.host
+    }
+
+    fn image(&self, name: &str) -> Option<(&str, &Arc<dyn GoldenImage>)> {
+        let image_name = name.split_once('@').map_or(name, |(image, _)| image);
+        self.images.get_key_value(image_name).map(|(k, v)| (k.as_str(), v))
+    }
+
+    fn backing(&self, kind: BackingKind, vm_number: u64, size: u64) -> std::io::Result<Box<dyn BackingFile>> {
+        let pid = std::process::id();
+        let (dir, suffix, logical) = match kind {
+            BackingKind::SpillLog => (&self.settings.spill_dir, "spill", 0),
+            BackingKind::LocalCache => (&self.settings.spill_dir, "cache", size),
+            BackingKind::SharedDifferencing => (&self.settings.shared_dir, "diff", size),
+        };
+        Ok(Box::new(ScratchFile::create(dir, &format!("overspill-{pid}-{vm_number}.{suffix}"), logical)?))
+    }
+}
+
+impl ExportProvider for OverlayExports {
+    fn list(&self) -> Vec<ExportInfo> {
+        self.images.keys().filter_map(|name| self.info(name)).collect()
+    }
+
+    fn info(&self, name: &str) -> Option<ExportInfo> {
+        let (image_name, image) = self.image(name)?;
+        Some(ExportInfo {
+            name: name.to_owned(),
+            description: format!("{} write cache over {}", self.settings.mode, image.describe()),
+            size: image.size(),
+            capabilities: CAPABILITIES,
+            block_sizes: DEFAULT_BLOCK_SIZES,
+        })
+    }
+
+    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        let (image_name, image) =
+            self.image(name).ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
+        let number = self.next_vm.fetch_add(1, Ordering::Relaxed);
+        let vm = name.split_once('@').map_or_else(|| format!("vm-{number}"), |(_, vm)| vm.to_owned());
+        let settings = &self.settings;
+        let backing = match settings.mode.backing_file() {
+            Some(kind) => Some(
+                self.backing(kind, number, image.size())
+                    .map_err(|e| device_error(EngineError::from_io("creating cache file", e)))?,
+            ),
+            None => None,
+        };
+        let config = OverlayConfig {
+            mode: settings.mode,
+            ram_target_bytes: settings.ram_target_bytes,
+            spill_max_bytes: settings.spill_max_bytes,
+        };
+        let stats = Arc::new(VmStats::default());
+        let overlay =
+            Overlay::new(image.clone(), config, backing, self.host.clone(), stats.clone()).map_err(device_error)?;
+        let handle = VmHandle { export: image_name.to_owned(), vm: vm.clone(), stats };
+        self.registry.lock().insert(number, handle);
+        tracing::info!(export = image_name, vm, mode = %settings.mode, "VM connected");
+        Ok(Box::new(EngineDevice { overlay, number, vm, registry: self.registry.clone() }))
+    }
+}
+
+/// One VM's overlay behind the protocol's device trait.
+struct EngineDevice {
+    overlay: Overlay,
+    number: u64,
+    vm: String,
+    registry: Arc<VmRegistry>,
+}
+
+impl Drop for EngineDevice {
+    fn drop(&mut self) {
+        self.registry.lock().remove(&self.number);
+        let s = self.overlay.stats();
+        tracing::info!(
+            vm = %self.vm,
+            guest_reads = s.guest_read.ops.get(),
+            guest_writes = s.guest_write.ops.get(),
+            golden_reads = s.golden_read.ops.get(),
+            spill_segments = s.spill_segments_written.get(),
+            spill_write_ops = s.spill_write.ops.get(),
+            spill_write_bytes = s.spill_write.bytes.get(),
+            cache_memory_peak_bytes = s.cache_memory_peak_bytes.get(),
+            cache_disk_peak_bytes = s.cache_disk_peak_bytes.get(),
+            "VM disconnected; its cache is dropped"
+        );
+    }
+}
+
+/// The one mapping from engine errors to what the protocol layer reports.
+fn device_error(error: EngineError) -> DeviceError {
+    let kind = match &error {
+        EngineError::NoSpace(_) => DeviceErrorKind::NoSpace,
+        EngineError::OutOfRange { .. } => DeviceErrorKind::Invalid,
+        EngineError::Io { .. } | EngineError::Config(_) => DeviceErrorKind::Io,
+    };
+    DeviceError::new(kind, error.to_string())
+}
+
+impl BlockDevice for EngineDevice {
+    fn size(&self) -> u64 {
+        self.overlay.size()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.overlay.read(offset, buf).map_err(device_error)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
+        self.overlay.write(offset, data).map_err(device_error)
+    }
+
+    fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
+        self.overlay.write_zeroes(offset, length).map_err(device_error)
+    }
+
+    fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
+        self.overlay.trim(offset, length).map_err(device_error)
+    }
+
+    fn flush(&mut self) -> Result<(), DeviceError> {
+        self.overlay.flush().map_err(device_error)
+    }
+}
+
+/// Removes cache files left by servers that are no longer running. Files of live servers (another
+/// overspill sharing the directory) are left alone.
+fn remove_stale_cache_files(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(cache_file_pid) else { continue };
+        if pid != std::process::id() && !process_alive(pid) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(file = %entry.path().display(), pid, "removed cache file of a dead server"),
+                Err(error) => {
+                    tracing::warn!(file = %entry.path().display(), %error, "could not remove stale cache file")
+                }
+            }
+        }
+    }
+}
+
+fn cache_file_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("overspill-")?;
+    let (pid, rest) = rest.split_once('-')?;
+    let (_, suffix) = rest.split_once('.')?;
+    matches!(suffix, "spill" | "cache" | "diff").then_some(())?;
+    pid.parse().ok()
+}
+
+fn process_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_cache_file_names_carry_a_pid() {
+        assert_eq!(cache_file_pid("overspill-123-7.spill"), Some(123));
+        assert_eq!(cache_file_pid("overspill-123-7.diff"), Some(123));
+        assert_eq!(cache_file_pid("overspill-123-7.txt"), None);
+        assert_eq!(cache_file_pid("golden.img"), None);
+    }
+
+    #[test]
+    fn stale_files_of_dead_servers_go_and_live_ones_stay() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A pid above the kernel's maximum (4194304) is never alive.
+        let dead = dir.path().join("overspill-4294967-1.spill");
+        let live = dir.path().join(format!("overspill-{}-1.spill", std::process::id()));
+        let other = dir.path().join("keep.img");
+        for f in [&dead, &live, &other] {
+            std::fs::write(f, b"x").expect("write");
+        }
+        remove_stale_cache_files(dir.path());
+        assert!(!dead.exists());
+        assert!(live.exists() && other.exists());
+    }
+}

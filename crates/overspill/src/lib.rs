@@ -1,0 +1,6 @@
+//! The `overspill` command's library half: the wiring of engine and protocol (exports), the
+//! subcommands, and small command-line helpers. It owns no storage or protocol logic.
+
+pub mod exports;
+pub mod serve;
+pub mod size;

@@ -1,0 +1,125 @@
+//! `overspill serve`: open the golden images, bind the socket, serve until killed.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use overspill_engine::budget::read_mem_available;
+use overspill_engine::{GoldenImage, HostMemory, RawImage, WriteCacheMode};
+use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig};
+
+use crate::exports::{CacheSettings, OverlayExports};
+use crate::size::{format_bytes, parse_bytes};
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The default golden image (export name ""). Opened read-only, never written.
+    #[arg(long)]
+    base: Option<PathBuf>,
+    /// More golden images as NAME=IMAGE; clients pick one by export name (NAME or NAME@VM).
+    #[arg(long = "export", value_name = "NAME=IMAGE")]
+    exports: Vec<String>,
+    /// unix:PATH or tcp:HOST:PORT.
+    #[arg(long, default_value = "tcp:127.0.0.1:10809")]
+    listen: ListenAddr,
+    /// Where each VM's writes go: ram+disk, ram, disk or shared.
+    #[arg(long, default_value = "ram+disk")]
+    mode: WriteCacheMode,
+    /// Cache memory target per VM (RAM tier, open spill segment and index).
+    #[arg(long, default_value = "256M", value_parser = parse_bytes)]
+    ram: u64,
+    /// Cap on the cache memory of all VMs together.
+    #[arg(long, default_value = "8G", value_parser = parse_bytes)]
+    ram_total: u64,
+    /// Free memory (MemAvailable) the caches leave to the host: below it, VMs' targets shrink.
+    #[arg(long, default_value = "512M", value_parser = parse_bytes)]
+    ram_floor: u64,
+    /// Directory of the spill files (ram+disk) and local cache files (disk).
+    #[arg(long, default_value = "/var/tmp/overspill")]
+    spill_dir: PathBuf,
+    /// Directory standing for shared storage, for the differencing files of mode `shared`.
+    #[arg(long, default_value = "/var/tmp/overspill/shared")]
+    shared_dir: PathBuf,
+    /// Limit on each VM's spill file; beyond it the VM gets ENOSPC.
+    #[arg(long, value_parser = parse_bytes)]
+    spill_max: Option<u64>,
+    /// Connections served at once; more are refused.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds a client has to finish the handshake.
+    #[arg(long, default_value_t = 10)]
+    handshake_timeout: u64,
+}
+
+fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn GoldenImage>>> {
+    let mut images: BTreeMap<String, Arc<dyn GoldenImage>> = BTreeMap::new();
+    let mut add = |name: &str, path: &std::path::Path| -> anyhow::Result<()> {
+        if name.contains('@') {
+            bail!("export name {name:?} may not contain '@' (it separates the VM name)");
+        }
+        let image = RawImage::open(path).with_context(|| format!("golden image {}", path.display()))?;
+        if images.insert(name.to_owned(), Arc::new(image)).is_some() {
+            bail!("export {name:?} is given twice");
+        }
+        Ok(())
+    };
+    if let Some(base) = &args.base {
+        add("", base)?;
+    }
+    for spec in &args.exports {
+        let (name, path) = spec.split_once('=').with_context(|| format!("--export {spec:?}: use NAME=IMAGE"))?;
+        add(name, path.as_ref())?;
+    }
+    if images.is_empty() {
+        bail!("nothing to serve: give --base IMAGE or --export NAME=IMAGE");
+    }
+    Ok(images)
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let images = open_images(&args)?;
+    let host = HostMemory::new(args.ram_total, args.ram_floor);
+    let settings = CacheSettings {
+        mode: args.mode,
+        ram_target_bytes: args.ram,
+        spill_max_bytes: args.spill_max,
+        spill_dir: args.spill_dir.clone(),
+        shared_dir: args.shared_dir.clone(),
+    };
+    let exports = OverlayExports::new(images, settings, host.clone()).context("preparing cache directories")?;
+    spawn_memory_sampler(host);
+    let config = ServerConfig {
+        limits: Limits { handshake_timeout: Duration::from_secs(args.handshake_timeout), ..Limits::default() },
+        max_connections: args.max_connections,
+    };
+    let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+    tracing::info!(
+        listen = %listener.local_addr(),
+        mode = %args.mode,
+        ram_per_vm = %format_bytes(args.ram),
+        ram_total = %format_bytes(args.ram_total),
+        "serving"
+    );
+    let server = Server::new(Arc::new(exports), config);
+    server.run(&listener).context("accepting connections")
+}
+
+/// Feeds the host's free memory to the budget once a second, so VMs shrink under pressure.
+fn spawn_memory_sampler(host: Arc<HostMemory>) {
+    let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || loop {
+        match read_mem_available() {
+            Ok(available) => host.rebalance(available),
+            Err(error) => {
+                tracing::warn!(%error, "cannot read free memory; the free floor is not enforced");
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    });
+    if let Err(error) = spawned {
+        tracing::warn!(%error, "could not start the memory sampler");
+    }
+}
