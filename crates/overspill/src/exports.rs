@@ -114,7 +114,7 @@ impl ExportProvider for OverlayExports {
     }
 
     fn info(&self, name: &str) -> Option<ExportInfo> {
-        let (image_name, image) = self.image(name)?;
+        let (_, image) = self.image(name)?;
         Some(ExportInfo {
             name: name.to_owned(),
             description: format!("{} write cache over {}", self.settings.mode, image.describe()),
