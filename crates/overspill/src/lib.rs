@@ -4,3 +4,4 @@
 pub mod exports;
 pub mod serve;
 pub mod size;
+pub mod storm;

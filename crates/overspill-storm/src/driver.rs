@@ -1,0 +1,314 @@
+//! The storm driver: N VMs, each on its own real NBD connection and thread, run a workload's
+//! phases on a shared timeline (boots one every `boot_interval`, logons one every
+//! `logon_interval`, then steady state together).
+//!
+//! Time is profile time: each request carries the moment the profile puts it at, and results are
+//! bucketed by that moment, so the figures do not depend on how fast this machine is. With
+//! `speed`, requests are also paced to profile time divided by `speed`; without it they go back
+//! to back. When the server runs in this process, the engine's per-VM counters are read after
+//! every request, so storage-tier operations are attributed to the phase and moment of the guest
+//! request that caused them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use overspill_engine::VmStats;
+use overspill_nbd::client::{Client, NbdUri};
+use serde::Serialize;
+
+use crate::profile::{OpKind, Workload};
+
+/// Where the VMs connect, and (for an in-process server) where their counters are.
+pub trait Target: Sync {
+    fn uri(&self, vm: usize) -> NbdUri;
+    /// The engine's counters of a connected VM, when the server runs in this process.
+    fn stats(&self, vm: usize) -> Option<Arc<VmStats>>;
+}
+
+#[derive(Debug, Clone)]
+pub struct StormConfig {
+    pub vms: usize,
+    pub boot_interval_s: f64,
+    pub logon_interval_s: f64,
+    /// Profile seconds per wall second; `None` runs requests back to back.
+    pub speed: Option<f64>,
+    pub workload_seed: u64,
+    /// Width of the IOPS-over-time buckets, in profile seconds.
+    pub bucket_s: u64,
+}
+
+/// Operations counted at one tier, split into reads and writes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Ops {
+    pub reads: u64,
+    pub writes: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+}
+
+impl Ops {
+    pub fn total(&self) -> u64 {
+        self.reads + self.writes
+    }
+
+    fn add(&mut self, other: &Ops) {
+        self.reads += other.reads;
+        self.writes += other.writes;
+        self.read_bytes += other.read_bytes;
+        self.write_bytes += other.write_bytes;
+    }
+
+    fn minus(&self, earlier: &Ops) -> Ops {
+        Ops {
+            reads: self.reads - earlier.reads,
+            writes: self.writes - earlier.writes,
+            read_bytes: self.read_bytes - earlier.read_bytes,
+            write_bytes: self.write_bytes - earlier.write_bytes,
+        }
+    }
+}
+
+/// The tiers a request can reach, in report order.
+pub const TIERS: [&str; 5] = ["guest", "golden image", "shared storage", "local cache disk", "spill"];
+
+/// Counts per tier, indexed like [`TIERS`].
+pub type TierOps = [Ops; 5];
+
+fn add_tiers(into: &mut TierOps, from: &TierOps) {
+    for (a, b) in into.iter_mut().zip(from) {
+        a.add(b);
+    }
+}
+
+/// The storage tiers of an in-process VM, read from the engine's counters.
+fn storage_tiers(s: &VmStats) -> TierOps {
+    let ops = |read: &overspill_engine::stats::OpCounter, write: Option<&overspill_engine::stats::OpCounter>| Ops {
+        reads: read.ops.get(),
+        writes: write.map_or(0, |w| w.ops.get()),
+        read_bytes: read.bytes.get(),
+        write_bytes: write.map_or(0, |w| w.bytes.get()),
+    };
+    [
+        Ops::default(),
+        ops(&s.golden_read, None),
+        ops(&s.shared_read, Some(&s.shared_write)),
+        ops(&s.cache_file_read, Some(&s.cache_file_write)),
+        ops(&s.spill_read, Some(&s.spill_write)),
+    ]
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct VmPhase {
+    pub tiers: TierOps,
+    pub trims: u64,
+    pub flushes: u64,
+    pub errors: u64,
+    pub enospc: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct VmResult {
+    pub vm: usize,
+    pub phases: Vec<VmPhase>,
+    /// Per bucket of profile time: ops per tier.
+    pub timeline: Vec<TierOps>,
+    pub spill_segments_written: u64,
+    pub peak_cache_memory_bytes: u64,
+    pub peak_cache_disk_bytes: u64,
+    /// Whether storage tiers were measured (in-process server).
+    pub has_storage: bool,
+    /// Set when the VM lost its connection and stopped early.
+    pub failure: Option<String>,
+}
+
+/// When each VM starts each phase, and each phase's window over all VMs, in profile ms.
+#[derive(Debug, Clone, Serialize)]
+pub struct Timeline {
+    /// `starts[phase][vm]`.
+    pub starts_ms: Vec<Vec<u64>>,
+    /// `(start, end)` of each phase over all VMs.
+    pub windows_ms: Vec<(u64, u64)>,
+}
+
+impl Timeline {
+    pub fn new(workload: &Workload, config: &StormConfig) -> Self {
+        let mut starts_ms = Vec::new();
+        let mut windows_ms = Vec::new();
+        let mut phase_start = 0u64;
+        for phase in &workload.phases {
+            let interval = match phase.name.as_str() {
+                "boot" => config.boot_interval_s,
+                "logon" => config.logon_interval_s,
+                _ => 0.0,
+            };
+            let duration = (phase.duration_s * 1000.0) as u64;
+            let starts: Vec<u64> =
+                (0..config.vms).map(|vm| phase_start + (vm as f64 * interval * 1000.0) as u64).collect();
+            let end = starts.iter().max().copied().unwrap_or(phase_start) + duration;
+            windows_ms.push((phase_start, end));
+            starts_ms.push(starts);
+            phase_start = end;
+        }
+        Self { starts_ms, windows_ms }
+    }
+
+    pub fn end_ms(&self) -> u64 {
+        self.windows_ms.last().map_or(0, |w| w.1)
+    }
+}
+
+/// Runs the storm; one result per VM, in VM order.
+pub fn run(workload: &Workload, config: &StormConfig, target: &dyn Target, progress: &ProgressBar) -> Vec<VmResult> {
+    let timeline = Timeline::new(workload, config);
+    let buckets = (timeline.end_ms() / (config.bucket_s * 1000) + 1) as usize;
+    let wall_start = Instant::now();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..config.vms)
+            .map(|vm| {
+                let timeline = &timeline;
+                scope.spawn(move || run_vm(workload, config, target, vm, timeline, buckets, wall_start, progress))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(vm, h)| h.join().unwrap_or_else(|_| failed(vm, workload, buckets, "VM thread panicked")))
+            .collect()
+    })
+}
+
+fn failed(vm: usize, workload: &Workload, buckets: usize, why: &str) -> VmResult {
+    VmResult {
+        vm,
+        phases: vec![VmPhase::default(); workload.phases.len()],
+        timeline: vec![TierOps::default(); buckets],
+        spill_segments_written: 0,
+        peak_cache_memory_bytes: 0,
+        peak_cache_disk_bytes: 0,
+        has_storage: false,
+        failure: Some(why.into()),
+    }
+}
+
+pub fn progress_bar(total_ops: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total_ops);
+    if let Ok(style) = ProgressStyle::with_template("{prefix:>18} [{bar:40}] {pos}/{len} requests {per_sec} ETA {eta}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_vm(
+    workload: &Workload,
+    config: &StormConfig,
+    target: &dyn Target,
+    vm: usize,
+    timeline: &Timeline,
+    buckets: usize,
+    wall_start: Instant,
+    progress: &ProgressBar,
+) -> VmResult {
+    let mut result = failed(vm, workload, buckets, "");
+    result.failure = None;
+    let phases = workload.generate(config.workload_seed, vm as u64);
+    let mut client = match Client::connect(&target.uri(vm)) {
+        Ok(c) => c,
+        Err(e) => {
+            result.failure = Some(format!("connect: {e}"));
+            return result;
+        }
+    };
+    let stats = target.stats(vm);
+    result.has_storage = stats.is_some();
+    let mut last = stats.as_deref().map(storage_tiers).unwrap_or_default();
+    let mut buffer = Vec::new();
+    let mut unreported = 0u64;
+    'phases: for (p, ops) in phases.iter().enumerate() {
+        let start_ms = timeline.starts_ms[p][vm];
+        for op in ops {
+            let at_ms = start_ms + op.at_ms;
+            if let Some(speed) = config.speed {
+                let due = wall_start + Duration::from_secs_f64(at_ms as f64 / 1000.0 / speed);
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+            }
+            let mut delta = TierOps::default();
+            let outcome = match op.kind {
+                OpKind::Read => {
+                    buffer.resize(op.len as usize, 0);
+                    delta[0] = Ops { reads: 1, read_bytes: u64::from(op.len), ..Ops::default() };
+                    client.read(op.offset, &mut buffer)
+                }
+                OpKind::Write => {
+                    buffer.resize(op.len as usize, 0);
+                    // Content that differs per VM and write, cheaply: the request itself.
+                    let stamp = op.offset ^ ((vm as u64) << 48) ^ op.at_ms;
+                    for (i, chunk) in buffer.chunks_mut(8).enumerate() {
+                        chunk.copy_from_slice(&(stamp.wrapping_add(i as u64)).to_le_bytes()[..chunk.len()]);
+                    }
+                    delta[0] = Ops { writes: 1, write_bytes: u64::from(op.len), ..Ops::default() };
+                    client.write(op.offset, &buffer, false)
+                }
+                OpKind::Trim => {
+                    result.phases[p].trims += 1;
+                    if client.can_trim() {
+                        client.trim(op.offset, op.len)
+                    } else {
+                        Ok(())
+                    }
+                }
+                OpKind::Flush => {
+                    result.phases[p].flushes += 1;
+                    if client.can_flush() {
+                        client.flush()
+                    } else {
+                        Ok(())
+                    }
+                }
+            };
+            match outcome {
+                Ok(()) => {}
+                Err(e) if e.errno().is_some() => {
+                    result.phases[p].errors += 1;
+                    if e.errno() == Some(28) {
+                        result.phases[p].enospc += 1;
+                    }
+                }
+                Err(e) => {
+                    result.failure = Some(format!("phase {}: {e}", workload.phases[p].name));
+                    break 'phases;
+                }
+            }
+            if let Some(stats) = stats.as_deref() {
+                let now = storage_tiers(stats);
+                for (tier, (n, l)) in now.iter().zip(&last).enumerate().skip(1) {
+                    delta[tier] = n.minus(l);
+                }
+                last = now;
+            }
+            add_tiers(&mut result.phases[p].tiers, &delta);
+            let bucket = (at_ms / (config.bucket_s * 1000)) as usize;
+            add_tiers(&mut result.timeline[bucket.min(buckets - 1)], &delta);
+            unreported += 1;
+            if unreported == 512 {
+                progress.inc(unreported);
+                unreported = 0;
+            }
+        }
+    }
+    progress.inc(unreported);
+    if let Some(stats) = stats.as_deref() {
+        result.spill_segments_written = stats.spill_segments_written.get();
+        result.peak_cache_memory_bytes = stats.cache_memory_peak_bytes.get();
+        result.peak_cache_disk_bytes = stats.cache_disk_peak_bytes.get();
+    }
+    if result.failure.is_none() {
+        let _ = client.disconnect();
+    }
+    result
+}

@@ -1,0 +1,13 @@
+//! Storms: many VMs booting, logging on and working at once over real NBD connections, with the
+//! workload models that say what each VM does ([`profile`]), the driver that runs them
+//! ([`driver`]) and the reports in the seeds' table format ([`report`]).
+//!
+//! This crate knows no server: it connects to an NBD URI, and reads the engine's per-VM counters
+//! only when the caller hands them over (a server in the same process).
+
+pub mod driver;
+pub mod profile;
+pub mod report;
+
+pub use driver::{StormConfig, Target};
+pub use profile::Workload;

@@ -1,0 +1,359 @@
+//! Workload profiles: what one VM does in each phase, as documented TOML data, and the
+//! deterministic generator that turns a profile into a VM's list of requests.
+//!
+//! A workload names a disk layout (a system region every VM reads at boot, and per-VM write areas
+//! such as the page file, temp, logs and the user profile) and its phases. Each phase gives its
+//! source in the seeds, a duration, a number of IOs, the read share, block-size mixes, and the
+//! locality of reads (shared golden blocks, re-reads of own writes) and writes (overwrites,
+//! deletes). The same seed always gives the same requests, so every write-cache mode and every
+//! server sees exactly the same workload.
+
+use std::collections::BTreeMap;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+const MIB: u64 = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("workload {name}: {source}")]
+    Parse { name: String, source: toml::de::Error },
+    #[error("workload {name}: {message}")]
+    Invalid { name: String, message: String },
+    #[error("no built-in workload {0:?}; known: {1}")]
+    Unknown(String, String),
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub name: String,
+    pub description: String,
+    pub disk: DiskLayout,
+    pub phases: Vec<Phase>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskLayout {
+    pub size_mib: u64,
+    /// The golden image's system region, from offset 0: what boots read.
+    pub system_mib: u64,
+    /// Per-VM write areas; each VM writes its own copy of them.
+    pub areas: Vec<Area>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Area {
+    pub name: String,
+    pub start_mib: u64,
+    pub size_mib: u64,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Phase {
+    pub name: String,
+    /// Where the figures come from (a row of `shared/calibration/seed-iops.csv` or a seed).
+    pub source: String,
+    /// The phase's real duration for one VM, in seconds.
+    pub duration_s: f64,
+    /// Read and write requests one VM issues in the phase (TRIMs and flushes come on top).
+    pub ios: u64,
+    pub read_fraction: f64,
+    /// Request sizes in bytes with their weights.
+    pub read_sizes: Vec<(u32, f64)>,
+    pub write_sizes: Vec<(u32, f64)>,
+    /// Share of reads that fall on the golden blocks every VM reads in the same order.
+    pub read_shared: f64,
+    /// Share of reads of blocks this VM wrote earlier; the rest are random system reads.
+    pub read_own: f64,
+    /// Share of writes that overwrite an earlier write of the same area.
+    pub write_overwrite: f64,
+    /// Write areas with their weights.
+    pub write_areas: Vec<(String, f64)>,
+    /// TRIMs (file deletes) per write: each trims an earlier write.
+    #[serde(default)]
+    pub trims_per_write: f64,
+    #[serde(default)]
+    pub flushes: u64,
+}
+
+/// One request of one VM, at its time in the phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OpKind {
+    Read,
+    Write,
+    Trim,
+    Flush,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Op {
+    /// Milliseconds since the phase started (profile time, not wall time).
+    pub at_ms: u64,
+    pub kind: OpKind,
+    pub offset: u64,
+    pub len: u32,
+}
+
+const BUILT_IN: &[(&str, &str)] = &[
+    ("win7-vdi", include_str!("../workloads/win7-vdi.toml")),
+    ("win7-vdi-bloated-profile", include_str!("../workloads/win7-vdi-bloated-profile.toml")),
+    ("xenapp-rds", include_str!("../workloads/xenapp-rds.toml")),
+    ("linux-boot", include_str!("../workloads/linux-boot.toml")),
+];
+
+impl Workload {
+    pub fn built_in_names() -> Vec<&'static str> {
+        BUILT_IN.iter().map(|(name, _)| *name).collect()
+    }
+
+    pub fn built_in(name: &str) -> Result<Self, ProfileError> {
+        let text = BUILT_IN
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, text)| *text)
+            .ok_or_else(|| ProfileError::Unknown(name.into(), Self::built_in_names().join(", ")))?;
+        Self::parse(name, text)
+    }
+
+    pub fn parse(name: &str, text: &str) -> Result<Self, ProfileError> {
+        let workload: Workload =
+            toml::from_str(text).map_err(|source| ProfileError::Parse { name: name.into(), source })?;
+        workload.check().map_err(|message| ProfileError::Invalid { name: name.into(), message })?;
+        Ok(workload)
+    }
+
+    pub fn disk_bytes(&self) -> u64 {
+        self.disk.size_mib * MIB
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let d = &self.disk;
+        if d.system_mib == 0 || d.system_mib > d.size_mib {
+            return Err("system region must be inside the disk".into());
+        }
+        for area in &d.areas {
+            if area.size_mib == 0 || area.start_mib + area.size_mib > d.size_mib || area.start_mib < d.system_mib {
+                return Err(format!("area {} must lie inside the disk, after the system region", area.name));
+            }
+        }
+        for phase in &self.phases {
+            let fractions = [phase.read_fraction, phase.read_shared, phase.read_own, phase.write_overwrite];
+            if fractions.iter().any(|f| !(0.0..=1.0).contains(f)) || phase.read_shared + phase.read_own > 1.0 {
+                return Err(format!("phase {}: fractions must lie in 0..=1", phase.name));
+            }
+            if phase.duration_s <= 0.0 || phase.ios == 0 {
+                return Err(format!("phase {}: needs a duration and IOs", phase.name));
+            }
+            for (size, _) in phase.read_sizes.iter().chain(&phase.write_sizes) {
+                if *size == 0 || *size % 512 != 0 || *size > 32 << 20 {
+                    return Err(format!("phase {}: sizes must be multiples of 512 up to 32 MiB", phase.name));
+                }
+            }
+            for (area, _) in &phase.write_areas {
+                if !d.areas.iter().any(|a| &a.name == area) {
+                    return Err(format!("phase {}: unknown write area {area}", phase.name));
+                }
+            }
+            if phase.read_sizes.is_empty() || phase.write_sizes.is_empty() || phase.write_areas.is_empty() {
+                return Err(format!("phase {}: size mixes and areas may not be empty", phase.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every VM's requests for every phase, in order. `workload_seed` fixes the shared boot
+    /// sequence (the same for all VMs); `vm` varies everything else.
+    pub fn generate(&self, workload_seed: u64, vm: u64) -> Vec<Vec<Op>> {
+        let mut state = VmState::new(&self.disk);
+        self.phases
+            .iter()
+            .enumerate()
+            .map(|(index, phase)| {
+                let shared_seed = workload_seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                let vm_seed = shared_seed ^ (vm + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                state.phase(&self.disk, phase, shared_seed, vm_seed)
+            })
+            .collect()
+    }
+}
+
+fn pick<'a, T>(rng: &mut SmallRng, weighted: &'a [(T, f64)]) -> &'a T {
+    let total: f64 = weighted.iter().map(|(_, w)| w).sum();
+    let mut x = rng.gen::<f64>() * total;
+    for (item, weight) in weighted {
+        if x < *weight {
+            return item;
+        }
+        x -= weight;
+    }
+    &weighted[weighted.len() - 1].0
+}
+
+/// What a VM has written so far, per area, so that overwrites, re-reads and deletes hit it.
+struct VmState {
+    cursors: BTreeMap<String, u64>,
+    written: BTreeMap<String, Vec<(u64, u32)>>,
+}
+
+impl VmState {
+    fn new(disk: &DiskLayout) -> Self {
+        Self {
+            cursors: disk.areas.iter().map(|a| (a.name.clone(), a.start_mib * MIB)).collect(),
+            written: disk.areas.iter().map(|a| (a.name.clone(), Vec::new())).collect(),
+        }
+    }
+
+    fn phase(&mut self, disk: &DiskLayout, phase: &Phase, shared_seed: u64, vm_seed: u64) -> Vec<Op> {
+        let mut rng = SmallRng::seed_from_u64(vm_seed);
+        // The boot sequence all VMs share: the same offsets and sizes in the same order.
+        let mut shared_rng = SmallRng::seed_from_u64(shared_seed);
+        let system_bytes = disk.system_mib * MIB;
+        let duration_ms = (phase.duration_s * 1000.0) as u64;
+        let trims = (phase.ios as f64 * (1.0 - phase.read_fraction) * phase.trims_per_write).round() as u64;
+        let total = phase.ios + trims + phase.flushes;
+        let mut ops = Vec::with_capacity(total as usize);
+        let (mut reads_left, mut writes_left) = {
+            let reads = (phase.ios as f64 * phase.read_fraction).round() as u64;
+            (reads, phase.ios - reads)
+        };
+        let (mut trims_left, mut flushes_left) = (trims, phase.flushes);
+        for k in 0..total {
+            let at_ms = k * duration_ms / total;
+            // Draw the kind so that exactly the planned counts come out, spread evenly.
+            let left = reads_left + writes_left + trims_left + flushes_left;
+            let mut x = rng.gen_range(0..left);
+            let kind = if x < reads_left {
+                OpKind::Read
+            } else if {
+                x -= reads_left;
+                x < writes_left
+            } {
+                OpKind::Write
+            } else if x - writes_left < trims_left {
+                OpKind::Trim
+            } else {
+                OpKind::Flush
+            };
+            let op = match kind {
+                OpKind::Read => {
+                    reads_left -= 1;
+                    self.read(&mut rng, &mut shared_rng, phase, system_bytes, at_ms)
+                }
+                OpKind::Write => {
+                    writes_left -= 1;
+                    self.write(&mut rng, disk, phase, at_ms)
+                }
+                OpKind::Trim => {
+                    trims_left -= 1;
+                    self.trim(&mut rng, at_ms)
+                }
+                OpKind::Flush => {
+                    flushes_left -= 1;
+                    Op { at_ms, kind, offset: 0, len: 0 }
+                }
+            };
+            ops.push(op);
+        }
+        ops
+    }
+
+    fn read(&mut self, rng: &mut SmallRng, shared: &mut SmallRng, p: &Phase, system: u64, at_ms: u64) -> Op {
+        let x = rng.gen::<f64>();
+        if x < p.read_shared {
+            let len = *pick(shared, &p.read_sizes);
+            let offset = shared.gen_range(0..system - u64::from(len)) / 4096 * 4096;
+            return Op { at_ms, kind: OpKind::Read, offset, len };
+        }
+        if x < p.read_shared + p.read_own {
+            let areas: Vec<&Vec<(u64, u32)>> = self.written.values().filter(|w| !w.is_empty()).collect();
+            if !areas.is_empty() {
+                let writes = areas[rng.gen_range(0..areas.len())];
+                let (offset, len) = writes[rng.gen_range(0..writes.len())];
+                return Op { at_ms, kind: OpKind::Read, offset, len };
+            }
+        }
+        let len = *pick(rng, &p.read_sizes);
+        let offset = rng.gen_range(0..system - u64::from(len)) / 4096 * 4096;
+        Op { at_ms, kind: OpKind::Read, offset, len }
+    }
+
+    fn write(&mut self, rng: &mut SmallRng, disk: &DiskLayout, p: &Phase, at_ms: u64) -> Op {
+        let area_name = pick(rng, &p.write_areas);
+        let area = disk.areas.iter().find(|a| &a.name == area_name).expect("checked at load");
+        let history = self.written.get_mut(area_name).expect("one per area");
+        if !history.is_empty() && rng.gen::<f64>() < p.write_overwrite {
+            let (offset, len) = history[rng.gen_range(0..history.len())];
+            return Op { at_ms, kind: OpKind::Write, offset, len };
+        }
+        let len = *pick(rng, &p.write_sizes);
+        let (start, end) = (area.start_mib * MIB, (area.start_mib + area.size_mib) * MIB);
+        let cursor = self.cursors.get_mut(area_name).expect("one per area");
+        if *cursor + u64::from(len) > end {
+            // The area is full: wrap, as a circular log or a reused page file would.
+            *cursor = start;
+        }
+        let offset = *cursor;
+        *cursor += u64::from(len);
+        history.push((offset, len));
+        Op { at_ms, kind: OpKind::Write, offset, len }
+    }
+
+    fn trim(&mut self, rng: &mut SmallRng, at_ms: u64) -> Op {
+        let candidates: Vec<String> =
+            self.written.iter().filter(|(_, w)| !w.is_empty()).map(|(n, _)| n.clone()).collect();
+        if candidates.is_empty() {
+            return Op { at_ms, kind: OpKind::Flush, offset: 0, len: 0 };
+        }
+        let name = &candidates[rng.gen_range(0..candidates.len())];
+        let history = self.written.get_mut(name).expect("listed above");
+        let (offset, len) = history.swap_remove(rng.gen_range(0..history.len()));
+        Op { at_ms, kind: OpKind::Trim, offset, len }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_built_in_workload_loads() {
+        for name in Workload::built_in_names() {
+            let w = Workload::built_in(name).expect(name);
+            assert!(!w.phases.is_empty(), "{name}");
+        }
+        assert!(Workload::built_in("nope").is_err());
+    }
+
+    #[test]
+    fn generation_is_deterministic_and_shares_the_boot_sequence() {
+        let w = Workload::built_in("win7-vdi").expect("built in");
+        let a = w.generate(1, 0);
+        assert_eq!(a, w.generate(1, 0));
+        let b = w.generate(1, 1);
+        let shared = |ops: &[Op]| -> std::collections::BTreeSet<u64> {
+            ops.iter()
+                .filter(|o| o.kind == OpKind::Read && o.offset < w.disk.system_mib * MIB)
+                .map(|o| o.offset)
+                .collect()
+        };
+        let (sa, sb) = (shared(&a[0]), shared(&b[0]));
+        let common = sa.intersection(&sb).count();
+        assert!(common * 10 >= sa.len() * 8, "boot reads of two VMs mostly coincide: {common} of {}", sa.len());
+    }
+
+    #[test]
+    fn malformed_profiles_are_refused_with_a_reason() {
+        let good = include_str!("../workloads/linux-boot.toml");
+        let bad = good.replace("read_fraction = 0.966", "read_fraction = 7.0");
+        let err = Workload::parse("x", &bad).expect_err("fraction above 1");
+        assert!(err.to_string().contains("fractions"), "{err}");
+        let unknown_field = format!("{good}\nbogus = 1\n");
+        assert!(Workload::parse("x", &unknown_field).is_err());
+    }
+}
