@@ -227,15 +227,12 @@ impl VmState {
             let at_ms = k * duration_ms / total;
             // Draw the kind so that exactly the planned counts come out, spread evenly.
             let left = reads_left + writes_left + trims_left + flushes_left;
-            let mut x = rng.gen_range(0..left);
+            let x = rng.gen_range(0..left);
             let kind = if x < reads_left {
                 OpKind::Read
-            } else if {
-                x -= reads_left;
-                x < writes_left
-            } {
+            } else if x < reads_left + writes_left {
                 OpKind::Write
-            } else if x - writes_left < trims_left {
+            } else if x < reads_left + writes_left + trims_left {
                 OpKind::Trim
             } else {
                 OpKind::Flush
