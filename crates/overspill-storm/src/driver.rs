@@ -98,6 +98,56 @@ fn storage_tiers(s: &VmStats) -> TierOps {
     ]
 }
 
+/// Which tier served each 4 KiB block of guest I/O, from the engine's counters, beside the
+/// blocks the guest asked for: the figures that prove the accounting adds up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct BlockTally {
+    pub guest_read_blocks: u64,
+    pub read_ram: u64,
+    pub read_spill: u64,
+    pub read_golden: u64,
+    pub read_zero: u64,
+    pub read_cache_file: u64,
+    pub guest_write_blocks: u64,
+    pub write_ram: u64,
+    pub write_spill: u64,
+    pub write_cache_file: u64,
+}
+
+impl BlockTally {
+    pub fn add(&mut self, o: &BlockTally) {
+        self.guest_read_blocks += o.guest_read_blocks;
+        self.read_ram += o.read_ram;
+        self.read_spill += o.read_spill;
+        self.read_golden += o.read_golden;
+        self.read_zero += o.read_zero;
+        self.read_cache_file += o.read_cache_file;
+        self.guest_write_blocks += o.guest_write_blocks;
+        self.write_ram += o.write_ram;
+        self.write_spill += o.write_spill;
+        self.write_cache_file += o.write_cache_file;
+    }
+
+    pub fn reads_served(&self) -> u64 {
+        self.read_ram + self.read_spill + self.read_golden + self.read_zero + self.read_cache_file
+    }
+
+    pub fn writes_landed(&self) -> u64 {
+        self.write_ram + self.write_spill + self.write_cache_file
+    }
+
+    fn engine_side(&mut self, s: &VmStats) {
+        self.read_ram = s.read_blocks_ram.get();
+        self.read_spill = s.read_blocks_spill.get();
+        self.read_golden = s.read_blocks_golden.get();
+        self.read_zero = s.read_blocks_zero.get();
+        self.read_cache_file = s.read_blocks_cache_file.get();
+        self.write_ram = s.write_blocks_ram.get();
+        self.write_spill = s.write_blocks_spill.get();
+        self.write_cache_file = s.write_blocks_cache_file.get();
+    }
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct VmPhase {
     pub tiers: TierOps,
@@ -116,6 +166,7 @@ pub struct VmResult {
     pub spill_segments_written: u64,
     pub peak_cache_memory_bytes: u64,
     pub peak_cache_disk_bytes: u64,
+    pub blocks: BlockTally,
     /// Whether storage tiers were measured (in-process server).
     pub has_storage: bool,
     /// Set when the VM lost its connection and stopped early.
@@ -186,6 +237,7 @@ fn failed(vm: usize, workload: &Workload, buckets: usize, why: &str) -> VmResult
         spill_segments_written: 0,
         peak_cache_memory_bytes: 0,
         peak_cache_disk_bytes: 0,
+        blocks: BlockTally::default(),
         has_storage: false,
         failure: Some(why.into()),
     }
@@ -272,7 +324,11 @@ fn run_vm(
                 }
             };
             match outcome {
-                Ok(()) => {}
+                Ok(()) => match op.kind {
+                    OpKind::Read => result.blocks.guest_read_blocks += u64::from(op.len).div_ceil(4096),
+                    OpKind::Write => result.blocks.guest_write_blocks += u64::from(op.len).div_ceil(4096),
+                    _ => {}
+                },
                 Err(e) if e.errno().is_some() => {
                     result.phases[p].errors += 1;
                     if e.errno() == Some(28) {
@@ -306,6 +362,7 @@ fn run_vm(
         result.spill_segments_written = stats.spill_segments_written.get();
         result.peak_cache_memory_bytes = stats.cache_memory_peak_bytes.get();
         result.peak_cache_disk_bytes = stats.cache_disk_peak_bytes.get();
+        result.blocks.engine_side(stats);
     }
     if result.failure.is_none() {
         let _ = client.disconnect();

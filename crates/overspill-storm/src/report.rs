@@ -11,13 +11,15 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::driver::{Ops, StormConfig, Timeline, VmResult, TIERS};
+use crate::driver::{BlockTally, Ops, StormConfig, Timeline, VmResult, TIERS};
 use crate::profile::Workload;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TierRow {
     pub tier: String,
     pub total_ops_per_vm: f64,
+    pub reads_per_vm: f64,
+    pub writes_per_vm: f64,
     pub iops_per_vm: f64,
     pub read_iops_per_vm: f64,
     pub write_iops_per_vm: f64,
@@ -51,6 +53,8 @@ pub struct ConfigReport {
     pub peak_spill_bytes_max_vm: u64,
     pub peak_cache_memory_bytes_max_vm: u64,
     pub failed_vms: Vec<String>,
+    /// Guest blocks and the tiers that served them, summed over VMs (in-process servers only).
+    pub blocks: BlockTally,
     pub wall_s: f64,
     /// IOPS per VM over profile time, per tier: `timeline[bucket][tier]`.
     pub timeline_iops_per_vm: Vec<[f64; 5]>,
@@ -110,6 +114,8 @@ pub fn config_report(
                     TierRow {
                         tier: (*name).to_owned(),
                         total_ops_per_vm: sum.total() as f64 / vms,
+                        reads_per_vm: sum.reads as f64 / vms,
+                        writes_per_vm: sum.writes as f64 / vms,
                         iops_per_vm: sum.total() as f64 / vms / duration_s,
                         read_iops_per_vm: sum.reads as f64 / vms / duration_s,
                         write_iops_per_vm: sum.writes as f64 / vms / duration_s,
@@ -149,6 +155,10 @@ pub fn config_report(
         peak_spill_bytes_max_vm: results.iter().map(|r| r.peak_cache_disk_bytes).max().unwrap_or(0),
         peak_cache_memory_bytes_max_vm: results.iter().map(|r| r.peak_cache_memory_bytes).max().unwrap_or(0),
         failed_vms: results.iter().filter_map(|r| r.failure.as_ref().map(|f| format!("vm {}: {f}", r.vm))).collect(),
+        blocks: results.iter().fold(BlockTally::default(), |mut acc, r| {
+            acc.add(&r.blocks);
+            acc
+        }),
         wall_s,
         timeline_iops_per_vm,
     }
@@ -227,6 +237,19 @@ pub fn text_tables(report: &StormReport) -> String {
             c.peak_cache_memory_bytes_max_vm as f64 / (1 << 20) as f64,
             c.wall_s
         );
+        if c.has_storage && c.blocks.guest_read_blocks > 0 {
+            let b = &c.blocks;
+            let pct = |n: u64| 100.0 * n as f64 / b.guest_read_blocks as f64;
+            let _ = writeln!(
+                out,
+                "  reads served by: RAM {:.1}%, spill {:.1}%, golden image {:.1}%, zeroes {:.1}%, cache file {:.1}%",
+                pct(b.read_ram),
+                pct(b.read_spill),
+                pct(b.read_golden),
+                pct(b.read_zero),
+                pct(b.read_cache_file)
+            );
+        }
         for failure in &c.failed_vms {
             let _ = writeln!(out, "  failed: {failure}");
         }

@@ -33,7 +33,7 @@ pub struct StormArgs {
     #[arg(long, value_delimiter = ',', default_value = "shared,disk,ram,ram+disk")]
     modes: Vec<WriteCacheMode>,
     /// Cache memory per VM for modes ram and ram+disk; several sizes run one configuration each.
-    #[arg(long, value_delimiter = ',', default_value = "256M", value_parser = parse_bytes)]
+    #[arg(long, value_delimiter = ',', default_value = "32M,256M", value_parser = parse_bytes)]
     ram: Vec<u64>,
     /// Seconds between VM boots (0: all at once, a boot storm).
     #[arg(long, default_value_t = 0.0)]

@@ -1,0 +1,160 @@
+//! `overspill storm` end to end: the real binary, in-process servers for every mode, real NBD
+//! connections; and the storm client against nbdkit and qemu-nbd.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn overspill() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_overspill"))
+}
+
+fn run_storm(args: &[&str], out: &Path, work: &Path) -> Value {
+    let output = overspill()
+        .arg("storm")
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .arg("--work-dir")
+        .arg(work)
+        .output()
+        .expect("run overspill storm");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "storm failed: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("== boot =="), "tables printed: {stdout}");
+    let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
+    assert!(html.contains("<svg") && html.contains("IO ops / VM"), "HTML has charts and tables");
+    serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json")).expect("JSON parses")
+}
+
+fn config<'a>(report: &'a Value, label: &str) -> &'a Value {
+    report["configs"]
+        .as_array()
+        .expect("configs")
+        .iter()
+        .find(|c| c["label"] == label)
+        .unwrap_or_else(|| panic!("no configuration {label} in {}", report["configs"]))
+}
+
+fn tier<'a>(config: &'a Value, phase: usize, name: &str) -> &'a Value {
+    config["phases"][phase]["tiers"].as_array().expect("tiers").iter().find(|t| t["tier"] == name).expect("tier")
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+#[test]
+fn every_mode_accounts_for_every_block() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let report = run_storm(
+        &["--workload", "linux-boot", "--vms", "3", "--modes", "shared,disk,ram,ram+disk", "--ram", "4M,256M"],
+        &dir.path().join("out"),
+        &dir.path().join("work"),
+    );
+    let labels: Vec<&str> =
+        report["configs"].as_array().expect("configs").iter().filter_map(|c| c["label"].as_str()).collect();
+    assert_eq!(labels, ["shared", "disk", "ram 4M", "ram 256M", "ram+disk 4M", "ram+disk 256M"]);
+    for c in report["configs"].as_array().expect("configs") {
+        let label = c["label"].as_str().unwrap_or_default();
+        assert_eq!(c["failed_vms"].as_array().map(Vec::len), Some(0), "{label}: {}", c["failed_vms"]);
+        let b = &c["blocks"];
+        let served: u64 = ["read_ram", "read_spill", "read_golden", "read_zero", "read_cache_file"]
+            .iter()
+            .map(|k| b[k].as_u64().expect("count"))
+            .sum();
+        assert_eq!(served, b["guest_read_blocks"].as_u64().expect("count"), "{label}: each read block served once");
+        let landed: u64 =
+            ["write_ram", "write_spill", "write_cache_file"].iter().map(|k| b[k].as_u64().expect("count")).sum();
+        let errors = c["phases"][0]["errors"].as_u64().expect("errors");
+        let guest_writes = b["guest_write_blocks"].as_u64().expect("count");
+        if errors == 0 {
+            assert_eq!(landed, guest_writes, "{label}: each written block lands once");
+        } else {
+            assert!(landed >= guest_writes, "{label}: acknowledged blocks all landed");
+        }
+        // The guest asked the same of every configuration.
+        assert_eq!(f(&tier(c, 0, "guest")["total_ops_per_vm"]), 2900.0, "{label}");
+    }
+    let spill = |label: &str| tier(config(&report, label), 0, "spill").clone();
+    assert_eq!(f(&spill("ram+disk 256M")["writes_per_vm"]), 0.0, "a target above the working set never spills");
+    let small = spill("ram+disk 4M");
+    assert!(f(&small["writes_per_vm"]) > 0.0, "a 4 MiB target spills a ~9 MiB working set");
+    assert_eq!(f(&small["write_bytes_per_vm"]), f(&small["writes_per_vm"]) * 2097152.0, "every spill write is 2 MiB");
+    assert!(config(&report, "ram 4M")["phases"][0]["enospc"].as_u64() > Some(0), "ram-only overflows to ENOSPC");
+    assert_eq!(config(&report, "ram 256M")["phases"][0]["errors"].as_u64(), Some(0));
+    assert!(f(&tier(config(&report, "shared"), 0, "shared storage")["writes_per_vm"]) > 0.0);
+    assert!(f(&tier(config(&report, "disk"), 0, "local cache disk")["writes_per_vm"]) > 0.0);
+    // Boot reads land on the golden image in every mode: the same shared blocks in every VM.
+    for label in labels {
+        assert!(f(&tier(config(&report, label), 0, "golden image")["reads_per_vm"]) > 2000.0, "{label}");
+    }
+}
+
+struct Peer(Child);
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for_socket(path: &Path) {
+    let start = Instant::now();
+    while std::os::unix::net::UnixStream::connect(path).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "{} never came up", path.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn spawn(program: &str, args: &[&str]) -> Peer {
+    let child = Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{program} must be installed (.ci/run installs it): {e}"));
+    Peer(child)
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+#[test]
+fn the_storm_client_drives_nbdkit_and_qemu_nbd() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let nbdkit_sock: PathBuf = d.join("nbdkit.sock");
+    let _nbdkit = spawn("nbdkit", &["--foreground", "--unix", &s(&nbdkit_sock), "memory", "2G"]);
+    let base = d.join("base.raw");
+    std::fs::File::create(&base).and_then(|f| f.set_len(2 << 30)).expect("base image");
+    let overlay = d.join("overlay.qcow2");
+    let status = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b", &s(&base), &s(&overlay)])
+        .status()
+        .expect("qemu-img must be installed");
+    assert!(status.success());
+    let qemu_sock = d.join("qemu.sock");
+    let _qemu = spawn("qemu-nbd", &["--persistent", "--shared=4", "-f", "qcow2", "-k", &s(&qemu_sock), &s(&overlay)]);
+    wait_for_socket(&nbdkit_sock);
+    wait_for_socket(&qemu_sock);
+    let targets =
+        [format!("nbd+unix:///?socket={}", s(&nbdkit_sock)), format!("nbd+unix:///?socket={}", s(&qemu_sock))];
+    let report = run_storm(
+        &["--workload", "linux-boot", "--vms", "3", "--target", &targets[0], "--target", &targets[1]],
+        &d.join("out"),
+        &d.join("work"),
+    );
+    let configs = report["configs"].as_array().expect("configs");
+    assert_eq!(configs.len(), 2);
+    for c in configs {
+        assert_eq!(c["failed_vms"].as_array().map(Vec::len), Some(0), "{}: {}", c["label"], c["failed_vms"]);
+        assert_eq!(c["phases"][0]["errors"].as_u64(), Some(0), "{}", c["label"]);
+        assert_eq!(f(&tier(c, 0, "guest")["total_ops_per_vm"]), 2900.0);
+        assert_eq!(c["has_storage"], false, "outside servers have no engine counters");
+    }
+}
