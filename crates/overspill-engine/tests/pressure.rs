@@ -1,0 +1,57 @@
+//! Host memory pressure: when free memory falls below the floor, VMs' targets shrink, overlays
+//! spill down to them, and nothing a guest wrote is lost.
+
+use std::sync::Arc;
+
+use overspill_engine::{HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode};
+
+const MIB: u64 = 1 << 20;
+
+fn overlay(host: &Arc<HostMemory>, dir: &std::path::Path, name: &str) -> Overlay {
+    let golden = Arc::new(MemImage::new(vec![0x11; (64 * MIB) as usize]));
+    let spill = ScratchFile::create(dir, name, 0).expect("spill file");
+    Overlay::new(
+        golden,
+        OverlayConfig { mode: WriteCacheMode::RamDisk, ram_target_bytes: 32 * MIB, spill_max_bytes: None },
+        Some(Box::new(spill)),
+        host.clone(),
+        Arc::new(VmStats::default()),
+    )
+    .expect("overlay")
+}
+
+fn block(vm: u8, i: u64) -> Vec<u8> {
+    vec![vm ^ (i as u8) ^ 0x5a; 4096]
+}
+
+#[test]
+fn targets_shrink_below_the_free_floor_and_data_survives() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let host = HostMemory::new(u64::MAX, 1 << 30);
+    let mut vms: Vec<Overlay> = (0..2).map(|i| overlay(&host, dir.path(), &format!("vm{i}"))).collect();
+    for (v, vm) in vms.iter_mut().enumerate() {
+        for i in 0..(16 * MIB / 4096) {
+            vm.write(i * 4096, &block(v as u8, i)).expect("write");
+        }
+        assert!(vm.memory_used_bytes() >= 16 * MIB, "all in RAM while memory is plentiful");
+        assert_eq!(vm.stats().spill_segments_written.get(), 0);
+    }
+    // Free memory 20 MiB under the 1 GiB floor: the VMs together must give 20 MiB back.
+    host.rebalance((1 << 30) - 20 * MIB);
+    let cap = host.per_vm_cap_bytes();
+    assert!(cap < 16 * MIB, "per-VM cap {cap} shrank below what each VM holds");
+    for (v, vm) in vms.iter_mut().enumerate() {
+        // The next write spills the VM down to its shrunken target before it lands.
+        vm.write(40 * MIB, &block(v as u8, 9999)).expect("write under pressure");
+        assert!(vm.memory_used_bytes() <= cap + 2 * MIB + 8192, "within one open segment of the cap");
+        assert!(vm.stats().spill_segments_written.get() > 0, "it spilled");
+        let mut buf = vec![0u8; 4096];
+        for i in 0..(16 * MIB / 4096) {
+            vm.read(i * 4096, &mut buf).expect("read");
+            assert_eq!(buf, block(v as u8, i), "vm {v} block {i}");
+        }
+    }
+    // Pressure gone: the cap lifts again.
+    host.rebalance(8 << 30);
+    assert!(host.per_vm_cap_bytes() > 32 * MIB);
+}
