@@ -23,6 +23,10 @@ impl Counter {
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
+
+    fn absorb(&self, other: &Counter) {
+        self.add(other.get());
+    }
 }
 
 /// A value that goes up and down.
@@ -51,6 +55,11 @@ impl OpCounter {
         self.ops.inc();
         self.bytes.add(bytes);
     }
+
+    fn absorb(&self, other: &OpCounter) {
+        self.ops.absorb(&other.ops);
+        self.bytes.absorb(&other.bytes);
+    }
 }
 
 /// Request sizes in power-of-two buckets: ≤4 KiB, ≤8 KiB, … ≤2 MiB, larger.
@@ -74,6 +83,67 @@ impl SizeHistogram {
 
     pub fn counts(&self) -> [u64; Self::BUCKETS] {
         std::array::from_fn(|i| self.buckets[i].get())
+    }
+
+    fn absorb(&self, other: &SizeHistogram) {
+        self.buckets.iter().zip(&other.buckets).for_each(|(a, b)| a.absorb(b));
+    }
+}
+
+/// Request latencies in fixed buckets (upper bounds in microseconds, the last unbounded), with
+/// their sum. The engine keeps no clock: whoever serves the requests times them.
+#[derive(Debug, Default)]
+pub struct LatencyHistogram {
+    buckets: [Counter; LatencyHistogram::BOUNDS_US.len() + 1],
+    sum_ns: Counter,
+}
+
+impl LatencyHistogram {
+    pub const BOUNDS_US: [u64; 13] = [5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 10_000, 50_000, 250_000, 1_000_000];
+
+    pub fn record(&self, elapsed: std::time::Duration) {
+        let us = elapsed.as_micros();
+        let index = Self::BOUNDS_US.iter().position(|&b| us <= u128::from(b)).unwrap_or(Self::BOUNDS_US.len());
+        self.buckets[index].inc();
+        self.sum_ns.add(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    /// Per-bucket counts (not cumulative); the last bucket is above every bound.
+    pub fn counts(&self) -> [u64; LatencyHistogram::BOUNDS_US.len() + 1] {
+        std::array::from_fn(|i| self.buckets[i].get())
+    }
+
+    pub fn sum_ns(&self) -> u64 {
+        self.sum_ns.get()
+    }
+
+    fn absorb(&self, other: &LatencyHistogram) {
+        self.buckets.iter().zip(&other.buckets).for_each(|(a, b)| a.absorb(b));
+        self.sum_ns.absorb(&other.sum_ns);
+    }
+}
+
+/// Guest commands, for per-command figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestOp {
+    Read,
+    Write,
+    Trim,
+    Zero,
+    Flush,
+}
+
+impl GuestOp {
+    pub const ALL: [GuestOp; 5] = [Self::Read, Self::Write, Self::Trim, Self::Zero, Self::Flush];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Write => "write",
+            Self::Trim => "trim",
+            Self::Zero => "write_zeroes",
+            Self::Flush => "flush",
+        }
     }
 }
 
@@ -122,4 +192,60 @@ pub struct VmStats {
     pub cache_disk_used_bytes: Gauge,
     pub cache_disk_size_bytes: Gauge,
     pub cache_disk_peak_bytes: Gauge,
+
+    /// Service time of each guest command, indexed like [`GuestOp::ALL`].
+    pub latency: [LatencyHistogram; 5],
+}
+
+impl VmStats {
+    pub fn guest(&self, op: GuestOp) -> &OpCounter {
+        match op {
+            GuestOp::Read => &self.guest_read,
+            GuestOp::Write => &self.guest_write,
+            GuestOp::Trim => &self.guest_trim,
+            GuestOp::Zero => &self.guest_zero,
+            GuestOp::Flush => &self.guest_flush,
+        }
+    }
+
+    pub fn latency(&self, op: GuestOp) -> &LatencyHistogram {
+        &self.latency[op as usize]
+    }
+
+    /// Adds every counter and histogram of `other` into `self`, for server-wide totals that keep
+    /// counting after a VM leaves. Levels (gauges) describe the present and are not summed.
+    pub fn absorb(&self, other: &VmStats) {
+        for op in GuestOp::ALL {
+            self.guest(op).absorb(other.guest(op));
+            self.latency(op).absorb(other.latency(op));
+        }
+        for (a, b) in [
+            (&self.read_blocks_ram, &other.read_blocks_ram),
+            (&self.read_blocks_spill, &other.read_blocks_spill),
+            (&self.read_blocks_golden, &other.read_blocks_golden),
+            (&self.read_blocks_zero, &other.read_blocks_zero),
+            (&self.read_blocks_cache_file, &other.read_blocks_cache_file),
+            (&self.write_blocks_ram, &other.write_blocks_ram),
+            (&self.write_blocks_spill, &other.write_blocks_spill),
+            (&self.write_blocks_cache_file, &other.write_blocks_cache_file),
+            (&self.zero_blocks, &other.zero_blocks),
+            (&self.spill_segments_written, &other.spill_segments_written),
+            (&self.spill_segments_punched, &other.spill_segments_punched),
+            (&self.compaction_bytes_moved, &other.compaction_bytes_moved),
+        ] {
+            a.absorb(b);
+        }
+        for (a, b) in [
+            (&self.golden_read, &other.golden_read),
+            (&self.spill_read, &other.spill_read),
+            (&self.spill_write, &other.spill_write),
+            (&self.cache_file_read, &other.cache_file_read),
+            (&self.cache_file_write, &other.cache_file_write),
+            (&self.shared_read, &other.shared_read),
+            (&self.shared_write, &other.shared_write),
+        ] {
+            a.absorb(b);
+        }
+        self.spill_write_sizes.absorb(&other.spill_write_sizes);
+    }
 }

@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use overspill_engine::stats::GuestOp;
 use overspill_engine::{
     BackingFile, BackingKind, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile, VmStats,
     WriteCacheMode,
@@ -35,19 +37,46 @@ pub struct VmHandle {
     pub stats: Arc<VmStats>,
 }
 
-/// The VMs connected now; an entry leaves when its connection ends.
+/// The VMs connected now, and the summed counters of those that left, so that server-wide
+/// counters never go down.
 #[derive(Debug, Default)]
 pub struct VmRegistry {
-    vms: Mutex<BTreeMap<u64, VmHandle>>,
+    inner: Mutex<Registered>,
+}
+
+#[derive(Debug, Default)]
+struct Registered {
+    vms: BTreeMap<u64, VmHandle>,
+    departed: VmStats,
 }
 
 impl VmRegistry {
     pub fn snapshot(&self) -> Vec<VmHandle> {
-        self.lock().values().cloned().collect()
+        self.lock().vms.values().cloned().collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, VmHandle>> {
-        self.vms.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// The connected VMs and a copy of the departed VMs' counters, taken together so that a VM
+    /// leaving during a scrape is counted exactly once.
+    pub fn snapshot_with_departed(&self) -> (Vec<VmHandle>, VmStats) {
+        let inner = self.lock();
+        let departed = VmStats::default();
+        departed.absorb(&inner.departed);
+        (inner.vms.values().cloned().collect(), departed)
+    }
+
+    fn insert(&self, number: u64, handle: VmHandle) {
+        self.lock().vms.insert(number, handle);
+    }
+
+    fn remove(&self, number: u64) {
+        let mut inner = self.lock();
+        if let Some(handle) = inner.vms.remove(&number) {
+            inner.departed.absorb(&handle.stats);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registered> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -146,7 +175,7 @@ impl ExportProvider for OverlayExports {
         let overlay =
             Overlay::new(image.clone(), config, backing, self.host.clone(), stats.clone()).map_err(device_error)?;
         let handle = VmHandle { export: image_name.to_owned(), vm: vm.clone(), stats };
-        self.registry.lock().insert(number, handle);
+        self.registry.insert(number, handle);
         tracing::info!(export = image_name, vm, mode = %settings.mode, "VM connected");
         Ok(Box::new(EngineDevice { overlay, number, vm, registry: self.registry.clone() }))
     }
@@ -162,7 +191,7 @@ struct EngineDevice {
 
 impl Drop for EngineDevice {
     fn drop(&mut self) {
-        self.registry.lock().remove(&self.number);
+        self.registry.remove(self.number);
         let s = self.overlay.stats();
         tracing::info!(
             vm = %self.vm,
@@ -176,6 +205,20 @@ impl Drop for EngineDevice {
             cache_disk_peak_bytes = s.cache_disk_peak_bytes.get(),
             "VM disconnected; its cache is dropped"
         );
+    }
+}
+
+impl EngineDevice {
+    /// Runs one engine call and records its service time (the engine itself keeps no clock).
+    fn timed(
+        &mut self,
+        op: GuestOp,
+        call: impl FnOnce(&mut Overlay) -> Result<(), EngineError>,
+    ) -> Result<(), DeviceError> {
+        let start = Instant::now();
+        let result = call(&mut self.overlay);
+        self.overlay.stats().latency(op).record(start.elapsed());
+        result.map_err(device_error)
     }
 }
 
@@ -199,23 +242,23 @@ impl BlockDevice for EngineDevice {
     }
 
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.overlay.read(offset, buf).map_err(device_error)
+        self.timed(GuestOp::Read, |o| o.read(offset, buf))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
-        self.overlay.write(offset, data).map_err(device_error)
+        self.timed(GuestOp::Write, |o| o.write(offset, data))
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
-        self.overlay.write_zeroes(offset, length).map_err(device_error)
+        self.timed(GuestOp::Zero, |o| o.write_zeroes(offset, length))
     }
 
     fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
-        self.overlay.trim(offset, length).map_err(device_error)
+        self.timed(GuestOp::Trim, |o| o.trim(offset, length))
     }
 
     fn flush(&mut self) -> Result<(), DeviceError> {
-        self.overlay.flush().map_err(device_error)
+        self.timed(GuestOp::Flush, Overlay::flush)
     }
 }
 

@@ -2,6 +2,8 @@
 //! subcommands, and small command-line helpers. It owns no storage or protocol logic.
 
 pub mod exports;
+pub mod metrics;
 pub mod serve;
 pub mod size;
+pub mod stat;
 pub mod storm;

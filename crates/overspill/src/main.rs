@@ -2,7 +2,7 @@
 //! or protocol logic lives here.
 
 use clap::{Parser, Subcommand};
-use overspill::{serve, storm};
+use overspill::{serve, stat, storm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
@@ -26,13 +26,15 @@ enum Command {
     /// Boot, log on and run many VMs at once and print the seeds' IOPS tables, per phase, tier
     /// and write-cache mode. With no arguments: 20 Windows 7 VDI VMs, all four modes.
     Storm(storm::StormArgs),
+    /// Live view of a server's metrics: IOPS per tier and VM, cache memory and disk use.
+    Stat(stat::StatArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Serve(_) => "info",
-        Command::Storm(_) => "warn",
+        Command::Storm(_) | Command::Stat(_) => "warn",
     };
     let level = cli.log.as_deref().unwrap_or(default_level);
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level))?;
@@ -45,5 +47,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Storm(args) => storm::run(args),
+        Command::Stat(args) => stat::run(args),
     }
 }

@@ -12,6 +12,7 @@ use overspill_engine::{GoldenImage, HostMemory, RawImage, WriteCacheMode};
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig};
 
 use crate::exports::{CacheSettings, OverlayExports};
+use crate::metrics;
 use crate::size::{format_bytes, parse_bytes};
 
 #[derive(Debug, Args)]
@@ -49,6 +50,9 @@ pub struct ServeArgs {
     /// Connections served at once; more are refused.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Serve Prometheus metrics (and /healthz) on tcp:HOST:PORT.
+    #[arg(long, value_name = "tcp:HOST:PORT")]
+    metrics: Option<String>,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10)]
     handshake_timeout: u64,
@@ -90,6 +94,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         shared_dir: args.shared_dir.clone(),
     };
     let exports = OverlayExports::new(images, settings, host.clone()).context("preparing cache directories")?;
+    if let Some(addr) = &args.metrics {
+        let bound =
+            metrics::spawn_endpoint(addr.strip_prefix("tcp:").unwrap_or(addr), exports.registry(), host.clone())?;
+        tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
+    }
     spawn_memory_sampler(host);
     let config = ServerConfig {
         limits: Limits { handshake_timeout: Duration::from_secs(args.handshake_timeout), ..Limits::default() },

@@ -996,3 +996,166 @@ fn bad_clients_cost_only_their_own_connection() {
     server.wait_no_cache_files(&server.spill_dir, "spill");
     golden.assert_untouched();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Metrics
+
+fn metrics_url(server: &Server) -> String {
+    server.wait_for("the metrics endpoint", || {
+        server.events("metrics endpoint up").first().and_then(|f| f["metrics"].as_str().map(str::to_owned))
+    })
+}
+
+/// A plain HTTP GET: (status line, Content-Type, body).
+fn http_get(url: &str, accept: &str) -> (String, String, String) {
+    let rest = url.strip_prefix("http://").expect("http URL");
+    let (host, path) = rest.split_once('/').expect("URL with a path");
+    let mut stream = std::net::TcpStream::connect(host).expect("connect to the metrics endpoint");
+    write!(stream, "GET /{path} HTTP/1.0\r\nHost: {host}\r\nAccept: {accept}\r\n\r\n").expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
+    let content_type = head
+        .lines()
+        .find_map(|l| l.strip_prefix("Content-Type: ").or_else(|| l.strip_prefix("content-type: ")))
+        .unwrap_or_default()
+        .to_owned();
+    (head.lines().next().unwrap_or_default().to_owned(), content_type, body.to_owned())
+}
+
+fn scrape(url: &str) -> Samples {
+    let (status, _, body) = http_get(url, "text/plain");
+    assert!(status.contains("200"), "{status}");
+    overspill::stat::parse(&body)
+}
+
+use overspill::stat::Samples;
+
+/// The value of the one series of `family` whose labels include all of `labels`.
+fn sample(samples: &Samples, family: &str, labels: &[(&str, &str)]) -> f64 {
+    let found: Vec<f64> = samples
+        .iter()
+        .filter(|((name, l), _)| {
+            name == family && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|(_, v)| *v)
+        .collect();
+    assert_eq!(found.len(), 1, "{family} {labels:?}: {found:?}");
+    found[0]
+}
+
+fn promtool_check(body: &str) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("promtool is not installed (apt-get install prometheus): {e}"));
+    child.stdin.take().expect("stdin").write_all(body.as_bytes()).expect("feed promtool");
+    let out = child.wait_with_output().expect("promtool");
+    assert!(
+        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn metrics_pass_promtool_equal_the_engine_and_leave_with_the_vm() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = Golden::create(dir.path(), "golden.img", GOLDEN_BYTES, 31);
+    let server = Server::start(dir.path(), &golden, &["--ram", "4M", "--metrics", "tcp:127.0.0.1:0"]);
+    let url = metrics_url(&server);
+
+    // Another VM works in the background while the endpoint is scraped.
+    let fio = spawn_tool(
+        dir.path(),
+        "fio",
+        &[
+            "--name=bg",
+            "--ioengine=nbd",
+            &format!("--uri={}", server.uri("@vm-fio")),
+            "--rw=randrw",
+            "--bs=4k",
+            "--size=32m",
+            "--iodepth=8",
+            "--time_based",
+            "--runtime=2",
+        ],
+    );
+    let mut me = server.client("@vm-me");
+    let block = vec![0x42u8; 4096];
+    for i in 0..3000u64 {
+        me.write(i * 4096, &block, false).expect("write");
+    }
+    let mut buf = vec![0u8; 4096];
+    for i in 0..500u64 {
+        me.read((i * 7919 % 4096) * 4096, &mut buf).expect("read");
+    }
+    for i in 0..10u64 {
+        me.trim(i * MIB, MIB as u32).expect("trim");
+    }
+    for _ in 0..5 {
+        me.flush().expect("flush");
+    }
+    let (_, _, body) = http_get(&url, "text/plain");
+    promtool_check(&body);
+    let s = overspill::stat::parse(&body);
+    let vm = [("vm", "vm-me")];
+    let with = |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, &'static str)> {
+        vm.iter().chain(extra).copied().collect()
+    };
+    assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &with(&[("op", "write")])), 3000.0);
+    assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &with(&[("op", "read")])), 500.0);
+    assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &with(&[("op", "trim")])), 10.0);
+    assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &with(&[("op", "flush")])), 5.0);
+    assert_eq!(sample(&s, "overspill_vm_guest_bytes_total", &with(&[("op", "write")])), 3000.0 * 4096.0);
+    let served: f64 = ["ram", "spill", "golden", "zero", "cache_file"]
+        .iter()
+        .map(|t| sample(&s, "overspill_vm_guest_read_blocks_total", &with(&[("served_by", t)])))
+        .sum();
+    assert_eq!(served, 500.0, "every read block served by exactly one tier");
+    let spill_ops = sample(&s, "overspill_vm_storage_ops_total", &with(&[("tier", "spill"), ("direction", "write")]));
+    let spill_bytes =
+        sample(&s, "overspill_vm_storage_bytes_total", &with(&[("tier", "spill"), ("direction", "write")]));
+    assert!(spill_ops > 0.0, "12 MiB of writes against a 4 MiB target spill");
+    assert_eq!(spill_bytes, spill_ops * SEGMENT_BYTES as f64);
+    assert_eq!(sample(&s, "overspill_vm_spill_write_size_bytes_count", &vm), spill_ops);
+    assert_eq!(sample(&s, "overspill_vm_spill_write_size_bytes_bucket", &with(&[("le", "2097152")])), spill_ops);
+    assert_eq!(sample(&s, "overspill_vm_request_duration_seconds_count", &with(&[("op", "write")])), 3000.0);
+    assert!(sample(&s, "overspill_vm_cache_memory_used_bytes", &vm) <= (4 * MIB + SEGMENT_BYTES + 64 * 1024) as f64);
+
+    // The live view shows the VM.
+    let stat =
+        run_ok(dir.path(), env!("CARGO_BIN_EXE_overspill"), &["stat", "--url", &url, "--once", "--interval", "0.2"]);
+    assert!(stat.stdout.contains("default@vm-me") && stat.stdout.contains("total"), "{}", stat.all());
+
+    // OpenMetrics on request, and /healthz.
+    let (_, content_type, open) = http_get(&url, "application/openmetrics-text; version=1.0.0");
+    assert!(content_type.starts_with("application/openmetrics-text"), "{content_type}");
+    assert!(open.ends_with("# EOF\n") && open.contains("# TYPE overspill_guest_requests counter"));
+    let (status, _, health) = http_get(&url.replace("/metrics", "/healthz"), "*/*");
+    assert!(status.contains("200") && health == "ok\n", "{status} {health}");
+
+    // The engine's own figures, logged as the VM leaves, equal what was scraped last.
+    me.disconnect().expect("disconnect");
+    let logged = server.wait_disconnect("vm-me");
+    assert_eq!(u64_field(&logged, "guest_writes") as f64, 3000.0);
+    assert_eq!(u64_field(&logged, "guest_reads") as f64, 500.0);
+    assert_eq!(u64_field(&logged, "spill_write_ops") as f64, spill_ops);
+    assert_eq!(
+        u64_field(&logged, "golden_reads") as f64,
+        sample(&s, "overspill_vm_storage_ops_total", &with(&[("tier", "golden")]))
+    );
+
+    let status = fio.wait_with_output().expect("fio").status;
+    assert!(status.success(), "fio failed");
+    server.wait_disconnect("vm-fio");
+    let after = scrape(&url);
+    assert!(after.keys().all(|(_, labels)| !labels.contains_key("vm")), "per-VM series leave with their VMs");
+    assert!(sample(&after, "overspill_guest_requests_total", &[("op", "write")]) >= 3000.0, "totals keep counting");
+    assert_eq!(sample(&after, "overspill_connected_vms", &[]), 0.0);
+    golden.assert_untouched();
+}

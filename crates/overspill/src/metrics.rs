@@ -1,0 +1,410 @@
+//! The engine's figures in the Prometheus text format (and OpenMetrics when asked), per VM and for
+//! the whole server, served on `/metrics` with `/healthz` beside it.
+//!
+//! Per-VM families are `overspill_vm_*` with `export` and `vm` labels; they exist while the VM is
+//! connected, so label cardinality follows the VMs connected now. Server families are
+//! `overspill_*` without those labels: counters include every VM that ever connected (departed
+//! VMs' counters are folded into the registry's totals when they leave), gauges sum the VMs
+//! connected now. The MCSIO counter names map onto these in `docs/metrics.md`.
+//!
+//! The exposition is written here rather than through a client library: the figures already live
+//! in the engine's atomics, so all that is needed is a formatter over them (prometheus-client
+//! speaks only OpenMetrics, and promtool checks the Prometheus text format).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
+use overspill_engine::{HostMemory, VmStats};
+
+use crate::exports::VmRegistry;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Prometheus,
+    OpenMetrics,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Prometheus => "text/plain; version=0.0.4; charset=utf-8",
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+
+    /// OpenMetrics if the scraper's Accept header asks for it.
+    pub fn from_accept(accept: Option<&str>) -> Self {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::Prometheus,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    Gauge,
+}
+
+type Getter = fn(&VmStats) -> u64;
+
+/// One engine figure: family (without prefix), help, kind, extra labels, and where to read it.
+struct Figure {
+    family: &'static str,
+    help: &'static str,
+    kind: Kind,
+    labels: &'static [(&'static str, &'static str)],
+    get: Getter,
+}
+
+macro_rules! figure {
+    ($family:literal, $help:literal, $kind:ident, [$(($k:literal, $v:literal)),*], $get:expr) => {
+        Figure { family: $family, help: $help, kind: Kind::$kind, labels: &[$(($k, $v)),*], get: $get }
+    };
+}
+
+const FIGURES: &[Figure] = &[
+    figure!("guest_requests_total", "Guest requests by command.", Counter, [("op", "read")], |s| s
+        .guest_read
+        .ops
+        .get()),
+    figure!("guest_requests_total", "", Counter, [("op", "write")], |s| s.guest_write.ops.get()),
+    figure!("guest_requests_total", "", Counter, [("op", "trim")], |s| s.guest_trim.ops.get()),
+    figure!("guest_requests_total", "", Counter, [("op", "write_zeroes")], |s| s.guest_zero.ops.get()),
+    figure!("guest_requests_total", "", Counter, [("op", "flush")], |s| s.guest_flush.ops.get()),
+    figure!("guest_bytes_total", "Bytes guest requests covered, by command.", Counter, [("op", "read")], |s| s
+        .guest_read
+        .bytes
+        .get()),
+    figure!("guest_bytes_total", "", Counter, [("op", "write")], |s| s.guest_write.bytes.get()),
+    figure!("guest_bytes_total", "", Counter, [("op", "trim")], |s| s.guest_trim.bytes.get()),
+    figure!("guest_bytes_total", "", Counter, [("op", "write_zeroes")], |s| s.guest_zero.bytes.get()),
+    figure!(
+        "guest_read_blocks_total",
+        "4 KiB blocks of guest reads by the tier that served them.",
+        Counter,
+        [("served_by", "ram")],
+        |s| s.read_blocks_ram.get()
+    ),
+    figure!("guest_read_blocks_total", "", Counter, [("served_by", "spill")], |s| s.read_blocks_spill.get()),
+    figure!("guest_read_blocks_total", "", Counter, [("served_by", "golden")], |s| s.read_blocks_golden.get()),
+    figure!("guest_read_blocks_total", "", Counter, [("served_by", "zero")], |s| s.read_blocks_zero.get()),
+    figure!("guest_read_blocks_total", "", Counter, [("served_by", "cache_file")], |s| s.read_blocks_cache_file.get()),
+    figure!(
+        "guest_write_blocks_total",
+        "4 KiB blocks of guest writes by the tier they landed in.",
+        Counter,
+        [("landed_in", "ram")],
+        |s| s.write_blocks_ram.get()
+    ),
+    figure!("guest_write_blocks_total", "", Counter, [("landed_in", "spill")], |s| s.write_blocks_spill.get()),
+    figure!("guest_write_blocks_total", "", Counter, [("landed_in", "cache_file")], |s| s
+        .write_blocks_cache_file
+        .get()),
+    figure!("guest_zeroed_blocks_total", "Whole 4 KiB blocks zeroed without storing data.", Counter, [], |s| s
+        .zero_blocks
+        .get()),
+    figure!(
+        "storage_ops_total",
+        "Operations issued to storage: golden image, spill file, local cache file, shared differencing file.",
+        Counter,
+        [("tier", "golden"), ("direction", "read")],
+        |s| s.golden_read.ops.get()
+    ),
+    figure!("storage_ops_total", "", Counter, [("tier", "spill"), ("direction", "read")], |s| s.spill_read.ops.get()),
+    figure!("storage_ops_total", "", Counter, [("tier", "spill"), ("direction", "write")], |s| s.spill_write.ops.get()),
+    figure!("storage_ops_total", "", Counter, [("tier", "cache_file"), ("direction", "read")], |s| s
+        .cache_file_read
+        .ops
+        .get()),
+    figure!("storage_ops_total", "", Counter, [("tier", "cache_file"), ("direction", "write")], |s| s
+        .cache_file_write
+        .ops
+        .get()),
+    figure!("storage_ops_total", "", Counter, [("tier", "shared"), ("direction", "read")], |s| s.shared_read.ops.get()),
+    figure!("storage_ops_total", "", Counter, [("tier", "shared"), ("direction", "write")], |s| s
+        .shared_write
+        .ops
+        .get()),
+    figure!(
+        "storage_bytes_total",
+        "Bytes moved to and from storage, by tier.",
+        Counter,
+        [("tier", "golden"), ("direction", "read")],
+        |s| s.golden_read.bytes.get()
+    ),
+    figure!("storage_bytes_total", "", Counter, [("tier", "spill"), ("direction", "read")], |s| s
+        .spill_read
+        .bytes
+        .get()),
+    figure!("storage_bytes_total", "", Counter, [("tier", "spill"), ("direction", "write")], |s| s
+        .spill_write
+        .bytes
+        .get()),
+    figure!("storage_bytes_total", "", Counter, [("tier", "cache_file"), ("direction", "read")], |s| s
+        .cache_file_read
+        .bytes
+        .get()),
+    figure!("storage_bytes_total", "", Counter, [("tier", "cache_file"), ("direction", "write")], |s| s
+        .cache_file_write
+        .bytes
+        .get()),
+    figure!("storage_bytes_total", "", Counter, [("tier", "shared"), ("direction", "read")], |s| s
+        .shared_read
+        .bytes
+        .get()),
+    figure!("storage_bytes_total", "", Counter, [("tier", "shared"), ("direction", "write")], |s| s
+        .shared_write
+        .bytes
+        .get()),
+    figure!("spill_segments_written_total", "2 MiB segments written to spill files.", Counter, [], |s| s
+        .spill_segments_written
+        .get()),
+    figure!("spill_segments_punched_total", "Dead spill segments whose space was given back.", Counter, [], |s| s
+        .spill_segments_punched
+        .get()),
+    figure!(
+        "spill_compaction_moved_bytes_total",
+        "Live bytes compaction moved between spill segments.",
+        Counter,
+        [],
+        |s| s.compaction_bytes_moved.get()
+    ),
+    figure!("cache_memory_used_bytes", "Cache memory in use: RAM tier, open spill segment, index.", Gauge, [], |s| s
+        .cache_memory_used_bytes
+        .get()),
+    figure!("cache_memory_target_bytes", "Cache memory target now in force.", Gauge, [], |s| s
+        .cache_memory_target_bytes
+        .get()),
+    figure!("cache_memory_peak_bytes", "Highest cache memory used.", Gauge, [], |s| s.cache_memory_peak_bytes.get()),
+    figure!("cache_disk_used_bytes", "Bytes of cache files holding data.", Gauge, [], |s| s
+        .cache_disk_used_bytes
+        .get()),
+    figure!("cache_disk_size_bytes", "Size of the cache files (or the spill limit).", Gauge, [], |s| s
+        .cache_disk_size_bytes
+        .get()),
+    figure!("cache_disk_peak_bytes", "Highest cache disk used.", Gauge, [], |s| s.cache_disk_peak_bytes.get()),
+];
+
+struct Writer {
+    out: String,
+    format: Format,
+    last_family: String,
+}
+
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn label_text(labels: &[(&str, String)]) -> String {
+    if labels.is_empty() {
+        return String::new();
+    }
+    let inner: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{}\"", escape(v))).collect();
+    format!("{{{}}}", inner.join(","))
+}
+
+impl Writer {
+    /// Writes HELP and TYPE once per family.
+    fn header(&mut self, family: &str, help: &str, kind: &str) {
+        if self.last_family == family {
+            return;
+        }
+        self.last_family = family.to_owned();
+        // OpenMetrics names a counter family without its `_total` suffix.
+        let name = match (self.format, kind) {
+            (Format::OpenMetrics, "counter") => family.strip_suffix("_total").unwrap_or(family),
+            _ => family,
+        };
+        let _ = writeln!(self.out, "# HELP {name} {help}");
+        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, String)], value: f64) {
+        let _ = writeln!(self.out, "{name}{} {value}", label_text(labels));
+    }
+
+    /// A histogram from per-bucket counts with upper bounds (the last count is unbounded).
+    fn histogram(&mut self, name: &str, labels: &[(&str, String)], bounds: &[f64], counts: &[u64], sum: f64) {
+        let mut cumulative = 0u64;
+        for (i, count) in counts.iter().enumerate() {
+            cumulative += count;
+            let le = bounds.get(i).map_or("+Inf".to_owned(), |b| b.to_string());
+            let mut with_le = labels.to_vec();
+            with_le.push(("le", le));
+            self.sample(&format!("{name}_bucket"), &with_le, cumulative as f64);
+        }
+        self.sample(&format!("{name}_sum"), labels, sum);
+        self.sample(&format!("{name}_count"), labels, cumulative as f64);
+    }
+}
+
+fn latency_bounds_s() -> Vec<f64> {
+    LatencyHistogram::BOUNDS_US.iter().map(|&us| us as f64 / 1e6).collect()
+}
+
+fn size_bounds() -> Vec<f64> {
+    (0..SizeHistogram::BUCKETS).filter_map(SizeHistogram::bucket_upper_bytes).map(|b| b as f64).collect()
+}
+
+/// Renders every family: per VM (`overspill_vm_*`) and server-wide (`overspill_*`).
+pub fn render(registry: &VmRegistry, host: &HostMemory, format: Format) -> String {
+    let (vms, departed) = registry.snapshot_with_departed();
+    let mut w = Writer { out: String::new(), format, last_family: String::new() };
+    let vm_labels = |export: &str, vm: &str| vec![("export", export.to_owned()), ("vm", vm.to_owned())];
+
+    for figure in FIGURES {
+        let kind = if figure.kind == Kind::Counter { "counter" } else { "gauge" };
+        let extra: Vec<(&str, String)> = figure.labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
+        let vm_family = format!("overspill_vm_{}", figure.family);
+        w.header(&vm_family, help_of(figure.family), kind);
+        for handle in &vms {
+            let mut labels = vm_labels(&handle.export, &handle.vm);
+            labels.extend(extra.iter().cloned());
+            w.sample(&vm_family, &labels, (figure.get)(&handle.stats) as f64);
+        }
+    }
+    for figure in FIGURES {
+        let kind = if figure.kind == Kind::Counter { "counter" } else { "gauge" };
+        let extra: Vec<(&str, String)> = figure.labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
+        let family = format!("overspill_{}", figure.family);
+        w.header(&family, help_of(figure.family), kind);
+        let live: u64 = vms.iter().map(|h| (figure.get)(&h.stats)).sum();
+        let total = if figure.kind == Kind::Counter { live + (figure.get)(&departed) } else { live };
+        w.sample(&family, &extra, total as f64);
+    }
+
+    let bounds = latency_bounds_s();
+    let help = "Time to serve a guest request, by command.";
+    w.header("overspill_vm_request_duration_seconds", help, "histogram");
+    for handle in &vms {
+        for op in GuestOp::ALL {
+            let h = handle.stats.latency(op);
+            let mut labels = vm_labels(&handle.export, &handle.vm);
+            labels.push(("op", op.name().to_owned()));
+            w.histogram(
+                "overspill_vm_request_duration_seconds",
+                &labels,
+                &bounds,
+                &h.counts(),
+                h.sum_ns() as f64 / 1e9,
+            );
+        }
+    }
+    w.header("overspill_request_duration_seconds", help, "histogram");
+    for op in GuestOp::ALL {
+        let all: Vec<&VmStats> = vms.iter().map(|h| h.stats.as_ref()).chain([&departed]).collect();
+        let counts = all.iter().map(|s| s.latency(op).counts()).fold(
+            [0u64; LatencyHistogram::BOUNDS_US.len() + 1],
+            |mut acc, c| {
+                acc.iter_mut().zip(c).for_each(|(a, b)| *a += b);
+                acc
+            },
+        );
+        let sum: u64 = all.iter().map(|s| s.latency(op).sum_ns()).sum();
+        w.histogram(
+            "overspill_request_duration_seconds",
+            &[("op", op.name().to_owned())],
+            &bounds,
+            &counts,
+            sum as f64 / 1e9,
+        );
+    }
+
+    let sizes = size_bounds();
+    let help = "Sizes of spill writes (every one should be a whole 2 MiB segment).";
+    w.header("overspill_vm_spill_write_size_bytes", help, "histogram");
+    for handle in &vms {
+        let s = &handle.stats;
+        let labels = vm_labels(&handle.export, &handle.vm);
+        w.histogram(
+            "overspill_vm_spill_write_size_bytes",
+            &labels,
+            &sizes,
+            &s.spill_write_sizes.counts(),
+            s.spill_write.bytes.get() as f64,
+        );
+    }
+
+    w.header("overspill_connected_vms", "VMs connected now.", "gauge");
+    w.sample("overspill_connected_vms", &[], vms.len() as f64);
+    w.header("overspill_host_cache_memory_used_bytes", "Cache memory of all VMs together.", "gauge");
+    w.sample("overspill_host_cache_memory_used_bytes", &[], host.used_bytes() as f64);
+    w.header("overspill_host_cache_memory_cap_bytes", "The host cap on cache memory (--ram-total).", "gauge");
+    w.sample("overspill_host_cache_memory_cap_bytes", &[], host.cap_bytes() as f64);
+    process_figures(&mut w);
+    if format == Format::OpenMetrics {
+        w.out.push_str("# EOF\n");
+    }
+    w.out
+}
+
+fn help_of(family: &str) -> &'static str {
+    FIGURES.iter().find(|f| f.family == family && !f.help.is_empty()).map_or("", |f| f.help)
+}
+
+/// The standard process_* figures, from /proc/self.
+fn process_figures(w: &mut Writer) {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = 100.0; // USER_HZ on Linux
+    let cpu =
+        fields.get(11).zip(fields.get(12)).and_then(|(u, s)| Some(u.parse::<f64>().ok()? + s.parse::<f64>().ok()?));
+    if let Some(cpu) = cpu {
+        w.header("process_cpu_seconds_total", "User and system CPU time spent, in seconds.", "counter");
+        w.sample("process_cpu_seconds_total", &[], cpu / ticks);
+    }
+    if let Some(rss_pages) = fields.get(21).and_then(|v| v.parse::<f64>().ok()) {
+        w.header("process_resident_memory_bytes", "Resident memory size in bytes.", "gauge");
+        w.sample("process_resident_memory_bytes", &[], rss_pages * 4096.0);
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        w.header("process_open_fds", "Number of open file descriptors.", "gauge");
+        w.sample("process_open_fds", &[], fds.count() as f64);
+    }
+    let uptime = START.get_or_init(SystemTime::now);
+    if let Ok(since_epoch) = uptime.duration_since(UNIX_EPOCH) {
+        w.header("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.", "gauge");
+        w.sample("process_start_time_seconds", &[], since_epoch.as_secs_f64());
+    }
+}
+
+static START: std::sync::OnceLock<SystemTime> = std::sync::OnceLock::new();
+
+/// Serves `/metrics` and `/healthz` on `addr` from a thread of its own.
+pub fn spawn_endpoint(addr: &str, registry: Arc<VmRegistry>, host: Arc<HostMemory>) -> anyhow::Result<String> {
+    START.get_or_init(SystemTime::now);
+    let server = tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
+    let bound = server.server_addr().to_string();
+    std::thread::Builder::new().name("metrics".into()).spawn(move || {
+        for request in server.incoming_requests() {
+            let accept =
+                request.headers().iter().find(|h| h.field.equiv("Accept")).map(|h| h.value.as_str().to_owned());
+            let (status, body, content_type) = match request.url() {
+                "/metrics" => {
+                    let format = Format::from_accept(accept.as_deref());
+                    (200, render(&registry, &host, format), format.content_type())
+                }
+                "/healthz" => (200, "ok\n".to_owned(), "text/plain; charset=utf-8"),
+                _ => (404, "not found: try /metrics or /healthz\n".to_owned(), "text/plain; charset=utf-8"),
+            };
+            let header = tiny_http::Header::from_bytes("Content-Type", content_type).ok();
+            let mut response = tiny_http::Response::from_string(body).with_status_code(status);
+            if let Some(header) = header {
+                response.add_header(header);
+            }
+            if let Err(error) = request.respond(response) {
+                tracing::debug!(%error, "metrics client went away");
+            }
+        }
+    })?;
+    Ok(bound)
+}
+
+/// How long `overspill stat` waits for the endpoint.
+pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
