@@ -221,6 +221,12 @@ impl SpillLog {
         stats.spill_write_sizes.record(SEGMENT_BYTES as u64);
         stats.spill_segments_written.inc();
         let id = open.id;
+        if stats.spill_segments_written.get() == 1 {
+            // Once per VM at info: the moment its working set outgrew its RAM target.
+            tracing::info!(segment = id.0, "VM started spilling to disk");
+        } else {
+            tracing::debug!(segment = id.0, live = self.segments[id.0 as usize].live, "spill segment written");
+        }
         self.open = None;
         self.segments[id.0 as usize].state = SegmentState::Sealed;
         self.sealed_segments += 1;
