@@ -10,11 +10,24 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{EngineError, Result};
 
+/// Reads that reached an image's underlying storage.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceReads {
+    pub ops: u64,
+    pub bytes: u64,
+}
+
 /// The shared, never-written base of every overlay.
 pub trait GoldenImage: Send + Sync {
     fn size(&self) -> u64;
     /// Fills `buf` from `offset`; bytes past the end of the image read as zero.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Like [`Self::read_at`], and says what it cost the storage behind the image: one read of
+    /// `buf.len()` bytes for a plain image, only the misses for a cached one.
+    fn read_counted(&self, buf: &mut [u8], offset: u64) -> io::Result<SourceReads> {
+        self.read_at(buf, offset)?;
+        Ok(SourceReads { ops: 1, bytes: buf.len() as u64 })
+    }
     fn describe(&self) -> String;
 }
 

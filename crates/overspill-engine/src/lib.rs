@@ -12,6 +12,7 @@ pub mod golden;
 pub mod overlay;
 pub mod ram;
 mod ranges;
+pub mod read_cache;
 pub mod spill;
 pub mod stats;
 pub mod store;
@@ -19,8 +20,9 @@ pub mod units;
 
 pub use budget::HostMemory;
 pub use error::{EngineError, Result};
-pub use golden::{GoldenImage, MemImage, RawImage};
+pub use golden::{GoldenImage, MemImage, RawImage, SourceReads};
 pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};
+pub use read_cache::CachedImage;
 pub use stats::VmStats;
 pub use store::{BackingFile, ScratchFile};
 pub use units::{BLOCK_BYTES, BLOCK_SIZE, SEGMENT_BYTES};

@@ -404,8 +404,12 @@ impl Overlay {
     }
 
     fn read_golden(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.golden.read_at(buf, offset).map_err(|source| EngineError::Io { what: "reading golden image", source })?;
-        self.stats.golden_read.add(buf.len() as u64);
+        let fetched = self
+            .golden
+            .read_counted(buf, offset)
+            .map_err(|source| EngineError::Io { what: "reading golden image", source })?;
+        self.stats.golden_request.add(buf.len() as u64);
+        self.stats.golden_read.add_many(fetched.ops, fetched.bytes);
         Ok(())
     }
 

@@ -56,6 +56,12 @@ impl OpCounter {
         self.bytes.add(bytes);
     }
 
+    /// Several operations at once.
+    pub fn add_many(&self, ops: u64, bytes: u64) {
+        self.ops.add(ops);
+        self.bytes.add(bytes);
+    }
+
     fn absorb(&self, other: &OpCounter) {
         self.ops.absorb(&other.ops);
         self.bytes.absorb(&other.bytes);
@@ -170,7 +176,10 @@ pub struct VmStats {
     pub write_blocks_cache_file: Counter,
     pub zero_blocks: Counter,
 
-    // Storage: what reached files and the golden image.
+    /// Reads the overlay asked of the golden image (served by the shared read cache when there
+    /// is one, else by the image's storage).
+    pub golden_request: OpCounter,
+    // Storage: what reached files and the golden image's storage.
     pub golden_read: OpCounter,
     pub spill_read: OpCounter,
     pub spill_write: OpCounter,
@@ -236,6 +245,7 @@ impl VmStats {
             a.absorb(b);
         }
         for (a, b) in [
+            (&self.golden_request, &other.golden_request),
             (&self.golden_read, &other.golden_read),
             (&self.spill_read, &other.spill_read),
             (&self.spill_write, &other.spill_write),

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use overspill_engine::{
-    BackingFile, EngineError, HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode,
-    SEGMENT_BYTES,
+    BackingFile, CachedImage, EngineError, GoldenImage, HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile,
+    VmStats, WriteCacheMode, SEGMENT_BYTES,
 };
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
@@ -51,14 +51,29 @@ struct Harness {
 
 impl Harness {
     fn new(mode: WriteCacheMode, ram_target_bytes: u64, spill_max_bytes: Option<u64>) -> Self {
+        Self::with_read_cache(mode, ram_target_bytes, spill_max_bytes, None)
+    }
+
+    /// `read_cache`: read the golden image through a shared read cache of this many bytes.
+    fn with_read_cache(
+        mode: WriteCacheMode,
+        ram_target_bytes: u64,
+        spill_max_bytes: Option<u64>,
+        read_cache: Option<u64>,
+    ) -> Self {
         let golden = golden_bytes();
+        let image: Arc<dyn GoldenImage> = Arc::new(MemImage::new(golden.clone()));
+        let image = match read_cache {
+            Some(bytes) => Arc::new(CachedImage::new(image, bytes, 16 * 1024)) as Arc<dyn GoldenImage>,
+            None => image,
+        };
         let dir = tempfile::tempdir().expect("tempdir");
         let backing: Option<Box<dyn BackingFile>> = mode.backing_file().map(|kind| {
             let size = if matches!(mode, WriteCacheMode::RamDisk) { 0 } else { DISK_BYTES };
             Box::new(ScratchFile::create(dir.path(), &format!("{kind:?}"), size).expect("scratch")) as _
         });
         let overlay = Overlay::new(
-            Arc::new(MemImage::new(golden.clone())),
+            image,
             OverlayConfig { mode, ram_target_bytes, spill_max_bytes },
             backing,
             HostMemory::unlimited(),
@@ -219,6 +234,21 @@ fn seeded_long_runs_match_the_model() {
     for (i, &(mode, target, spill_max, ops)) in runs.iter().enumerate() {
         run_seeded(mode, target, spill_max, 0x5eed_0000 + i as u64, ops);
     }
+}
+
+/// The golden image read through a shared read cache far smaller than the disk: every read of a
+/// block the overlay does not hold goes through chunk eviction, and must still see golden bytes.
+#[test]
+fn seeded_run_through_a_tiny_read_cache_matches_the_model() {
+    let mut harness = Harness::with_read_cache(WriteCacheMode::RamDisk, 1 << 20, None, Some(256 * 1024));
+    let mut rng = SmallRng::seed_from_u64(0x5eed_cace);
+    for step in 0..100_000 {
+        let op = random_op(&mut rng);
+        if let Err(message) = harness.apply(&op) {
+            panic!("read cache run, step {step}, {op:?}: {message}");
+        }
+    }
+    harness.read_everything().expect("final read");
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {

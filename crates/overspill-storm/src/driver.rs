@@ -69,11 +69,13 @@ impl Ops {
     }
 }
 
-/// The tiers a request can reach, in report order.
-pub const TIERS: [&str; 5] = ["guest", "golden image", "shared storage", "local cache disk", "spill"];
+/// The tiers a request can reach, in report order. `read cache` counts the reads asked of the
+/// golden image (all served by its shared read cache when there is one); `golden image` counts
+/// what reached the image's storage.
+pub const TIERS: [&str; 6] = ["guest", "read cache", "golden image", "shared storage", "local cache disk", "spill"];
 
 /// Counts per tier, indexed like [`TIERS`].
-pub type TierOps = [Ops; 5];
+pub type TierOps = [Ops; 6];
 
 fn add_tiers(into: &mut TierOps, from: &TierOps) {
     for (a, b) in into.iter_mut().zip(from) {
@@ -91,6 +93,7 @@ fn storage_tiers(s: &VmStats) -> TierOps {
     };
     [
         Ops::default(),
+        ops(&s.golden_request, None),
         ops(&s.golden_read, None),
         ops(&s.shared_read, Some(&s.shared_write)),
         ops(&s.cache_file_read, Some(&s.cache_file_write)),

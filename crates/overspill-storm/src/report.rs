@@ -57,7 +57,7 @@ pub struct ConfigReport {
     pub blocks: BlockTally,
     pub wall_s: f64,
     /// IOPS per VM over profile time, per tier: `timeline[bucket][tier]`.
-    pub timeline_iops_per_vm: Vec<[f64; 5]>,
+    pub timeline_iops_per_vm: Vec<[f64; TIERS.len()]>,
 }
 
 #[derive(Debug, Clone, Serialize)]

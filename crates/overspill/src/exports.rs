@@ -11,10 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use overspill_engine::read_cache::{ReadCacheStats, DEFAULT_CHUNK_BYTES};
 use overspill_engine::stats::GuestOp;
 use overspill_engine::{
-    BackingFile, BackingKind, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile, VmStats,
-    WriteCacheMode,
+    BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
+    VmStats, WriteCacheMode,
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
@@ -27,6 +28,8 @@ pub struct CacheSettings {
     pub spill_max_bytes: Option<u64>,
     pub spill_dir: PathBuf,
     pub shared_dir: PathBuf,
+    /// Shared read cache per golden image, in bytes; 0 reads the images directly.
+    pub read_cache_bytes: u64,
 }
 
 /// A connected VM, for metrics and status views.
@@ -82,6 +85,7 @@ impl VmRegistry {
 
 pub struct OverlayExports {
     images: BTreeMap<String, Arc<dyn GoldenImage>>,
+    read_caches: Vec<(String, Arc<ReadCacheStats>)>,
     settings: CacheSettings,
     host: Arc<HostMemory>,
     registry: Arc<VmRegistry>,
@@ -110,7 +114,25 @@ impl OverlayExports {
             std::fs::create_dir_all(dir)?;
             remove_stale_cache_files(dir);
         }
-        Ok(Self { images, settings, host, registry: Arc::default(), next_vm: AtomicU64::new(1) })
+        let mut read_caches = Vec::new();
+        let images = if settings.read_cache_bytes == 0 {
+            images
+        } else {
+            images
+                .into_iter()
+                .map(|(name, image)| {
+                    let cached = CachedImage::new(image, settings.read_cache_bytes, DEFAULT_CHUNK_BYTES);
+                    read_caches.push((name.clone(), cached.stats().clone()));
+                    (name, Arc::new(cached) as Arc<dyn GoldenImage>)
+                })
+                .collect()
+        };
+        Ok(Self { images, read_caches, settings, host, registry: Arc::default(), next_vm: AtomicU64::new(1) })
+    }
+
+    /// Each golden image's shared read cache, by export name.
+    pub fn read_caches(&self) -> Vec<(String, Arc<ReadCacheStats>)> {
+        self.read_caches.clone()
     }
 
     pub fn registry(&self) -> Arc<VmRegistry> {

@@ -15,6 +15,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use overspill_engine::read_cache::ReadCacheStats;
 use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
 use overspill_engine::{HostMemory, VmStats};
 
@@ -107,6 +108,13 @@ const FIGURES: &[Figure] = &[
     figure!("guest_zeroed_blocks_total", "Whole 4 KiB blocks zeroed without storing data.", Counter, [], |s| s
         .zero_blocks
         .get()),
+    figure!(
+        "golden_requests_total",
+        "Reads asked of the golden image (its shared read cache, when there is one).",
+        Counter,
+        [],
+        |s| s.golden_request.ops.get()
+    ),
     figure!(
         "storage_ops_total",
         "Operations issued to storage: golden image, spill file, local cache file, shared differencing file.",
@@ -251,7 +259,12 @@ fn size_bounds() -> Vec<f64> {
 }
 
 /// Renders every family: per VM (`overspill_vm_*`) and server-wide (`overspill_*`).
-pub fn render(registry: &VmRegistry, host: &HostMemory, format: Format) -> String {
+pub fn render(
+    registry: &VmRegistry,
+    read_caches: &[(String, Arc<ReadCacheStats>)],
+    host: &HostMemory,
+    format: Format,
+) -> String {
     let (vms, departed) = registry.snapshot_with_departed();
     let mut w = Writer { out: String::new(), format, last_family: String::new() };
     let vm_labels = |export: &str, vm: &str| vec![("export", export.to_owned()), ("vm", vm.to_owned())];
@@ -329,6 +342,7 @@ pub fn render(registry: &VmRegistry, host: &HostMemory, format: Format) -> Strin
         );
     }
 
+    read_cache_figures(&mut w, read_caches);
     w.header("overspill_connected_vms", "VMs connected now.", "gauge");
     w.sample("overspill_connected_vms", &[], vms.len() as f64);
     w.header("overspill_host_cache_memory_used_bytes", "Cache memory of all VMs together.", "gauge");
@@ -340,6 +354,52 @@ pub fn render(registry: &VmRegistry, host: &HostMemory, format: Format) -> Strin
         w.out.push_str("# EOF\n");
     }
     w.out
+}
+
+/// One family per shared read-cache figure, a series per golden image.
+fn read_cache_figures(w: &mut Writer, caches: &[(String, Arc<ReadCacheStats>)]) {
+    type CacheGetter = fn(&ReadCacheStats) -> u64;
+    let figures: [(&str, &str, &str, CacheGetter); 8] = [
+        ("overspill_read_cache_hits_total", "Chunk lookups served from the shared read cache.", "counter", |c| {
+            c.hits.get()
+        }),
+        (
+            "overspill_read_cache_misses_total",
+            "Chunk lookups that went to the golden image's storage.",
+            "counter",
+            |c| c.misses.get(),
+        ),
+        (
+            "overspill_read_cache_coalesced_total",
+            "Misses that waited for another VM's fetch of the same chunk.",
+            "counter",
+            |c| c.coalesced.get(),
+        ),
+        (
+            "overspill_read_cache_fetched_bytes_total",
+            "Bytes fetched from the golden image's storage.",
+            "counter",
+            |c| c.fetched_bytes.get(),
+        ),
+        ("overspill_read_cache_fetches_total", "Chunks fetched from the golden image's storage.", "counter", |c| {
+            c.fetched_chunks.get()
+        }),
+        ("overspill_read_cache_evictions_total", "Chunks evicted from the shared read cache.", "counter", |c| {
+            c.evictions.get()
+        }),
+        ("overspill_read_cache_cached_bytes", "Bytes held by the shared read cache.", "gauge", |c| {
+            c.cached_bytes.get()
+        }),
+        ("overspill_read_cache_capacity_bytes", "Capacity of the shared read cache.", "gauge", |c| {
+            c.capacity_bytes.get()
+        }),
+    ];
+    for (family, help, kind, get) in figures {
+        w.header(family, help, kind);
+        for (export, stats) in caches {
+            w.sample(family, &[("export", export.clone())], get(stats) as f64);
+        }
+    }
 }
 
 fn help_of(family: &str) -> &'static str {
@@ -377,7 +437,12 @@ fn process_figures(w: &mut Writer) {
 static START: std::sync::OnceLock<SystemTime> = std::sync::OnceLock::new();
 
 /// Serves `/metrics` and `/healthz` on `addr` from a thread of its own.
-pub fn spawn_endpoint(addr: &str, registry: Arc<VmRegistry>, host: Arc<HostMemory>) -> anyhow::Result<String> {
+pub fn spawn_endpoint(
+    addr: &str,
+    registry: Arc<VmRegistry>,
+    read_caches: Vec<(String, Arc<ReadCacheStats>)>,
+    host: Arc<HostMemory>,
+) -> anyhow::Result<String> {
     START.get_or_init(SystemTime::now);
     let server = tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
     let bound = server.server_addr().to_string();
@@ -388,7 +453,7 @@ pub fn spawn_endpoint(addr: &str, registry: Arc<VmRegistry>, host: Arc<HostMemor
             let (status, body, content_type) = match request.url() {
                 "/metrics" => {
                     let format = Format::from_accept(accept.as_deref());
-                    (200, render(&registry, &host, format), format.content_type())
+                    (200, render(&registry, &read_caches, &host, format), format.content_type())
                 }
                 "/healthz" => (200, "ok\n".to_owned(), "text/plain; charset=utf-8"),
                 _ => (404, "not found: try /metrics or /healthz\n".to_owned(), "text/plain; charset=utf-8"),

@@ -50,6 +50,9 @@ pub struct ServeArgs {
     /// Connections served at once; more are refused.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Shared read cache per golden image (all its VMs read through it); 0 turns it off.
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    read_cache: u64,
     /// Serve Prometheus metrics (and /healthz) on tcp:HOST:PORT.
     #[arg(long, value_name = "tcp:HOST:PORT")]
     metrics: Option<String>,
@@ -92,11 +95,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         spill_max_bytes: args.spill_max,
         spill_dir: args.spill_dir.clone(),
         shared_dir: args.shared_dir.clone(),
+        read_cache_bytes: args.read_cache,
     };
     let exports = OverlayExports::new(images, settings, host.clone()).context("preparing cache directories")?;
     if let Some(addr) = &args.metrics {
-        let bound =
-            metrics::spawn_endpoint(addr.strip_prefix("tcp:").unwrap_or(addr), exports.registry(), host.clone())?;
+        let bound = metrics::spawn_endpoint(
+            addr.strip_prefix("tcp:").unwrap_or(addr),
+            exports.registry(),
+            exports.read_caches(),
+            host.clone(),
+        )?;
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
     }
     spawn_memory_sampler(host);

@@ -35,6 +35,9 @@ pub struct StormArgs {
     /// Cache memory per VM for modes ram and ram+disk; several sizes run one configuration each.
     #[arg(long, value_delimiter = ',', default_value = "32M,256M", value_parser = parse_bytes)]
     ram: Vec<u64>,
+    /// Shared read cache in front of the golden image, as `serve --read-cache`; 0 turns it off.
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    read_cache: u64,
     /// Seconds between VM boots (0: all at once, a boot storm).
     #[arg(long, default_value_t = 0.0)]
     boot_interval: f64,
@@ -144,6 +147,7 @@ fn start_local_server(
     golden: &Arc<dyn GoldenImage>,
     mode: WriteCacheMode,
     ram: u64,
+    read_cache: u64,
     work: &Path,
     index: usize,
 ) -> anyhow::Result<LocalTarget> {
@@ -153,6 +157,7 @@ fn start_local_server(
         spill_max_bytes: None,
         spill_dir: work.join("spill"),
         shared_dir: work.join("shared"),
+        read_cache_bytes: read_cache,
     };
     let images = BTreeMap::from([(String::new(), golden.clone())]);
     // No free-memory floor: a storm's figures must not depend on what else the host is doing.
@@ -230,7 +235,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         let label = run.label();
         let target: Box<dyn Target> = match (run, &golden) {
             (Run::Local { mode, ram }, Some(golden)) => {
-                Box::new(start_local_server(golden, *mode, *ram, &work, index)?)
+                Box::new(start_local_server(golden, *mode, *ram, args.read_cache, &work, index)?)
             }
             (Run::Remote(uri), _) => Box::new(RemoteTarget(uri.clone())),
             (Run::Local { .. }, None) => unreachable!("a golden image is opened for local runs"),
