@@ -80,6 +80,28 @@ impl GoldenImage for RawImage {
     }
 }
 
+/// An image of zeroes that stores nothing: the planner's stand-in for a golden image whose
+/// contents do not change any figure.
+#[derive(Debug, Clone, Copy)]
+pub struct ZeroImage {
+    pub size: u64,
+}
+
+impl GoldenImage for ZeroImage {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_at(&self, buf: &mut [u8], _offset: u64) -> io::Result<()> {
+        buf.fill(0);
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        format!("zeroes ({} bytes)", self.size)
+    }
+}
+
 /// A golden image held in memory, for simulations and tests.
 #[derive(Debug, Clone)]
 pub struct MemImage {

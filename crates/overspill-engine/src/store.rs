@@ -75,3 +75,71 @@ impl Drop for ScratchFile {
         }
     }
 }
+
+/// A backing file held in memory, for simulations (the planner) that must not touch the disk.
+/// Space is tracked in 64 KiB pages so that punched holes give memory back as a file would.
+#[derive(Debug, Default)]
+pub struct MemFile {
+    pages: std::collections::HashMap<u64, Box<[u8]>>,
+}
+
+const MEM_PAGE: u64 = 64 * 1024;
+
+impl MemFile {
+    fn page_span(offset: u64, len: usize) -> impl Iterator<Item = (u64, usize, usize, usize)> {
+        // (page, offset within page, offset within the caller's buffer, length)
+        let end = offset + len as u64;
+        let mut pos = offset;
+        std::iter::from_fn(move || {
+            if pos >= end {
+                return None;
+            }
+            let page = pos / MEM_PAGE;
+            let within = (pos % MEM_PAGE) as usize;
+            let n = ((MEM_PAGE - within as u64).min(end - pos)) as usize;
+            let item = (page, within, (pos - offset) as usize, n);
+            pos += n as u64;
+            Some(item)
+        })
+    }
+}
+
+impl BackingFile for MemFile {
+    fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
+        for (page, within, from, n) in Self::page_span(offset, data.len()) {
+            let bytes = self.pages.entry(page).or_insert_with(|| vec![0u8; MEM_PAGE as usize].into_boxed_slice());
+            bytes[within..within + n].copy_from_slice(&data[from..from + n]);
+        }
+        Ok(())
+    }
+
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        for (page, within, to, n) in Self::page_span(offset, buf.len()) {
+            match self.pages.get(&page) {
+                Some(bytes) => buf[to..to + n].copy_from_slice(&bytes[within..within + n]),
+                None => buf[to..to + n].fill(0),
+            }
+        }
+        Ok(())
+    }
+
+    fn punch_hole(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        let len = usize::try_from(len).map_err(|_| io::Error::other("hole too large"))?;
+        for (page, within, _, n) in Self::page_span(offset, len) {
+            if n as u64 == MEM_PAGE {
+                self.pages.remove(&page);
+            } else if let Some(bytes) = self.pages.get_mut(&page) {
+                bytes[within..within + n].fill(0);
+            }
+        }
+        Ok(())
+    }
+
+    fn allocated_bytes(&self) -> io::Result<u64> {
+        Ok(self.pages.len() as u64 * MEM_PAGE)
+    }
+
+    fn path(&self) -> Option<&Path> {
+        None
+    }
+}

@@ -9,6 +9,7 @@
 //! every request, so storage-tier operations are attributed to the phase and moment of the guest
 //! request that caused them.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,8 @@ use overspill_engine::VmStats;
 use overspill_nbd::client::{Client, NbdUri};
 use serde::Serialize;
 
-use crate::profile::{OpKind, Workload};
+use crate::profile::{Op, OpKind, Workload};
+use crate::trace::{Record, Trace, TraceHeader, TraceWriter};
 
 /// Where the VMs connect, and (for an in-process server) where their counters are.
 pub trait Target: Sync {
@@ -186,7 +188,25 @@ pub struct Timeline {
 }
 
 impl Timeline {
-    pub fn new(workload: &Workload, config: &StormConfig) -> Self {
+    pub fn end_ms(&self) -> u64 {
+        self.windows_ms.last().map_or(0, |w| w.1)
+    }
+}
+
+/// Everything a storm will do: each VM's requests per phase, and when.
+#[derive(Debug, Clone)]
+pub struct RunPlan {
+    pub phase_names: Vec<String>,
+    pub disk_bytes: u64,
+    /// `ops[vm][phase]`, times relative to the VM's start of the phase.
+    pub ops: Vec<Vec<Vec<Op>>>,
+    pub timeline: Timeline,
+}
+
+impl RunPlan {
+    /// A workload's phases on `config.vms` VMs: boots one every `boot_interval`, logons one
+    /// every `logon_interval`, other phases all together once the one before has ended.
+    pub fn from_workload(workload: &Workload, config: &StormConfig) -> Self {
         let mut starts_ms = Vec::new();
         let mut windows_ms = Vec::new();
         let mut phase_start = 0u64;
@@ -204,38 +224,99 @@ impl Timeline {
             starts_ms.push(starts);
             phase_start = end;
         }
-        Self { starts_ms, windows_ms }
+        Self {
+            phase_names: workload.phases.iter().map(|p| p.name.clone()).collect(),
+            disk_bytes: workload.disk_bytes(),
+            ops: (0..config.vms).map(|vm| workload.generate(config.workload_seed, vm as u64)).collect(),
+            timeline: Timeline { starts_ms, windows_ms },
+        }
     }
 
-    pub fn end_ms(&self) -> u64 {
-        self.windows_ms.last().map_or(0, |w| w.1)
+    /// One VM per trace, at the times they were recorded. Phases are the first trace's.
+    pub fn from_traces(traces: &[Trace]) -> Self {
+        let phase_names = traces.first().map_or_else(Vec::new, |t| t.header.phases.clone());
+        let phases = phase_names.len().max(1);
+        let mut starts_ms = vec![vec![0u64; traces.len()]; phases];
+        let mut windows_ms = vec![(u64::MAX, 0u64); phases];
+        let mut ops = Vec::new();
+        for (vm, trace) in traces.iter().enumerate() {
+            let mut per_phase = trace.phase_ops();
+            per_phase.resize(phases, Vec::new());
+            for p in 0..phases {
+                let recorded = trace.records.iter().filter(|r| usize::from(r.phase) == p);
+                let first = recorded.clone().map(|r| r.time_us / 1000).min();
+                let last = recorded.map(|r| r.time_us / 1000).max();
+                if let (Some(first), Some(last)) = (first, last) {
+                    starts_ms[p][vm] = first;
+                    windows_ms[p].0 = windows_ms[p].0.min(first);
+                    windows_ms[p].1 = windows_ms[p].1.max(last + 1);
+                }
+            }
+            ops.push(per_phase);
+        }
+        for w in &mut windows_ms {
+            if w.0 == u64::MAX {
+                *w = (w.1, w.1);
+            }
+        }
+        Self {
+            phase_names: if phase_names.is_empty() { vec!["recorded".into()] } else { phase_names },
+            disk_bytes: traces.iter().map(|t| t.header.disk_bytes).max().unwrap_or(0),
+            ops,
+            timeline: Timeline { starts_ms, windows_ms },
+        }
+    }
+
+    pub fn vms(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub fn total_ops(&self) -> u64 {
+        self.ops.iter().flatten().map(|p| p.len() as u64).sum()
     }
 }
 
-/// Runs the storm; one result per VM, in VM order.
-pub fn run(workload: &Workload, config: &StormConfig, target: &dyn Target, progress: &ProgressBar) -> Vec<VmResult> {
-    let timeline = Timeline::new(workload, config);
-    let buckets = (timeline.end_ms() / (config.bucket_s * 1000) + 1) as usize;
+/// Runs the storm; one result per VM, in VM order. With `record`, each VM's requests are also
+/// written to `record/vm-N.trace` as they are issued.
+pub fn run(
+    plan: &RunPlan,
+    config: &StormConfig,
+    target: &dyn Target,
+    progress: &ProgressBar,
+    record: Option<&Path>,
+) -> Vec<VmResult> {
+    let buckets = (plan.timeline.end_ms() / (config.bucket_s * 1000) + 1) as usize;
     let wall_start = Instant::now();
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..config.vms)
+        let handles: Vec<_> = (0..plan.vms())
             .map(|vm| {
-                let timeline = &timeline;
-                scope.spawn(move || run_vm(workload, config, target, vm, timeline, buckets, wall_start, progress))
+                let ctx = VmContext { plan, config, target, vm, buckets, wall_start, progress, record };
+                scope.spawn(move || run_vm(&ctx))
             })
             .collect();
         handles
             .into_iter()
             .enumerate()
-            .map(|(vm, h)| h.join().unwrap_or_else(|_| failed(vm, workload, buckets, "VM thread panicked")))
+            .map(|(vm, h)| h.join().unwrap_or_else(|_| failed(vm, plan, buckets, "VM thread panicked")))
             .collect()
     })
 }
 
-fn failed(vm: usize, workload: &Workload, buckets: usize, why: &str) -> VmResult {
+struct VmContext<'a> {
+    plan: &'a RunPlan,
+    config: &'a StormConfig,
+    target: &'a dyn Target,
+    vm: usize,
+    buckets: usize,
+    wall_start: Instant,
+    progress: &'a ProgressBar,
+    record: Option<&'a Path>,
+}
+
+fn failed(vm: usize, plan: &RunPlan, buckets: usize, why: &str) -> VmResult {
     VmResult {
         vm,
-        phases: vec![VmPhase::default(); workload.phases.len()],
+        phases: vec![VmPhase::default(); plan.phase_names.len()],
         timeline: vec![TierOps::default(); buckets],
         spill_segments_written: 0,
         peak_cache_memory_bytes: 0,
@@ -255,41 +336,61 @@ pub fn progress_bar(total_ops: u64) -> ProgressBar {
     bar
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_vm(
-    workload: &Workload,
-    config: &StormConfig,
-    target: &dyn Target,
-    vm: usize,
-    timeline: &Timeline,
-    buckets: usize,
-    wall_start: Instant,
-    progress: &ProgressBar,
-) -> VmResult {
-    let mut result = failed(vm, workload, buckets, "");
+fn open_recorder(ctx: &VmContext, dir: &Path) -> Result<TraceWriter, String> {
+    let header = TraceHeader {
+        disk_bytes: ctx.plan.disk_bytes,
+        vm: format!("vm-{}", ctx.vm),
+        phases: ctx.plan.phase_names.clone(),
+    };
+    TraceWriter::create(&dir.join(format!("vm-{}.trace", ctx.vm)), &header).map_err(|e| format!("record: {e}"))
+}
+
+fn run_vm(ctx: &VmContext) -> VmResult {
+    let (plan, config, vm, buckets) = (ctx.plan, ctx.config, ctx.vm, ctx.buckets);
+    let mut result = failed(vm, plan, buckets, "");
     result.failure = None;
-    let phases = workload.generate(config.workload_seed, vm as u64);
-    let mut client = match Client::connect(&target.uri(vm)) {
+    let mut recorder = match ctx.record.map(|dir| open_recorder(ctx, dir)).transpose() {
+        Ok(r) => r,
+        Err(e) => {
+            result.failure = Some(e);
+            return result;
+        }
+    };
+    let mut client = match Client::connect(&ctx.target.uri(vm)) {
         Ok(c) => c,
         Err(e) => {
             result.failure = Some(format!("connect: {e}"));
             return result;
         }
     };
-    let stats = target.stats(vm);
+    let stats = ctx.target.stats(vm);
     result.has_storage = stats.is_some();
     let mut last = stats.as_deref().map(storage_tiers).unwrap_or_default();
     let mut buffer = Vec::new();
     let mut unreported = 0u64;
-    'phases: for (p, ops) in phases.iter().enumerate() {
-        let start_ms = timeline.starts_ms[p][vm];
+    'phases: for (p, ops) in plan.ops[vm].iter().enumerate() {
+        let start_ms = plan.timeline.starts_ms[p][vm];
         for op in ops {
             let at_ms = start_ms + op.at_ms;
             if let Some(speed) = config.speed {
-                let due = wall_start + Duration::from_secs_f64(at_ms as f64 / 1000.0 / speed);
+                let due = ctx.wall_start + Duration::from_secs_f64(at_ms as f64 / 1000.0 / speed);
                 let now = Instant::now();
                 if due > now {
                     std::thread::sleep(due - now);
+                }
+            }
+            if let Some(w) = recorder.as_mut() {
+                let record = Record {
+                    time_us: at_ms * 1000,
+                    offset: op.offset,
+                    length: op.len,
+                    kind: op.kind,
+                    flags: 0,
+                    phase: p as u16,
+                };
+                if let Err(e) = w.record(&record) {
+                    result.failure = Some(format!("record: {e}"));
+                    break 'phases;
                 }
             }
             let mut delta = TierOps::default();
@@ -317,6 +418,10 @@ fn run_vm(
                         Ok(())
                     }
                 }
+                OpKind::Zero => {
+                    delta[0] = Ops { writes: 1, write_bytes: u64::from(op.len), ..Ops::default() };
+                    client.write_zeroes(op.offset, op.len, false)
+                }
                 OpKind::Flush => {
                     result.phases[p].flushes += 1;
                     if client.can_flush() {
@@ -339,7 +444,7 @@ fn run_vm(
                     }
                 }
                 Err(e) => {
-                    result.failure = Some(format!("phase {}: {e}", workload.phases[p].name));
+                    result.failure = Some(format!("phase {}: {e}", plan.phase_names[p]));
                     break 'phases;
                 }
             }
@@ -355,12 +460,17 @@ fn run_vm(
             add_tiers(&mut result.timeline[bucket.min(buckets - 1)], &delta);
             unreported += 1;
             if unreported == 512 {
-                progress.inc(unreported);
+                ctx.progress.inc(unreported);
                 unreported = 0;
             }
         }
     }
-    progress.inc(unreported);
+    ctx.progress.inc(unreported);
+    if let Some(w) = recorder {
+        if let Err(e) = w.finish() {
+            result.failure.get_or_insert(format!("record: {e}"));
+        }
+    }
     if let Some(stats) = stats.as_deref() {
         result.spill_segments_written = stats.spill_segments_written.get();
         result.peak_cache_memory_bytes = stats.cache_memory_peak_bytes.get();

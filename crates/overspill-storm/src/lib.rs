@@ -8,6 +8,7 @@
 pub mod driver;
 pub mod profile;
 pub mod report;
+pub mod trace;
 
 pub use driver::{StormConfig, Target};
 pub use profile::Workload;

@@ -89,6 +89,8 @@ pub enum OpKind {
     Write,
     Trim,
     Flush,
+    /// WRITE_ZEROES: only in recorded traces; profiles do not generate it.
+    Zero,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -250,9 +252,9 @@ impl VmState {
                     trims_left -= 1;
                     self.trim(&mut rng, at_ms)
                 }
-                OpKind::Flush => {
+                OpKind::Flush | OpKind::Zero => {
                     flushes_left -= 1;
-                    Op { at_ms, kind, offset: 0, len: 0 }
+                    Op { at_ms, kind: OpKind::Flush, offset: 0, len: 0 }
                 }
             };
             ops.push(op);

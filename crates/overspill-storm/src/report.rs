@@ -11,8 +11,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::driver::{BlockTally, Ops, StormConfig, Timeline, VmResult, TIERS};
-use crate::profile::Workload;
+use crate::driver::{BlockTally, Ops, RunPlan, StormConfig, VmResult, TIERS};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TierRow {
@@ -85,20 +84,21 @@ fn percentile_95(mut values: Vec<f64>) -> f64 {
 
 pub fn config_report(
     label: &str,
-    workload: &Workload,
+    plan: &RunPlan,
     config: &StormConfig,
     results: &[VmResult],
     wall_s: f64,
 ) -> ConfigReport {
-    let timeline = Timeline::new(workload, config);
+    let timeline = &plan.timeline;
     let vms = results.len().max(1) as f64;
-    let phases = workload
-        .phases
+    let phases = plan
+        .phase_names
         .iter()
         .enumerate()
         .map(|(p, phase)| {
             let (start, end) = timeline.windows_ms[p];
-            let duration_s = (end - start) as f64 / 1000.0;
+            // A phase nobody reached (a replay with fewer phases) must not divide by zero.
+            let duration_s = ((end - start) as f64 / 1000.0).max(0.001);
             let tiers = TIERS
                 .iter()
                 .enumerate()
@@ -127,7 +127,7 @@ pub fn config_report(
                 })
                 .collect();
             PhaseReport {
-                phase: phase.name.clone(),
+                phase: phase.clone(),
                 vms: results.len(),
                 duration_s,
                 tiers,

@@ -44,7 +44,7 @@ fn tally(workload: &Workload, phase: usize, vms: u64) -> Tally {
                     t.write_bytes += f64::from(op.len);
                 }
                 OpKind::Flush => t.flushes += 1.0,
-                OpKind::Trim => {}
+                OpKind::Trim | OpKind::Zero => {}
             }
         }
     }

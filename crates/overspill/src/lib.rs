@@ -3,6 +3,8 @@
 
 pub mod exports;
 pub mod metrics;
+pub mod plan;
+pub mod replay;
 pub mod serve;
 pub mod size;
 pub mod stat;

@@ -2,7 +2,7 @@
 //! or protocol logic lives here.
 
 use clap::{Parser, Subcommand};
-use overspill::{serve, stat, storm};
+use overspill::{plan, replay, serve, stat, storm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
@@ -28,13 +28,18 @@ enum Command {
     Storm(storm::StormArgs),
     /// Live view of a server's metrics: IOPS per tier and VM, cache memory and disk use.
     Stat(stat::StatArgs),
+    /// Replay recorded traces against any NBD server.
+    Replay(replay::ReplayArgs),
+    /// Size RAM from recorded traces: storage figures per RAM size, replayed through the engine
+    /// alone, with a lower bound and boot-time estimates.
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Serve(_) => "info",
-        Command::Storm(_) | Command::Stat(_) => "warn",
+        Command::Storm(_) | Command::Stat(_) | Command::Replay(_) | Command::Plan(_) => "warn",
     };
     let level = cli.log.as_deref().unwrap_or(default_level);
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level))?;
@@ -48,5 +53,7 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Storm(args) => storm::run(args),
         Command::Stat(args) => stat::run(args),
+        Command::Replay(args) => replay::run(args),
+        Command::Plan(args) => plan::run(args),
     }
 }

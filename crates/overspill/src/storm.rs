@@ -12,7 +12,7 @@ use clap::Args;
 use overspill_engine::{GoldenImage, HostMemory, RawImage, VmStats, WriteCacheMode};
 use overspill_nbd::client::{Endpoint, NbdUri};
 use overspill_nbd::{ListenAddr, Listener, Server, ServerConfig};
-use overspill_storm::driver::{self, StormConfig, Target};
+use overspill_storm::driver::{self, RunPlan, StormConfig, Target};
 use overspill_storm::report::{self, StormReport};
 use overspill_storm::Workload;
 
@@ -56,6 +56,9 @@ pub struct StormArgs {
     /// Scratch space: synthetic golden image, sockets, cache files.
     #[arg(long)]
     work_dir: Option<PathBuf>,
+    /// Record every VM's requests to DIR/vm-N.trace (for `overspill replay` and `overspill plan`).
+    #[arg(long, value_name = "DIR")]
+    record: Option<PathBuf>,
     /// Where report.json and report.html go.
     #[arg(long, default_value = "overspill-storm-report")]
     out: PathBuf,
@@ -229,7 +232,10 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         workload_seed: args.seed,
         bucket_s: args.bucket.max(1),
     };
-    let ops_per_vm: u64 = workload.generate(config.workload_seed, 0).iter().map(|p| p.len() as u64).sum();
+    let plan = RunPlan::from_workload(&workload, &config);
+    if let Some(dir) = &args.record {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let mut configs = Vec::new();
     for (index, run) in runs.iter().enumerate() {
         let label = run.label();
@@ -240,13 +246,15 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
             (Run::Remote(uri), _) => Box::new(RemoteTarget(uri.clone())),
             (Run::Local { .. }, None) => unreachable!("a golden image is opened for local runs"),
         };
-        let bar = driver::progress_bar(ops_per_vm * args.vms as u64);
+        let bar = driver::progress_bar(plan.total_ops());
         bar.set_prefix(label.clone());
         let started = Instant::now();
-        let results = driver::run(&workload, &config, target.as_ref(), &bar);
+        // Every configuration runs the same requests, so the first one's are recorded.
+        let record = if index == 0 { args.record.as_deref() } else { None };
+        let results = driver::run(&plan, &config, target.as_ref(), &bar, record);
         bar.finish();
         let wall_s = started.elapsed().as_secs_f64();
-        configs.push(report::config_report(&label, &workload, &config, &results, wall_s));
+        configs.push(report::config_report(&label, &plan, &config, &results, wall_s));
     }
     let report = StormReport {
         workload: workload.name.clone(),

@@ -1,0 +1,178 @@
+//! Record, replay and plan: traces recorded by a live storm replay against another server, and
+//! the planner's engine-only figures equal the live storm's counters.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn overspill(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill")).args(args).output().expect("run overspill");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "overspill {args:?}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("report")).expect("JSON")
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn traces(dir: &Path) -> Vec<String> {
+    let mut t: Vec<String> = std::fs::read_dir(dir)
+        .expect("trace dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "trace"))
+        .map(|p| s(&p))
+        .collect();
+    t.sort();
+    t
+}
+
+/// Per-VM mean over a storm report's phases of one tier's reads or writes.
+fn storm_tier(report: &Value, tier: &str, field: &str) -> f64 {
+    report["configs"][0]["phases"]
+        .as_array()
+        .expect("phases")
+        .iter()
+        .flat_map(|p| p["tiers"].as_array().cloned().unwrap_or_default())
+        .filter(|t| t["tier"] == tier)
+        .map(|t| t[field].as_f64().expect("number"))
+        .sum()
+}
+
+/// Equal but for float rounding in the per-phase sums (the counts themselves are integers).
+#[track_caller]
+fn assert_same(a: f64, b: f64, what: &str) {
+    assert!((a - b).abs() <= 1e-6 * a.abs().max(1.0), "{what}: planner {a}, live storm {b}");
+}
+
+fn plan_mean(row: &Value, field: &str) -> f64 {
+    let vms = row["vms"].as_array().expect("vms");
+    vms.iter().map(|v| v[field].as_f64().expect("number")).sum::<f64>() / vms.len() as f64
+}
+
+#[test]
+fn the_planner_reproduces_a_live_storm_and_never_beats_its_bound() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let rec: PathBuf = d.join("traces");
+    overspill(&[
+        "storm",
+        "--workload",
+        "win7-vdi-bloated-profile",
+        "--vms",
+        "3",
+        "--modes",
+        "ram+disk",
+        "--ram",
+        "64M",
+        "--read-cache",
+        "0",
+        "--record",
+        &s(&rec),
+        "--out",
+        &s(&d.join("storm")),
+        "--work-dir",
+        &s(&d.join("work")),
+    ]);
+    let storm = json(&d.join("storm/report.json"));
+    let files = traces(&rec);
+    assert_eq!(files.len(), 3, "one trace per VM");
+
+    let mut args = vec!["plan".to_owned()];
+    args.extend(files.iter().cloned());
+    args.extend(["--ram", "16M,64M,256M,1G", "--read-cache", "0", "--out", &s(&d.join("plan"))].map(str::to_owned));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let text = overspill(&args);
+    assert!(text.contains("spill wr LB"), "{text}");
+    let plan = json(&d.join("plan/plan.json"));
+    let rows = plan["rows"].as_array().expect("rows");
+    let at_64m = rows.iter().find(|r| r["ram_bytes"] == 64u64 << 20).expect("64M row");
+
+    // Same engine, same requests, same RAM: the same storage figures as the live storm.
+    assert_same(plan_mean(at_64m, "golden_reads"), storm_tier(&storm, "golden image", "reads_per_vm"), "golden reads");
+    let spill_writes = plan_mean(at_64m, "spill_writes");
+    assert!(spill_writes > 0.0, "the bloated profile overruns 64 MiB");
+    assert_same(spill_writes, storm_tier(&storm, "spill", "writes_per_vm"), "spill writes");
+    assert_same(plan_mean(at_64m, "spill_reads"), storm_tier(&storm, "spill", "reads_per_vm"), "spill reads");
+
+    // More memory, never more storage traffic; and the engine never beats the lower bound.
+    let ops: Vec<f64> = rows.iter().map(|r| r["storage_ops_per_vm"].as_f64().expect("number")).collect();
+    assert!(ops.windows(2).all(|w| w[1] <= w[0]), "storage ops by RAM size: {ops:?}");
+    for r in rows {
+        let bound = r["spill_writes_lower_bound_per_vm"].as_f64().expect("number");
+        let engine = r["spill_writes_per_vm"].as_f64().expect("number");
+        assert!(bound <= engine, "bound {bound} above the engine's {engine} at {}", r["ram_bytes"]);
+    }
+    assert!(rows[0]["spill_writes_lower_bound_per_vm"].as_f64() > Some(0.0), "16 MiB forces spilling");
+    assert!(std::fs::read_to_string(d.join("plan/plan.html")).expect("html").contains("<svg"));
+}
+
+#[test]
+fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let rec = d.join("traces");
+    overspill(&[
+        "storm",
+        "--workload",
+        "linux-boot",
+        "--vms",
+        "2",
+        "--modes",
+        "ram+disk",
+        "--record",
+        &s(&rec),
+        "--out",
+        &s(&d.join("storm")),
+        "--work-dir",
+        &s(&d.join("work")),
+    ]);
+    let files = traces(&rec);
+    let sock = d.join("nbdkit.sock");
+    let mut nbdkit = Command::new("nbdkit")
+        .args(["--foreground", "--unix", &s(&sock), "memory", "2G"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("nbdkit must be installed (.ci/run installs it)");
+    let start = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "nbdkit did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut args = vec!["replay".to_owned()];
+    args.extend(files.iter().cloned());
+    args.extend(
+        ["--fast", "--target", &format!("nbd+unix:///?socket={}", s(&sock)), "--out", &s(&d.join("replay"))]
+            .map(str::to_owned),
+    );
+    let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
+    overspill(&args_ref);
+    let _ = nbdkit.kill();
+    let _ = nbdkit.wait();
+    let replay = json(&d.join("replay/report.json"));
+    let guest = storm_tier(&replay, "guest", "total_ops_per_vm");
+    let storm = json(&d.join("storm/report.json"));
+    assert_eq!(guest, storm_tier(&storm, "guest", "total_ops_per_vm"), "the replay issued every recorded request");
+    assert_eq!(replay["configs"][0]["failed_vms"].as_array().map(Vec::len), Some(0));
+
+    let mut args = vec!["plan".to_owned()];
+    args.extend(files.iter().cloned());
+    args.extend(
+        ["--ram", "256M", "--storage", "hdd7200", "--vms", "40", "--out", &s(&d.join("plan"))].map(str::to_owned),
+    );
+    let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
+    let text = overspill(&args_ref);
+    let plan = json(&d.join("plan/plan.json"));
+    let with_cache = plan["rows"][0]["boot"]["avg_s"].as_f64().expect("estimate");
+    let without = plan["boot_without_cache"]["avg_s"].as_f64().expect("estimate");
+    assert!(with_cache < without, "the cache shortens the boot storm: {with_cache} vs {without}\n{text}");
+    assert!(with_cache >= 19.0, "no VM boots faster than its own recorded boot");
+}
