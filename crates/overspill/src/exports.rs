@@ -19,6 +19,8 @@ use overspill_engine::{
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
+use overspill_storm::profile::OpKind;
+use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
 /// Where and how every VM's write cache is kept.
 #[derive(Debug, Clone)]
@@ -90,6 +92,7 @@ pub struct OverlayExports {
     host: Arc<HostMemory>,
     registry: Arc<VmRegistry>,
     next_vm: AtomicU64,
+    record_dir: Option<PathBuf>,
 }
 
 const CAPABILITIES: Capabilities = Capabilities {
@@ -127,7 +130,22 @@ impl OverlayExports {
                 })
                 .collect()
         };
-        Ok(Self { images, read_caches, settings, host, registry: Arc::default(), next_vm: AtomicU64::new(1) })
+        Ok(Self {
+            images,
+            read_caches,
+            settings,
+            host,
+            registry: Arc::default(),
+            next_vm: AtomicU64::new(1),
+            record_dir: None,
+        })
+    }
+
+    /// Records every VM's requests to `dir/<vm>-<n>.trace` (see `overspill_storm::trace`).
+    pub fn record_to(&mut self, dir: PathBuf) -> std::io::Result<()> {
+        std::fs::create_dir_all(&dir)?;
+        self.record_dir = Some(dir);
+        Ok(())
     }
 
     /// Each golden image's shared read cache, by export name.
@@ -199,7 +217,14 @@ impl ExportProvider for OverlayExports {
         let handle = VmHandle { export: image_name.to_owned(), vm: vm.clone(), stats };
         self.registry.insert(number, handle);
         tracing::info!(export = image_name, vm, mode = %settings.mode, "VM connected");
-        Ok(Box::new(EngineDevice { overlay, number, vm, registry: self.registry.clone() }))
+        let recorder =
+            match &self.record_dir {
+                Some(dir) => Some(Recorder::create(dir, &vm, number, image.size()).map_err(|e| {
+                    DeviceError::new(DeviceErrorKind::Io, format!("cannot record this VM's trace: {e}"))
+                })?),
+                None => None,
+            };
+        Ok(Box::new(EngineDevice { overlay, number, vm, registry: self.registry.clone(), recorder }))
     }
 }
 
@@ -209,10 +234,53 @@ struct EngineDevice {
     number: u64,
     vm: String,
     registry: Arc<VmRegistry>,
+    recorder: Option<Recorder>,
+}
+
+/// One VM's trace being written: every request, timed from the VM's connection.
+struct Recorder {
+    writer: TraceWriter,
+    started: Instant,
+    failed: bool,
+}
+
+impl Recorder {
+    fn create(dir: &Path, vm: &str, number: u64, disk_bytes: u64) -> Result<Self, TraceError> {
+        // VM names come from clients: keep them to characters that are safe in a file name.
+        let safe: String =
+            vm.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+        let header = TraceHeader { disk_bytes, vm: vm.to_owned(), phases: vec!["recorded".into()] };
+        let writer = TraceWriter::create(&dir.join(format!("{safe}-{number}.trace")), &header)?;
+        Ok(Self { writer, started: Instant::now(), failed: false })
+    }
+
+    fn record(&mut self, kind: OpKind, offset: u64, length: u64) {
+        if self.failed {
+            return;
+        }
+        let record = Record {
+            time_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            offset,
+            length: u32::try_from(length).unwrap_or(u32::MAX),
+            kind,
+            flags: 0,
+            phase: 0,
+        };
+        if let Err(error) = self.writer.record(&record) {
+            // A full disk must not take the VM down with it: recording stops, serving goes on.
+            tracing::warn!(%error, "trace recording stopped");
+            self.failed = true;
+        }
+    }
 }
 
 impl Drop for EngineDevice {
     fn drop(&mut self) {
+        if let Some(recorder) = self.recorder.take() {
+            if let Err(error) = recorder.writer.finish() {
+                tracing::warn!(vm = %self.vm, %error, "could not finish the trace");
+            }
+        }
         self.registry.remove(self.number);
         let s = self.overlay.stats();
         tracing::info!(
@@ -264,22 +332,37 @@ impl BlockDevice for EngineDevice {
     }
 
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        if let Some(r) = self.recorder.as_mut() {
+            r.record(OpKind::Read, offset, buf.len() as u64);
+        }
         self.timed(GuestOp::Read, |o| o.read(offset, buf))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
+        if let Some(r) = self.recorder.as_mut() {
+            r.record(OpKind::Write, offset, data.len() as u64);
+        }
         self.timed(GuestOp::Write, |o| o.write(offset, data))
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
+        if let Some(r) = self.recorder.as_mut() {
+            r.record(OpKind::Zero, offset, length);
+        }
         self.timed(GuestOp::Zero, |o| o.write_zeroes(offset, length))
     }
 
     fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
+        if let Some(r) = self.recorder.as_mut() {
+            r.record(OpKind::Trim, offset, length);
+        }
         self.timed(GuestOp::Trim, |o| o.trim(offset, length))
     }
 
     fn flush(&mut self) -> Result<(), DeviceError> {
+        if let Some(r) = self.recorder.as_mut() {
+            r.record(OpKind::Flush, 0, 0);
+        }
         self.timed(GuestOp::Flush, Overlay::flush)
     }
 }

@@ -53,6 +53,9 @@ pub struct ServeArgs {
     /// Shared read cache per golden image (all its VMs read through it); 0 turns it off.
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     read_cache: u64,
+    /// Record every VM's requests (no data) to DIR/<vm>-<n>.trace, for `replay` and `plan`.
+    #[arg(long, value_name = "DIR")]
+    record: Option<PathBuf>,
     /// Serve Prometheus metrics (and /healthz) on tcp:HOST:PORT.
     #[arg(long, value_name = "tcp:HOST:PORT")]
     metrics: Option<String>,
@@ -97,7 +100,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         shared_dir: args.shared_dir.clone(),
         read_cache_bytes: args.read_cache,
     };
-    let exports = OverlayExports::new(images, settings, host.clone()).context("preparing cache directories")?;
+    let mut exports = OverlayExports::new(images, settings, host.clone()).context("preparing cache directories")?;
+    if let Some(dir) = &args.record {
+        exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
+    }
     if let Some(addr) = &args.metrics {
         let bound = metrics::spawn_endpoint(
             addr.strip_prefix("tcp:").unwrap_or(addr),
