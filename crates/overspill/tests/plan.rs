@@ -176,3 +176,54 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
     assert!(with_cache < without, "the cache shortens the boot storm: {with_cache} vs {without}\n{text}");
     assert!(with_cache >= 19.0, "no VM boots faster than its own recorded boot");
 }
+
+#[test]
+fn serve_records_what_a_real_client_asked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let golden = d.join("golden.img");
+    std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden image");
+    let sock = d.join("s.sock");
+    let rec = d.join("rec");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["serve", "--base", &s(&golden), "--listen", &format!("unix:{}", s(&sock)), "--ram-floor", "0"])
+        .args(["--spill-dir", &s(&d.join("spill")), "--shared-dir", &s(&d.join("shared")), "--record", &s(&rec)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start overspill serve");
+    let start = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "serve did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let uri = format!("nbd+unix:///@vm-rec?socket={}", s(&sock));
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 7 64k 128k", "-c", "read 64k 128k", "-c", "discard 64k 64k"])
+        .args(["-c", "write -z 1m 8k", "-c", "flush", &uri])
+        .output()
+        .expect("qemu-io must be installed");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The trace is complete once the VM's overlay is dropped.
+    let start = Instant::now();
+    let trace = loop {
+        let files = traces(&rec);
+        if let Some(t) = files.first().and_then(|f| overspill_storm::trace::Trace::read(Path::new(f)).ok()) {
+            if t.records.iter().any(|r| r.kind == overspill_storm::profile::OpKind::Flush) {
+                break t;
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no complete trace in {}", s(&rec));
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = server.kill();
+    let _ = server.wait();
+    use overspill_storm::profile::OpKind::*;
+    assert_eq!(trace.header.vm, "vm-rec");
+    assert_eq!(trace.header.disk_bytes, 64 << 20);
+    let seen: Vec<_> = trace.records.iter().map(|r| (r.kind, r.offset, r.length)).collect();
+    for expected in [(Write, 65536, 131072), (Read, 65536, 131072), (Trim, 65536, 65536), (Zero, 1 << 20, 8192)] {
+        assert!(seen.contains(&expected), "{expected:?} not in {seen:?}");
+    }
+    assert!(trace.records.windows(2).all(|w| w[0].time_us <= w[1].time_us), "times only go forward");
+}
