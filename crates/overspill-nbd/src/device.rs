@@ -18,6 +18,18 @@ pub struct Capabilities {
     pub can_fast_zero: bool,
 }
 
+impl Capabilities {
+    /// A writable device that does everything.
+    pub const ALL: Capabilities = Capabilities {
+        read_only: false,
+        can_flush: true,
+        can_fua: true,
+        can_trim: true,
+        can_zero: true,
+        can_fast_zero: true,
+    };
+}
+
 /// Block sizes advertised with NBD_INFO_BLOCK_SIZE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockSizes {

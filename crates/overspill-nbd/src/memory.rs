@@ -7,14 +7,7 @@ use crate::device::{BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceEr
 
 pub const DEFAULT_BLOCK_SIZES: BlockSizes = BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 };
 
-const ALL: Capabilities = Capabilities {
-    read_only: false,
-    can_flush: true,
-    can_fua: true,
-    can_trim: true,
-    can_zero: true,
-    can_fast_zero: true,
-};
+const ALL: Capabilities = Capabilities::ALL;
 
 /// A disk held in a byte vector; clones share the bytes (like connections to one nbdkit memory
 /// disk).

@@ -28,6 +28,19 @@ pub trait Target: Sync {
     fn stats(&self, vm: usize) -> Option<Arc<VmStats>>;
 }
 
+/// A server outside this process: every VM connects to the same URI, and no engine counters.
+pub struct RemoteTarget(pub NbdUri);
+
+impl Target for RemoteTarget {
+    fn uri(&self, _vm: usize) -> NbdUri {
+        self.0.clone()
+    }
+
+    fn stats(&self, _vm: usize) -> Option<Arc<VmStats>> {
+        None
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct StormConfig {
     pub vms: usize,

@@ -2,14 +2,12 @@
 //! at the recorded pace or as fast as possible, and prints the storm tables for what it did.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use overspill_engine::VmStats;
 use overspill_nbd::client::NbdUri;
-use overspill_storm::driver::{self, RunPlan, StormConfig, Target};
+use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig};
 use overspill_storm::report::{self, StormReport};
 use overspill_storm::trace::Trace;
 
@@ -32,18 +30,6 @@ pub struct ReplayArgs {
     out: PathBuf,
 }
 
-struct Remote(NbdUri);
-
-impl Target for Remote {
-    fn uri(&self, _vm: usize) -> NbdUri {
-        self.0.clone()
-    }
-
-    fn stats(&self, _vm: usize) -> Option<Arc<VmStats>> {
-        None
-    }
-}
-
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let uri: NbdUri = args.target.parse().map_err(|e| anyhow::anyhow!("--target {}: {e}", args.target))?;
     let traces = args
@@ -63,7 +49,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let bar = driver::progress_bar(plan.total_ops());
     bar.set_prefix("replay");
     let started = Instant::now();
-    let results = driver::run(&plan, &config, &Remote(uri), &bar, None);
+    let results = driver::run(&plan, &config, &RemoteTarget(uri), &bar, None);
     bar.finish();
     let label = args.target.clone();
     let config_report = report::config_report(&label, &plan, &config, &results, started.elapsed().as_secs_f64());

@@ -12,7 +12,7 @@ use clap::Args;
 use overspill_engine::{GoldenImage, HostMemory, RawImage, VmStats, WriteCacheMode};
 use overspill_nbd::client::{Endpoint, NbdUri};
 use overspill_nbd::{ListenAddr, Listener, Server, ServerConfig};
-use overspill_storm::driver::{self, RunPlan, StormConfig, Target};
+use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};
 use overspill_storm::report::{self, StormReport};
 use overspill_storm::Workload;
 
@@ -103,18 +103,6 @@ impl Target for LocalTarget {
     fn stats(&self, vm: usize) -> Option<Arc<VmStats>> {
         let name = format!("vm-{vm}");
         self.registry.snapshot().into_iter().find(|h| h.vm == name).map(|h| h.stats)
-    }
-}
-
-struct RemoteTarget(NbdUri);
-
-impl Target for RemoteTarget {
-    fn uri(&self, _vm: usize) -> NbdUri {
-        self.0.clone()
-    }
-
-    fn stats(&self, _vm: usize) -> Option<Arc<VmStats>> {
-        None
     }
 }
 

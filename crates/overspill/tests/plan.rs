@@ -14,6 +14,33 @@ fn overspill(args: &[&str]) -> String {
     stdout
 }
 
+/// A server process killed when dropped.
+struct Daemon(std::process::Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `program` and waits until it accepts connections on `sock`.
+fn daemon(program: &str, args: &[&str], sock: &Path) -> Daemon {
+    let child = Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{program} must be installed (.ci/run installs it): {e}"));
+    let daemon = Daemon(child);
+    let start = Instant::now();
+    while std::os::unix::net::UnixStream::connect(sock).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "{program} did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    daemon
+}
+
 fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).expect("report")).expect("JSON")
 }
@@ -136,17 +163,7 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
     ]);
     let files = traces(&rec);
     let sock = d.join("nbdkit.sock");
-    let mut nbdkit = Command::new("nbdkit")
-        .args(["--foreground", "--unix", &s(&sock), "memory", "2G"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nbdkit must be installed (.ci/run installs it)");
-    let start = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(start.elapsed() < Duration::from_secs(10), "nbdkit did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let nbdkit = daemon("nbdkit", &["--foreground", "--unix", &s(&sock), "memory", "2G"], &sock);
     let mut args = vec!["replay".to_owned()];
     args.extend(files.iter().cloned());
     args.extend(
@@ -155,8 +172,7 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
     );
     let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
     overspill(&args_ref);
-    let _ = nbdkit.kill();
-    let _ = nbdkit.wait();
+    drop(nbdkit);
     let replay = json(&d.join("replay/report.json"));
     let guest = storm_tier(&replay, "guest", "total_ops_per_vm");
     let storm = json(&d.join("storm/report.json"));
@@ -185,18 +201,16 @@ fn serve_records_what_a_real_client_asked() {
     std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden image");
     let sock = d.join("s.sock");
     let rec = d.join("rec");
-    let mut server = Command::new(env!("CARGO_BIN_EXE_overspill"))
-        .args(["serve", "--base", &s(&golden), "--listen", &format!("unix:{}", s(&sock)), "--ram-floor", "0"])
-        .args(["--spill-dir", &s(&d.join("spill")), "--shared-dir", &s(&d.join("shared")), "--record", &s(&rec)])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start overspill serve");
-    let start = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(start.elapsed() < Duration::from_secs(10), "serve did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let listen = format!("unix:{}", s(&sock));
+    let (spill, shared) = (s(&d.join("spill")), s(&d.join("shared")));
+    let server = daemon(
+        env!("CARGO_BIN_EXE_overspill"),
+        &["serve", "--base", &s(&golden), "--listen", &listen, "--ram-floor", "0", "--spill-dir", &spill]
+            .into_iter()
+            .chain(["--shared-dir", &shared, "--record", &s(&rec)])
+            .collect::<Vec<_>>(),
+        &sock,
+    );
     let uri = format!("nbd+unix:///@vm-rec?socket={}", s(&sock));
     let out = Command::new("qemu-io")
         .args(["-f", "raw", "-c", "write -P 7 64k 128k", "-c", "read 64k 128k", "-c", "discard 64k 64k"])
@@ -216,8 +230,7 @@ fn serve_records_what_a_real_client_asked() {
         assert!(start.elapsed() < Duration::from_secs(10), "no complete trace in {}", s(&rec));
         std::thread::sleep(Duration::from_millis(20));
     };
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     use overspill_storm::profile::OpKind::*;
     assert_eq!(trace.header.vm, "vm-rec");
     assert_eq!(trace.header.disk_bytes, 64 << 20);
