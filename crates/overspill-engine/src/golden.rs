@@ -31,6 +31,15 @@ pub trait GoldenImage: Send + Sync {
     fn describe(&self) -> String;
 }
 
+/// Opens a golden image by its format: qcow2 (by its magic) or raw.
+pub fn open_image(path: &Path) -> Result<std::sync::Arc<dyn GoldenImage>> {
+    if crate::qcow2::is_qcow2(path) {
+        Ok(std::sync::Arc::new(crate::qcow2::Qcow2Image::open(path)?))
+    } else {
+        Ok(std::sync::Arc::new(RawImage::open(path)?))
+    }
+}
+
 /// A raw disk image file.
 #[derive(Debug)]
 pub struct RawImage {

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use overspill_engine::{GoldenImage, HostMemory, RawImage, VmStats, WriteCacheMode};
+use overspill_engine::{open_image, GoldenImage, HostMemory, VmStats, WriteCacheMode};
 use overspill_nbd::client::{Endpoint, NbdUri};
 use overspill_nbd::{ListenAddr, Listener, Server, ServerConfig};
 use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};
@@ -199,7 +199,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
             Some(path) => path.clone(),
             None => synthetic_golden(&work, &workload)?,
         };
-        let image = RawImage::open(&path)?;
+        let image = open_image(&path)?;
         if image.size() < workload.disk_bytes() {
             bail!(
                 "golden image {} is smaller than the workload's {} disk",
@@ -207,7 +207,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
                 format_bytes(workload.disk_bytes())
             );
         }
-        Some(Arc::new(image))
+        Some(image)
     } else {
         None
     };
