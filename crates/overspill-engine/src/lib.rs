@@ -10,6 +10,7 @@ pub mod budget;
 pub mod error;
 pub mod golden;
 pub mod overlay;
+pub mod qcow2;
 pub mod ram;
 mod ranges;
 pub mod read_cache;
@@ -20,7 +21,7 @@ pub mod units;
 
 pub use budget::HostMemory;
 pub use error::{EngineError, Result};
-pub use golden::{GoldenImage, MemImage, RawImage, SourceReads};
+pub use golden::{open_image, GoldenImage, MemImage, RawImage, SourceReads};
 pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};
 pub use read_cache::CachedImage;
 pub use stats::VmStats;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::budget::read_mem_available;
-use overspill_engine::{GoldenImage, HostMemory, RawImage, WriteCacheMode};
+use overspill_engine::{open_image, GoldenImage, HostMemory, WriteCacheMode};
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig};
 
 use crate::exports::{CacheSettings, OverlayExports};
@@ -17,7 +17,7 @@ use crate::size::{format_bytes, parse_bytes};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// The default golden image (export name ""). Opened read-only, never written.
+    /// The default golden image (export name ""), raw or qcow2. Opened read-only, never written.
     #[arg(long)]
     base: Option<PathBuf>,
     /// More golden images as NAME=IMAGE; clients pick one by export name (NAME or NAME@VM).
@@ -70,8 +70,8 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
         if name.contains('@') {
             bail!("export name {name:?} may not contain '@' (it separates the VM name)");
         }
-        let image = RawImage::open(path).with_context(|| format!("golden image {}", path.display()))?;
-        if images.insert(name.to_owned(), Arc::new(image)).is_some() {
+        let image = open_image(path).with_context(|| format!("golden image {}", path.display()))?;
+        if images.insert(name.to_owned(), image).is_some() {
             bail!("export {name:?} is given twice");
         }
         Ok(())
