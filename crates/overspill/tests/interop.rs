@@ -1159,3 +1159,33 @@ fn metrics_pass_promtool_equal_the_engine_and_leave_with_the_vm() {
     assert_eq!(sample(&after, "overspill_connected_vms", &[]), 0.0);
     golden.assert_untouched();
 }
+
+/// A qcow2 golden image (made by qemu-img from a raw one) serves the same bytes, and stays as it
+/// was: nbdcopy of the export equals the raw image, and qemu-io's writes land in the overlay only.
+#[test]
+fn a_qcow2_golden_image_serves_the_bytes_of_its_raw_twin() {
+    let dir = TempDir::new().expect("tempdir");
+    let raw = Golden::create(dir.path(), "golden.raw", GOLDEN_BYTES, 41);
+    let qcow_path = dir.path().join("golden.qcow2");
+    run_ok(
+        dir.path(),
+        "qemu-img",
+        &["convert", "-f", "raw", "-O", "qcow2", raw.path(), qcow_path.to_str().expect("utf-8")],
+    );
+    let qcow_bytes = std::fs::read(&qcow_path).expect("qcow2 bytes");
+    let mtime = std::fs::metadata(&qcow_path).and_then(|m| m.modified()).expect("mtime");
+    let qcow = Golden { path: qcow_path, bytes: qcow_bytes, mtime };
+    let server = Server::start(dir.path(), &qcow, &["--ram", "4M"]);
+    let copy = dir.path().join("out.img");
+    run_ok(dir.path(), "nbdcopy", &[&server.uri(""), copy.to_str().expect("utf-8")]);
+    assert_same(&std::fs::read(&copy).expect("reading copy"), &raw.bytes, "nbdcopy of a qcow2 export");
+    let out = run_ok(
+        dir.path(),
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x5a 1m 8m", "-c", "read -P 0x5a 1m 8m", &server.uri("@q")],
+    );
+    assert!(!out.all().contains("Pattern verification failed"), "{}", out.all());
+    server.wait_disconnect("q");
+    qcow.assert_untouched();
+    raw.assert_untouched();
+}
