@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use overspill_engine::read_cache::{ReadCacheStats, DEFAULT_CHUNK_BYTES};
+use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::stats::GuestOp;
 use overspill_engine::{
     BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
@@ -20,6 +20,8 @@ use overspill_engine::{
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
 use overspill_storm::profile::OpKind;
+
+use crate::images::{ImageStore, OpenVersions, ReadCacheList};
 use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
 /// Where and how every VM's write cache is kept.
@@ -87,7 +89,8 @@ impl VmRegistry {
 
 pub struct OverlayExports {
     images: BTreeMap<String, Arc<dyn GoldenImage>>,
-    read_caches: Vec<(String, Arc<ReadCacheStats>)>,
+    versions: Option<OpenVersions>,
+    read_caches: Arc<ReadCacheList>,
     settings: CacheSettings,
     host: Arc<HostMemory>,
     registry: Arc<VmRegistry>,
@@ -110,7 +113,7 @@ impl OverlayExports {
             std::fs::create_dir_all(dir)?;
             remove_stale_cache_files(dir);
         }
-        let mut read_caches = Vec::new();
+        let read_caches = Arc::new(ReadCacheList::default());
         let images = if settings.read_cache_bytes == 0 {
             images
         } else {
@@ -118,13 +121,14 @@ impl OverlayExports {
                 .into_iter()
                 .map(|(name, image)| {
                     let cached = CachedImage::new(image, settings.read_cache_bytes, DEFAULT_CHUNK_BYTES);
-                    read_caches.push((name.clone(), cached.stats().clone()));
+                    read_caches.add(name.clone(), cached.stats());
                     (name, Arc::new(cached) as Arc<dyn GoldenImage>)
                 })
                 .collect()
         };
         Ok(Self {
             images,
+            versions: None,
             read_caches,
             settings,
             host,
@@ -142,8 +146,15 @@ impl OverlayExports {
     }
 
     /// Each golden image's shared read cache, by export name.
-    pub fn read_caches(&self) -> Vec<(String, Arc<ReadCacheStats>)> {
+    pub fn read_caches(&self) -> Arc<ReadCacheList> {
         self.read_caches.clone()
+    }
+
+    /// Also serves the images of a versioned store: each connection gets the image's current
+    /// version and keeps it until it disconnects.
+    pub fn with_image_store(&mut self, dir: &Path) {
+        let store = ImageStore::new(dir);
+        self.versions = Some(OpenVersions::new(store, self.settings.read_cache_bytes, self.read_caches.clone()));
     }
 
     pub fn registry(&self) -> Arc<VmRegistry> {
@@ -154,9 +165,22 @@ impl OverlayExports {
         &self.host
     }
 
-    fn image(&self, name: &str) -> Option<(&str, &Arc<dyn GoldenImage>)> {
-        let image_name = name.split_once('@').map_or(name, |(image, _)| image);
-        self.images.get_key_value(image_name).map(|(k, v)| (k.as_str(), v))
+    fn image_name(name: &str) -> &str {
+        name.split_once('@').map_or(name, |(image, _)| image)
+    }
+
+    /// The golden image an export name opens now, with the label it goes by in logs and metrics
+    /// (`name:version` for a versioned image).
+    fn image(&self, name: &str) -> Result<(String, Arc<dyn GoldenImage>), DeviceError> {
+        let image_name = Self::image_name(name);
+        if let Some(image) = self.images.get(image_name) {
+            return Ok((image_name.to_owned(), image.clone()));
+        }
+        let versions =
+            self.versions.as_ref().ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
+        let (version, image) =
+            versions.current(image_name).map_err(|e| DeviceError::new(DeviceErrorKind::Invalid, format!("{e:#}")))?;
+        Ok((format!("{image_name}:{version}"), image))
     }
 
     fn backing(&self, kind: BackingKind, vm_number: u64, size: u64) -> std::io::Result<Box<dyn BackingFile>> {
@@ -172,23 +196,27 @@ impl OverlayExports {
 
 impl ExportProvider for OverlayExports {
     fn list(&self) -> Vec<ExportInfo> {
-        self.images.keys().filter_map(|name| self.info(name)).collect()
+        let versioned = self.versions.as_ref().map(OpenVersions::names).unwrap_or_default();
+        self.images.keys().cloned().chain(versioned).filter_map(|name| self.info(&name)).collect()
     }
 
     fn info(&self, name: &str) -> Option<ExportInfo> {
-        let (_, image) = self.image(name)?;
+        let image_name = Self::image_name(name);
+        let (size, description) = match self.images.get(image_name) {
+            Some(image) => (image.size(), image.describe()),
+            None => self.versions.as_ref()?.describe(image_name).ok()?,
+        };
         Some(ExportInfo {
             name: name.to_owned(),
-            description: format!("{} write cache over {}", self.settings.mode, image.describe()),
-            size: image.size(),
+            description: format!("{} write cache over {description}", self.settings.mode),
+            size,
             capabilities: CAPABILITIES,
             block_sizes: DEFAULT_BLOCK_SIZES,
         })
     }
 
     fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
-        let (image_name, image) =
-            self.image(name).ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
+        let (image_name, image) = self.image(name)?;
         let number = self.next_vm.fetch_add(1, Ordering::Relaxed);
         let vm = name.split_once('@').map_or_else(|| format!("vm-{number}"), |(_, vm)| vm.to_owned());
         let settings = &self.settings;

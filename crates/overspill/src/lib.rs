@@ -2,6 +2,7 @@
 //! subcommands, and small command-line helpers. It owns no storage or protocol logic.
 
 pub mod exports;
+pub mod images;
 pub mod metrics;
 pub mod plan;
 pub mod replay;

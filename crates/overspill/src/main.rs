@@ -2,7 +2,7 @@
 //! or protocol logic lives here.
 
 use clap::{Parser, Subcommand};
-use overspill::{plan, replay, serve, stat, storm};
+use overspill::{images, plan, replay, serve, stat, storm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
@@ -33,13 +33,15 @@ enum Command {
     /// Size RAM from recorded traces: storage figures per RAM size, replayed through the engine
     /// alone, with a lower bound and boot-time estimates.
     Plan(plan::PlanArgs),
+    /// Golden images with versions: list, publish, choose the one new VMs get.
+    Image(images::ImageArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Serve(_) => "info",
-        Command::Storm(_) | Command::Stat(_) | Command::Replay(_) | Command::Plan(_) => "warn",
+        Command::Storm(_) | Command::Stat(_) | Command::Replay(_) | Command::Plan(_) | Command::Image(_) => "warn",
     };
     let level = cli.log.as_deref().unwrap_or(default_level);
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level))?;
@@ -55,5 +57,6 @@ fn main() -> anyhow::Result<()> {
         Command::Stat(args) => stat::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Image(args) => images::run(args),
     }
 }

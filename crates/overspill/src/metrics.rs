@@ -20,6 +20,7 @@ use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
 use overspill_engine::{HostMemory, VmStats};
 
 use crate::exports::VmRegistry;
+use crate::images::ReadCacheList;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -440,7 +441,7 @@ static START: std::sync::OnceLock<SystemTime> = std::sync::OnceLock::new();
 pub fn spawn_endpoint(
     addr: &str,
     registry: Arc<VmRegistry>,
-    read_caches: Vec<(String, Arc<ReadCacheStats>)>,
+    read_caches: Arc<ReadCacheList>,
     host: Arc<HostMemory>,
 ) -> anyhow::Result<String> {
     START.get_or_init(SystemTime::now);
@@ -453,7 +454,7 @@ pub fn spawn_endpoint(
             let (status, body, content_type) = match request.url() {
                 "/metrics" => {
                     let format = Format::from_accept(accept.as_deref());
-                    (200, render(&registry, &read_caches, &host, format), format.content_type())
+                    (200, render(&registry, &read_caches.live(), &host, format), format.content_type())
                 }
                 "/healthz" => (200, "ok\n".to_owned(), "text/plain; charset=utf-8"),
                 _ => (404, "not found: try /metrics or /healthz\n".to_owned(), "text/plain; charset=utf-8"),

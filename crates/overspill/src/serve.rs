@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// More golden images as NAME=IMAGE; clients pick one by export name (NAME or NAME@VM).
     #[arg(long = "export", value_name = "NAME=IMAGE")]
     exports: Vec<String>,
+    /// A versioned image store (see `overspill image`): each image in it is an export, and a VM
+    /// gets the image's current version.
+    #[arg(long, value_name = "DIR")]
+    images: Option<PathBuf>,
     /// unix:PATH or tcp:HOST:PORT.
     #[arg(long, default_value = "tcp:127.0.0.1:10809")]
     listen: ListenAddr,
@@ -83,8 +87,8 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
         let (name, path) = spec.split_once('=').with_context(|| format!("--export {spec:?}: use NAME=IMAGE"))?;
         add(name, path.as_ref())?;
     }
-    if images.is_empty() {
-        bail!("nothing to serve: give --base IMAGE or --export NAME=IMAGE");
+    if images.is_empty() && args.images.is_none() {
+        bail!("nothing to serve: give --base IMAGE, --export NAME=IMAGE or --images DIR");
     }
     Ok(images)
 }
@@ -101,6 +105,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         read_cache_bytes: args.read_cache,
     };
     let mut exports = OverlayExports::new(images, settings, host.clone()).context("preparing cache directories")?;
+    if let Some(dir) = &args.images {
+        exports.with_image_store(dir);
+    }
     if let Some(dir) = &args.record {
         exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
     }

@@ -1189,3 +1189,48 @@ fn a_qcow2_golden_image_serves_the_bytes_of_its_raw_twin() {
     qcow.assert_untouched();
     raw.assert_untouched();
 }
+
+/// Image versions: a VM keeps the version it connected to while new VMs get the newly
+/// activated one, and the old version is released when its last VM leaves.
+#[test]
+fn vms_keep_their_image_version_and_old_versions_are_released() {
+    let dir = TempDir::new().expect("tempdir");
+    let d = dir.path();
+    let store = d.join("images");
+    let overspill = env!("CARGO_BIN_EXE_overspill");
+    let store_arg = store.to_str().expect("utf-8");
+    let v1 = Golden::create(d, "v1.img", 8 << 20, 51);
+    let v2 = Golden::create(d, "v2.img", 8 << 20, 52);
+    run_ok(d, overspill, &["image", "--images", store_arg, "publish", "win7", v1.path(), "--activate"]);
+    let base = Golden::create(d, "base.img", 4 << 20, 53);
+    let server = Server::start(d, &base, &["--images", store_arg]);
+
+    let mut old = server.client("win7@vm-old");
+    let mut buf = vec![0u8; 4096];
+    old.read(4096, &mut buf).expect("read");
+    assert_same(&buf, &v1.bytes[4096..8192], "first VM reads v1");
+
+    let out = run_ok(d, overspill, &["image", "--images", store_arg, "publish", "win7", v2.path(), "--activate"]);
+    assert!(out.stdout.contains("v2"), "{}", out.all());
+    let list = run_ok(d, overspill, &["image", "--images", store_arg, "list"]);
+    assert!(list.stdout.contains("* v2") && list.stdout.contains("  v1"), "{}", list.all());
+
+    let mut new = server.client("win7@vm-new");
+    new.read(4096, &mut buf).expect("read");
+    assert_same(&buf, &v2.bytes[4096..8192], "a new VM gets v2");
+    old.read(4096, &mut buf).expect("read");
+    assert_same(&buf, &v1.bytes[4096..8192], "the running VM keeps v1");
+    let listed = run_ok(d, "nbdinfo", &["--list", &server.uri("")]);
+    assert!(listed.stdout.contains("win7"), "{}", listed.all());
+
+    assert!(server.events("golden image version released: its last VM left").is_empty());
+    old.disconnect().expect("disconnect");
+    let released = server.wait_for("v1 to be released", || {
+        server.events("golden image version released: its last VM left").into_iter().find(|f| f["image"] == "win7:v1")
+    });
+    assert_eq!(released["image"], "win7:v1");
+    new.read(0, &mut buf).expect("v2 still serves");
+    assert_same(&buf, &v2.bytes[..4096], "v2 after v1 left");
+    v1.assert_untouched();
+    v2.assert_untouched();
+}

@@ -1,0 +1,336 @@
+//! Golden images with versions, the way provisioning servers keep them: a directory per image,
+//! one immutable file per version, and a `current` marker naming the version new VMs get.
+//!
+//! ```text
+//! DIR/<image>/v1.img  v2.qcow2  …   published versions, never changed once there
+//! DIR/<image>/current                the version new connections get ("v2"), replaced atomically
+//! ```
+//!
+//! A VM keeps the version it connected to until it reconnects: its overlay holds that version
+//! open. The server keeps one open copy (and one shared read cache) per version while any VM uses
+//! it, and lets go of it when the last one leaves.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use overspill_engine::read_cache::{ReadCacheStats, DEFAULT_CHUNK_BYTES};
+use overspill_engine::{open_image, CachedImage, GoldenImage};
+
+use crate::size::format_bytes;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Version {
+    pub name: String,
+    pub path: PathBuf,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageEntry {
+    pub name: String,
+    pub versions: Vec<Version>,
+    pub current: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    root: PathBuf,
+}
+
+/// Image and version names become file names and NBD export names: keep them plain.
+fn check_name(what: &str, name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && !name.starts_with('.');
+    if !ok {
+        bail!("{what} name {name:?}: use letters, digits, '-', '_' and '.', at most 64, not starting with '.'");
+    }
+    Ok(())
+}
+
+fn version_number(name: &str) -> Option<u64> {
+    name.strip_prefix('v')?.parse().ok()
+}
+
+impl ImageStore {
+    pub fn new(root: &Path) -> Self {
+        Self { root: root.to_path_buf() }
+    }
+
+    pub fn images(&self) -> anyhow::Result<Vec<ImageEntry>> {
+        let mut images = Vec::new();
+        let entries = match std::fs::read_dir(&self.root) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(images),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", self.root.display())),
+        };
+        for entry in entries.flatten() {
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            if entry.path().is_dir() && check_name("image", &name).is_ok() {
+                images.push(self.image(&name)?);
+            }
+        }
+        images.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(images)
+    }
+
+    pub fn image(&self, name: &str) -> anyhow::Result<ImageEntry> {
+        check_name("image", name)?;
+        let dir = self.root.join(name);
+        let mut versions = Vec::new();
+        for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?.flatten() {
+            let path = entry.path();
+            let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else { continue };
+            if version_number(stem).is_some() && path.extension().is_some_and(|e| e == "img" || e == "qcow2") {
+                let bytes = entry.metadata().map(|m| m.len()).unwrap_or(0);
+                versions.push(Version { name: stem.to_owned(), path: path.clone(), bytes });
+            }
+        }
+        versions.sort_by_key(|v| version_number(&v.name));
+        let current = std::fs::read_to_string(dir.join("current")).ok().map(|s| s.trim().to_owned());
+        Ok(ImageEntry { name: name.to_owned(), versions, current })
+    }
+
+    /// The version new connections to `name` get, and its file.
+    pub fn current(&self, name: &str) -> anyhow::Result<Version> {
+        let image = self.image(name)?;
+        let current = image.current.with_context(|| format!("image {name} has no current version"))?;
+        image
+            .versions
+            .into_iter()
+            .find(|v| v.name == current)
+            .with_context(|| format!("image {name}: current version {current} is not published"))
+    }
+
+    /// Copies `file` in as the next version (`v1`, `v2`, …) and returns its name. The copy lands
+    /// under a temporary name and is renamed into place, so a reader never sees half a version.
+    pub fn publish(&self, name: &str, file: &Path, activate: bool) -> anyhow::Result<String> {
+        check_name("image", name)?;
+        let dir = self.root.join(name);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
+        let version = format!("v{next}");
+        let ext = if overspill_engine::qcow2::is_qcow2(file) { "qcow2" } else { "img" };
+        let target = dir.join(format!("{version}.{ext}"));
+        let partial = dir.join(format!(".{version}.{ext}.partial"));
+        std::fs::copy(file, &partial).with_context(|| format!("copying {}", file.display()))?;
+        // Published versions are read-only, for people as for the server.
+        let mut perms = std::fs::metadata(&partial)?.permissions();
+        perms.set_readonly(true);
+        std::fs::set_permissions(&partial, perms)?;
+        std::fs::rename(&partial, &target)?;
+        if activate {
+            self.activate(name, &version)?;
+        }
+        Ok(version)
+    }
+
+    /// Marks `version` as the one new connections get.
+    pub fn activate(&self, name: &str, version: &str) -> anyhow::Result<()> {
+        check_name("version", version)?;
+        let image = self.image(name)?;
+        if !image.versions.iter().any(|v| v.name == version) {
+            bail!("image {name} has no version {version}");
+        }
+        let dir = self.root.join(name);
+        let partial = dir.join(".current.partial");
+        std::fs::write(&partial, format!("{version}\n"))?;
+        std::fs::rename(&partial, dir.join("current"))?;
+        Ok(())
+    }
+}
+
+/// The versions a server has open: one copy (and one read cache) per version in use.
+pub struct OpenVersions {
+    store: ImageStore,
+    read_cache_bytes: u64,
+    open: Mutex<HashMap<(String, String), Weak<dyn GoldenImage>>>,
+    caches: Arc<ReadCacheList>,
+}
+
+/// Every shared read cache a server has, for metrics; entries of released versions fade out.
+#[derive(Debug, Default)]
+pub struct ReadCacheList {
+    caches: Mutex<Vec<(String, Weak<ReadCacheStats>)>>,
+}
+
+impl ReadCacheList {
+    pub fn add(&self, label: String, stats: &Arc<ReadCacheStats>) {
+        self.lock().push((label, Arc::downgrade(stats)));
+    }
+
+    /// The caches still alive, dropping the others.
+    pub fn live(&self) -> Vec<(String, Arc<ReadCacheStats>)> {
+        let mut caches = self.lock();
+        caches.retain(|(_, weak)| weak.strong_count() > 0);
+        caches.iter().filter_map(|(label, weak)| Some((label.clone(), weak.upgrade()?))).collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, Weak<ReadCacheStats>)>> {
+        self.caches.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A version in use; logs when the last VM using it has gone.
+struct HeldVersion {
+    inner: Arc<dyn GoldenImage>,
+    label: String,
+}
+
+impl Drop for HeldVersion {
+    fn drop(&mut self) {
+        tracing::info!(image = %self.label, "golden image version released: its last VM left");
+    }
+}
+
+impl GoldenImage for HeldVersion {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+
+    fn read_counted(&self, buf: &mut [u8], offset: u64) -> std::io::Result<overspill_engine::SourceReads> {
+        self.inner.read_counted(buf, offset)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} ({})", self.label, self.inner.describe())
+    }
+}
+
+impl OpenVersions {
+    pub fn new(store: ImageStore, read_cache_bytes: u64, caches: Arc<ReadCacheList>) -> Self {
+        Self { store, read_cache_bytes, open: Mutex::default(), caches }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.store.images().map(|images| images.into_iter().map(|i| i.name).collect()).unwrap_or_default()
+    }
+
+    /// The current version of `name` as NBD_OPT_INFO describes it (size, description), without
+    /// holding it open.
+    pub fn describe(&self, name: &str) -> anyhow::Result<(u64, String)> {
+        let version = self.store.current(name)?;
+        let key = (name.to_owned(), version.name.clone());
+        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(image) = open.get(&key).and_then(Weak::upgrade) {
+            return Ok((image.size(), image.describe()));
+        }
+        drop(open);
+        let image = open_image(&version.path)?;
+        Ok((image.size(), format!("{name}:{} ({})", version.name, image.describe())))
+    }
+
+    /// The current version of `name`, shared with the VMs already on it.
+    pub fn current(&self, name: &str) -> anyhow::Result<(String, Arc<dyn GoldenImage>)> {
+        let version = self.store.current(name)?;
+        let key = (name.to_owned(), version.name.clone());
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(image) = open.get(&key).and_then(Weak::upgrade) {
+            return Ok((version.name, image));
+        }
+        let label = format!("{name}:{}", version.name);
+        let mut image = open_image(&version.path).with_context(|| format!("opening {label}"))?;
+        if self.read_cache_bytes > 0 {
+            let cached = CachedImage::new(image, self.read_cache_bytes, DEFAULT_CHUNK_BYTES);
+            self.caches.add(label.clone(), cached.stats());
+            image = Arc::new(cached);
+        }
+        let held: Arc<dyn GoldenImage> = Arc::new(HeldVersion { inner: image, label });
+        open.retain(|_, weak| weak.strong_count() > 0);
+        open.insert(key, Arc::downgrade(&held));
+        Ok((version.name, held))
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ImageArgs {
+    /// The image store directory (as `serve --images`).
+    #[arg(long)]
+    images: PathBuf,
+    #[command(subcommand)]
+    action: ImageAction,
+}
+
+#[derive(Debug, Subcommand)]
+enum ImageAction {
+    /// Images, their versions, and which one new connections get.
+    List,
+    /// Copy FILE in as IMAGE's next version.
+    Publish {
+        image: String,
+        file: PathBuf,
+        /// Also make it the version new connections get.
+        #[arg(long)]
+        activate: bool,
+    },
+    /// Make VERSION the one new connections to IMAGE get; VMs already running keep theirs.
+    Activate { image: String, version: String },
+}
+
+pub fn run(args: ImageArgs) -> anyhow::Result<()> {
+    let store = ImageStore::new(&args.images);
+    match args.action {
+        ImageAction::List => {
+            for image in store.images()? {
+                println!("{}", image.name);
+                for v in &image.versions {
+                    let mark = if image.current.as_deref() == Some(&v.name) { "*" } else { " " };
+                    println!("  {mark} {:<6} {:>10}  {}", v.name, format_bytes(v.bytes), v.path.display());
+                }
+            }
+        }
+        ImageAction::Publish { image, file, activate } => {
+            let version = store.publish(&image, &file, activate)?;
+            println!("{image} {version}{}", if activate { " (current)" } else { "" });
+        }
+        ImageAction::Activate { image, version } => {
+            store.activate(&image, &version)?;
+            println!("{image} {version} (current)");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_activate_and_share_open_versions() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = ImageStore::new(&dir.path().join("images"));
+        let file = dir.path().join("a.img");
+        std::fs::write(&file, vec![1u8; 8192]).expect("write");
+        assert_eq!(store.publish("win7", &file, true).expect("publish"), "v1");
+        std::fs::write(&file, vec![2u8; 4096]).expect("write");
+        assert_eq!(store.publish("win7", &file, false).expect("publish"), "v2");
+        let entry = store.image("win7").expect("image");
+        assert_eq!(entry.versions.iter().map(|v| v.name.as_str()).collect::<Vec<_>>(), ["v1", "v2"]);
+        assert_eq!(entry.current.as_deref(), Some("v1"));
+        assert!(store.publish("../etc", &file, false).is_err(), "names stay inside the store");
+        assert!(store.activate("win7", "v9").is_err());
+
+        let caches = Arc::new(ReadCacheList::default());
+        let open = OpenVersions::new(store.clone(), 1 << 20, caches.clone());
+        let (v, first) = open.current("win7").expect("current");
+        let (_, again) = open.current("win7").expect("current");
+        assert_eq!(v, "v1");
+        assert!(Arc::ptr_eq(&first, &again), "one open copy per version");
+        assert_eq!(first.size(), 8192);
+        store.activate("win7", "v2").expect("activate");
+        let (v, second) = open.current("win7").expect("current");
+        assert_eq!((v.as_str(), second.size()), ("v2", 4096));
+        assert_eq!(first.size(), 8192, "a VM on v1 keeps v1");
+        assert_eq!(caches.live().len(), 2);
+        drop((first, again));
+        assert_eq!(caches.live().len(), 1, "v1's cache goes when its last user does");
+    }
+}
