@@ -8,6 +8,7 @@
 
 pub mod budget;
 pub mod error;
+pub mod faults;
 pub mod golden;
 pub mod overlay;
 pub mod qcow2;
