@@ -3,6 +3,8 @@
 # overspill (RAM tier, and a 16 MiB target that spills) and nbdkit's cow filter over the same
 # golden image, in one run. Writes bench/results/fio-vs-nbdkit-<rev>.md.
 # Usage: bench/fio-vs-nbdkit.sh [seconds per run, default 5]
+# Superseded by bench/run (every server, cell, machine limit and the scale test in one run; see
+# docs/performance.md); kept because it is short and its results are in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runtime=${1:-5}
