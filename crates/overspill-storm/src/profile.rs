@@ -252,10 +252,11 @@ impl VmState {
                     trims_left -= 1;
                     self.trim(&mut rng, at_ms)
                 }
-                OpKind::Flush | OpKind::Zero => {
+                OpKind::Flush => {
                     flushes_left -= 1;
-                    Op { at_ms, kind: OpKind::Flush, offset: 0, len: 0 }
+                    Op { at_ms, kind, offset: 0, len: 0 }
                 }
+                OpKind::Zero => unreachable!("the kind draw above yields only reads, writes, trims and flushes"),
             };
             ops.push(op);
         }
