@@ -7,6 +7,8 @@
 //! syscall, while a lone request is answered at once.
 
 use std::io::{self, Read, Write};
+use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::device::{BlockDevice, DeviceError};
@@ -32,20 +34,41 @@ impl Default for Limits {
     }
 }
 
+/// Ends a stream's reads from another thread: a read blocked on it returns end of stream.
+pub type ReadStopper = Box<dyn Fn() -> io::Result<()> + Send>;
+
 /// A byte stream the server can serve on: a Unix or TCP socket (or either end of a socketpair).
 pub trait Transport: Read + Write + Send + 'static {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+
+    /// A handle that shuts the stream for reading from another thread, so that a server shutting
+    /// down can wake connections blocked waiting for a request. `None` if the stream has none;
+    /// such a connection then ends only when its client goes.
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        None
+    }
 }
 
 impl Transport for std::os::unix::net::UnixStream {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
     }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        // A second descriptor for the same socket: shutdown acts on the socket, not the fd.
+        let socket = self.try_clone().ok()?;
+        Some(Box::new(move || socket.shutdown(Shutdown::Read)))
+    }
 }
 
 impl Transport for std::net::TcpStream {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         std::net::TcpStream::set_read_timeout(self, timeout)
+    }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        let socket = self.try_clone().ok()?;
+        Some(Box::new(move || socket.shutdown(Shutdown::Read)))
     }
 }
 
@@ -156,6 +179,19 @@ pub fn serve_connection<T: Transport>(
     exports: &dyn ExportProvider,
     limits: &Limits,
 ) -> Result<Ending, ConnectionError> {
+    serve_connection_until(stream, exports, limits, &AtomicBool::new(false))
+}
+
+/// Like [`serve_connection`], and once `stop` is set it ends at the first point where it would
+/// wait for the client: the request in hand (and any already read) is served and answered, no
+/// further request is read. The server sets `stop` and then shuts the stream for reading, which
+/// wakes a connection blocked waiting for a request.
+pub fn serve_connection_until<T: Transport>(
+    stream: T,
+    exports: &dyn ExportProvider,
+    limits: &Limits,
+    stop: &AtomicBool,
+) -> Result<Ending, ConnectionError> {
     let mut wire = Wire::new(stream, Handshake::greeting());
     wire.stream.set_read_timeout(Some(limits.handshake_timeout))?;
     let mut handshake = Handshake::new();
@@ -177,19 +213,25 @@ pub fn serve_connection<T: Transport>(
     };
     wire.stream.set_read_timeout(limits.idle_timeout)?;
     tracing::debug!(export = %negotiated.export, structured = negotiated.structured_replies, "transmission");
-    transmit(&mut wire, negotiated, limits)
+    transmit(&mut wire, negotiated, limits, stop)
 }
 
 fn transmit<T: Transport>(
     wire: &mut Wire<T>,
     mut session: Negotiated,
     limits: &Limits,
+    stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
     let mut requests = 0u64;
     let size = session.info.size;
     let caps = session.info.capabilities;
     let max = limits.max_payload_bytes;
     loop {
+        // Between requests, with nothing read ahead: the one point where stopping loses nothing
+        // the client was told about. A request partly read is finished first.
+        if wire.buffered().is_empty() && stop.load(Ordering::Relaxed) {
+            break;
+        }
         if !wire.need(REQUEST_HEADER_BYTES)? {
             break;
         }

@@ -1,19 +1,26 @@
 //! Listening sockets and the accept loop: one thread per connection, a cap on connections.
 //!
+//! A [`ShutdownHandle`] drains a server: the accept loop returns, every connection answers the
+//! request in hand and closes (see [`crate::connection::serve_connection_until`]), and
+//! [`Server::wait_idle`] waits for their threads, so that whatever their devices hold is dropped
+//! before the process exits.
+//!
 //! Threads rather than an async runtime: each VM's requests are served in order by the overlay
 //! that owns its state, the work is memcpy or local file I/O that would block an executor anyway,
 //! and a blocking read gives the lowest latency at queue depth 1. Hundreds of VMs are hundreds of
 //! mostly idle threads, which Linux handles well.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use crate::connection::{serve_connection, ConnectionError, Ending, Limits, Transport};
+use crate::connection::{serve_connection_until, ConnectionError, Ending, Limits, ReadStopper, Transport};
 use crate::ExportProvider;
 
 /// Where a server listens: `unix:PATH` or `tcp:HOST:PORT`.
@@ -115,6 +122,7 @@ pub struct Server {
     exports: Arc<dyn ExportProvider>,
     config: ServerConfig,
     active: Arc<AtomicUsize>,
+    shutdown: ShutdownHandle,
 }
 
 /// Releases a connection slot however the connection's thread ends.
@@ -126,26 +134,127 @@ impl Drop for Slot {
     }
 }
 
+/// Stops a [`Server`] from any thread (a signal handler's, typically); cheap to clone.
+#[derive(Clone, Default)]
+pub struct ShutdownHandle(Arc<ShutdownState>);
+
+#[derive(Default)]
+struct ShutdownState {
+    stop: AtomicBool,
+    /// Where the accept loops listen, to wake them with a connection of our own.
+    listening: Mutex<Vec<ListenAddr>>,
+    /// What wakes each live connection blocked on a read.
+    connections: Mutex<HashMap<u64, ReadStopper>>,
+    next_key: AtomicU64,
+}
+
+impl fmt::Debug for ShutdownHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShutdownHandle").field("requested", &self.is_requested()).finish_non_exhaustive()
+    }
+}
+
+/// The registries hold only wake-up handles: a panic elsewhere leaves them usable.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl ShutdownHandle {
+    pub fn is_requested(&self) -> bool {
+        self.0.stop.load(Ordering::SeqCst)
+    }
+
+    /// Stops accepting and tells every connection to close after the request in hand. Returns
+    /// at once; [`Server::wait_idle`] waits for the connections to go.
+    pub fn shutdown(&self) {
+        if self.0.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let listening = lock(&self.0.listening).clone();
+        for addr in &listening {
+            // accept() has no timeout: a connection of our own wakes it to see the flag.
+            if let Err(error) = connect(addr) {
+                tracing::warn!(%addr, %error, "could not wake the accept loop");
+            }
+        }
+        let connections = lock(&self.0.connections);
+        tracing::info!(connections = connections.len(), "shutting down: closing connections after their requests");
+        for stop_reading in connections.values() {
+            // The peer may be gone already; nothing is left to wake then.
+            let _ = stop_reading();
+        }
+    }
+
+    /// Registers a connection's stopper; stops it at once if shutdown has begun.
+    fn register(&self, id: u64, stopper: ReadStopper) {
+        let mut connections = lock(&self.0.connections);
+        // Checked under the lock that shutdown() takes after setting the flag, so a connection
+        // registered while it runs is either in its list or sees the flag here.
+        if self.is_requested() {
+            let _ = stopper();
+        }
+        connections.insert(id, stopper);
+    }
+
+    fn unregister(&self, id: u64) {
+        lock(&self.0.connections).remove(&id);
+    }
+}
+
+/// Forgets a connection's stopper (and closes its second descriptor) when its thread ends.
+struct Registration {
+    shutdown: ShutdownHandle,
+    id: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.shutdown.unregister(self.id);
+    }
+}
+
 impl Server {
     pub fn new(exports: Arc<dyn ExportProvider>, config: ServerConfig) -> Self {
-        Self { exports, config, active: Arc::new(AtomicUsize::new(0)) }
+        Self { exports, config, active: Arc::new(AtomicUsize::new(0)), shutdown: ShutdownHandle::default() }
     }
 
     pub fn active_connections(&self) -> usize {
         self.active.load(Ordering::Relaxed)
     }
 
-    /// Accepts connections until the listener fails; each is served on its own thread.
+    /// The handle that stops this server.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        self.shutdown.clone()
+    }
+
+    /// Waits until no connection is left, or `timeout` passes; whether none is left.
+    pub fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.active_connections() > 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    /// Accepts connections until shutdown is requested; each is served on its own thread.
     pub fn run(&self, listener: &Listener) -> std::io::Result<()> {
+        lock(&self.shutdown.0.listening).push(listener.local_addr());
         let mut next_id = 0u64;
         loop {
+            if self.shutdown.is_requested() {
+                tracing::info!(listen = %listener.local_addr(), "no longer accepting connections");
+                return Ok(());
+            }
             next_id += 1;
             let accepted = match listener {
-                Listener::Unix(l, _) => l.accept().map(|(s, _)| self.spawn(s, next_id, "unix".into())),
+                Listener::Unix(l, _) => l.accept().map(|(s, _)| self.spawn_unless_stopping(s, next_id, "unix".into())),
                 Listener::Tcp(l) => l.accept().map(|(s, peer)| {
                     // Replies are batched by the connection; Nagle would only add latency.
                     let _ = s.set_nodelay(true);
-                    self.spawn(s, next_id, peer.to_string())
+                    self.spawn_unless_stopping(s, next_id, peer.to_string())
                 }),
             };
             match accepted {
@@ -159,6 +268,14 @@ impl Server {
         }
     }
 
+    /// Once shutdown has begun, what accept returns is our own wake-up or a client too late:
+    /// closing it at once is its answer.
+    fn spawn_unless_stopping<T: Transport>(&self, stream: T, id: u64, peer: String) {
+        if !self.shutdown.is_requested() {
+            self.spawn(stream, id, peer);
+        }
+    }
+
     /// Serves one already-connected stream on a new thread (also used for socketpairs in tests).
     pub fn spawn<T: Transport>(&self, stream: T, id: u64, peer: String) {
         let active = self.active.fetch_add(1, Ordering::Relaxed) + 1;
@@ -167,11 +284,23 @@ impl Server {
             tracing::warn!(peer, limit = self.config.max_connections, "connection refused: too many connections");
             return;
         }
+        // Connection ids need not be unique (socketpairs all use 0): the registry keys on its own.
+        let key = self.shutdown.0.next_key.fetch_add(1, Ordering::Relaxed);
+        let registration = match stream.read_stopper() {
+            Some(stopper) => {
+                self.shutdown.register(key, stopper);
+                Some(Registration { shutdown: self.shutdown.clone(), id: key })
+            }
+            None => None,
+        };
         let exports = self.exports.clone();
         let limits = self.config.limits.clone();
+        let shutdown = self.shutdown.clone();
         let spawned = std::thread::Builder::new().name(format!("nbd-{id}")).spawn(move || {
             let _slot = slot;
-            log_ending(id, &peer, serve_connection(stream, exports.as_ref(), &limits));
+            let _registration = registration;
+            let ending = serve_connection_until(stream, exports.as_ref(), &limits, &shutdown.0.stop);
+            log_ending(id, &peer, ending);
         });
         if let Err(error) = spawned {
             tracing::error!(%error, "could not start a connection thread");
@@ -212,5 +341,9 @@ pub fn connect(addr: &ListenAddr) -> std::io::Result<Box<dyn Transport>> {
 impl Transport for Box<dyn Transport> {
     fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> std::io::Result<()> {
         (**self).set_read_timeout(timeout)
+    }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        (**self).read_stopper()
     }
 }

@@ -1,4 +1,6 @@
-//! `overspill serve`: open the golden images, bind the socket, serve until killed.
+//! `overspill serve`: open the golden images, bind the socket, serve until SIGTERM or SIGINT,
+//! then drain: stop accepting, let each connection finish the request in hand, drop the overlays
+//! (and their cache files) and the socket, and exit 0.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -9,6 +11,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::budget::read_mem_available;
 use overspill_engine::{open_image, GoldenImage, HostMemory, WriteCacheMode};
+use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig};
 
 use crate::exports::{CacheSettings, OverlayExports};
@@ -125,6 +128,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         limits: Limits { handshake_timeout: Duration::from_secs(args.handshake_timeout), ..Limits::default() },
         max_connections: args.max_connections,
     };
+    let server = Server::new(Arc::new(exports), config);
+    // Before the socket exists: a signal once clients can connect always drains.
+    spawn_signal_handler(server.shutdown_handle())?;
     let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     tracing::info!(
         listen = %listener.local_addr(),
@@ -133,8 +139,42 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ram_total = %format_bytes(args.ram_total),
         "serving"
     );
-    let server = Server::new(Arc::new(exports), config);
-    server.run(&listener).context("accepting connections")
+    server.run(&listener).context("accepting connections")?;
+    // Connections close after the request in hand; their overlays drop, removing cache files.
+    if !server.wait_idle(DRAIN_TIMEOUT) {
+        tracing::warn!(
+            connections = server.active_connections(),
+            "connections still busy after {DRAIN_TIMEOUT:?}; exiting anyway (the next server removes their files)"
+        );
+    }
+    // Removes the Unix socket.
+    drop(listener);
+    tracing::info!("shut down");
+    Ok(())
+}
+
+/// How long SIGTERM waits for connections to finish the request in hand.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// SIGTERM or SIGINT drains the server; a second one exits at once.
+fn spawn_signal_handler(shutdown: ShutdownHandle) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let mut signals = signals.forever();
+            if let Some(signal) = signals.next() {
+                tracing::info!(signal, "signal received: draining connections");
+                shutdown.shutdown();
+            }
+            if let Some(signal) = signals.next() {
+                tracing::warn!(signal, "second signal: exiting without waiting for connections");
+                std::process::exit(1);
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(())
 }
 
 /// Feeds the host's free memory to the budget once a second, so VMs shrink under pressure.

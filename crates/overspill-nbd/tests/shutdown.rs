@@ -1,0 +1,250 @@
+//! Draining a server over a real Unix listener: after `ShutdownHandle::shutdown` the accept loop
+//! returns, a request being served is answered, idle connections and connections still in the
+//! handshake are closed, every device is dropped, and no acknowledged write is missing.
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use overspill_nbd::client::{Client, ClientError};
+use overspill_nbd::memory::{MemoryDevice, OneExport};
+use overspill_nbd::{
+    BlockDevice, Capabilities, DeviceError, ExportInfo, ExportProvider, ListenAddr, Listener, Server, ServerConfig,
+};
+
+const SIZE: usize = 1 << 20;
+const BLOCK: usize = 4096;
+/// A write here takes [`SLOW`], so a test can shut down while it is being served.
+const SLOW_OFFSET: u64 = (SIZE - BLOCK) as u64;
+const SLOW: Duration = Duration::from_millis(400);
+
+/// One shared in-memory disk whose devices count their drops and are slow at [`SLOW_OFFSET`].
+struct Exports {
+    inner: OneExport,
+    opened: AtomicUsize,
+    dropped: Arc<AtomicUsize>,
+    slow_started: std::sync::Mutex<mpsc::Sender<()>>,
+}
+
+struct Device {
+    inner: MemoryDevice,
+    dropped: Arc<AtomicUsize>,
+    slow_started: mpsc::Sender<()>,
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl BlockDevice for Device {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.inner.read(offset, buf)
+    }
+    fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        if offset == SLOW_OFFSET {
+            let _ = self.slow_started.send(());
+            std::thread::sleep(SLOW);
+        }
+        self.inner.write(offset, data, fua)
+    }
+    fn write_zeroes(
+        &mut self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fast: bool,
+        fua: bool,
+    ) -> Result<(), DeviceError> {
+        self.inner.write_zeroes(offset, len, may_trim, fast, fua)
+    }
+    fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn flush(&mut self) -> Result<(), DeviceError> {
+        self.inner.flush()
+    }
+}
+
+impl ExportProvider for Exports {
+    fn list(&self) -> Vec<ExportInfo> {
+        self.inner.list()
+    }
+    fn info(&self, name: &str) -> Option<ExportInfo> {
+        self.inner.info(name)
+    }
+    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        self.inner.open(name)?;
+        self.opened.fetch_add(1, Ordering::SeqCst);
+        let slow_started = self.slow_started.lock().expect("sender lock").clone();
+        Ok(Box::new(Device { inner: self.inner.device().clone(), dropped: self.dropped.clone(), slow_started }))
+    }
+}
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    socket: std::path::PathBuf,
+    server: Arc<Server>,
+    exports: Arc<Exports>,
+    slow_started: mpsc::Receiver<()>,
+    accept_loop: std::thread::JoinHandle<std::io::Result<()>>,
+    listener: Arc<Listener>,
+}
+
+fn start() -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("nbd.sock");
+    let listener = Arc::new(Listener::bind(&ListenAddr::Unix(socket.clone())).expect("bind"));
+    let (tx, slow_started) = mpsc::channel();
+    let exports = Arc::new(Exports {
+        inner: OneExport::new("disk", SIZE),
+        opened: AtomicUsize::new(0),
+        dropped: Arc::new(AtomicUsize::new(0)),
+        slow_started: std::sync::Mutex::new(tx),
+    });
+    let server = Arc::new(Server::new(exports.clone(), ServerConfig::default()));
+    let accept_loop = {
+        let (server, listener) = (server.clone(), listener.clone());
+        std::thread::spawn(move || server.run(&listener))
+    };
+    Harness { _dir: dir, socket, server, exports, slow_started, accept_loop, listener }
+}
+
+fn connect(socket: &std::path::Path) -> Client {
+    let stream = UnixStream::connect(socket).expect("connect");
+    Client::handshake(Box::new(stream), "disk", true).expect("handshake")
+}
+
+/// A closed connection, not an NBD error reply: the server went away between requests.
+#[track_caller]
+fn assert_closed(error: &ClientError, who: &str) {
+    assert!(error.errno().is_none(), "{who}: expected the connection to be closed, got an error reply: {error}");
+}
+
+fn block(i: u64) -> Vec<u8> {
+    vec![(i as u8) | 1; BLOCK]
+}
+
+#[test]
+fn shutdown_answers_the_request_in_hand_closes_everything_and_stops_accepting() {
+    let h = start();
+    let mut idle = connect(&h.socket);
+    let mut in_handshake = UnixStream::connect(&h.socket).expect("connect");
+    let mut greeting = [0u8; 18];
+    in_handshake.read_exact(&mut greeting).expect("greeting");
+
+    // A client streaming writes, one at a time, to distinct blocks until the connection closes.
+    let streaming = {
+        let socket = h.socket.clone();
+        std::thread::spawn(move || {
+            let mut client = connect(&socket);
+            let mut acked = 0u64;
+            loop {
+                // Below the slow block, and wrapping so the stream outlasts any scheduling.
+                let offset = (acked % (SLOW_OFFSET / BLOCK as u64)) * BLOCK as u64;
+                match client.write(offset, &block(acked), false) {
+                    Ok(()) => acked += 1,
+                    Err(error) => return (acked, error),
+                }
+            }
+        })
+    };
+    // A client whose write is being served when shutdown comes.
+    let slow = {
+        let socket = h.socket.clone();
+        std::thread::spawn(move || {
+            let mut client = connect(&socket);
+            let written = client.write(SLOW_OFFSET, &[0xee; BLOCK], false);
+            let after = client.write(0, &[0xdd; BLOCK], false);
+            (written, after)
+        })
+    };
+    h.slow_started.recv_timeout(Duration::from_secs(5)).expect("the slow write started");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(h.server.active_connections(), 4);
+
+    let started = Instant::now();
+    h.server.shutdown_handle().shutdown();
+    h.accept_loop.join().expect("accept thread").expect("run returns Ok after shutdown");
+    assert!(h.server.wait_idle(Duration::from_secs(5)), "connections still open: {}", h.server.active_connections());
+    let took = started.elapsed();
+    assert!(took >= SLOW / 2, "the slow request was waited for, not cut off ({took:?})");
+    assert!(took < Duration::from_secs(3), "drained in {took:?}");
+    let opened = h.exports.opened.load(Ordering::SeqCst);
+    assert_eq!(opened, 3, "idle, streaming and slow clients opened devices");
+    assert_eq!(h.exports.dropped.load(Ordering::SeqCst), opened, "every device was dropped");
+
+    let (written, after) = slow.join().expect("slow client");
+    written.expect("the request in hand when shutdown came was answered");
+    assert_closed(&after.expect_err("no request is served after shutdown"), "slow client");
+
+    let (acked, error) = streaming.join().expect("streaming client");
+    assert_closed(&error, "streaming client");
+    assert!(acked > 0, "the streaming client got some writes in");
+    // Every acknowledged write is on the disk, and nothing after the last one was applied.
+    let disk = h.exports.inner.device().snapshot();
+    let blocks = SLOW_OFFSET / BLOCK as u64;
+    for i in acked.saturating_sub(blocks)..acked {
+        let offset = ((i % blocks) * BLOCK as u64) as usize;
+        assert_eq!(disk[offset..offset + BLOCK], block(i)[..], "acknowledged write {i} of {acked}");
+    }
+    assert_eq!(disk[SLOW_OFFSET as usize..], [0xee; BLOCK][..]);
+
+    let mut buf = [0u8; BLOCK];
+    assert_closed(&idle.read(0, &mut buf).expect_err("the idle connection was closed"), "idle client");
+    let mut rest = Vec::new();
+    assert_eq!(in_handshake.read_to_end(&mut rest).expect("end of stream"), 0, "handshake connection closed");
+
+    // The socket goes with the listener, so no client can connect to a server that is gone.
+    let h_socket = h.socket.clone();
+    drop(h.listener);
+    assert!(!h_socket.exists(), "the Unix socket was removed");
+    assert!(UnixStream::connect(&h_socket).is_err());
+}
+
+#[test]
+fn an_idle_server_stops_at_once_and_a_second_shutdown_is_harmless() {
+    let h = start();
+    // Give the accept loop time to block in accept, so the wake-up is what ends it.
+    std::thread::sleep(Duration::from_millis(50));
+    let started = Instant::now();
+    let handle = h.server.shutdown_handle();
+    handle.shutdown();
+    handle.shutdown();
+    assert!(handle.is_requested());
+    h.accept_loop.join().expect("accept thread").expect("run returns Ok");
+    assert!(h.server.wait_idle(Duration::from_secs(1)));
+    assert!(started.elapsed() < Duration::from_secs(1), "took {:?}", started.elapsed());
+    assert_eq!(h.exports.opened.load(Ordering::SeqCst), 0, "the wake-up connection opened no device");
+}
+
+/// The same drain over TCP: shutting a TCP socket for reading also wakes a blocked read.
+#[test]
+fn shutdown_closes_idle_tcp_connections() {
+    let listener = Arc::new(Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".into())).expect("bind"));
+    let ListenAddr::Tcp(addr) = listener.local_addr() else { panic!("a TCP listener has a TCP address") };
+    let exports = Arc::new(OneExport::new("disk", SIZE));
+    let server = Arc::new(Server::new(exports, ServerConfig::default()));
+    let accept_loop = {
+        let (server, listener) = (server.clone(), listener.clone());
+        std::thread::spawn(move || server.run(&listener))
+    };
+    let stream = std::net::TcpStream::connect(&addr).expect("connect");
+    let mut client = Client::handshake(Box::new(stream), "disk", false).expect("handshake");
+    client.write(0, &[7; BLOCK], false).expect("write");
+    server.shutdown_handle().shutdown();
+    accept_loop.join().expect("accept thread").expect("run returns Ok");
+    assert!(server.wait_idle(Duration::from_secs(2)), "the idle TCP connection was closed");
+    let mut buf = [0u8; BLOCK];
+    assert_closed(&client.read(0, &mut buf).expect_err("closed"), "TCP client");
+}
