@@ -1,0 +1,521 @@
+//! Failures the server must survive, against the real `overspill serve` binary where a real
+//! failure can be arranged: a spill filesystem that fills up, a server killed with SIGKILL and
+//! restarted next to a live one, and SIGTERM while VMs are connected. Golden-image read errors
+//! cannot be made with a real file on demand, so that test runs the real exports and server
+//! in-process over a golden image with injected faults.
+//!
+//! These tests mount filesystems, so they run as root (CI does); one that cannot mount fails
+//! with the reason rather than passing without testing anything.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use overspill::exports::{CacheSettings, OverlayExports};
+use overspill_engine::faults::{Fault, FaultPlan, FaultyImage, Op, Rule, Trigger};
+use overspill_engine::{GoldenImage, HostMemory, MemImage, WriteCacheMode};
+use overspill_nbd::client::{Client, ClientError, NbdUri};
+use overspill_nbd::server::socketpair;
+use overspill_nbd::ServerConfig;
+use serde_json::Value;
+use tempfile::TempDir;
+
+const MIB: u64 = 1 << 20;
+const GOLDEN_BYTES: usize = 32 << 20;
+const ENOSPC: u32 = 28;
+const EIO: u32 = 5;
+const WAIT: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------------
+// Data (as in interop.rs)
+
+/// Deterministic pseudo-random bytes (xorshift64*), so that a failure reproduces.
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        out.extend_from_slice(&state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Compares without printing megabytes: names the first differing byte.
+#[track_caller]
+fn assert_same(actual: &[u8], expected: &[u8], what: &str) {
+    assert_eq!(actual.len(), expected.len(), "{what}: length differs");
+    if let Some(i) = actual.iter().zip(expected).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: first difference at byte {i}: got {:02x?}, expected {:02x?}",
+            &actual[i..(i + 16).min(actual.len())],
+            &expected[i..(i + 16).min(expected.len())]
+        );
+    }
+}
+
+fn golden_file(dir: &Path, seed: u64) -> (PathBuf, Vec<u8>) {
+    let path = dir.join("golden.img");
+    let bytes = pseudo_random(GOLDEN_BYTES, seed);
+    std::fs::write(&path, &bytes).expect("writing golden image");
+    (path, bytes)
+}
+
+#[track_caller]
+fn read_back(client: &mut Client, offset: u64, expected: &[u8], what: &str) {
+    let mut buf = vec![0u8; expected.len()];
+    client.read(offset, &mut buf).unwrap_or_else(|e| panic!("{what}: read at {offset}: {e}"));
+    assert_same(&buf, expected, what);
+}
+
+/// A closed connection, not an NBD error reply.
+#[track_caller]
+fn assert_closed(error: &ClientError, who: &str) {
+    assert!(error.errno().is_none(), "{who}: expected the connection to be closed, got an error reply: {error}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server under test (the pieces of interop.rs's harness these tests need)
+
+/// A running `overspill serve` with its own socket and JSON log; killed when dropped (and its
+/// log shown if the test failed).
+struct Server {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+    spill_dir: PathBuf,
+}
+
+impl Server {
+    /// Serves `golden` as export "" on `dir/<name>.sock`, spilling to `spill_dir`.
+    fn start(dir: &Path, name: &str, golden: &Path, spill_dir: &Path, extra: &[&str]) -> Self {
+        let socket = dir.join(format!("{name}.sock"));
+        let log = dir.join(format!("{name}.log"));
+        let log_file = std::fs::File::create(&log).expect("creating server log");
+        let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("--log-json")
+            .arg("serve")
+            .arg("--base")
+            .arg(golden)
+            .arg("--listen")
+            .arg(format!("unix:{}", socket.display()))
+            .arg("--spill-dir")
+            .arg(spill_dir)
+            .arg("--shared-dir")
+            .arg(dir.join(format!("{name}-shared")))
+            // No host-memory pressure from whatever else runs on the machine: targets stay put.
+            .args(["--ram-floor", "0"])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("starting overspill serve");
+        let mut server = Self { child, socket, log, spill_dir: spill_dir.to_path_buf() };
+        server.wait_ready();
+        server
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                panic!("overspill serve exited with {status} before listening:\n{}", self.log_text());
+            }
+            if UnixStream::connect(&self.socket).is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "overspill serve not listening after {WAIT:?}:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// A VM on the base image, named `vm` in the logs.
+    fn client(&self, vm: &str) -> Client {
+        let uri: NbdUri = format!("nbd+unix:///@{vm}?socket={}", self.socket.display()).parse().expect("valid URI");
+        Client::connect(&uri).unwrap_or_else(|e| panic!("connecting {vm}: {e}\n{}", self.log_text()))
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The `fields` of every JSON log line with this message.
+    fn events(&self, message: &str) -> Vec<Value> {
+        self.log_text()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter_map(|v| v.get("fields").cloned())
+            .filter(|fields| fields["message"] == message)
+            .collect()
+    }
+
+    /// This server's spill files.
+    fn spill_files(&self) -> Vec<PathBuf> {
+        spill_files_of(&self.spill_dir, self.pid())
+    }
+
+    /// SIGKILL, and reaped, so that its pid is gone from /proc as it would be for a real crash.
+    fn kill9(&mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reaping the killed server");
+    }
+
+    /// SIGTERM; waits up to `limit` for the exit and says how long it took.
+    fn terminate(&mut self, limit: Duration) -> (ExitStatus, Duration) {
+        let started = Instant::now();
+        let status = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status().expect("running kill");
+        assert!(status.success(), "kill -TERM failed: {status}");
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return (status, started.elapsed());
+            }
+            assert!(started.elapsed() < limit, "still running {limit:?} after SIGTERM:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let text = self.log_text();
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            eprintln!("--- last lines of the server log {} ---", self.log.display());
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+
+/// The spill files of server `pid` in `dir` (`overspill-<pid>-<vm>.spill`).
+fn spill_files_of(dir: &Path, pid: u32) -> Vec<PathBuf> {
+    let prefix = format!("overspill-{pid}-");
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut files: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            name.starts_with(&prefix) && name.ends_with(".spill")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn allocated_bytes(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// A small real filesystem
+
+/// A mounted filesystem of a few MiB, unmounted when dropped.
+struct SmallFs {
+    dir: PathBuf,
+    /// The image file of a loop mount, removed after unmounting.
+    image: Option<PathBuf>,
+}
+
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(program).args(args).output().map_err(|e| format!("cannot run {program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{program} {args:?}: {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+impl SmallFs {
+    /// A tmpfs of `mib` MiB at `dir`; where tmpfs cannot be mounted, a loop-mounted ext4 image.
+    fn mount(dir: &Path, mib: u64) -> Self {
+        std::fs::create_dir_all(dir).expect("mount point");
+        let target = dir.to_str().expect("utf-8 path");
+        let tmpfs = run("mount", &["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs", target]);
+        let Err(tmpfs_error) = tmpfs else { return Self { dir: dir.to_path_buf(), image: None } };
+        let image = dir.with_extension("ext4");
+        let image_arg = image.to_str().expect("utf-8 path");
+        let ext4 = std::fs::File::create(&image)
+            .and_then(|f| f.set_len(mib * MIB))
+            .map_err(|e| format!("creating {image_arg}: {e}"))
+            .and_then(|()| run("mkfs.ext4", &["-q", "-F", image_arg]))
+            .and_then(|()| run("mount", &["-o", "loop", image_arg, target]));
+        match ext4 {
+            Ok(()) => Self { dir: dir.to_path_buf(), image: Some(image) },
+            Err(ext4_error) => panic!(
+                "this test needs a small filesystem and could mount neither (run it as root):\n  \
+                 tmpfs: {tmpfs_error}\n  loop ext4: {ext4_error}"
+            ),
+        }
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let target = self.dir.to_str().unwrap_or_default();
+        if let Err(error) = run("umount", &[target]) {
+            eprintln!("{error}; unmounting lazily");
+            let _ = run("umount", &["-l", target]);
+        }
+        if let Some(image) = &self.image {
+            let _ = std::fs::remove_file(image);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+/// The spill filesystem fills up: the VM writing gets ENOSPC and keeps what it was told it
+/// wrote; another VM on the same server goes on reading and writing in its RAM.
+#[test]
+fn a_full_spill_filesystem_gives_enospc_to_the_writer_and_others_go_on() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, golden_bytes) = golden_file(tmp.path(), 31);
+    // Declared before the server, so the server is gone before the unmount.
+    let fs = SmallFs::mount(&tmp.path().join("spill"), 16);
+    let server = Server::start(tmp.path(), "s", &golden, &fs.dir, &["--ram", "1M"]);
+    let mut a = server.client("a");
+    let mut b = server.client("b");
+
+    // B's own blocks: 256 KiB, well inside its 1 MiB of RAM.
+    let b_area = 64 * MIB / 4;
+    let mut b_data = pseudo_random(256 * 1024, 32);
+    b.write(b_area, &b_data, false).expect("B writes into RAM");
+
+    // A writes fresh data until the filesystem is full; each acknowledged chunk is remembered.
+    let chunk = 256 * 1024;
+    let mut acked: Vec<(u64, Vec<u8>)> = Vec::new();
+    let enospc = loop {
+        let offset = acked.len() as u64 * chunk as u64;
+        assert!(offset < 28 * MIB, "28 MiB written and a 16 MiB filesystem never filled:\n{}", server.log_text());
+        let data = pseudo_random(chunk, 1000 + acked.len() as u64);
+        match a.write(offset, &data, false) {
+            Ok(()) => acked.push((offset, data)),
+            Err(error) => break error,
+        }
+        // B, between A's writes: its blocks, and the golden image where it wrote nothing.
+        let i = acked.len() % 64;
+        let block = pseudo_random(4096, 2000 + acked.len() as u64);
+        b.write(b_area + i as u64 * 4096, &block, false).expect("B writes while A fills the disk");
+        b_data[i * 4096..(i + 1) * 4096].copy_from_slice(&block);
+        read_back(&mut b, b_area, &b_data, "B's blocks while A fills the disk");
+    };
+    assert_eq!(enospc.errno(), Some(ENOSPC), "A's write failed with {enospc}, not ENOSPC");
+    eprintln!("A: {} KiB acknowledged, then {enospc}", acked.len() * chunk / 1024);
+    assert!(acked.len() * chunk >= 8 * MIB as usize, "A got {} KiB in before ENOSPC", acked.len() * chunk / 1024);
+    let spill = server.spill_files();
+    assert_eq!(spill.len(), 2, "one spill file per VM: {spill:?}");
+
+    // Everything A was told it wrote reads back, from RAM, the open segment and the full disk.
+    for (offset, data) in &acked {
+        read_back(&mut a, *offset, data, "A's acknowledged data after ENOSPC");
+    }
+    // A can still overwrite what it holds in RAM, or gets ENOSPC again: never anything else.
+    let (last_offset, _) = acked.last().expect("A wrote something");
+    match a.write(*last_offset, &[0x5a; 4096], false) {
+        Ok(()) => read_back(&mut a, *last_offset, &[0x5a; 4096], "A's overwrite"),
+        Err(error) => assert_eq!(error.errno(), Some(ENOSPC), "{error}"),
+    }
+
+    // B goes on as before: writes in RAM, reads of its data and of the golden image.
+    for i in 0..64 {
+        let block = pseudo_random(4096, 3000 + i as u64);
+        b.write(b_area + i as u64 * 4096, &block, false).expect("B writes after A's ENOSPC");
+        b_data[i * 4096..(i + 1) * 4096].copy_from_slice(&block);
+    }
+    read_back(&mut b, b_area, &b_data, "B's blocks after A's ENOSPC");
+    let golden_at = 40 * MIB as usize / 4 + 12345;
+    read_back(&mut b, golden_at as u64, &golden_bytes[golden_at..golden_at + 100_000], "golden through B");
+
+    // A VM that disconnects gives the space back, and the next one can spill again.
+    a.disconnect().expect("A disconnects");
+    let deadline = Instant::now() + WAIT;
+    while server.spill_files().len() > 1 {
+        assert!(Instant::now() < deadline, "A's spill file still there:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = server.client("c");
+    let data = pseudo_random(4 * MIB as usize, 77);
+    c.write(0, &data, false).expect("C spills once A's file is gone");
+    read_back(&mut c, 0, &data, "C's data");
+}
+
+/// A server killed with SIGKILL leaves its spill file behind; the next server on the directory
+/// removes it, and leaves alone the file of another server that is still running, whose VM
+/// keeps its data.
+#[test]
+fn a_restart_removes_the_dead_servers_spill_files_and_keeps_the_live_ones() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, golden_bytes) = golden_file(tmp.path(), 41);
+    let shared_spill = tmp.path().join("spill");
+    let spill_enough = |client: &mut Client, seed: u64| {
+        // 4 MiB against a 1 MiB RAM target: whole segments go to the spill file.
+        let data = pseudo_random(4 * MIB as usize, seed);
+        client.write(0, &data, false).expect("write");
+        data
+    };
+
+    let mut one = Server::start(tmp.path(), "one", &golden, &shared_spill, &["--ram", "1M"]);
+    let mut vm1 = one.client("vm1");
+    spill_enough(&mut vm1, 1);
+    let two = Server::start(tmp.path(), "two", &golden, &shared_spill, &["--ram", "1M"]);
+    let mut vm2 = two.client("vm2");
+    let vm2_data = spill_enough(&mut vm2, 2);
+    let one_files = one.spill_files();
+    let two_files = two.spill_files();
+    assert_eq!((one_files.len(), two_files.len()), (1, 1), "{one_files:?} {two_files:?}");
+    assert!(allocated_bytes(&one_files[0]) > 0, "server one's VM spilled");
+    assert!(allocated_bytes(&two_files[0]) > 0, "server two's VM spilled");
+
+    one.kill9();
+    drop(vm1);
+    assert!(one_files[0].exists(), "SIGKILL leaves the spill file behind");
+
+    let three = Server::start(tmp.path(), "three", &golden, &shared_spill, &["--ram", "1M"]);
+    assert!(!one_files[0].exists(), "server three removed the dead server's spill file");
+    assert!(two_files[0].exists(), "server three left the live server's spill file alone");
+    let removed = three.events("removed cache file of a dead server");
+    assert_eq!(removed.len(), 1, "one file removed: {removed:?}");
+
+    read_back(&mut vm2, 0, &vm2_data, "server two's VM after server three started");
+    let mut vm3 = three.client("vm3");
+    read_back(&mut vm3, 8 * MIB, &golden_bytes[8 * MIB as usize..9 * MIB as usize], "server three serves");
+}
+
+/// SIGTERM drains: accepting stops, in-flight requests are answered, connections close, cache
+/// files and the socket go, and the server exits 0 within a few seconds.
+#[test]
+fn sigterm_drains_connections_removes_files_and_exits_zero() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, golden_bytes) = golden_file(tmp.path(), 51);
+    let spill_dir = tmp.path().join("spill");
+    let mut server = Server::start(tmp.path(), "s", &golden, &spill_dir, &["--ram", "1M"]);
+    let mut idle = server.client("idle");
+    read_back(&mut idle, 0, &golden_bytes[..4096], "idle VM's first read");
+
+    // One write at a time, so every request the server took is one whose reply the client reads.
+    let streaming = {
+        let mut client = server.client("stream");
+        std::thread::spawn(move || {
+            let mut acked = 0u64;
+            loop {
+                // 64 KiB over 8 MiB, wrapping: enough to spill against the 1 MiB target.
+                let offset = (acked % 128) * 64 * 1024;
+                match client.write(offset, &pseudo_random(64 * 1024, acked), false) {
+                    Ok(()) => acked += 1,
+                    Err(error) => return (acked, error),
+                }
+            }
+        })
+    };
+    let deadline = Instant::now() + WAIT;
+    while server.spill_files().len() < 2 || allocated_bytes(&server.spill_files()[1]) == 0 {
+        assert!(Instant::now() < deadline, "the streaming VM never spilled:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let files = server.spill_files();
+
+    let (status, took) = server.terminate(Duration::from_secs(5));
+    assert!(status.success(), "exit status {status} after SIGTERM:\n{}", server.log_text());
+    assert!(took < Duration::from_secs(3), "drained in {took:?}");
+
+    let (acked, error) = streaming.join().expect("streaming client");
+    eprintln!("drained in {took:?}; the streaming VM had {acked} writes acknowledged, then: {error}");
+    assert_closed(&error, "streaming VM");
+    // The server's count of the streaming VM's requests is the client's count of replies: none
+    // was taken and then dropped without an answer.
+    let disconnects = server.events("disconnected");
+    let stream = disconnects
+        .iter()
+        .find(|f| f["export"].as_str().is_some_and(|e| e.ends_with("@stream")))
+        .unwrap_or_else(|| panic!("no disconnect logged for the streaming VM: {disconnects:?}"));
+    assert_eq!(stream["requests"].as_u64(), Some(acked), "requests served vs replies the VM read: {stream}");
+    assert!(acked > 0);
+
+    let mut buf = [0u8; 4096];
+    assert_closed(&idle.read(0, &mut buf).expect_err("the idle VM was disconnected"), "idle VM");
+    for file in &files {
+        assert!(!file.exists(), "{} left behind", file.display());
+    }
+    assert!(!server.socket.exists(), "the Unix socket was removed");
+    assert_eq!(server.events("VM disconnected; its cache is dropped").len(), 2, "both overlays dropped");
+    assert_eq!(server.events("shut down").len(), 1, "the server logged its end");
+}
+
+/// Golden-image read errors reach only the request that met them: the same VM and another one
+/// go on reading elsewhere and writing, and a VM that overwrote the bad blocks reads its own.
+#[test]
+fn golden_read_errors_reach_only_the_readers_of_the_bad_range() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden_bytes = pseudo_random(16 << 20, 61);
+    let bad = 5 * MIB..5 * MIB + 8192;
+    let faulty = FaultyImage::new(
+        Arc::new(MemImage::new(golden_bytes.clone())),
+        FaultPlan::new(61).rule(Rule::new(Op::Read, Fault::Io, Trigger::From(1)).within(bad.clone())),
+    );
+    let faults = faulty.handle();
+    let images = BTreeMap::from([(String::new(), Arc::new(faulty) as Arc<dyn GoldenImage>)]);
+    let settings = CacheSettings {
+        mode: WriteCacheMode::RamDisk,
+        ram_target_bytes: MIB,
+        spill_max_bytes: None,
+        spill_dir: tmp.path().join("spill"),
+        shared_dir: tmp.path().join("shared"),
+        // Through the shared read cache, as served: a failed fetch must not be cached as data.
+        read_cache_bytes: 4 * MIB,
+    };
+    let exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
+    let server = overspill_nbd::Server::new(Arc::new(exports), ServerConfig::default());
+    let connect = || {
+        let stream = socketpair(&server).expect("socketpair");
+        Client::handshake(Box::new(stream), "", true).expect("handshake")
+    };
+    let mut reader = connect();
+    let mut other = connect();
+    let golden = |range: std::ops::Range<u64>| golden_bytes[range.start as usize..range.end as usize].to_vec();
+
+    let mut buf = vec![0u8; 64 * 1024];
+    let error = reader.read(bad.start - 4096, &mut buf).expect_err("a read over the bad range fails");
+    assert_eq!(error.errno(), Some(EIO), "{error}");
+    assert!(faults.injected().io > 0);
+    // The same connection goes on: other ranges read, writes land, and the bad range still fails.
+    read_back(&mut reader, 0, &golden(0..64 * 1024), "reader, elsewhere");
+    read_back(&mut reader, bad.end + 64 * 1024, &golden(bad.end + 64 * 1024..bad.end + 128 * 1024), "reader");
+    let data = pseudo_random(12_288, 62);
+    reader.write(MIB + 100, &data, false).expect("reader writes");
+    read_back(&mut reader, MIB + 100, &data, "reader's write");
+    let error = reader.read(bad.start, &mut buf[..4096]).expect_err("still bad");
+    assert_eq!(error.errno(), Some(EIO), "{error}");
+    // Another VM: fine everywhere else, and the bad range fails for it too, on its own request.
+    read_back(&mut other, 2 * MIB, &golden(2 * MIB..2 * MIB + 256 * 1024), "other VM");
+    other.write(0, &data, false).expect("other VM writes");
+    read_back(&mut other, 0, &data, "other VM's write");
+    let error = other.read(bad.start + 4096, &mut buf[..4096]).expect_err("bad for everyone");
+    assert_eq!(error.errno(), Some(EIO), "{error}");
+    // Whole blocks written over the bad range are the VM's own: no golden read, no error.
+    let cover = pseudo_random(8192, 63);
+    other.write(bad.start, &cover, false).expect("overwrite the bad blocks");
+    read_back(&mut other, bad.start, &cover, "the VM's own copy of the bad blocks");
+    // A partial write into a bad block must read it first, and fails with EIO, not ENOSPC.
+    let error = reader.write(bad.start + 10, &[1; 100], false).expect_err("partial write over a bad block");
+    assert_eq!(error.errno(), Some(EIO), "{error}");
+    read_back(&mut reader, MIB + 100, &data, "reader after all that");
+    reader.disconnect().expect("disconnect");
+    other.disconnect().expect("disconnect");
+}
