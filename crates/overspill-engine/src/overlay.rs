@@ -511,16 +511,20 @@ impl Overlay {
         self.memory_used_bytes() + need <= self.memory_target_bytes() && self.host.has_room(need)
     }
 
-    /// Appends guest data to the spill log; when the space is exhausted, compacts once and retries.
+    /// Appends guest data to the spill log; when the space is exhausted, compacts and retries.
     fn append_spill(&mut self, block: BlockIndex, data: &Block) -> Result<SpillAddr> {
-        let (spill, stats) = self.spill_and_stats();
-        match spill.append(block, data, Purpose::Guest, stats) {
-            Err(EngineError::NoSpace(_)) if spill.wants_compaction() => {
-                self.compact()?;
-                let (spill, stats) = self.spill_and_stats();
-                spill.append(block, data, Purpose::Guest, stats)
+        loop {
+            let (spill, stats) = self.spill_and_stats();
+            match spill.append(block, data, Purpose::Guest, stats) {
+                // Out of space, any garbage is worth a compaction: each one frees a segment, so
+                // this ends, with room or with no garbage left.
+                Err(EngineError::NoSpace(message)) if spill.has_garbage() => {
+                    if !self.compact_one()? {
+                        return Err(EngineError::NoSpace(message));
+                    }
+                }
+                other => return other,
             }
-            other => other,
         }
     }
 
@@ -638,27 +642,35 @@ impl Overlay {
     /// space can be punched out, while compaction pays.
     fn compact(&mut self) -> Result<()> {
         while self.spill_mut().wants_compaction() {
-            let (spill, stats) = self.spill_and_stats();
-            let Some(victim) = spill.compaction_victim() else { break };
-            let (buffer, owners) = spill.read_segment(victim, stats)?;
-            for (slot, owner) in owners.into_iter().enumerate() {
-                // Slots are below 512.
-                let addr = SpillAddr { segment: victim, slot: slot as u16 };
-                if self.map.get(&owner) != Some(&Slot::Spill(addr)) {
-                    continue;
-                }
-                let data: &Block = buffer[slot * BLOCK_SIZE..(slot + 1) * BLOCK_SIZE]
-                    .try_into()
-                    .expect("segment buffers are whole blocks");
-                let (spill, stats) = self.spill_and_stats();
-                let new = spill.append(owner, data, Purpose::Compaction, stats)?;
-                spill.release(addr, stats);
-                stats.compaction_bytes_moved.add(BLOCK_BYTES);
-                self.map.insert(owner, Slot::Spill(new));
+            if !self.compact_one()? {
+                break;
             }
-            tracing::debug!(segment = victim.0, "compacted spill segment");
         }
         Ok(())
+    }
+
+    /// Moves the live blocks of the emptiest sealed segment into the open one, which frees it.
+    /// `false` if no sealed segment has a dead slot.
+    fn compact_one(&mut self) -> Result<bool> {
+        let (spill, stats) = self.spill_and_stats();
+        let Some(victim) = spill.compaction_victim() else { return Ok(false) };
+        let (buffer, owners) = spill.read_segment(victim, stats)?;
+        for (slot, owner) in owners.into_iter().enumerate() {
+            // Slots are below 512.
+            let addr = SpillAddr { segment: victim, slot: slot as u16 };
+            if self.map.get(&owner) != Some(&Slot::Spill(addr)) {
+                continue;
+            }
+            let data: &Block =
+                buffer[slot * BLOCK_SIZE..(slot + 1) * BLOCK_SIZE].try_into().expect("segment buffers are whole blocks");
+            let (spill, stats) = self.spill_and_stats();
+            let new = spill.append(owner, data, Purpose::Compaction, stats)?;
+            spill.release(addr, stats);
+            stats.compaction_bytes_moved.add(BLOCK_BYTES);
+            self.map.insert(owner, Slot::Spill(new));
+        }
+        tracing::debug!(segment = victim.0, "compacted spill segment");
+        Ok(true)
     }
 
     fn after_mutation(&mut self) {

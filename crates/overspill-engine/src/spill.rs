@@ -133,6 +133,11 @@ impl SpillLog {
         })
     }
 
+    /// Whether any sealed segment has a dead slot that compaction could reclaim.
+    pub fn has_garbage(&self) -> bool {
+        self.dead_sealed_blocks() > 0
+    }
+
     /// Whether compaction would pay: garbage is worth at least a segment, and either space is
     /// running low or garbage outweighs live data (space amplification above 2×).
     pub fn wants_compaction(&self) -> bool {
