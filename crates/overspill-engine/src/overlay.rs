@@ -661,8 +661,9 @@ impl Overlay {
             if self.map.get(&owner) != Some(&Slot::Spill(addr)) {
                 continue;
             }
-            let data: &Block =
-                buffer[slot * BLOCK_SIZE..(slot + 1) * BLOCK_SIZE].try_into().expect("segment buffers are whole blocks");
+            let data: &Block = buffer[slot * BLOCK_SIZE..(slot + 1) * BLOCK_SIZE]
+                .try_into()
+                .expect("segment buffers are whole blocks");
             let (spill, stats) = self.spill_and_stats();
             let new = spill.append(owner, data, Purpose::Compaction, stats)?;
             spill.release(addr, stats);

@@ -254,6 +254,32 @@ impl CachedImage {
             }
         }
     }
+
+    /// Releases the chunks of `parts` (the request's parts from index `skip` on) that this reader
+    /// claimed but will not fetch, passing `error` to anyone already waiting for them.
+    fn abandon(&self, first: u64, parts: &[Part], skip: usize, error: &io::Error) {
+        let claimed: Vec<(u64, &Arc<Pending>)> = parts
+            .iter()
+            .enumerate()
+            .filter_map(|(k, part)| match part {
+                Part::Fetch(pending) => Some((first + (skip + k) as u64, pending)),
+                _ => None,
+            })
+            .collect();
+        if claimed.is_empty() {
+            return;
+        }
+        {
+            let mut cache = self.lock();
+            for (chunk, _) in &claimed {
+                cache.pending.remove(chunk);
+            }
+        }
+        let failed = Err(io::Error::new(error.kind(), error.to_string()));
+        for (_, pending) in claimed {
+            pending.complete(&failed);
+        }
+    }
 }
 
 impl GoldenImage for CachedImage {
@@ -302,7 +328,15 @@ impl GoldenImage for CachedImage {
                 continue;
             }
             let n = run.len();
-            let (chunks, bytes) = self.fetch_run(first + i as u64, &run)?;
+            let (chunks, bytes) = match self.fetch_run(first + i as u64, &run) {
+                Ok(fetched_run) => fetched_run,
+                Err(e) => {
+                    // The chunks this reader claimed further on will not be fetched now; left
+                    // pending, every later reader of them would wait forever.
+                    self.abandon(first, &parts[i + n..], i + n, &e);
+                    return Err(e);
+                }
+            };
             fetched.ops += 1;
             fetched.bytes += bytes;
             for (k, chunk) in chunks.into_iter().enumerate() {
@@ -421,6 +455,50 @@ mod tests {
         assert_eq!(fetched.ops, 2, "two runs of misses: chunk 0, then chunks 2 and 3 (and 4) together");
         assert_eq!(source.reads.get(), 3);
         assert!(big.iter().enumerate().all(|(i, &b)| b == ((1000 + i) % 256) as u8), "bytes in order");
+    }
+
+    /// Fails every read that touches `bad`.
+    struct Failing {
+        inner: MemImage,
+        bad: std::ops::Range<u64>,
+    }
+
+    impl GoldenImage for Failing {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            if offset < self.bad.end && self.bad.start < offset + buf.len() as u64 {
+                return Err(io::Error::other("bad sector"));
+            }
+            self.inner.read_at(buf, offset)
+        }
+        fn describe(&self) -> String {
+            "failing".into()
+        }
+    }
+
+    /// A request whose first run of misses fails must not leave its later misses claimed: the
+    /// next reader of those chunks would wait for a fetch nobody makes (this hung the simulation).
+    #[test]
+    fn a_failed_fetch_releases_every_chunk_the_request_claimed() {
+        let chunk = 16 * 1024u64;
+        let source = Arc::new(Failing { inner: MemImage::new(vec![9u8; 1 << 20]), bad: 0..1 });
+        let cache = Arc::new(CachedImage::new(source, 1 << 20, chunk));
+        // Chunk 1 cached, so the request below is two runs of misses: chunk 0 (fails), chunk 2.
+        let mut buf = vec![0u8; 100];
+        cache.read_at(&mut buf, chunk).expect("chunk 1 reads");
+        let mut big = vec![0u8; 3 * chunk as usize];
+        assert!(cache.read_at(&mut big, 0).is_err(), "chunk 0 is bad");
+        let (done, finished) = std::sync::mpsc::channel();
+        let reader = cache.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let _ = done.send(reader.read_at(&mut buf, 2 * chunk).map(|()| buf));
+        });
+        let read = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("a read of chunk 2 must not hang");
+        assert!(read.expect("chunk 2 is good").iter().all(|&b| b == 9));
+        assert!(cache.lock().pending.is_empty(), "nothing left claimed");
     }
 
     #[test]
