@@ -58,6 +58,12 @@ pub struct SpillLog {
     max_segments: Option<u32>,
     live_blocks: u64,
     sealed_segments: u32,
+    /// Segments whose owner table is allocated (open or sealed): kept as a count so that the
+    /// memory figure, asked for on every write, does not walk every segment.
+    owner_tables: u64,
+    /// The buffer of the last segment written out, reused for the next open one: allocating and
+    /// zeroing 2 MiB per segment cost as much as copying the blocks into it.
+    spare_buffer: Option<Box<[u8]>>,
 }
 
 impl SpillLog {
@@ -82,6 +88,8 @@ impl SpillLog {
             max_segments,
             live_blocks: 0,
             sealed_segments: 0,
+            owner_tables: 0,
+            spare_buffer: None,
         })
     }
 
@@ -103,8 +111,8 @@ impl SpillLog {
     }
 
     pub fn memory_bytes(&self) -> u64 {
-        let buffer = if self.open.is_some() { SEGMENT_BYTES } else { 0 };
-        let owners: usize = self.segments.iter().map(|s| s.owners.capacity()).sum();
+        let buffer = if self.open.is_some() || self.spare_buffer.is_some() { SEGMENT_BYTES } else { 0 };
+        let owners = self.owner_tables as usize * BLOCKS_PER_SEGMENT;
         (buffer
             + owners * std::mem::size_of::<BlockIndex>()
             + self.segments.capacity() * std::mem::size_of::<Segment>()
@@ -178,7 +186,10 @@ impl SpillLog {
         }
         if self.open.is_none() {
             let id = self.allocate(purpose)?;
-            self.open = Some(OpenSegment { id, buffer: vec![0u8; SEGMENT_BYTES].into_boxed_slice() });
+            // A reused buffer holds the old segment's bytes; every slot is written before it is
+            // read or sealed, since segments are written out only when full.
+            let buffer = self.spare_buffer.take().unwrap_or_else(|| vec![0u8; SEGMENT_BYTES].into_boxed_slice());
+            self.open = Some(OpenSegment { id, buffer });
         }
         let open = self.open.as_mut().expect("opened above");
         let segment = &mut self.segments[open.id.0 as usize];
@@ -213,6 +224,7 @@ impl SpillLog {
         debug_assert_eq!(segment.state, SegmentState::Free);
         segment.state = SegmentState::Open;
         segment.owners = Vec::with_capacity(BLOCKS_PER_SEGMENT);
+        self.owner_tables += 1;
         Ok(SegmentId(id))
     }
 
@@ -232,7 +244,7 @@ impl SpillLog {
         } else {
             tracing::debug!(segment = id.0, live = self.segments[id.0 as usize].live, "spill segment written");
         }
-        self.open = None;
+        self.spare_buffer = self.open.take().map(|open| open.buffer);
         self.segments[id.0 as usize].state = SegmentState::Sealed;
         self.sealed_segments += 1;
         if self.segments[id.0 as usize].live == 0 {
@@ -276,6 +288,7 @@ impl SpillLog {
         let segment = &mut self.segments[id.0 as usize];
         segment.state = SegmentState::Free;
         segment.owners = Vec::new();
+        self.owner_tables -= 1;
         self.sealed_segments -= 1;
         self.free.push(Reverse(id.0));
         // A failed punch only leaves space allocated: the data there is dead either way, so the
