@@ -9,11 +9,13 @@
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::device::{BlockDevice, DeviceError};
+use crate::device::{BlockDevice, DeviceError, ExportAccess};
 use crate::handshake::{Handshake, HandshakeError, Negotiated, Progress};
 use crate::request::{errno_of, validate, Command, FramingError, RequestHeader};
+use crate::tls::{ServerTls, TlsMode};
 use crate::wire::*;
 use crate::ExportProvider;
 
@@ -31,6 +33,19 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self { max_payload_bytes: 32 << 20, handshake_timeout: Duration::from_secs(10), idle_timeout: None }
+    }
+}
+
+/// What a server asks of a client before serving it: TLS, and which exports its identity may open.
+#[derive(Clone, Default)]
+pub struct Security {
+    pub tls: Option<Arc<ServerTls>>,
+    pub access: Option<Arc<dyn ExportAccess>>,
+}
+
+impl std::fmt::Debug for Security {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Security").field("tls", &self.tls).field("access", &self.access.is_some()).finish()
     }
 }
 
@@ -82,6 +97,8 @@ pub enum ConnectionError {
     Io(#[from] io::Error),
     #[error("client went away in the middle of a message")]
     Truncated,
+    #[error("TLS: {0}")]
+    Tls(io::Error),
 }
 
 /// How a connection ended without error.
@@ -192,28 +209,94 @@ pub fn serve_connection_until<T: Transport>(
     limits: &Limits,
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
+    serve_secured_connection(stream, exports, limits, &Security::default(), stop)
+}
+
+/// Like [`serve_connection_until`], with TLS and export access as `security` says.
+pub fn serve_secured_connection<T: Transport>(
+    stream: T,
+    exports: &dyn ExportProvider,
+    limits: &Limits,
+    security: &Security,
+    stop: &AtomicBool,
+) -> Result<Ending, ConnectionError> {
+    let mode = security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
+    let mut handshake = Handshake::with_tls(mode).with_access(security.access.clone());
     let mut wire = Wire::new(stream, Handshake::greeting());
     wire.stream.set_read_timeout(Some(limits.handshake_timeout))?;
-    let mut handshake = Handshake::new();
-    let negotiated = loop {
+    let negotiated = match negotiate(&mut wire, &mut handshake, exports)? {
+        Negotiation::Done(negotiated) => negotiated,
+        Negotiation::StartTls => {
+            let Some(tls) = &security.tls else {
+                return Err(ConnectionError::Tls(io::Error::other("STARTTLS acknowledged without credentials")));
+            };
+            // The client waits for the ACK before its ClientHello, so anything read already
+            // is plain text sent after STARTTLS: a protocol violation, and it cannot be TLS.
+            if !wire.buffered().is_empty() {
+                return Err(ConnectionError::Tls(io::Error::other("plain text after STARTTLS")));
+            }
+            let Wire { stream, output, .. } = wire;
+            let stream = tls.accept(stream).map_err(ConnectionError::Tls)?;
+            tracing::debug!(identity = %stream.identity().unwrap_or("-"), "TLS started");
+            handshake.tls_started(stream.identity().map(str::to_owned));
+            let mut wire = Wire::new(stream, output);
+            return match negotiate(&mut wire, &mut handshake, exports)? {
+                Negotiation::Done(Some(negotiated)) => start_transmission(&mut wire, negotiated, limits, stop),
+                Negotiation::Done(None) => Ok(Ending::NoExport),
+                Negotiation::StartTls => Err(ConnectionError::Tls(io::Error::other("STARTTLS twice"))),
+            };
+        }
+    };
+    match negotiated {
+        Some(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
+        None => Ok(Ending::NoExport),
+    }
+}
+
+enum Negotiation {
+    /// An export was opened, or (`None`) the client left without one.
+    Done(Option<Negotiated>),
+    /// The ACK to STARTTLS is sent: the TLS handshake comes next.
+    StartTls,
+}
+
+/// Options until the handshake ends or turns to TLS.
+fn negotiate<T: Transport>(
+    wire: &mut Wire<T>,
+    handshake: &mut Handshake,
+    exports: &dyn ExportProvider,
+) -> Result<Negotiation, ConnectionError> {
+    loop {
         let (used, progress) = handshake.advance(&wire.input[wire.start..wire.end], &mut wire.output, exports)?;
         wire.consume(used);
         match progress {
             Progress::NeedMore => {
                 if !wire.fill(1)? {
-                    return Ok(Ending::NoExport);
+                    return Ok(Negotiation::Done(None));
                 }
             }
             Progress::Close => {
                 wire.flush()?;
-                return Ok(Ending::NoExport);
+                return Ok(Negotiation::Done(None));
             }
-            Progress::Transmission(negotiated) => break negotiated,
+            Progress::StartTls => {
+                wire.flush()?;
+                return Ok(Negotiation::StartTls);
+            }
+            Progress::Transmission(negotiated) => return Ok(Negotiation::Done(Some(negotiated))),
         }
-    };
+    }
+}
+
+fn start_transmission<T: Transport>(
+    wire: &mut Wire<T>,
+    negotiated: Negotiated,
+    limits: &Limits,
+    stop: &AtomicBool,
+) -> Result<Ending, ConnectionError> {
     wire.stream.set_read_timeout(limits.idle_timeout)?;
     tracing::debug!(export = %negotiated.export, structured = negotiated.structured_replies, "transmission");
-    transmit(&mut wire, negotiated, limits, stop)
+    transmit(wire, negotiated, limits, stop)
 }
 
 fn transmit<T: Transport>(

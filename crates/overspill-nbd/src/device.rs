@@ -117,3 +117,10 @@ pub trait ExportProvider: Send + Sync + 'static {
     /// device ends that connection's state.
     fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError>;
 }
+
+/// Which exports a client may list and open, by the identity TLS proved: its certificate's
+/// common name or its PSK identity (`None` for a client without one). Exports it may not open
+/// are hidden from it, as if they did not exist.
+pub trait ExportAccess: Send + Sync + 'static {
+    fn allows(&self, identity: Option<&str>, export: &str) -> bool;
+}

@@ -9,7 +9,10 @@
 //! A malformed message is a [`HandshakeError`] and the caller closes the connection; a well-formed
 //! option the server cannot honour gets an NBD_REP_ERR_* reply and negotiation goes on.
 
-use crate::device::{BlockDevice, Capabilities, ExportInfo, ExportProvider};
+use std::sync::Arc;
+
+use crate::device::{BlockDevice, Capabilities, ExportAccess, ExportInfo, ExportProvider};
+use crate::tls::TlsMode;
 use crate::wire::*;
 
 /// Option payloads above this are refused by closing: export names are at most 4096 bytes and
@@ -28,6 +31,8 @@ pub enum HandshakeError {
     OptionTooLarge { option: u32, length: u32 },
     #[error("export {0:?} cannot be served")]
     ExportRefused(String),
+    #[error("EXPORT_NAME before STARTTLS on a server that requires TLS")]
+    TlsRequired,
 }
 
 /// What the handshake produced once it is over.
@@ -55,6 +60,9 @@ pub enum Progress {
     Transmission(Negotiated),
     /// The client aborted; close after sending the output.
     Close,
+    /// STARTTLS was acknowledged: send the output, run the TLS handshake, then call
+    /// [`Handshake::tls_started`] and go on with options over TLS.
+    StartTls,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,11 +71,26 @@ enum Phase {
     Options,
 }
 
-#[derive(Debug)]
 pub struct Handshake {
     phase: Phase,
     no_zeroes: bool,
     structured_replies: bool,
+    tls: TlsMode,
+    tls_active: bool,
+    access: Option<Arc<dyn ExportAccess>>,
+    /// Who TLS proved the client to be.
+    identity: Option<String>,
+}
+
+impl std::fmt::Debug for Handshake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handshake")
+            .field("phase", &self.phase)
+            .field("tls", &self.tls)
+            .field("tls_active", &self.tls_active)
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for Handshake {
@@ -98,7 +121,47 @@ pub fn transmission_flags(caps: Capabilities) -> u16 {
 
 impl Handshake {
     pub fn new() -> Self {
-        Self { phase: Phase::ClientFlags, no_zeroes: false, structured_replies: false }
+        Self::with_tls(TlsMode::Off)
+    }
+
+    pub fn with_tls(tls: TlsMode) -> Self {
+        Self {
+            phase: Phase::ClientFlags,
+            no_zeroes: false,
+            structured_replies: false,
+            tls,
+            tls_active: false,
+            access: None,
+            identity: None,
+        }
+    }
+
+    /// Hides and refuses the exports `access` does not allow this client.
+    pub fn with_access(mut self, access: Option<Arc<dyn ExportAccess>>) -> Self {
+        self.access = access;
+        self
+    }
+
+    /// The TLS handshake that [`Progress::StartTls`] asked for has succeeded; `identity` is who
+    /// the client proved to be, if anyone.
+    pub fn tls_started(&mut self, identity: Option<String>) {
+        self.tls_active = true;
+        self.identity = identity;
+        // What was negotiated in plain text could have been tampered with: start afresh, as
+        // qemu and nbdkit do.
+        self.structured_replies = false;
+    }
+
+    fn allowed(&self, export: &str) -> bool {
+        match &self.access {
+            None => true,
+            Some(access) => access.allows(self.identity.as_deref(), export),
+        }
+    }
+
+    /// The export, if it exists and this client may see it.
+    fn visible(&self, exports: &dyn ExportProvider, name: &str) -> Option<ExportInfo> {
+        exports.info(name).filter(|_| self.allowed(name))
     }
 
     /// The server's first message.
@@ -171,11 +234,22 @@ impl Handshake {
         out: &mut Vec<u8>,
         exports: &dyn ExportProvider,
     ) -> Result<Progress, HandshakeError> {
+        if self.tls == TlsMode::Require && !self.tls_active {
+            match option {
+                OPT_STARTTLS | OPT_ABORT => {}
+                // It has no error reply: the spec says to close.
+                OPT_EXPORT_NAME => return Err(HandshakeError::TlsRequired),
+                _ => {
+                    option_reply(out, option, REP_ERR_TLS_REQD, b"this server requires TLS: send STARTTLS first");
+                    return Ok(Progress::NeedMore);
+                }
+            }
+        }
         match option {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(data).into_owned();
                 // This option has no error reply: the spec's answer to a bad name is to close.
-                let info = exports.info(&name).ok_or_else(|| HandshakeError::ExportRefused(name.clone()))?;
+                let info = self.visible(exports, &name).ok_or_else(|| HandshakeError::ExportRefused(name.clone()))?;
                 let device = exports.open(&name).map_err(|_| HandshakeError::ExportRefused(name.clone()))?;
                 put_u64(out, info.size);
                 put_u16(out, transmission_flags(info.capabilities));
@@ -198,7 +272,7 @@ impl Handshake {
                     option_reply(out, option, REP_ERR_INVALID, b"LIST takes no data");
                     return Ok(Progress::NeedMore);
                 }
-                for export in exports.list() {
+                for export in exports.list().into_iter().filter(|e| self.allowed(&e.name)) {
                     let mut payload = Vec::with_capacity(4 + export.name.len() + export.description.len());
                     put_u32(&mut payload, export.name.len() as u32);
                     payload.extend_from_slice(export.name.as_bytes());
@@ -218,10 +292,7 @@ impl Handshake {
                 Ok(Progress::NeedMore)
             }
             OPT_INFO | OPT_GO => Ok(self.info_or_go(option, data, out, exports)),
-            OPT_STARTTLS => {
-                option_reply(out, option, REP_ERR_UNSUP, b"TLS is not configured on this server");
-                Ok(Progress::NeedMore)
-            }
+            OPT_STARTTLS => Ok(self.start_tls(data, out)),
             _ => {
                 option_reply(out, option, REP_ERR_UNSUP, b"option not supported");
                 Ok(Progress::NeedMore)
@@ -229,12 +300,26 @@ impl Handshake {
         }
     }
 
+    fn start_tls(&mut self, data: &[u8], out: &mut Vec<u8>) -> Progress {
+        if self.tls == TlsMode::Off {
+            option_reply(out, OPT_STARTTLS, REP_ERR_UNSUP, b"TLS is not configured on this server");
+        } else if self.tls_active {
+            option_reply(out, OPT_STARTTLS, REP_ERR_INVALID, b"TLS is already on");
+        } else if !data.is_empty() {
+            option_reply(out, OPT_STARTTLS, REP_ERR_INVALID, b"STARTTLS takes no data");
+        } else {
+            option_reply(out, OPT_STARTTLS, REP_ACK, &[]);
+            return Progress::StartTls;
+        }
+        Progress::NeedMore
+    }
+
     fn info_or_go(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>, exports: &dyn ExportProvider) -> Progress {
         let Some((name, requests)) = parse_info_request(data) else {
             option_reply(out, option, REP_ERR_INVALID, b"malformed INFO/GO request");
             return Progress::NeedMore;
         };
-        let Some(info) = exports.info(&name) else {
+        let Some(info) = self.visible(exports, &name) else {
             option_reply(out, option, REP_ERR_UNKNOWN, format!("no export named {name:?}").as_bytes());
             return Progress::NeedMore;
         };
@@ -375,6 +460,95 @@ mod tests {
         assert_eq!((be_u32(&block.2[2..]), be_u32(&block.2[6..]), be_u32(&block.2[10..])), (1, 4096, 32 << 20));
         assert!(r.iter().any(|(_, t, p)| *t == REP_INFO && be_u16(p) == INFO_NAME && &p[2..] == b"golden"));
         assert_eq!(r.last().map(|x| x.1), Some(REP_ACK));
+    }
+
+    /// FORCEDTLS: before TLS only STARTTLS and ABORT are served, EXPORT_NAME closes; after it,
+    /// options work, structured replies negotiated in plain text are forgotten, and a second
+    /// STARTTLS is invalid.
+    #[test]
+    fn require_refuses_options_until_starttls_and_forgets_plain_text_state() {
+        let exports = OneExport::new("golden", 4096);
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        option(&mut input, OPT_LIST, &[]);
+        option(&mut input, OPT_GO, &go("golden", &[]));
+        option(&mut input, OPT_STRUCTURED_REPLY, &[]);
+        option(&mut input, OPT_STARTTLS, &[]);
+        let mut hs = Handshake::with_tls(TlsMode::Require);
+        let mut out = Vec::new();
+        let (used, progress) = hs.advance(&input, &mut out, &exports).expect("well-framed");
+        assert_eq!(used, input.len());
+        assert!(matches!(progress, Progress::StartTls));
+        let kinds: Vec<u32> = replies(&out).iter().map(|r| r.1).collect();
+        assert_eq!(kinds, vec![REP_ERR_TLS_REQD, REP_ERR_TLS_REQD, REP_ERR_TLS_REQD, REP_ACK]);
+
+        hs.tls_started(None);
+        let mut input = Vec::new();
+        option(&mut input, OPT_STARTTLS, &[]);
+        option(&mut input, OPT_GO, &go("golden", &[]));
+        out.clear();
+        let (_, progress) = hs.advance(&input, &mut out, &exports).expect("well-framed");
+        let Progress::Transmission(negotiated) = progress else { panic!("GO over TLS opens the export") };
+        assert!(!negotiated.structured_replies, "negotiated before TLS, so forgotten");
+        assert_eq!(replies(&out)[0].1, REP_ERR_INVALID, "STARTTLS twice");
+
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        option(&mut input, OPT_EXPORT_NAME, b"golden");
+        let error = Handshake::with_tls(TlsMode::Require).advance(&input, &mut Vec::new(), &exports).err();
+        assert_eq!(error, Some(HandshakeError::TlsRequired));
+    }
+
+    /// An export the client's identity does not allow is neither listed nor opened, and looks
+    /// like one that does not exist; after TLS proves the identity, it is.
+    #[test]
+    fn exports_are_hidden_from_identities_not_allowed_them() {
+        struct OnlyAlice;
+        impl ExportAccess for OnlyAlice {
+            fn allows(&self, identity: Option<&str>, _: &str) -> bool {
+                identity == Some("alice")
+            }
+        }
+        let exports = OneExport::new("golden", 4096);
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        option(&mut input, OPT_LIST, &[]);
+        option(&mut input, OPT_INFO, &go("golden", &[]));
+        option(&mut input, OPT_STARTTLS, &[]);
+        let mut hs = Handshake::with_tls(TlsMode::On).with_access(Some(Arc::new(OnlyAlice)));
+        let mut out = Vec::new();
+        hs.advance(&input, &mut out, &exports).expect("well-framed");
+        let kinds: Vec<u32> = replies(&out).iter().map(|r| r.1).collect();
+        assert_eq!(kinds, vec![REP_ACK, REP_ERR_UNKNOWN, REP_ACK], "an empty list, an unknown export, STARTTLS");
+
+        hs.tls_started(Some("alice".into()));
+        let mut input = Vec::new();
+        option(&mut input, OPT_LIST, &[]);
+        option(&mut input, OPT_GO, &go("golden", &[]));
+        out.clear();
+        let (_, progress) = hs.advance(&input, &mut out, &exports).expect("well-framed");
+        assert!(matches!(progress, Progress::Transmission(_)));
+        assert_eq!(replies(&out)[0].1, REP_SERVER, "alice sees the export");
+    }
+
+    /// SELECTIVETLS and NOTLS: plain-text clients are served; STARTTLS is offered or refused.
+    #[test]
+    fn on_offers_tls_and_off_refuses_it() {
+        let exports = OneExport::new("golden", 4096);
+        for (mode, junk, starttls) in
+            [(TlsMode::On, REP_ERR_INVALID, REP_ACK), (TlsMode::Off, REP_ERR_UNSUP, REP_ERR_UNSUP)]
+        {
+            let mut input = Vec::new();
+            put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+            option(&mut input, OPT_LIST, &[]);
+            option(&mut input, OPT_STARTTLS, b"junk");
+            option(&mut input, OPT_STARTTLS, &[]);
+            let mut out = Vec::new();
+            let (_, progress) = Handshake::with_tls(mode).advance(&input, &mut out, &exports).expect("well-framed");
+            let kinds: Vec<u32> = replies(&out).iter().map(|r| r.1).collect();
+            assert_eq!(kinds, vec![REP_SERVER, REP_ACK, junk, starttls], "{mode:?}");
+            assert_eq!(matches!(progress, Progress::StartTls), mode == TlsMode::On);
+        }
     }
 
     #[test]

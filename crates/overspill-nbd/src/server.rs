@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::connection::{serve_connection_until, ConnectionError, Ending, Limits, ReadStopper, Transport};
+use crate::connection::{serve_secured_connection, ConnectionError, Ending, Limits, ReadStopper, Security, Transport};
 use crate::ExportProvider;
 
 /// Where a server listens: `unix:PATH` or `tcp:HOST:PORT`.
@@ -110,11 +110,12 @@ impl Drop for Listener {
 pub struct ServerConfig {
     pub limits: Limits,
     pub max_connections: usize,
+    pub security: Security,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        Self { limits: Limits::default(), max_connections: 1024 }
+        Self { limits: Limits::default(), max_connections: 1024, security: Security::default() }
     }
 }
 
@@ -295,11 +296,12 @@ impl Server {
         };
         let exports = self.exports.clone();
         let limits = self.config.limits.clone();
+        let security = self.config.security.clone();
         let shutdown = self.shutdown.clone();
         let spawned = std::thread::Builder::new().name(format!("nbd-{id}")).spawn(move || {
             let _slot = slot;
             let _registration = registration;
-            let ending = serve_connection_until(stream, exports.as_ref(), &limits, &shutdown.0.stop);
+            let ending = serve_secured_connection(stream, exports.as_ref(), &limits, &security, &shutdown.0.stop);
             log_ending(id, &peer, ending);
         });
         if let Err(error) = spawned {

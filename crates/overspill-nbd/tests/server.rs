@@ -19,6 +19,7 @@ fn server() -> (Server, OneExport) {
     let config = ServerConfig {
         limits: Limits { max_payload_bytes: 1 << 16, handshake_timeout: Duration::from_secs(2), idle_timeout: None },
         max_connections: 8,
+        ..ServerConfig::default()
     };
     (Server::new(Arc::new(exports.clone()), config), exports)
 }
@@ -207,4 +208,22 @@ fn unknown_export_is_refused_by_go() {
         Err(ClientError::Refused { reply, .. }) => assert_eq!(reply, (1 << 31) | 6),
         other => panic!("expected NBD_REP_ERR_UNKNOWN, got {other:?}"),
     }
+}
+
+/// A VM that sends nothing for longer than the idle timeout is disconnected; one that keeps
+/// talking is not.
+#[test]
+fn idle_connections_are_closed_after_the_idle_timeout() {
+    let exports = OneExport::new("disk", SIZE);
+    let limits = Limits { idle_timeout: Some(Duration::from_millis(300)), ..Limits::default() };
+    let server = Server::new(Arc::new(exports), ServerConfig { limits, ..ServerConfig::default() });
+    let mut busy = client(&server, true);
+    let mut idle = after_handshake(&server);
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(100));
+        busy.read(0, &mut buf).expect("a talking VM stays connected");
+    }
+    assert!(closed_by_server(&mut idle), "the silent VM was disconnected");
+    assert_healthy(&server);
 }

@@ -6,6 +6,7 @@ pub mod images;
 pub mod metrics;
 pub mod plan;
 pub mod replay;
+pub mod security;
 pub mod serve;
 pub mod size;
 pub mod stat;

@@ -45,7 +45,9 @@ fn main() -> anyhow::Result<()> {
     };
     let level = cli.log.as_deref().unwrap_or(default_level);
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level))?;
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour codes only for a terminal: a log file or journald gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     if cli.log_json {
         logs.json().init();
     } else {

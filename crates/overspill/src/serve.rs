@@ -12,10 +12,11 @@ use clap::Args;
 use overspill_engine::budget::read_mem_available;
 use overspill_engine::{open_image, GoldenImage, HostMemory, WriteCacheMode};
 use overspill_nbd::server::ShutdownHandle;
-use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig};
+use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
 
 use crate::exports::{CacheSettings, OverlayExports};
 use crate::metrics;
+use crate::security::SecurityArgs;
 use crate::size::{format_bytes, parse_bytes};
 
 #[derive(Debug, Args)]
@@ -69,6 +70,12 @@ pub struct ServeArgs {
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10)]
     handshake_timeout: u64,
+    /// Seconds a VM may send nothing before it is disconnected (its overlay is then dropped);
+    /// 0 waits forever.
+    #[arg(long, default_value_t = 0)]
+    idle_timeout: u64,
+    #[command(flatten)]
+    security: SecurityArgs,
 }
 
 fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn GoldenImage>>> {
@@ -98,6 +105,7 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let images = open_images(&args)?;
+    let security = args.security.security().context("TLS and access settings")?;
     let host = HostMemory::new(args.ram_total, args.ram_floor);
     let settings = CacheSettings {
         mode: args.mode,
@@ -125,9 +133,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     spawn_memory_sampler(host);
     let config = ServerConfig {
-        limits: Limits { handshake_timeout: Duration::from_secs(args.handshake_timeout), ..Limits::default() },
+        limits: Limits {
+            handshake_timeout: Duration::from_secs(args.handshake_timeout),
+            idle_timeout: (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout)),
+            ..Limits::default()
+        },
         max_connections: args.max_connections,
+        security,
     };
+    let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let server = Server::new(Arc::new(exports), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle())?;
@@ -137,6 +151,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         mode = %args.mode,
         ram_per_vm = %format_bytes(args.ram),
         ram_total = %format_bytes(args.ram_total),
+        tls = ?config_tls_mode,
         "serving"
     );
     server.run(&listener).context("accepting connections")?;

@@ -1,0 +1,379 @@
+//! TLS and access control against real clients: `overspill serve` on TCP with x509 certificates
+//! (rustls) or pre-shared keys (OpenSSL), driven by qemu-io, qemu-img and nbdinfo, which speak
+//! TLS through GnuTLS, the stack qemu and libnbd ship with. Certificates are made fresh per test
+//! with rcgen.
+//!
+//! Each test checks what a client that should get in can do (read, write, read back over TLS),
+//! that those that should not are refused (plain text, a foreign CA, no certificate, a wrong
+//! key, an identity not allowed), and that the server serves on after every refusal.
+
+use std::io::Read;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
+};
+use serde_json::Value;
+use tempfile::TempDir;
+
+const GOLDEN_BYTES: usize = 8 << 20;
+const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A golden image whose every 4 KiB block holds its own number, so reads can be checked.
+fn golden(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(name);
+    let bytes: Vec<u8> = (0..GOLDEN_BYTES).map(|i| (i / 4096) as u8 ^ 0x5a).collect();
+    std::fs::write(&path, bytes).expect("golden image");
+    path
+}
+
+// ---------------------------------------------------------------------------------------------
+// Credentials
+
+/// A CA, and what it signed.
+struct Authority {
+    cert: rcgen::Certificate,
+    key: KeyPair,
+}
+
+fn params(names: &[&str], common_name: &str) -> CertificateParams {
+    let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).expect("params");
+    params.distinguished_name.push(DnType::CommonName, common_name);
+    params.not_before = rcgen::date_time_ymd(2024, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2099, 1, 1);
+    params
+}
+
+impl Authority {
+    fn new(name: &str) -> Self {
+        let mut ca = params(&[], name);
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let key = KeyPair::generate().expect("CA key");
+        let cert = ca.self_signed(&key).expect("CA certificate");
+        Self { cert, key }
+    }
+
+    /// Writes `<prefix>-cert.pem` and `<prefix>-key.pem` into `dir`, and the CA as `ca-cert.pem`.
+    fn issue(&self, dir: &Path, prefix: &str, common_name: &str, server: bool) {
+        let mut leaf = if server { params(&["localhost"], common_name) } else { params(&[], common_name) };
+        if server {
+            leaf.subject_alt_names.push(SanType::IpAddress([127, 0, 0, 1].into()));
+        }
+        leaf.extended_key_usages =
+            vec![if server { ExtendedKeyUsagePurpose::ServerAuth } else { ExtendedKeyUsagePurpose::ClientAuth }];
+        let key = KeyPair::generate().expect("leaf key");
+        let cert = leaf.signed_by(&key, &self.cert, &self.key).expect("leaf certificate");
+        std::fs::create_dir_all(dir).expect("credentials dir");
+        std::fs::write(dir.join(format!("{prefix}-cert.pem")), cert.pem()).expect("cert");
+        std::fs::write(dir.join(format!("{prefix}-key.pem")), key.serialize_pem()).expect("key");
+        std::fs::write(dir.join("ca-cert.pem"), self.cert.pem()).expect("CA cert");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server and the clients
+
+struct Server {
+    child: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(dir: &Path, args: &[&str]) -> Self {
+        // A port the kernel just handed out and took back: free unless something races us.
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+        let log = dir.join("server.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("serve")
+            .args(["--listen", &format!("tcp:127.0.0.1:{port}")])
+            .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8")])
+            .args(["--ram-floor", "0"])
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("starting overspill serve");
+        let mut server = Self { child, port, log };
+        let deadline = Instant::now() + WAIT;
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            server.assert_running();
+            assert!(Instant::now() < deadline, "not listening after {WAIT:?}:\n{}", server.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    #[track_caller]
+    fn assert_running(&mut self) {
+        if let Some(status) = self.child.try_wait().expect("try_wait") {
+            panic!("overspill serve exited with {status}:\n{}", self.log_text());
+        }
+    }
+
+    /// qemu's `--image-opts` for an export over TLS with the credentials object `tls0`.
+    fn qemu_opts(&self, export: &str) -> String {
+        format!(
+            "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export={export},tls-creds=tls0",
+            self.port
+        )
+    }
+
+    /// A libnbd URI; `query` carries the TLS settings.
+    fn uri(&self, user: Option<&str>, export: &str, query: &str) -> String {
+        let user = user.map(|u| format!("{u}@")).unwrap_or_default();
+        format!("nbds://{user}127.0.0.1:{}/{export}?{query}", self.port)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- server log ---\n{}", self.log_text());
+        }
+    }
+}
+
+struct Output {
+    status: ExitStatus,
+    text: String,
+}
+
+fn run(program: &str, args: &[&str]) -> Output {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{program} is needed by this test (scripts/test installs it): {e}"));
+    let mut pipes = (child.stdout.take(), child.stderr.take());
+    let out = std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(p) = pipes.0.as_mut() {
+            let _ = p.read_to_string(&mut text);
+        }
+        if let Some(p) = pipes.1.as_mut() {
+            let _ = p.read_to_string(&mut text);
+        }
+        text
+    });
+    let deadline = Instant::now() + TOOL_TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{program} {args:?} still running after {TOOL_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Output { status, text: out.join().expect("output reader") }
+}
+
+#[track_caller]
+fn run_ok(program: &str, args: &[&str]) -> String {
+    let out = run(program, args);
+    assert!(out.status.success(), "{program} {args:?} failed ({}):\n{}", out.status, out.text);
+    out.text
+}
+
+#[track_caller]
+fn run_refused(program: &str, args: &[&str]) -> String {
+    let out = run(program, args);
+    assert!(!out.status.success(), "{program} {args:?} should have been refused:\n{}", out.text);
+    out.text
+}
+
+/// Writes a pattern and reads it back on one connection (one VM), and reads an untouched
+/// golden block: the whole data path over TLS.
+fn qemu_io_round_trip(server: &Server, object: &str, export: &str) {
+    let opts = server.qemu_opts(export);
+    let out = run_ok(
+        "qemu-io",
+        &[
+            "--object",
+            object,
+            "--image-opts",
+            &opts,
+            "-c",
+            "write -P 0xab 1M 64k",
+            "-c",
+            "read -P 0xab 1M 64k",
+            // Block 7 of the golden image holds 7 ^ 0x5a.
+            "-c",
+            "read -P 0x5d 28k 4k",
+        ],
+    );
+    assert!(!out.contains("failed") && out.matches("read 65536/65536").count() == 1, "{out}");
+}
+
+fn nbdinfo_size(uri: &str) -> u64 {
+    let text = run_ok("nbdinfo", &["--json", uri]);
+    let start = text.find('{').unwrap_or_else(|| panic!("no JSON from nbdinfo:\n{text}"));
+    let info: Value = serde_json::from_str(&text[start..]).unwrap_or_else(|e| panic!("nbdinfo JSON: {e}\n{text}"));
+    info["exports"][0]["export-size"].as_u64().unwrap_or_else(|| panic!("no size in {info}"))
+}
+
+fn listed(uri: &str) -> Vec<String> {
+    let text = run_ok("nbdinfo", &["--list", "--json", uri]);
+    let start = text.find('{').unwrap_or_else(|| panic!("no JSON from nbdinfo:\n{text}"));
+    let list: Value = serde_json::from_str(&text[start..]).unwrap_or_else(|e| panic!("nbdinfo JSON: {e}\n{text}"));
+    let mut names: Vec<String> = list["exports"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no exports in {list}"))
+        .iter()
+        .map(|e| e["export-name"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+/// x509 with client certificates required: qemu-io, qemu-img and nbdinfo with a certificate from
+/// the right CA get in and read and write; plain text, a certificate from another CA and no
+/// certificate at all are refused, and the server goes on.
+#[test]
+fn x509_clients_with_the_right_certificate_get_in_and_no_one_else() {
+    let dir = TempDir::new().expect("tempdir");
+    let image = golden(dir.path(), "golden.img");
+    let ca = Authority::new("overspill test CA");
+    let server_dir = dir.path().join("server");
+    ca.issue(&server_dir, "server", "localhost", true);
+    let alice = dir.path().join("alice");
+    ca.issue(&alice, "client", "alice", false);
+    let rogue = dir.path().join("rogue");
+    let rogue_ca = Authority::new("someone else's CA");
+    rogue_ca.issue(&rogue, "client", "alice", false);
+    // Trusts the server's CA, but has its certificate from elsewhere.
+    std::fs::copy(server_dir.join("ca-cert.pem"), rogue.join("ca-cert.pem")).expect("copy CA");
+    let anonymous = dir.path().join("anonymous");
+    std::fs::create_dir_all(&anonymous).expect("dir");
+    std::fs::copy(server_dir.join("ca-cert.pem"), anonymous.join("ca-cert.pem")).expect("copy CA");
+
+    let export = format!("golden={}", path(&image));
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            "--export",
+            &export,
+            "--tls-cert",
+            path(&server_dir.join("server-cert.pem")),
+            "--tls-key",
+            path(&server_dir.join("server-key.pem")),
+            "--tls-client-ca",
+            path(&server_dir.join("ca-cert.pem")),
+        ],
+    );
+
+    let object = format!("tls-creds-x509,id=tls0,endpoint=client,dir={}", path(&alice));
+    qemu_io_round_trip(&server, &object, "golden@vm-1");
+    let info = run_ok(
+        "qemu-img",
+        &["info", "--output=json", "--object", &object, "--image-opts", &server.qemu_opts("golden")],
+    );
+    assert!(info.contains(&format!("\"virtual-size\": {GOLDEN_BYTES}")), "{info}");
+    let certificates = format!("tls-certificates={}", path(&alice));
+    assert_eq!(nbdinfo_size(&server.uri(None, "golden", &certificates)), GOLDEN_BYTES as u64);
+
+    let plain = run_refused("nbdinfo", &[&format!("nbd://127.0.0.1:{}/golden", server.port)]);
+    assert!(plain.to_lowercase().contains("tls"), "a plain-text client is told TLS is required:\n{plain}");
+    run_refused("nbdinfo", &[&server.uri(None, "golden", &format!("tls-certificates={}", path(&rogue)))]);
+    run_refused("nbdinfo", &[&server.uri(None, "golden", &format!("tls-certificates={}", path(&anonymous)))]);
+    let wrong = format!("tls-creds-x509,id=tls0,endpoint=client,dir={}", path(&rogue));
+    run_refused("qemu-img", &["info", "--object", &wrong, "--image-opts", &server.qemu_opts("golden")]);
+
+    server.assert_running();
+    assert_eq!(nbdinfo_size(&server.uri(None, "golden", &certificates)), GOLDEN_BYTES as u64, "still serving");
+    assert!(server.log_text().contains("identity=alice"), "the client's identity is its common name");
+}
+
+/// Pre-shared keys as qemu's tls-creds-psk and libnbd use them: the right key gets in, a wrong
+/// key or an unknown identity does not, and with `--tls on` a plain-text client is served too.
+#[test]
+fn psk_clients_with_the_right_key_get_in() {
+    let dir = TempDir::new().expect("tempdir");
+    let image = golden(dir.path(), "golden.img");
+    let keys = dir.path().join("server.psk");
+    std::fs::write(&keys, "alice:0123456789abcdef0123456789abcdef\n").expect("keys");
+    let qemu_dir = dir.path().join("qemu");
+    std::fs::create_dir_all(&qemu_dir).expect("dir");
+    std::fs::copy(&keys, qemu_dir.join("keys.psk")).expect("keys.psk");
+    let wrong = dir.path().join("wrong.psk");
+    std::fs::write(&wrong, "alice:00000000000000000000000000000000\n").expect("keys");
+    let stranger = dir.path().join("stranger.psk");
+    std::fs::write(&stranger, "mallory:0123456789abcdef0123456789abcdef\n").expect("keys");
+
+    let export = format!("golden={}", path(&image));
+    let mut server = Server::start(dir.path(), &["--export", &export, "--tls-psk", path(&keys), "--tls", "on"]);
+
+    let object = format!("tls-creds-psk,id=tls0,endpoint=client,dir={},username=alice", path(&qemu_dir));
+    qemu_io_round_trip(&server, &object, "golden");
+    let psk = |file: &Path| format!("tls-psk-file={}", path(file));
+    assert_eq!(nbdinfo_size(&server.uri(Some("alice"), "golden", &psk(&keys))), GOLDEN_BYTES as u64);
+    run_refused("nbdinfo", &[&server.uri(Some("alice"), "golden", &psk(&wrong))]);
+    run_refused("nbdinfo", &[&server.uri(Some("mallory"), "golden", &psk(&stranger))]);
+    // `on`, not `require`: TLS is offered, plain text still served.
+    let plain = run_ok("nbdinfo", &["--json", &format!("nbd://127.0.0.1:{}/golden", server.port)]);
+    assert!(plain.contains(&GOLDEN_BYTES.to_string()), "{plain}");
+
+    server.assert_running();
+    assert!(server.log_text().contains("identity=alice"), "the PSK identity is the client's identity");
+}
+
+/// `--allow`: each identity lists and opens only its images (under any VM name); others look
+/// as if they did not exist.
+#[test]
+fn each_identity_sees_and_opens_only_the_images_allowed_it() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden_image = golden(dir.path(), "golden.img");
+    let other_image = golden(dir.path(), "other.img");
+    let keys = dir.path().join("keys.psk");
+    std::fs::write(&keys, "alice:aa11aa11aa11aa11aa11aa11aa11aa11\nbob:bb22bb22bb22bb22bb22bb22bb22bb22\n")
+        .expect("keys");
+    let golden_export = format!("golden={}", path(&golden_image));
+    let other_export = format!("other={}", path(&other_image));
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            "--export",
+            &golden_export,
+            "--export",
+            &other_export,
+            "--tls-psk",
+            path(&keys),
+            "--allow",
+            "alice=golden",
+            "--allow",
+            "bob=golden,other",
+        ],
+    );
+    let psk = format!("tls-psk-file={}", path(&keys));
+    assert_eq!(listed(&server.uri(Some("alice"), "", &psk)), ["golden"]);
+    assert_eq!(listed(&server.uri(Some("bob"), "", &psk)), ["golden", "other"]);
+    assert_eq!(nbdinfo_size(&server.uri(Some("alice"), "golden@vm-7", &psk)), GOLDEN_BYTES as u64);
+    let refused = run_refused("nbdinfo", &[&server.uri(Some("alice"), "other", &psk)]);
+    assert!(refused.contains("other"), "{refused}");
+    assert_eq!(nbdinfo_size(&server.uri(Some("bob"), "other@vm-1", &psk)), GOLDEN_BYTES as u64);
+    server.assert_running();
+}
