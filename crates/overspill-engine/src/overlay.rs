@@ -683,6 +683,11 @@ impl Overlay {
         if self.map.is_empty() && self.map.capacity() > 0 {
             self.map = FxHashMap::default();
         }
+        // The spare segment buffer saves an allocation per segment; over target (many VMs under
+        // one host cap), its 2 MiB are worth more given back.
+        if matches!(self.tier, Tier::RamDisk(_)) && self.memory_used_bytes() > self.memory_target_bytes() {
+            self.spill_mut().drop_spare_buffer();
+        }
         let used = self.memory_used_bytes();
         self.host.account(self.accounted_bytes, used);
         self.accounted_bytes = used;

@@ -110,6 +110,11 @@ impl SpillLog {
         }
     }
 
+    /// Frees the buffer kept from the last sealed segment; the next segment allocates its own.
+    pub fn drop_spare_buffer(&mut self) {
+        self.spare_buffer = None;
+    }
+
     pub fn memory_bytes(&self) -> u64 {
         let buffer = if self.open.is_some() || self.spare_buffer.is_some() { SEGMENT_BYTES } else { 0 };
         let owners = self.owner_tables as usize * BLOCKS_PER_SEGMENT;
