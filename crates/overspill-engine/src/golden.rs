@@ -29,6 +29,11 @@ pub trait GoldenImage: Send + Sync {
         Ok(SourceReads { ops: 1, bytes: buf.len() as u64 })
     }
     fn describe(&self) -> String;
+    /// The chunk a read cache in front should fetch at a time, if not the default: remote
+    /// stores, where every request costs a round trip, want large ones.
+    fn preferred_fetch_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Opens a golden image by its format: qcow2 (by its magic) or raw.

@@ -217,33 +217,35 @@ impl CachedImage {
 
     /// Fetches chunks `first..first + count` (already claimed as pending) with one source read,
     /// caches them and hands them to whoever waits. On error the waiters get the error too.
-    fn fetch_run(&self, first: u64, pendings: &[&Arc<Pending>]) -> io::Result<(Vec<Arc<[u8]>>, u64)> {
+    /// Returns the chunks and what the read cost the storage behind the source (less than the
+    /// bytes fetched when the source has a cache of its own, such as a local disk tier).
+    fn fetch_run(&self, first: u64, pendings: &[&Arc<Pending>]) -> io::Result<(Vec<Arc<[u8]>>, SourceReads)> {
         let start = first * self.chunk_bytes;
         let end = ((first + pendings.len() as u64) * self.chunk_bytes).min(self.source.size());
         let mut data = vec![0u8; (end - start) as usize];
-        let read = self.source.read_at(&mut data, start);
-        let chunks: io::Result<Vec<Arc<[u8]>>> =
-            read.map(|()| data.chunks(self.chunk_bytes as usize).map(Arc::from).collect());
+        let read = self.source.read_counted(&mut data, start);
+        let chunks: io::Result<(Vec<Arc<[u8]>>, SourceReads)> =
+            read.map(|reads| (data.chunks(self.chunk_bytes as usize).map(Arc::from).collect(), reads));
         {
             let mut cache = self.lock();
             for (k, _) in pendings.iter().enumerate() {
                 cache.pending.remove(&(first + k as u64));
             }
-            if let Ok(chunks) = &chunks {
+            if let Ok((chunks, _)) = &chunks {
                 for (k, chunk) in chunks.iter().enumerate() {
                     cache.insert(first + k as u64, chunk.clone(), &self.stats);
                 }
             }
         }
         match chunks {
-            Ok(chunks) => {
+            Ok((chunks, reads)) => {
                 for (pending, chunk) in pendings.iter().zip(&chunks) {
                     pending.complete(&Ok(chunk.clone()));
                 }
                 self.stats.misses.add(pendings.len() as u64);
                 self.stats.fetched_chunks.add(pendings.len() as u64);
                 self.stats.fetched_bytes.add(end - start);
-                Ok((chunks, end - start))
+                Ok((chunks, reads))
             }
             Err(e) => {
                 let failed = Err(io::Error::new(e.kind(), e.to_string()));
@@ -328,7 +330,7 @@ impl GoldenImage for CachedImage {
                 continue;
             }
             let n = run.len();
-            let (chunks, bytes) = match self.fetch_run(first + i as u64, &run) {
+            let (chunks, reads) = match self.fetch_run(first + i as u64, &run) {
                 Ok(fetched_run) => fetched_run,
                 Err(e) => {
                     // The chunks this reader claimed further on will not be fetched now; left
@@ -337,8 +339,8 @@ impl GoldenImage for CachedImage {
                     return Err(e);
                 }
             };
-            fetched.ops += 1;
-            fetched.bytes += bytes;
+            fetched.ops += reads.ops;
+            fetched.bytes += reads.bytes;
             for (k, chunk) in chunks.into_iter().enumerate() {
                 parts[i + k] = Part::Fetched(chunk);
             }

@@ -120,7 +120,8 @@ impl OverlayExports {
             images
                 .into_iter()
                 .map(|(name, image)| {
-                    let cached = CachedImage::new(image, settings.read_cache_bytes, DEFAULT_CHUNK_BYTES);
+                    let chunk_bytes = image.preferred_fetch_bytes().unwrap_or(DEFAULT_CHUNK_BYTES);
+                    let cached = CachedImage::new(image, settings.read_cache_bytes, chunk_bytes);
                     read_caches.add(name.clone(), cached.stats());
                     (name, Arc::new(cached) as Arc<dyn GoldenImage>)
                 })
@@ -410,7 +411,7 @@ fn cache_file_pid(name: &str) -> Option<u32> {
     let rest = name.strip_prefix("overspill-")?;
     let (pid, rest) = rest.split_once('-')?;
     let (_, suffix) = rest.split_once('.')?;
-    matches!(suffix, "spill" | "cache" | "diff").then_some(())?;
+    matches!(suffix, "spill" | "cache" | "diff" | "golden").then_some(())?;
     pid.parse().ok()
 }
 

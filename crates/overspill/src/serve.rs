@@ -10,9 +10,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::budget::read_mem_available;
-use overspill_engine::{open_image, GoldenImage, HostMemory, WriteCacheMode};
+use overspill_engine::{GoldenImage, HostMemory, WriteCacheMode};
 use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
+use overspill_sources::{open_source, Source, SourceSettings};
 
 use crate::exports::{CacheSettings, OverlayExports};
 use crate::metrics;
@@ -21,12 +22,23 @@ use crate::size::{format_bytes, parse_bytes};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// The default golden image (export name ""), raw or qcow2. Opened read-only, never written.
-    #[arg(long)]
-    base: Option<PathBuf>,
-    /// More golden images as NAME=IMAGE; clients pick one by export name (NAME or NAME@VM).
-    #[arg(long = "export", value_name = "NAME=IMAGE")]
+    /// The default golden image (export name ""): a raw or qcow2 file, s3://BUCKET/KEY or
+    /// rbd:POOL/IMAGE@SNAPSHOT. Opened read-only, never written.
+    #[arg(long, value_name = "SOURCE")]
+    base: Option<String>,
+    /// More golden images as NAME=SOURCE; clients pick one by export name (NAME or NAME@VM).
+    #[arg(long = "export", value_name = "NAME=SOURCE")]
     exports: Vec<String>,
+    /// Keep what remote golden images (S3, RBD) fetch in a local sparse file in the spill
+    /// directory, so each block crosses the network once per server.
+    #[arg(long)]
+    local_tier: bool,
+    /// Ceph configuration for rbd: sources (default: CEPH_CONF, then /etc/ceph/ceph.conf).
+    #[arg(long, value_name = "FILE")]
+    ceph_conf: Option<PathBuf>,
+    /// Ceph client id for rbd: sources, without "client." (default: admin).
+    #[arg(long, value_name = "ID")]
+    ceph_id: Option<String>,
     /// A versioned image store (see `overspill image`): each image in it is an export, and a VM
     /// gets the image's current version.
     #[arg(long, value_name = "DIR")]
@@ -80,11 +92,18 @@ pub struct ServeArgs {
 
 fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn GoldenImage>>> {
     let mut images: BTreeMap<String, Arc<dyn GoldenImage>> = BTreeMap::new();
-    let mut add = |name: &str, path: &std::path::Path| -> anyhow::Result<()> {
+    let settings = SourceSettings {
+        ceph_conf: args.ceph_conf.clone(),
+        ceph_id: args.ceph_id.clone(),
+        local_tier_dir: args.local_tier.then(|| args.spill_dir.clone()),
+    };
+    let mut add = |name: &str, spec: &str| -> anyhow::Result<()> {
         if name.contains('@') {
             bail!("export name {name:?} may not contain '@' (it separates the VM name)");
         }
-        let image = open_image(path).with_context(|| format!("golden image {}", path.display()))?;
+        let source = Source::parse(spec)?;
+        let image = open_source(&source, &settings).with_context(|| format!("golden image {spec}"))?;
+        tracing::info!(export = name, source = %image.describe(), size = image.size(), "golden image");
         if images.insert(name.to_owned(), image).is_some() {
             bail!("export {name:?} is given twice");
         }
@@ -94,8 +113,8 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
         add("", base)?;
     }
     for spec in &args.exports {
-        let (name, path) = spec.split_once('=').with_context(|| format!("--export {spec:?}: use NAME=IMAGE"))?;
-        add(name, path.as_ref())?;
+        let (name, source) = spec.split_once('=').with_context(|| format!("--export {spec:?}: use NAME=SOURCE"))?;
+        add(name, source)?;
     }
     if images.is_empty() && args.images.is_none() {
         bail!("nothing to serve: give --base IMAGE, --export NAME=IMAGE or --images DIR");

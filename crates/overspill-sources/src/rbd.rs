@@ -1,0 +1,177 @@
+//! A snapshot of a Ceph RBD image as a golden image, read through librbd.
+//!
+//! Only snapshots are opened (`rbd_open_read_only` with a snapshot name): a snapshot cannot
+//! change, so every VM of a version reads the same bytes for as long as it runs, and a new
+//! version is a new snapshot (`rbd snap create pool/golden@v4`), published as any other.
+//!
+//! The bindings are a handful of librados/librbd C functions declared here by hand; no Rust
+//! crate for librbd is kept well enough to depend on. Linking needs librbd and librados
+//! (Debian: librbd-dev, librados-dev), which is why this module is a build feature.
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::io;
+use std::path::Path;
+use std::ptr;
+
+use overspill_engine::GoldenImage;
+
+use crate::SourceError;
+
+type RadosCluster = *mut c_void;
+type RadosIoctx = *mut c_void;
+type RbdImageHandle = *mut c_void;
+
+#[link(name = "rados")]
+extern "C" {
+    fn rados_create(cluster: *mut RadosCluster, id: *const c_char) -> c_int;
+    fn rados_conf_read_file(cluster: RadosCluster, path: *const c_char) -> c_int;
+    fn rados_conf_parse_env(cluster: RadosCluster, var: *const c_char) -> c_int;
+    fn rados_connect(cluster: RadosCluster) -> c_int;
+    fn rados_shutdown(cluster: RadosCluster);
+    fn rados_ioctx_create(cluster: RadosCluster, pool_name: *const c_char, ioctx: *mut RadosIoctx) -> c_int;
+    fn rados_ioctx_destroy(ioctx: RadosIoctx);
+}
+
+#[link(name = "rbd")]
+extern "C" {
+    fn rbd_open_read_only(
+        ioctx: RadosIoctx,
+        name: *const c_char,
+        image: *mut RbdImageHandle,
+        snap_name: *const c_char,
+    ) -> c_int;
+    fn rbd_close(image: RbdImageHandle) -> c_int;
+    fn rbd_get_size(image: RbdImageHandle, size: *mut u64) -> c_int;
+    fn rbd_read(image: RbdImageHandle, offset: u64, len: usize, buf: *mut c_char) -> isize;
+}
+
+/// librados/librbd return negative errno values.
+fn check(what: &str, code: c_int) -> Result<(), SourceError> {
+    if code < 0 {
+        let error = io::Error::from_raw_os_error(-code);
+        return Err(SourceError::Remote { what: what.to_owned(), message: error.to_string() });
+    }
+    Ok(())
+}
+
+fn c_string(what: &str, s: &str) -> Result<CString, SourceError> {
+    CString::new(s).map_err(|_| SourceError::Remote { what: what.to_owned(), message: "contains a NUL byte".into() })
+}
+
+/// The connection, pool context and image handle, released in reverse order.
+pub struct RbdImage {
+    cluster: RadosCluster,
+    ioctx: RadosIoctx,
+    image: RbdImageHandle,
+    size: u64,
+    name: String,
+}
+
+// SAFETY: the handles are plain pointers to librados/librbd objects that those libraries
+// synchronise internally (librbd serves one image from many threads, as qemu's iothreads do);
+// this type never hands them out, and only `drop`, which has exclusive access, closes them.
+unsafe impl Send for RbdImage {}
+// SAFETY: as above: concurrent `rbd_read` calls on one open image are supported by librbd.
+unsafe impl Sync for RbdImage {}
+
+impl RbdImage {
+    /// Connects as `client.<id>` with `conf` (or librados' default search and `CEPH_ARGS`), and
+    /// opens `pool/image@snapshot` read-only.
+    pub fn open(conf: Option<&Path>, id: &str, pool: &str, image: &str, snapshot: &str) -> Result<Self, SourceError> {
+        let name = format!("rbd:{pool}/{image}@{snapshot}");
+        let mut this = Self { cluster: ptr::null_mut(), ioctx: ptr::null_mut(), image: ptr::null_mut(), size: 0, name };
+        let id = c_string("ceph client id", id)?;
+        // SAFETY: `this.cluster` is a valid out-pointer; `id` is a NUL-terminated string that
+        // outlives the call. On failure the handle stays null and `drop` skips it.
+        check("creating the rados handle", unsafe { rados_create(&mut this.cluster, id.as_ptr()) })?;
+        match conf {
+            Some(path) => {
+                let path = c_string("ceph.conf path", &path.to_string_lossy())?;
+                // SAFETY: the cluster handle was created above; `path` is NUL-terminated.
+                check("reading ceph.conf", unsafe { rados_conf_read_file(this.cluster, path.as_ptr()) })?;
+            }
+            // SAFETY: a null path asks librados for its default search (CEPH_CONF, /etc/ceph).
+            None => check("reading ceph.conf", unsafe { rados_conf_read_file(this.cluster, ptr::null()) })?,
+        }
+        // SAFETY: a null variable name means CEPH_ARGS, which may be unset.
+        check("parsing CEPH_ARGS", unsafe { rados_conf_parse_env(this.cluster, ptr::null()) })?;
+        // SAFETY: a configured, not yet connected cluster handle.
+        check("connecting to the Ceph cluster", unsafe { rados_connect(this.cluster) })?;
+        let pool_c = c_string("pool name", pool)?;
+        // SAFETY: connected cluster; `pool_c` NUL-terminated; `this.ioctx` a valid out-pointer.
+        check(&format!("opening pool {pool}"), unsafe {
+            rados_ioctx_create(this.cluster, pool_c.as_ptr(), &mut this.ioctx)
+        })?;
+        let image_c = c_string("image name", image)?;
+        let snapshot_c = c_string("snapshot name", snapshot)?;
+        // SAFETY: valid pool context; names NUL-terminated and alive for the call; out-pointer valid.
+        check(&format!("opening {}", this.name), unsafe {
+            rbd_open_read_only(this.ioctx, image_c.as_ptr(), &mut this.image, snapshot_c.as_ptr())
+        })?;
+        let mut size = 0u64;
+        // SAFETY: an open image handle and a valid out-pointer.
+        check(&format!("sizing {}", this.name), unsafe { rbd_get_size(this.image, &mut size) })?;
+        this.size = size;
+        tracing::info!(image = %this.name, size, "RBD golden image opened");
+        Ok(this)
+    }
+}
+
+impl GoldenImage for RbdImage {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let end = offset.saturating_add(buf.len() as u64).min(self.size);
+        if offset >= end {
+            buf.fill(0);
+            return Ok(());
+        }
+        let len = (end - offset) as usize;
+        let mut done = 0usize;
+        while done < len {
+            // SAFETY: the image is open for the life of `self`; the destination is the
+            // `len - done` bytes of `buf` after `done`, all within `buf`.
+            let n = unsafe {
+                rbd_read(self.image, offset + done as u64, len - done, buf[done..].as_mut_ptr().cast::<c_char>())
+            };
+            if n < 0 {
+                let error = io::Error::from_raw_os_error(-n as i32);
+                return Err(io::Error::new(error.kind(), format!("{}: read at {offset}: {error}", self.name)));
+            }
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("{}: short read", self.name)));
+            }
+            done += n as usize;
+        }
+        buf[len..].fill(0);
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+
+    fn preferred_fetch_bytes(&self) -> Option<u64> {
+        Some(crate::REMOTE_FETCH_BYTES)
+    }
+}
+
+impl Drop for RbdImage {
+    fn drop(&mut self) {
+        // SAFETY: each handle is closed at most once, in reverse order of opening, and only if
+        // it was opened; nothing else holds them (`&mut self`).
+        unsafe {
+            if !self.image.is_null() {
+                rbd_close(self.image);
+            }
+            if !self.ioctx.is_null() {
+                rados_ioctx_destroy(self.ioctx);
+            }
+            if !self.cluster.is_null() {
+                rados_shutdown(self.cluster);
+            }
+        }
+    }
+}

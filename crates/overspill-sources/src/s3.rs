@@ -1,0 +1,101 @@
+//! An object in S3-compatible storage as a golden image, read with ranged GETs through the
+//! object_store crate.
+//!
+//! Endpoint and credentials come from the environment, as every S3 tool takes them:
+//! `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT` (or
+//! `AWS_ENDPOINT_URL`) for a store that is not AWS (Ceph radosgw, MinIO), and `AWS_ALLOW_HTTP=true`
+//! for a plain-HTTP endpoint. Requests are path-style, which every S3-compatible store accepts.
+//!
+//! The object is read-only here by construction (only HEAD and GET are ever sent), and its size
+//! and ETag are taken once at open: if the object is replaced while VMs run, a read notices the
+//! changed ETag and fails with EIO rather than mixing two images' blocks.
+
+use std::io;
+use std::sync::Arc;
+
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as ObjectPath;
+use object_store::{GetOptions, GetRange, ObjectStore};
+
+use crate::SourceError;
+use overspill_engine::GoldenImage;
+
+pub struct S3Image {
+    store: Arc<dyn ObjectStore>,
+    path: ObjectPath,
+    size: u64,
+    etag: Option<String>,
+    /// object_store is async; each VM thread blocks on this runtime for its fetch. A few worker
+    /// threads are enough: fetches are network waits, and the read cache coalesces them.
+    runtime: tokio::runtime::Runtime,
+    name: String,
+}
+
+impl S3Image {
+    pub fn open_from_env(bucket: &str, key: &str) -> Result<Self, SourceError> {
+        let name = format!("s3://{bucket}/{key}");
+        let remote = |message: String| SourceError::Remote { what: name.clone(), message };
+        let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+        // object_store reads AWS_ENDPOINT; AWS_ENDPOINT_URL is what the AWS CLI reads.
+        if std::env::var_os("AWS_ENDPOINT").is_none() {
+            if let Ok(url) = std::env::var("AWS_ENDPOINT_URL") {
+                builder = builder.with_endpoint(url);
+            }
+        }
+        let store: Arc<dyn ObjectStore> = Arc::new(builder.build().map_err(|e| remote(e.to_string()))?);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("s3-fetch")
+            .enable_all()
+            .build()
+            .map_err(|source| SourceError::Io { what: "starting the S3 client runtime".into(), source })?;
+        let path = ObjectPath::from(key);
+        let meta = runtime.block_on(store.head(&path)).map_err(|e| remote(e.to_string()))?;
+        tracing::info!(object = %name, size = meta.size, "S3 golden image opened");
+        Ok(Self { store, path, size: meta.size, etag: meta.e_tag, runtime, name })
+    }
+}
+
+impl GoldenImage for S3Image {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let end = offset.saturating_add(buf.len() as u64).min(self.size);
+        if offset >= end {
+            buf.fill(0);
+            return Ok(());
+        }
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(offset..end)),
+            if_match: self.etag.clone(),
+            ..GetOptions::default()
+        };
+        let bytes = self
+            .runtime
+            .block_on(async {
+                let result = self.store.get_opts(&self.path, options).await?;
+                result.bytes().await
+            })
+            .map_err(|e| io::Error::other(format!("{}: GET {offset}..{end}: {e}", self.name)))?;
+        let got = bytes.len();
+        if got as u64 != end - offset {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{}: asked for {} bytes at {offset}, got {got}", self.name, end - offset),
+            ));
+        }
+        buf[..got].copy_from_slice(&bytes);
+        buf[got..].fill(0);
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+
+    fn preferred_fetch_bytes(&self) -> Option<u64> {
+        Some(crate::REMOTE_FETCH_BYTES)
+    }
+}

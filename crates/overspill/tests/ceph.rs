@@ -1,0 +1,229 @@
+//! Golden images in Ceph: an RBD snapshot and an object in radosgw (S3), served by the real
+//! `overspill serve` (built with `--features rbd`) from a real one-node cluster that
+//! `scripts/test-ceph` starts (`scripts/ceph-cluster`) and names in `OVERSPILL_CEPH_DIR`.
+//!
+//! For each source: nbdcopy reads the whole export and it equals the file it was made from; fio
+//! writes and verifies through a VM's overlay while the golden image stays as it was; and with
+//! the local disk tier and the shared read cache, twenty VMs reading the same blocks fetch them
+//! from the cluster once.
+#![cfg(feature = "rbd")]
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use overspill_nbd::client::{Client, NbdUri};
+use tempfile::TempDir;
+
+const GOLDEN_BYTES: usize = 64 << 20;
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The cluster's `env` file: `export NAME=VALUE` lines.
+fn cluster_env() -> (PathBuf, HashMap<String, String>) {
+    let dir = std::env::var_os("OVERSPILL_CEPH_DIR")
+        .map(PathBuf::from)
+        .expect("OVERSPILL_CEPH_DIR names a running test cluster: run these tests with scripts/test-ceph");
+    let text = std::fs::read_to_string(dir.join("env")).expect("the cluster's env file");
+    let vars = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("export ").or(Some(l.trim())))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.trim_matches(['"', '\'']).to_owned()))
+        .collect();
+    (dir, vars)
+}
+
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        out.extend_from_slice(&state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn script(args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-cluster");
+    let status = Command::new(script).args(args).status().expect("running scripts/ceph-cluster");
+    assert!(status.success(), "scripts/ceph-cluster {args:?} failed");
+}
+
+fn run_ok(dir: &Path, program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("{program} is needed (scripts/test installs it): {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
+    text
+}
+
+struct Server {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(dir: &Path, env: &HashMap<String, String>, args: &[&str]) -> Self {
+        let socket = dir.join("s.sock");
+        let log = dir.join("server.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("serve")
+            .args(["--listen", &format!("unix:{}", socket.display())])
+            .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8")])
+            .args(["--ram-floor", "0"])
+            .args(args)
+            .env("CEPH_CONF", &env["CEPH_CONF"])
+            .env("AWS_ENDPOINT", &env["S3_ENDPOINT"])
+            .env("AWS_ACCESS_KEY_ID", &env["S3_ACCESS_KEY"])
+            .env("AWS_SECRET_ACCESS_KEY", &env["S3_SECRET_KEY"])
+            .env("AWS_REGION", &env["S3_REGION"])
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("starting overspill serve");
+        let mut server = Self { child, socket, log };
+        let deadline = Instant::now() + WAIT;
+        while UnixStream::connect(&server.socket).is_err() {
+            if let Some(status) = server.child.try_wait().expect("try_wait") {
+                panic!("overspill serve exited with {status}:\n{}", server.log_text());
+            }
+            assert!(Instant::now() < deadline, "not listening:\n{}", server.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn uri(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.socket.display())
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- server log ---\n{}", self.log_text());
+        }
+    }
+}
+
+/// Bytes the server has read from golden-image storage (the cluster), all VMs, past and present.
+fn golden_storage_bytes(metrics: &str) -> u64 {
+    let body = run_ok(Path::new("."), "curl", &["-s", &format!("http://{metrics}/metrics")]);
+    body.lines()
+        .find(|l| {
+            l.starts_with("overspill_storage_bytes_total{")
+                && l.contains("tier=\"golden\"")
+                && l.contains("direction=\"read\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map_or_else(|| panic!("no golden storage figure in:\n{body}"), |v| v as u64)
+}
+
+#[test]
+fn rbd_snapshots_and_s3_objects_serve_their_bytes_and_take_writes() {
+    let (cluster, env) = cluster_env();
+    let dir = TempDir::new().expect("tempdir");
+    let golden = dir.path().join("golden.img");
+    let bytes = pseudo_random(GOLDEN_BYTES, 7);
+    std::fs::write(&golden, &bytes).expect("golden file");
+    let cluster = cluster.to_str().expect("utf-8");
+    let golden_path = golden.to_str().expect("utf-8");
+    script(&["rbd-import", cluster, golden_path, "rbd/golden@v1"]);
+    script(&["s3-put", cluster, golden_path, "golden/golden.img"]);
+
+    let metrics = {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+        format!("127.0.0.1:{port}")
+    };
+    let server = Server::start(
+        dir.path(),
+        &env,
+        &[
+            "--export",
+            "rbd=rbd:rbd/golden@v1",
+            "--export",
+            "s3=s3://golden/golden.img",
+            "--local-tier",
+            // Smaller than what the readers below read: their blocks must come from the local tier.
+            "--read-cache",
+            "2M",
+            "--metrics",
+            &format!("tcp:{metrics}"),
+        ],
+    );
+
+    let mut fetched = 0;
+    for export in ["rbd", "s3"] {
+        // The whole export, as a client sees it, equals the file it was made from.
+        let copy = dir.path().join(format!("{export}.copy"));
+        run_ok(dir.path(), "nbdcopy", &[&server.uri(export), copy.to_str().expect("utf-8")]);
+        let read = std::fs::read(&copy).expect("copy");
+        assert!(read == bytes, "{export}: nbdcopy's copy differs from the source");
+        // Writes and verified reads through one VM's overlay.
+        let uri = server.uri(&format!("{export}@fio"));
+        run_ok(
+            dir.path(),
+            "fio",
+            &[
+                "--name=verify",
+                "--ioengine=nbd",
+                &format!("--uri={uri}"),
+                "--rw=randwrite",
+                "--bs=4k",
+                "--size=16m",
+                "--iodepth=8",
+                "--verify=crc32c",
+                "--do_verify=1",
+            ],
+        );
+        // The first copy fetched each 1 MiB chunk from the cluster once, into the local tier.
+        let before = golden_storage_bytes(&metrics);
+        assert_eq!(before - fetched, GOLDEN_BYTES as u64, "{export}: the first copy's fetches from the cluster");
+        // Twenty more VMs read 8 MiB each, through a 2 MiB RAM cache: all from the local tier.
+        std::thread::scope(|s| {
+            for vm in 0..20 {
+                let server = &server;
+                let bytes = &bytes;
+                s.spawn(move || {
+                    let uri: NbdUri = server.uri(&format!("{export}@reader-{vm}")).parse().expect("uri");
+                    let mut client = Client::connect(&uri).expect("connect");
+                    let mut buf = vec![0u8; 8 << 20];
+                    for (i, chunk) in buf.chunks_mut(1 << 20).enumerate() {
+                        client.read(i as u64 * (1 << 20), chunk).expect("read");
+                    }
+                    assert!(buf[..] == bytes[..8 << 20], "{export}: reader {vm} read other bytes");
+                });
+            }
+        });
+        let after = golden_storage_bytes(&metrics);
+        assert_eq!(after, before, "{export}: twenty readers fetched {} bytes from the cluster", after - before);
+        fetched = after;
+    }
+    // The golden image in the cluster is as it was.
+    let export = dir.path().join("export.img");
+    let status = Command::new("rbd")
+        .args(["export", "--no-progress", "rbd/golden@v1", export.to_str().expect("utf-8")])
+        .env("CEPH_CONF", &env["CEPH_CONF"])
+        .status()
+        .expect("rbd");
+    assert!(status.success(), "rbd export failed");
+    assert!(std::fs::read(&export).expect("export") == bytes, "the RBD snapshot changed");
+}
