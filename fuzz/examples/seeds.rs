@@ -1,0 +1,149 @@
+//! Writes the committed seed corpora (`fuzz/corpus/<target>/seed-*`): what real clients send,
+//! so the fuzzers start from deep inside the protocol. Run from fuzz/: `cargo run --example seeds`.
+
+use overspill_fuzz::*;
+use overspill_nbd::wire::*;
+
+/// NBD_OPT_SET_META_CONTEXT: unknown to this server, but qemu sends it.
+const OPT_SET_META_CONTEXT: u32 = 10;
+
+fn flags(no_zeroes: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_u32(&mut out, CLIENT_FIXED_NEWSTYLE | if no_zeroes { CLIENT_NO_ZEROES } else { 0 });
+    out
+}
+
+/// qemu-nbd/qemu-img as a client: structured replies, a meta context, GO asking block sizes.
+fn qemu(export: &str) -> Vec<u8> {
+    let mut out = flags(true);
+    option(&mut out, OPT_STRUCTURED_REPLY, &[]);
+    let mut meta = Vec::new();
+    put_u32(&mut meta, export.len() as u32);
+    meta.extend_from_slice(export.as_bytes());
+    put_u32(&mut meta, 1);
+    put_u32(&mut meta, 15);
+    meta.extend_from_slice(b"base:allocation");
+    option(&mut out, OPT_SET_META_CONTEXT, &meta);
+    option(&mut out, OPT_GO, &go_data(export, &[INFO_BLOCK_SIZE]));
+    out
+}
+
+/// `nbdinfo --list`: LIST, INFO on each export with name and description, then ABORT.
+fn nbdinfo_list() -> Vec<u8> {
+    let mut out = flags(true);
+    option(&mut out, OPT_STRUCTURED_REPLY, &[]);
+    option(&mut out, OPT_LIST, &[]);
+    option(&mut out, OPT_INFO, &go_data(EXPORT_NAME, &[INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE]));
+    option(&mut out, OPT_ABORT, &[]);
+    out
+}
+
+/// Everything the server must refuse without closing, then ABORT.
+fn refusals() -> Vec<u8> {
+    let mut out = flags(false);
+    option(&mut out, OPT_GO, &go_data("nope", &[]));
+    let mut bad = go_data(EXPORT_NAME, &[INFO_NAME]);
+    bad.pop();
+    option(&mut out, OPT_INFO, &bad);
+    option(&mut out, OPT_LIST, b"x");
+    option(&mut out, OPT_STRUCTURED_REPLY, b"x");
+    option(&mut out, OPT_STARTTLS, &[]);
+    option(&mut out, 42, b"whatever");
+    option(&mut out, OPT_ABORT, &[]);
+    out
+}
+
+/// A client of a TLS-only server: tries its luck in plain text, upgrades, lists and goes.
+fn tls_client() -> Vec<u8> {
+    let mut out = flags(true);
+    option(&mut out, OPT_STRUCTURED_REPLY, &[]);
+    option(&mut out, OPT_LIST, &[]);
+    option(&mut out, OPT_STARTTLS, &[]);
+    option(&mut out, OPT_STARTTLS, &[]);
+    option(&mut out, OPT_LIST, &[]);
+    option(&mut out, OPT_GO, &go_data(EXPORT_NAME, &[INFO_NAME]));
+    out
+}
+
+fn old_client() -> Vec<u8> {
+    let mut out = flags(false);
+    option(&mut out, OPT_EXPORT_NAME, EXPORT_NAME.as_bytes());
+    out
+}
+
+/// A session a VM would have: write, read it back, flush, trim, zero, disconnect.
+fn session() -> Vec<u8> {
+    let mut out = Vec::new();
+    request(&mut out, CMD_WRITE, CMD_FLAG_FUA, 4096, 512, &[0xab; 512]);
+    request(&mut out, CMD_READ, 0, 4096, 512, &[]);
+    request(&mut out, CMD_FLUSH, 0, 0, 0, &[]);
+    request(&mut out, CMD_TRIM, 0, 0, 4096, &[]);
+    request(&mut out, CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 8192, 4096, &[]);
+    request(&mut out, CMD_READ, CMD_FLAG_DF, 0, 0, &[]);
+    request(&mut out, CMD_DISC, 0, 0, 0, &[]);
+    out
+}
+
+/// Requests a server must refuse one by one without closing.
+fn bad_requests() -> Vec<u8> {
+    let end = EXPORT_SIZE as u64;
+    let mut out = Vec::new();
+    request(&mut out, CMD_READ, 0, end - 1, 2, &[]);
+    request(&mut out, CMD_WRITE, 0, end, 1, &[0]);
+    request(&mut out, CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, u64::MAX, 2, &[]);
+    request(&mut out, 9, 0, 0, 0, &[]);
+    request(&mut out, CMD_FLUSH, CMD_FLAG_FUA, 0, 0, &[]);
+    request(&mut out, CMD_READ, 0, 0, u32::MAX, &[]);
+    out
+}
+
+/// `request` input: header, export size, maximum payload, capability bits.
+fn request_seed(kind: u16, flags: u16, offset: u64, length: u32, size: u64, max: u32, caps: u8) -> Vec<u8> {
+    let mut out = Vec::new();
+    request(&mut out, kind, flags, offset, length, &[]);
+    put_u64(&mut out, size);
+    put_u32(&mut out, max);
+    out.push(caps);
+    out
+}
+
+fn main() -> std::io::Result<()> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
+    let all = 0b11_1110; // every capability, writable
+    let seeds: Vec<(&str, &str, Vec<u8>)> = vec![
+        ("handshake", "qemu", handshake_input(&[], 0, &qemu(EXPORT_NAME))),
+        ("handshake", "qemu-bytewise", handshake_input(&[1], 0, &qemu(EXPORT_NAME))),
+        ("handshake", "qemu-default-export", handshake_input(&[3, 0, 17], HS_DEFAULT_EXPORT, &qemu(""))),
+        ("handshake", "nbdinfo-list", handshake_input(&[7, 20], 0, &nbdinfo_list())),
+        ("handshake", "refusals", handshake_input(&[], 0, &refusals())),
+        ("handshake", "export-name", handshake_input(&[2], 0, &[old_client(), session()].concat())),
+        ("handshake", "tls-require", handshake_input(&[5], HS_TLS_REQUIRE | HS_ACCESS | HS_ALICE, &tls_client())),
+        ("handshake", "tls-on-mallory", handshake_input(&[], HS_TLS_ON | HS_ACCESS, &tls_client())),
+        ("request", "read", request_seed(CMD_READ, 0, 0, 4096, 1 << 20, 1 << 16, all)),
+        ("request", "write-fua", request_seed(CMD_WRITE, CMD_FLAG_FUA, 4096, 4096, 1 << 20, 1 << 16, all)),
+        ("request", "trim-at-end", request_seed(CMD_TRIM, 0, (1 << 20) - 512, 512, 1 << 20, 1 << 16, all)),
+        (
+            "request",
+            "zeroes-fast",
+            request_seed(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO, 0, 1 << 20, 1 << 20, 4096, 0b11_1111),
+        ),
+        ("request", "flush", request_seed(CMD_FLUSH, 0, 0, 0, 1 << 20, 4096, all)),
+        ("request", "disc", request_seed(CMD_DISC, 0, u64::MAX, u32::MAX, 0, 0, 0)),
+        ("request", "read-overflow", request_seed(CMD_READ, 0, u64::MAX - 1, 4096, u64::MAX, u32::MAX, all)),
+        ("server", "qemu-session", [vec![0], qemu(EXPORT_NAME), session()].concat()),
+        ("server", "go-session", [vec![1], session()].concat()),
+        ("server", "structured-bad-requests", [vec![2], bad_requests(), session()].concat()),
+        ("server", "export-name-session", [vec![3], session()].concat()),
+        ("server", "refusals", [vec![0], refusals()].concat()),
+        ("server", "nbdinfo-list", [vec![0], nbdinfo_list()].concat()),
+    ];
+    // A write whose payload never comes: the client goes away mid-message.
+    let mut truncated = vec![1];
+    request(&mut truncated, CMD_WRITE, 0, 0, 4096, &[1; 100]);
+    let seeds = seeds.into_iter().chain([("server", "truncated-write", truncated)]);
+    for (target, name, bytes) in seeds {
+        std::fs::create_dir_all(dir.join(target))?;
+        std::fs::write(dir.join(target).join(format!("seed-{name}")), bytes)?;
+    }
+    Ok(())
+}
