@@ -98,6 +98,37 @@ impl Listener {
     }
 }
 
+/// Wakes an accept loop blocked in accept(), which has no timeout.
+#[derive(Debug)]
+struct ListenerWaker {
+    socket: std::os::fd::OwnedFd,
+    addr: ListenAddr,
+}
+
+impl ListenerWaker {
+    fn wake(&self) {
+        // Shutting a listening socket for reading makes a blocked accept() fail at once on Linux,
+        // even when its Unix socket file is gone. Should that not work, a connection of our own
+        // wakes it, if the address can still be reached.
+        if rustix::net::shutdown(&self.socket, rustix::net::Shutdown::Read).is_ok() {
+            return;
+        }
+        if let Err(error) = connect(&self.addr) {
+            tracing::warn!(addr = %self.addr, %error, "could not wake the accept loop");
+        }
+    }
+}
+
+impl Listener {
+    fn waker(&self) -> std::io::Result<ListenerWaker> {
+        let socket = match self {
+            Self::Unix(l, _) => l.try_clone()?.into(),
+            Self::Tcp(l) => l.try_clone()?.into(),
+        };
+        Ok(ListenerWaker { socket, addr: self.local_addr() })
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Self::Unix(_, path) = self {
@@ -142,8 +173,8 @@ pub struct ShutdownHandle(Arc<ShutdownState>);
 #[derive(Default)]
 struct ShutdownState {
     stop: AtomicBool,
-    /// Where the accept loops listen, to wake them with a connection of our own.
-    listening: Mutex<Vec<ListenAddr>>,
+    /// The accept loops' sockets (second descriptors of them), to wake the loops.
+    listening: Mutex<Vec<ListenerWaker>>,
     /// What wakes each live connection blocked on a read.
     connections: Mutex<HashMap<u64, ReadStopper>>,
     next_key: AtomicU64,
@@ -171,12 +202,8 @@ impl ShutdownHandle {
         if self.0.stop.swap(true, Ordering::SeqCst) {
             return;
         }
-        let listening = lock(&self.0.listening).clone();
-        for addr in &listening {
-            // accept() has no timeout: a connection of our own wakes it to see the flag.
-            if let Err(error) = connect(addr) {
-                tracing::warn!(%addr, %error, "could not wake the accept loop");
-            }
+        for waker in lock(&self.0.listening).iter() {
+            waker.wake();
         }
         let connections = lock(&self.0.connections);
         tracing::info!(connections = connections.len(), "shutting down: closing connections after their requests");
@@ -242,7 +269,7 @@ impl Server {
 
     /// Accepts connections until shutdown is requested; each is served on its own thread.
     pub fn run(&self, listener: &Listener) -> std::io::Result<()> {
-        lock(&self.shutdown.0.listening).push(listener.local_addr());
+        lock(&self.shutdown.0.listening).push(listener.waker()?);
         let mut next_id = 0u64;
         loop {
             if self.shutdown.is_requested() {

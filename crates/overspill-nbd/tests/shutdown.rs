@@ -248,3 +248,19 @@ fn shutdown_closes_idle_tcp_connections() {
     let mut buf = [0u8; BLOCK];
     assert_closed(&client.read(0, &mut buf).expect_err("closed"), "TCP client");
 }
+
+/// Someone removed the Unix socket file (a careless cleanup, another server binding the path):
+/// no connection can reach the accept loop any more, and shutdown must still end it.
+#[test]
+fn shutdown_ends_the_accept_loop_even_when_the_socket_file_is_gone() {
+    let h = start();
+    std::thread::sleep(Duration::from_millis(50));
+    std::fs::remove_file(&h.socket).expect("remove the socket file");
+    h.server.shutdown_handle().shutdown();
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(h.accept_loop.join());
+    });
+    let ended = finished.recv_timeout(Duration::from_secs(30)).expect("the accept loop ended");
+    ended.expect("accept thread").expect("run returns Ok");
+}
