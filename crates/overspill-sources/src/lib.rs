@@ -7,8 +7,8 @@
 //! A source is named by a string, so that `serve --export NAME=SOURCE` takes any of them:
 //! a path (raw or qcow2 file), `s3://BUCKET/KEY`, or `rbd:POOL/IMAGE@SNAPSHOT`.
 //! Remote sources are meant to be read through the engine's shared read cache, which turns a
-//! storm of small reads into one fetch per chunk; they ask it for 1 MiB chunks
-//! ([`REMOTE_FETCH_BYTES`]), since every request to them costs a round trip.
+//! storm of small reads into one fetch per chunk; they ask it for larger chunks than a local
+//! file does ([`REMOTE_FETCH_BYTES`] unless set), since every request to them costs a round trip.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,9 +21,10 @@ pub mod rbd;
 #[cfg(feature = "s3")]
 pub mod s3;
 
-/// The chunk fetched from a remote store at a time: a round trip is worth a megabyte, and RBD
-/// objects are 4 MiB.
-pub const REMOTE_FETCH_BYTES: u64 = 1 << 20;
+/// The chunk fetched from a remote store at a time. Measured with `bench/sources` (a Linux boot
+/// storm whose reads are scattered over 2 GiB): 1 MiB chunks fetched 9x the bytes the VMs read in
+/// 956 requests, 256 KiB chunks 5x in 2,016; larger chunks pay off only for clustered reads.
+pub const REMOTE_FETCH_BYTES: u64 = 256 << 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -85,15 +86,24 @@ pub struct SourceSettings {
     pub ceph_id: Option<String>,
     /// A directory for the local disk tier of remote sources; none keeps no local copy.
     pub local_tier_dir: Option<PathBuf>,
+    /// The chunk remote sources are fetched in (default [`REMOTE_FETCH_BYTES`]).
+    pub remote_fetch_bytes: Option<u64>,
 }
 
 /// Opens a golden image from wherever it is kept. S3 takes its endpoint and credentials from the
 /// usual `AWS_*` environment variables (see [`s3`]).
 pub fn open_source(source: &Source, settings: &SourceSettings) -> Result<Arc<dyn GoldenImage>, SourceError> {
+    let fetch_bytes = settings.remote_fetch_bytes.unwrap_or(REMOTE_FETCH_BYTES);
+    if !fetch_bytes.is_power_of_two() || fetch_bytes < 4096 {
+        return Err(SourceError::Spec {
+            spec: fetch_bytes.to_string(),
+            message: "the remote fetch size must be a power of two of at least 4 KiB".into(),
+        });
+    }
     let remote: Arc<dyn GoldenImage> = match source {
         Source::File(path) => return Ok(open_image(path)?),
-        Source::S3 { bucket, key } => open_s3(bucket, key)?,
-        Source::Rbd { pool, image, snapshot } => open_rbd(pool, image, snapshot, settings)?,
+        Source::S3 { bucket, key } => open_s3(bucket, key, fetch_bytes)?,
+        Source::Rbd { pool, image, snapshot } => open_rbd(pool, image, snapshot, settings, fetch_bytes)?,
     };
     match &settings.local_tier_dir {
         None => Ok(remote),
@@ -102,12 +112,12 @@ pub fn open_source(source: &Source, settings: &SourceSettings) -> Result<Arc<dyn
 }
 
 #[cfg(feature = "s3")]
-fn open_s3(bucket: &str, key: &str) -> Result<Arc<dyn GoldenImage>, SourceError> {
-    Ok(Arc::new(s3::S3Image::open_from_env(bucket, key)?))
+fn open_s3(bucket: &str, key: &str, fetch_bytes: u64) -> Result<Arc<dyn GoldenImage>, SourceError> {
+    Ok(Arc::new(s3::S3Image::open_from_env(bucket, key, fetch_bytes)?))
 }
 
 #[cfg(not(feature = "s3"))]
-fn open_s3(_: &str, _: &str) -> Result<Arc<dyn GoldenImage>, SourceError> {
+fn open_s3(_: &str, _: &str, _: u64) -> Result<Arc<dyn GoldenImage>, SourceError> {
     Err(SourceError::NotBuilt("S3", "s3"))
 }
 
@@ -117,14 +127,15 @@ fn open_rbd(
     image: &str,
     snapshot: &str,
     settings: &SourceSettings,
+    fetch_bytes: u64,
 ) -> Result<Arc<dyn GoldenImage>, SourceError> {
     let conf = settings.ceph_conf.clone().or_else(|| std::env::var_os("CEPH_CONF").map(PathBuf::from));
     let id = settings.ceph_id.as_deref().unwrap_or("admin");
-    Ok(Arc::new(rbd::RbdImage::open(conf.as_deref(), id, pool, image, snapshot)?))
+    Ok(Arc::new(rbd::RbdImage::open(conf.as_deref(), id, pool, image, snapshot, fetch_bytes)?))
 }
 
 #[cfg(not(feature = "rbd"))]
-fn open_rbd(_: &str, _: &str, _: &str, _: &SourceSettings) -> Result<Arc<dyn GoldenImage>, SourceError> {
+fn open_rbd(_: &str, _: &str, _: &str, _: &SourceSettings, _: u64) -> Result<Arc<dyn GoldenImage>, SourceError> {
     Err(SourceError::NotBuilt("Ceph RBD", "rbd"))
 }
 

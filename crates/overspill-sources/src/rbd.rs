@@ -65,6 +65,7 @@ pub struct RbdImage {
     image: RbdImageHandle,
     size: u64,
     name: String,
+    fetch_bytes: u64,
 }
 
 // SAFETY: the handles are plain pointers to librados/librbd objects that those libraries
@@ -77,9 +78,23 @@ unsafe impl Sync for RbdImage {}
 impl RbdImage {
     /// Connects as `client.<id>` with `conf` (or librados' default search and `CEPH_ARGS`), and
     /// opens `pool/image@snapshot` read-only.
-    pub fn open(conf: Option<&Path>, id: &str, pool: &str, image: &str, snapshot: &str) -> Result<Self, SourceError> {
+    pub fn open(
+        conf: Option<&Path>,
+        id: &str,
+        pool: &str,
+        image: &str,
+        snapshot: &str,
+        fetch_bytes: u64,
+    ) -> Result<Self, SourceError> {
         let name = format!("rbd:{pool}/{image}@{snapshot}");
-        let mut this = Self { cluster: ptr::null_mut(), ioctx: ptr::null_mut(), image: ptr::null_mut(), size: 0, name };
+        let mut this = Self {
+            cluster: ptr::null_mut(),
+            ioctx: ptr::null_mut(),
+            image: ptr::null_mut(),
+            size: 0,
+            name,
+            fetch_bytes,
+        };
         let id = c_string("ceph client id", id)?;
         // SAFETY: `this.cluster` is a valid out-pointer; `id` is a NUL-terminated string that
         // outlives the call. On failure the handle stays null and `drop` skips it.
@@ -154,7 +169,7 @@ impl GoldenImage for RbdImage {
     }
 
     fn preferred_fetch_bytes(&self) -> Option<u64> {
-        Some(crate::REMOTE_FETCH_BYTES)
+        Some(self.fetch_bytes)
     }
 }
 

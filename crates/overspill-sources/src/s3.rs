@@ -29,10 +29,12 @@ pub struct S3Image {
     /// threads are enough: fetches are network waits, and the read cache coalesces them.
     runtime: tokio::runtime::Runtime,
     name: String,
+    fetch_bytes: u64,
 }
 
 impl S3Image {
-    pub fn open_from_env(bucket: &str, key: &str) -> Result<Self, SourceError> {
+    /// `fetch_bytes`: the chunk a read cache in front should fetch.
+    pub fn open_from_env(bucket: &str, key: &str, fetch_bytes: u64) -> Result<Self, SourceError> {
         let name = format!("s3://{bucket}/{key}");
         let remote = |message: String| SourceError::Remote { what: name.clone(), message };
         let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
@@ -52,7 +54,7 @@ impl S3Image {
         let path = ObjectPath::from(key);
         let meta = runtime.block_on(store.head(&path)).map_err(|e| remote(e.to_string()))?;
         tracing::info!(object = %name, size = meta.size, "S3 golden image opened");
-        Ok(Self { store, path, size: meta.size, etag: meta.e_tag, runtime, name })
+        Ok(Self { store, path, size: meta.size, etag: meta.e_tag, runtime, name, fetch_bytes })
     }
 }
 
@@ -96,6 +98,6 @@ impl GoldenImage for S3Image {
     }
 
     fn preferred_fetch_bytes(&self) -> Option<u64> {
-        Some(crate::REMOTE_FETCH_BYTES)
+        Some(self.fetch_bytes)
     }
 }

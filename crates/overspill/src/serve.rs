@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// Ceph configuration for rbd: sources (default: CEPH_CONF, then /etc/ceph/ceph.conf).
     #[arg(long, value_name = "FILE")]
     ceph_conf: Option<PathBuf>,
+    /// The chunk remote golden images (S3, RBD) are fetched in: larger means fewer requests and
+    /// more bytes for scattered reads.
+    #[arg(long, default_value = "256K", value_parser = parse_bytes)]
+    remote_chunk: u64,
     /// Ceph client id for rbd: sources, without "client." (default: admin).
     #[arg(long, value_name = "ID")]
     ceph_id: Option<String>,
@@ -96,6 +100,7 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
         ceph_conf: args.ceph_conf.clone(),
         ceph_id: args.ceph_id.clone(),
         local_tier_dir: args.local_tier.then(|| args.spill_dir.clone()),
+        remote_fetch_bytes: Some(args.remote_chunk),
     };
     let mut add = |name: &str, spec: &str| -> anyhow::Result<()> {
         if name.contains('@') {
