@@ -40,6 +40,14 @@ pub enum SourceError {
     Io { what: String, source: std::io::Error },
 }
 
+/// The part of a read of `buf.len()` bytes at `offset` that lies within an image of `size`
+/// bytes: zeroes the rest of `buf` (past the end reads as zero) and returns the part's length.
+fn within_image(buf: &mut [u8], offset: u64, size: u64) -> usize {
+    let len = size.saturating_sub(offset).min(buf.len() as u64) as usize;
+    buf[len..].fill(0);
+    len
+}
+
 /// Where a golden image is kept.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
@@ -142,6 +150,16 @@ fn open_rbd(_: &str, _: &str, _: &str, _: &SourceSettings, _: u64) -> Result<Arc
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_past_the_end_are_zero() {
+        let mut buf = [0xffu8; 10];
+        assert_eq!(within_image(&mut buf, 95, 100), 5);
+        assert_eq!(buf[5..], [0; 5]);
+        assert_eq!(buf[..5], [0xff; 5]);
+        assert_eq!(within_image(&mut buf, 100, 100), 0);
+        assert_eq!(within_image(&mut [0u8; 4], u64::MAX, 100), 0);
+    }
 
     #[test]
     fn specs_parse_and_live_rbd_images_are_refused() {

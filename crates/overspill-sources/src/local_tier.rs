@@ -180,6 +180,9 @@ mod tests {
         fn describe(&self) -> String {
             "counting".into()
         }
+        fn preferred_fetch_bytes(&self) -> Option<u64> {
+            Some(1 << 20)
+        }
     }
 
     #[test]

@@ -138,12 +138,7 @@ impl GoldenImage for RbdImage {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let end = offset.saturating_add(buf.len() as u64).min(self.size);
-        if offset >= end {
-            buf.fill(0);
-            return Ok(());
-        }
-        let len = (end - offset) as usize;
+        let len = crate::within_image(buf, offset, self.size);
         let mut done = 0usize;
         while done < len {
             // SAFETY: the image is open for the life of `self`; the destination is the
@@ -160,7 +155,6 @@ impl GoldenImage for RbdImage {
             }
             done += n as usize;
         }
-        buf[len..].fill(0);
         Ok(())
     }
 

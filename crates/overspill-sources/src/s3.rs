@@ -64,11 +64,11 @@ impl GoldenImage for S3Image {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let end = offset.saturating_add(buf.len() as u64).min(self.size);
-        if offset >= end {
-            buf.fill(0);
+        let len = crate::within_image(buf, offset, self.size);
+        if len == 0 {
             return Ok(());
         }
+        let end = offset + len as u64;
         let options = GetOptions {
             range: Some(GetRange::Bounded(offset..end)),
             if_match: self.etag.clone(),
@@ -89,7 +89,6 @@ impl GoldenImage for S3Image {
             ));
         }
         buf[..got].copy_from_slice(&bytes);
-        buf[got..].fill(0);
         Ok(())
     }
 
