@@ -150,6 +150,8 @@ impl<T: Transport> Wire<T> {
         if !self.output.is_empty() {
             self.stream.write_all(&self.output)?;
             self.output.clear();
+            // A socket sends on write; a TLS stream may hold the last record until flushed.
+            self.stream.flush()?;
         }
         Ok(())
     }
