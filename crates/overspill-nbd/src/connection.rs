@@ -223,7 +223,8 @@ pub fn serve_secured_connection<T: Transport>(
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
     let mode = security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
-    let mut handshake = Handshake::with_tls(mode).with_access(security.access.clone());
+    let mut handshake =
+        Handshake::with_tls(mode).with_access(security.access.clone()).with_max_payload(limits.max_payload_bytes);
     let mut wire = Wire::new(stream, Handshake::greeting());
     wire.stream.set_read_timeout(Some(limits.handshake_timeout))?;
     let negotiated = match negotiate(&mut wire, &mut handshake, exports)? {

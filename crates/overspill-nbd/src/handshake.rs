@@ -80,6 +80,8 @@ pub struct Handshake {
     access: Option<Arc<dyn ExportAccess>>,
     /// Who TLS proved the client to be.
     identity: Option<String>,
+    /// The largest payload the connection accepts: never advertise a larger maximum block size.
+    max_payload: u32,
 }
 
 impl std::fmt::Debug for Handshake {
@@ -133,7 +135,15 @@ impl Handshake {
             tls_active: false,
             access: None,
             identity: None,
+            max_payload: u32::MAX,
         }
+    }
+
+    /// Caps the advertised maximum block size at what the connection will accept, so a client
+    /// that keeps to it is never cut off for a request too large.
+    pub fn with_max_payload(mut self, max_payload: u32) -> Self {
+        self.max_payload = max_payload;
+        self
     }
 
     /// Hides and refuses the exports `access` does not allow this client.
@@ -346,7 +356,7 @@ impl Handshake {
         put_u16(&mut payload, INFO_BLOCK_SIZE);
         put_u32(&mut payload, info.block_sizes.minimum);
         put_u32(&mut payload, info.block_sizes.preferred);
-        put_u32(&mut payload, info.block_sizes.maximum);
+        put_u32(&mut payload, info.block_sizes.maximum.min(self.max_payload));
         option_reply(out, option, REP_INFO, &payload);
         if requests.contains(&INFO_NAME) {
             payload.clear();
@@ -497,6 +507,20 @@ mod tests {
         option(&mut input, OPT_EXPORT_NAME, b"golden");
         let error = Handshake::with_tls(TlsMode::Require).advance(&input, &mut Vec::new(), &exports).err();
         assert_eq!(error, Some(HandshakeError::TlsRequired));
+    }
+
+    /// A connection that accepts at most 64 KiB never advertises the export's 32 MiB maximum.
+    #[test]
+    fn the_advertised_maximum_block_size_is_what_the_connection_accepts() {
+        let exports = OneExport::new("golden", 1 << 20);
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        option(&mut input, OPT_INFO, &go("golden", &[INFO_BLOCK_SIZE]));
+        let mut out = Vec::new();
+        Handshake::new().with_max_payload(64 * 1024).advance(&input, &mut out, &exports).expect("well-framed");
+        let r = replies(&out);
+        let block = r.iter().find(|(_, t, p)| *t == REP_INFO && be_u16(p) == INFO_BLOCK_SIZE).expect("block size");
+        assert_eq!(be_u32(&block.2[10..]), 64 * 1024);
     }
 
     /// An export the client's identity does not allow is neither listed nor opened, and looks
