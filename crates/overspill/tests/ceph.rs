@@ -45,14 +45,8 @@ fn script(args: &[&str]) {
 }
 
 fn run_ok(dir: &Path, program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| panic!("{program} is needed (scripts/test installs it): {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
-    text
+    let out = common::run_ok(dir, program, args);
+    out.stdout + &out.stderr
 }
 
 struct Server {

@@ -11,7 +11,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use overspill_nbd::client::{Client, NbdUri};
@@ -23,14 +23,13 @@ const SEGMENT_BYTES: u64 = 2 * MIB;
 const GOLDEN_BYTES: usize = 64 << 20;
 const ENOSPC: u32 = 28;
 const DISCONNECT_MESSAGE: &str = "VM disconnected; its cache is dropped";
-const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
 const WAIT: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------------------------
 // Data
 
 mod common;
-use common::{assert_same, pseudo_random};
+use common::{assert_same, pseudo_random, run_ok, run_tool, spawn_tool};
 
 /// A golden image file with the bytes it was made from, to prove later that nobody wrote it.
 struct Golden {
@@ -276,85 +275,6 @@ fn u64_field(fields: &Value, name: &str) -> u64 {
 
 // ---------------------------------------------------------------------------------------------
 // Real clients
-
-struct ToolOutput {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-}
-
-impl ToolOutput {
-    fn all(&self) -> String {
-        format!("exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}", self.status, self.stdout, self.stderr)
-    }
-}
-
-/// The Debian package a client comes in, for the message when it is missing.
-fn package_of(program: &str) -> &'static str {
-    match program {
-        "qemu-io" | "qemu-img" => "qemu-utils",
-        "nbdinfo" | "nbdcopy" => "libnbd-bin",
-        "fio" => "fio",
-        _ => "?",
-    }
-}
-
-/// Starts a client in `dir` (fio, for one, leaves state files in its working directory).
-fn spawn_tool(dir: &Path, program: &str, args: &[&str]) -> Child {
-    Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| match e.kind() {
-            ErrorKind::NotFound => panic!(
-                "{program} is not installed, and this interop test needs it: apt-get install {} ({e})",
-                package_of(program)
-            ),
-            _ => panic!("cannot run {program}: {e}"),
-        })
-}
-
-/// Runs a client to its end (at most [`TOOL_TIMEOUT`]) and captures what it printed.
-fn run_tool(dir: &Path, program: &str, args: &[&str]) -> ToolOutput {
-    let mut child = spawn_tool(dir, program, args);
-    let drain = |pipe: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut text = Vec::new();
-            if let Some(mut pipe) = pipe {
-                let _ = pipe.read_to_end(&mut text);
-            }
-            String::from_utf8_lossy(&text).into_owned()
-        })
-    };
-    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
-    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
-    let deadline = Instant::now() + TOOL_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{program} {args:?} still running after {TOOL_TIMEOUT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let stdout = stdout.join().expect("stdout reader");
-    let stderr = stderr.join().expect("stderr reader");
-    ToolOutput { status, stdout, stderr }
-}
-
-/// Runs a client that must succeed.
-#[track_caller]
-fn run_ok(dir: &Path, program: &str, args: &[&str]) -> ToolOutput {
-    let out = run_tool(dir, program, args);
-    assert!(out.status.success(), "{program} {args:?} failed:\n{}", out.all());
-    out
-}
 
 /// qemu-io's `read -v` hex dump lines (`0000a000:  61 62 ... ab.`) as (offset, bytes).
 fn parse_hex_dump(output: &str) -> Vec<(u64, Vec<u8>)> {

@@ -7,10 +7,9 @@
 //! that those that should not are refused (plain text, a foreign CA, no certificate, a wrong
 //! key, an identity not allowed), and that the server serves on after every refusal.
 
-use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rcgen::{
@@ -19,8 +18,9 @@ use rcgen::{
 use serde_json::Value;
 use tempfile::TempDir;
 
+mod common;
+
 const GOLDEN_BYTES: usize = 8 << 20;
-const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
 const WAIT: Duration = Duration::from_secs(10);
 
 /// A golden image whose every 4 KiB block holds its own number, so reads can be checked.
@@ -147,56 +147,19 @@ impl Drop for Server {
     }
 }
 
-struct Output {
-    status: ExitStatus,
-    text: String,
-}
-
-fn run(program: &str, args: &[&str]) -> Output {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{program} is needed by this test (scripts/test installs it): {e}"));
-    let mut pipes = (child.stdout.take(), child.stderr.take());
-    let out = std::thread::spawn(move || {
-        let mut text = String::new();
-        if let Some(p) = pipes.0.as_mut() {
-            let _ = p.read_to_string(&mut text);
-        }
-        if let Some(p) = pipes.1.as_mut() {
-            let _ = p.read_to_string(&mut text);
-        }
-        text
-    });
-    let deadline = Instant::now() + TOOL_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{program} {args:?} still running after {TOOL_TIMEOUT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    Output { status, text: out.join().expect("output reader") }
-}
-
+/// Runs a client that must succeed; what it printed.
 #[track_caller]
 fn run_ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    assert!(out.status.success(), "{program} {args:?} failed ({}):\n{}", out.status, out.text);
-    out.text
+    let out = common::run_ok(Path::new("."), program, args);
+    out.stdout + &out.stderr
 }
 
+/// Runs a client that must be refused; what it printed.
 #[track_caller]
 fn run_refused(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    assert!(!out.status.success(), "{program} {args:?} should have been refused:\n{}", out.text);
-    out.text
+    let out = common::run_tool(Path::new("."), program, args);
+    assert!(!out.status.success(), "{program} {args:?} should have been refused:\n{}", out.all());
+    out.stdout + &out.stderr
 }
 
 /// Writes a pattern and reads it back on one connection (one VM), and reads an untouched

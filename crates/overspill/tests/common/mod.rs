@@ -1,6 +1,14 @@
 //! Helpers shared by this crate's integration tests (each test file includes it as a module).
 #![allow(dead_code)] // each test file uses its own subset
 
+use std::io::{ErrorKind, Read};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a real client may run before the test calls it hung.
+pub const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// Deterministic pseudo-random bytes (xorshift64*), so that a failure reproduces.
 pub fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -27,4 +35,83 @@ pub fn assert_same(actual: &[u8], expected: &[u8], what: &str) {
             &expected[i..(i + 16).min(expected.len())]
         );
     }
+}
+
+pub struct ToolOutput {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl ToolOutput {
+    pub fn all(&self) -> String {
+        format!("exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}", self.status, self.stdout, self.stderr)
+    }
+}
+
+/// The Debian package a client comes in, for the message when it is missing.
+pub fn package_of(program: &str) -> &'static str {
+    match program {
+        "qemu-io" | "qemu-img" => "qemu-utils",
+        "nbdinfo" | "nbdcopy" => "libnbd-bin",
+        "fio" => "fio",
+        _ => "?",
+    }
+}
+
+/// Starts a client in `dir` (fio, for one, leaves state files in its working directory).
+pub fn spawn_tool(dir: &Path, program: &str, args: &[&str]) -> Child {
+    Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| match e.kind() {
+            ErrorKind::NotFound => panic!(
+                "{program} is not installed, and this interop test needs it: apt-get install {} ({e})",
+                package_of(program)
+            ),
+            _ => panic!("cannot run {program}: {e}"),
+        })
+}
+
+/// Runs a client to its end (at most [`TOOL_TIMEOUT`]) and captures what it printed.
+pub fn run_tool(dir: &Path, program: &str, args: &[&str]) -> ToolOutput {
+    let mut child = spawn_tool(dir, program, args);
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut text);
+            }
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let deadline = Instant::now() + TOOL_TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{program} {args:?} still running after {TOOL_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stdout = stdout.join().expect("stdout reader");
+    let stderr = stderr.join().expect("stderr reader");
+    ToolOutput { status, stdout, stderr }
+}
+
+/// Runs a client that must succeed.
+#[track_caller]
+pub fn run_ok(dir: &Path, program: &str, args: &[&str]) -> ToolOutput {
+    let out = run_tool(dir, program, args);
+    assert!(out.status.success(), "{program} {args:?} failed:\n{}", out.all());
+    out
 }
