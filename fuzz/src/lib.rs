@@ -12,25 +12,8 @@ use overspill_nbd::wire::*;
 pub const EXPORT_SIZE: usize = 256 * 1024;
 pub const EXPORT_NAME: &str = "disk";
 
-/// An option as a client sends it.
-pub fn option(out: &mut Vec<u8>, option: u32, data: &[u8]) {
-    put_u64(out, IHAVEOPT);
-    put_u32(out, option);
-    put_u32(out, data.len() as u32);
-    out.extend_from_slice(data);
-}
-
-/// The data of INFO/GO: name and the info types asked for.
-pub fn go_data(name: &str, requests: &[u16]) -> Vec<u8> {
-    let mut data = Vec::new();
-    put_u32(&mut data, name.len() as u32);
-    data.extend_from_slice(name.as_bytes());
-    put_u16(&mut data, requests.len() as u16);
-    for &r in requests {
-        put_u16(&mut data, r);
-    }
-    data
-}
+// The client's side of the option encoding is the protocol crate's own.
+pub use overspill_nbd::wire::{info_request as go_data, put_option as option};
 
 /// A transmission request with its payload.
 pub fn request(out: &mut Vec<u8>, kind: u16, flags: u16, offset: u64, length: u32, data: &[u8]) {

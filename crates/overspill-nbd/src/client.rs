@@ -127,12 +127,7 @@ impl Client {
             let (reply, _) = client.option_reply(OPT_STRUCTURED_REPLY)?;
             client.structured = reply == REP_ACK;
         }
-        let mut data = Vec::new();
-        put_u32(&mut data, export.len() as u32);
-        data.extend_from_slice(export.as_bytes());
-        put_u16(&mut data, 1);
-        put_u16(&mut data, INFO_BLOCK_SIZE);
-        client.send_option(OPT_GO, &data)?;
+        client.send_option(OPT_GO, &info_request(export, &[INFO_BLOCK_SIZE]))?;
         loop {
             let (reply, payload) = client.option_reply(OPT_GO)?;
             match reply {
@@ -164,10 +159,7 @@ impl Client {
 
     fn send_option(&mut self, option: u32, data: &[u8]) -> Result<()> {
         let mut msg = Vec::with_capacity(16 + data.len());
-        put_u64(&mut msg, IHAVEOPT);
-        put_u32(&mut msg, option);
-        put_u32(&mut msg, data.len() as u32);
-        msg.extend_from_slice(data);
+        put_option(&mut msg, option, data);
         self.stream.write_all(&msg)?;
         Ok(())
     }

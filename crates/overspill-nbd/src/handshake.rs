@@ -404,22 +404,10 @@ mod tests {
     use crate::device::{BlockSizes, DeviceError, DeviceErrorKind};
     use crate::memory::OneExport;
 
-    fn option(out: &mut Vec<u8>, option: u32, data: &[u8]) {
-        put_u64(out, IHAVEOPT);
-        put_u32(out, option);
-        put_u32(out, data.len() as u32);
-        out.extend_from_slice(data);
-    }
-
-    fn go(name: &str, requests: &[u16]) -> Vec<u8> {
-        let mut data = Vec::new();
-        put_u32(&mut data, name.len() as u32);
-        data.extend_from_slice(name.as_bytes());
-        put_u16(&mut data, requests.len() as u16);
-        for &r in requests {
-            put_u16(&mut data, r);
-        }
-        data
+    #[test]
+    fn info_requests_round_trip() {
+        assert_eq!(parse_info_request(&info_request("golden", &[1, 2])), Some(("golden".to_owned(), vec![1, 2])));
+        assert_eq!(parse_info_request(&info_request("", &[])), Some((String::new(), vec![])));
     }
 
     /// Splits option replies into (option, type, payload).
@@ -439,10 +427,10 @@ mod tests {
         let exports = OneExport::new("golden", 1 << 20);
         let mut input = Vec::new();
         put_u32(&mut input, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
-        option(&mut input, OPT_LIST, &[]);
-        option(&mut input, OPT_STRUCTURED_REPLY, &[]);
-        option(&mut input, 42, b"whatever");
-        option(&mut input, OPT_GO, &go("golden", &[INFO_NAME]));
+        put_option(&mut input, OPT_LIST, &[]);
+        put_option(&mut input, OPT_STRUCTURED_REPLY, &[]);
+        put_option(&mut input, 42, b"whatever");
+        put_option(&mut input, OPT_GO, &info_request("golden", &[INFO_NAME]));
         let mut hs = Handshake::new();
         // Byte by byte: partial messages must wait, not fail.
         let mut out = Vec::new();
@@ -480,10 +468,10 @@ mod tests {
         let exports = OneExport::new("golden", 4096);
         let mut input = Vec::new();
         put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
-        option(&mut input, OPT_LIST, &[]);
-        option(&mut input, OPT_GO, &go("golden", &[]));
-        option(&mut input, OPT_STRUCTURED_REPLY, &[]);
-        option(&mut input, OPT_STARTTLS, &[]);
+        put_option(&mut input, OPT_LIST, &[]);
+        put_option(&mut input, OPT_GO, &info_request("golden", &[]));
+        put_option(&mut input, OPT_STRUCTURED_REPLY, &[]);
+        put_option(&mut input, OPT_STARTTLS, &[]);
         let mut hs = Handshake::with_tls(TlsMode::Require);
         let mut out = Vec::new();
         let (used, progress) = hs.advance(&input, &mut out, &exports).expect("well-framed");
@@ -494,8 +482,8 @@ mod tests {
 
         hs.tls_started(None);
         let mut input = Vec::new();
-        option(&mut input, OPT_STARTTLS, &[]);
-        option(&mut input, OPT_GO, &go("golden", &[]));
+        put_option(&mut input, OPT_STARTTLS, &[]);
+        put_option(&mut input, OPT_GO, &info_request("golden", &[]));
         out.clear();
         let (_, progress) = hs.advance(&input, &mut out, &exports).expect("well-framed");
         let Progress::Transmission(negotiated) = progress else { panic!("GO over TLS opens the export") };
@@ -504,7 +492,7 @@ mod tests {
 
         let mut input = Vec::new();
         put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
-        option(&mut input, OPT_EXPORT_NAME, b"golden");
+        put_option(&mut input, OPT_EXPORT_NAME, b"golden");
         let error = Handshake::with_tls(TlsMode::Require).advance(&input, &mut Vec::new(), &exports).err();
         assert_eq!(error, Some(HandshakeError::TlsRequired));
     }
@@ -515,7 +503,7 @@ mod tests {
         let exports = OneExport::new("golden", 1 << 20);
         let mut input = Vec::new();
         put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
-        option(&mut input, OPT_INFO, &go("golden", &[INFO_BLOCK_SIZE]));
+        put_option(&mut input, OPT_INFO, &info_request("golden", &[INFO_BLOCK_SIZE]));
         let mut out = Vec::new();
         Handshake::new().with_max_payload(64 * 1024).advance(&input, &mut out, &exports).expect("well-framed");
         let r = replies(&out);
@@ -536,9 +524,9 @@ mod tests {
         let exports = OneExport::new("golden", 4096);
         let mut input = Vec::new();
         put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
-        option(&mut input, OPT_LIST, &[]);
-        option(&mut input, OPT_INFO, &go("golden", &[]));
-        option(&mut input, OPT_STARTTLS, &[]);
+        put_option(&mut input, OPT_LIST, &[]);
+        put_option(&mut input, OPT_INFO, &info_request("golden", &[]));
+        put_option(&mut input, OPT_STARTTLS, &[]);
         let mut hs = Handshake::with_tls(TlsMode::On).with_access(Some(Arc::new(OnlyAlice)));
         let mut out = Vec::new();
         hs.advance(&input, &mut out, &exports).expect("well-framed");
@@ -547,8 +535,8 @@ mod tests {
 
         hs.tls_started(Some("alice".into()));
         let mut input = Vec::new();
-        option(&mut input, OPT_LIST, &[]);
-        option(&mut input, OPT_GO, &go("golden", &[]));
+        put_option(&mut input, OPT_LIST, &[]);
+        put_option(&mut input, OPT_GO, &info_request("golden", &[]));
         out.clear();
         let (_, progress) = hs.advance(&input, &mut out, &exports).expect("well-framed");
         assert!(matches!(progress, Progress::Transmission(_)));
@@ -564,9 +552,9 @@ mod tests {
         {
             let mut input = Vec::new();
             put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
-            option(&mut input, OPT_LIST, &[]);
-            option(&mut input, OPT_STARTTLS, b"junk");
-            option(&mut input, OPT_STARTTLS, &[]);
+            put_option(&mut input, OPT_LIST, &[]);
+            put_option(&mut input, OPT_STARTTLS, b"junk");
+            put_option(&mut input, OPT_STARTTLS, &[]);
             let mut out = Vec::new();
             let (_, progress) = Handshake::with_tls(mode).advance(&input, &mut out, &exports).expect("well-framed");
             let kinds: Vec<u32> = replies(&out).iter().map(|r| r.1).collect();
@@ -580,12 +568,12 @@ mod tests {
         let exports = OneExport::new("golden", 4096);
         let mut input = Vec::new();
         put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
-        option(&mut input, OPT_GO, &go("nope", &[]));
-        let mut bad = go("golden", &[1, 2]);
+        put_option(&mut input, OPT_GO, &info_request("nope", &[]));
+        let mut bad = info_request("golden", &[1, 2]);
         bad.pop();
-        option(&mut input, OPT_INFO, &bad);
-        option(&mut input, OPT_LIST, b"x");
-        option(&mut input, OPT_ABORT, &[]);
+        put_option(&mut input, OPT_INFO, &bad);
+        put_option(&mut input, OPT_LIST, b"x");
+        put_option(&mut input, OPT_ABORT, &[]);
         let mut out = Vec::new();
         let (used, progress) = Handshake::new().advance(&input, &mut out, &exports).expect("well-framed");
         assert_eq!(used, input.len());
@@ -602,7 +590,7 @@ mod tests {
             let exports = OneExport::new("", 8192);
             let mut input = Vec::new();
             put_u32(&mut input, client_flags);
-            option(&mut input, OPT_EXPORT_NAME, b"");
+            put_option(&mut input, OPT_EXPORT_NAME, b"");
             let mut out = Vec::new();
             let (_, progress) = Handshake::new().advance(&input, &mut out, &exports).expect("valid");
             assert!(matches!(progress, Progress::Transmission(_)));
@@ -654,7 +642,7 @@ mod tests {
         }
         let mut input = Vec::new();
         put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
-        option(&mut input, OPT_GO, &go("", &[]));
+        put_option(&mut input, OPT_GO, &info_request("", &[]));
         let mut out = Vec::new();
         let (_, progress) = Handshake::new().advance(&input, &mut out, &Failing).expect("framing ok");
         assert!(matches!(progress, Progress::NeedMore));

@@ -99,6 +99,26 @@ pub fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_be_bytes());
 }
 
+/// An option as a client sends it: header and data.
+pub fn put_option(out: &mut Vec<u8>, option: u32, data: &[u8]) {
+    put_u64(out, IHAVEOPT);
+    put_u32(out, option);
+    put_u32(out, data.len() as u32);
+    out.extend_from_slice(data);
+}
+
+/// The data of NBD_OPT_INFO and NBD_OPT_GO: the export name and the information types asked for.
+pub fn info_request(name: &str, requests: &[u16]) -> Vec<u8> {
+    let mut data = Vec::with_capacity(6 + name.len() + 2 * requests.len());
+    put_u32(&mut data, name.len() as u32);
+    data.extend_from_slice(name.as_bytes());
+    put_u16(&mut data, requests.len() as u16);
+    for &r in requests {
+        put_u16(&mut data, r);
+    }
+    data
+}
+
 /// An option reply header followed by its payload.
 pub fn option_reply(out: &mut Vec<u8>, option: u32, reply: u32, payload: &[u8]) {
     put_u64(out, OPTION_REPLY_MAGIC);
