@@ -683,12 +683,13 @@ impl Overlay {
         if self.map.is_empty() && self.map.capacity() > 0 {
             self.map = FxHashMap::default();
         }
+        let mut used = self.memory_used_bytes();
         // The spare segment buffer saves an allocation per segment; over target (many VMs under
         // one host cap), its 2 MiB are worth more given back.
-        if matches!(self.tier, Tier::RamDisk(_)) && self.memory_used_bytes() > self.memory_target_bytes() {
+        if matches!(self.tier, Tier::RamDisk(_)) && used > self.memory_target_bytes() {
             self.spill_mut().drop_spare_buffer();
+            used = self.memory_used_bytes();
         }
-        let used = self.memory_used_bytes();
         self.host.account(self.accounted_bytes, used);
         self.accounted_bytes = used;
         let stats = &self.stats;

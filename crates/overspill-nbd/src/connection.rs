@@ -227,8 +227,8 @@ pub fn serve_secured_connection<T: Transport>(
         Handshake::with_tls(mode).with_access(security.access.clone()).with_max_payload(limits.max_payload_bytes);
     let mut wire = Wire::new(stream, Handshake::greeting());
     wire.stream.set_read_timeout(Some(limits.handshake_timeout))?;
-    let negotiated = match negotiate(&mut wire, &mut handshake, exports)? {
-        Negotiation::Done(negotiated) => negotiated,
+    match negotiate(&mut wire, &mut handshake, exports)? {
+        Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
         Negotiation::StartTls => {
             let Some(tls) = &security.tls else {
                 return Err(ConnectionError::Tls(io::Error::other("STARTTLS acknowledged without credentials")));
@@ -243,16 +243,11 @@ pub fn serve_secured_connection<T: Transport>(
             tracing::debug!(identity = %stream.identity().unwrap_or("-"), "TLS started");
             handshake.tls_started(stream.identity().map(str::to_owned));
             let mut wire = Wire::new(stream, output);
-            return match negotiate(&mut wire, &mut handshake, exports)? {
-                Negotiation::Done(Some(negotiated)) => start_transmission(&mut wire, negotiated, limits, stop),
-                Negotiation::Done(None) => Ok(Ending::NoExport),
+            match negotiate(&mut wire, &mut handshake, exports)? {
+                Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
                 Negotiation::StartTls => Err(ConnectionError::Tls(io::Error::other("STARTTLS twice"))),
-            };
+            }
         }
-    };
-    match negotiated {
-        Some(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
-        None => Ok(Ending::NoExport),
     }
 }
 
@@ -291,12 +286,14 @@ fn negotiate<T: Transport>(
     }
 }
 
+/// Serves the export the handshake opened; a client that left without one ends here.
 fn start_transmission<T: Transport>(
     wire: &mut Wire<T>,
-    negotiated: Negotiated,
+    negotiated: Option<Negotiated>,
     limits: &Limits,
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
+    let Some(negotiated) = negotiated else { return Ok(Ending::NoExport) };
     wire.stream.set_read_timeout(limits.idle_timeout)?;
     tracing::debug!(export = %negotiated.export, structured = negotiated.structured_replies, "transmission");
     transmit(wire, negotiated, limits, stop)

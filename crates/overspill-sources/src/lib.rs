@@ -79,10 +79,6 @@ impl Source {
             Ok(Self::File(PathBuf::from(spec)))
         }
     }
-
-    pub fn is_remote(&self) -> bool {
-        !matches!(self, Self::File(_))
-    }
 }
 
 /// Settings remote sources need; local files need none.
