@@ -11,14 +11,12 @@
 use std::collections::HashMap;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use overspill_nbd::client::{Client, NbdUri};
 use tempfile::TempDir;
 
 const GOLDEN_BYTES: usize = 64 << 20;
-const WAIT: Duration = Duration::from_secs(20);
 
 /// The cluster's `env` file: `export NAME=VALUE` lines.
 fn cluster_env() -> (PathBuf, HashMap<String, String>) {
@@ -50,61 +48,29 @@ fn run_ok(dir: &Path, program: &str, args: &[&str]) -> String {
 }
 
 struct Server {
-    child: Child,
+    _process: common::Serve,
     socket: PathBuf,
-    log: PathBuf,
 }
 
 impl Server {
     fn start(dir: &Path, env: &HashMap<String, String>, args: &[&str]) -> Self {
         let socket = dir.join("s.sock");
-        let log = dir.join("server.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
-            .arg("serve")
-            .args(["--listen", &format!("unix:{}", socket.display())])
-            .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8")])
-            .args(["--ram-floor", "0"])
-            .args(args)
-            .env("CEPH_CONF", &env["CEPH_CONF"])
-            .env("AWS_ENDPOINT", &env["S3_ENDPOINT"])
-            .env("AWS_ACCESS_KEY_ID", &env["S3_ACCESS_KEY"])
-            .env("AWS_SECRET_ACCESS_KEY", &env["S3_SECRET_KEY"])
-            .env("AWS_REGION", &env["S3_REGION"])
-            .env("AWS_ALLOW_HTTP", "true")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("starting overspill serve");
-        let mut server = Self { child, socket, log };
-        let deadline = Instant::now() + WAIT;
-        while UnixStream::connect(&server.socket).is_err() {
-            if let Some(status) = server.child.try_wait().expect("try_wait") {
-                panic!("overspill serve exited with {status}:\n{}", server.log_text());
-            }
-            assert!(Instant::now() < deadline, "not listening:\n{}", server.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
+        let listen = format!("unix:{}", socket.display());
+        let args = [&["--listen", listen.as_str()], args].concat();
+        let env = [
+            ("CEPH_CONF", env["CEPH_CONF"].as_str()),
+            ("AWS_ENDPOINT", &env["S3_ENDPOINT"]),
+            ("AWS_ACCESS_KEY_ID", &env["S3_ACCESS_KEY"]),
+            ("AWS_SECRET_ACCESS_KEY", &env["S3_SECRET_KEY"]),
+            ("AWS_REGION", &env["S3_REGION"]),
+            ("AWS_ALLOW_HTTP", "true"),
+        ];
+        let process = common::Serve::start(dir, &args, &env, || UnixStream::connect(&socket).is_ok());
+        Self { _process: process, socket }
     }
 
     fn uri(&self, export: &str) -> String {
         format!("nbd+unix:///{export}?socket={}", self.socket.display())
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- server log ---\n{}", self.log_text());
-        }
     }
 }
 

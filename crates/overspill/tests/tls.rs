@@ -9,8 +9,6 @@
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
@@ -21,7 +19,6 @@ use tempfile::TempDir;
 mod common;
 
 const GOLDEN_BYTES: usize = 8 << 20;
-const WAIT: Duration = Duration::from_secs(10);
 
 /// A golden image whose every 4 KiB block holds its own number, so reads can be checked.
 fn golden(dir: &Path, name: &str) -> PathBuf {
@@ -79,47 +76,27 @@ impl Authority {
 // The server and the clients
 
 struct Server {
-    child: Child,
+    process: common::Serve,
     port: u16,
-    log: PathBuf,
 }
 
 impl Server {
     fn start(dir: &Path, args: &[&str]) -> Self {
         // A port the kernel just handed out and took back: free unless something races us.
         let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-        let log = dir.join("server.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
-            .arg("serve")
-            .args(["--listen", &format!("tcp:127.0.0.1:{port}")])
-            .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8")])
-            .args(["--ram-floor", "0"])
-            .args(args)
-            .env("RUST_LOG", "debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("starting overspill serve");
-        let mut server = Self { child, port, log };
-        let deadline = Instant::now() + WAIT;
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            server.assert_running();
-            assert!(Instant::now() < deadline, "not listening after {WAIT:?}:\n{}", server.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
+        let listen = format!("tcp:127.0.0.1:{port}");
+        let args = [&["--listen", listen.as_str()], args].concat();
+        let process = common::Serve::start(dir, &args, &[], || TcpStream::connect(("127.0.0.1", port)).is_ok());
+        Self { process, port }
     }
 
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.process.log_text()
     }
 
     #[track_caller]
     fn assert_running(&mut self) {
-        if let Some(status) = self.child.try_wait().expect("try_wait") {
-            panic!("overspill serve exited with {status}:\n{}", self.log_text());
-        }
+        self.process.assert_running();
     }
 
     /// qemu's `--image-opts` for an export over TLS with the credentials object `tls0`.
@@ -134,16 +111,6 @@ impl Server {
     fn uri(&self, user: Option<&str>, export: &str, query: &str) -> String {
         let user = user.map(|u| format!("{u}@")).unwrap_or_default();
         format!("nbds://{user}127.0.0.1:{}/{export}?{query}", self.port)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- server log ---\n{}", self.log_text());
-        }
     }
 }
 

@@ -2,7 +2,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::io::{ErrorKind, Read};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -114,4 +114,61 @@ pub fn run_ok(dir: &Path, program: &str, args: &[&str]) -> ToolOutput {
     let out = run_tool(dir, program, args);
     assert!(out.status.success(), "{program} {args:?} failed:\n{}", out.all());
     out
+}
+
+/// A running `overspill serve` with its log in a file: killed when dropped, its log shown if the
+/// test failed.
+pub struct Serve {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Serve {
+    /// Starts `overspill serve ARGS` (its log in `dir/server.log`) with a spill directory in
+    /// `dir` and no free-memory floor; `env` is added to its environment. Returns once `ready`
+    /// says it listens.
+    pub fn start(dir: &Path, args: &[&str], env: &[(&str, &str)], ready: impl Fn() -> bool) -> Self {
+        let log = dir.join("server.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("serve")
+            .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8 temp path")])
+            .args(["--ram-floor", "0"])
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("creating the server log"))
+            .spawn()
+            .expect("starting overspill serve");
+        let mut server = Self { child, log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready() {
+            server.assert_running();
+            assert!(Instant::now() < deadline, "overspill serve not listening:\n{}", server.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    #[track_caller]
+    pub fn assert_running(&mut self) {
+        if let Some(status) = self.child.try_wait().expect("try_wait") {
+            panic!("overspill serve exited with {status}:\n{}", self.log_text());
+        }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- server log ---\n{}", self.log_text());
+        }
+    }
 }
