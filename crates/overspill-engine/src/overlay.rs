@@ -675,20 +675,22 @@ impl Overlay {
     }
 
     fn after_mutation(&mut self) {
-        if matches!(self.tier, Tier::RamDisk(_)) && self.spill_mut().wants_compaction() {
-            if let Err(error) = self.compact() {
-                tracing::warn!(%error, "spill compaction stopped");
+        if matches!(self.tier, Tier::RamDisk(_)) {
+            if self.spill_mut().wants_compaction() {
+                if let Err(error) = self.compact() {
+                    tracing::warn!(%error, "spill compaction stopped");
+                }
             }
+            self.spill_mut().release_buffers_if_empty();
         }
         if self.map.is_empty() && self.map.capacity() > 0 {
             self.map = FxHashMap::default();
         }
-        let mut used = self.memory_used_bytes();
+        let used = self.memory_used_bytes();
         // The spare segment buffer saves an allocation per segment; over target (many VMs under
-        // one host cap), its 2 MiB are worth more given back.
+        // one host cap), its 2 MiB are worth more given back. (The figure counts it either way.)
         if matches!(self.tier, Tier::RamDisk(_)) && used > self.memory_target_bytes() {
             self.spill_mut().drop_spare_buffer();
-            used = self.memory_used_bytes();
         }
         self.host.account(self.accounted_bytes, used);
         self.accounted_bytes = used;
@@ -709,6 +711,12 @@ impl Overlay {
 
 impl Drop for Overlay {
     fn drop(&mut self) {
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            // The last segment may still be on its way to disk: wait, so that it is counted.
+            if let Err(error) = spill.finish_writes(&self.stats) {
+                tracing::debug!(%error, "the last spill segment of a departing VM was not written");
+            }
+        }
         self.host.detach(self.accounted_bytes);
     }
 }

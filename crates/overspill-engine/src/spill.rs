@@ -5,7 +5,8 @@
 //! - **open**: at most one at a time, a 2 MiB buffer in memory that evicted and compacted blocks
 //!   are appended to. Blocks in it are read and overwritten in memory. It is written out in one
 //!   piece when it is full and space is needed for the next block;
-//! - **sealed**: on disk, read one 4 KiB block at a time.
+//! - **sealed**: on disk, read one 4 KiB block at a time; or, just after sealing, still being
+//!   written (at most one segment at a time), and read from its buffer until the write is done.
 //!
 //! Every slot remembers the block it was written for; a slot is live while the overlay's map
 //! still points at it. Overwrites and TRIMs make slots dead ([`SpillLog::release`]); a sealed
@@ -15,13 +16,19 @@
 //!
 //! With a byte limit, one free segment is held back for compaction so that compaction can always
 //! make progress; guest data gets `NoSpace` before that reserve is touched.
+//!
+//! A segment write that fails leaves the segment's buffer where it is, readable, and the error
+//! goes to the append that asked for it (a file that writes in the background reports it to the
+//! append that next seals). Until a retry of that write succeeds, no segment is opened, so every
+//! append that needs space fails: the VM gets ENOSPC or EIO and loses nothing it was told it wrote.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::Arc;
 
 use crate::error::{EngineError, Result};
 use crate::stats::VmStats;
-use crate::store::BackingFile;
+use crate::store::{BackingFile, SegmentBuffer, SegmentWrite};
 use crate::units::{Block, BlockIndex, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, BLOCK_SIZE, SEGMENT_BYTES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +47,15 @@ struct Segment {
 
 struct OpenSegment {
     id: SegmentId,
-    buffer: Box<[u8]>,
+    buffer: SegmentBuffer,
+}
+
+/// A sealed segment whose write has not been seen to succeed.
+struct Writing {
+    id: SegmentId,
+    buffer: Arc<SegmentBuffer>,
+    /// `None` once the write failed: the data is only in `buffer` until a retry succeeds.
+    write: Option<SegmentWrite>,
 }
 
 /// Who asks for spill space: compaction may use the reserve segment, guest data may not.
@@ -55,6 +70,7 @@ pub struct SpillLog {
     segments: Vec<Segment>,
     free: BinaryHeap<Reverse<u32>>,
     open: Option<OpenSegment>,
+    writing: Option<Writing>,
     max_segments: Option<u32>,
     live_blocks: u64,
     sealed_segments: u32,
@@ -63,7 +79,7 @@ pub struct SpillLog {
     owner_tables: u64,
     /// The buffer of the last segment written out, reused for the next open one: allocating and
     /// zeroing 2 MiB per segment cost as much as copying the blocks into it.
-    spare_buffer: Option<Box<[u8]>>,
+    spare_buffer: Option<SegmentBuffer>,
 }
 
 impl SpillLog {
@@ -85,6 +101,7 @@ impl SpillLog {
             segments: Vec::new(),
             free: BinaryHeap::new(),
             open: None,
+            writing: None,
             max_segments,
             live_blocks: 0,
             sealed_segments: 0,
@@ -115,8 +132,30 @@ impl SpillLog {
         self.spare_buffer = None;
     }
 
+    /// Once nothing in the log lives (the guest trimmed or overwrote it all), gives back the
+    /// segment buffers too: an open segment with no live slot is just memory. Not while a write
+    /// runs; the next call after it is done does it.
+    pub fn release_buffers_if_empty(&mut self) {
+        if self.live_blocks > 0 || self.writing.is_some() {
+            return;
+        }
+        if let Some(open) = self.open.take() {
+            let segment = &mut self.segments[open.id.0 as usize];
+            segment.state = SegmentState::Free;
+            segment.owners = Vec::new();
+            self.owner_tables -= 1;
+            // Never written, so there is nothing on disk to punch.
+            self.free.push(Reverse(open.id.0));
+        }
+        self.spare_buffer = None;
+    }
+
+    /// Segment buffers count as two from the first spilled block on: the open segment's, and the
+    /// last one's while it is written (kept for reuse once written). Counting the pair whatever
+    /// the disk's speed keeps the figure, and every eviction decided from it, the same in a
+    /// simulation as in a server, where writes finish in their own time.
     pub fn memory_bytes(&self) -> u64 {
-        let buffer = if self.open.is_some() || self.spare_buffer.is_some() { SEGMENT_BYTES } else { 0 };
+        let buffer = if self.open.is_some() || self.writing.is_some() { 2 * SEGMENT_BYTES } else { 0 };
         let owners = self.owner_tables as usize * BLOCKS_PER_SEGMENT;
         (buffer
             + owners * std::mem::size_of::<BlockIndex>()
@@ -162,38 +201,60 @@ impl SpillLog {
         low_space || dead > self.live_blocks
     }
 
-    /// The sealed segment with the fewest live slots, if it has any dead ones.
+    /// The sealed segment with the fewest live slots, if it has any dead ones. The one being
+    /// written is not a candidate: it is freed once written, if nothing in it lives.
     pub fn compaction_victim(&self) -> Option<SegmentId> {
+        let writing = self.writing.as_ref().map(|writing| writing.id.0 as usize);
         self.segments
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.state == SegmentState::Sealed && (s.live as usize) < BLOCKS_PER_SEGMENT)
+            .filter(|(i, s)| {
+                s.state == SegmentState::Sealed && (s.live as usize) < BLOCKS_PER_SEGMENT && Some(*i) != writing
+            })
             .min_by_key(|(_, s)| s.live)
             .map(|(i, _)| SegmentId(i as u32))
     }
 
     /// Reads a whole sealed segment in one sequential read, with its slot owners, for compaction.
     pub fn read_segment(&mut self, id: SegmentId, stats: &VmStats) -> Result<(Box<[u8]>, Vec<BlockIndex>)> {
+        let owners = self.segments[id.0 as usize].owners.clone();
         let mut buffer = vec![0u8; SEGMENT_BYTES].into_boxed_slice();
         self.file
             .read_at(&mut buffer, id.byte_offset())
             .map_err(|e| EngineError::from_io("reading spill segment", e))?;
         stats.spill_read.add(SEGMENT_BYTES as u64);
-        Ok((buffer, self.segments[id.0 as usize].owners.clone()))
+        Ok((buffer, owners))
     }
 
     /// Appends a block. On error nothing changed: the block is not in the log.
     pub fn append(&mut self, owner: BlockIndex, data: &Block, purpose: Purpose, stats: &VmStats) -> Result<SpillAddr> {
+        self.settle_write(false, stats)?;
         let full =
             self.open.as_ref().is_some_and(|open| self.segments[open.id.0 as usize].owners.len() == BLOCKS_PER_SEGMENT);
         if full {
             self.seal(stats)?;
         }
         if self.open.is_none() {
-            let id = self.allocate(purpose)?;
             // A reused buffer holds the old segment's bytes; every slot is written before it is
             // read or sealed, since segments are written out only when full.
-            let buffer = self.spare_buffer.take().unwrap_or_else(|| vec![0u8; SEGMENT_BYTES].into_boxed_slice());
+            let buffer = match self.spare_buffer.take() {
+                Some(buffer) => buffer,
+                None => {
+                    SegmentBuffer::new().map_err(|e| EngineError::from_io("allocating a spill segment buffer", e))?
+                }
+            };
+            let mut allocated = self.allocate(purpose);
+            if matches!(allocated, Err(EngineError::NoSpace(_))) && self.writing.is_some() {
+                // The segment being written may have died meanwhile and free its space once done.
+                allocated = self.settle_write(true, stats).and_then(|()| self.allocate(purpose));
+            }
+            let id = match allocated {
+                Ok(id) => id,
+                Err(error) => {
+                    self.spare_buffer = Some(buffer);
+                    return Err(error);
+                }
+            };
             self.open = Some(OpenSegment { id, buffer });
         }
         let open = self.open.as_mut().expect("opened above");
@@ -233,36 +294,99 @@ impl SpillLog {
         Ok(SegmentId(id))
     }
 
-    /// Writes the open segment out in one piece. On error it stays open and readable.
+    /// Starts writing the open segment out in one piece, after the one before it is written.
+    /// An error (of this write, if the file writes before returning, or of the one before) is
+    /// returned with nothing lost: the data stays readable in memory.
     fn seal(&mut self, stats: &VmStats) -> Result<()> {
-        let Some(open) = self.open.as_ref() else { return Ok(()) };
-        self.file
-            .write_at(&open.buffer, open.id.byte_offset())
-            .map_err(|e| EngineError::from_io("writing spill segment", e))?;
+        self.settle_write(true, stats)?;
+        let Some(open) = self.open.take() else { return Ok(()) };
+        let id = open.id;
+        let buffer = Arc::new(open.buffer);
+        let mut write = self.file.start_segment_write(&buffer, id.byte_offset());
+        self.segments[id.0 as usize].state = SegmentState::Sealed;
+        self.sealed_segments += 1;
+        if write.is_finished() {
+            match write.wait() {
+                Ok(()) => self.written(id, buffer, stats),
+                Err(error) => {
+                    self.writing = Some(Writing { id, buffer, write: None });
+                    return Err(EngineError::from_io("writing spill segment", error));
+                }
+            }
+        } else {
+            self.writing = Some(Writing { id, buffer, write: Some(write) });
+        }
+        Ok(())
+    }
+
+    /// Waits for the segment being written, if any, so that it is counted; for a VM that ends.
+    pub fn finish_writes(&mut self, stats: &VmStats) -> Result<()> {
+        self.settle_write(true, stats)
+    }
+
+    /// Deals with the segment being written, if any: once its write is done it is retired; a
+    /// failed write is tried again here, synchronously. With `wait`, waits for a running write.
+    /// On error the segment stays in memory, readable, to be tried again next time.
+    fn settle_write(&mut self, wait: bool, stats: &VmStats) -> Result<()> {
+        let Some(mut writing) = self.writing.take() else { return Ok(()) };
+        if !wait && writing.write.as_mut().is_some_and(|write| !write.is_finished()) {
+            self.writing = Some(writing);
+            return Ok(());
+        }
+        let background = match writing.write.take() {
+            Some(write) => write.wait(),
+            None => Err(std::io::Error::other("failed before")),
+        };
+        let result = match background {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                tracing::debug!(%error, segment = writing.id.0, "spill segment write failed; trying again");
+                self.file.write_at(&writing.buffer, writing.id.byte_offset())
+            }
+        };
+        match result {
+            Ok(()) => {
+                self.written(writing.id, writing.buffer, stats);
+                Ok(())
+            }
+            Err(error) => {
+                self.writing = Some(writing);
+                Err(EngineError::from_io("writing spill segment", error))
+            }
+        }
+    }
+
+    /// A segment is on disk: counted, and its buffer kept for the next open segment.
+    fn written(&mut self, id: SegmentId, buffer: Arc<SegmentBuffer>, stats: &VmStats) {
         stats.spill_write.add(SEGMENT_BYTES as u64);
         stats.spill_write_sizes.record(SEGMENT_BYTES as u64);
         stats.spill_segments_written.inc();
-        let id = open.id;
         if stats.spill_segments_written.get() == 1 {
             // Once per VM at info: the moment its working set outgrew its RAM target.
             tracing::info!(segment = id.0, "VM started spilling to disk");
         } else {
             tracing::debug!(segment = id.0, live = self.segments[id.0 as usize].live, "spill segment written");
         }
-        self.spare_buffer = self.open.take().map(|open| open.buffer);
-        self.segments[id.0 as usize].state = SegmentState::Sealed;
-        self.sealed_segments += 1;
+        // The writer let go of its reference before it reported, so this is the only one.
+        self.spare_buffer = Arc::into_inner(buffer);
         if self.segments[id.0 as usize].live == 0 {
-            // Everything in it died while it was open.
+            // Everything in it died while it was open or being written.
             self.free_segment(id, stats);
         }
-        Ok(())
     }
 
     pub fn read(&mut self, addr: SpillAddr, buf: &mut Block, stats: &VmStats) -> Result<()> {
+        let start = usize::from(addr.slot) * BLOCK_SIZE;
         if let Some(open) = self.open.as_ref().filter(|open| open.id == addr.segment) {
-            let start = usize::from(addr.slot) * BLOCK_SIZE;
             buf.copy_from_slice(&open.buffer[start..start + BLOCK_SIZE]);
+            return Ok(());
+        }
+        if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == addr.segment) {
+            // Counted as a read of the spill file, like one the page cache serves: the block is
+            // in the file as far as the VM is concerned, and the figure must not depend on
+            // whether the write has finished yet.
+            buf.copy_from_slice(&writing.buffer[start..start + BLOCK_SIZE]);
+            stats.spill_read.add(BLOCK_SIZE as u64);
             return Ok(());
         }
         self.file.read_at(buf, addr.byte_offset()).map_err(|e| EngineError::from_io("reading spill block", e))?;
@@ -278,13 +402,15 @@ impl SpillLog {
         open.buffer[start..start + BLOCK_SIZE].copy_from_slice(data);
     }
 
-    /// Marks a slot dead. A sealed segment with no live slot left is punched out of the file.
+    /// Marks a slot dead. A sealed segment with no live slot left is punched out of the file
+    /// (one still being written, once its write is done).
     pub fn release(&mut self, addr: SpillAddr, stats: &VmStats) {
         let segment = &mut self.segments[addr.segment.0 as usize];
         debug_assert!(segment.live > 0);
         segment.live -= 1;
         self.live_blocks -= 1;
-        if segment.live == 0 && segment.state == SegmentState::Sealed {
+        let writing = self.writing.as_ref().is_some_and(|writing| writing.id == addr.segment);
+        if segment.live == 0 && segment.state == SegmentState::Sealed && !writing {
             self.free_segment(addr.segment, stats);
         }
     }
@@ -302,5 +428,126 @@ impl SpillLog {
             Ok(()) => stats.spill_segments_punched.inc(),
             Err(error) => tracing::warn!(%error, segment = id.0, "could not punch spill segment"),
         }
+    }
+}
+
+impl Drop for SpillLog {
+    fn drop(&mut self) {
+        // The file goes with the log: let a write still running finish first, so that its space
+        // is given back when the file is removed, not some time after.
+        if let Some(write) = self.writing.take().and_then(|writing| writing.write) {
+            let _ = write.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Mutex};
+
+    use super::*;
+    use crate::store::MemFile;
+
+    type Held = Arc<Mutex<Vec<(Arc<SegmentBuffer>, u64, mpsc::SyncSender<io::Result<()>>)>>>;
+
+    /// A file whose segment writes run "in the background" until the test finishes them, and
+    /// whose ordinary writes (the log's retries) fail while `full` is set.
+    struct HeldWrites {
+        file: MemFile,
+        held: Held,
+        full: Arc<AtomicBool>,
+    }
+
+    impl BackingFile for HeldWrites {
+        fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
+            if self.full.load(Ordering::Relaxed) {
+                return Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()));
+            }
+            self.file.write_at(data, offset)
+        }
+        fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            self.file.read_at(buf, offset)
+        }
+        fn punch_hole(&mut self, offset: u64, len: u64) -> io::Result<()> {
+            self.file.punch_hole(offset, len)
+        }
+        fn allocated_bytes(&self) -> io::Result<u64> {
+            self.file.allocated_bytes()
+        }
+        fn path(&self) -> Option<&std::path::Path> {
+            None
+        }
+        fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
+            let (done, result) = mpsc::sync_channel(1);
+            self.held.lock().expect("lock").push((Arc::clone(data), offset, done));
+            SegmentWrite::running(result)
+        }
+    }
+
+    fn block(i: u64) -> Block {
+        [(i % 251) as u8 + 1; BLOCK_SIZE]
+    }
+
+    fn read(log: &mut SpillLog, addr: SpillAddr, stats: &VmStats) -> Block {
+        let mut buf = [0u8; BLOCK_SIZE];
+        log.read(addr, &mut buf, stats).expect("read");
+        buf
+    }
+
+    #[test]
+    fn a_segment_being_written_is_read_from_memory_and_a_failed_write_keeps_it_until_a_retry_succeeds() {
+        let held: Held = Arc::default();
+        let full = Arc::new(AtomicBool::new(false));
+        let file = HeldWrites { file: MemFile::default(), held: held.clone(), full: full.clone() };
+        let stats = VmStats::default();
+        let mut log = SpillLog::new(Box::new(file), None).expect("log");
+        let addrs: Vec<SpillAddr> = (0..=BLOCKS_PER_SEGMENT as u64)
+            .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"))
+            .collect();
+        // The first segment is sealed and its write is running; the last block opened the next.
+        assert_eq!(held.lock().expect("lock").len(), 1);
+        assert_eq!(stats.spill_segments_written.get(), 0, "not counted before it is written");
+        assert!(log.memory_bytes() >= 2 * SEGMENT_BYTES as u64, "open and writing buffers both count");
+        assert_eq!(read(&mut log, addrs[7], &stats), block(7), "read from the buffer being written");
+
+        // The background write fails, and so does the retry: the append gets ENOSPC, data stays.
+        let (_, _, done) = held.lock().expect("lock").pop().expect("held write");
+        done.send(Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))).expect("send");
+        full.store(true, Ordering::Relaxed);
+        let refused = log.append(BlockIndex(9999), &block(9999), Purpose::Guest, &stats);
+        assert!(matches!(refused, Err(EngineError::NoSpace(_))), "{refused:?}");
+        assert_eq!(read(&mut log, addrs[7], &stats), block(7), "a failed write loses nothing");
+        assert_eq!(read(&mut log, addrs[BLOCKS_PER_SEGMENT], &stats), block(BLOCKS_PER_SEGMENT as u64));
+
+        // Space comes back: the next append retries, succeeds, and the segment reads from disk.
+        full.store(false, Ordering::Relaxed);
+        log.append(BlockIndex(9999), &block(9999), Purpose::Guest, &stats).expect("append after the retry");
+        assert_eq!(stats.spill_segments_written.get(), 1);
+        assert_eq!(read(&mut log, addrs[7], &stats), block(7), "read back from the file");
+    }
+
+    #[test]
+    fn a_segment_that_dies_while_being_written_is_punched_once_written() {
+        let held: Held = Arc::default();
+        let file = HeldWrites { file: MemFile::default(), held: held.clone(), full: Arc::default() };
+        let stats = VmStats::default();
+        let mut log = SpillLog::new(Box::new(file), None).expect("log");
+        let addrs: Vec<SpillAddr> = (0..=BLOCKS_PER_SEGMENT as u64)
+            .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"))
+            .collect();
+        for addr in &addrs[..BLOCKS_PER_SEGMENT] {
+            log.release(*addr, &stats);
+        }
+        assert_eq!(log.compaction_victim(), None, "the segment being written is no compaction victim");
+        assert_eq!(stats.spill_segments_punched.get(), 0, "not punched while its write runs");
+        let (buffer, offset, done) = held.lock().expect("lock").pop().expect("held write");
+        assert_eq!(offset, 0);
+        drop(buffer);
+        done.send(Ok(())).expect("send");
+        log.append(BlockIndex(1), &block(1), Purpose::Guest, &stats).expect("append");
+        assert_eq!(stats.spill_segments_punched.get(), 1, "punched once written");
+        assert_eq!(log.disk_used_bytes(), 0);
     }
 }

@@ -3,13 +3,22 @@
 //! [`BackingFile`] is the seam where simulations inject faults; [`ScratchFile`] is the real one.
 //! Nothing here ever syncs: the cache is thrown away with the VM, so durability across a host
 //! crash buys nothing and would cost a flush per block.
+//!
+//! Whole spill segments go through [`BackingFile::start_segment_write`], which by default writes
+//! before it returns (simulations stay deterministic). A server's [`ScratchFile`] instead writes
+//! them from a thread of their own: the 2 MiB copy into the page cache took a quarter of a
+//! spilling VM's request thread (perf, 4K random writes at QD32), and now runs beside it.
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::ops::{Deref, DerefMut};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
 
-use rustix::fs::FallocateFlags;
+use rustix::fs::{FallocateFlags, OFlags};
+
+use crate::units::SEGMENT_BYTES;
 
 pub trait BackingFile: Send {
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()>;
@@ -19,12 +28,91 @@ pub trait BackingFile: Send {
     /// Bytes the filesystem has allocated for the file (what `du` shows).
     fn allocated_bytes(&self) -> io::Result<u64>;
     fn path(&self) -> Option<&Path>;
+
+    /// Starts writing a whole spill segment at `offset`. The default writes it before returning;
+    /// a file may instead finish in the background, keeping its own reference to the buffer
+    /// until then. The caller must not write to the range again before the write has finished.
+    fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
+        SegmentWrite::finished(self.write_at(data, offset))
+    }
+}
+
+/// One spill segment's bytes: page-aligned, as `O_DIRECT` wants, and mapped on its own, so that
+/// dropping it gives the 2 MiB back to the system at once instead of to the allocator's arenas
+/// (which kept them: 256 spilling VMs held ~1.5 MiB each beyond what they accounted for).
+pub struct SegmentBuffer(memmap2::MmapMut);
+
+impl SegmentBuffer {
+    pub fn new() -> io::Result<Self> {
+        memmap2::MmapMut::map_anon(SEGMENT_BYTES).map(Self)
+    }
+}
+
+impl Deref for SegmentBuffer {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl DerefMut for SegmentBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+/// A segment write that has finished or is still running.
+pub struct SegmentWrite(WriteState);
+
+enum WriteState {
+    Finished(io::Result<()>),
+    Running(mpsc::Receiver<io::Result<()>>),
+}
+
+impl SegmentWrite {
+    pub fn finished(result: io::Result<()>) -> Self {
+        Self(WriteState::Finished(result))
+    }
+
+    /// A write whose result will arrive on `done`; a sender dropped without sending is an error.
+    pub fn running(done: mpsc::Receiver<io::Result<()>>) -> Self {
+        Self(WriteState::Running(done))
+    }
+
+    /// Whether it has finished, without waiting.
+    pub fn is_finished(&mut self) -> bool {
+        if let WriteState::Running(done) = &self.0 {
+            match done.try_recv() {
+                Ok(result) => self.0 = WriteState::Finished(result),
+                Err(mpsc::TryRecvError::Empty) => return false,
+                Err(mpsc::TryRecvError::Disconnected) => self.0 = WriteState::Finished(Err(writer_vanished())),
+            }
+        }
+        true
+    }
+
+    /// Waits for the write to finish and returns how it went.
+    pub fn wait(self) -> io::Result<()> {
+        match self.0 {
+            WriteState::Finished(result) => result,
+            WriteState::Running(done) => done.recv().unwrap_or_else(|_| Err(writer_vanished())),
+        }
+    }
+}
+
+fn writer_vanished() -> io::Error {
+    io::Error::other("the spill writer thread ended without a result")
 }
 
 /// A file created for one overlay and removed when the overlay is dropped.
 #[derive(Debug)]
 pub struct ScratchFile {
-    file: File,
+    file: Arc<File>,
+    /// The same file opened with `O_DIRECT`, for background segment writes; `None` where the
+    /// filesystem refuses it (tmpfs before Linux 6.6) or background writes are off.
+    direct: Option<Arc<File>>,
+    background: bool,
     path: PathBuf,
 }
 
@@ -33,10 +121,43 @@ impl ScratchFile {
     pub fn create(dir: &Path, name: &str, logical_size: u64) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-        let scratch = Self { file, path };
+        let scratch = Self { file: Arc::new(file), direct: None, background: false, path };
         scratch.file.set_len(logical_size)?;
         Ok(scratch)
     }
+
+    /// Writes whole segments from a thread of their own, so that the VM's requests go on while
+    /// its last segment goes to disk. With `direct`, the writes use `O_DIRECT` where the
+    /// filesystem takes it (not tmpfs before Linux 6.6): no copy into the page cache and no dirty
+    /// pages, at the price of waiting for the disk itself (measured here: 157k against 215-236k
+    /// spilling 4K writes per second, the virtual disk being slower for direct writes into
+    /// freshly punched space than the page cache is to absorb them). Reads stay buffered: the
+    /// kernel drops cached pages a direct write covers, so they never see stale data.
+    pub fn with_background_segment_writes(mut self, direct: bool) -> Self {
+        if direct {
+            let flags = OFlags::DIRECT.bits() as i32;
+            match OpenOptions::new().write(true).custom_flags(flags).open(&self.path) {
+                Ok(file) => self.direct = Some(Arc::new(file)),
+                Err(error) => {
+                    tracing::warn!(%error, path = %self.path.display(), "no O_DIRECT here; spill writes go through the page cache")
+                }
+            }
+        }
+        self.background = true;
+        self
+    }
+}
+
+/// Writes a segment, directly if possible. A direct write refused for its alignment (EINVAL:
+/// a device with sectors larger than a page) is done again through the page cache.
+fn write_segment(direct: Option<&File>, buffered: &File, data: &[u8], offset: u64) -> io::Result<()> {
+    if let Some(direct) = direct {
+        match direct.write_all_at(data, offset) {
+            Err(error) if error.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {}
+            other => return other,
+        }
+    }
+    buffered.write_all_at(data, offset)
 }
 
 impl BackingFile for ScratchFile {
@@ -54,7 +175,7 @@ impl BackingFile for ScratchFile {
     }
 
     fn punch_hole(&mut self, offset: u64, len: u64) -> io::Result<()> {
-        rustix::fs::fallocate(&self.file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len)
+        rustix::fs::fallocate(&*self.file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len)
             .map_err(io::Error::from)
     }
 
@@ -65,6 +186,29 @@ impl BackingFile for ScratchFile {
 
     fn path(&self) -> Option<&Path> {
         Some(&self.path)
+    }
+
+    fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
+        if !self.background {
+            return SegmentWrite::finished(self.file.write_all_at(data, offset));
+        }
+        let (done, result) = mpsc::sync_channel(1);
+        let (direct, buffered, shared) = (self.direct.clone(), Arc::clone(&self.file), Arc::clone(data));
+        // A thread per segment rather than a pool: at most one write per VM is in flight, a
+        // spawn costs tens of microseconds against a 2 MiB write, and nothing is shared.
+        let spawned = std::thread::Builder::new().name("spill-writer".into()).stack_size(64 * 1024).spawn(move || {
+            let written = write_segment(direct.as_deref(), &buffered, &shared, offset);
+            // The buffer goes back to its owner before the result does, so that it can be reused.
+            drop(shared);
+            let _ = done.send(written);
+        });
+        match spawned {
+            Ok(_) => SegmentWrite::running(result),
+            Err(error) => {
+                tracing::debug!(%error, "no spill writer thread; writing in the request's thread");
+                SegmentWrite::finished(write_segment(self.direct.as_deref(), &self.file, data, offset))
+            }
+        }
     }
 }
 

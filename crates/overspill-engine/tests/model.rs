@@ -70,7 +70,14 @@ impl Harness {
         let dir = tempfile::tempdir().expect("tempdir");
         let backing: Option<Box<dyn BackingFile>> = mode.backing_file().map(|kind| {
             let size = if matches!(mode, WriteCacheMode::RamDisk) { 0 } else { DISK_BYTES };
-            Box::new(ScratchFile::create(dir.path(), &format!("{kind:?}"), size).expect("scratch")) as _
+            let file = ScratchFile::create(dir.path(), &format!("{kind:?}"), size).expect("scratch");
+            if matches!(mode, WriteCacheMode::RamDisk) {
+                // As the server runs it: segments written by a thread of their own, bypassing the
+                // page cache, so reads race their writes and read back what direct writes left.
+                Box::new(file.with_background_segment_writes(true)) as _
+            } else {
+                Box::new(file) as _
+            }
         });
         let overlay = Overlay::new(
             image,

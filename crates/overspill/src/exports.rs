@@ -30,6 +30,8 @@ pub struct CacheSettings {
     pub mode: WriteCacheMode,
     pub ram_target_bytes: u64,
     pub spill_max_bytes: Option<u64>,
+    /// Spill segments bypass the page cache (`O_DIRECT`).
+    pub spill_direct: bool,
     pub spill_dir: PathBuf,
     pub shared_dir: PathBuf,
     /// Shared read cache per golden image, in bytes; 0 reads the images directly.
@@ -184,14 +186,24 @@ impl OverlayExports {
         Ok((format!("{image_name}:{version}"), image))
     }
 
-    fn backing(&self, kind: BackingKind, vm_number: u64, size: u64) -> std::io::Result<Box<dyn BackingFile>> {
+    fn backing(&self, kind: BackingKind, size: u64) -> std::io::Result<Box<dyn BackingFile>> {
+        // Numbered per process, not per provider: a storm's configurations each have their own
+        // provider on one spill directory, and a departing VM's file may outlive the next start
+        // by the time its last segment write takes.
+        static NEXT_FILE: AtomicU64 = AtomicU64::new(1);
+        let number = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let (dir, suffix, logical) = match kind {
             BackingKind::SpillLog => (&self.settings.spill_dir, "spill", 0),
             BackingKind::LocalCache => (&self.settings.spill_dir, "cache", size),
             BackingKind::SharedDifferencing => (&self.settings.shared_dir, "diff", size),
         };
-        Ok(Box::new(ScratchFile::create(dir, &format!("overspill-{pid}-{vm_number}.{suffix}"), logical)?))
+        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{suffix}"), logical)?;
+        Ok(match kind {
+            // A VM's requests need not wait for its last segment to reach the disk.
+            BackingKind::SpillLog => Box::new(file.with_background_segment_writes(self.settings.spill_direct)),
+            BackingKind::LocalCache | BackingKind::SharedDifferencing => Box::new(file),
+        })
     }
 }
 
@@ -223,7 +235,7 @@ impl ExportProvider for OverlayExports {
         let settings = &self.settings;
         let backing = match settings.mode.backing_file() {
             Some(kind) => Some(
-                self.backing(kind, number, image.size())
+                self.backing(kind, image.size())
                     .map_err(|e| device_error(EngineError::from_io("creating cache file", e)))?,
             ),
             None => None,

@@ -71,6 +71,10 @@ pub struct ServeArgs {
     /// Limit on each VM's spill file; beyond it the VM gets ENOSPC.
     #[arg(long, value_parser = parse_bytes)]
     spill_max: Option<u64>,
+    /// Write spill segments with O_DIRECT: no dirty page-cache pages for spilled data, but each
+    /// VM then waits for the disk itself once its last segment is still being written.
+    #[arg(long)]
+    spill_direct: bool,
     /// Connections served at once; more are refused.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
@@ -135,6 +139,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         mode: args.mode,
         ram_target_bytes: args.ram,
         spill_max_bytes: args.spill_max,
+        spill_direct: args.spill_direct,
         spill_dir: args.spill_dir.clone(),
         shared_dir: args.shared_dir.clone(),
         read_cache_bytes: args.read_cache,

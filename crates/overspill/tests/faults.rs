@@ -451,6 +451,7 @@ fn golden_read_errors_reach_only_the_readers_of_the_bad_range() {
         mode: WriteCacheMode::RamDisk,
         ram_target_bytes: MIB,
         spill_max_bytes: None,
+        spill_direct: false,
         spill_dir: tmp.path().join("spill"),
         shared_dir: tmp.path().join("shared"),
         // Through the shared read cache, as served: a failed fetch must not be cached as data.
