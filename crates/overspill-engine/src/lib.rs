@@ -10,6 +10,7 @@ pub mod budget;
 pub mod error;
 pub mod faults;
 pub mod golden;
+mod map;
 pub mod overlay;
 pub mod qcow2;
 pub mod ram;

@@ -22,11 +22,10 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use rustc_hash::FxHashMap;
-
 use crate::budget::HostMemory;
 use crate::error::{EngineError, Result};
 use crate::golden::GoldenImage;
+use crate::map::{self, BlockMap, Slot};
 use crate::ram::{RamSlot, RamTier};
 use crate::ranges::RangeSet;
 use crate::spill::{Purpose, SpillLog};
@@ -103,13 +102,6 @@ pub struct OverlayConfig {
     pub spill_max_bytes: Option<u64>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    Ram(RamSlot),
-    Spill(SpillAddr),
-    File,
-}
-
 /// Where a block's current contents are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Source {
@@ -130,7 +122,7 @@ pub struct Overlay {
     golden: Arc<dyn GoldenImage>,
     size: u64,
     config: OverlayConfig,
-    map: FxHashMap<BlockIndex, Slot>,
+    map: BlockMap,
     zeros: RangeSet,
     ram: RamTier,
     tier: Tier,
@@ -139,8 +131,7 @@ pub struct Overlay {
     stats: Arc<VmStats>,
 }
 
-/// Map bytes per entry: key, value and hashbrown's control byte.
-const MAP_ENTRY_BYTES: u64 = (std::mem::size_of::<(BlockIndex, Slot)>() + 1) as u64;
+const MAP_ENTRY_BYTES: u64 = map::ENTRY_BYTES;
 
 impl Overlay {
     /// `backing` must be given exactly when `config.mode.backing_file()` asks for one; in-place
@@ -152,6 +143,12 @@ impl Overlay {
         host: Arc<HostMemory>,
         stats: Arc<VmStats>,
     ) -> Result<Self> {
+        if golden.size().div_ceil(BLOCK_BYTES) > map::MAX_BLOCKS {
+            return Err(EngineError::Config(format!(
+                "a disk of {} bytes has more than 2^32 blocks of 4 KiB (16 TiB), the most an overlay maps",
+                golden.size()
+            )));
+        }
         let tier = match (config.mode.backing_file(), backing) {
             (None, None) => Tier::Ram,
             (Some(BackingKind::SpillLog), Some(file)) => Tier::RamDisk(SpillLog::new(file, config.spill_max_bytes)?),
@@ -171,7 +168,7 @@ impl Overlay {
             size: golden.size(),
             golden,
             config,
-            map: FxHashMap::default(),
+            map: BlockMap::default(),
             zeros: RangeSet::default(),
             ram: RamTier::default(),
             tier,
@@ -211,11 +208,7 @@ impl Overlay {
             Tier::RamDisk(spill) => spill.memory_bytes(),
             _ => 0,
         };
-        self.ram.data_bytes()
-            + self.ram.index_bytes()
-            + self.map.capacity() as u64 * MAP_ENTRY_BYTES
-            + self.zeros.memory_bytes()
-            + spill
+        self.ram.data_bytes() + self.ram.index_bytes() + self.map.memory_bytes() + self.zeros.memory_bytes() + spill
     }
 
     /// The target now in force: the VM's own, cut by host pressure.
@@ -247,9 +240,9 @@ impl Overlay {
     }
 
     fn source(&self, block: BlockIndex) -> Source {
-        match self.map.get(&block) {
-            Some(Slot::Ram(slot)) => Source::Ram(*slot),
-            Some(Slot::Spill(addr)) => Source::Spill(*addr),
+        match self.map.get(block) {
+            Some(Slot::Ram(slot)) => Source::Ram(slot),
+            Some(Slot::Spill(addr)) => Source::Spill(addr),
             Some(Slot::File) => Source::File,
             None if self.zeros.contains(block.0) => Source::Zero,
             None => Source::Golden,
@@ -385,9 +378,18 @@ impl Overlay {
         result
     }
 
-    /// Nothing to make durable: the cache dies with the VM. Counted, and otherwise a no-op.
+    /// Nothing to make durable: the cache dies with the VM. A spill segment still being written
+    /// is waited for, so that after a flush every acknowledged write is in RAM or in the hands
+    /// of the spill file's filesystem, and every figure counts it. A failed segment write is
+    /// not the flush's failure: the data stays readable in memory, and the next append that
+    /// needs space reports it.
     pub fn flush(&mut self) -> Result<()> {
         self.stats.guest_flush.add(0);
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            if let Err(error) = spill.finish_writes(&self.stats) {
+                tracing::debug!(%error, "flush: the spill segment being written failed");
+            }
+        }
         Ok(())
     }
 
@@ -459,7 +461,7 @@ impl Overlay {
     /// Modes `ram` and `ram+disk`: overwrite in memory where the block already is in memory,
     /// otherwise place it anew and release its old copy.
     fn put_block(&mut self, block: BlockIndex, data: &Block) -> Result<()> {
-        let old = self.map.get(&block).copied();
+        let old = self.map.get(block);
         match old {
             Some(Slot::Ram(slot)) => {
                 self.ram.get_mut(slot).copy_from_slice(data);
@@ -566,16 +568,16 @@ impl Overlay {
     /// Removes every mapped block in `[first, end)`, freeing its storage.
     fn drop_blocks(&mut self, first: u64, end: u64) -> Result<()> {
         let mut mapped: Vec<BlockIndex> = if end - first <= self.map.len() as u64 {
-            (first..end).map(BlockIndex).filter(|b| self.map.contains_key(b)).collect()
+            (first..end).map(BlockIndex).filter(|b| self.map.contains(*b)).collect()
         } else {
-            self.map.keys().copied().filter(|b| (first..end).contains(&b.0)).collect()
+            self.map.blocks().filter(|b| (first..end).contains(&b.0)).collect()
         };
         mapped.sort_unstable();
         if let Tier::InPlace { .. } = self.tier {
             return self.punch_in_place(&mapped);
         }
         for block in mapped {
-            if let Some(old) = self.map.remove(&block) {
+            if let Some(old) = self.map.remove(block) {
                 self.release(old);
             }
         }
@@ -594,7 +596,7 @@ impl Overlay {
             file.punch_hole(sorted[i].byte_offset(), run * BLOCK_BYTES)
                 .map_err(|e| EngineError::from_io("punching cache file", e))?;
             for block in &sorted[i..j] {
-                self.map.remove(block);
+                self.map.remove(*block);
             }
             *blocks -= run;
             i = j;
@@ -658,7 +660,7 @@ impl Overlay {
         for (slot, owner) in owners.into_iter().enumerate() {
             // Slots are below 512.
             let addr = SpillAddr { segment: victim, slot: slot as u16 };
-            if self.map.get(&owner) != Some(&Slot::Spill(addr)) {
+            if self.map.get(owner) != Some(Slot::Spill(addr)) {
                 continue;
             }
             let data: &Block = buffer[slot * BLOCK_SIZE..(slot + 1) * BLOCK_SIZE]
@@ -683,9 +685,7 @@ impl Overlay {
             }
             self.spill_mut().release_buffers_if_empty();
         }
-        if self.map.is_empty() && self.map.capacity() > 0 {
-            self.map = FxHashMap::default();
-        }
+        self.map.shrink_if_empty();
         let used = self.memory_used_bytes();
         // The spare segment buffer saves an allocation per segment; over target (many VMs under
         // one host cap), its 2 MiB are worth more given back. (The figure counts it either way.)

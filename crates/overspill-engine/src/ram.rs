@@ -6,21 +6,20 @@
 //! block and O(1) amortised work per eviction: a block touched since the hand last passed it is
 //! spared once.
 
+use crate::map::MAX_RAM_SLOTS;
 use crate::units::{Block, BlockIndex, BLOCK_SIZE};
 
 /// A slot in the RAM tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RamSlot(pub u32);
 
-struct Slot {
-    page: Option<Box<Block>>,
-    owner: BlockIndex,
-    referenced: bool,
-}
-
+/// Per slot, in parallel arrays (13 bytes a slot, where a struct of the three took 24): the page,
+/// the block it holds (32-bit block numbers, as in the map) and the CLOCK reference bit.
 #[derive(Default)]
 pub struct RamTier {
-    slots: Vec<Slot>,
+    pages: Vec<Option<Box<Block>>>,
+    owners: Vec<u32>,
+    referenced: Vec<bool>,
     free: Vec<u32>,
     occupied: usize,
     hand: usize,
@@ -37,50 +36,58 @@ impl RamTier {
 
     /// Bookkeeping bytes beyond the pages themselves.
     pub fn index_bytes(&self) -> u64 {
-        (self.slots.capacity() * std::mem::size_of::<Slot>() + self.free.capacity() * 4) as u64
+        (self.pages.capacity() * std::mem::size_of::<Option<Box<Block>>>()
+            + self.owners.capacity() * 4
+            + self.referenced.capacity()
+            + self.free.capacity() * 4) as u64
     }
 
     pub fn insert(&mut self, owner: BlockIndex, data: &Block) -> RamSlot {
-        let page = Box::new(*data);
-        let slot = Slot { page: Some(page), owner, referenced: true };
+        // The overlay maps at most 2^32 blocks.
+        let owner = owner.0 as u32;
+        let page = Some(Box::new(*data));
         self.occupied += 1;
         match self.free.pop() {
             Some(index) => {
-                self.slots[index as usize] = slot;
+                let i = index as usize;
+                self.pages[i] = page;
+                self.owners[i] = owner;
+                self.referenced[i] = true;
                 RamSlot(index)
             }
             None => {
-                self.slots.push(slot);
-                // The map addresses slots with u32; 2^32 blocks is 16 TiB of RAM per VM.
-                RamSlot(u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 RAM slots"))
+                let index = self.pages.len();
+                assert!(index < MAX_RAM_SLOTS as usize, "a VM's RAM tier holds at most 4 TiB");
+                self.pages.push(page);
+                self.owners.push(owner);
+                self.referenced.push(true);
+                RamSlot(index as u32)
             }
         }
     }
 
     pub fn get(&mut self, slot: RamSlot) -> &Block {
-        let entry = &mut self.slots[slot.0 as usize];
-        entry.referenced = true;
-        entry.page.as_deref().expect("map points only at occupied RAM slots")
+        let i = slot.0 as usize;
+        self.referenced[i] = true;
+        self.pages[i].as_deref().expect("map points only at occupied RAM slots")
     }
 
     pub fn get_mut(&mut self, slot: RamSlot) -> &mut Block {
-        let entry = &mut self.slots[slot.0 as usize];
-        entry.referenced = true;
-        entry.page.as_deref_mut().expect("map points only at occupied RAM slots")
+        let i = slot.0 as usize;
+        self.referenced[i] = true;
+        self.pages[i].as_deref_mut().expect("map points only at occupied RAM slots")
     }
 
     pub fn remove(&mut self, slot: RamSlot) {
-        let entry = &mut self.slots[slot.0 as usize];
-        debug_assert!(entry.page.is_some(), "double free of RAM slot {}", slot.0);
-        if entry.page.take().is_some() {
+        let page = &mut self.pages[slot.0 as usize];
+        debug_assert!(page.is_some(), "double free of RAM slot {}", slot.0);
+        if page.take().is_some() {
             self.occupied -= 1;
             self.free.push(slot.0);
         }
         if self.occupied == 0 {
-            // Nothing cached: return the slot table too.
-            self.slots = Vec::new();
-            self.free = Vec::new();
-            self.hand = 0;
+            // Nothing cached: return the slot tables too.
+            *self = Self::default();
         }
     }
 
@@ -91,22 +98,21 @@ impl RamTier {
             return None;
         }
         // Two sweeps suffice: the first clears every reference bit it passes.
-        for _ in 0..2 * self.slots.len() {
-            if self.hand >= self.slots.len() {
+        for _ in 0..2 * self.pages.len() {
+            if self.hand >= self.pages.len() {
                 self.hand = 0;
             }
             let index = self.hand;
             self.hand += 1;
-            let entry = &mut self.slots[index];
-            if entry.page.is_none() {
+            if self.pages[index].is_none() {
                 continue;
             }
-            if entry.referenced {
-                entry.referenced = false;
+            if self.referenced[index] {
+                self.referenced[index] = false;
                 continue;
             }
             // Slot indices come from u32s handed out by insert.
-            return Some((RamSlot(index as u32), entry.owner));
+            return Some((RamSlot(index as u32), BlockIndex(u64::from(self.owners[index]))));
         }
         None
     }

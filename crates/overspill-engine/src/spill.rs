@@ -27,6 +27,7 @@ use std::collections::BinaryHeap;
 use std::sync::Arc;
 
 use crate::error::{EngineError, Result};
+use crate::map::MAX_SPILL_SEGMENTS;
 use crate::stats::VmStats;
 use crate::store::{BackingFile, SegmentBuffer, SegmentWrite};
 use crate::units::{Block, BlockIndex, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, BLOCK_SIZE, SEGMENT_BYTES};
@@ -133,10 +134,10 @@ impl SpillLog {
     }
 
     /// Once nothing in the log lives (the guest trimmed or overwrote it all), gives back the
-    /// segment buffers too: an open segment with no live slot is just memory. Not while a write
-    /// runs; the next call after it is done does it.
+    /// segment buffers too: an open segment with no live slot is just memory. (A segment still
+    /// being written is freed, buffer and space, once written.)
     pub fn release_buffers_if_empty(&mut self) {
-        if self.live_blocks > 0 || self.writing.is_some() {
+        if self.live_blocks > 0 {
             return;
         }
         if let Some(open) = self.open.take() {
@@ -150,12 +151,13 @@ impl SpillLog {
         self.spare_buffer = None;
     }
 
-    /// Segment buffers count as two from the first spilled block on: the open segment's, and the
-    /// last one's while it is written (kept for reuse once written). Counting the pair whatever
-    /// the disk's speed keeps the figure, and every eviction decided from it, the same in a
-    /// simulation as in a server, where writes finish in their own time.
+    /// Segment buffers count as two while a segment is open (or a failed write holds one): the
+    /// open segment's, and the last one's while it is written (kept for reuse once written).
+    /// Counting the pair whatever the disk's speed keeps the figure, and every eviction decided
+    /// from it, the same in a simulation as in a server, where writes finish in their own time.
     pub fn memory_bytes(&self) -> u64 {
-        let buffer = if self.open.is_some() || self.writing.is_some() { 2 * SEGMENT_BYTES } else { 0 };
+        let failed = self.writing.as_ref().is_some_and(|writing| writing.write.is_none());
+        let buffer = if self.open.is_some() || failed { 2 * SEGMENT_BYTES } else { 0 };
         let owners = self.owner_tables as usize * BLOCKS_PER_SEGMENT;
         (buffer
             + owners * std::mem::size_of::<BlockIndex>()
@@ -201,16 +203,12 @@ impl SpillLog {
         low_space || dead > self.live_blocks
     }
 
-    /// The sealed segment with the fewest live slots, if it has any dead ones. The one being
-    /// written is not a candidate: it is freed once written, if nothing in it lives.
+    /// The sealed segment with the fewest live slots, if it has any dead ones.
     pub fn compaction_victim(&self) -> Option<SegmentId> {
-        let writing = self.writing.as_ref().map(|writing| writing.id.0 as usize);
         self.segments
             .iter()
             .enumerate()
-            .filter(|(i, s)| {
-                s.state == SegmentState::Sealed && (s.live as usize) < BLOCKS_PER_SEGMENT && Some(*i) != writing
-            })
+            .filter(|(_, s)| s.state == SegmentState::Sealed && (s.live as usize) < BLOCKS_PER_SEGMENT)
             .min_by_key(|(_, s)| s.live)
             .map(|(i, _)| SegmentId(i as u32))
     }
@@ -218,6 +216,11 @@ impl SpillLog {
     /// Reads a whole sealed segment in one sequential read, with its slot owners, for compaction.
     pub fn read_segment(&mut self, id: SegmentId, stats: &VmStats) -> Result<(Box<[u8]>, Vec<BlockIndex>)> {
         let owners = self.segments[id.0 as usize].owners.clone();
+        if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == id) {
+            // Counted as read from the file, like a block read from it (see `read`).
+            stats.spill_read.add(SEGMENT_BYTES as u64);
+            return Ok((Box::from(&writing.buffer[..]), owners));
+        }
         let mut buffer = vec![0u8; SEGMENT_BYTES].into_boxed_slice();
         self.file
             .read_at(&mut buffer, id.byte_offset())
@@ -243,12 +246,7 @@ impl SpillLog {
                     SegmentBuffer::new().map_err(|e| EngineError::from_io("allocating a spill segment buffer", e))?
                 }
             };
-            let mut allocated = self.allocate(purpose);
-            if matches!(allocated, Err(EngineError::NoSpace(_))) && self.writing.is_some() {
-                // The segment being written may have died meanwhile and free its space once done.
-                allocated = self.settle_write(true, stats).and_then(|()| self.allocate(purpose));
-            }
-            let id = match allocated {
+            let id = match self.allocate(purpose) {
                 Ok(id) => id,
                 Err(error) => {
                     self.spare_buffer = Some(buffer);
@@ -281,9 +279,14 @@ impl SpillLog {
         let id = match self.free.pop() {
             Some(Reverse(id)) => id,
             None => {
+                if self.segments.len() >= MAX_SPILL_SEGMENTS as usize {
+                    return Err(EngineError::NoSpace(
+                        "the spill log has the most segments a VM may have (4 TiB)".into(),
+                    ));
+                }
                 self.segments.push(Segment { state: SegmentState::Free, live: 0, owners: Vec::new() });
-                u32::try_from(self.segments.len() - 1)
-                    .map_err(|_| EngineError::NoSpace("spill log has 2^32 segments".into()))?
+                // Below MAX_SPILL_SEGMENTS, checked above.
+                (self.segments.len() - 1) as u32
             }
         };
         let segment = &mut self.segments[id as usize];
@@ -402,15 +405,23 @@ impl SpillLog {
         open.buffer[start..start + BLOCK_SIZE].copy_from_slice(data);
     }
 
-    /// Marks a slot dead. A sealed segment with no live slot left is punched out of the file
-    /// (one still being written, once its write is done).
+    /// Marks a slot dead. A sealed segment with no live slot left is punched out of the file;
+    /// one still being written is waited for first (so that it is free now, as it would be had
+    /// the write been quicker; compaction relies on each victim coming free).
     pub fn release(&mut self, addr: SpillAddr, stats: &VmStats) {
         let segment = &mut self.segments[addr.segment.0 as usize];
         debug_assert!(segment.live > 0);
         segment.live -= 1;
         self.live_blocks -= 1;
-        let writing = self.writing.as_ref().is_some_and(|writing| writing.id == addr.segment);
-        if segment.live == 0 && segment.state == SegmentState::Sealed && !writing {
+        if segment.live > 0 || segment.state != SegmentState::Sealed {
+            return;
+        }
+        if self.writing.as_ref().is_some_and(|writing| writing.id == addr.segment) {
+            // Once written it is freed; if the write failed, it stays until a retry succeeds.
+            if let Err(error) = self.settle_write(true, stats) {
+                tracing::debug!(%error, "a dead spill segment could not be written");
+            }
+        } else {
             self.free_segment(addr.segment, stats);
         }
     }
@@ -529,7 +540,7 @@ mod tests {
     }
 
     #[test]
-    fn a_segment_that_dies_while_being_written_is_punched_once_written() {
+    fn a_segment_that_dies_while_being_written_is_freed_once_written() {
         let held: Held = Arc::default();
         let file = HeldWrites { file: MemFile::default(), held: held.clone(), full: Arc::default() };
         let stats = VmStats::default();
@@ -537,17 +548,22 @@ mod tests {
         let addrs: Vec<SpillAddr> = (0..=BLOCKS_PER_SEGMENT as u64)
             .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"))
             .collect();
-        for addr in &addrs[..BLOCKS_PER_SEGMENT] {
+        for addr in &addrs[..BLOCKS_PER_SEGMENT - 1] {
             log.release(*addr, &stats);
         }
-        assert_eq!(log.compaction_victim(), None, "the segment being written is no compaction victim");
-        assert_eq!(stats.spill_segments_punched.get(), 0, "not punched while its write runs");
-        let (buffer, offset, done) = held.lock().expect("lock").pop().expect("held write");
-        assert_eq!(offset, 0);
-        drop(buffer);
-        done.send(Ok(())).expect("send");
-        log.append(BlockIndex(1), &block(1), Purpose::Guest, &stats).expect("append");
-        assert_eq!(stats.spill_segments_punched.get(), 1, "punched once written");
+        assert_eq!(stats.spill_segments_punched.get(), 0);
+        // The last release waits for the write, which the "disk" finishes a little later.
+        let disk = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let (buffer, offset, done) = held.lock().expect("lock").pop().expect("held write");
+            assert_eq!(offset, 0);
+            drop(buffer);
+            done.send(Ok(())).expect("send");
+        });
+        log.release(addrs[BLOCKS_PER_SEGMENT - 1], &stats);
+        disk.join().expect("disk thread");
+        assert_eq!(stats.spill_segments_written.get(), 1);
+        assert_eq!(stats.spill_segments_punched.get(), 1, "freed once written");
         assert_eq!(log.disk_used_bytes(), 0);
     }
 }

@@ -355,7 +355,7 @@ fn transmit<T: Transport>(
         if wire.buffered().is_empty() && stop.load(Ordering::Relaxed) {
             break;
         }
-        if !wire.need(REQUEST_HEADER_BYTES)? {
+        if !cut_short_by_stop(wire.need(REQUEST_HEADER_BYTES), stop)? {
             break;
         }
         let mut raw = [0u8; REQUEST_HEADER_BYTES];
@@ -363,7 +363,9 @@ fn transmit<T: Transport>(
         let header = RequestHeader::parse(&raw)?;
         let payload = header.payload_bytes(max)? as usize;
         // The header is buffered, so this can only fail or succeed, not see a clean end.
-        wire.need(REQUEST_HEADER_BYTES + payload)?;
+        if !cut_short_by_stop(wire.need(REQUEST_HEADER_BYTES + payload), stop)? {
+            break;
+        }
         requests += 1;
         let command = validate(&header, size, caps, max);
         let data_range = REQUEST_HEADER_BYTES..REQUEST_HEADER_BYTES + payload;
@@ -394,6 +396,16 @@ fn transmit<T: Transport>(
     }
     wire.flush()?;
     Ok(Ending::Disconnected { export: session.export, requests })
+}
+
+/// A request the server's own shutdown cut off half-read (the stop shuts the socket for reading
+/// while the client may be sending) was never taken, so the connection ends as a disconnect,
+/// not as bad input.
+fn cut_short_by_stop(needed: Result<bool, ConnectionError>, stop: &AtomicBool) -> Result<bool, ConnectionError> {
+    match needed {
+        Err(ConnectionError::Truncated) if stop.load(Ordering::Relaxed) => Ok(false),
+        other => other,
+    }
 }
 
 fn execute(device: &mut dyn BlockDevice, command: Command, data: &[u8]) -> Result<(), DeviceError> {

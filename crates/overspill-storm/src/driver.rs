@@ -381,6 +381,7 @@ fn run_vm(ctx: &VmContext) -> VmResult {
     let mut last = stats.as_deref().map(storage_tiers).unwrap_or_default();
     let mut buffer = Vec::new();
     let mut unreported = 0u64;
+    let mut last_place = (0, 0);
     'phases: for (p, ops) in plan.ops[vm].iter().enumerate() {
         let start_ms = plan.timeline.starts_ms[p][vm];
         for op in ops {
@@ -471,6 +472,7 @@ fn run_vm(ctx: &VmContext) -> VmResult {
             add_tiers(&mut result.phases[p].tiers, &delta);
             let bucket = (at_ms / (config.bucket_s * 1000)) as usize;
             add_tiers(&mut result.timeline[bucket.min(buckets - 1)], &delta);
+            last_place = (p, bucket.min(buckets - 1));
             unreported += 1;
             if unreported == 512 {
                 ctx.progress.inc(unreported);
@@ -482,6 +484,20 @@ fn run_vm(ctx: &VmContext) -> VmResult {
     if let Some(w) = recorder {
         if let Err(e) = w.finish() {
             result.failure.get_or_insert(format!("record: {e}"));
+        }
+    }
+    if let (Some(stats), None) = (stats.as_deref(), &result.failure) {
+        // The VM's last spill segment may still be on its way to disk; a flush waits for it, so
+        // that it is counted, with the last request.
+        if client.flush().is_ok() {
+            let now = storage_tiers(stats);
+            let mut delta = TierOps::default();
+            for (tier, (n, l)) in now.iter().zip(&last).enumerate().skip(1) {
+                delta[tier] = n.minus(l);
+            }
+            let (p, bucket) = last_place;
+            add_tiers(&mut result.phases[p].tiers, &delta);
+            add_tiers(&mut result.timeline[bucket], &delta);
         }
     }
     if let Some(stats) = stats.as_deref() {
