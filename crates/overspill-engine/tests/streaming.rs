@@ -1,0 +1,63 @@
+//! Large writes while RAM is full go straight to the spill log: the VM's hot blocks stay in RAM,
+//! and the large write's data reads back from the spill log.
+
+use std::sync::Arc;
+
+use overspill_engine::{HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode};
+
+const MIB: u64 = 1 << 20;
+const HOT_BLOCKS: u64 = 256;
+
+/// An overlay that already spills, with a hot 1 MiB set in its 2 MiB of RAM, then 8 MiB
+/// elsewhere in writes of `chunk` bytes. Returns the overlay and how many hot blocks still read
+/// from RAM.
+fn hot_set_then_writes_of(chunk: usize, dir: &std::path::Path) -> (Overlay, u64) {
+    let golden = Arc::new(MemImage::new(vec![0x11; (64 * MIB) as usize]));
+    let spill = ScratchFile::create(dir, &format!("spill-{chunk}"), 0).expect("spill file");
+    // 2 MiB of RAM tier, the two segment buffers and room for the index.
+    let target = 2 * MIB + 4 * MIB + 128 * 1024;
+    let mut vm = Overlay::new(
+        golden,
+        OverlayConfig { mode: WriteCacheMode::RamDisk, ram_target_bytes: target, spill_max_bytes: None },
+        Some(Box::new(spill)),
+        HostMemory::unlimited(),
+        Arc::new(VmStats::default()),
+    )
+    .expect("overlay");
+    // Already spilling, so that the segment buffers count before the hot set arrives.
+    for i in 0..(8 * MIB / 4096) {
+        vm.write(16 * MIB + i * 4096, &[0x77; 4096]).expect("warm-up write");
+    }
+    assert!(vm.stats().spill_segments_written.get() > 0, "the warm-up spills");
+    for i in 0..HOT_BLOCKS {
+        vm.write(i * 4096, &[i as u8; 4096]).expect("hot write");
+    }
+    let large: Vec<u8> = (0..8 * MIB).map(|i| (i / 4096) as u8 ^ 0xa5).collect();
+    for (n, piece) in large.chunks(chunk).enumerate() {
+        vm.write(32 * MIB + (n * chunk) as u64, piece).expect("large write");
+    }
+    let before = vm.stats().read_blocks_ram.get();
+    let mut buf = vec![0u8; (HOT_BLOCKS * 4096) as usize];
+    vm.read(0, &mut buf).expect("hot read");
+    let in_ram = vm.stats().read_blocks_ram.get() - before;
+    for (i, block) in buf.chunks(4096).enumerate() {
+        assert!(block.iter().all(|&b| b == i as u8), "hot block {i} reads back");
+    }
+    let mut back = vec![0u8; large.len()];
+    vm.read(32 * MIB, &mut back).expect("large read");
+    assert!(back == large, "the large write reads back");
+    (vm, in_ram)
+}
+
+#[test]
+fn large_writes_bypass_a_full_ram_tier_and_keep_the_hot_set() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (streamed, hot_in_ram) = hot_set_then_writes_of(1 << 20, dir.path());
+    assert_eq!(hot_in_ram, HOT_BLOCKS, "every hot block still in RAM after 8 MiB of 1 MiB writes");
+    assert!(streamed.stats().spill_segments_written.get() >= 3, "the large writes went to the spill log");
+
+    // The same 8 MiB in 4 KiB writes is hot data as far as the overlay can tell: it pushes the
+    // older blocks out.
+    let (_, hot_in_ram) = hot_set_then_writes_of(4096, dir.path());
+    assert!(hot_in_ram < HOT_BLOCKS / 2, "4 KiB writes evicted the hot set ({hot_in_ram} blocks left in RAM)");
+}
