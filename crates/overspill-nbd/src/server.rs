@@ -287,6 +287,8 @@ impl Server {
             };
             match accepted {
                 Ok(()) => {}
+                // The listening socket shut by the shutdown's waker: nothing went wrong.
+                Err(_) if self.shutdown.is_requested() => {}
                 // Out of file descriptors or a client that reset before accept: keep serving.
                 Err(error) => {
                     tracing::warn!(%error, "accept failed");
