@@ -407,6 +407,8 @@ impl Overlay {
             if let Err(error) = spill.finish_writes(&self.stats) {
                 tracing::debug!(%error, "flush: the spill segment being written failed");
             }
+            // A written segment may have freed its space and its owner table: account for it.
+            self.after_mutation();
         }
         Ok(())
     }
@@ -704,11 +706,12 @@ impl Overlay {
             self.spill_mut().release_buffers_if_empty();
         }
         self.map.shrink_if_empty();
-        let used = self.memory_used_bytes();
+        let mut used = self.memory_used_bytes();
         // The spare segment buffer saves an allocation per segment; over target (many VMs under
-        // one host cap), its 2 MiB are worth more given back. (The figure counts it either way.)
+        // one host cap), its 2 MiB are worth more given back.
         if matches!(self.tier, Tier::RamDisk(_)) && used > self.memory_target_bytes() {
             self.spill_mut().drop_spare_buffer();
+            used = self.memory_used_bytes();
         }
         self.host.account(self.accounted_bytes, used);
         self.accounted_bytes = used;

@@ -151,13 +151,15 @@ impl SpillLog {
         self.spare_buffer = None;
     }
 
-    /// Segment buffers count as two while a segment is open (or a failed write holds one): the
-    /// open segment's, and the last one's while it is written (kept for reuse once written).
-    /// Counting the pair whatever the disk's speed keeps the figure, and every eviction decided
-    /// from it, the same in a simulation as in a server, where writes finish in their own time.
+    /// One segment buffer counts while the log holds one: the open segment's, or the one kept
+    /// for the next, or a segment whose write failed. A segment being written in the background
+    /// is the host's (see `store::SegmentWriters`): it does not count here, so that the figure,
+    /// and every eviction decided from it, is the same in a simulation as in a server, where
+    /// writes finish in their own time.
     pub fn memory_bytes(&self) -> u64 {
         let failed = self.writing.as_ref().is_some_and(|writing| writing.write.is_none());
-        let buffer = if self.open.is_some() || failed { 2 * SEGMENT_BYTES } else { 0 };
+        let held = self.open.is_some() || self.spare_buffer.is_some() || failed;
+        let buffer = if held { SEGMENT_BYTES } else { 0 };
         let owners = self.owner_tables as usize * BLOCKS_PER_SEGMENT;
         (buffer
             + owners * std::mem::size_of::<BlockIndex>()
@@ -240,7 +242,7 @@ impl SpillLog {
         if self.open.is_none() {
             // A reused buffer holds the old segment's bytes; every slot is written before it is
             // read or sealed, since segments are written out only when full.
-            let buffer = match self.spare_buffer.take() {
+            let buffer = match self.spare_buffer.take().or_else(|| self.file.take_buffer()) {
                 Some(buffer) => buffer,
                 None => {
                     SegmentBuffer::new().map_err(|e| EngineError::from_io("allocating a spill segment buffer", e))?
@@ -371,7 +373,9 @@ impl SpillLog {
             tracing::debug!(segment = id.0, live = self.segments[id.0 as usize].live, "spill segment written");
         }
         // The writer let go of its reference before it reported, so this is the only one.
-        self.spare_buffer = Arc::into_inner(buffer);
+        if let Some(buffer) = Arc::into_inner(buffer) {
+            self.spare_buffer = self.file.recycle_buffer(buffer);
+        }
         if self.segments[id.0 as usize].live == 0 {
             // Everything in it died while it was open or being written.
             self.free_segment(id, stats);
@@ -520,7 +524,9 @@ mod tests {
         // The first segment is sealed and its write is running; the last block opened the next.
         assert_eq!(held.lock().expect("lock").len(), 1);
         assert_eq!(stats.spill_segments_written.get(), 0, "not counted before it is written");
-        assert!(log.memory_bytes() >= 2 * SEGMENT_BYTES as u64, "open and writing buffers both count");
+        let memory = log.memory_bytes();
+        assert!(memory >= SEGMENT_BYTES as u64, "the open segment's buffer counts");
+        assert!(memory < 2 * SEGMENT_BYTES as u64, "the one being written is the host's, not the VM's");
         assert_eq!(read(&mut log, addrs[7], &stats), block(7), "read from the buffer being written");
 
         // The background write fails, and so does the retry: the append gets ENOSPC, data stays.

@@ -7,7 +7,10 @@
 //! Whole spill segments go through [`BackingFile::start_segment_write`], which by default writes
 //! before it returns (simulations stay deterministic). A server's [`ScratchFile`] instead writes
 //! them from a thread of their own: the 2 MiB copy into the page cache took a quarter of a
-//! spilling VM's request thread (perf, 4K random writes at QD32), and now runs beside it.
+//! spilling VM's request thread (perf, 4K random writes at QD32), and now runs beside it. The
+//! buffers of segments being written belong to the host, not to a VM: [`SegmentWriters`] lets a
+//! few writes run at a time and keeps their buffers for the next VM that seals one, so a host
+//! of hundreds of spilling VMs holds one buffer per VM plus a fixed few, as it did before.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -35,6 +38,66 @@ pub trait BackingFile: Send {
     fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
         SegmentWrite::finished(self.write_at(data, offset))
     }
+
+    /// A buffer for the next open segment, if the file keeps some (see [`SegmentWriters`]).
+    fn take_buffer(&mut self) -> Option<SegmentBuffer> {
+        None
+    }
+
+    /// The buffer of a segment that was written in the background, back from the writer. The
+    /// default hands it back to the log, which reuses it; a file with writers pools it.
+    fn recycle_buffer(&mut self, buffer: SegmentBuffer) -> Option<SegmentBuffer> {
+        Some(buffer)
+    }
+}
+
+/// The host's background segment writes: at most `max_in_flight` at a time (a VM that seals a
+/// segment when all are busy writes it itself, as if there were none), and as many spare
+/// buffers kept for the VMs that seal next. Memory beyond the VMs' own open segments is thus at
+/// most `2 × max_in_flight` buffers of 2 MiB, whatever the number of VMs.
+#[derive(Debug)]
+pub struct SegmentWriters {
+    max_in_flight: usize,
+    in_flight: std::sync::atomic::AtomicUsize,
+    pool: std::sync::Mutex<Vec<SegmentBuffer>>,
+}
+
+impl SegmentWriters {
+    pub fn new(max_in_flight: usize) -> Arc<Self> {
+        Arc::new(Self { max_in_flight, in_flight: Default::default(), pool: Default::default() })
+    }
+
+    /// Most bytes the writers hold at once: buffers in flight and in the pool.
+    pub fn max_memory_bytes(&self) -> u64 {
+        (2 * self.max_in_flight * SEGMENT_BYTES) as u64
+    }
+
+    fn try_start(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max_in_flight).then_some(n + 1))
+            .is_ok()
+    }
+
+    fn finished(&self) {
+        self.in_flight.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn pool(&self) -> std::sync::MutexGuard<'_, Vec<SegmentBuffer>> {
+        // A panic while holding the lock leaves only a vector of buffers behind: still usable.
+        self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn take(&self) -> Option<SegmentBuffer> {
+        self.pool().pop()
+    }
+
+    fn give(&self, buffer: SegmentBuffer) {
+        let mut pool = self.pool();
+        if pool.len() < self.max_in_flight {
+            pool.push(buffer);
+        }
+    }
 }
 
 /// One spill segment's bytes: page-aligned, as `O_DIRECT` wants, and mapped on its own, so that
@@ -45,6 +108,12 @@ pub struct SegmentBuffer(memmap2::MmapMut);
 impl SegmentBuffer {
     pub fn new() -> io::Result<Self> {
         memmap2::MmapMut::map_anon(SEGMENT_BYTES).map(Self)
+    }
+}
+
+impl std::fmt::Debug for SegmentBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SegmentBuffer({} bytes)", self.0.len())
     }
 }
 
@@ -112,7 +181,7 @@ pub struct ScratchFile {
     /// The same file opened with `O_DIRECT`, for background segment writes; `None` where the
     /// filesystem refuses it (tmpfs before Linux 6.6) or background writes are off.
     direct: Option<Arc<File>>,
-    background: bool,
+    writers: Option<Arc<SegmentWriters>>,
     path: PathBuf,
 }
 
@@ -121,7 +190,7 @@ impl ScratchFile {
     pub fn create(dir: &Path, name: &str, logical_size: u64) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-        let scratch = Self { file: Arc::new(file), direct: None, background: false, path };
+        let scratch = Self { file: Arc::new(file), direct: None, writers: None, path };
         scratch.file.set_len(logical_size)?;
         Ok(scratch)
     }
@@ -133,7 +202,7 @@ impl ScratchFile {
     /// spilling 4K writes per second, the virtual disk being slower for direct writes into
     /// freshly punched space than the page cache is to absorb them). Reads stay buffered: the
     /// kernel drops cached pages a direct write covers, so they never see stale data.
-    pub fn with_background_segment_writes(mut self, direct: bool) -> Self {
+    pub fn with_background_segment_writes(mut self, writers: Arc<SegmentWriters>, direct: bool) -> Self {
         if direct {
             let flags = OFlags::DIRECT.bits() as i32;
             match OpenOptions::new().write(true).custom_flags(flags).open(&self.path) {
@@ -143,7 +212,7 @@ impl ScratchFile {
                 }
             }
         }
-        self.background = true;
+        self.writers = Some(writers);
         self
     }
 }
@@ -189,25 +258,42 @@ impl BackingFile for ScratchFile {
     }
 
     fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
-        if !self.background {
-            return SegmentWrite::finished(self.file.write_all_at(data, offset));
-        }
+        let Some(writers) = self.writers.as_ref().filter(|writers| writers.try_start()) else {
+            return SegmentWrite::finished(write_segment(self.direct.as_deref(), &self.file, data, offset));
+        };
         let (done, result) = mpsc::sync_channel(1);
         let (direct, buffered, shared) = (self.direct.clone(), Arc::clone(&self.file), Arc::clone(data));
-        // A thread per segment rather than a pool: at most one write per VM is in flight, a
-        // spawn costs tens of microseconds against a 2 MiB write, and nothing is shared.
+        let writer = Arc::clone(writers);
+        // A thread per segment rather than a pool of threads: a spawn costs tens of
+        // microseconds against a 2 MiB write, and the permit already bounds how many run.
         let spawned = std::thread::Builder::new().name("spill-writer".into()).stack_size(64 * 1024).spawn(move || {
             let written = write_segment(direct.as_deref(), &buffered, &shared, offset);
             // The buffer goes back to its owner before the result does, so that it can be reused.
             drop(shared);
+            writer.finished();
             let _ = done.send(written);
         });
         match spawned {
             Ok(_) => SegmentWrite::running(result),
             Err(error) => {
+                writers.finished();
                 tracing::debug!(%error, "no spill writer thread; writing in the request's thread");
                 SegmentWrite::finished(write_segment(self.direct.as_deref(), &self.file, data, offset))
             }
+        }
+    }
+
+    fn take_buffer(&mut self) -> Option<SegmentBuffer> {
+        self.writers.as_ref().and_then(|writers| writers.take())
+    }
+
+    fn recycle_buffer(&mut self, buffer: SegmentBuffer) -> Option<SegmentBuffer> {
+        match &self.writers {
+            Some(writers) => {
+                writers.give(buffer);
+                None
+            }
+            None => Some(buffer),
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use overspill_engine::{
     BackingFile, CachedImage, EngineError, GoldenImage, HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile,
-    VmStats, WriteCacheMode, SEGMENT_BYTES,
+    SegmentWriters, VmStats, WriteCacheMode, SEGMENT_BYTES,
 };
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
@@ -74,7 +74,7 @@ impl Harness {
             if matches!(mode, WriteCacheMode::RamDisk) {
                 // As the server runs it: segments written by a thread of their own, bypassing the
                 // page cache, so reads race their writes and read back what direct writes left.
-                Box::new(file.with_background_segment_writes(true)) as _
+                Box::new(file.with_background_segment_writes(SegmentWriters::new(2), true)) as _
             } else {
                 Box::new(file) as _
             }

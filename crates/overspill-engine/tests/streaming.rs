@@ -14,8 +14,8 @@ const HOT_BLOCKS: u64 = 256;
 fn hot_set_then_writes_of(chunk: usize, dir: &std::path::Path) -> (Overlay, u64) {
     let golden = Arc::new(MemImage::new(vec![0x11; (64 * MIB) as usize]));
     let spill = ScratchFile::create(dir, &format!("spill-{chunk}"), 0).expect("spill file");
-    // 2 MiB of RAM tier, the two segment buffers and room for the index.
-    let target = 2 * MIB + 4 * MIB + 128 * 1024;
+    // 2 MiB of RAM tier, the open segment's buffer and room for the index.
+    let target = 2 * MIB + 2 * MIB + 128 * 1024;
     let mut vm = Overlay::new(
         golden,
         OverlayConfig { mode: WriteCacheMode::RamDisk, ram_target_bytes: target, spill_max_bytes: None },
@@ -24,7 +24,7 @@ fn hot_set_then_writes_of(chunk: usize, dir: &std::path::Path) -> (Overlay, u64)
         Arc::new(VmStats::default()),
     )
     .expect("overlay");
-    // Already spilling, so that the segment buffers count before the hot set arrives.
+    // Already spilling, so that the segment buffer counts before the hot set arrives.
     for i in 0..(8 * MIB / 4096) {
         vm.write(16 * MIB + i * 4096, &[0x77; 4096]).expect("warm-up write");
     }

@@ -15,7 +15,7 @@ use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::stats::GuestOp;
 use overspill_engine::{
     BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
-    VmStats, WriteCacheMode,
+    SegmentWriters, VmStats, WriteCacheMode,
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
@@ -32,6 +32,8 @@ pub struct CacheSettings {
     pub spill_max_bytes: Option<u64>,
     /// Spill segments bypass the page cache (`O_DIRECT`).
     pub spill_direct: bool,
+    /// Spill segments written in the background at once, host-wide; 0 writes them in line.
+    pub spill_writers: usize,
     pub spill_dir: PathBuf,
     pub shared_dir: PathBuf,
     /// Shared read cache per golden image, in bytes; 0 reads the images directly.
@@ -98,6 +100,8 @@ pub struct OverlayExports {
     registry: Arc<VmRegistry>,
     next_vm: AtomicU64,
     record_dir: Option<PathBuf>,
+    /// Shared by every VM's spill file: how many segments are written in the background at once.
+    segment_writers: Arc<SegmentWriters>,
 }
 
 // Everything, and cheaply: the cache lives as long as the VM's connection by design, so an
@@ -129,6 +133,7 @@ impl OverlayExports {
                 })
                 .collect()
         };
+        let segment_writers = SegmentWriters::new(settings.spill_writers);
         Ok(Self {
             images,
             versions: None,
@@ -138,6 +143,7 @@ impl OverlayExports {
             registry: Arc::default(),
             next_vm: AtomicU64::new(1),
             record_dir: None,
+            segment_writers,
         })
     }
 
@@ -201,7 +207,10 @@ impl OverlayExports {
         let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{suffix}"), logical)?;
         Ok(match kind {
             // A VM's requests need not wait for its last segment to reach the disk.
-            BackingKind::SpillLog => Box::new(file.with_background_segment_writes(self.settings.spill_direct)),
+            BackingKind::SpillLog if self.settings.spill_writers > 0 => {
+                Box::new(file.with_background_segment_writes(self.segment_writers.clone(), self.settings.spill_direct))
+            }
+            BackingKind::SpillLog => Box::new(file),
             BackingKind::LocalCache | BackingKind::SharedDifferencing => Box::new(file),
         })
     }

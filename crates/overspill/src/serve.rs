@@ -75,6 +75,11 @@ pub struct ServeArgs {
     /// VM then waits for the disk itself once its last segment is still being written.
     #[arg(long)]
     spill_direct: bool,
+    /// Spill segments written in the background at once, host-wide (each holds a 2 MiB buffer,
+    /// and as many are kept for reuse); a VM sealing a segment when all are busy writes it
+    /// itself. 0 writes every segment in the VM's own request thread.
+    #[arg(long, default_value_t = 4)]
+    spill_writers: usize,
     /// Connections served at once; more are refused.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
@@ -140,6 +145,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ram_target_bytes: args.ram,
         spill_max_bytes: args.spill_max,
         spill_direct: args.spill_direct,
+        spill_writers: args.spill_writers,
         spill_dir: args.spill_dir.clone(),
         shared_dir: args.shared_dir.clone(),
         read_cache_bytes: args.read_cache,

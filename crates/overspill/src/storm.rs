@@ -147,6 +147,7 @@ fn start_local_server(
         ram_target_bytes: ram,
         spill_max_bytes: None,
         spill_direct: false,
+        spill_writers: 4,
         spill_dir: work.join("spill"),
         shared_dir: work.join("shared"),
         read_cache_bytes: read_cache,

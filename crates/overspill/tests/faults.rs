@@ -458,6 +458,7 @@ fn golden_read_errors_reach_only_the_readers_of_the_bad_range() {
         ram_target_bytes: MIB,
         spill_max_bytes: None,
         spill_direct: false,
+        spill_writers: 4,
         spill_dir: tmp.path().join("spill"),
         shared_dir: tmp.path().join("shared"),
         // Through the shared read cache, as served: a failed fetch must not be cached as data.
