@@ -216,19 +216,22 @@ impl SpillLog {
     }
 
     /// Reads a whole sealed segment in one sequential read, with its slot owners, for compaction.
-    pub fn read_segment(&mut self, id: SegmentId, stats: &VmStats) -> Result<(Box<[u8]>, Vec<BlockIndex>)> {
-        let owners = self.segments[id.0 as usize].owners.clone();
+    pub fn segment_owners(&self, id: SegmentId) -> Vec<BlockIndex> {
+        self.segments[id.0 as usize].owners.clone()
+    }
+
+    /// Reads consecutive slots of a sealed segment, from `first_slot` on, in one read.
+    pub fn read_slots(&mut self, id: SegmentId, first_slot: usize, buf: &mut [u8], stats: &VmStats) -> Result<()> {
+        let start = first_slot * BLOCK_SIZE;
+        // Counted as read from the file either way, like a block read (see `read`).
+        stats.spill_read.add(buf.len() as u64);
         if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == id) {
-            // Counted as read from the file, like a block read from it (see `read`).
-            stats.spill_read.add(SEGMENT_BYTES as u64);
-            return Ok((Box::from(&writing.buffer[..]), owners));
+            buf.copy_from_slice(&writing.buffer[start..start + buf.len()]);
+            return Ok(());
         }
-        let mut buffer = vec![0u8; SEGMENT_BYTES].into_boxed_slice();
         self.file
-            .read_at(&mut buffer, id.byte_offset())
-            .map_err(|e| EngineError::from_io("reading spill segment", e))?;
-        stats.spill_read.add(SEGMENT_BYTES as u64);
-        Ok((buffer, owners))
+            .read_at(buf, id.byte_offset() + start as u64)
+            .map_err(|e| EngineError::from_io("reading spill segment", e))
     }
 
     /// Appends a block. On error nothing changed: the block is not in the log.
