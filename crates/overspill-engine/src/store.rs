@@ -100,10 +100,8 @@ impl SegmentWriters {
     }
 }
 
-/// One spill segment's bytes, page-aligned as `O_DIRECT` wants. It comes from the same allocator
-/// as the RAM tier's pages on purpose: a VM whose RAM tier shrinks as it starts spilling frees
-/// pages that its segment buffer can then use. (Mapping buffers on their own left that freed
-/// memory stranded in the allocator's arenas: `bench/load` peaked 60 MiB higher.)
+/// One spill segment's bytes, page-aligned as `O_DIRECT` wants (an array of 4 KiB-aligned pages,
+/// seen as bytes through `bytemuck`, so no `unsafe` is needed for the alignment).
 pub struct SegmentBuffer(Box<[AlignedPage]>);
 
 #[derive(Clone, Copy, bytemuck::Zeroable, bytemuck::Pod)]
