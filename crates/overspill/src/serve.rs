@@ -227,7 +227,8 @@ fn spawn_signal_handler(shutdown: ShutdownHandle) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Feeds the host's free memory to the budget once a second, so VMs shrink under pressure.
+/// Feeds the host's free memory to the budget once a second, so VMs shrink under pressure, and
+/// hands memory the VMs gave back to the system.
 fn spawn_memory_sampler(host: Arc<HostMemory>) {
     let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || loop {
         match read_mem_available() {
@@ -237,9 +238,28 @@ fn spawn_memory_sampler(host: Arc<HostMemory>) {
                 return;
             }
         }
+        release_freed_memory();
         std::thread::sleep(Duration::from_secs(1));
     });
     if let Err(error) = spawned {
         tracing::warn!(%error, "could not start the memory sampler");
     }
 }
+
+/// Returns the allocator's free pages to the system. RAM tiers free their 4 KiB pages one by one
+/// as VMs shrink (a host cap squeezing hundreds of spilling VMs down to their segment buffers),
+/// and glibc keeps such pages in its arenas, scattered, where no 2 MiB buffer can use them:
+/// `bench/load 256 60 32M` held ~2 MiB per VM beyond the cache it accounted for, median RSS
+/// 956 MiB; trimming every second: median 623 MiB, peak 1,001 instead of 1,066 MiB, and no
+/// change in its IOPS nor in fio's p99 against one spilling VM. (Every 5 s: median 620, but the
+/// peak, while 256 VMs' RAM tiers give way to their segment buffers, stayed at 1,066.)
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn release_freed_memory() {
+    // SAFETY: malloc_trim has no preconditions; it only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn release_freed_memory() {}
