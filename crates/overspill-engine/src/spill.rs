@@ -341,17 +341,15 @@ impl SpillLog {
             self.writing = Some(writing);
             return Ok(());
         }
-        let background = match writing.write.take() {
-            Some(write) => write.wait(),
-            None => Err(std::io::Error::other("failed before")),
-        };
-        let result = match background {
-            Ok(()) => Ok(()),
+        // `None`: it failed before; try again.
+        let written = writing.write.take().is_some_and(|write| match write.wait() {
+            Ok(()) => true,
             Err(error) => {
                 tracing::debug!(%error, segment = writing.id.0, "spill segment write failed; trying again");
-                self.file.write_at(&writing.buffer, writing.id.byte_offset())
+                false
             }
-        };
+        });
+        let result = if written { Ok(()) } else { self.file.write_at(&writing.buffer, writing.id.byte_offset()) };
         match result {
             Ok(()) => {
                 self.written(writing.id, writing.buffer, stats);

@@ -67,11 +67,6 @@ impl SegmentWriters {
         Arc::new(Self { max_in_flight, in_flight: Default::default(), pool: Default::default() })
     }
 
-    /// Most bytes the writers hold at once: buffers in flight and in the pool.
-    pub fn max_memory_bytes(&self) -> u64 {
-        (2 * self.max_in_flight * SEGMENT_BYTES) as u64
-    }
-
     fn try_start(&self) -> bool {
         use std::sync::atomic::Ordering;
         self.in_flight

@@ -487,9 +487,22 @@ fn nbdcopy_copies_the_golden_image_and_own_client_reads_its_writes_back() {
 /// 2 MiB segments.
 #[test]
 fn fio_random_writes_verify_and_spill_in_whole_segments() {
+    fio_verify_while_spilling(&[]);
+}
+
+/// The same with O_DIRECT segment writes and one background writer for four VMs, so that most
+/// segments are written in line by a VM that found the writer busy.
+#[test]
+fn fio_verifies_with_direct_spill_writes_and_a_busy_writer() {
+    fio_verify_while_spilling(&["--spill-direct", "--spill-writers", "1"]);
+}
+
+fn fio_verify_while_spilling(extra: &[&str]) {
     let dir = TempDir::new().expect("tempdir");
     let golden = Golden::create(dir.path(), "golden.img", GOLDEN_BYTES, 5);
-    let server = Server::start(dir.path(), &golden, &["--ram", "8M"]);
+    let mut args = vec!["--ram", "8M"];
+    args.extend_from_slice(extra);
+    let server = Server::start(dir.path(), &golden, &args);
     let uri = format!("--uri={}", server.uri(""));
     let out = run_tool(
         dir.path(),
