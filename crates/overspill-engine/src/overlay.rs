@@ -16,8 +16,8 @@
 //! Writes in `ram+disk` go to RAM while the VM is under its memory target; above it, the coldest
 //! RAM block moves to the spill log's open segment to make room (so hot blocks stay in RAM and
 //! the disk sees only whole 2 MiB segments), except for large writes (256 KiB and more), which
-//! then go to the open segment themselves rather than push hot blocks out. TRIM and WRITE_ZEROES release a block's RAM page or
-//! spill slot at once.
+//! then go to the open segment themselves rather than push hot blocks out. TRIM and
+//! WRITE_ZEROES release a block's RAM page or spill slot at once.
 
 use std::fmt;
 use std::str::FromStr;
