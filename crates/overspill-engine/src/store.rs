@@ -208,7 +208,8 @@ impl ScratchFile {
             match OpenOptions::new().write(true).custom_flags(flags).open(&self.path) {
                 Ok(file) => self.direct = Some(Arc::new(file)),
                 Err(error) => {
-                    tracing::warn!(%error, path = %self.path.display(), "no O_DIRECT here; spill writes go through the page cache")
+                    let path = self.path.display();
+                    tracing::warn!(%error, %path, "no O_DIRECT here; spill writes go through the page cache")
                 }
             }
         }
