@@ -174,8 +174,6 @@ pub struct Overlay {
     stats: Arc<VmStats>,
 }
 
-const MAP_ENTRY_BYTES: u64 = map::ENTRY_BYTES;
-
 impl Overlay {
     /// `backing` must be given exactly when `config.mode.backing_file()` asks for one; in-place
     /// files must be at least as large as the golden image.
@@ -575,7 +573,7 @@ impl Overlay {
     }
 
     fn ram_has_room(&self) -> bool {
-        let need = BLOCK_BYTES + MAP_ENTRY_BYTES;
+        let need = BLOCK_BYTES + map::ENTRY_BYTES;
         self.memory_used_bytes() + need <= self.memory_target_bytes() && self.host.has_room(need)
     }
 

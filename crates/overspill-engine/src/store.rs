@@ -17,7 +17,8 @@ use std::io;
 use std::ops::{Deref, DerefMut};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
 
 use rustix::fs::{FallocateFlags, OFlags};
 
@@ -58,8 +59,8 @@ pub trait BackingFile: Send {
 #[derive(Debug)]
 pub struct SegmentWriters {
     max_in_flight: usize,
-    in_flight: std::sync::atomic::AtomicUsize,
-    pool: std::sync::Mutex<Vec<SegmentBuffer>>,
+    in_flight: AtomicUsize,
+    pool: Mutex<Vec<SegmentBuffer>>,
 }
 
 impl SegmentWriters {
@@ -68,19 +69,18 @@ impl SegmentWriters {
     }
 
     fn try_start(&self) -> bool {
-        use std::sync::atomic::Ordering;
         self.in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max_in_flight).then_some(n + 1))
             .is_ok()
     }
 
     fn finished(&self) {
-        self.in_flight.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 
-    fn pool(&self) -> std::sync::MutexGuard<'_, Vec<SegmentBuffer>> {
+    fn pool(&self) -> MutexGuard<'_, Vec<SegmentBuffer>> {
         // A panic while holding the lock leaves only a vector of buffers behind: still usable.
-        self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn take(&self) -> Option<SegmentBuffer> {

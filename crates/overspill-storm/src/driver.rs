@@ -92,6 +92,13 @@ pub const TIERS: [&str; 6] = ["guest", "read cache", "golden image", "shared sto
 /// Counts per tier, indexed like [`TIERS`].
 pub type TierOps = [Ops; 6];
 
+/// The storage tiers' operations between two samples; tier 0 (the guest's own) is left alone.
+fn set_storage_since(delta: &mut TierOps, now: &TierOps, last: &TierOps) {
+    for (tier, (n, l)) in now.iter().zip(last).enumerate().skip(1) {
+        delta[tier] = n.minus(l);
+    }
+}
+
 fn add_tiers(into: &mut TierOps, from: &TierOps) {
     for (a, b) in into.iter_mut().zip(from) {
         a.add(b);
@@ -464,9 +471,7 @@ fn run_vm(ctx: &VmContext) -> VmResult {
             }
             if let Some(stats) = stats.as_deref() {
                 let now = storage_tiers(stats);
-                for (tier, (n, l)) in now.iter().zip(&last).enumerate().skip(1) {
-                    delta[tier] = n.minus(l);
-                }
+                set_storage_since(&mut delta, &now, &last);
                 last = now;
             }
             add_tiers(&mut result.phases[p].tiers, &delta);
@@ -490,11 +495,8 @@ fn run_vm(ctx: &VmContext) -> VmResult {
         // The VM's last spill segment may still be on its way to disk; a flush waits for it, so
         // that it is counted, with the last request.
         if client.flush().is_ok() {
-            let now = storage_tiers(stats);
             let mut delta = TierOps::default();
-            for (tier, (n, l)) in now.iter().zip(&last).enumerate().skip(1) {
-                delta[tier] = n.minus(l);
-            }
+            set_storage_since(&mut delta, &storage_tiers(stats), &last);
             let (p, bucket) = last_place;
             add_tiers(&mut result.phases[p].tiers, &delta);
             add_tiers(&mut result.timeline[bucket], &delta);

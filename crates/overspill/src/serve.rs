@@ -249,10 +249,8 @@ fn spawn_memory_sampler(host: Arc<HostMemory>) {
 /// Returns the allocator's free pages to the system. RAM tiers free their 4 KiB pages one by one
 /// as VMs shrink (a host cap squeezing hundreds of spilling VMs down to their segment buffers),
 /// and glibc keeps such pages in its arenas, scattered, where no 2 MiB buffer can use them:
-/// `bench/load 256 60 32M` held ~2 MiB per VM beyond the cache it accounted for, median RSS
-/// 956 MiB; trimming every second: median 623 MiB, peak 1,001 instead of 1,066 MiB, and no
-/// change in its IOPS nor in fio's p99 against one spilling VM. (Every 5 s: median 620, but the
-/// peak, while 256 VMs' RAM tiers give way to their segment buffers, stayed at 1,066.)
+/// `bench/load 256 180 32M` ran at median RSS 915 MiB without the trim and 624 MiB with it
+/// (bench/results/load-7317f52.md, load-5bea292.md), at the same IOPS.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn release_freed_memory() {
     // SAFETY: malloc_trim has no preconditions; it only walks the allocator's own free lists.
