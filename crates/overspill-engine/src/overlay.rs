@@ -20,6 +20,7 @@
 //! WRITE_ZEROES release a block's RAM page or spill slot at once.
 
 use std::fmt;
+use std::io::{self, IoSliceMut};
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -143,6 +144,45 @@ enum Placement {
     Hot,
     /// Appended to the spill log.
     Streaming,
+}
+
+/// A block's new contents: borrowed from the request, or received into a page of their own,
+/// which the RAM tier then keeps without a copy.
+enum Contents<'a> {
+    Borrowed(&'a Block),
+    Page(Box<Block>),
+}
+
+impl Contents<'_> {
+    fn bytes(&self) -> &Block {
+        match self {
+            Self::Borrowed(data) => data,
+            Self::Page(page) => page,
+        }
+    }
+
+    fn into_page(self) -> Box<Block> {
+        match self {
+            Self::Borrowed(data) => Box::new(*data),
+            Self::Page(page) => page,
+        }
+    }
+}
+
+/// Where a block of a write being received lands.
+enum Landing {
+    /// The block's own RAM page, taken out of the tier while it is filled.
+    Lent(RamSlot, Box<Block>),
+    /// A new page: the block is placed once it is filled.
+    Fresh(Box<Block>),
+}
+
+impl Landing {
+    fn page(&mut self) -> &mut Block {
+        match self {
+            Self::Lent(_, page) | Self::Fresh(page) => page,
+        }
+    }
 }
 
 /// Where a block's current contents are.
@@ -373,15 +413,100 @@ impl Overlay {
             let piece = &data[pos..pos + span.len];
             pos += span.len;
             let tier = if let Ok(whole) = <&Block>::try_from(piece) {
-                self.put_block(span.block, whole, placement)?
+                self.put_block(span.block, Contents::Borrowed(whole), placement)?
             } else {
-                let mut block = self.read_block(span.block)?;
-                block[span.within..span.within + span.len].copy_from_slice(piece);
-                self.put_block(span.block, &block, Placement::Hot)?
+                self.patch_block(span, piece)?
             };
             landed.add(tier);
         }
         Ok(())
+    }
+
+    /// Writes `len` bytes at `offset` that are still on their way (in a socket): `receive` fills
+    /// the buffers it is handed, in order, with them. Blocks already in RAM are received straight
+    /// into their pages, and new ones into fresh pages the RAM tier then keeps, so a RAM-tier
+    /// write costs one copy where going through a request buffer cost two (the second was 30 %
+    /// of the server's time on 1 MiB writes). If `receive` fails, its error is returned and the
+    /// range holds unspecified data, as after any failed write.
+    pub fn write_received(
+        &mut self,
+        offset: u64,
+        len: usize,
+        receive: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<()>,
+    ) -> Result<()> {
+        self.check_range(offset, len as u64)?;
+        if let Tier::InPlace { .. } = self.tier {
+            // The file is written from one buffer anyway.
+            let mut data = vec![0; len];
+            receive(&mut [IoSliceMut::new(&mut data)]).map_err(|e| EngineError::from_io("receiving data", e))?;
+            return self.write(offset, &data);
+        }
+        self.shrink_to_target();
+        let mut landed = Landed::default();
+        let mut received = false;
+        let receive = |buffers: &mut [IoSliceMut<'_>]| {
+            let result = receive(buffers);
+            received = result.is_ok();
+            result
+        };
+        let result = self.receive_spans(offset, len, receive, &mut landed);
+        // A write the guest never finished sending is not one of its writes.
+        if received {
+            self.stats.guest_write.add(len as u64);
+        }
+        self.count_landed(landed);
+        self.after_mutation();
+        result
+    }
+
+    fn receive_spans(
+        &mut self,
+        offset: u64,
+        len: usize,
+        receive: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<()>,
+        landed: &mut Landed,
+    ) -> Result<()> {
+        // All lookups first: they are independent, so their cache misses overlap.
+        let mut landings: Vec<(BlockSpan, Landing)> = block_spans(offset, len as u64)
+            .map(|span| match self.map.get(span.block) {
+                Some(Slot::Ram(slot)) if span.is_whole() => (span, Landing::Lent(slot, self.ram.lend(slot))),
+                _ => (span, Landing::Fresh(Box::new([0; BLOCK_SIZE]))),
+            })
+            .collect();
+        let received = {
+            let mut buffers: Vec<IoSliceMut<'_>> =
+                landings.iter_mut().map(|(span, landing)| IoSliceMut::new(&mut landing.page()[..span.len])).collect();
+            receive(&mut buffers)
+        };
+        // RAM is whole again before anything is placed (placing may evict).
+        let mut fresh = Vec::new();
+        for (span, landing) in landings {
+            match landing {
+                Landing::Lent(slot, page) => {
+                    self.ram.give_back(slot, page);
+                    landed.add(LandedIn::Ram);
+                }
+                Landing::Fresh(page) => fresh.push((span, page)),
+            }
+        }
+        received.map_err(|e| EngineError::from_io("receiving data", e))?;
+        let placement = if len >= STREAMING_WRITE_BYTES { Placement::Streaming } else { Placement::Hot };
+        for (span, page) in fresh {
+            let tier = if span.is_whole() {
+                self.put_block(span.block, Contents::Page(page), placement)?
+            } else {
+                self.patch_block(span, &page[..span.len])?
+            };
+            landed.add(tier);
+        }
+        Ok(())
+    }
+
+    /// Stores part of a block: the rest is read from wherever the block is now.
+    fn patch_block(&mut self, span: BlockSpan, piece: &[u8]) -> Result<LandedIn> {
+        let mut block = self.read_block(span.block)?;
+        block[span.within..span.within + span.len].copy_from_slice(piece);
+        self.put_block(span.block, Contents::Borrowed(&block), Placement::Hot)
     }
 
     /// Counted once per request: an atomic increment after every 4 KiB copy made the CPU wait
@@ -518,7 +643,7 @@ impl Overlay {
             self.write_in_place(block.byte_offset(), data)
         } else {
             let mut landed = Landed::default();
-            landed.add(self.put_block(block, data, Placement::Hot)?);
+            landed.add(self.put_block(block, Contents::Borrowed(data), Placement::Hot)?);
             self.count_landed(landed);
             Ok(())
         }
@@ -526,15 +651,15 @@ impl Overlay {
 
     /// Modes `ram` and `ram+disk`: overwrite in memory where the block already is in memory,
     /// otherwise place it anew and release its old copy.
-    fn put_block(&mut self, block: BlockIndex, data: &Block, placement: Placement) -> Result<LandedIn> {
+    fn put_block(&mut self, block: BlockIndex, data: Contents<'_>, placement: Placement) -> Result<LandedIn> {
         let old = self.map.get(block);
         match old {
             Some(Slot::Ram(slot)) => {
-                self.ram.get_mut(slot).copy_from_slice(data);
+                self.ram.get_mut(slot).copy_from_slice(data.bytes());
                 Ok(LandedIn::Ram)
             }
             Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment) => {
-                self.spill_mut().overwrite_open(addr, data);
+                self.spill_mut().overwrite_open(addr, data.bytes());
                 Ok(LandedIn::Spill)
             }
             _ => {
@@ -550,12 +675,12 @@ impl Overlay {
     }
 
     /// Finds a new home for a block that is not in memory. On error nothing changed.
-    fn place(&mut self, block: BlockIndex, data: &Block, placement: Placement) -> Result<Slot> {
+    fn place(&mut self, block: BlockIndex, data: Contents<'_>, placement: Placement) -> Result<Slot> {
         if !self.ram_has_room() {
             match self.tier {
                 Tier::RamDisk(_) => {
                     if self.ram.blocks() == 0 || placement == Placement::Streaming {
-                        let addr = self.append_spill(block, data)?;
+                        let addr = self.append_spill(block, data.bytes())?;
                         return Ok(Slot::Spill(addr));
                     }
                     // Keep the new (hot) block in RAM and push the coldest one out.
@@ -569,7 +694,7 @@ impl Overlay {
                 }
             }
         }
-        Ok(Slot::Ram(self.ram.insert(block, data)))
+        Ok(Slot::Ram(self.ram.insert(block, data.into_page())))
     }
 
     fn ram_has_room(&self) -> bool {

@@ -42,10 +42,11 @@ impl RamTier {
             + self.free.capacity() * 4) as u64
     }
 
-    pub fn insert(&mut self, owner: BlockIndex, data: &Block) -> RamSlot {
+    /// Stores a page the caller filled already (a block received straight into it).
+    pub fn insert(&mut self, owner: BlockIndex, page: Box<Block>) -> RamSlot {
         // The overlay maps at most 2^32 blocks.
         let owner = owner.0 as u32;
-        let page = Some(Box::new(*data));
+        let page = Some(page);
         self.occupied += 1;
         match self.free.pop() {
             Some(index) => {
@@ -76,6 +77,21 @@ impl RamTier {
         let i = slot.0 as usize;
         self.referenced[i] = true;
         self.pages[i].as_deref_mut().expect("map points only at occupied RAM slots")
+    }
+
+    /// Takes a slot's page out so that it can be filled along with others (one vectored read
+    /// into many pages). The slot stays occupied; its page must be given back before the tier is
+    /// used again.
+    pub fn lend(&mut self, slot: RamSlot) -> Box<Block> {
+        let i = slot.0 as usize;
+        self.referenced[i] = true;
+        self.pages[i].take().expect("map points only at occupied RAM slots")
+    }
+
+    pub fn give_back(&mut self, slot: RamSlot, page: Box<Block>) {
+        let lent = &mut self.pages[slot.0 as usize];
+        debug_assert!(lent.is_none(), "RAM slot {} was not lent", slot.0);
+        *lent = Some(page);
     }
 
     pub fn remove(&mut self, slot: RamSlot) {
@@ -125,8 +141,8 @@ mod tests {
     #[test]
     fn clock_spares_recently_touched_blocks() {
         let mut ram = RamTier::default();
-        let a = ram.insert(BlockIndex(1), &[1; BLOCK_SIZE]);
-        let b = ram.insert(BlockIndex(2), &[2; BLOCK_SIZE]);
+        let a = ram.insert(BlockIndex(1), Box::new([1; BLOCK_SIZE]));
+        let b = ram.insert(BlockIndex(2), Box::new([2; BLOCK_SIZE]));
         // First sweep clears both bits and returns the first one it revisits.
         let (slot, owner) = ram.coldest().expect("non-empty");
         assert_eq!((slot, owner), (a, BlockIndex(1)));

@@ -4,6 +4,7 @@
 //! proptest explores (and shrinks) short scripts; the seeded long runs push past a million
 //! operations per CI run, and print the seed that replays a failure.
 
+use std::io::{self, IoSliceMut};
 use std::sync::Arc;
 
 use overspill_engine::{
@@ -20,10 +21,31 @@ const BLOCK: u64 = 4096;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Read { offset: u64, len: u64 },
-    Write { offset: u64, len: u64, seed: u8 },
-    Zero { offset: u64, len: u64 },
-    Trim { offset: u64, len: u64 },
+    Read {
+        offset: u64,
+        len: u64,
+    },
+    Write {
+        offset: u64,
+        len: u64,
+        seed: u8,
+    },
+    /// A write received straight into the overlay's pages, as the server does; `cut`: the
+    /// client goes away after that many bytes.
+    Receive {
+        offset: u64,
+        len: u64,
+        seed: u8,
+        cut: Option<u64>,
+    },
+    Zero {
+        offset: u64,
+        len: u64,
+    },
+    Trim {
+        offset: u64,
+        len: u64,
+    },
 }
 
 /// The reference: bytes as the guest should see them, and which bytes are known (a failed
@@ -37,6 +59,22 @@ struct Model {
 fn golden_bytes() -> Vec<u8> {
     // Distinct per position, so a block read from the wrong place shows.
     (0..DISK_BYTES).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect()
+}
+
+/// Fills `buffers` in order from `data`, as reading a socket would; fails after `cut` bytes.
+fn receive_into(buffers: &mut [IoSliceMut<'_>], data: &[u8], cut: Option<usize>) -> io::Result<()> {
+    let total: usize = buffers.iter().map(|buffer| buffer.len()).sum();
+    assert_eq!(total, data.len(), "the buffers cover exactly the write");
+    let mut pos = 0;
+    for buffer in buffers.iter_mut() {
+        let n = buffer.len().min(cut.unwrap_or(usize::MAX).saturating_sub(pos));
+        buffer[..n].copy_from_slice(&data[pos..pos + n]);
+        pos += n;
+        if n < buffer.len() {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "client went away"));
+        }
+    }
+    Ok(())
 }
 
 fn pattern(offset: u64, len: u64, seed: u8) -> Vec<u8> {
@@ -109,6 +147,21 @@ impl Harness {
                 let data = pattern(offset, len, seed);
                 let result = self.overlay.write(offset, &data);
                 self.record(offset, len, result, |model, range| model.bytes[range].copy_from_slice(&data))?;
+            }
+            Op::Receive { offset, len, seed, cut } => {
+                let data = pattern(offset, len, seed);
+                let result = self.overlay.write_received(offset, len as usize, |buffers| {
+                    receive_into(buffers, &data, cut.map(|c| c as usize))
+                });
+                match (result, cut) {
+                    (Err(EngineError::Io { .. }), Some(_)) => {
+                        let range = offset as usize..(offset + len) as usize;
+                        self.model.known[range].fill(false);
+                    }
+                    (result, _) => {
+                        self.record(offset, len, result, |model, range| model.bytes[range].copy_from_slice(&data))?
+                    }
+                }
             }
             Op::Zero { offset, len } => {
                 let result = self.overlay.write_zeroes(offset, len);
@@ -200,7 +253,9 @@ fn random_op(rng: &mut SmallRng) -> Op {
     len = len.clamp(1, DISK_BYTES - offset);
     match rng.gen_range(0..20) {
         0..=7 => Op::Read { offset, len },
-        8..=15 => Op::Write { offset, len, seed: rng.gen() },
+        8..=11 => Op::Write { offset, len, seed: rng.gen() },
+        12..=14 => Op::Receive { offset, len, seed: rng.gen(), cut: None },
+        15 => Op::Receive { offset, len, seed: rng.gen(), cut: Some(rng.gen_range(0..len)) },
         16..=17 => Op::Zero { offset, len },
         _ => Op::Trim { offset, len },
     }
@@ -262,7 +317,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     let range = (0..DISK_BYTES, 1u64..96 * 1024).prop_map(|(offset, len)| (offset, len.min(DISK_BYTES - offset)));
     prop_oneof![
         3 => range.clone().prop_map(|(offset, len)| Op::Read { offset, len }),
-        4 => (range.clone(), any::<u8>()).prop_map(|((offset, len), seed)| Op::Write { offset, len, seed }),
+        3 => (range.clone(), any::<u8>()).prop_map(|((offset, len), seed)| Op::Write { offset, len, seed }),
+        2 => (range.clone(), any::<u8>()).prop_map(|((offset, len), seed)| Op::Receive { offset, len, seed, cut: None }),
         1 => range.clone().prop_map(|(offset, len)| Op::Zero { offset, len }),
         1 => range.prop_map(|(offset, len)| Op::Trim { offset, len }),
     ]

@@ -5,6 +5,15 @@
 //! [`Capabilities`], never hard-coded by the server loop.
 
 use std::fmt;
+use std::io::{self, IoSliceMut};
+
+/// A write's data, still to be read from the connection.
+pub trait Payload {
+    /// Fills `buffers`, in order, with the next bytes of the write's data; together they may not
+    /// ask for more than the write carries. What a device does not take is dropped by the
+    /// connection after the device returns.
+    fn receive(&mut self, buffers: &mut [IoSliceMut<'_>]) -> io::Result<()>;
+}
 
 /// What a device can do; the NBD transmission flags follow from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,6 +92,23 @@ pub trait BlockDevice: Send {
     fn capabilities(&self) -> Capabilities;
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError>;
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError>;
+    /// A write whose `length` bytes are still in the socket: the device hands `payload` the
+    /// buffers they should land in, so a device that keeps blocks in memory can have them copied
+    /// once, from the socket. The default receives them into one buffer and calls `write`.
+    /// If `payload` fails the connection ends, whatever this returns.
+    fn write_from(
+        &mut self,
+        offset: u64,
+        length: usize,
+        fua: bool,
+        payload: &mut dyn Payload,
+    ) -> Result<(), DeviceError> {
+        let mut data = vec![0; length];
+        payload
+            .receive(&mut [IoSliceMut::new(&mut data)])
+            .map_err(|e| DeviceError::new(DeviceErrorKind::Io, format!("receiving the data: {e}")))?;
+        self.write(offset, &data, fua)
+    }
     /// `may_trim`: the client did not set NO_HOLE. `fast_only`: FAST_ZERO was set; fail with
     /// `NotSupported` rather than zeroing slowly.
     fn write_zeroes(

@@ -272,10 +272,6 @@ impl<T: Transport> Transport for TlsStream<T> {
         // The server took the socket's stopper before the upgrade; it still works underneath.
         None
     }
-
-    fn read_resumes_after_timeout(&self) -> bool {
-        false
-    }
 }
 
 #[cfg(test)]

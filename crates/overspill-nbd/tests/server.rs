@@ -227,3 +227,29 @@ fn idle_connections_are_closed_after_the_idle_timeout() {
     assert!(closed_by_server(&mut idle), "the silent VM was disconnected");
     assert_healthy(&server);
 }
+
+/// Writes larger than the input buffer are received straight into the device's buffers; one the
+/// device refuses is read and dropped, so the requests after it are still found.
+#[test]
+fn large_writes_land_whole_and_a_refused_one_keeps_the_connection_in_step() {
+    const DISK: usize = 8 << 20;
+    let exports = OneExport::new("disk", DISK);
+    let config = ServerConfig {
+        limits: Limits { max_payload_bytes: 4 << 20, handshake_timeout: Duration::from_secs(2), idle_timeout: None },
+        max_connections: 2,
+        ..ServerConfig::default()
+    };
+    let server = Server::new(Arc::new(exports.clone()), config);
+    for structured in [false, true] {
+        let mut c = client(&server, structured);
+        let data: Vec<u8> = (0..(3 << 20) + 1000).map(|i: u32| (i % 253) as u8 ^ structured as u8).collect();
+        c.write(4096 + 7, &data, false).expect("large write");
+        let err = c.write(DISK as u64 - 4096, &data, false).expect_err("past the end");
+        assert_eq!(err.errno(), Some(Errno::NoSpc as u32));
+        let mut back = vec![0u8; data.len()];
+        c.read(4096 + 7, &mut back).expect("read back");
+        assert!(back == data, "the large write reads back");
+        c.disconnect().expect("disc");
+    }
+    assert_healthy(&server);
+}

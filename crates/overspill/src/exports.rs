@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::stats::GuestOp;
@@ -18,7 +18,7 @@ use overspill_engine::{
     SegmentWriters, VmStats, WriteCacheMode,
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
-use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
+use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Payload};
 use overspill_storm::profile::OpKind;
 
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
@@ -386,6 +386,29 @@ impl BlockDevice for EngineDevice {
             r.record(OpKind::Write, offset, data.len() as u64);
         }
         self.timed(GuestOp::Write, |o| o.write(offset, data))
+    }
+
+    fn write_from(
+        &mut self,
+        offset: u64,
+        length: usize,
+        _fua: bool,
+        payload: &mut dyn Payload,
+    ) -> Result<(), DeviceError> {
+        if let Some(r) = self.recorder.as_mut() {
+            r.record(OpKind::Write, offset, length as u64);
+        }
+        // The latency is the engine's: the time the client took to send the data is not in it.
+        let start = Instant::now();
+        let mut receiving = Duration::ZERO;
+        let result = self.overlay.write_received(offset, length, |buffers| {
+            let received = Instant::now();
+            let result = payload.receive(buffers);
+            receiving = received.elapsed();
+            result
+        });
+        self.overlay.stats().latency(GuestOp::Write).record(start.elapsed().saturating_sub(receiving));
+        result.map_err(device_error)
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
