@@ -222,10 +222,18 @@ impl CachedImage {
     fn fetch_run(&self, first: u64, pendings: &[&Arc<Pending>]) -> io::Result<(Vec<Arc<[u8]>>, SourceReads)> {
         let start = first * self.chunk_bytes;
         let end = ((first + pendings.len() as u64) * self.chunk_bytes).min(self.source.size());
-        let mut data = vec![0u8; (end - start) as usize];
-        let read = self.source.read_counted(&mut data, start);
-        let chunks: io::Result<(Vec<Arc<[u8]>>, SourceReads)> =
-            read.map(|reads| (data.chunks(self.chunk_bytes as usize).map(Arc::from).collect(), reads));
+        let len = (end - start) as usize;
+        let chunks: io::Result<(Vec<Arc<[u8]>>, SourceReads)> = if pendings.len() == 1 {
+            // A lone chunk (a random read) is read straight into the buffer the cache keeps: no
+            // second buffer to allocate, zero and copy from.
+            let mut chunk: Arc<[u8]> = std::iter::repeat_n(0u8, len).collect();
+            let buf = Arc::get_mut(&mut chunk).expect("a chunk just made is not shared");
+            self.source.read_counted(buf, start).map(|reads| (vec![chunk], reads))
+        } else {
+            let mut data = vec![0u8; len];
+            let read = self.source.read_counted(&mut data, start);
+            read.map(|reads| (data.chunks(self.chunk_bytes as usize).map(Arc::from).collect(), reads))
+        };
         {
             let mut cache = self.lock();
             for (k, _) in pendings.iter().enumerate() {
