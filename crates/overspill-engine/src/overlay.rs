@@ -4,7 +4,7 @@
 //! - **absent**: never written (or trimmed); reads come from the golden image;
 //! - **zero**: covered by a zeroed range and not in the map; reads as zeroes, stores nothing;
 //! - **ram**: a page in the RAM tier;
-//! - **spill**: a slot of the spill log (in the open segment's buffer, or on disk);
+//! - **spill**: a slot of the spill log (a page of the open segment, or on disk);
 //! - **file**: at its own offset in an in-place cache file (modes `disk` and `shared`).
 //!
 //! The block map holds the ram, spill and file states and wins over the zeroed ranges, so that a
@@ -680,8 +680,8 @@ impl Overlay {
             match self.tier {
                 Tier::RamDisk(_) => {
                     if self.ram.blocks() == 0 || placement == Placement::Streaming {
-                        let addr = self.append_spill(block, data.bytes())?;
-                        return Ok(Slot::Spill(addr));
+                        self.reserve_spill()?;
+                        return Ok(Slot::Spill(self.spill_mut().push(block, data.into_page())));
                     }
                     // Keep the new (hot) block in RAM and push the coldest one out.
                     self.evict_coldest()?;
@@ -702,11 +702,12 @@ impl Overlay {
         self.memory_used_bytes() + need <= self.memory_target_bytes() && self.host.has_room(need)
     }
 
-    /// Appends guest data to the spill log; when the space is exhausted, compacts and retries.
-    fn append_spill(&mut self, block: BlockIndex, data: &Block) -> Result<SpillAddr> {
+    /// Makes room in the spill log's open segment for guest data; when the space is exhausted,
+    /// compacts and retries. On error nothing changed.
+    fn reserve_spill(&mut self) -> Result<()> {
         loop {
             let (spill, stats) = self.spill_and_stats();
-            match spill.append(block, data, Purpose::Guest, stats) {
+            match spill.reserve(Purpose::Guest, stats) {
                 // Out of space, any garbage is worth a compaction: each one frees a segment, so
                 // this ends, with room or with no garbage left.
                 Err(EngineError::NoSpace(message)) if spill.has_garbage() => {
@@ -719,12 +720,14 @@ impl Overlay {
         }
     }
 
+    /// Moves the coldest RAM block's page into the spill log, without a copy. On error (no room
+    /// in the log) the block stays in RAM.
     fn evict_coldest(&mut self) -> Result<()> {
         let Some((slot, owner)) = self.ram.coldest() else { return Ok(()) };
-        let data = *self.ram.get(slot);
-        let addr = self.append_spill(owner, &data)?;
+        self.reserve_spill()?;
+        let page = self.ram.take(slot);
+        let addr = self.spill_mut().push(owner, page);
         self.map.insert(owner, Slot::Spill(addr));
-        self.ram.remove(slot);
         Ok(())
     }
 
@@ -881,16 +884,10 @@ impl Overlay {
                     tracing::warn!(%error, "spill compaction stopped");
                 }
             }
-            self.spill_mut().release_buffers_if_empty();
+            self.spill_mut().release_pages_if_empty();
         }
         self.map.shrink_if_empty();
-        let mut used = self.memory_used_bytes();
-        // The spare segment buffer saves an allocation per segment; over target (many VMs under
-        // one host cap), its 2 MiB are worth more given back.
-        if matches!(self.tier, Tier::RamDisk(_)) && used > self.memory_target_bytes() {
-            self.spill_mut().drop_spare_buffer();
-            used = self.memory_used_bytes();
-        }
+        let used = self.memory_used_bytes();
         self.host.account(self.accounted_bytes, used);
         self.accounted_bytes = used;
         let stats = &self.stats;

@@ -95,16 +95,19 @@ impl RamTier {
     }
 
     pub fn remove(&mut self, slot: RamSlot) {
-        let page = &mut self.pages[slot.0 as usize];
-        debug_assert!(page.is_some(), "double free of RAM slot {}", slot.0);
-        if page.take().is_some() {
-            self.occupied -= 1;
-            self.free.push(slot.0);
-        }
+        drop(self.take(slot));
+    }
+
+    /// Frees a slot and hands its page over (to the spill log, which keeps it).
+    pub fn take(&mut self, slot: RamSlot) -> Box<Block> {
+        let page = self.pages[slot.0 as usize].take().expect("map points only at occupied RAM slots");
+        self.occupied -= 1;
+        self.free.push(slot.0);
         if self.occupied == 0 {
             // Nothing cached: return the slot tables too.
             *self = Self::default();
         }
+        page
     }
 
     /// The coldest block by CLOCK, without removing it: the caller spills it first and removes

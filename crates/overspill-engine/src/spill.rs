@@ -2,11 +2,11 @@
 //!
 //! A segment is in one of three states:
 //! - **free**: no data; its range of the file is a hole (never written, or punched);
-//! - **open**: at most one at a time, a 2 MiB buffer in memory that evicted and compacted blocks
-//!   are appended to. Blocks in it are read and overwritten in memory. It is written out in one
-//!   piece when it is full and space is needed for the next block;
+//! - **open**: at most one at a time, the pages of the blocks appended to it so far (evicted RAM
+//!   pages move in without a copy). Blocks in it are read and overwritten in memory. It is
+//!   written out in one piece, 2 MiB, when it is full and space is needed for the next block;
 //! - **sealed**: on disk, read one 4 KiB block at a time; or, just after sealing, still being
-//!   written (at most one segment at a time), and read from its buffer until the write is done.
+//!   written (at most one segment at a time), and read from its pages until the write is done.
 //!
 //! Every slot remembers the block it was written for; a slot is live while the overlay's map
 //! still points at it. Overwrites and TRIMs make slots dead ([`SpillLog::release`]); a sealed
@@ -17,7 +17,7 @@
 //! With a byte limit, one free segment is held back for compaction so that compaction can always
 //! make progress; guest data gets `NoSpace` before that reserve is touched.
 //!
-//! A segment write that fails leaves the segment's buffer where it is, readable, and the error
+//! A segment write that fails leaves the segment's pages where they are, readable, and the error
 //! goes to the append that asked for it (a file that writes in the background reports it to the
 //! append that next seals). Until a retry of that write succeeds, no segment is opened, so every
 //! append that needs space fails: the VM gets ENOSPC or EIO and loses nothing it was told it wrote.
@@ -29,7 +29,7 @@ use std::sync::Arc;
 use crate::error::{EngineError, Result};
 use crate::map::MAX_SPILL_SEGMENTS;
 use crate::stats::VmStats;
-use crate::store::{BackingFile, SegmentBuffer, SegmentWrite};
+use crate::store::{BackingFile, SegmentPages, SegmentWrite};
 use crate::units::{Block, BlockIndex, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, BLOCK_SIZE, SEGMENT_BYTES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,14 +48,14 @@ struct Segment {
 
 struct OpenSegment {
     id: SegmentId,
-    buffer: SegmentBuffer,
+    pages: SegmentPages,
 }
 
 /// A sealed segment whose write has not been seen to succeed.
 struct Writing {
     id: SegmentId,
-    buffer: Arc<SegmentBuffer>,
-    /// `None` once the write failed: the data is only in `buffer` until a retry succeeds.
+    pages: Arc<SegmentPages>,
+    /// `None` once the write failed: the data is only in `pages` until a retry succeeds.
     write: Option<SegmentWrite>,
 }
 
@@ -78,9 +78,6 @@ pub struct SpillLog {
     /// Segments whose owner table is allocated (open or sealed): kept as a count so that the
     /// memory figure, asked for on every write, does not walk every segment.
     owner_tables: u64,
-    /// The buffer of the last segment written out, reused for the next open one: allocating and
-    /// zeroing 2 MiB per segment cost as much as copying the blocks into it.
-    spare_buffer: Option<SegmentBuffer>,
 }
 
 impl SpillLog {
@@ -107,7 +104,6 @@ impl SpillLog {
             live_blocks: 0,
             sealed_segments: 0,
             owner_tables: 0,
-            spare_buffer: None,
         })
     }
 
@@ -128,15 +124,10 @@ impl SpillLog {
         }
     }
 
-    /// Frees the buffer kept from the last sealed segment; the next segment allocates its own.
-    pub fn drop_spare_buffer(&mut self) {
-        self.spare_buffer = None;
-    }
-
     /// Once nothing in the log lives (the guest trimmed or overwrote it all), gives back the
-    /// segment buffers too: an open segment with no live slot is just memory. (A segment still
-    /// being written is freed, buffer and space, once written.)
-    pub fn release_buffers_if_empty(&mut self) {
+    /// open segment's pages too: an open segment with no live slot is just memory. (A segment
+    /// still being written is freed, pages and space, once written.)
+    pub fn release_pages_if_empty(&mut self) {
         if self.live_blocks > 0 {
             return;
         }
@@ -148,20 +139,21 @@ impl SpillLog {
             // Never written, so there is nothing on disk to punch.
             self.free.push(Reverse(open.id.0));
         }
-        self.spare_buffer = None;
     }
 
-    /// One segment buffer counts while the log holds one: the open segment's, or the one kept
-    /// for the next, or a segment whose write failed. A segment being written in the background
-    /// is the host's (see `store::SegmentWriters`): it does not count here, so that the figure,
-    /// and every eviction decided from it, is the same in a simulation as in a server, where
-    /// writes finish in their own time.
+    /// A whole segment counts while the log holds one: the open segment (however full: the VM
+    /// keeps room for it, so that RAM is squeezed once, when it starts spilling, not block by
+    /// block as the segment fills), or a segment whose write failed (no segment is opened
+    /// until it is written). A segment being written in the background is the host's (see
+    /// `store::SegmentWriters`): it does not count here, so that the figure, and every eviction
+    /// decided from it, is the same in a simulation as in a server, where writes finish in their
+    /// own time. The pages in the open segment are the evicted RAM pages themselves, so this is
+    /// an upper bound of what the VM holds, not more memory than its RAM tier had.
     pub fn memory_bytes(&self) -> u64 {
         let failed = self.writing.as_ref().is_some_and(|writing| writing.write.is_none());
-        let held = self.open.is_some() || self.spare_buffer.is_some() || failed;
-        let buffer = if held { SEGMENT_BYTES } else { 0 };
+        let segment = if self.open.is_some() || failed { SEGMENT_BYTES } else { 0 };
         let owners = self.owner_tables as usize * BLOCKS_PER_SEGMENT;
-        (buffer
+        (segment
             + owners * std::mem::size_of::<BlockIndex>()
             + self.segments.capacity() * std::mem::size_of::<Segment>()
             + self.free.capacity() * 4) as u64
@@ -226,7 +218,9 @@ impl SpillLog {
         // Counted as read from the file either way, like a block read (see `read`).
         stats.spill_read.add(buf.len() as u64);
         if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == id) {
-            buf.copy_from_slice(&writing.buffer[start..start + buf.len()]);
+            for (block, page) in buf.chunks_exact_mut(BLOCK_SIZE).zip(&writing.pages[first_slot..]) {
+                block.copy_from_slice(&page[..]);
+            }
             return Ok(());
         }
         self.file
@@ -236,39 +230,38 @@ impl SpillLog {
 
     /// Appends a block. On error nothing changed: the block is not in the log.
     pub fn append(&mut self, owner: BlockIndex, data: &Block, purpose: Purpose, stats: &VmStats) -> Result<SpillAddr> {
+        self.reserve(purpose, stats)?;
+        Ok(self.push(owner, Box::new(*data)))
+    }
+
+    /// Makes room for one block in the open segment: seals a full one and opens the next. On
+    /// error nothing changed. [`Self::push`] then cannot fail, so a caller can move a page in
+    /// only once there is room for it.
+    pub fn reserve(&mut self, purpose: Purpose, stats: &VmStats) -> Result<()> {
         self.settle_write(false, stats)?;
-        let full =
-            self.open.as_ref().is_some_and(|open| self.segments[open.id.0 as usize].owners.len() == BLOCKS_PER_SEGMENT);
+        let full = self.open.as_ref().is_some_and(|open| open.pages.len() == BLOCKS_PER_SEGMENT);
         if full {
             self.seal(stats)?;
         }
         if self.open.is_none() {
-            // A reused buffer holds the old segment's bytes; every slot is written before it is
-            // read or sealed, since segments are written out only when full.
-            let buffer = match self.spare_buffer.take().or_else(|| self.file.take_buffer()) {
-                Some(buffer) => buffer,
-                None => {
-                    SegmentBuffer::new().map_err(|e| EngineError::from_io("allocating a spill segment buffer", e))?
-                }
-            };
-            let id = match self.allocate(purpose) {
-                Ok(id) => id,
-                Err(error) => {
-                    self.spare_buffer = Some(buffer);
-                    return Err(error);
-                }
-            };
-            self.open = Some(OpenSegment { id, buffer });
+            let id = self.allocate(purpose)?;
+            self.open = Some(OpenSegment { id, pages: Vec::with_capacity(BLOCKS_PER_SEGMENT) });
         }
-        let open = self.open.as_mut().expect("opened above");
+        Ok(())
+    }
+
+    /// Puts a block's page in the open segment, which [`Self::reserve`] made room in.
+    pub fn push(&mut self, owner: BlockIndex, page: Box<Block>) -> SpillAddr {
+        let open = self.open.as_mut().expect("reserve opened a segment");
         let segment = &mut self.segments[open.id.0 as usize];
-        let slot = segment.owners.len();
-        open.buffer[slot * BLOCK_SIZE..(slot + 1) * BLOCK_SIZE].copy_from_slice(data);
+        let slot = open.pages.len();
+        debug_assert!(slot < BLOCKS_PER_SEGMENT, "reserve sealed a full segment");
+        open.pages.push(page);
         segment.owners.push(owner);
         segment.live += 1;
         self.live_blocks += 1;
         // Slots are below BLOCKS_PER_SEGMENT (512).
-        Ok(SpillAddr { segment: open.id, slot: slot as u16 })
+        SpillAddr { segment: open.id, slot: slot as u16 }
     }
 
     fn allocate(&mut self, purpose: Purpose) -> Result<SegmentId> {
@@ -309,20 +302,20 @@ impl SpillLog {
         self.settle_write(true, stats)?;
         let Some(open) = self.open.take() else { return Ok(()) };
         let id = open.id;
-        let buffer = Arc::new(open.buffer);
-        let mut write = self.file.start_segment_write(&buffer, id.byte_offset());
+        let pages = Arc::new(open.pages);
+        let mut write = self.file.start_segment_write(&pages, id.byte_offset());
         self.segments[id.0 as usize].state = SegmentState::Sealed;
         self.sealed_segments += 1;
         if write.is_finished() {
             match write.wait() {
-                Ok(()) => self.written(id, buffer, stats),
+                Ok(()) => self.written(id, stats),
                 Err(error) => {
-                    self.writing = Some(Writing { id, buffer, write: None });
+                    self.writing = Some(Writing { id, pages, write: None });
                     return Err(EngineError::from_io("writing spill segment", error));
                 }
             }
         } else {
-            self.writing = Some(Writing { id, buffer, write: Some(write) });
+            self.writing = Some(Writing { id, pages, write: Some(write) });
         }
         Ok(())
     }
@@ -349,10 +342,10 @@ impl SpillLog {
                 false
             }
         });
-        let result = if written { Ok(()) } else { self.file.write_at(&writing.buffer, writing.id.byte_offset()) };
+        let result = if written { Ok(()) } else { self.file.write_pages_at(&writing.pages, writing.id.byte_offset()) };
         match result {
             Ok(()) => {
-                self.written(writing.id, writing.buffer, stats);
+                self.written(writing.id, stats);
                 Ok(())
             }
             Err(error) => {
@@ -362,8 +355,8 @@ impl SpillLog {
         }
     }
 
-    /// A segment is on disk: counted, and its buffer kept for the next open segment.
-    fn written(&mut self, id: SegmentId, buffer: Arc<SegmentBuffer>, stats: &VmStats) {
+    /// A segment is on disk: counted, and its pages (the caller's, dropped after) freed.
+    fn written(&mut self, id: SegmentId, stats: &VmStats) {
         stats.spill_write.add(SEGMENT_BYTES as u64);
         stats.spill_write_sizes.record(SEGMENT_BYTES as u64);
         stats.spill_segments_written.inc();
@@ -373,10 +366,6 @@ impl SpillLog {
         } else {
             tracing::debug!(segment = id.0, live = self.segments[id.0 as usize].live, "spill segment written");
         }
-        // The writer let go of its reference before it reported, so this is the only one.
-        if let Some(buffer) = Arc::into_inner(buffer) {
-            self.spare_buffer = self.file.recycle_buffer(buffer);
-        }
         if self.segments[id.0 as usize].live == 0 {
             // Everything in it died while it was open or being written.
             self.free_segment(id, stats);
@@ -384,16 +373,15 @@ impl SpillLog {
     }
 
     pub fn read(&mut self, addr: SpillAddr, buf: &mut Block, stats: &VmStats) -> Result<()> {
-        let start = usize::from(addr.slot) * BLOCK_SIZE;
         if let Some(open) = self.open.as_ref().filter(|open| open.id == addr.segment) {
-            buf.copy_from_slice(&open.buffer[start..start + BLOCK_SIZE]);
+            buf.copy_from_slice(&open.pages[usize::from(addr.slot)][..]);
             return Ok(());
         }
         if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == addr.segment) {
             // Counted as a read of the spill file, like one the page cache serves: the block is
             // in the file as far as the VM is concerned, and the figure must not depend on
             // whether the write has finished yet.
-            buf.copy_from_slice(&writing.buffer[start..start + BLOCK_SIZE]);
+            buf.copy_from_slice(&writing.pages[usize::from(addr.slot)][..]);
             stats.spill_read.add(BLOCK_SIZE as u64);
             return Ok(());
         }
@@ -406,8 +394,7 @@ impl SpillLog {
     pub fn overwrite_open(&mut self, addr: SpillAddr, data: &Block) {
         let open = self.open.as_mut().expect("caller checked the segment is open");
         debug_assert_eq!(open.id, addr.segment);
-        let start = usize::from(addr.slot) * BLOCK_SIZE;
-        open.buffer[start..start + BLOCK_SIZE].copy_from_slice(data);
+        open.pages[usize::from(addr.slot)].copy_from_slice(data);
     }
 
     /// Marks a slot dead. A sealed segment with no live slot left is punched out of the file;
@@ -466,7 +453,7 @@ mod tests {
     use super::*;
     use crate::store::MemFile;
 
-    type Held = Arc<Mutex<Vec<(Arc<SegmentBuffer>, u64, mpsc::SyncSender<io::Result<()>>)>>>;
+    type Held = Arc<Mutex<Vec<(Arc<SegmentPages>, u64, mpsc::SyncSender<io::Result<()>>)>>>;
 
     /// A file whose segment writes run "in the background" until the test finishes them, and
     /// whose ordinary writes (the log's retries) fail while `full` is set.
@@ -495,9 +482,9 @@ mod tests {
         fn path(&self) -> Option<&std::path::Path> {
             None
         }
-        fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
+        fn start_segment_write(&mut self, pages: &Arc<SegmentPages>, offset: u64) -> SegmentWrite {
             let (done, result) = mpsc::sync_channel(1);
-            self.held.lock().expect("lock").push((Arc::clone(data), offset, done));
+            self.held.lock().expect("lock").push((Arc::clone(pages), offset, done));
             SegmentWrite::running(result)
         }
     }
@@ -526,9 +513,9 @@ mod tests {
         assert_eq!(held.lock().expect("lock").len(), 1);
         assert_eq!(stats.spill_segments_written.get(), 0, "not counted before it is written");
         let memory = log.memory_bytes();
-        assert!(memory >= SEGMENT_BYTES as u64, "the open segment's buffer counts");
-        assert!(memory < 2 * SEGMENT_BYTES as u64, "the one being written is the host's, not the VM's");
-        assert_eq!(read(&mut log, addrs[7], &stats), block(7), "read from the buffer being written");
+        assert!(memory >= SEGMENT_BYTES as u64, "the open segment counts whole");
+        assert!(memory < 2 * SEGMENT_BYTES as u64, "the segment being written is the host's, not the VM's");
+        assert_eq!(read(&mut log, addrs[7], &stats), block(7), "read from the pages being written");
 
         // The background write fails, and so does the retry: the append gets ENOSPC, data stays.
         let (_, _, done) = held.lock().expect("lock").pop().expect("held write");
@@ -562,9 +549,9 @@ mod tests {
         // The last release waits for the write, which the "disk" finishes a little later.
         let disk = std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(50));
-            let (buffer, offset, done) = held.lock().expect("lock").pop().expect("held write");
+            let (pages, offset, done) = held.lock().expect("lock").pop().expect("held write");
             assert_eq!(offset, 0);
-            drop(buffer);
+            drop(pages);
             done.send(Ok(())).expect("send");
         });
         log.release(addrs[BLOCKS_PER_SEGMENT - 1], &stats);

@@ -4,16 +4,18 @@
 //! Nothing here ever syncs: the cache is thrown away with the VM, so durability across a host
 //! crash buys nothing and would cost a flush per block.
 //!
-//! Whole spill segments go through [`BackingFile::start_segment_write`], which by default writes
+//! A spill segment is the 512 pages it holds ([`SegmentPages`]): blocks evicted from RAM move into
+//! it without a copy, and it goes to disk with one vectored write at its offset, 2 MiB in one
+//! piece. Whole segments go through [`BackingFile::start_segment_write`], which by default writes
 //! before it returns (simulations stay deterministic). A server's [`ScratchFile`] instead writes
 //! them from a thread of their own: the 2 MiB copy into the page cache took a quarter of a
 //! spilling VM's request thread (perf, 4K random writes at QD32), and now runs beside it. The
-//! buffers of segments being written belong to the host, not to a VM: [`SegmentWriters`] lets a
-//! few writes run at a time and keeps their buffers for the next VM that seals one, so a host
-//! of hundreds of spilling VMs holds one buffer per VM plus a fixed few, as it did before.
+//! pages of segments being written belong to the host, not to a VM: [`SegmentWriters`] lets a
+//! few writes run at a time, so a host of hundreds of spilling VMs holds their open segments'
+//! pages plus a fixed few segments.
 
 use std::fs::{File, OpenOptions};
-use std::io;
+use std::io::{self, IoSlice};
 use std::ops::{Deref, DerefMut};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -22,7 +24,10 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
 
 use rustix::fs::{FallocateFlags, OFlags};
 
-use crate::units::SEGMENT_BYTES;
+use crate::units::{Block, BLOCK_SIZE, SEGMENT_BYTES};
+
+/// A full spill segment's blocks, slot by slot, each in the page it was received or kept in RAM.
+pub type SegmentPages = Vec<Box<Block>>;
 
 pub trait BackingFile: Send {
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()>;
@@ -33,39 +38,37 @@ pub trait BackingFile: Send {
     fn allocated_bytes(&self) -> io::Result<u64>;
     fn path(&self) -> Option<&Path>;
 
+    /// Writes a segment's pages one after another from `offset`. The default gathers them into
+    /// one buffer and calls `write_at` once (simulations and fault injection see one write per
+    /// segment); a real file writes them with one vectored write.
+    fn write_pages_at(&mut self, pages: &[Box<Block>], offset: u64) -> io::Result<()> {
+        let bytes: Vec<u8> = pages.iter().flat_map(|page| page.iter().copied()).collect();
+        self.write_at(&bytes, offset)
+    }
+
     /// Starts writing a whole spill segment at `offset`. The default writes it before returning;
-    /// a file may instead finish in the background, keeping its own reference to the buffer
+    /// a file may instead finish in the background, keeping its own reference to the pages
     /// until then. The caller must not write to the range again before the write has finished.
-    fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
-        SegmentWrite::finished(self.write_at(data, offset))
-    }
-
-    /// A buffer for the next open segment, if the file keeps some (see [`SegmentWriters`]).
-    fn take_buffer(&mut self) -> Option<SegmentBuffer> {
-        None
-    }
-
-    /// The buffer of a segment that was written in the background, back from the writer. The
-    /// default hands it back to the log, which reuses it; a file with writers pools it.
-    fn recycle_buffer(&mut self, buffer: SegmentBuffer) -> Option<SegmentBuffer> {
-        Some(buffer)
+    fn start_segment_write(&mut self, pages: &Arc<SegmentPages>, offset: u64) -> SegmentWrite {
+        SegmentWrite::finished(self.write_pages_at(pages, offset))
     }
 }
 
 /// The host's background segment writes: at most `max_in_flight` at a time (a VM that seals a
-/// segment when all are busy writes it itself, as if there were none), and as many spare
-/// buffers kept for the VMs that seal next. Memory beyond the VMs' own open segments is thus at
-/// most `2 × max_in_flight` buffers of 2 MiB, whatever the number of VMs.
+/// segment when all are busy writes it itself, as if there were none). Memory beyond the VMs'
+/// own open segments is thus at most `max_in_flight` segments of 2 MiB being written (and as
+/// many aligned buffers for `O_DIRECT` writes), whatever the number of VMs.
 #[derive(Debug)]
 pub struct SegmentWriters {
     max_in_flight: usize,
     in_flight: AtomicUsize,
-    pool: Mutex<Vec<SegmentBuffer>>,
+    /// Page-aligned buffers that `O_DIRECT` writes gather segments into, kept for the next.
+    aligned: Mutex<Vec<AlignedSegment>>,
 }
 
 impl SegmentWriters {
     pub fn new(max_in_flight: usize) -> Arc<Self> {
-        Arc::new(Self { max_in_flight, in_flight: Default::default(), pool: Default::default() })
+        Arc::new(Self { max_in_flight, in_flight: Default::default(), aligned: Default::default() })
     }
 
     fn try_start(&self) -> bool {
@@ -78,46 +81,49 @@ impl SegmentWriters {
         self.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 
-    fn pool(&self) -> MutexGuard<'_, Vec<SegmentBuffer>> {
+    fn aligned(&self) -> MutexGuard<'_, Vec<AlignedSegment>> {
         // A panic while holding the lock leaves only a vector of buffers behind: still usable.
-        self.pool.lock().unwrap_or_else(PoisonError::into_inner)
+        self.aligned.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn take(&self) -> Option<SegmentBuffer> {
-        self.pool().pop()
+    fn take_aligned(&self) -> io::Result<AlignedSegment> {
+        match self.aligned().pop() {
+            Some(buffer) => Ok(buffer),
+            None => AlignedSegment::new(),
+        }
     }
 
-    fn give(&self, buffer: SegmentBuffer) {
-        let mut pool = self.pool();
+    fn give_aligned(&self, buffer: AlignedSegment) {
+        let mut pool = self.aligned();
         if pool.len() < self.max_in_flight {
             pool.push(buffer);
         }
     }
 }
 
-/// One spill segment's bytes, page-aligned as `O_DIRECT` wants (an array of 4 KiB-aligned pages,
-/// seen as bytes through `bytemuck`, so no `unsafe` is needed for the alignment).
-pub struct SegmentBuffer(Box<[AlignedPage]>);
+/// One spill segment's bytes in one page-aligned piece, as `O_DIRECT` wants (an array of 4 KiB-
+/// aligned pages, seen as bytes through `bytemuck`, so no `unsafe` is needed for the alignment).
+struct AlignedSegment(Box<[AlignedPage]>);
 
 #[derive(Clone, Copy, bytemuck::Zeroable, bytemuck::Pod)]
 #[repr(C, align(4096))]
 struct AlignedPage([u8; 4096]);
 
-impl SegmentBuffer {
-    pub fn new() -> io::Result<Self> {
+impl AlignedSegment {
+    fn new() -> io::Result<Self> {
         bytemuck::allocation::try_zeroed_slice_box(SEGMENT_BYTES / 4096)
             .map(Self)
             .map_err(|()| io::Error::new(io::ErrorKind::OutOfMemory, "no memory for a 2 MiB segment buffer"))
     }
 }
 
-impl std::fmt::Debug for SegmentBuffer {
+impl std::fmt::Debug for AlignedSegment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SegmentBuffer({} bytes)", self.len())
+        write!(f, "AlignedSegment({} bytes)", self.len())
     }
 }
 
-impl Deref for SegmentBuffer {
+impl Deref for AlignedSegment {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
@@ -125,7 +131,7 @@ impl Deref for SegmentBuffer {
     }
 }
 
-impl DerefMut for SegmentBuffer {
+impl DerefMut for AlignedSegment {
     fn deref_mut(&mut self) -> &mut [u8] {
         bytemuck::cast_slice_mut(&mut self.0)
     }
@@ -197,8 +203,9 @@ impl ScratchFile {
 
     /// Writes whole segments from a thread of their own, so that the VM's requests go on while
     /// its last segment goes to disk. With `direct`, the writes use `O_DIRECT` where the
-    /// filesystem takes it (not tmpfs before Linux 6.6): no copy into the page cache and no dirty
-    /// pages, at the price of waiting for the disk itself (measured here: 157k against 215-236k
+    /// filesystem takes it (not tmpfs before Linux 6.6): the writer thread gathers the segment's
+    /// pages into an aligned buffer and writes that, with no copy into the page cache and no
+    /// dirty pages, at the price of waiting for the disk itself (measured here: 157k against 215-236k
     /// spilling 4K writes per second, the virtual disk being slower for direct writes into
     /// freshly punched space than the page cache is to absorb them). Reads stay buffered: the
     /// kernel drops cached pages a direct write covers, so they never see stale data.
@@ -218,16 +225,47 @@ impl ScratchFile {
     }
 }
 
-/// Writes a segment, directly if possible. A direct write refused for its alignment (EINVAL:
-/// a device with sectors larger than a page) is done again through the page cache.
-fn write_segment(direct: Option<&File>, buffered: &File, data: &[u8], offset: u64) -> io::Result<()> {
-    if let Some(direct) = direct {
-        match direct.write_all_at(data, offset) {
+/// Writes a segment's pages with vectored writes from `offset` on.
+fn write_pages(file: &File, pages: &[Box<Block>], mut offset: u64) -> io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = pages.iter().map(|page| IoSlice::new(&page[..])).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        match rustix::io::pwritev(file, rest, offset) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "spill file took no bytes")),
+            Ok(n) => {
+                offset += n as u64;
+                IoSlice::advance_slices(&mut rest, n);
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Writes a segment from a writer thread: with `O_DIRECT` gathered into an aligned buffer first
+/// (a direct write refused for its alignment, EINVAL on a device with sectors larger than a
+/// page, is done again through the page cache), otherwise straight from its pages.
+fn write_segment(
+    direct: Option<(&File, &SegmentWriters)>,
+    buffered: &File,
+    pages: &[Box<Block>],
+    offset: u64,
+) -> io::Result<()> {
+    if let Some((direct, writers)) = direct {
+        let mut aligned = writers.take_aligned()?;
+        let len = pages.len() * BLOCK_SIZE;
+        for (slot, page) in aligned[..len].chunks_exact_mut(BLOCK_SIZE).zip(pages) {
+            slot.copy_from_slice(&page[..]);
+        }
+        let written = direct.write_all_at(&aligned[..len], offset);
+        writers.give_aligned(aligned);
+        match written {
             Err(error) if error.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {}
             other => return other,
         }
     }
-    buffered.write_all_at(data, offset)
+    write_pages(buffered, pages, offset)
 }
 
 impl BackingFile for ScratchFile {
@@ -258,18 +296,24 @@ impl BackingFile for ScratchFile {
         Some(&self.path)
     }
 
-    fn start_segment_write(&mut self, data: &Arc<SegmentBuffer>, offset: u64) -> SegmentWrite {
+    fn write_pages_at(&mut self, pages: &[Box<Block>], offset: u64) -> io::Result<()> {
+        write_pages(&self.file, pages, offset)
+    }
+
+    fn start_segment_write(&mut self, pages: &Arc<SegmentPages>, offset: u64) -> SegmentWrite {
         let Some(writers) = self.writers.as_ref().filter(|writers| writers.try_start()) else {
-            return SegmentWrite::finished(write_segment(self.direct.as_deref(), &self.file, data, offset));
+            // In line, through the page cache: an aligned copy would cost the VM's own thread.
+            return SegmentWrite::finished(write_pages(&self.file, pages, offset));
         };
         let (done, result) = mpsc::sync_channel(1);
-        let (direct, buffered, shared) = (self.direct.clone(), Arc::clone(&self.file), Arc::clone(data));
+        let (direct, buffered, shared) = (self.direct.clone(), Arc::clone(&self.file), Arc::clone(pages));
         let writer = Arc::clone(writers);
         // A thread per segment rather than a pool of threads: a spawn costs tens of
         // microseconds against a 2 MiB write, and the permit already bounds how many run.
         let spawned = std::thread::Builder::new().name("spill-writer".into()).stack_size(64 * 1024).spawn(move || {
-            let written = write_segment(direct.as_deref(), &buffered, &shared, offset);
-            // The buffer goes back to its owner before the result does, so that it can be reused.
+            let written = write_segment(direct.as_deref().map(|file| (file, &*writer)), &buffered, &shared, offset);
+            // The pages go back to their owner before the result does, so that the VM frees
+            // them (or finds them its own again) as soon as it hears.
             drop(shared);
             writer.finished();
             let _ = done.send(written);
@@ -279,22 +323,8 @@ impl BackingFile for ScratchFile {
             Err(error) => {
                 writers.finished();
                 tracing::debug!(%error, "no spill writer thread; writing in the request's thread");
-                SegmentWrite::finished(write_segment(self.direct.as_deref(), &self.file, data, offset))
+                SegmentWrite::finished(write_pages(&self.file, pages, offset))
             }
-        }
-    }
-
-    fn take_buffer(&mut self) -> Option<SegmentBuffer> {
-        self.writers.as_ref().and_then(|writers| writers.take())
-    }
-
-    fn recycle_buffer(&mut self, buffer: SegmentBuffer) -> Option<SegmentBuffer> {
-        match &self.writers {
-            Some(writers) => {
-                writers.give(buffer);
-                None
-            }
-            None => Some(buffer),
         }
     }
 }

@@ -246,11 +246,11 @@ fn spawn_memory_sampler(host: Arc<HostMemory>) {
     }
 }
 
-/// Returns the allocator's free pages to the system. RAM tiers free their 4 KiB pages one by one
-/// as VMs shrink (a host cap squeezing hundreds of spilling VMs down to their segment buffers),
-/// and glibc keeps such pages in its arenas, scattered, where no 2 MiB buffer can use them:
-/// `bench/load 256 180 32M` ran at median RSS 915 MiB without the trim and 624 MiB with it
-/// (bench/results/load-7317f52.md, load-5bea292.md), at the same IOPS.
+/// Returns the allocator's free pages to the system. RAM tiers and written spill segments free
+/// their 4 KiB pages one by one, and glibc keeps such pages in its arenas, scattered among live
+/// ones: `bench/load 256 180 32M` ran at median RSS 915 MiB without the trim and 624 MiB with it
+/// (bench/results/load-7317f52.md, load-5bea292.md, before segments were made of pages), at the
+/// same IOPS.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn release_freed_memory() {
     // SAFETY: malloc_trim has no preconditions; it only walks the allocator's own free lists.
