@@ -395,16 +395,18 @@ impl BlockDevice for EngineDevice {
         _fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
-        if let Some(r) = self.recorder.as_mut() {
-            r.record(OpKind::Write, offset, length as u64);
-        }
         // The latency is the engine's: the time the client took to send the data is not in it.
         let start = Instant::now();
         let mut receiving = Duration::ZERO;
+        let recorder = &mut self.recorder;
         let result = self.overlay.write_received(offset, length, |buffers| {
             let received = Instant::now();
             let result = payload.receive(buffers);
             receiving = received.elapsed();
+            // A write cut off by its client's end was never made: it stays out of the trace.
+            if let (Ok(()), Some(r)) = (&result, recorder.as_mut()) {
+                r.record(OpKind::Write, offset, length as u64);
+            }
             result
         });
         self.overlay.stats().latency(GuestOp::Write).record(start.elapsed().saturating_sub(receiving));
