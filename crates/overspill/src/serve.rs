@@ -72,12 +72,13 @@ pub struct ServeArgs {
     #[arg(long, value_parser = parse_bytes)]
     spill_max: Option<u64>,
     /// Write spill segments with O_DIRECT: no dirty page-cache pages for spilled data, but each
-    /// VM then waits for the disk itself once its last segment is still being written.
+    /// VM then waits for the disk itself once its last segment is still being written. Segments
+    /// a VM writes itself (no writer free) still go through the page cache.
     #[arg(long)]
     spill_direct: bool,
-    /// Spill segments written in the background at once, host-wide (each holds a 2 MiB buffer,
-    /// and as many are kept for reuse); a VM sealing a segment when all are busy writes it
-    /// itself. 0 writes every segment in the VM's own request thread.
+    /// Spill segments written in the background at once, host-wide (each holds the 2 MiB of the
+    /// segment it writes, and with --spill-direct an aligned 2 MiB buffer kept for reuse); a VM
+    /// sealing a segment when all are busy writes it itself. 0 writes every segment in the VM's own request thread.
     #[arg(long, default_value_t = 4)]
     spill_writers: usize,
     /// Connections served at once; more are refused.
