@@ -144,12 +144,18 @@ fn qemu_io_round_trip(server: &Server, object: &str, export: &str) {
             "write -P 0xab 1M 64k",
             "-c",
             "read -P 0xab 1M 64k",
+            // Large enough to be received from the TLS stream straight into the overlay's pages.
+            "-c",
+            "write -P 0xcd 3M 2M",
+            "-c",
+            "read -P 0xcd 3M 2M",
             // Block 7 of the golden image holds 7 ^ 0x5a.
             "-c",
             "read -P 0x5d 28k 4k",
         ],
     );
     assert!(!out.contains("failed") && out.matches("read 65536/65536").count() == 1, "{out}");
+    assert!(out.contains("read 2097152/2097152"), "{out}");
 }
 
 fn nbdinfo_size(uri: &str) -> u64 {
