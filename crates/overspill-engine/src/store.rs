@@ -26,7 +26,7 @@ use rustix::fs::{FallocateFlags, OFlags};
 
 use crate::units::{Block, BLOCK_SIZE, SEGMENT_BYTES};
 
-/// A full spill segment's blocks, slot by slot, each in the page it was received or kept in RAM.
+/// A spill segment's blocks, slot by slot, each in the page it was received into or kept in RAM.
 pub type SegmentPages = Vec<Box<Block>>;
 
 pub trait BackingFile: Send {
@@ -42,7 +42,10 @@ pub trait BackingFile: Send {
     /// one buffer and calls `write_at` once (simulations and fault injection see one write per
     /// segment); a real file writes them with one vectored write.
     fn write_pages_at(&mut self, pages: &[Box<Block>], offset: u64) -> io::Result<()> {
-        let bytes: Vec<u8> = pages.iter().flat_map(|page| page.iter().copied()).collect();
+        let mut bytes = Vec::with_capacity(pages.len() * BLOCK_SIZE);
+        for page in pages {
+            bytes.extend_from_slice(&page[..]);
+        }
         self.write_at(&bytes, offset)
     }
 
@@ -312,8 +315,8 @@ impl BackingFile for ScratchFile {
         // microseconds against a 2 MiB write, and the permit already bounds how many run.
         let spawned = std::thread::Builder::new().name("spill-writer".into()).stack_size(64 * 1024).spawn(move || {
             let written = write_segment(direct.as_deref().map(|file| (file, &*writer)), &buffered, &shared, offset);
-            // The pages go back to their owner before the result does, so that the VM frees
-            // them (or finds them its own again) as soon as it hears.
+            // The pages go back to their owner before the result does: the VM's reference is
+            // then the last, and its thread frees them as soon as it hears.
             drop(shared);
             writer.finished();
             let _ = done.send(written);

@@ -25,6 +25,9 @@ use crate::images::{ImageStore, OpenVersions, ReadCacheList};
 use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
 /// Where and how every VM's write cache is kept.
+/// Spill segments written in the background at once by default, host-wide.
+pub const DEFAULT_SPILL_WRITERS: usize = 4;
+
 #[derive(Debug, Clone)]
 pub struct CacheSettings {
     pub mode: WriteCacheMode,

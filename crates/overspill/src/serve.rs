@@ -15,7 +15,7 @@ use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
 use overspill_sources::{open_source, Source, SourceSettings};
 
-use crate::exports::{CacheSettings, OverlayExports};
+use crate::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use crate::metrics;
 use crate::security::SecurityArgs;
 use crate::size::{format_bytes, parse_bytes};
@@ -78,8 +78,9 @@ pub struct ServeArgs {
     spill_direct: bool,
     /// Spill segments written in the background at once, host-wide (each holds the 2 MiB of the
     /// segment it writes, and with --spill-direct an aligned 2 MiB buffer kept for reuse); a VM
-    /// sealing a segment when all are busy writes it itself. 0 writes every segment in the VM's own request thread.
-    #[arg(long, default_value_t = 4)]
+    /// sealing a segment when all are busy writes it itself. 0 writes every segment in the
+    /// VM's own request thread.
+    #[arg(long, default_value_t = DEFAULT_SPILL_WRITERS)]
     spill_writers: usize,
     /// Connections served at once; more are refused.
     #[arg(long, default_value_t = 1024)]

@@ -16,7 +16,7 @@ use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};
 use overspill_storm::report::{self, StormReport};
 use overspill_storm::Workload;
 
-use crate::exports::{CacheSettings, OverlayExports, VmRegistry};
+use crate::exports::{CacheSettings, OverlayExports, VmRegistry, DEFAULT_SPILL_WRITERS};
 use crate::size::{format_bytes, parse_bytes};
 
 #[derive(Debug, Args)]
@@ -147,7 +147,7 @@ fn start_local_server(
         ram_target_bytes: ram,
         spill_max_bytes: None,
         spill_direct: false,
-        spill_writers: 4,
+        spill_writers: DEFAULT_SPILL_WRITERS,
         spill_dir: work.join("spill"),
         shared_dir: work.join("shared"),
         read_cache_bytes: read_cache,

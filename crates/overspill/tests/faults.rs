@@ -15,7 +15,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use overspill::exports::{CacheSettings, OverlayExports};
+use overspill::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use overspill_engine::faults::{Fault, FaultPlan, FaultyImage, Op, Rule, Trigger};
 use overspill_engine::{GoldenImage, HostMemory, MemImage, WriteCacheMode};
 use overspill_nbd::client::{Client, ClientError, NbdUri};
@@ -458,7 +458,7 @@ fn golden_read_errors_reach_only_the_readers_of_the_bad_range() {
         ram_target_bytes: MIB,
         spill_max_bytes: None,
         spill_direct: false,
-        spill_writers: 4,
+        spill_writers: DEFAULT_SPILL_WRITERS,
         spill_dir: tmp.path().join("spill"),
         shared_dir: tmp.path().join("shared"),
         // Through the shared read cache, as served: a failed fetch must not be cached as data.
