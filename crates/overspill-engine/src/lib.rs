@@ -7,6 +7,7 @@
 //! so that the planner and the simulation tests run the same code as the server.
 
 pub mod budget;
+mod chunk_pool;
 pub mod error;
 pub mod faults;
 pub mod golden;

@@ -18,6 +18,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::sync::{Arc, Condvar, Mutex};
 
+use crate::chunk_pool::{ChunkBuf, ChunkPool};
 use crate::golden::{GoldenImage, SourceReads};
 use crate::stats::{Counter, Gauge};
 
@@ -38,17 +39,23 @@ pub struct ReadCacheStats {
     pub evictions: Counter,
     pub cached_bytes: Gauge,
     pub capacity_bytes: Gauge,
+    /// Memory mapped for chunks: the cached bytes, chunks evicted but still being copied out,
+    /// free slots, and the rest of the last slab mapped.
+    pub resident_bytes: Arc<Gauge>,
 }
 
+/// A cached chunk's bytes, shared by the cache and the readers copying out of it.
+type Chunk = Arc<ChunkBuf>;
+
 struct Entry {
-    data: Arc<[u8]>,
+    data: Chunk,
     /// Reads since it entered or since the main FIFO's hand last passed, capped at 3.
     freq: u8,
     in_main: bool,
 }
 
 /// How a fetch ended, kept so that every waiter gets it (io::Error is not Clone).
-type FetchOutcome = Result<Arc<[u8]>, (io::ErrorKind, String)>;
+type FetchOutcome = Result<Chunk, (io::ErrorKind, String)>;
 
 /// A fetch in flight, which later readers of the same chunk wait for.
 #[derive(Default)]
@@ -58,7 +65,7 @@ struct Pending {
 }
 
 impl Pending {
-    fn complete(&self, result: &io::Result<Arc<[u8]>>) {
+    fn complete(&self, result: &io::Result<Chunk>) {
         let shared = match result {
             Ok(data) => Ok(data.clone()),
             Err(e) => Err((e.kind(), e.to_string())),
@@ -67,7 +74,7 @@ impl Pending {
         self.ready.notify_all();
     }
 
-    fn wait(&self) -> io::Result<Arc<[u8]>> {
+    fn wait(&self) -> io::Result<Chunk> {
         let mut result = self.result.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             match result.as_ref() {
@@ -81,13 +88,13 @@ impl Pending {
 
 /// What one chunk of a request needs.
 enum Part {
-    Have(Arc<[u8]>),
+    Have(Chunk),
     /// Another reader is fetching it.
     Wait(Arc<Pending>),
     /// This reader fetches it (and others may wait for it).
     Fetch(Arc<Pending>),
     /// This reader fetched it.
-    Fetched(Arc<[u8]>),
+    Fetched(Chunk),
 }
 
 struct S3Fifo {
@@ -104,13 +111,13 @@ struct S3Fifo {
 }
 
 impl S3Fifo {
-    fn get(&mut self, chunk: u64) -> Option<Arc<[u8]>> {
+    fn get(&mut self, chunk: u64) -> Option<Chunk> {
         let entry = self.entries.get_mut(&chunk)?;
         entry.freq = (entry.freq + 1).min(3);
         Some(entry.data.clone())
     }
 
-    fn insert(&mut self, chunk: u64, data: Arc<[u8]>, stats: &ReadCacheStats) {
+    fn insert(&mut self, chunk: u64, data: Chunk, stats: &ReadCacheStats) {
         if self.entries.contains_key(&chunk) || data.len() as u64 > self.capacity_bytes {
             return;
         }
@@ -182,6 +189,7 @@ pub struct CachedImage {
     source: Arc<dyn GoldenImage>,
     cache: Mutex<S3Fifo>,
     chunk_bytes: u64,
+    pool: ChunkPool,
     stats: Arc<ReadCacheStats>,
 }
 
@@ -203,7 +211,8 @@ impl CachedImage {
             capacity_bytes,
             chunk_bytes,
         };
-        Self { source, cache: Mutex::new(cache), chunk_bytes, stats }
+        let pool = ChunkPool::new(chunk_bytes as usize, capacity_bytes, stats.resident_bytes.clone());
+        Self { source, cache: Mutex::new(cache), chunk_bytes, pool, stats }
     }
 
     pub fn stats(&self) -> &Arc<ReadCacheStats> {
@@ -219,21 +228,20 @@ impl CachedImage {
     /// caches them and hands them to whoever waits. On error the waiters get the error too.
     /// Returns the chunks and what the read cost the storage behind the source (less than the
     /// bytes fetched when the source has a cache of its own, such as a local disk tier).
-    fn fetch_run(&self, first: u64, pendings: &[&Arc<Pending>]) -> io::Result<(Vec<Arc<[u8]>>, SourceReads)> {
+    fn fetch_run(&self, first: u64, pendings: &[&Arc<Pending>]) -> io::Result<(Vec<Chunk>, SourceReads)> {
         let start = first * self.chunk_bytes;
         let end = ((first + pendings.len() as u64) * self.chunk_bytes).min(self.source.size());
-        let len = (end - start) as usize;
-        let chunks: io::Result<(Vec<Arc<[u8]>>, SourceReads)> = if pendings.len() == 1 {
-            // A lone chunk (a random read) is read straight into the buffer the cache keeps: no
-            // second buffer to allocate, zero and copy from.
-            let mut chunk: Arc<[u8]> = std::iter::repeat_n(0u8, len).collect();
-            let buf = Arc::get_mut(&mut chunk).expect("a chunk just made is not shared");
-            self.source.read_counted(buf, start).map(|reads| (vec![chunk], reads))
-        } else {
-            let mut data = vec![0u8; len];
-            let read = self.source.read_counted(&mut data, start);
-            read.map(|reads| (data.chunks(self.chunk_bytes as usize).map(Arc::from).collect(), reads))
-        };
+        // The chunks are read straight into the buffers the cache keeps: no second buffer to
+        // allocate, zero and copy from.
+        let chunks = (start..end)
+            .step_by(self.chunk_bytes as usize)
+            .map(|at| self.pool.take((end - at).min(self.chunk_bytes) as usize))
+            .collect::<io::Result<Vec<ChunkBuf>>>()
+            .and_then(|mut bufs| {
+                let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(ChunkBuf::as_mut_slice).collect();
+                let reads = self.source.read_vectored_counted(&mut views, start)?;
+                Ok((bufs.into_iter().map(Arc::new).collect::<Vec<Chunk>>(), reads))
+            });
         {
             let mut cache = self.lock();
             for (k, _) in pendings.iter().enumerate() {

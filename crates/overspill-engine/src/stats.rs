@@ -41,6 +41,14 @@ impl Gauge {
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
+
+    pub fn add(&self, value: u64) {
+        self.0.fetch_add(value, Ordering::Relaxed);
+    }
+
+    pub fn sub(&self, value: u64) {
+        self.0.fetch_sub(value, Ordering::Relaxed);
+    }
 }
 
 /// Operations and bytes of one kind.

@@ -360,7 +360,7 @@ pub fn render(
 /// One family per shared read-cache figure, a series per golden image.
 fn read_cache_figures(w: &mut Writer, caches: &[(String, Arc<ReadCacheStats>)]) {
     type CacheGetter = fn(&ReadCacheStats) -> u64;
-    let figures: [(&str, &str, &str, CacheGetter); 8] = [
+    let figures: [(&str, &str, &str, CacheGetter); 9] = [
         ("overspill_read_cache_hits_total", "Chunk lookups served from the shared read cache.", "counter", |c| {
             c.hits.get()
         }),
@@ -394,6 +394,12 @@ fn read_cache_figures(w: &mut Writer, caches: &[(String, Arc<ReadCacheStats>)]) 
         ("overspill_read_cache_capacity_bytes", "Capacity of the shared read cache.", "gauge", |c| {
             c.capacity_bytes.get()
         }),
+        (
+            "overspill_read_cache_resident_bytes",
+            "Memory mapped for the shared read cache's chunks: cached, being copied out, free slots and the slab made ready.",
+            "gauge",
+            |c| c.resident_bytes.get(),
+        ),
     ];
     for (family, help, kind, get) in figures {
         w.header(family, help, kind);
