@@ -773,6 +773,9 @@ impl Overlay {
                 self.release(old);
             }
         }
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            spill.give_back_kept(&self.stats);
+        }
         Ok(())
     }
 
@@ -884,7 +887,8 @@ impl Overlay {
                     tracing::warn!(%error, "spill compaction stopped");
                 }
             }
-            self.spill_mut().release_pages_if_empty();
+            let (spill, stats) = self.spill_and_stats();
+            spill.release_pages_if_empty(stats);
         }
         self.map.shrink_if_empty();
         let used = self.memory_used_bytes();
