@@ -114,7 +114,8 @@ impl Filler {
         let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19);
         let mut spare = self.lock();
         loop {
-            while !spare.wanted && !spare.closed {
+            // Only one spare: a request that came while the last one was being made is met by it.
+            while (!spare.wanted || spare.slab.is_some()) && !spare.closed {
                 spare = self.wake.wait(spare).unwrap_or_else(|poisoned| poisoned.into_inner());
             }
             if spare.closed {
