@@ -3,8 +3,12 @@
 //! packed into 8 bytes: the block number in 32 bits (disks up to 16 TiB) and the slot in 32, two
 //! bits of tier and 30 of address (RAM slots and spill slots up to 4 TiB each per VM). With
 //! unpacked 64-bit keys and enum values the index cost 67.8 bytes per cached 4 KiB block.
+//!
+//! Block numbers are hashed so that each aligned run of 8 blocks lands in 8 adjacent buckets,
+//! the runs themselves scattered (see [`RunHasher`]).
 
-use rustc_hash::FxHashMap;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::ram::RamSlot;
 use crate::units::{BlockIndex, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT};
@@ -58,9 +62,51 @@ impl Packed {
     }
 }
 
+/// Hashes a block number so that the 8 blocks of an aligned run get adjacent buckets and tags
+/// that differ, and runs get buckets spread by a strong mix of the run's number. With a plain
+/// hash, each block of a 1 MiB write was a cache miss and a TLB miss in the table, twice (the
+/// control bytes, then the entry): 18 % of a spilling VM's samples on sequential 1 MiB writes.
+/// Now the 256 blocks of such a write touch 32 places, each one line of control bytes and one
+/// of entries; a random 4 KiB write costs what it did, and the table is as large as before.
+#[derive(Default)]
+pub struct RunHasher(u64);
+
+/// Blocks per run kept together: 8 entries of 8 bytes are one cache line.
+const RUN_BITS: u32 = 3;
+
+impl Hasher for RunHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u32` is used (the keys are u32); anything else is folded in byte by byte.
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u32(&mut self, block: u32) {
+        self.0 = u64::from(block);
+    }
+
+    fn finish(&self) -> u64 {
+        let within = self.0 & ((1 << RUN_BITS) - 1);
+        let run = mix(self.0 >> RUN_BITS);
+        // The table takes the bucket from the low bits and a 7-bit tag from the top 7: the
+        // position in the run goes into both.
+        (run << RUN_BITS | within) ^ (within << 57)
+    }
+}
+
+/// A 64-bit finalizer (MurmurHash3's fmix64): every input bit moves every output bit.
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ x >> 33
+}
+
 #[derive(Default)]
 pub struct BlockMap {
-    entries: FxHashMap<u32, Packed>,
+    entries: HashMap<u32, Packed, BuildHasherDefault<RunHasher>>,
 }
 
 /// Bytes per entry of capacity: key, value and hashbrown's control byte.
@@ -103,7 +149,7 @@ impl BlockMap {
     /// An empty map gives its table back (a VM that trimmed everything holds no index).
     pub fn shrink_if_empty(&mut self) {
         if self.entries.is_empty() && self.entries.capacity() > 0 {
-            self.entries = FxHashMap::default();
+            self.entries = HashMap::default();
         }
     }
 }
@@ -134,5 +180,28 @@ mod tests {
         assert!(!map.contains(BlockIndex(MAX_BLOCKS - 2)));
         assert_eq!(map.len(), slots.len() - 1);
         assert_eq!(ENTRY_BYTES, 9);
+    }
+
+    fn hash(block: u32) -> u64 {
+        let mut hasher = RunHasher::default();
+        hasher.write_u32(block);
+        hasher.finish()
+    }
+
+    #[test]
+    fn a_run_of_blocks_gets_adjacent_buckets_with_distinct_tags_and_runs_scatter() {
+        let mask = (1u64 << 20) - 1;
+        let base = hash(8 * 12345);
+        for k in 0..8u32 {
+            let h = hash(8 * 12345 + k);
+            assert_eq!(h & mask, (base & mask) + u64::from(k), "block {k} of the run is next to the one before");
+            assert_eq!(h >> 57, (base >> 57) ^ u64::from(k), "each block of a run has its own tag");
+        }
+        // Runs, even strided ones (filesystem metadata every 128 MiB), spread over the buckets.
+        for stride in [1u32, 4096, 32768] {
+            let buckets: std::collections::HashSet<u64> =
+                (0..4096u32).map(|i| (hash(i * stride * 8) & mask) >> RUN_BITS).collect();
+            assert!(buckets.len() > 4000, "stride {stride}: {} distinct runs of 4096", buckets.len());
+        }
     }
 }
