@@ -22,7 +22,7 @@ use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::stats::Gauge;
 
-/// The memory mapped at a time: one system call and one populate for 128 chunks of 16 KiB.
+/// The memory mapped at a time: one mapping for 128 chunks of 16 KiB.
 pub const SLAB_BYTES: usize = 2 << 20;
 
 /// One anonymous mapping, carved into equal slots.

@@ -40,7 +40,8 @@ pub struct ReadCacheStats {
     pub cached_bytes: Gauge,
     pub capacity_bytes: Gauge,
     /// Memory mapped for chunks: the cached bytes, chunks evicted but still being copied out,
-    /// free slots, and the rest of the last slab mapped.
+    /// free slots (the rest of the last slab, and slots of evicted chunks), and the slab the
+    /// helper holds ready.
     pub resident_bytes: Arc<Gauge>,
 }
 
