@@ -538,16 +538,23 @@ mod tests {
         buf
     }
 
-    #[test]
-    fn a_segment_being_written_is_read_from_memory_and_a_failed_write_keeps_it_until_a_retry_succeeds() {
+    /// A log over a file that holds its segment writes, filled with one segment and one block:
+    /// the first segment sealed and its write held, the next one open.
+    fn one_segment_being_written(full: bool) -> (SpillLog, Held, Arc<AtomicBool>, VmStats, Vec<SpillAddr>) {
         let held: Held = Arc::default();
-        let full = Arc::new(AtomicBool::new(false));
+        let full = Arc::new(AtomicBool::new(full));
         let file = HeldWrites { file: MemFile::default(), held: held.clone(), full: full.clone() };
         let stats = VmStats::default();
         let mut log = SpillLog::new(Box::new(file), None).expect("log");
         let addrs: Vec<SpillAddr> = (0..=BLOCKS_PER_SEGMENT as u64)
             .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"))
             .collect();
+        (log, held, full, stats, addrs)
+    }
+
+    #[test]
+    fn a_segment_being_written_is_read_from_memory_and_a_failed_write_keeps_it_until_a_retry_succeeds() {
+        let (mut log, held, full, stats, addrs) = one_segment_being_written(false);
         // The first segment is sealed and its write is running; the last block opened the next.
         assert_eq!(held.lock().expect("lock").len(), 1);
         assert_eq!(stats.spill_segments_written.get(), 0, "not counted before it is written");
@@ -574,13 +581,7 @@ mod tests {
 
     #[test]
     fn a_segment_that_dies_while_being_written_is_freed_once_written() {
-        let held: Held = Arc::default();
-        let file = HeldWrites { file: MemFile::default(), held: held.clone(), full: Arc::default() };
-        let stats = VmStats::default();
-        let mut log = SpillLog::new(Box::new(file), None).expect("log");
-        let addrs: Vec<SpillAddr> = (0..=BLOCKS_PER_SEGMENT as u64)
-            .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"))
-            .collect();
+        let (mut log, held, _, stats, addrs) = one_segment_being_written(false);
         for addr in &addrs[..BLOCKS_PER_SEGMENT - 1] {
             log.release(*addr, &stats);
         }
@@ -604,14 +605,7 @@ mod tests {
 
     #[test]
     fn a_segment_whose_write_failed_and_whose_blocks_all_died_is_no_compaction_victim() {
-        let held: Held = Arc::default();
-        let full = Arc::new(AtomicBool::new(true));
-        let file = HeldWrites { file: MemFile::default(), held: held.clone(), full: full.clone() };
-        let stats = VmStats::default();
-        let mut log = SpillLog::new(Box::new(file), None).expect("log");
-        let addrs: Vec<SpillAddr> = (0..=BLOCKS_PER_SEGMENT as u64)
-            .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"))
-            .collect();
+        let (mut log, held, full, stats, addrs) = one_segment_being_written(true);
         let (_, _, done) = held.lock().expect("lock").pop().expect("held write");
         done.send(Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))).expect("send");
         // The guest trims everything while the disk is still full: the retry fails again.
