@@ -144,6 +144,13 @@ struct PoolInner {
     resident_bytes: Arc<Gauge>,
 }
 
+impl PoolInner {
+    fn lock_free(&self) -> MutexGuard<'_, Vec<Slot>> {
+        // A list of free slots is valid at every step; a panic elsewhere cannot break it.
+        self.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 impl Drop for PoolInner {
     fn drop(&mut self) {
         self.filler.lock().closed = true;
@@ -152,7 +159,6 @@ impl Drop for PoolInner {
 }
 
 /// Hands out fixed-size buffers carved from slabs, and takes them back when they drop.
-#[derive(Clone)]
 pub struct ChunkPool {
     inner: Arc<PoolInner>,
 }
@@ -175,7 +181,7 @@ impl ChunkPool {
     pub fn take(&self, len: usize) -> io::Result<ChunkBuf> {
         assert!(len <= self.inner.slot_bytes, "a chunk is at most one slot");
         // Not a `match` on the pop: its guard would live through `grow`, which locks again.
-        let reused = self.lock_free().pop();
+        let reused = self.inner.lock_free().pop();
         let slot = match reused {
             Some(slot) => slot,
             None => self.grow()?,
@@ -201,7 +207,7 @@ impl ChunkPool {
             None => Slab::map(self.inner.slab_bytes, false, &self.inner.resident_bytes)?,
         });
         let slots = self.inner.slab_bytes / self.inner.slot_bytes;
-        let mut free = self.lock_free();
+        let mut free = self.inner.lock_free();
         // Pushed last to first, so that slots are handed out in address order.
         free.extend((1..slots).rev().map(|k| Slot { slab: slab.clone(), offset: k * self.inner.slot_bytes }));
         Ok(Slot { slab, offset: 0 })
@@ -217,11 +223,6 @@ impl ChunkPool {
             .stack_size(64 * 1024)
             .spawn(move || filler.run(bytes, &resident_bytes))
             .is_ok()
-    }
-
-    fn lock_free(&self) -> MutexGuard<'_, Vec<Slot>> {
-        // A list of free slots is valid at every step; a panic elsewhere cannot break it.
-        self.inner.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -259,7 +260,7 @@ impl Deref for ChunkBuf {
 impl Drop for ChunkBuf {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            self.pool.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(slot);
+            self.pool.lock_free().push(slot);
         }
     }
 }

@@ -109,25 +109,22 @@ impl GoldenImage for RawImage {
     fn read_vectored_counted(&self, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<SourceReads> {
         let total: usize = bufs.iter().map(|buf| buf.len()).sum();
         let mut slices: Vec<io::IoSliceMut<'_>> = bufs.iter_mut().map(|buf| io::IoSliceMut::new(buf)).collect();
-        let done = loop {
-            match rustix::io::preadv(&self.file, &mut slices, offset) {
-                Ok(n) => break n,
+        let mut rest = &mut slices[..];
+        let mut at = offset;
+        // As `store::write_pages` writes a segment: again from where a short transfer stopped.
+        while !rest.is_empty() {
+            match rustix::io::preadv(&self.file, rest, at) {
+                Ok(0) => {
+                    // The end of the file: the rest reads as zero, as in `read_at`.
+                    rest.iter_mut().for_each(|slice| slice.fill(0));
+                    break;
+                }
+                Ok(n) => {
+                    at += n as u64;
+                    io::IoSliceMut::advance_slices(&mut rest, n);
+                }
                 Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(e.into()),
-            }
-        };
-        drop(slices);
-        if done < total {
-            // Short (a signal, or the end of the file): the rest buffer by buffer, as `read_at`
-            // does it, zeroes past the end included.
-            let mut start = 0;
-            for buf in bufs.iter_mut() {
-                let end = start + buf.len();
-                if end > done {
-                    let skip = done.saturating_sub(start);
-                    self.read_at(&mut buf[skip..], offset + (start + skip) as u64)?;
-                }
-                start = end;
             }
         }
         Ok(SourceReads { ops: 1, bytes: total as u64 })
