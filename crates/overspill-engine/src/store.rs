@@ -5,9 +5,10 @@
 //! crash buys nothing and would cost a flush per block.
 //!
 //! A spill segment is the 512 pages it holds ([`SegmentPages`]): blocks evicted from RAM move into
-//! it without a copy, and it goes to disk with one vectored write at its offset, 2 MiB in one
-//! piece. Whole segments go through [`BackingFile::start_segment_write`], which by default writes
-//! before it returns (simulations stay deterministic). A server's [`ScratchFile`] instead writes
+//! it without a copy, and it goes to disk in order from its offset, 2 MiB back to back (vectored
+//! writes of 256 KiB, see [`PAGES_PER_WRITE_CALL`]). Whole segments go through
+//! [`BackingFile::start_segment_write`], which by default writes before it returns (simulations
+//! stay deterministic). A server's [`ScratchFile`] instead writes
 //! them from a thread of their own: the 2 MiB copy into the page cache took a quarter of a
 //! spilling VM's request thread (perf, 4K random writes at QD32), and now runs beside it. The
 //! pages of segments being written belong to the host, not to a VM: [`SegmentWriters`] lets a
@@ -40,7 +41,7 @@ pub trait BackingFile: Send {
 
     /// Writes a segment's pages one after another from `offset`. The default gathers them into
     /// one buffer and calls `write_at` once (simulations and fault injection see one write per
-    /// segment); a real file writes them with one vectored write.
+    /// segment); a real file writes them with vectored writes, in order.
     fn write_pages_at(&mut self, pages: &[Box<Block>], offset: u64) -> io::Result<()> {
         let mut bytes = Vec::with_capacity(pages.len() * BLOCK_SIZE);
         for page in pages {
@@ -228,12 +229,22 @@ impl ScratchFile {
     }
 }
 
-/// Writes a segment's pages with vectored writes from `offset` on.
+/// Pages a segment write hands the kernel per `pwritev`: 256 KiB. One 2 MiB call made the page
+/// cache take 2 MiB folios, and ext4 walks all of a folio's 512 block heads for each piece it
+/// copies into it: perf on spilling 1M writes showed `ext4_block_write_begin` at 12 % of the
+/// server against 7 % in 256 KiB calls, and IOPS rose 6-8 % with half the p99 (4K writes: 2-4 %).
+/// The disk sees the same either way: the pieces are written in order, back to back, and
+/// writeback sends the contiguous dirty range in requests of several MiB (measured on
+/// /sys/block/*/stat: 3.5 MiB on average in both cases).
+const PAGES_PER_WRITE_CALL: usize = 64;
+
+/// Writes a segment's pages in order from `offset` on, with vectored writes.
 fn write_pages(file: &File, pages: &[Box<Block>], mut offset: u64) -> io::Result<()> {
     let mut slices: Vec<IoSlice<'_>> = pages.iter().map(|page| IoSlice::new(&page[..])).collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
-        match rustix::io::pwritev(file, rest, offset) {
+        let piece = rest.len().min(PAGES_PER_WRITE_CALL);
+        match rustix::io::pwritev(file, &rest[..piece], offset) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "spill file took no bytes")),
             Ok(n) => {
                 offset += n as u64;
@@ -405,5 +416,38 @@ impl BackingFile for MemFile {
 
     fn path(&self) -> Option<&Path> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn numbered_pages(count: usize) -> SegmentPages {
+        (0..count)
+            .map(|n| {
+                let mut page = Box::new([0u8; BLOCK_SIZE]);
+                page[..8].copy_from_slice(&(n as u64).to_le_bytes());
+                page[BLOCK_SIZE - 1] = n as u8;
+                page
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_segment_written_in_pieces_lands_page_by_page_at_its_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut file = ScratchFile::create(dir.path(), "spill", 4 * SEGMENT_BYTES as u64).unwrap();
+        let pages = numbered_pages(SEGMENT_BYTES / BLOCK_SIZE);
+        assert!(pages.len() > PAGES_PER_WRITE_CALL, "the segment takes more than one call");
+        let offset = SEGMENT_BYTES as u64;
+        file.write_pages_at(&pages, offset).unwrap();
+        let mut back = [0u8; BLOCK_SIZE];
+        for (n, page) in pages.iter().enumerate() {
+            file.read_at(&mut back, offset + (n * BLOCK_SIZE) as u64).unwrap();
+            assert!(back == **page, "page {n} read back differs");
+        }
+        file.read_at(&mut back, 0).unwrap();
+        assert_eq!(back, [0u8; BLOCK_SIZE], "nothing before the segment's offset");
     }
 }
