@@ -436,18 +436,18 @@ mod tests {
 
     #[test]
     fn a_segment_written_in_pieces_lands_page_by_page_at_its_offset() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut file = ScratchFile::create(dir.path(), "spill", 4 * SEGMENT_BYTES as u64).unwrap();
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let mut file = ScratchFile::create(dir.path(), "spill", 4 * SEGMENT_BYTES as u64).expect("spill file");
         let pages = numbered_pages(SEGMENT_BYTES / BLOCK_SIZE);
         assert!(pages.len() > PAGES_PER_WRITE_CALL, "the segment takes more than one call");
         let offset = SEGMENT_BYTES as u64;
-        file.write_pages_at(&pages, offset).unwrap();
+        file.write_pages_at(&pages, offset).expect("segment written");
         let mut back = [0u8; BLOCK_SIZE];
         for (n, page) in pages.iter().enumerate() {
-            file.read_at(&mut back, offset + (n * BLOCK_SIZE) as u64).unwrap();
+            file.read_at(&mut back, offset + (n * BLOCK_SIZE) as u64).expect("page read");
             assert!(back == **page, "page {n} read back differs");
         }
-        file.read_at(&mut back, 0).unwrap();
+        file.read_at(&mut back, 0).expect("first page read");
         assert_eq!(back, [0u8; BLOCK_SIZE], "nothing before the segment's offset");
     }
 }
