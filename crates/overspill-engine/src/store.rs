@@ -8,12 +8,11 @@
 //! it without a copy, and it goes to disk in order from its offset, 2 MiB back to back (vectored
 //! writes of 256 KiB, see [`PAGES_PER_WRITE_CALL`]). Whole segments go through
 //! [`BackingFile::start_segment_write`], which by default writes before it returns (simulations
-//! stay deterministic). A server's [`ScratchFile`] instead writes
-//! them from a thread of their own: the 2 MiB copy into the page cache took a quarter of a
-//! spilling VM's request thread (perf, 4K random writes at QD32), and now runs beside it. The
-//! pages of segments being written belong to the host, not to a VM: [`SegmentWriters`] lets a
-//! few writes run at a time, so a host of hundreds of spilling VMs holds their open segments'
-//! pages plus a fixed few segments.
+//! stay deterministic). A server's [`ScratchFile`] instead writes them from a thread of their
+//! own: the 2 MiB copy into the page cache took a quarter of a spilling VM's request thread
+//! (perf, 4K random writes at QD32), and now runs beside it. The pages of segments being written
+//! belong to the host, not to a VM: [`SegmentWriters`] lets a few writes run at a time, so a host
+//! of hundreds of spilling VMs holds their open segments' pages plus a fixed few segments.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice};
@@ -229,13 +228,13 @@ impl ScratchFile {
     }
 }
 
-/// Pages a segment write hands the kernel per `pwritev`: 256 KiB. One 2 MiB call made the page
-/// cache take 2 MiB folios, and ext4 walks all of a folio's 512 block heads for each piece it
-/// copies into it: perf on spilling 1M writes showed `ext4_block_write_begin` at 12 % of the
-/// server against 7 % in 256 KiB calls, and IOPS rose 6-8 % with half the p99 (4K writes: 2-4 %).
-/// The disk sees the same either way: the pieces are written in order, back to back, and
-/// writeback sends the contiguous dirty range in requests of several MiB (measured on
-/// /sys/block/*/stat: 3.5 MiB on average in both cases).
+/// Pages a segment write hands the kernel per `pwritev`: 256 KiB. ext4 (Linux 6.16 on) sizes its
+/// page-cache folios from the write, and `ext4_block_write_begin`, which walks a folio's block
+/// heads, took 12 % of a server spilling 1M writes with one 2 MiB call per segment against 7 % in
+/// 256 KiB calls (perf); IOPS rose 6-8 % and p99 halved (4K writes: a few %, within noise). The
+/// disk sees the same either way: the pieces are written in order, back to back, and writeback
+/// sends the contiguous dirty range in requests of several MiB (`/sys/block/*/stat`: 3.5 MiB on
+/// average in both cases).
 const PAGES_PER_WRITE_CALL: usize = 64;
 
 /// Writes a segment's pages in order from `offset` on, with vectored writes.
