@@ -298,6 +298,24 @@ fn seeded_long_runs_match_the_model() {
     }
 }
 
+/// A longer search than CI has time for, run by hand: `OVERSPILL_SOAK_SEEDS=FIRST..END cargo test
+/// --release -p overspill-engine --test model -- --ignored soak` (default `0..64`). Each seed
+/// runs the spilling configurations above for 50,000 operations; a failure names its seed.
+#[test]
+#[ignore = "minutes long; run by hand"]
+fn soak_spilling_configurations_over_many_seeds() {
+    let seeds = std::env::var("OVERSPILL_SOAK_SEEDS").unwrap_or_else(|_| "0..64".into());
+    let (first, end) = seeds
+        .split_once("..")
+        .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)))
+        .expect("OVERSPILL_SOAK_SEEDS is FIRST..END");
+    for seed in first..end {
+        run_seeded(WriteCacheMode::RamDisk, 0, None, seed, 50_000);
+        run_seeded(WriteCacheMode::RamDisk, 3 << 20, None, seed, 50_000);
+        run_seeded(WriteCacheMode::RamDisk, 1 << 20, Some(8 << 20), seed, 50_000);
+    }
+}
+
 /// The golden image read through a shared read cache far smaller than the disk: every read of a
 /// block the overlay does not hold goes through chunk eviction, and must still see golden bytes.
 #[test]
