@@ -321,11 +321,21 @@ const PAGE: u64 = 4096;
 pub struct SpaceLimit {
     capacity_pages: u64,
     used_pages: AtomicU64,
+    /// Writes it cut short: what [`BackingFile::space_shortages`] reports for its files.
+    shortages: AtomicU64,
 }
 
 impl SpaceLimit {
     pub fn new(capacity_bytes: u64) -> Arc<Self> {
-        Arc::new(Self { capacity_pages: capacity_bytes / PAGE, used_pages: AtomicU64::new(0) })
+        Arc::new(Self {
+            capacity_pages: capacity_bytes / PAGE,
+            used_pages: AtomicU64::new(0),
+            shortages: AtomicU64::new(0),
+        })
+    }
+
+    pub fn shortages(&self) -> u64 {
+        self.shortages.load(Ordering::Relaxed)
     }
 
     pub fn used_bytes(&self) -> u64 {
@@ -427,6 +437,11 @@ impl FaultyFile {
         if fits > 0 {
             self.inner.write_at(&data[..fits], offset)?;
         }
+        if fits < data.len() {
+            if let Some(space) = &self.space {
+                space.limit.shortages.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         Ok(fits == data.len())
     }
 }
@@ -488,6 +503,10 @@ impl BackingFile for FaultyFile {
 
     fn path(&self) -> Option<&Path> {
         self.inner.path()
+    }
+
+    fn space_shortages(&self) -> u64 {
+        self.space.as_ref().map_or_else(|| self.inner.space_shortages(), |space| space.limit.shortages())
     }
 }
 

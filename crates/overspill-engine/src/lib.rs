@@ -28,5 +28,5 @@ pub use golden::{open_image, GoldenImage, MemImage, RawImage, SourceReads};
 pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};
 pub use read_cache::CachedImage;
 pub use stats::VmStats;
-pub use store::{BackingFile, ScratchFile, SegmentWriters};
+pub use store::{BackingFile, ScratchFile, SegmentWriters, SpaceShortages};
 pub use units::{BLOCK_BYTES, BLOCK_SIZE, SEGMENT_BYTES};

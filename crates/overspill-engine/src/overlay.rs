@@ -888,6 +888,7 @@ impl Overlay {
                 }
             }
             let (spill, stats) = self.spill_and_stats();
+            spill.heed_space_shortages(stats);
             spill.release_pages_if_empty(stats);
         }
         self.map.shrink_if_empty();

@@ -14,7 +14,9 @@
 //! still points at it. Overwrites and TRIMs make slots dead ([`SpillLog::release`]); a sealed
 //! segment whose last slot dies becomes free and, beyond the few kept for reuse, is punched out
 //! of the file, so the file's allocated size follows the live data. A TRIM gives the kept ones
-//! back too ([`SpillLog::give_back_kept`]). Segments with few live slots are compacted by the
+//! back too ([`SpillLog::give_back_kept`]), and so does the next write of every VM once any file
+//! on the filesystem was refused space ([`SpillLog::heed_space_shortages`]), so that kept space
+//! never makes another VM fail. Segments with few live slots are compacted by the
 //! overlay (which owns the map) when free space runs low or garbage outweighs live data.
 //!
 //! With a byte limit, one free segment is held back for compaction so that compaction can always
@@ -93,6 +95,8 @@ pub struct SpillLog {
     /// Segments whose owner table is allocated (open or sealed): kept as a count so that the
     /// memory figure, asked for on every write, does not walk every segment.
     owner_tables: u64,
+    /// The file's [`BackingFile::space_shortages`] when this log last gave its kept segments back.
+    shortages_heeded: u64,
 }
 
 impl SpillLog {
@@ -110,7 +114,6 @@ impl SpillLog {
             }
         };
         Ok(Self {
-            file,
             segments: Vec::new(),
             free: BinaryHeap::new(),
             kept: Vec::new(),
@@ -120,6 +123,8 @@ impl SpillLog {
             live_blocks: 0,
             sealed_segments: 0,
             owner_tables: 0,
+            shortages_heeded: file.space_shortages(),
+            file,
         })
     }
 
@@ -454,6 +459,21 @@ impl SpillLog {
         }
     }
 
+    /// Gives the kept free segments back if some file on the filesystem was refused space since
+    /// this log last did: another VM may need the space more than this one needs to skip a
+    /// punch. Called on every write, so a VM that goes on writing hears of it at once; a VM that
+    /// stays idle keeps its few segments until it writes, trims or disconnects.
+    pub fn heed_space_shortages(&mut self, stats: &VmStats) {
+        let shortages = self.file.space_shortages();
+        if shortages != self.shortages_heeded {
+            self.shortages_heeded = shortages;
+            if !self.kept.is_empty() {
+                tracing::debug!(kept = self.kept.len(), "spill filesystem full somewhere: kept segments given back");
+                self.give_back_kept(stats);
+            }
+        }
+    }
+
     /// Punches every kept free segment: the guest gave blocks back (TRIM), so the host gets
     /// the disk space back now rather than when the VM next spills.
     pub fn give_back_kept(&mut self, stats: &VmStats) {
@@ -654,5 +674,45 @@ mod tests {
         log.give_back_kept(&stats);
         assert_eq!(stats.spill_segments_punched.get(), died - 1, "all but the reused one punched");
         assert_eq!(log.disk_used_bytes(), 2 * SEGMENT_BYTES as u64, "the live sealed segment and the reused one");
+    }
+
+    #[test]
+    fn a_vm_out_of_shared_space_makes_the_others_give_their_kept_segments_back() {
+        use crate::faults::{FaultPlan, FaultyFile, SpaceLimit};
+        let segment = SEGMENT_BYTES as u64;
+        let disk = SpaceLimit::new(6 * segment);
+        let on_disk = |seed| {
+            let file = FaultyFile::new(Box::new(MemFile::default()), FaultPlan::new(seed));
+            Box::new(file.with_space_limit(Arc::clone(&disk)))
+        };
+        let fill = |log: &mut SpillLog, segments: usize, stats: &VmStats| -> Result<Vec<SpillAddr>> {
+            // One block more than the segments: the last one full is sealed, and written.
+            (0..=(segments * BLOCKS_PER_SEGMENT) as u64)
+                .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, stats))
+                .collect()
+        };
+        let (stats_b, stats_a) = (VmStats::default(), VmStats::default());
+        // VM B writes three segments, then overwrites them all: they stay allocated, kept.
+        let mut b = SpillLog::new(on_disk(1), None).expect("log");
+        let addrs = fill(&mut b, 3, &stats_b).expect("room for B");
+        for addr in &addrs[..3 * BLOCKS_PER_SEGMENT] {
+            b.release(*addr, &stats_b);
+        }
+        b.heed_space_shortages(&stats_b);
+        assert_eq!(b.disk_used_bytes(), 3 * segment, "kept while nobody is short of space");
+        assert_eq!(disk.used_bytes(), 3 * segment);
+        // VM A fills what is left and is refused its fourth segment.
+        let mut a = SpillLog::new(on_disk(2), None).expect("log");
+        fill(&mut a, 3, &stats_a).expect("room for three segments");
+        let refused = (0..BLOCKS_PER_SEGMENT as u64)
+            .try_for_each(|i| a.append(BlockIndex(1 << 20 | i), &block(i), Purpose::Guest, &stats_a).map(|_| ()));
+        assert!(matches!(refused, Err(EngineError::NoSpace(_))), "the disk is full: {refused:?}");
+        assert!(a.finish_writes(&stats_a).is_err(), "still full while B keeps its dead segments");
+        // B's next write hears of it and punches them; A's retry then fits.
+        b.heed_space_shortages(&stats_b);
+        assert_eq!(stats_b.spill_segments_punched.get(), 3);
+        assert_eq!(b.disk_used_bytes(), 0);
+        a.finish_writes(&stats_a).expect("the retry fits in the space B gave back");
+        assert_eq!(a.disk_used_bytes(), 4 * segment);
     }
 }

@@ -19,7 +19,7 @@ use std::io::{self, IoSlice};
 use std::ops::{Deref, DerefMut};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
 
 use rustix::fs::{FallocateFlags, OFlags};
@@ -37,6 +37,14 @@ pub trait BackingFile: Send {
     /// Bytes the filesystem has allocated for the file (what `du` shows).
     fn allocated_bytes(&self) -> io::Result<u64>;
     fn path(&self) -> Option<&Path>;
+
+    /// How many times a file on the same filesystem as this one (as far as the host knows)
+    /// was refused space. A spill log that sees the count move gives back the dead segments it
+    /// keeps allocated for reuse, so that a VM out of space is not refused while others hold
+    /// space they do not need.
+    fn space_shortages(&self) -> u64 {
+        0
+    }
 
     /// Writes a segment's pages one after another from `offset`. The default gathers them into
     /// one buffer and calls `write_at` once (simulations and fault injection see one write per
@@ -101,6 +109,31 @@ impl SegmentWriters {
         if pool.len() < self.max_in_flight {
             pool.push(buffer);
         }
+    }
+}
+
+/// The host's count of ENOSPC from its scratch files' filesystem, shared by the files given it
+/// with [`ScratchFile::with_space_shortages`].
+#[derive(Debug, Default)]
+pub struct SpaceShortages(AtomicU64);
+
+impl SpaceShortages {
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Counts `result` if it is ENOSPC, and passes it on.
+    fn note<T>(&self, result: io::Result<T>) -> io::Result<T> {
+        if let Err(error) = &result {
+            if error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        result
     }
 }
 
@@ -191,6 +224,8 @@ pub struct ScratchFile {
     /// filesystem refuses it (tmpfs before Linux 6.6) or background writes are off.
     direct: Option<Arc<File>>,
     writers: Option<Arc<SegmentWriters>>,
+    /// Shared with the host's other scratch files; a file of its own when none was given.
+    shortages: Arc<SpaceShortages>,
     path: PathBuf,
 }
 
@@ -199,7 +234,7 @@ impl ScratchFile {
     pub fn create(dir: &Path, name: &str, logical_size: u64) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-        let scratch = Self { file: Arc::new(file), direct: None, writers: None, path };
+        let scratch = Self { file: Arc::new(file), direct: None, writers: None, shortages: Arc::default(), path };
         scratch.file.set_len(logical_size)?;
         Ok(scratch)
     }
@@ -224,6 +259,13 @@ impl ScratchFile {
             }
         }
         self.writers = Some(writers);
+        self
+    }
+
+    /// Counts this file's ENOSPC in `shortages`, which the host's other scratch files share, so
+    /// that their spill logs hear of a full filesystem (see [`BackingFile::space_shortages`]).
+    pub fn with_space_shortages(mut self, shortages: Arc<SpaceShortages>) -> Self {
+        self.shortages = shortages;
         self
     }
 }
@@ -283,7 +325,7 @@ fn write_segment(
 
 impl BackingFile for ScratchFile {
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
-        self.file.write_all_at(data, offset)
+        self.shortages.note(self.file.write_all_at(data, offset))
     }
 
     fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
@@ -309,22 +351,31 @@ impl BackingFile for ScratchFile {
         Some(&self.path)
     }
 
+    fn space_shortages(&self) -> u64 {
+        self.shortages.count()
+    }
+
     fn write_pages_at(&mut self, pages: &[Box<Block>], offset: u64) -> io::Result<()> {
-        write_pages(&self.file, pages, offset)
+        self.shortages.note(write_pages(&self.file, pages, offset))
     }
 
     fn start_segment_write(&mut self, pages: &Arc<SegmentPages>, offset: u64) -> SegmentWrite {
         let Some(writers) = self.writers.as_ref().filter(|writers| writers.try_start()) else {
             // In line, through the page cache: an aligned copy would cost the VM's own thread.
-            return SegmentWrite::finished(write_pages(&self.file, pages, offset));
+            return SegmentWrite::finished(self.write_pages_at(pages, offset));
         };
         let (done, result) = mpsc::sync_channel(1);
         let (direct, buffered, shared) = (self.direct.clone(), Arc::clone(&self.file), Arc::clone(pages));
-        let writer = Arc::clone(writers);
+        let (writer, shortages) = (Arc::clone(writers), Arc::clone(&self.shortages));
         // A thread per segment rather than a pool of threads: a spawn costs tens of
         // microseconds against a 2 MiB write, and the permit already bounds how many run.
         let spawned = std::thread::Builder::new().name("spill-writer".into()).stack_size(64 * 1024).spawn(move || {
-            let written = write_segment(direct.as_deref().map(|file| (file, &*writer)), &buffered, &shared, offset);
+            let written = shortages.note(write_segment(
+                direct.as_deref().map(|file| (file, &*writer)),
+                &buffered,
+                &shared,
+                offset,
+            ));
             // The pages go back to their owner before the result does: the VM's reference is
             // then the last, and its thread frees them as soon as it hears.
             drop(shared);
@@ -336,7 +387,7 @@ impl BackingFile for ScratchFile {
             Err(error) => {
                 writers.finished();
                 tracing::debug!(%error, "no spill writer thread; writing in the request's thread");
-                SegmentWrite::finished(write_pages(&self.file, pages, offset))
+                SegmentWrite::finished(self.write_pages_at(pages, offset))
             }
         }
     }

@@ -15,7 +15,7 @@ use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::stats::GuestOp;
 use overspill_engine::{
     BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
-    SegmentWriters, VmStats, WriteCacheMode,
+    SegmentWriters, SpaceShortages, VmStats, WriteCacheMode,
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Payload};
@@ -105,6 +105,9 @@ pub struct OverlayExports {
     record_dir: Option<PathBuf>,
     /// Shared by every VM's spill file: how many segments are written in the background at once.
     segment_writers: Arc<SegmentWriters>,
+    /// Shared by every VM's files: a full filesystem heard of by one makes the others' spill
+    /// logs give back the dead segments they keep for reuse.
+    space_shortages: Arc<SpaceShortages>,
 }
 
 // Everything, and cheaply: the cache lives as long as the VM's connection by design, so an
@@ -147,6 +150,7 @@ impl OverlayExports {
             next_vm: AtomicU64::new(1),
             record_dir: None,
             segment_writers,
+            space_shortages: SpaceShortages::new(),
         })
     }
 
@@ -207,7 +211,8 @@ impl OverlayExports {
             BackingKind::LocalCache => (&self.settings.spill_dir, "cache", size),
             BackingKind::SharedDifferencing => (&self.settings.shared_dir, "diff", size),
         };
-        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{suffix}"), logical)?;
+        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{suffix}"), logical)?
+            .with_space_shortages(self.space_shortages.clone());
         Ok(match kind {
             // A VM's requests need not wait for its last segment to reach the disk.
             BackingKind::SpillLog if self.settings.spill_writers > 0 => {

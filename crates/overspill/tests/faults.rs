@@ -257,6 +257,35 @@ impl Drop for SmallFs {
 // ---------------------------------------------------------------------------------------------
 // Tests
 
+/// What [`write_until_refused`] writes at a time.
+const CHUNK: usize = 256 * 1024;
+
+/// Writes fresh chunks from `start` on until one is refused, calling `between` with the count
+/// acknowledged so far after each; returns the acknowledged chunks and the refusal. Fails if
+/// 28 MiB go in (the tests' filesystems hold 16).
+fn write_until_refused(
+    client: &mut Client,
+    start: u64,
+    server: &Server,
+    mut between: impl FnMut(usize),
+) -> (Vec<(u64, Vec<u8>)>, ClientError) {
+    let mut acked: Vec<(u64, Vec<u8>)> = Vec::new();
+    loop {
+        let offset = start + (acked.len() * CHUNK) as u64;
+        assert!(
+            offset - start < 28 * MIB,
+            "28 MiB written and a 16 MiB filesystem never filled:\n{}",
+            server.log_text()
+        );
+        let data = pseudo_random(CHUNK, 1000 + offset / CHUNK as u64);
+        match client.write(offset, &data, false) {
+            Ok(()) => acked.push((offset, data)),
+            Err(error) => return (acked, error),
+        }
+        between(acked.len());
+    }
+}
+
 /// The spill filesystem fills up: the VM writing gets ENOSPC and keeps what it was told it
 /// wrote; another VM on the same server goes on reading and writing in its RAM.
 #[test]
@@ -275,26 +304,17 @@ fn a_full_spill_filesystem_gives_enospc_to_the_writer_and_others_go_on() {
     b.write(b_area, &b_data, false).expect("B writes into RAM");
 
     // A writes fresh data until the filesystem is full; each acknowledged chunk is remembered.
-    let chunk = 256 * 1024;
-    let mut acked: Vec<(u64, Vec<u8>)> = Vec::new();
-    let enospc = loop {
-        let offset = acked.len() as u64 * chunk as u64;
-        assert!(offset < 28 * MIB, "28 MiB written and a 16 MiB filesystem never filled:\n{}", server.log_text());
-        let data = pseudo_random(chunk, 1000 + acked.len() as u64);
-        match a.write(offset, &data, false) {
-            Ok(()) => acked.push((offset, data)),
-            Err(error) => break error,
-        }
+    let (acked, enospc) = write_until_refused(&mut a, 0, &server, |written| {
         // B, between A's writes: its blocks, and the golden image where it wrote nothing.
-        let i = acked.len() % 64;
-        let block = pseudo_random(4096, 2000 + acked.len() as u64);
+        let i = written % 64;
+        let block = pseudo_random(4096, 2000 + written as u64);
         b.write(b_area + i as u64 * 4096, &block, false).expect("B writes while A fills the disk");
         b_data[i * 4096..(i + 1) * 4096].copy_from_slice(&block);
         read_back(&mut b, b_area, &b_data, "B's blocks while A fills the disk");
-    };
+    });
     assert_eq!(enospc.errno(), Some(ENOSPC), "A's write failed with {enospc}, not ENOSPC");
-    eprintln!("A: {} KiB acknowledged, then {enospc}", acked.len() * chunk / 1024);
-    assert!(acked.len() * chunk >= 8 * MIB as usize, "A got {} KiB in before ENOSPC", acked.len() * chunk / 1024);
+    eprintln!("A: {} KiB acknowledged, then {enospc}", acked.len() * CHUNK / 1024);
+    assert!(acked.len() * CHUNK >= 8 * MIB as usize, "A got {} KiB in before ENOSPC", acked.len() * CHUNK / 1024);
     let spill = server.spill_files();
     assert_eq!(spill.len(), 2, "one spill file per VM: {spill:?}");
 
@@ -330,6 +350,62 @@ fn a_full_spill_filesystem_gives_enospc_to_the_writer_and_others_go_on() {
     let data = pseudo_random(4 * MIB as usize, 77);
     c.write(0, &data, false).expect("C spills once A's file is gone");
     read_back(&mut c, 0, &data, "C's data");
+}
+
+/// A VM keeps a few dead segments of its spill file allocated, to write its next segments over
+/// them; once another VM is refused space, it gives them back at its next write, and the VM
+/// that was refused can write again.
+#[test]
+fn a_vm_refused_space_gets_back_the_dead_segments_another_vm_keeps() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, _) = golden_file(tmp.path(), 41);
+    let fs = SmallFs::mount(&tmp.path().join("spill"), 16);
+    let server = Server::start(tmp.path(), "s", &golden, &fs.dir, &["--ram", "8M"]);
+
+    // B fills its RAM and spills four segments; then it trims what is in RAM and overwrites
+    // three spilled segments' worth, which now fits in RAM: those segments die with nothing
+    // to take their place, and stay allocated, kept. One spilled segment stays live (a log
+    // with nothing live gives its kept segments back by itself).
+    let mut b = server.client("b");
+    let (b_ram, b_spilled) = (6 * MIB, 8 * MIB);
+    let write_all = |b: &mut Client, offset: u64, data: &[u8]| {
+        for (i, piece) in data.chunks(CHUNK).enumerate() {
+            b.write(offset + (i * CHUNK) as u64, piece, false).expect("B's writes fit");
+        }
+    };
+    let first = pseudo_random((b_ram + b_spilled) as usize, 500);
+    write_all(&mut b, 0, &first);
+    b.trim(0, b_ram as u32).expect("B trims what it holds in RAM");
+    let overwrite = pseudo_random(6 * MIB as usize, 501);
+    write_all(&mut b, b_ram, &overwrite);
+    let b_file = server.spill_files().into_iter().next().expect("B's spill file");
+    let b_before = allocated_bytes(&b_file);
+    eprintln!("B's spill file: {} KiB allocated", b_before / 1024);
+    assert!(b_before >= 6 * MIB, "B's dead segments are not kept: {} KiB", b_before / 1024);
+
+    // A fills the rest of the filesystem.
+    let mut a = server.client("a");
+    let (acked, enospc) = write_until_refused(&mut a, 0, &server, |_| {});
+    assert_eq!(enospc.errno(), Some(ENOSPC), "A's write failed with {enospc}, not ENOSPC");
+    assert_eq!(allocated_bytes(&b_file), b_before, "B kept its space while it did nothing");
+
+    // B's next write (one block, into its RAM) hears of it and punches its dead segments.
+    b.write(b_ram, &overwrite[..4096], false).expect("B writes into RAM");
+    let b_after = allocated_bytes(&b_file);
+    eprintln!("B's spill file: {} KiB allocated after A was refused", b_after / 1024);
+    assert!(b_before - b_after >= 4 * MIB, "B gave back only {} KiB", (b_before - b_after) / 1024);
+
+    // A writes again where it was refused, and everything of both reads back.
+    let offset = (acked.len() * CHUNK) as u64;
+    let data = pseudo_random(CHUNK, 9);
+    a.write(offset, &data, false).expect("A writes in the space B gave back");
+    read_back(&mut a, offset, &data, "A's write after B gave space back");
+    for (offset, data) in &acked {
+        read_back(&mut a, *offset, data, "A's acknowledged data");
+    }
+    read_back(&mut b, b_ram, &overwrite, "B's overwritten blocks");
+    let live = (b_ram + 6 * MIB) as usize;
+    read_back(&mut b, live as u64, &first[live..], "B's blocks still in its spill log");
 }
 
 /// A server killed with SIGKILL leaves its spill file behind; the next server on the directory
