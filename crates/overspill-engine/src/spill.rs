@@ -15,8 +15,8 @@
 //! segment whose last slot dies becomes free and, beyond the few kept for reuse, is punched out
 //! of the file, so the file's allocated size follows the live data. A TRIM gives the kept ones
 //! back too ([`SpillLog::give_back_kept`]), and so does the next write of every VM once any file
-//! on the filesystem was refused space ([`SpillLog::heed_space_shortages`]), so that kept space
-//! never makes another VM fail. Segments with few live slots are compacted by the
+//! on the filesystem was refused space ([`SpillLog::heed_space_shortages`]), so that space kept
+//! for reuse does not keep another VM refused. Segments with few live slots are compacted by the
 //! overlay (which owns the map) when free space runs low or garbage outweighs live data.
 //!
 //! With a byte limit, one free segment is held back for compaction so that compaction can always
