@@ -24,7 +24,7 @@ pub enum EngineError {
 impl EngineError {
     /// File errors become `NoSpace` when the filesystem is full, so the guest sees ENOSPC, not EIO.
     pub fn from_io(what: &'static str, source: io::Error) -> Self {
-        if source.raw_os_error() == Some(libc_enospc()) || source.kind() == io::ErrorKind::StorageFull {
+        if is_no_space(&source) {
             Self::NoSpace(format!("{what}: {source}"))
         } else {
             Self::Io { what, source }
@@ -32,8 +32,9 @@ impl EngineError {
     }
 }
 
-fn libc_enospc() -> i32 {
-    rustix::io::Errno::NOSPC.raw_os_error()
+/// Whether a file error says the filesystem is full.
+pub(crate) fn is_no_space(error: &io::Error) -> bool {
+    error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) || error.kind() == io::ErrorKind::StorageFull
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

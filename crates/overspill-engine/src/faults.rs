@@ -321,7 +321,7 @@ const PAGE: u64 = 4096;
 pub struct SpaceLimit {
     capacity_pages: u64,
     used_pages: AtomicU64,
-    /// Writes it cut short: what [`BackingFile::space_shortages`] reports for its files.
+    /// Pages it refused: what [`BackingFile::space_shortages`] reports for its files.
     shortages: AtomicU64,
 }
 
@@ -346,11 +346,16 @@ impl SpaceLimit {
         self.capacity_pages * PAGE
     }
 
-    /// Takes one page if there is room.
+    /// Takes one page if there is room; counts a shortage if not.
     fn take(&self) -> bool {
-        self.used_pages
+        let took = self
+            .used_pages
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| (used < self.capacity_pages).then_some(used + 1))
-            .is_ok()
+            .is_ok();
+        if !took {
+            self.shortages.fetch_add(1, Ordering::Relaxed);
+        }
+        took
     }
 
     fn give_back(&self, pages: u64) {
@@ -436,11 +441,6 @@ impl FaultyFile {
         };
         if fits > 0 {
             self.inner.write_at(&data[..fits], offset)?;
-        }
-        if fits < data.len() {
-            if let Some(space) = &self.space {
-                space.limit.shortages.fetch_add(1, Ordering::Relaxed);
-            }
         }
         Ok(fits == data.len())
     }

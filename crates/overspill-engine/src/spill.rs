@@ -1,4 +1,4 @@
-//! The spill log: RAM overflow packed into 2 MiB segments, each written with one `pwrite`.
+//! The spill log: RAM overflow packed into 2 MiB segments, each written in one sequential pass.
 //!
 //! A segment is in one of three states:
 //! - **free**: no data; its range of the file is a hole (never written, or punched), or, for

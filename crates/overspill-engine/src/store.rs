@@ -24,6 +24,7 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
 
 use rustix::fs::{FallocateFlags, OFlags};
 
+use crate::error::is_no_space;
 use crate::units::{Block, BLOCK_SIZE, SEGMENT_BYTES};
 
 /// A spill segment's blocks, slot by slot, each in the page it was received into or kept in RAM.
@@ -126,12 +127,10 @@ impl SpaceShortages {
         self.0.load(Ordering::Relaxed)
     }
 
-    /// Counts `result` if it is ENOSPC, and passes it on.
+    /// Counts `result` if it says the filesystem is full, and passes it on.
     fn note<T>(&self, result: io::Result<T>) -> io::Result<T> {
-        if let Err(error) = &result {
-            if error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
-                self.0.fetch_add(1, Ordering::Relaxed);
-            }
+        if result.as_ref().is_err_and(is_no_space) {
+            self.0.fetch_add(1, Ordering::Relaxed);
         }
         result
     }
