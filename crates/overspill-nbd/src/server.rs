@@ -59,42 +59,87 @@ impl fmt::Display for ListenAddr {
     }
 }
 
-/// A bound listening socket.
+/// A bound listening socket. A Unix socket remembers the file it made, so that it removes that
+/// file and nothing else when it goes.
 #[derive(Debug)]
 pub enum Listener {
-    Unix(UnixListener, PathBuf),
+    Unix(UnixListener, PathBuf, Option<FileIdentity>),
     Tcp(TcpListener),
 }
 
+/// Device and inode of a file, to tell "the socket we made" from whatever replaced it since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileIdentity {
+    device: u64,
+    inode: u64,
+}
+
+impl FileIdentity {
+    fn of(path: &std::path::Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let metadata = std::fs::symlink_metadata(path).ok()?;
+        Some(Self { device: metadata.dev(), inode: metadata.ino() })
+    }
+}
+
 impl Listener {
-    /// Binds the address. A stale Unix socket file (nobody accepting on it) is replaced; a live
-    /// one is an error, so two servers never fight over one path.
+    /// Binds the address. At a Unix path, only a stale socket (a socket file nobody accepts on)
+    /// is replaced: a live socket, or anything that is not a socket (a golden image given by
+    /// mistake), is an error that names the path, and nothing is removed.
     pub fn bind(addr: &ListenAddr) -> std::io::Result<Self> {
         match addr {
             ListenAddr::Unix(path) => {
-                if path.exists() {
-                    if UnixStream::connect(path).is_ok() {
-                        return Err(std::io::Error::new(
-                            std::io::ErrorKind::AddrInUse,
-                            format!("a server is already listening on {}", path.display()),
-                        ));
-                    }
-                    std::fs::remove_file(path)?;
-                }
-                Ok(Self::Unix(UnixListener::bind(path)?, path.clone()))
+                remove_stale_socket(path)?;
+                let listener = UnixListener::bind(path)
+                    .map_err(|e| std::io::Error::new(e.kind(), format!("binding {}: {e}", path.display())))?;
+                Ok(Self::Unix(listener, path.clone(), FileIdentity::of(path)))
             }
-            ListenAddr::Tcp(addr) => Ok(Self::Tcp(TcpListener::bind(addr.as_str())?)),
+            ListenAddr::Tcp(addr) => TcpListener::bind(addr.as_str())
+                .map(Self::Tcp)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}"))),
         }
+    }
+
+    /// Wraps a socket that is already listening (systemd's socket activation hands one over):
+    /// its file, if any, belongs to whoever made it and is never removed by this server.
+    pub fn from_unix(listener: UnixListener) -> Self {
+        let path = listener.local_addr().ok().and_then(|a| a.as_pathname().map(PathBuf::from)).unwrap_or_default();
+        Self::Unix(listener, path, None)
     }
 
     /// The bound address, with the real port when port 0 was asked for.
     pub fn local_addr(&self) -> ListenAddr {
         match self {
-            Self::Unix(_, path) => ListenAddr::Unix(path.clone()),
+            Self::Unix(_, path, _) => ListenAddr::Unix(path.clone()),
             Self::Tcp(listener) => {
                 ListenAddr::Tcp(listener.local_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_else(|_| "?".into()))
             }
         }
+    }
+}
+
+/// Makes room for a new socket at `path`: nothing there, or a socket file that refuses
+/// connections (its server died) and is removed. Anything else is left as it is and refused.
+fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    use std::os::unix::fs::FileTypeExt;
+    let metadata = match std::fs::symlink_metadata(path) {
+        Ok(metadata) => metadata,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::new(e.kind(), format!("{}: {e}", path.display()))),
+    };
+    if !metadata.file_type().is_socket() {
+        return Err(Error::new(
+            ErrorKind::AlreadyExists,
+            format!("{} exists and is not a socket; it is left alone (choose another --listen path)", path.display()),
+        ));
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(Error::new(ErrorKind::AddrInUse, format!("a server is already listening on {}", path.display()))),
+        // Only "nobody accepts here" proves the socket stale; a permission error proves nothing.
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => std::fs::remove_file(path)
+            .map_err(|e| Error::new(e.kind(), format!("removing the stale socket {}: {e}", path.display()))),
+        Err(e) => Err(Error::new(e.kind(), format!("{} is a socket that cannot be checked: {e}", path.display()))),
     }
 }
 
@@ -122,7 +167,7 @@ impl ListenerWaker {
 impl Listener {
     fn waker(&self) -> std::io::Result<ListenerWaker> {
         let socket = match self {
-            Self::Unix(l, _) => l.try_clone()?.into(),
+            Self::Unix(l, ..) => l.try_clone()?.into(),
             Self::Tcp(l) => l.try_clone()?.into(),
         };
         Ok(ListenerWaker { socket, addr: self.local_addr() })
@@ -131,8 +176,12 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Self::Unix(_, path) = self {
-            let _ = std::fs::remove_file(path);
+        // Only the socket this listener made: the path may have been taken over since, or the
+        // socket may be systemd's.
+        if let Self::Unix(_, path, Some(made)) = self {
+            if FileIdentity::of(path) == Some(*made) {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }
@@ -278,7 +327,7 @@ impl Server {
             }
             next_id += 1;
             let accepted = match listener {
-                Listener::Unix(l, _) => l.accept().map(|(s, _)| self.spawn_unless_stopping(s, next_id, "unix".into())),
+                Listener::Unix(l, ..) => l.accept().map(|(s, _)| self.spawn_unless_stopping(s, next_id, "unix".into())),
                 Listener::Tcp(l) => l.accept().map(|(s, peer)| {
                     // Replies are batched by the connection; Nagle would only add latency.
                     let _ = s.set_nodelay(true);
@@ -376,5 +425,52 @@ impl Transport for Box<dyn Transport> {
 
     fn read_stopper(&self) -> Option<ReadStopper> {
         (**self).read_stopper()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unix(path: &std::path::Path) -> ListenAddr {
+        ListenAddr::Unix(path.to_owned())
+    }
+
+    #[test]
+    fn a_file_at_the_listen_path_that_is_not_a_socket_is_refused_and_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("golden.img");
+        std::fs::write(&path, b"precious").expect("write");
+        let error = Listener::bind(&unix(&path)).expect_err("a regular file is no socket");
+        assert!(error.to_string().contains("not a socket"), "{error}");
+        assert!(error.to_string().contains("golden.img"), "{error}");
+        assert_eq!(std::fs::read(&path).expect("still there"), b"precious");
+    }
+
+    #[test]
+    fn a_live_socket_is_refused_and_a_stale_one_replaced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("nbd.sock");
+        let first = Listener::bind(&unix(&path)).expect("bind");
+        let error = Listener::bind(&unix(&path)).expect_err("someone listens there");
+        assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse, "{error}");
+        drop(first);
+        // A dead server's socket: the file stays, nobody accepts.
+        drop(UnixListener::bind(&path).expect("bind"));
+        assert!(path.exists());
+        let second = Listener::bind(&unix(&path)).expect("stale socket replaced");
+        drop(second);
+        assert!(!path.exists(), "the listener removes the socket it made");
+    }
+
+    #[test]
+    fn a_listener_does_not_remove_what_replaced_its_socket() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("nbd.sock");
+        let listener = Listener::bind(&unix(&path)).expect("bind");
+        std::fs::remove_file(&path).expect("remove");
+        std::fs::write(&path, b"someone else's").expect("write");
+        drop(listener);
+        assert_eq!(std::fs::read(&path).expect("kept"), b"someone else's");
     }
 }

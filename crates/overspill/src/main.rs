@@ -19,6 +19,8 @@ struct Cli {
     log_json: bool,
 }
 
+// Parsed once at start: the size of the largest set of flags costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve golden images over NBD, one copy-on-write overlay per connection (VM).
@@ -47,7 +49,15 @@ fn main() -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level))?;
     // Colour codes only for a terminal: a log file or journald gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
+    // Log lines go through a bounded queue to a thread of their own, which drops what it cannot
+    // write: a stalled or dead reader of stderr (`serve | tee log`, tee killed) must not block
+    // a VM's requests or panic the thread that logs.
+    let (writer, _flush_at_exit) = tracing_appender::non_blocking(ErrorlessStderr);
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .with_ansi(ansi)
+        .log_internal_errors(false);
     if cli.log_json {
         logs.json().init();
     } else {
@@ -60,5 +70,22 @@ fn main() -> anyhow::Result<()> {
         Command::Replay(args) => replay::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Image(args) => images::run(args),
+    }
+}
+
+/// Standard error that reports every write as done: a log line that cannot be written is lost,
+/// and nothing else happens (the queue in front of it would otherwise print about it to the same
+/// broken stream).
+struct ErrorlessStderr;
+
+impl std::io::Write for ErrorlessStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
     }
 }

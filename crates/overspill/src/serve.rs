@@ -3,7 +3,7 @@
 //! (and their cache files) and the socket, and exit 0.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +50,14 @@ pub struct ServeArgs {
     /// unix:PATH or tcp:HOST:PORT.
     #[arg(long, default_value = "tcp:127.0.0.1:10809")]
     listen: ListenAddr,
+    /// Permissions of a unix: socket, in octal (for example 660). A client needs write permission
+    /// to connect; the default leaves what the umask gives.
+    #[arg(long, value_name = "OCTAL", value_parser = parse_socket_mode)]
+    socket_mode: Option<u32>,
+    /// Group of a unix: socket, by name or number: the group QEMU runs as under libvirt
+    /// (libvirt-qemu on Debian, qemu elsewhere), with --socket-mode 660.
+    #[arg(long, value_name = "GROUP")]
+    socket_group: Option<String>,
     /// Where each VM's writes go: ram+disk, ram, disk or shared.
     #[arg(long, default_value = "ram+disk")]
     mode: WriteCacheMode,
@@ -183,6 +191,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle())?;
     let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+    if let ListenAddr::Unix(path) = &args.listen {
+        set_socket_access(path, args.socket_mode, args.socket_group.as_deref())?;
+    } else if args.socket_mode.is_some() || args.socket_group.is_some() {
+        bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
+    }
     tracing::info!(
         listen = %listener.local_addr(),
         mode = %args.mode,
@@ -202,6 +215,36 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Removes the Unix socket.
     drop(listener);
     tracing::info!("shut down");
+    Ok(())
+}
+
+fn parse_socket_mode(text: &str) -> Result<u32, String> {
+    match u32::from_str_radix(text, 8) {
+        Ok(mode) if mode <= 0o777 => Ok(mode),
+        _ => Err(format!("{text:?}: give permission bits in octal, for example 660")),
+    }
+}
+
+/// Gives the socket its group, then its mode: until then it has the umask's, never more.
+fn set_socket_access(path: &Path, mode: Option<u32>, group: Option<&str>) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(group) = group {
+        let gid = match group.parse::<u32>() {
+            Ok(gid) => nix::unistd::Gid::from_raw(gid),
+            Err(_) => {
+                nix::unistd::Group::from_name(group)
+                    .with_context(|| format!("looking up group {group:?}"))?
+                    .with_context(|| format!("--socket-group {group:?}: no such group"))?
+                    .gid
+            }
+        };
+        nix::unistd::chown(path, None, Some(gid))
+            .with_context(|| format!("giving {} to group {group}", path.display()))?;
+    }
+    if let Some(mode) = mode {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("setting mode {mode:o} on {}", path.display()))?;
+    }
     Ok(())
 }
 
