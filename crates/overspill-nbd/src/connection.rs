@@ -327,6 +327,10 @@ fn transmit<T: Transport>(
         let mut raw = [0u8; REQUEST_HEADER_BYTES];
         raw.copy_from_slice(&wire.buffered()[..REQUEST_HEADER_BYTES]);
         let header = RequestHeader::parse(&raw)?;
+        if session.device.closing() {
+            tracing::info!(export = %session.export, "device taken away: closing the connection unanswered");
+            break;
+        }
         let payload = header.payload_bytes(max)? as usize;
         let unread = (REQUEST_HEADER_BYTES + payload).saturating_sub(wire.buffered().len());
         if unread > DIRECT_RECEIVE_BYTES || REQUEST_HEADER_BYTES + payload > INPUT_BYTES {
@@ -362,7 +366,10 @@ fn transmit<T: Transport>(
                 reply_status(wire, &session, header.cookie, Err((errno, "invalid request".into())));
                 false
             }
-            Ok(Command::Disconnect) => true,
+            Ok(Command::Disconnect) => {
+                session.device.disconnect();
+                true
+            }
             Ok(Command::Read { offset, length }) => {
                 read(wire, &mut session, header.cookie, offset, length);
                 false

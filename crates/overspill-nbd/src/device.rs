@@ -60,6 +60,9 @@ pub enum DeviceErrorKind {
     NotSupported,
     /// EPERM: the device is read-only.
     ReadOnly,
+    /// The export exists but this client may not open it now (a VM name already connected,
+    /// or whose state was lost); NBD_REP_ERR_POLICY at the handshake.
+    Refused,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,6 +124,16 @@ pub trait BlockDevice: Send {
     ) -> Result<(), DeviceError>;
     fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError>;
     fn flush(&mut self) -> Result<(), DeviceError>;
+    /// The client sent NBD_CMD_DISC: it is done with the device (a VM powered off or its QEMU
+    /// quit). Any other end of a connection (reset, EOF, error, timeout) comes without this call,
+    /// so a device can tell a deliberate end from a lost connection when it is dropped.
+    fn disconnect(&mut self) {}
+    /// Whether the connection should end now, before serving the request it has just read: the
+    /// device was taken away (an operator reset it). The request stays unanswered, so a client
+    /// that reconnects sends it again.
+    fn closing(&self) -> bool {
+        false
+    }
 }
 
 /// One export as listed by NBD_OPT_LIST and described by NBD_OPT_INFO.

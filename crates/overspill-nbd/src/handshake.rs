@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use crate::device::{BlockDevice, Capabilities, ExportAccess, ExportInfo, ExportProvider};
+use crate::device::{BlockDevice, Capabilities, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider};
 use crate::tls::TlsMode;
 use crate::wire::*;
 
@@ -337,8 +337,9 @@ impl Handshake {
             match exports.open(&name) {
                 Ok(device) => Some(device),
                 Err(error) => {
-                    tracing::warn!(export = %name, %error, "could not open export");
-                    option_reply(out, option, REP_ERR_UNKNOWN, format!("cannot open export: {error}").as_bytes());
+                    tracing::warn!(export = ?name, %error, "could not open export");
+                    let reply = if error.kind == DeviceErrorKind::Refused { REP_ERR_POLICY } else { REP_ERR_UNKNOWN };
+                    option_reply(out, option, reply, format!("cannot open export: {}", error.message).as_bytes());
                     return Progress::NeedMore;
                 }
             }

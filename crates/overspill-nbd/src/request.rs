@@ -80,7 +80,7 @@ pub fn errno_of(kind: DeviceErrorKind) -> Errno {
         DeviceErrorKind::NoSpace => Errno::NoSpc,
         DeviceErrorKind::Invalid => Errno::Inval,
         DeviceErrorKind::NotSupported => Errno::NotSup,
-        DeviceErrorKind::ReadOnly => Errno::Perm,
+        DeviceErrorKind::ReadOnly | DeviceErrorKind::Refused => Errno::Perm,
     }
 }
 

@@ -1,27 +1,29 @@
 //! Wiring: each NBD connection gets a fresh engine overlay over the golden image it asked for.
 //!
-//! An export name is `IMAGE` or `IMAGE@VM`: the part after `@` names the VM in logs and metrics;
-//! without it the server numbers connections. The empty name is the `--base` image. Cache files
+//! An export name is `IMAGE` or `IMAGE@VM`: the part after `@` names the VM, whose overlay then
+//! outlives a lost connection for the reconnect grace (see `vms`); without it the server numbers
+//! connections and each overlay ends with its connection. The empty name is the `--base` image. Cache files
 //! are named `overspill-<server pid>-<vm number>.<kind>` so that a restarted server can tell the
 //! files of dead servers (removed at start) from those of live ones (left alone).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::stats::GuestOp;
 use overspill_engine::{
     BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
-    SegmentWriters, SpaceShortages, VmStats, WriteCacheMode,
+    SegmentWriters, SpaceShortages, WriteCacheMode,
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Payload};
 use overspill_storm::profile::OpKind;
 
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
+use crate::vms::{check_vm_name, Claim, Ending, Lifecycle, VmRegistry};
 use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
 /// Where and how every VM's write cache is kept.
@@ -43,57 +45,6 @@ pub struct CacheSettings {
     pub read_cache_bytes: u64,
 }
 
-/// A connected VM, for metrics and status views.
-#[derive(Debug, Clone)]
-pub struct VmHandle {
-    pub export: String,
-    pub vm: String,
-    pub stats: Arc<VmStats>,
-}
-
-/// The VMs connected now, and the summed counters of those that left, so that server-wide
-/// counters never go down.
-#[derive(Debug, Default)]
-pub struct VmRegistry {
-    inner: Mutex<Registered>,
-}
-
-#[derive(Debug, Default)]
-struct Registered {
-    vms: BTreeMap<u64, VmHandle>,
-    departed: VmStats,
-}
-
-impl VmRegistry {
-    pub fn snapshot(&self) -> Vec<VmHandle> {
-        self.lock().vms.values().cloned().collect()
-    }
-
-    /// The connected VMs and a copy of the departed VMs' counters, taken together so that a VM
-    /// leaving during a scrape is counted exactly once.
-    pub fn snapshot_with_departed(&self) -> (Vec<VmHandle>, VmStats) {
-        let inner = self.lock();
-        let departed = VmStats::default();
-        departed.absorb(&inner.departed);
-        (inner.vms.values().cloned().collect(), departed)
-    }
-
-    fn insert(&self, number: u64, handle: VmHandle) {
-        self.lock().vms.insert(number, handle);
-    }
-
-    fn remove(&self, number: u64) {
-        let mut inner = self.lock();
-        if let Some(handle) = inner.vms.remove(&number) {
-            inner.departed.absorb(&handle.stats);
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Registered> {
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
 pub struct OverlayExports {
     images: BTreeMap<String, Arc<dyn GoldenImage>>,
     versions: Option<OpenVersions>,
@@ -101,7 +52,6 @@ pub struct OverlayExports {
     settings: CacheSettings,
     host: Arc<HostMemory>,
     registry: Arc<VmRegistry>,
-    next_vm: AtomicU64,
     record_dir: Option<PathBuf>,
     /// Shared by every VM's spill file: how many segments are written in the background at once.
     segment_writers: Arc<SegmentWriters>,
@@ -146,12 +96,18 @@ impl OverlayExports {
             read_caches,
             settings,
             host,
-            registry: Arc::default(),
-            next_vm: AtomicU64::new(1),
+            registry: VmRegistry::new(Lifecycle::default())?,
             record_dir: None,
             segment_writers,
             space_shortages: SpaceShortages::new(),
         })
+    }
+
+    /// Keeps named VMs' overlays over lost connections, and their ledger, as `lifecycle` says.
+    /// Call before serving: VMs registered before are forgotten.
+    pub fn with_lifecycle(&mut self, lifecycle: Lifecycle) -> std::io::Result<()> {
+        self.registry = VmRegistry::new(lifecycle)?;
+        Ok(())
     }
 
     /// Records every VM's requests to `dir/<vm>-<n>.trace` (see `overspill_storm::trace`).
@@ -246,8 +202,32 @@ impl ExportProvider for OverlayExports {
     }
 
     fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
-        let (image_name, image) = self.image(name)?;
-        let number = self.next_vm.fetch_add(1, Ordering::Relaxed);
+        let vm_name = match name.split_once('@') {
+            Some((_, vm)) => {
+                check_vm_name(vm).map_err(|message| DeviceError::new(DeviceErrorKind::Refused, message))?;
+                Some(vm)
+            }
+            None => None,
+        };
+        // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
+        let (number, reset, vm) = match self.registry.claim(vm_name, Self::image_name(name))? {
+            Claim::Resume { number, reset, parked } => (number, reset, *parked),
+            Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
+                Ok(vm) => (number, reset, vm),
+                Err(error) => {
+                    self.registry.forget_failed(number);
+                    return Err(error);
+                }
+            },
+        };
+        Ok(Box::new(EngineDevice { vm: Some(vm), number, reset, clean: false, registry: self.registry.clone() }))
+    }
+}
+
+impl OverlayExports {
+    /// A fresh overlay over the image's current version, with the counters the registry keeps.
+    fn new_overlay(&self, name: &str, number: u64) -> Result<VmOverlay, DeviceError> {
+        let (image_label, image) = self.image(name)?;
         let vm = name.split_once('@').map_or_else(|| format!("vm-{number}"), |(_, vm)| vm.to_owned());
         let settings = &self.settings;
         let backing = match settings.mode.backing_file() {
@@ -262,12 +242,9 @@ impl ExportProvider for OverlayExports {
             ram_target_bytes: settings.ram_target_bytes,
             spill_max_bytes: settings.spill_max_bytes,
         };
-        let stats = Arc::new(VmStats::default());
-        let overlay =
-            Overlay::new(image.clone(), config, backing, self.host.clone(), stats.clone()).map_err(device_error)?;
-        let handle = VmHandle { export: image_name.to_owned(), vm: vm.clone(), stats };
-        self.registry.insert(number, handle);
-        tracing::info!(export = image_name, vm, mode = %settings.mode, "VM connected");
+        let stats = self.registry.stats(number).unwrap_or_default();
+        let overlay = Overlay::new(image.clone(), config, backing, self.host.clone(), stats).map_err(device_error)?;
+        tracing::info!(export = image_label, vm, mode = %settings.mode, "VM connected");
         let recorder =
             match &self.record_dir {
                 Some(dir) => Some(Recorder::create(dir, &vm, number, image.size()).map_err(|e| {
@@ -275,17 +252,50 @@ impl ExportProvider for OverlayExports {
                 })?),
                 None => None,
             };
-        Ok(Box::new(EngineDevice { overlay, number, vm, registry: self.registry.clone(), recorder }))
+        Ok(VmOverlay { overlay, vm, recorder })
     }
 }
 
-/// One VM's overlay behind the protocol's device trait.
-struct EngineDevice {
+/// A VM's overlay and what goes with it; it outlives the connection while the VM is in grace.
+pub struct VmOverlay {
     overlay: Overlay,
-    number: u64,
     vm: String,
-    registry: Arc<VmRegistry>,
     recorder: Option<Recorder>,
+}
+
+impl Drop for VmOverlay {
+    fn drop(&mut self) {
+        if let Some(recorder) = self.recorder.take() {
+            if let Err(error) = recorder.writer.finish() {
+                tracing::warn!(vm = %self.vm, %error, "could not finish the trace");
+            }
+        }
+        let s = self.overlay.stats();
+        tracing::info!(
+            vm = %self.vm,
+            guest_reads = s.guest_read.ops.get(),
+            guest_writes = s.guest_write.ops.get(),
+            golden_reads = s.golden_read.ops.get(),
+            spill_segments = s.spill_segments_written.get(),
+            spill_write_ops = s.spill_write.ops.get(),
+            spill_write_bytes = s.spill_write.bytes.get(),
+            cache_memory_peak_bytes = s.cache_memory_peak_bytes.get(),
+            cache_disk_peak_bytes = s.cache_disk_peak_bytes.get(),
+            "VM disconnected; its cache is dropped"
+        );
+    }
+}
+
+/// One VM's overlay behind the protocol's device trait, for one connection.
+struct EngineDevice {
+    /// Taken out only when the connection ends.
+    vm: Option<VmOverlay>,
+    number: u64,
+    /// Set by an operator's reset: the connection closes at its next request.
+    reset: Arc<AtomicBool>,
+    /// The client sent NBD_CMD_DISC.
+    clean: bool,
+    registry: Arc<VmRegistry>,
 }
 
 /// One VM's trace being written: every request, timed from the VM's connection.
@@ -327,38 +337,47 @@ impl Recorder {
 
 impl Drop for EngineDevice {
     fn drop(&mut self) {
-        if let Some(recorder) = self.recorder.take() {
-            if let Err(error) = recorder.writer.finish() {
-                tracing::warn!(vm = %self.vm, %error, "could not finish the trace");
-            }
+        let ending = if self.clean || self.reset.load(Ordering::SeqCst) { Ending::Deliberate } else { Ending::Lost };
+        // Dropped here, outside the registry's lock, unless the registry keeps it for a reconnect.
+        if let Some(vm) = self.vm.take() {
+            drop(self.registry.end(self.number, ending, vm));
         }
-        self.registry.remove(self.number);
-        let s = self.overlay.stats();
-        tracing::info!(
-            vm = %self.vm,
-            guest_reads = s.guest_read.ops.get(),
-            guest_writes = s.guest_write.ops.get(),
-            golden_reads = s.golden_read.ops.get(),
-            spill_segments = s.spill_segments_written.get(),
-            spill_write_ops = s.spill_write.ops.get(),
-            spill_write_bytes = s.spill_write.bytes.get(),
-            cache_memory_peak_bytes = s.cache_memory_peak_bytes.get(),
-            cache_disk_peak_bytes = s.cache_disk_peak_bytes.get(),
-            "VM disconnected; its cache is dropped"
-        );
     }
 }
 
 impl EngineDevice {
+    fn vm(&mut self) -> &mut VmOverlay {
+        self.vm.as_mut().expect("a device has its overlay until it is dropped")
+    }
+
+    /// Records the request in the VM's trace, if it is recorded.
+    fn record(&mut self, kind: OpKind, offset: u64, length: u64) {
+        if let Some(r) = self.vm().recorder.as_mut() {
+            r.record(kind, offset, length);
+        }
+    }
+
+    /// Before a request that changes the disk is acknowledged: the ledger knows this VM has
+    /// writes that a server's end would lose (a no-op after the first).
+    fn about_to_change(&mut self) -> Result<(), DeviceError> {
+        self.registry.mark_written(self.number).map_err(|e| {
+            DeviceError::new(
+                DeviceErrorKind::Io,
+                format!("cannot record in the state directory that this VM has writes: {e}"),
+            )
+        })
+    }
+
     /// Runs one engine call and records its service time (the engine itself keeps no clock).
     fn timed(
         &mut self,
         op: GuestOp,
         call: impl FnOnce(&mut Overlay) -> Result<(), EngineError>,
     ) -> Result<(), DeviceError> {
+        let overlay = &mut self.vm().overlay;
         let start = Instant::now();
-        let result = call(&mut self.overlay);
-        self.overlay.stats().latency(op).record(start.elapsed());
+        let result = call(overlay);
+        overlay.stats().latency(op).record(start.elapsed());
         result.map_err(device_error)
     }
 }
@@ -375,7 +394,7 @@ fn device_error(error: EngineError) -> DeviceError {
 
 impl BlockDevice for EngineDevice {
     fn size(&self) -> u64 {
-        self.overlay.size()
+        self.vm.as_ref().map_or(0, |vm| vm.overlay.size())
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -383,16 +402,13 @@ impl BlockDevice for EngineDevice {
     }
 
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        if let Some(r) = self.recorder.as_mut() {
-            r.record(OpKind::Read, offset, buf.len() as u64);
-        }
+        self.record(OpKind::Read, offset, buf.len() as u64);
         self.timed(GuestOp::Read, |o| o.read(offset, buf))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
-        if let Some(r) = self.recorder.as_mut() {
-            r.record(OpKind::Write, offset, data.len() as u64);
-        }
+        self.about_to_change()?;
+        self.record(OpKind::Write, offset, data.len() as u64);
         self.timed(GuestOp::Write, |o| o.write(offset, data))
     }
 
@@ -403,11 +419,12 @@ impl BlockDevice for EngineDevice {
         _fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
+        self.about_to_change()?;
         // The latency is the engine's: the time the client took to send the data is not in it.
         let start = Instant::now();
         let mut receiving = Duration::ZERO;
-        let recorder = &mut self.recorder;
-        let result = self.overlay.write_received(offset, length, |buffers| {
+        let VmOverlay { overlay, recorder, .. } = self.vm();
+        let result = overlay.write_received(offset, length, |buffers| {
             let received = Instant::now();
             let result = payload.receive(buffers);
             receiving = received.elapsed();
@@ -417,29 +434,33 @@ impl BlockDevice for EngineDevice {
             }
             result
         });
-        self.overlay.stats().latency(GuestOp::Write).record(start.elapsed().saturating_sub(receiving));
+        overlay.stats().latency(GuestOp::Write).record(start.elapsed().saturating_sub(receiving));
         result.map_err(device_error)
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
-        if let Some(r) = self.recorder.as_mut() {
-            r.record(OpKind::Zero, offset, length);
-        }
+        self.about_to_change()?;
+        self.record(OpKind::Zero, offset, length);
         self.timed(GuestOp::Zero, |o| o.write_zeroes(offset, length))
     }
 
     fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
-        if let Some(r) = self.recorder.as_mut() {
-            r.record(OpKind::Trim, offset, length);
-        }
+        self.about_to_change()?;
+        self.record(OpKind::Trim, offset, length);
         self.timed(GuestOp::Trim, |o| o.trim(offset, length))
     }
 
     fn flush(&mut self) -> Result<(), DeviceError> {
-        if let Some(r) = self.recorder.as_mut() {
-            r.record(OpKind::Flush, 0, 0);
-        }
+        self.record(OpKind::Flush, 0, 0);
         self.timed(GuestOp::Flush, Overlay::flush)
+    }
+
+    fn disconnect(&mut self) {
+        self.clean = true;
+    }
+
+    fn closing(&self) -> bool {
+        self.reset.load(Ordering::Relaxed)
     }
 }
 

@@ -1,6 +1,7 @@
 //! The `overspill` command's library half: the wiring of engine and protocol (exports), the
 //! subcommands, and small command-line helpers. It owns no storage or protocol logic.
 
+pub mod control;
 pub mod exports;
 pub mod images;
 pub mod metrics;
@@ -11,3 +12,4 @@ pub mod serve;
 pub mod size;
 pub mod stat;
 pub mod storm;
+pub mod vms;

@@ -2,7 +2,7 @@
 //! or protocol logic lives here.
 
 use clap::{Parser, Subcommand};
-use overspill::{images, plan, replay, serve, stat, storm};
+use overspill::{control, images, plan, replay, serve, stat, storm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
@@ -37,13 +37,20 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Golden images with versions: list, publish, choose the one new VMs get.
     Image(images::ImageArgs),
+    /// A running server's named VMs: list them, reset or drop one (through its control socket).
+    Vm(control::VmArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Serve(_) => "info",
-        Command::Storm(_) | Command::Stat(_) | Command::Replay(_) | Command::Plan(_) | Command::Image(_) => "warn",
+        Command::Storm(_)
+        | Command::Stat(_)
+        | Command::Replay(_)
+        | Command::Plan(_)
+        | Command::Image(_)
+        | Command::Vm(_) => "warn",
     };
     let level = cli.log.as_deref().unwrap_or(default_level);
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level))?;
@@ -70,6 +77,7 @@ fn main() -> anyhow::Result<()> {
         Command::Replay(args) => replay::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Image(args) => images::run(args),
+        Command::Vm(args) => control::run(args),
     }
 }
 

@@ -19,8 +19,8 @@ use overspill_engine::read_cache::ReadCacheStats;
 use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
 use overspill_engine::{HostMemory, VmStats};
 
-use crate::exports::VmRegistry;
 use crate::images::ReadCacheList;
+use crate::vms::VmRegistry;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -344,7 +344,19 @@ pub fn render(
     }
 
     read_cache_figures(&mut w, read_caches);
-    w.header("overspill_connected_vms", "VMs connected now.", "gauge");
+    w.header(
+        "overspill_vms",
+        "Named VMs by state: connected, resetting, in-grace (waiting to reconnect), lost (refused until reset).",
+        "gauge",
+    );
+    for (state, count) in registry.state_counts() {
+        w.sample("overspill_vms", &[("state", state.as_str().to_owned())], count as f64);
+    }
+    w.header(
+        "overspill_connected_vms",
+        "VMs with an overlay now (connected, or in grace waiting to reconnect).",
+        "gauge",
+    );
     w.sample("overspill_connected_vms", &[], vms.len() as f64);
     w.header("overspill_host_cache_memory_used_bytes", "Cache memory of all VMs together.", "gauge");
     w.sample("overspill_host_cache_memory_used_bytes", &[], host.used_bytes() as f64);

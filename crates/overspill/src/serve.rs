@@ -15,10 +15,12 @@ use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
 use overspill_sources::{open_source, Source, SourceSettings};
 
+use crate::control;
 use crate::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use crate::metrics;
 use crate::security::SecurityArgs;
 use crate::size::{format_bytes, parse_bytes};
+use crate::vms::Lifecycle;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -102,6 +104,17 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics (and /healthz) on tcp:HOST:PORT.
     #[arg(long, value_name = "tcp:HOST:PORT")]
     metrics: Option<String>,
+    /// How long a named VM (export IMAGE@NAME) whose connection was lost without NBD_CMD_DISC
+    /// keeps its overlay for it to reconnect (e.g. 30s, 5m; 0 drops it at once).
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    reconnect_grace: Duration,
+    /// Where the server notes which named VMs have writes, so that a later server refuses the
+    /// names whose writes it lost instead of serving them golden data (default: SPILL_DIR/state).
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+    /// The control socket of `overspill vm` (default: STATE_DIR/control.sock).
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10)]
     handshake_timeout: u64,
@@ -164,6 +177,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.images {
         exports.with_image_store(dir);
     }
+    let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
+    exports
+        .with_lifecycle(Lifecycle { reconnect_grace: args.reconnect_grace, state_dir: Some(state_dir.clone()) })
+        .with_context(|| format!("state directory {}", state_dir.display()))?;
+    let registry = exports.registry();
+    let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
+    let control = control::spawn(&control_path, registry.clone())?;
     if let Some(dir) = &args.record {
         exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
     }
@@ -202,6 +222,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ram_per_vm = %format_bytes(args.ram),
         ram_total = %format_bytes(args.ram_total),
         tls = ?config_tls_mode,
+        reconnect_grace = %humantime::format_duration(args.reconnect_grace),
+        control = %control_path.display(),
         "serving"
     );
     server.run(&listener).context("accepting connections")?;
@@ -212,10 +234,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             "connections still busy after {DRAIN_TIMEOUT:?}; exiting anyway (the next server removes their files)"
         );
     }
-    // Removes the Unix socket.
+    // Overlays kept for VMs to reconnect go with the server; their names stay in the ledger.
+    registry.abandon_all_in_grace();
+    // Removes the Unix sockets.
     drop(listener);
+    drop(control);
     tracing::info!("shut down");
     Ok(())
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    humantime::parse_duration(text).map_err(|e| format!("{text:?}: {e} (for example 30s, 5m, 1h)"))
 }
 
 fn parse_socket_mode(text: &str) -> Result<u32, String> {

@@ -85,6 +85,10 @@ impl Server {
             .arg(spill_dir)
             .arg("--shared-dir")
             .arg(dir.join(format!("{name}-shared")))
+            // Servers may share a spill directory, never a state directory (its ledger and
+            // control socket are one server's).
+            .arg("--state-dir")
+            .arg(dir.join(format!("{name}-state")))
             // No host-memory pressure from whatever else runs on the machine: targets stay put.
             .args(["--ram-floor", "0"])
             .args(extra)

@@ -137,6 +137,9 @@ impl Server {
             .arg(&shared_dir)
             // No host-memory pressure from whatever else runs on the machine: targets stay put.
             .args(["--ram-floor", "0"])
+            // These tests watch overlays end with their connections (libnbd's clients close
+            // without NBD_CMD_DISC); overlays waiting for a reconnect are tests/lifecycle.rs's.
+            .args(["--reconnect-grace", "0"])
             .args(extra)
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())

@@ -71,7 +71,10 @@ fn socket_mode_and_group_let_exactly_the_chosen_group_connect() {
     assert_eq!(out.stdout.trim(), (4u64 << 20).to_string());
     drop(server);
 
-    let server = Serve::start(tmp.path(), &[&base[..], &["--socket-mode", "600"]].concat(), &[], || socket.exists());
+    // The first server was killed: its socket file stays until the next one replaces it.
+    let server = Serve::start(tmp.path(), &[&base[..], &["--socket-mode", "600"]].concat(), &[], || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
     let out = as_nobody(&uri);
     assert!(!out.status.success(), "another user connected to a 600 socket:\n{}", out.all());
     assert!(out.all().contains("ermission denied"), "{}", out.all());

@@ -1,0 +1,614 @@
+//! The VMs a server knows, and how long each one's overlay lives.
+//!
+//! A VM is named by its export name, `IMAGE@NAME`; a connection without a name is anonymous:
+//! its overlay is its own and ends with it, as it always did. A named VM's overlay is in one of
+//! these states:
+//!
+//! ```text
+//!            open (name free)                 NBD_CMD_DISC, vm reset, vm drop, grace over
+//!   (none) ─────────────────▶ connected ─────────────────────────────────────────▶ (none)
+//!                              │     ▲
+//!     connection lost          │     │ open with the same name and image
+//!     (EOF, reset, error,      ▼     │
+//!      idle timeout)          in grace ─── vm reset / vm drop / grace over ──────▶ (none)
+//!
+//!   lost: a server of this boot ended while the VM had writes it could not hand over; its name
+//!   is refused until `vm reset` (never served golden data in place of its writes)
+//! ```
+//!
+//! "Connected" admits one connection per name: a second one would see another disk. The ledger
+//! (`--state-dir`) holds one small file per named VM with acknowledged writes, made before the
+//! first of them is acknowledged and removed when its overlay deliberately ends; a server that
+//! starts and finds files of an earlier server of the same boot knows which names lost their
+//! writes. Files from an earlier boot are void (the VMs died with the host) and are removed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use overspill_engine::VmStats;
+use overspill_nbd::{DeviceError, DeviceErrorKind};
+use serde::{Deserialize, Serialize};
+
+use crate::exports::VmOverlay;
+
+/// Longest VM name.
+pub const VM_NAME_MAX: usize = 64;
+
+/// VM names key state that outlives a connection and name files: 1-64 of `[A-Za-z0-9._-]`, not
+/// starting with `.`.
+pub fn check_vm_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= VM_NAME_MAX
+        && !name.starts_with('.')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "VM name {name:?} is not allowed: use 1-{VM_NAME_MAX} letters, digits, '-', '_' or '.', not starting with '.'"
+        ))
+    }
+}
+
+/// How long overlays outlive their connections, and where the ledger is kept.
+#[derive(Debug, Clone, Default)]
+pub struct Lifecycle {
+    /// A named VM whose connection ended without NBD_CMD_DISC keeps its overlay this long;
+    /// zero drops it at once.
+    pub reconnect_grace: Duration,
+    /// The ledger's directory; `None` keeps no ledger (in-process servers of a storm).
+    pub state_dir: Option<PathBuf>,
+}
+
+/// A VM's state, as `vm list` and the metrics show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VmState {
+    Connected,
+    /// Reset asked while connected: the connection closes at its next request.
+    Resetting,
+    InGrace,
+    Lost,
+}
+
+impl VmState {
+    pub const ALL: [VmState; 4] = [Self::Connected, Self::Resetting, Self::InGrace, Self::Lost];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connected => "connected",
+            Self::Resetting => "resetting",
+            Self::InGrace => "in-grace",
+            Self::Lost => "lost",
+        }
+    }
+}
+
+impl fmt::Display for VmState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A VM with an overlay, for metrics and status views.
+#[derive(Debug, Clone)]
+pub struct VmHandle {
+    pub export: String,
+    pub vm: String,
+    pub stats: Arc<VmStats>,
+}
+
+/// One line of `vm list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmStatus {
+    pub vm: String,
+    pub image: String,
+    pub state: VmState,
+    pub memory_bytes: u64,
+    pub spill_bytes: u64,
+    pub age_s: u64,
+    /// Seconds of grace left (in grace), or why the VM is lost.
+    pub detail: String,
+}
+
+/// What a named connection's end means for its overlay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// NBD_CMD_DISC, or an operator reset: the overlay ends.
+    Deliberate,
+    /// The connection was lost: the overlay waits for the VM to reconnect.
+    Lost,
+}
+
+/// What a VM's connection got from [`VmRegistry::claim`].
+pub enum Claim {
+    /// A new overlay is to be made; the VM is registered as connected under `number`.
+    Fresh { number: u64, reset: Arc<AtomicBool> },
+    /// The overlay the VM left behind, with its counters.
+    Resume { number: u64, reset: Arc<AtomicBool>, parked: Box<VmOverlay> },
+}
+
+#[derive(Debug, Default)]
+pub struct VmRegistry {
+    inner: Mutex<Registered>,
+    lifecycle: Lifecycle,
+    ledger: Option<Ledger>,
+}
+
+#[derive(Default)]
+struct Registered {
+    vms: BTreeMap<u64, Entry>,
+    /// Named VMs' numbers.
+    names: HashMap<String, u64>,
+    /// Names whose writes were lost with an earlier server, and why.
+    lost: BTreeMap<String, String>,
+    departed: VmStats,
+    next_number: u64,
+}
+
+impl fmt::Debug for Registered {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registered").field("vms", &self.vms.len()).field("lost", &self.lost).finish_non_exhaustive()
+    }
+}
+
+struct Entry {
+    handle: VmHandle,
+    named: bool,
+    created: Instant,
+    reset: Arc<AtomicBool>,
+    /// The ledger has this VM's file.
+    marked: bool,
+    grace: Option<Grace>,
+}
+
+struct Grace {
+    until: Instant,
+    parked: VmOverlay,
+}
+
+/// Registry locks guard plain bookkeeping: a panic elsewhere leaves it usable.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl VmRegistry {
+    /// A registry with a ledger in `lifecycle.state_dir` (created if missing), which learns
+    /// from the files there which names lost their writes with an earlier server.
+    pub fn new(lifecycle: Lifecycle) -> std::io::Result<Arc<Self>> {
+        let ledger = match &lifecycle.state_dir {
+            Some(dir) => Some(Ledger::open(dir)?),
+            None => None,
+        };
+        let lost = ledger.as_ref().map(Ledger::lost_names).unwrap_or_default();
+        for (vm, why) in &lost {
+            tracing::warn!(vm, why, "VM refused until `overspill vm reset` ({why})");
+        }
+        let registry = Arc::new(Self {
+            inner: Mutex::new(Registered { lost, next_number: 1, ..Registered::default() }),
+            lifecycle,
+            ledger,
+        });
+        if !registry.lifecycle.reconnect_grace.is_zero() {
+            spawn_grace_keeper(Arc::downgrade(&registry));
+        }
+        Ok(registry)
+    }
+
+    pub fn reconnect_grace(&self) -> Duration {
+        self.lifecycle.reconnect_grace
+    }
+
+    /// Every VM with an overlay, connected or in grace.
+    pub fn snapshot(&self) -> Vec<VmHandle> {
+        lock(&self.inner).vms.values().map(|e| e.handle.clone()).collect()
+    }
+
+    /// The VMs with an overlay and a copy of the ended VMs' counters, taken together so that a
+    /// VM ending during a scrape is counted exactly once.
+    pub fn snapshot_with_departed(&self) -> (Vec<VmHandle>, VmStats) {
+        let inner = lock(&self.inner);
+        let departed = VmStats::default();
+        departed.absorb(&inner.departed);
+        (inner.vms.values().map(|e| e.handle.clone()).collect(), departed)
+    }
+
+    /// Named VMs and their states (anonymous connections are not listed).
+    pub fn list(&self) -> Vec<VmStatus> {
+        let inner = lock(&self.inner);
+        let now = Instant::now();
+        let mut out: Vec<VmStatus> = inner
+            .vms
+            .values()
+            .filter(|e| e.named)
+            .map(|e| {
+                let state = entry_state(e);
+                let detail = match &e.grace {
+                    Some(grace) => format!("{}s of grace left", grace.until.saturating_duration_since(now).as_secs()),
+                    None => String::new(),
+                };
+                VmStatus {
+                    vm: e.handle.vm.clone(),
+                    image: e.handle.export.clone(),
+                    state,
+                    memory_bytes: e.handle.stats.cache_memory_used_bytes.get(),
+                    spill_bytes: e.handle.stats.cache_disk_used_bytes.get(),
+                    age_s: now.duration_since(e.created).as_secs(),
+                    detail,
+                }
+            })
+            .collect();
+        out.extend(inner.lost.iter().map(|(vm, why)| VmStatus {
+            vm: vm.clone(),
+            image: String::new(),
+            state: VmState::Lost,
+            memory_bytes: 0,
+            spill_bytes: 0,
+            age_s: 0,
+            detail: why.clone(),
+        }));
+        out.sort_by(|a, b| a.vm.cmp(&b.vm));
+        out
+    }
+
+    /// How many VMs are in each state.
+    pub fn state_counts(&self) -> Vec<(VmState, u64)> {
+        let inner = lock(&self.inner);
+        VmState::ALL
+            .into_iter()
+            .map(|state| {
+                let count = match state {
+                    VmState::Lost => inner.lost.len() as u64,
+                    _ => inner.vms.values().filter(|e| e.named && entry_state(e) == state).count() as u64,
+                };
+                (state, count)
+            })
+            .collect()
+    }
+
+    /// Admits a connection: anonymous (`vm` is `None`) or named. A named VM resumes its overlay
+    /// if it has one in grace over the same image; it is refused while another connection has
+    /// it, or when its writes were lost.
+    pub fn claim(&self, vm: Option<&str>, export: &str) -> Result<Claim, DeviceError> {
+        let refuse = |message: String| {
+            tracing::warn!(vm = ?vm.unwrap_or_default(), export, "VM refused: {message}");
+            Err(DeviceError::new(DeviceErrorKind::Refused, message))
+        };
+        let mut inner = lock(&self.inner);
+        let number = inner.next_number;
+        let Some(vm) = vm else {
+            inner.next_number += 1;
+            let reset = Arc::new(AtomicBool::new(false));
+            inner.vms.insert(number, Entry::new(export, &format!("vm-{number}"), false, reset.clone()));
+            return Ok(Claim::Fresh { number, reset });
+        };
+        if let Some(why) = inner.lost.get(vm) {
+            return refuse(format!(
+                "VM {vm} had writes that were lost ({why}); run `overspill vm reset {vm}` to start it from the golden image"
+            ));
+        }
+        if let Some(&existing) = inner.names.get(vm) {
+            let entry = inner.vms.get_mut(&existing).expect("names point at entries");
+            if entry.grace.is_none() {
+                return refuse(format!("VM {vm} is already connected; one connection per VM"));
+            }
+            if entry.handle.export != export {
+                return refuse(format!(
+                    "VM {vm} has an overlay over {} waiting for it; it cannot reconnect to {export} \
+                     (`overspill vm reset {vm}` first)",
+                    entry.handle.export
+                ));
+            }
+            let grace = entry.grace.take().expect("checked");
+            tracing::info!(vm, export, "VM reconnected: its overlay resumes");
+            return Ok(Claim::Resume { number: existing, reset: entry.reset.clone(), parked: Box::new(grace.parked) });
+        }
+        inner.next_number += 1;
+        let reset = Arc::new(AtomicBool::new(false));
+        inner.vms.insert(number, Entry::new(export, vm, true, reset.clone()));
+        inner.names.insert(vm.to_owned(), number);
+        Ok(Claim::Fresh { number, reset })
+    }
+
+    /// The counters of a VM just claimed, shared with its overlay.
+    pub fn stats(&self, number: u64) -> Option<Arc<VmStats>> {
+        lock(&self.inner).vms.get(&number).map(|e| e.handle.stats.clone())
+    }
+
+    /// Records in the ledger that a named VM has writes, before the first is acknowledged.
+    pub fn mark_written(&self, number: u64) -> std::io::Result<()> {
+        let Some(ledger) = &self.ledger else { return Ok(()) };
+        let mut inner = lock(&self.inner);
+        let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
+        if entry.named && !entry.marked {
+            ledger.mark(&entry.handle.vm, &entry.handle.export)?;
+            entry.marked = true;
+        }
+        Ok(())
+    }
+
+    /// A connection of VM `number` ended. A named VM that lost its connection keeps `parked` for
+    /// the grace period; otherwise it is returned, for the caller to drop outside the lock.
+    pub fn end(&self, number: u64, ending: Ending, parked: VmOverlay) -> Option<VmOverlay> {
+        let mut inner = lock(&self.inner);
+        let grace = self.lifecycle.reconnect_grace;
+        let keep = match inner.vms.get(&number) {
+            Some(entry) => {
+                entry.named && ending == Ending::Lost && !grace.is_zero() && !entry.reset.load(Ordering::SeqCst)
+            }
+            None => false,
+        };
+        if keep {
+            let entry = inner.vms.get_mut(&number).expect("checked");
+            tracing::info!(
+                vm = %entry.handle.vm,
+                grace_s = grace.as_secs(),
+                "VM connection lost without NBD_CMD_DISC: its overlay waits for it to reconnect"
+            );
+            entry.grace = Some(Grace { until: Instant::now() + grace, parked });
+            return None;
+        }
+        self.forget(&mut inner, number);
+        Some(parked)
+    }
+
+    /// A VM claimed whose overlay could not be made.
+    pub fn forget_failed(&self, number: u64) {
+        let mut inner = lock(&self.inner);
+        let parked = self.forget(&mut inner, number);
+        drop(inner);
+        drop(parked);
+    }
+
+    /// Ends a VM's overlay whatever its state: a connected VM's connection closes at its next
+    /// request (unanswered, so its client sends it again to the fresh overlay).
+    pub fn reset(&self, vm: &str) -> Result<String, String> {
+        self.end_by_name(vm, true)
+    }
+
+    /// Ends the overlay of a VM that is not connected (in grace or lost).
+    pub fn drop_vm(&self, vm: &str) -> Result<String, String> {
+        self.end_by_name(vm, false)
+    }
+
+    fn end_by_name(&self, vm: &str, even_connected: bool) -> Result<String, String> {
+        let mut inner = lock(&self.inner);
+        if inner.lost.remove(vm).is_some() {
+            if let Some(ledger) = &self.ledger {
+                ledger.unmark(vm);
+            }
+            tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
+            return Ok(format!("{vm}: its lost writes are forgotten; it starts from the golden image"));
+        }
+        let Some(&number) = inner.names.get(vm) else { return Err(format!("no VM named {vm:?}")) };
+        let entry = inner.vms.get_mut(&number).expect("names point at entries");
+        if entry.grace.is_none() {
+            if !even_connected {
+                return Err(format!("{vm} is connected: `vm reset {vm}` disconnects it and drops its overlay"));
+            }
+            entry.reset.store(true, Ordering::SeqCst);
+            tracing::info!(vm, "VM reset by the operator: its connection closes at its next request");
+            return Ok(format!("{vm}: reset; its connection closes at its next request and it starts over"));
+        }
+        let parked = self.forget(&mut inner, number);
+        drop(inner);
+        drop(parked);
+        tracing::info!(vm, "VM overlay dropped by the operator");
+        Ok(format!("{vm}: overlay dropped; the next connection starts from the golden image"))
+    }
+
+    /// Drops every overlay in grace, for a server that stops: their VMs' ledger files stay, so
+    /// that the next server refuses those names rather than serve them golden data.
+    pub fn abandon_all_in_grace(&self) {
+        let mut inner = lock(&self.inner);
+        let numbers: Vec<u64> = inner.vms.iter().filter(|(_, e)| e.grace.is_some()).map(|(n, _)| *n).collect();
+        let mut parked = Vec::new();
+        for number in numbers {
+            if let Some(entry) = inner.vms.get_mut(&number) {
+                if entry.marked {
+                    tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
+                }
+                entry.marked = false;
+            }
+            parked.extend(self.forget(&mut inner, number));
+        }
+        drop(inner);
+        drop(parked);
+    }
+
+    /// Overlays whose grace ran out, taken out of the registry.
+    fn expire(&self, now: Instant) -> Vec<VmOverlay> {
+        let mut inner = lock(&self.inner);
+        let expired: Vec<u64> = inner
+            .vms
+            .iter()
+            .filter(|(_, e)| e.grace.as_ref().is_some_and(|g| g.until <= now))
+            .map(|(n, _)| *n)
+            .collect();
+        expired
+            .into_iter()
+            .filter_map(|n| {
+                let vm = inner.vms.get(&n).map(|e| e.handle.vm.clone()).unwrap_or_default();
+                tracing::info!(vm, "VM did not reconnect within its grace: its overlay is dropped");
+                self.forget(&mut inner, n)
+            })
+            .collect()
+    }
+
+    /// Removes a VM: its counters go to the departed, its ledger file goes. Returns its parked
+    /// overlay, if it had one.
+    fn forget(&self, inner: &mut Registered, number: u64) -> Option<VmOverlay> {
+        let entry = inner.vms.remove(&number)?;
+        inner.departed.absorb(&entry.handle.stats);
+        if entry.named {
+            inner.names.remove(&entry.handle.vm);
+        }
+        if entry.marked {
+            if let Some(ledger) = &self.ledger {
+                ledger.unmark(&entry.handle.vm);
+            }
+        }
+        entry.grace.map(|g| g.parked)
+    }
+}
+
+impl Entry {
+    fn new(export: &str, vm: &str, named: bool, reset: Arc<AtomicBool>) -> Self {
+        Self {
+            handle: VmHandle { export: export.to_owned(), vm: vm.to_owned(), stats: Arc::default() },
+            named,
+            created: Instant::now(),
+            reset,
+            marked: false,
+            grace: None,
+        }
+    }
+}
+
+fn entry_state(entry: &Entry) -> VmState {
+    match (&entry.grace, entry.reset.load(Ordering::Relaxed)) {
+        (Some(_), _) => VmState::InGrace,
+        (None, true) => VmState::Resetting,
+        (None, false) => VmState::Connected,
+    }
+}
+
+/// Ends overlays whose grace ran out, once a second, for as long as the registry lives.
+fn spawn_grace_keeper(registry: Weak<VmRegistry>) {
+    let spawned = std::thread::Builder::new().name("vm-grace".into()).spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(250));
+        let Some(registry) = registry.upgrade() else { return };
+        // Dropped here, outside the lock: an overlay's drop waits for its last segment write.
+        drop(registry.expire(Instant::now()));
+    });
+    if let Err(error) = spawned {
+        tracing::error!(%error, "could not start the grace keeper: overlays in grace are kept until reset");
+    }
+}
+
+/// One file per named VM with acknowledged writes: `DIR/vm-NAME.json`.
+#[derive(Debug)]
+struct Ledger {
+    dir: PathBuf,
+    boot_id: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LedgerEntry {
+    vm: String,
+    image: String,
+    pid: u32,
+    boot_id: String,
+    since_unix_s: u64,
+}
+
+impl Ledger {
+    fn open(dir: &Path) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("state directory {}: {e}", dir.display())))?;
+        Ok(Self { dir: dir.to_owned(), boot_id: boot_id() })
+    }
+
+    fn path(&self, vm: &str) -> PathBuf {
+        self.dir.join(format!("vm-{vm}.json"))
+    }
+
+    fn mark(&self, vm: &str, image: &str) -> std::io::Result<()> {
+        let entry = LedgerEntry {
+            vm: vm.to_owned(),
+            image: image.to_owned(),
+            pid: std::process::id(),
+            boot_id: self.boot_id.clone(),
+            since_unix_s: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        };
+        let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
+        let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
+        std::fs::write(&partial, text)?;
+        std::fs::rename(&partial, self.path(vm))
+    }
+
+    fn unmark(&self, vm: &str) {
+        if let Err(error) = std::fs::remove_file(self.path(vm)) {
+            if error.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(vm, %error, "could not remove the VM's ledger file");
+            }
+        }
+    }
+
+    /// Names whose files an earlier server of this boot left: their writes are gone. Files of
+    /// an earlier boot are removed; files of a live server are left to it.
+    fn lost_names(&self) -> BTreeMap<String, String> {
+        let mut lost = BTreeMap::new();
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return lost };
+        for file in entries.flatten() {
+            let name = file.file_name();
+            let Some(vm) = name.to_str().and_then(|n| n.strip_prefix("vm-")?.strip_suffix(".json")) else { continue };
+            if check_vm_name(vm).is_err() {
+                continue;
+            }
+            let entry =
+                std::fs::read(file.path()).ok().and_then(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes).ok());
+            match entry {
+                Some(e) if e.boot_id != self.boot_id => {
+                    tracing::info!(vm, "ledger file of an earlier boot removed (its VM ended with the host)");
+                    self.unmark(vm);
+                }
+                Some(e) if e.pid != std::process::id() && Path::new(&format!("/proc/{}", e.pid)).exists() => {}
+                Some(e) => {
+                    lost.insert(
+                        vm.to_owned(),
+                        format!("server pid {} ended while it held them, over {}", e.pid, e.image),
+                    );
+                }
+                None => {
+                    lost.insert(vm.to_owned(), "its ledger file is unreadable".to_owned());
+                }
+            }
+        }
+        lost
+    }
+}
+
+/// This boot of the host; a ledger file from another boot speaks of VMs that no longer run.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_names_are_plain() {
+        for good in ["vm-17", "a", "Win7.pool_3", &"x".repeat(64)] {
+            assert!(check_vm_name(good).is_ok(), "{good}");
+        }
+        for bad in ["", ".", "..", ".hidden", "../../tmp/pwned", "a/b", "x\ny", "a b", "q\"{}", &"x".repeat(65)] {
+            assert!(check_vm_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_ledger_names_what_a_dead_server_of_this_boot_left_and_forgets_other_boots() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ledger = Ledger::open(dir.path()).expect("ledger");
+        ledger.mark("same-pid", "golden").expect("mark");
+        let write = |vm: &str, pid: u32, boot: &str| {
+            let entry =
+                LedgerEntry { vm: vm.into(), image: "golden".into(), pid, boot_id: boot.into(), since_unix_s: 0 };
+            std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
+        };
+        // A pid above the kernel's maximum (4194304) is never alive.
+        write("crashed", 4_294_967, &ledger.boot_id);
+        write("old-boot", 4_294_967, "another boot");
+        std::fs::write(ledger.path("garbled"), b"{").expect("write");
+        let lost = ledger.lost_names();
+        assert_eq!(lost.keys().map(String::as_str).collect::<Vec<_>>(), ["crashed", "garbled", "same-pid"]);
+        assert!(!ledger.path("old-boot").exists(), "the earlier boot's file is removed");
+        assert!(lost["crashed"].contains("4294967"), "{}", lost["crashed"]);
+    }
+}

@@ -1,0 +1,337 @@
+//! A named VM's overlay lives as long as the VM, not as long as its connection: a connection
+//! lost without NBD_CMD_DISC is resumed within the reconnect grace, a second connection for a
+//! live name is refused, `overspill vm` lists, resets and drops, and a server that died with a
+//! VM's writes makes the next one refuse that name until it is reset (never golden data in place
+//! of its writes). Against the real binary, with our client and with qemu-io.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use overspill_nbd::client::{Client, NbdUri};
+use serde_json::Value;
+use tempfile::TempDir;
+
+mod common;
+use common::{assert_same, pseudo_random, run_tool, Serve};
+
+const GOLDEN_BYTES: usize = 32 << 20;
+/// Enough to spill against a 1 MiB RAM target: the resumed overlay is RAM tier and spill log.
+const WRITTEN_BYTES: usize = 8 << 20;
+const WAIT: Duration = Duration::from_secs(15);
+
+struct Host {
+    dir: TempDir,
+    golden: PathBuf,
+    golden_bytes: Vec<u8>,
+    socket: PathBuf,
+}
+
+impl Host {
+    fn new() -> Self {
+        let dir = TempDir::new().expect("tempdir");
+        let golden = dir.path().join("golden.img");
+        let golden_bytes = pseudo_random(GOLDEN_BYTES, 3);
+        std::fs::write(&golden, &golden_bytes).expect("golden image");
+        let socket = dir.path().join("nbd.sock");
+        Self { dir, golden, golden_bytes, socket }
+    }
+
+    fn serve(&self, extra: &[&str]) -> Serve {
+        let listen = format!("unix:{}", self.socket.display());
+        let mut args = vec!["--base", self.golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "1M"];
+        args.extend_from_slice(extra);
+        // A killed server leaves its socket file: ready is when a connection is accepted.
+        let socket = self.socket.clone();
+        Serve::start(self.dir.path(), &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
+    }
+
+    fn uri(&self, vm: &str) -> NbdUri {
+        format!("nbd+unix:///{}?socket={}", export(vm), self.socket.display()).parse().expect("uri")
+    }
+
+    fn connect(&self, vm: &str) -> Client {
+        Client::connect(&self.uri(vm)).unwrap_or_else(|e| panic!("connecting {vm}: {e}"))
+    }
+
+    fn control(&self) -> PathBuf {
+        self.dir.path().join("spill/state/control.sock")
+    }
+
+    /// `overspill vm ARGS` against this host's server.
+    fn vm_command(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("vm")
+            .arg("--control")
+            .arg(self.control())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("overspill vm");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    }
+
+    fn states(&self) -> Vec<(String, String)> {
+        let (ok, text) = self.vm_command(&["list", "--json"]);
+        assert!(ok, "vm list: {text}");
+        let vms: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("vm list --json: {e}: {text}"));
+        vms.as_array()
+            .expect("array")
+            .iter()
+            .map(|v| (v["vm"].as_str().unwrap_or("").to_owned(), v["state"].as_str().unwrap_or("").to_owned()))
+            .collect()
+    }
+
+    fn assert_golden_untouched(&self) {
+        assert_same(&std::fs::read(&self.golden).expect("golden"), &self.golden_bytes, "golden image");
+    }
+}
+
+fn export(vm: &str) -> String {
+    if vm.is_empty() {
+        String::new()
+    } else {
+        format!("@{vm}")
+    }
+}
+
+/// Writes `WRITTEN_BYTES` of a VM's own data at the start of the disk, in 64 KiB writes.
+fn write_pattern(client: &mut Client, seed: u64) -> Vec<u8> {
+    let data = pseudo_random(WRITTEN_BYTES, seed);
+    for (i, chunk) in data.chunks(64 << 10).enumerate() {
+        client.write((i * (64 << 10)) as u64, chunk, false).expect("write");
+    }
+    data
+}
+
+fn read_start(client: &mut Client, len: usize) -> Vec<u8> {
+    let mut buf = vec![0; len];
+    for (i, chunk) in buf.chunks_mut(1 << 20).enumerate() {
+        client.read((i << 20) as u64, chunk).expect("read");
+    }
+    buf
+}
+
+fn spill_files(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir.join("spill"))
+        .map(|entries| {
+            entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "spill")).collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_lost_connection_resumes_the_same_overlay_and_a_second_connection_is_refused() {
+    let host = Host::new();
+    let server = host.serve(&["--reconnect-grace", "1m"]);
+    let mut first = host.connect("vm1");
+    let written = write_pattern(&mut first, 11);
+    assert!(!spill_files(host.dir.path()).is_empty(), "the VM spilled");
+
+    let Err(refused) = Client::connect(&host.uri("vm1")) else {
+        panic!("a second connection for a live VM was let in")
+    };
+    assert!(refused.to_string().contains("already connected"), "{refused}");
+
+    // The connection ends without NBD_CMD_DISC: a crashed QEMU, a network blip.
+    drop(first);
+    let deadline = Instant::now() + WAIT;
+    while host.states() != [("vm1".to_owned(), "in-grace".to_owned())] {
+        assert!(Instant::now() < deadline, "never in grace: {:?}\n{}", host.states(), server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut again = host.connect("vm1");
+    assert_same(&read_start(&mut again, WRITTEN_BYTES), &written, "resumed overlay");
+    assert_eq!(host.states(), [("vm1".to_owned(), "connected".to_owned())]);
+
+    // NBD_CMD_DISC ends it: the next connection starts from the golden image.
+    again.disconnect().expect("disconnect");
+    let deadline = Instant::now() + WAIT;
+    while !host.states().is_empty() {
+        assert!(Instant::now() < deadline, "overlay still listed after DISC: {:?}", host.states());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut fresh = host.connect("vm1");
+    assert_same(&read_start(&mut fresh, WRITTEN_BYTES), &host.golden_bytes[..WRITTEN_BYTES], "after DISC");
+    fresh.disconnect().expect("disconnect");
+    host.assert_golden_untouched();
+}
+
+#[test]
+fn without_grace_or_without_a_name_a_lost_connection_starts_over_and_grace_runs_out() {
+    let host = Host::new();
+    let server = host.serve(&["--reconnect-grace", "0"]);
+    let mut client = host.connect("vm1");
+    write_pattern(&mut client, 12);
+    drop(client);
+    // The overlay ends with the connection, in the connection's thread: wait for it.
+    let deadline = Instant::now() + WAIT;
+    while !host.states().is_empty() {
+        assert!(Instant::now() < deadline, "{:?}", host.states());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut client = host.connect("vm1");
+    assert_same(&read_start(&mut client, 1 << 20), &host.golden_bytes[..1 << 20], "grace 0");
+    client.disconnect().expect("disconnect");
+    drop(server);
+
+    let server = host.serve(&["--reconnect-grace", "1s"]);
+    let mut anonymous = host.connect("");
+    write_pattern(&mut anonymous, 13);
+    drop(anonymous);
+    let mut named = host.connect("vm2");
+    write_pattern(&mut named, 14);
+    drop(named);
+    // The anonymous overlay ended at once; the named one waits a second, then goes with its files.
+    let deadline = Instant::now() + WAIT;
+    while !spill_files(host.dir.path()).is_empty() || !host.states().is_empty() {
+        assert!(Instant::now() < deadline, "grace never ran out: {:?}\n{}", host.states(), server.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(server.log_text().contains("did not reconnect within its grace"), "{}", server.log_text());
+    let mut named = host.connect("vm2");
+    assert_same(&read_start(&mut named, 1 << 20), &host.golden_bytes[..1 << 20], "after the grace");
+    named.disconnect().expect("disconnect");
+    host.assert_golden_untouched();
+}
+
+#[test]
+fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
+    let host = Host::new();
+    let server = host.serve(&["--reconnect-grace", "1m"]);
+    for vm in ["a", "b"] {
+        let mut client = host.connect(vm);
+        write_pattern(&mut client, 20);
+        drop(client);
+    }
+    let mut connected = host.connect("c");
+    write_pattern(&mut connected, 21);
+    let deadline = Instant::now() + WAIT;
+    let expect = |a: &str, b: &str, c: &str| {
+        vec![("a".to_owned(), a.to_owned()), ("b".to_owned(), b.to_owned()), ("c".to_owned(), c.to_owned())]
+    };
+    while host.states() != expect("in-grace", "in-grace", "connected") {
+        assert!(Instant::now() < deadline, "{:?}", host.states());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (ok, table) = host.vm_command(&["list"]);
+    assert!(ok && table.contains("in-grace") && table.contains("connected"), "{table}");
+
+    // drop refuses a connected VM; reset takes it away at its next request.
+    let (ok, text) = host.vm_command(&["drop", "c"]);
+    assert!(!ok && text.contains("connected"), "{text}");
+    let (ok, text) = host.vm_command(&["drop", "a"]);
+    assert!(ok, "{text}");
+    let (ok, text) = host.vm_command(&["reset", "b"]);
+    assert!(ok, "{text}");
+    let (ok, text) = host.vm_command(&["reset", "c"]);
+    assert!(ok, "{text}");
+    let mut buf = vec![0; 4096];
+    let error = connected.read(0, &mut buf).expect_err("a reset VM's connection closes unanswered");
+    eprintln!("the reset VM's read ended with: {error}");
+    let (ok, text) = host.vm_command(&["reset", "nobody"]);
+    assert!(!ok && text.contains("no VM named"), "{text}");
+
+    let deadline = Instant::now() + WAIT;
+    while !host.states().is_empty() {
+        assert!(Instant::now() < deadline, "{:?}", host.states());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for vm in ["a", "b", "c"] {
+        let mut client = host.connect(vm);
+        assert_same(&read_start(&mut client, 1 << 20), &host.golden_bytes[..1 << 20], vm);
+        client.disconnect().expect("disconnect");
+    }
+    assert!(spill_files(host.dir.path()).is_empty() || server.log_text().contains("cache is dropped"));
+    host.assert_golden_untouched();
+}
+
+#[test]
+fn a_killed_server_makes_the_next_refuse_the_names_whose_writes_it_lost_until_reset() {
+    let host = Host::new();
+    let mut server = host.serve(&[]);
+    let mut writer = host.connect("writer");
+    write_pattern(&mut writer, 30);
+    let mut reader = host.connect("reader");
+    read_start(&mut reader, 1 << 20);
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    drop((writer, reader, server));
+
+    let server = host.serve(&[]);
+    let uri = |vm: &str| format!("nbd+unix:///@{vm}?socket={}", host.socket.display());
+    let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &uri("writer")]);
+    assert!(!out.status.success(), "a VM whose writes were lost was served:\n{}", out.all());
+    assert!(out.all().contains("policy"), "refused by policy:\n{}", out.all());
+    assert!(server.log_text().contains("vm reset writer"), "the refusal says what to do:\n{}", server.log_text());
+    let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &uri("reader")]);
+    assert!(out.status.success(), "a VM that never wrote has nothing to lose:\n{}", out.all());
+    assert_eq!(host.states().iter().find(|(vm, _)| vm == "writer").map(|(_, s)| s.as_str()), Some("lost"));
+
+    let (ok, text) = host.vm_command(&["reset", "writer"]);
+    assert!(ok, "{text}");
+    let mut writer = host.connect("writer");
+    assert_same(&read_start(&mut writer, 1 << 20), &host.golden_bytes[..1 << 20], "after reset");
+    writer.disconnect().expect("disconnect");
+    drop(server);
+    host.assert_golden_untouched();
+}
+
+#[test]
+fn vm_names_outside_the_syntax_are_refused_at_the_handshake() {
+    let host = Host::new();
+    let server = host.serve(&[]);
+    for bad in ["..", "../../../../tmp/pwned", ".hidden", "a%20b", "x%0Afake%20log%20line"] {
+        let uri = format!("nbd+unix:///@{bad}?socket={}", host.socket.display());
+        let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &uri]);
+        assert!(!out.status.success(), "VM name {bad:?} was served:\n{}", out.all());
+        assert!(out.all().contains("policy"), "{bad:?}:\n{}", out.all());
+    }
+    assert!(!Path::new("/tmp/pwned").exists());
+    let log = server.log_text();
+    assert_eq!(log.matches("is not allowed").count(), 5, "each refusal logged with the name quoted:\n{log}");
+    assert!(!log.lines().any(|line| line.starts_with("fake log line")), "a name forged a log line:\n{log}");
+}
+
+/// qemu-io, the real client: a QEMU that dies (SIGKILL, no NBD_CMD_DISC) leaves its overlay to
+/// the next QEMU for the same VM, which reads back every pattern it wrote.
+#[test]
+fn qemu_io_killed_mid_session_and_a_new_one_reads_back_what_it_wrote() {
+    let host = Host::new();
+    let server = host.serve(&["--reconnect-grace", "1m"]);
+    let image = format!("driver=nbd,server.type=unix,server.path={},export=@qvm", host.socket.display());
+    // 4 MiB of 0xab (past the 1 MiB RAM target: spilled), 4 KiB of 0xcd at 16 MiB, then qemu-io
+    // kills itself (SIGKILL): no NBD_CMD_DISC, as when QEMU crashes.
+    let out = run_tool(
+        host.dir.path(),
+        "qemu-io",
+        &["--image-opts", &image, "-c", "write -P 0xab 0 4M", "-c", "write -P 0xcd 16M 4k", "-c", "sigraise 9"],
+    );
+    assert!(out.stdout.matches("wrote").count() == 2, "{}", out.all());
+    let deadline = Instant::now() + WAIT;
+    while host.states() != [("qvm".to_owned(), "in-grace".to_owned())] {
+        assert!(Instant::now() < deadline, "{:?}\n{}", host.states(), server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let holder = host.connect("qvm");
+    let second = run_tool(host.dir.path(), "qemu-io", &["--image-opts", &image, "-c", "read 0 4k"]);
+    assert!(!second.status.success(), "a second QEMU for a live VM was let in:\n{}", second.all());
+    drop(holder);
+    let deadline = Instant::now() + WAIT;
+    while host.states() != [("qvm".to_owned(), "in-grace".to_owned())] {
+        assert!(Instant::now() < deadline, "{:?}", host.states());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let out = run_tool(
+        host.dir.path(),
+        "qemu-io",
+        &["--image-opts", &image, "-c", "read -P 0xab 0 4M", "-c", "read -P 0xcd 16M 4k"],
+    );
+    assert!(out.status.success(), "{}", out.all());
+    assert!(!out.stdout.contains("Pattern verification failed"), "the resumed VM saw other data:\n{}", out.all());
+    let verification_failed = out.stdout.matches("Pattern verification failed").count();
+    assert_eq!(verification_failed, 0);
+    host.assert_golden_untouched();
+}
