@@ -83,6 +83,30 @@ impl Host {
             .collect()
     }
 
+    /// Waits until `vm list` shows exactly these VMs in these states.
+    #[track_caller]
+    fn wait_for_states(&self, expected: &[(&str, &str)]) {
+        let expected: Vec<(String, String)> =
+            expected.iter().map(|(v, s)| ((*v).to_owned(), (*s).to_owned())).collect();
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let states = self.states();
+            if states == expected {
+                return;
+            }
+            assert!(Instant::now() < deadline, "VM states {states:?}, expected {expected:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A fresh connection for `vm` reads the golden image's first `len` bytes, then says DISC.
+    #[track_caller]
+    fn assert_reads_golden(&self, vm: &str, len: usize, what: &str) {
+        let mut client = self.connect(vm);
+        assert_same(&read_start(&mut client, len), &self.golden_bytes[..len], what);
+        client.disconnect().expect("disconnect");
+    }
+
     fn assert_golden_untouched(&self) {
         assert_same(&std::fs::read(&self.golden).expect("golden"), &self.golden_bytes, "golden image");
     }
@@ -124,7 +148,7 @@ fn spill_files(dir: &Path) -> Vec<PathBuf> {
 #[test]
 fn a_lost_connection_resumes_the_same_overlay_and_a_second_connection_is_refused() {
     let host = Host::new();
-    let server = host.serve(&["--reconnect-grace", "1m"]);
+    let _server = host.serve(&["--reconnect-grace", "1m"]);
     let mut first = host.connect("vm1");
     let written = write_pattern(&mut first, 11);
     assert!(!spill_files(host.dir.path()).is_empty(), "the VM spilled");
@@ -136,25 +160,15 @@ fn a_lost_connection_resumes_the_same_overlay_and_a_second_connection_is_refused
 
     // The connection ends without NBD_CMD_DISC: a crashed QEMU, a network blip.
     drop(first);
-    let deadline = Instant::now() + WAIT;
-    while host.states() != [("vm1".to_owned(), "in-grace".to_owned())] {
-        assert!(Instant::now() < deadline, "never in grace: {:?}\n{}", host.states(), server.log_text());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    host.wait_for_states(&[("vm1", "in-grace")]);
     let mut again = host.connect("vm1");
     assert_same(&read_start(&mut again, WRITTEN_BYTES), &written, "resumed overlay");
     assert_eq!(host.states(), [("vm1".to_owned(), "connected".to_owned())]);
 
     // NBD_CMD_DISC ends it: the next connection starts from the golden image.
     again.disconnect().expect("disconnect");
-    let deadline = Instant::now() + WAIT;
-    while !host.states().is_empty() {
-        assert!(Instant::now() < deadline, "overlay still listed after DISC: {:?}", host.states());
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut fresh = host.connect("vm1");
-    assert_same(&read_start(&mut fresh, WRITTEN_BYTES), &host.golden_bytes[..WRITTEN_BYTES], "after DISC");
-    fresh.disconnect().expect("disconnect");
+    host.wait_for_states(&[]);
+    host.assert_reads_golden("vm1", WRITTEN_BYTES, "after DISC");
     host.assert_golden_untouched();
 }
 
@@ -166,14 +180,8 @@ fn without_grace_or_without_a_name_a_lost_connection_starts_over_and_grace_runs_
     write_pattern(&mut client, 12);
     drop(client);
     // The overlay ends with the connection, in the connection's thread: wait for it.
-    let deadline = Instant::now() + WAIT;
-    while !host.states().is_empty() {
-        assert!(Instant::now() < deadline, "{:?}", host.states());
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut client = host.connect("vm1");
-    assert_same(&read_start(&mut client, 1 << 20), &host.golden_bytes[..1 << 20], "grace 0");
-    client.disconnect().expect("disconnect");
+    host.wait_for_states(&[]);
+    host.assert_reads_golden("vm1", 1 << 20, "grace 0");
     drop(server);
 
     let server = host.serve(&["--reconnect-grace", "1s"]);
@@ -190,9 +198,7 @@ fn without_grace_or_without_a_name_a_lost_connection_starts_over_and_grace_runs_
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(server.log_text().contains("did not reconnect within its grace"), "{}", server.log_text());
-    let mut named = host.connect("vm2");
-    assert_same(&read_start(&mut named, 1 << 20), &host.golden_bytes[..1 << 20], "after the grace");
-    named.disconnect().expect("disconnect");
+    host.assert_reads_golden("vm2", 1 << 20, "after the grace");
     host.assert_golden_untouched();
 }
 
@@ -207,14 +213,7 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     }
     let mut connected = host.connect("c");
     write_pattern(&mut connected, 21);
-    let deadline = Instant::now() + WAIT;
-    let expect = |a: &str, b: &str, c: &str| {
-        vec![("a".to_owned(), a.to_owned()), ("b".to_owned(), b.to_owned()), ("c".to_owned(), c.to_owned())]
-    };
-    while host.states() != expect("in-grace", "in-grace", "connected") {
-        assert!(Instant::now() < deadline, "{:?}", host.states());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    host.wait_for_states(&[("a", "in-grace"), ("b", "in-grace"), ("c", "connected")]);
     let (ok, table) = host.vm_command(&["list"]);
     assert!(ok && table.contains("in-grace") && table.contains("connected"), "{table}");
 
@@ -233,15 +232,9 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     let (ok, text) = host.vm_command(&["reset", "nobody"]);
     assert!(!ok && text.contains("no VM named"), "{text}");
 
-    let deadline = Instant::now() + WAIT;
-    while !host.states().is_empty() {
-        assert!(Instant::now() < deadline, "{:?}", host.states());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    host.wait_for_states(&[]);
     for vm in ["a", "b", "c"] {
-        let mut client = host.connect(vm);
-        assert_same(&read_start(&mut client, 1 << 20), &host.golden_bytes[..1 << 20], vm);
-        client.disconnect().expect("disconnect");
+        host.assert_reads_golden(vm, 1 << 20, vm);
     }
     assert!(spill_files(host.dir.path()).is_empty() || server.log_text().contains("cache is dropped"));
     host.assert_golden_untouched();
@@ -271,9 +264,7 @@ fn a_killed_server_makes_the_next_refuse_the_names_whose_writes_it_lost_until_re
 
     let (ok, text) = host.vm_command(&["reset", "writer"]);
     assert!(ok, "{text}");
-    let mut writer = host.connect("writer");
-    assert_same(&read_start(&mut writer, 1 << 20), &host.golden_bytes[..1 << 20], "after reset");
-    writer.disconnect().expect("disconnect");
+    host.assert_reads_golden("writer", 1 << 20, "after reset");
     drop(server);
     host.assert_golden_untouched();
 }
@@ -299,7 +290,7 @@ fn vm_names_outside_the_syntax_are_refused_at_the_handshake() {
 #[test]
 fn qemu_io_killed_mid_session_and_a_new_one_reads_back_what_it_wrote() {
     let host = Host::new();
-    let server = host.serve(&["--reconnect-grace", "1m"]);
+    let _server = host.serve(&["--reconnect-grace", "1m"]);
     let image = format!("driver=nbd,server.type=unix,server.path={},export=@qvm", host.socket.display());
     // 4 MiB of 0xab (past the 1 MiB RAM target: spilled), 4 KiB of 0xcd at 16 MiB, then qemu-io
     // kills itself (SIGKILL): no NBD_CMD_DISC, as when QEMU crashes.
@@ -309,20 +300,12 @@ fn qemu_io_killed_mid_session_and_a_new_one_reads_back_what_it_wrote() {
         &["--image-opts", &image, "-c", "write -P 0xab 0 4M", "-c", "write -P 0xcd 16M 4k", "-c", "sigraise 9"],
     );
     assert!(out.stdout.matches("wrote").count() == 2, "{}", out.all());
-    let deadline = Instant::now() + WAIT;
-    while host.states() != [("qvm".to_owned(), "in-grace".to_owned())] {
-        assert!(Instant::now() < deadline, "{:?}\n{}", host.states(), server.log_text());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    host.wait_for_states(&[("qvm", "in-grace")]);
     let holder = host.connect("qvm");
     let second = run_tool(host.dir.path(), "qemu-io", &["--image-opts", &image, "-c", "read 0 4k"]);
     assert!(!second.status.success(), "a second QEMU for a live VM was let in:\n{}", second.all());
     drop(holder);
-    let deadline = Instant::now() + WAIT;
-    while host.states() != [("qvm".to_owned(), "in-grace".to_owned())] {
-        assert!(Instant::now() < deadline, "{:?}", host.states());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    host.wait_for_states(&[("qvm", "in-grace")]);
 
     let out = run_tool(
         host.dir.path(),
