@@ -220,7 +220,14 @@ impl ExportProvider for OverlayExports {
                 }
             },
         };
-        Ok(Box::new(EngineDevice { vm: Some(vm), number, reset, clean: false, registry: self.registry.clone() }))
+        Ok(Box::new(EngineDevice {
+            vm: Some(vm),
+            number,
+            reset,
+            clean: false,
+            marked: false,
+            registry: self.registry.clone(),
+        }))
     }
 }
 
@@ -295,6 +302,8 @@ struct EngineDevice {
     reset: Arc<AtomicBool>,
     /// The client sent NBD_CMD_DISC.
     clean: bool,
+    /// The ledger knows this VM has writes: later writes need not ask it (no lock per request).
+    marked: bool,
     registry: Arc<VmRegistry>,
 }
 
@@ -360,12 +369,17 @@ impl EngineDevice {
     /// Before a request that changes the disk is acknowledged: the ledger knows this VM has
     /// writes that a server's end would lose (a no-op after the first).
     fn about_to_change(&mut self) -> Result<(), DeviceError> {
+        if self.marked {
+            return Ok(());
+        }
         self.registry.mark_written(self.number).map_err(|e| {
             DeviceError::new(
                 DeviceErrorKind::Io,
                 format!("cannot record in the state directory that this VM has writes: {e}"),
             )
-        })
+        })?;
+        self.marked = true;
+        Ok(())
     }
 
     /// Runs one engine call and records its service time (the engine itself keeps no clock).
