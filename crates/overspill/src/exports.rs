@@ -235,6 +235,7 @@ impl OverlayExports {
     /// A fresh overlay over the image's current version, with the counters the registry keeps.
     fn new_overlay(&self, name: &str, number: u64) -> Result<VmOverlay, DeviceError> {
         let (image_label, image) = self.image(name)?;
+        self.registry.label(number, &image_label);
         let vm = name.split_once('@').map_or_else(|| format!("vm-{number}"), |(_, vm)| vm.to_owned());
         let settings = &self.settings;
         let backing = match settings.mode.backing_file() {

@@ -157,7 +157,10 @@ impl fmt::Debug for Registered {
 }
 
 struct Entry {
+    /// `export` is the image's label (with its version, for a versioned image).
     handle: VmHandle,
+    /// The image name the VM asked for: a reconnect must ask for the same.
+    image: String,
     named: bool,
     created: Instant,
     reset: Arc<AtomicBool>,
@@ -296,7 +299,7 @@ impl VmRegistry {
             if entry.grace.is_none() {
                 return refuse(format!("VM {vm} is already connected; one connection per VM"));
             }
-            if entry.handle.export != export {
+            if entry.image != export {
                 return refuse(format!(
                     "VM {vm} has an overlay over {} waiting for it; it cannot reconnect to {export} \
                      (`overspill vm reset {vm}` first)",
@@ -312,6 +315,13 @@ impl VmRegistry {
         inner.vms.insert(number, Entry::new(export, vm, true, reset.clone()));
         inner.names.insert(vm.to_owned(), number);
         Ok(Claim::Fresh { number, reset })
+    }
+
+    /// Names the image version a VM just claimed got, for logs, metrics and `vm list`.
+    pub fn label(&self, number: u64, image_label: &str) {
+        if let Some(entry) = lock(&self.inner).vms.get_mut(&number) {
+            entry.handle.export = image_label.to_owned();
+        }
     }
 
     /// The counters of a VM just claimed, shared with its overlay.
@@ -460,6 +470,7 @@ impl Entry {
     fn new(export: &str, vm: &str, named: bool, reset: Arc<AtomicBool>) -> Self {
         Self {
             handle: VmHandle { export: export.to_owned(), vm: vm.to_owned(), stats: Arc::default() },
+            image: export.to_owned(),
             named,
             created: Instant::now(),
             reset,
