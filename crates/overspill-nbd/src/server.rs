@@ -100,13 +100,6 @@ impl Listener {
         }
     }
 
-    /// Wraps a socket that is already listening (systemd's socket activation hands one over):
-    /// its file, if any, belongs to whoever made it and is never removed by this server.
-    pub fn from_unix(listener: UnixListener) -> Self {
-        let path = listener.local_addr().ok().and_then(|a| a.as_pathname().map(PathBuf::from)).unwrap_or_default();
-        Self::Unix(listener, path, None)
-    }
-
     /// The bound address, with the real port when port 0 was asked for.
     pub fn local_addr(&self) -> ListenAddr {
         match self {
