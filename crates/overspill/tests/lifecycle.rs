@@ -257,7 +257,11 @@ fn a_killed_server_makes_the_next_refuse_the_names_whose_writes_it_lost_until_re
     let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &uri("writer")]);
     assert!(!out.status.success(), "a VM whose writes were lost was served:\n{}", out.all());
     assert!(out.all().contains("policy"), "refused by policy:\n{}", out.all());
-    assert!(server.log_text().contains("vm reset writer"), "the refusal says what to do:\n{}", server.log_text());
+    let deadline = Instant::now() + WAIT;
+    while !server.log_text().contains("vm reset writer") {
+        assert!(Instant::now() < deadline, "the refusal says what to do:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &uri("reader")]);
     assert!(out.status.success(), "a VM that never wrote has nothing to lose:\n{}", out.all());
     assert_eq!(host.states().iter().find(|(vm, _)| vm == "writer").map(|(_, s)| s.as_str()), Some("lost"));
@@ -280,6 +284,11 @@ fn vm_names_outside_the_syntax_are_refused_at_the_handshake() {
         assert!(out.all().contains("policy"), "{bad:?}:\n{}", out.all());
     }
     assert!(!Path::new("/tmp/pwned").exists());
+    // Log lines reach the file through the server's log queue: give the last one a moment.
+    let deadline = Instant::now() + WAIT;
+    while server.log_text().matches("is not allowed").count() < 5 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let log = server.log_text();
     assert_eq!(log.matches("is not allowed").count(), 5, "each refusal logged with the name quoted:\n{log}");
     assert!(!log.lines().any(|line| line.starts_with("fake log line")), "a name forged a log line:\n{log}");
