@@ -127,8 +127,10 @@ fn rbd_snapshots_and_s3_objects_serve_their_bytes_and_take_writes() {
         run_ok(dir.path(), "nbdcopy", &[&server.uri(export), copy.to_str().expect("utf-8")]);
         let read = std::fs::read(&copy).expect("copy");
         assert!(read == bytes, "{export}: nbdcopy's copy differs from the source");
-        // Writes and verified reads through one VM's overlay.
-        let uri = server.uri(&format!("{export}@fio"));
+        // Writes and verified reads through one VM's overlay. VM names are the server's, not an
+        // export's: each export's VMs get their own (a name in grace over one export is refused
+        // on another).
+        let uri = server.uri(&format!("{export}@{export}-fio"));
         run_ok(
             dir.path(),
             "fio",
@@ -153,7 +155,7 @@ fn rbd_snapshots_and_s3_objects_serve_their_bytes_and_take_writes() {
                 let server = &server;
                 let bytes = &bytes;
                 s.spawn(move || {
-                    let uri: NbdUri = server.uri(&format!("{export}@reader-{vm}")).parse().expect("uri");
+                    let uri: NbdUri = server.uri(&format!("{export}@{export}-reader-{vm}")).parse().expect("uri");
                     let mut client = Client::connect(&uri).expect("connect");
                     let mut buf = vec![0u8; 8 << 20];
                     for (i, chunk) in buf.chunks_mut(1 << 20).enumerate() {
