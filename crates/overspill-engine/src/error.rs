@@ -19,6 +19,10 @@ pub enum EngineError {
     },
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// State left by a previous process that cannot be trusted: the VM it belongs to must not
+    /// be served from it.
+    #[error("unrecoverable state: {0}")]
+    Corrupt(String),
 }
 
 impl EngineError {

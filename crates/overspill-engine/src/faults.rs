@@ -501,6 +501,10 @@ impl BackingFile for FaultyFile {
         self.inner.allocated_bytes()
     }
 
+    fn keep(&mut self) {
+        self.inner.keep();
+    }
+
     fn path(&self) -> Option<&Path> {
         self.inner.path()
     }

@@ -6,6 +6,7 @@
 //! the host's memory pressure come in through seams ([`BackingFile`], [`HostMemory::rebalance`])
 //! so that the planner and the simulation tests run the same code as the server.
 
+pub mod arena;
 pub mod budget;
 mod chunk_pool;
 pub mod error;
@@ -18,6 +19,7 @@ pub mod ram;
 mod ranges;
 pub mod read_cache;
 pub mod spill;
+pub mod state;
 pub mod stats;
 pub mod store;
 pub mod units;

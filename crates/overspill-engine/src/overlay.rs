@@ -24,6 +24,7 @@ use std::io::{self, IoSliceMut};
 use std::str::FromStr;
 use std::sync::Arc;
 
+use crate::arena::{Arena, LivePage, Owner, Page, ARENA_SLACK_PAGES};
 use crate::budget::HostMemory;
 use crate::error::{EngineError, Result};
 use crate::golden::GoldenImage;
@@ -31,9 +32,10 @@ use crate::map::{self, BlockMap, Slot};
 use crate::ram::{RamSlot, RamTier};
 use crate::ranges::RangeSet;
 use crate::spill::{Purpose, SpillLog};
+use crate::state::{resolve, CopyAt, SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
 use crate::stats::{OpCounter, VmStats};
 use crate::store::BackingFile;
-use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
+use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SegmentId, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
 
 /// Where a VM's writes go; one per seed configuration, so they can be compared side by side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -150,7 +152,7 @@ enum Placement {
 /// which the RAM tier then keeps without a copy.
 enum Contents<'a> {
     Borrowed(&'a Block),
-    Page(Box<Block>),
+    Page(Page),
 }
 
 impl Contents<'_> {
@@ -161,10 +163,10 @@ impl Contents<'_> {
         }
     }
 
-    fn into_page(self) -> Box<Block> {
+    fn into_page(self, arena: &Arena) -> Result<Page> {
         match self {
-            Self::Borrowed(data) => Box::new(*data),
-            Self::Page(page) => page,
+            Self::Borrowed(data) => arena.alloc_copy(data),
+            Self::Page(page) => Ok(page),
         }
     }
 }
@@ -172,9 +174,9 @@ impl Contents<'_> {
 /// Where a block of a write being received lands.
 enum Landing {
     /// The block's own RAM page, taken out of the tier while it is filled.
-    Lent(RamSlot, Box<Block>),
+    Lent(RamSlot, Page),
     /// A new page: the block is placed once it is filled.
-    Fresh(Box<Block>),
+    Fresh(Page),
 }
 
 impl Landing {
@@ -203,6 +205,8 @@ enum Tier {
 
 pub struct Overlay {
     golden: Arc<dyn GoldenImage>,
+    /// Where the VM's pages in memory are: RAM tier, open and in-flight spill segments.
+    arena: Arena,
     size: u64,
     config: OverlayConfig,
     map: BlockMap,
@@ -212,11 +216,19 @@ pub struct Overlay {
     host: Arc<HostMemory>,
     accounted_bytes: u64,
     stats: Arc<VmStats>,
+    /// The sequence number of the last copy of a block made (see `state`).
+    seq: u64,
+    /// Where zeroings are recorded for a recovery, if the VM's state is kept.
+    zero_log: Option<ZeroLog>,
 }
+
+/// Zero-log records beyond which the log is rewritten as the zeroed ranges it adds up to.
+const ZERO_LOG_REWRITE_RECORDS: u64 = 1024;
 
 impl Overlay {
     /// `backing` must be given exactly when `config.mode.backing_file()` asks for one; in-place
-    /// files must be at least as large as the golden image.
+    /// files must be at least as large as the golden image. The VM's pages are in memory no
+    /// other process sees.
     pub fn new(
         golden: Arc<dyn GoldenImage>,
         config: OverlayConfig,
@@ -224,15 +236,146 @@ impl Overlay {
         host: Arc<HostMemory>,
         stats: Arc<VmStats>,
     ) -> Result<Self> {
+        let arena = Arena::in_memory(Self::arena_pages(&config))?;
+        Self::build(golden, config, backing, host, stats, arena, None)
+    }
+
+    /// An overlay whose state outlives the process: its pages in `arena`, its segment summaries
+    /// and zero log in `files`, so that [`Self::recover`] can rebuild it. Modes `ram` and
+    /// `ram+disk` only (the in-place modes' files are their own state, with nothing yet to
+    /// recover them).
+    pub fn persistent(
+        golden: Arc<dyn GoldenImage>,
+        config: OverlayConfig,
+        backing: Option<Box<dyn BackingFile>>,
+        host: Arc<HostMemory>,
+        stats: Arc<VmStats>,
+        arena: Arena,
+        files: StateFiles,
+    ) -> Result<Self> {
+        Self::check_recoverable(&config)?;
+        let zero_log = ZeroLog::create(files.zeros)?;
+        Self::build(
+            golden,
+            config,
+            backing,
+            host,
+            stats,
+            arena,
+            Some((zero_log, SegmentSummaries::new(files.segments))),
+        )
+    }
+
+    fn check_recoverable(config: &OverlayConfig) -> Result<()> {
+        match config.mode {
+            WriteCacheMode::Ram | WriteCacheMode::RamDisk => Ok(()),
+            mode => Err(EngineError::Config(format!("a VM in mode {mode} cannot outlive the server process"))),
+        }
+    }
+
+    /// Rebuilds the overlay a previous process left: `live` are the pages its arena holds (see
+    /// [`Arena::open`]), `spill_segments` the length of its spill file in segments. The copy of
+    /// each block with the highest sequence number wins, unless a later zeroing covers it;
+    /// pages that lose are freed, spill segments with nothing live are punched.
+    #[allow(clippy::too_many_arguments)]
+    pub fn recover(
+        golden: Arc<dyn GoldenImage>,
+        config: OverlayConfig,
+        backing: Option<Box<dyn BackingFile>>,
+        host: Arc<HostMemory>,
+        stats: Arc<VmStats>,
+        (arena, live): (Arena, Vec<LivePage>),
+        files: StateFiles,
+        spill_segments: u32,
+    ) -> Result<Self> {
+        Self::check_recoverable(&config)?;
+        let (zero_log, zero_records) = ZeroLog::open(files.zeros)?;
+        let mut summaries = SegmentSummaries::new(files.segments);
+        let spilling = config.mode == WriteCacheMode::RamDisk;
+        let summary = if spilling { summaries.read(spill_segments)? } else { Vec::new() };
+        let disk_blocks = golden.size().div_ceil(BLOCK_BYTES);
+        let copies = live.iter().enumerate().map(|(i, page)| (page.owner, CopyAt::Page(i))).chain(
+            summary.iter().enumerate().flat_map(|(segment, slots)| {
+                slots.iter().enumerate().filter_map(move |(slot, owner)| {
+                    // Below MAX_SPILL_SEGMENTS (checked by the spill log) and 512 slots.
+                    owner.map(|owner| (owner, CopyAt::Spill { segment: segment as u32, slot: slot as u16 }))
+                })
+            }),
+        );
+        let resolution = resolve(copies, &zero_records, disk_blocks)?;
+        let mut overlay = Self::build(golden, config, backing, host, stats, arena, Some((zero_log, summaries)))?;
+        let mut pages: Vec<Option<Page>> = live.into_iter().map(|live| Some(live.page)).collect();
+        let mut live_slots: std::collections::HashMap<u32, u16> = Default::default();
+        for (&block, &(_, at)) in &resolution.current {
+            let block = BlockIndex(block);
+            let slot = match at {
+                CopyAt::Page(i) => {
+                    let page = pages[i].take().expect("each page is one block's copy");
+                    Slot::Ram(overlay.ram.insert(block, page))
+                }
+                CopyAt::Spill { segment, slot } => {
+                    if !spilling {
+                        return Err(EngineError::Corrupt("spill slots in a VM without a spill log".into()));
+                    }
+                    *live_slots.entry(segment).or_default() += 1;
+                    Slot::Spill(SpillAddr { segment: SegmentId(segment), slot })
+                }
+            };
+            overlay.map.insert(block, slot);
+        }
+        // Copies that lost: freed, their headers cleared.
+        drop(pages);
+        for (first, end) in resolution.zeros {
+            overlay.zeros.insert(first, end);
+        }
+        overlay.seq = resolution.max_seq;
+        if let Tier::RamDisk(spill) = std::mem::replace(&mut overlay.tier, Tier::Ram) {
+            let sealed = live_slots
+                .into_iter()
+                .map(|(segment, live)| {
+                    let owners = summary[segment as usize]
+                        .iter()
+                        // A slot with no entry is dead; any block number does for it.
+                        .map(|owner| owner.map_or(BlockIndex(0), |owner| owner.block))
+                        .collect();
+                    (segment, owners, live)
+                })
+                .collect();
+            overlay.tier = Tier::RamDisk(spill.recovered(spill_segments, sealed, &overlay.stats)?);
+        }
+        overlay.stats.recovered_blocks.add(resolution.current.len() as u64);
+        overlay.after_mutation();
+        Ok(overlay)
+    }
+
+    fn build(
+        golden: Arc<dyn GoldenImage>,
+        config: OverlayConfig,
+        backing: Option<Box<dyn BackingFile>>,
+        host: Arc<HostMemory>,
+        stats: Arc<VmStats>,
+        arena: Arena,
+        state: Option<(ZeroLog, SegmentSummaries)>,
+    ) -> Result<Self> {
         if golden.size().div_ceil(BLOCK_BYTES) > map::MAX_BLOCKS {
             return Err(EngineError::Config(format!(
                 "a disk of {} bytes has more than 2^32 blocks of 4 KiB (16 TiB), the most an overlay maps",
                 golden.size()
             )));
         }
+        let (zero_log, summaries) = match state {
+            Some((zero_log, summaries)) => (Some(zero_log), Some(summaries)),
+            None => (None, None),
+        };
         let tier = match (config.mode.backing_file(), backing) {
             (None, None) => Tier::Ram,
-            (Some(BackingKind::SpillLog), Some(file)) => Tier::RamDisk(SpillLog::new(file, config.spill_max_bytes)?),
+            (Some(BackingKind::SpillLog), Some(file)) => {
+                let mut spill = SpillLog::new(file, config.spill_max_bytes, arena.clone())?;
+                if let Some(summaries) = summaries {
+                    spill.set_summaries(summaries);
+                }
+                Tier::RamDisk(spill)
+            }
             (Some(kind @ (BackingKind::LocalCache | BackingKind::SharedDifferencing)), Some(file)) => {
                 Tier::InPlace { file, shared: kind == BackingKind::SharedDifferencing, blocks: 0 }
             }
@@ -248,6 +391,7 @@ impl Overlay {
         let overlay = Self {
             size: golden.size(),
             golden,
+            arena,
             config,
             map: BlockMap::default(),
             zeros: RangeSet::default(),
@@ -256,14 +400,45 @@ impl Overlay {
             host,
             accounted_bytes: 0,
             stats,
+            seq: 0,
+            zero_log,
         };
         overlay.stats.cache_memory_target_bytes.set(overlay.config.ram_target_bytes);
         overlay.stats.cache_disk_size_bytes.set(overlay.disk_size_bytes());
         Ok(overlay)
     }
 
+    /// The VM's state stays for the next process when this overlay is dropped: its arena, spill
+    /// file, summaries and zero log are left as they are. For a server that stops (or hands
+    /// over) while the VM lives on; without it, dropping the overlay throws its state away.
+    pub fn keep_state(&mut self) {
+        self.arena.keep();
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            spill.keep();
+        }
+        if let Some(zero_log) = &mut self.zero_log {
+            zero_log.keep();
+        }
+    }
+
+    /// Whether the overlay's state can outlive the process (see [`Self::persistent`]).
+    pub fn is_persistent(&self) -> bool {
+        self.zero_log.is_some()
+    }
+
+    fn next_seq(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// Pages a VM's arena may need: its RAM target, and the pages that can be held beside it.
+    pub fn arena_pages(config: &OverlayConfig) -> u32 {
+        let target = config.ram_target_bytes.div_ceil(BLOCK_BYTES);
+        u32::try_from(target).unwrap_or(u32::MAX).saturating_add(ARENA_SLACK_PAGES)
     }
 
     pub fn mode(&self) -> WriteCacheMode {
@@ -469,10 +644,10 @@ impl Overlay {
         // All lookups first: they are independent, so their cache misses overlap.
         let mut landings: Vec<(BlockSpan, Landing)> = block_spans(offset, len as u64)
             .map(|span| match self.map.get(span.block) {
-                Some(Slot::Ram(slot)) if span.is_whole() => (span, Landing::Lent(slot, self.ram.lend(slot))),
-                _ => (span, Landing::Fresh(Box::new([0; BLOCK_SIZE]))),
+                Some(Slot::Ram(slot)) if span.is_whole() => Ok((span, Landing::Lent(slot, self.ram.lend(slot)))),
+                _ => self.arena.alloc().map(|page| (span, Landing::Fresh(page))),
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let received = {
             let mut buffers: Vec<IoSliceMut<'_>> =
                 landings.iter_mut().map(|(span, landing)| IoSliceMut::new(&mut landing.page()[..span.len])).collect();
@@ -540,11 +715,56 @@ impl Overlay {
             self.store_block(span.block, &block)?;
         }
         if whole_first < whole_end {
+            // Recorded before any copy is released: a recovery then finds the range zeroed,
+            // whatever this request had done when the process stopped.
+            if self.zero_log.is_some() {
+                let seq = self.next_seq();
+                let record = ZeroRecord { first: whole_first, end: whole_end, seq };
+                self.zero_log.as_mut().expect("checked").append(record)?;
+            }
             self.drop_blocks(whole_first, whole_end)?;
             self.zeros.insert(whole_first, whole_end);
             self.stats.zero_blocks.add(whole_end - whole_first);
+            self.rewrite_zero_log_if_long();
         }
         Ok(())
+    }
+
+    /// Rewrites the zero log as the zeroed ranges less the blocks written since, once its
+    /// records outnumber those ranges by far (a guest zeroing the same blocks over and over
+    /// must not grow it forever).
+    fn rewrite_zero_log_if_long(&mut self) {
+        let Some(zero_log) = &self.zero_log else { return };
+        let limit = ZERO_LOG_REWRITE_RECORDS + 4 * self.zeros.len() as u64 + self.map.len() as u64 / 16;
+        if zero_log.records() <= limit {
+            return;
+        }
+        let mut written: Vec<u64> =
+            self.map.blocks().map(|block| block.0).filter(|&b| self.zeros.contains(b)).collect();
+        written.sort_unstable();
+        let seq = self.next_seq();
+        let mut records = Vec::with_capacity(self.zeros.len() + written.len());
+        let mut written = written.into_iter().peekable();
+        for (start, end) in self.zeros.iter() {
+            let mut first = start;
+            while let Some(&block) = written.peek() {
+                if block >= end {
+                    break;
+                }
+                if block > first {
+                    records.push(ZeroRecord { first, end: block, seq });
+                }
+                first = block + 1;
+                written.next();
+            }
+            if first < end {
+                records.push(ZeroRecord { first, end, seq });
+            }
+        }
+        if let Err(error) = self.zero_log.as_mut().expect("checked").rewrite(&records) {
+            // The long log is still whole; the next zeroing tries again.
+            tracing::warn!(%error, "could not rewrite the zero log");
+        }
     }
 
     /// Gives whole blocks back: RAM pages and spill slots are freed, in-place file blocks are
@@ -681,7 +901,8 @@ impl Overlay {
                 Tier::RamDisk(_) => {
                     if self.ram.blocks() == 0 || placement == Placement::Streaming {
                         self.reserve_spill()?;
-                        return Ok(Slot::Spill(self.spill_mut().push(block, data.into_page())));
+                        let page = self.owned_page(block, data)?;
+                        return Ok(Slot::Spill(self.spill_mut().push(block, page)));
                     }
                     // Keep the new (hot) block in RAM and push the coldest one out.
                     self.evict_coldest()?;
@@ -694,7 +915,16 @@ impl Overlay {
                 }
             }
         }
-        Ok(Slot::Ram(self.ram.insert(block, data.into_page())))
+        let page = self.owned_page(block, data)?;
+        Ok(Slot::Ram(self.ram.insert(block, page)))
+    }
+
+    /// A page holding a new copy of `block`, stamped as such for a recovery.
+    fn owned_page(&mut self, block: BlockIndex, data: Contents<'_>) -> Result<Page> {
+        let page = data.into_page(&self.arena)?;
+        let seq = self.next_seq();
+        page.set_owner(Owner { block, seq });
+        Ok(page)
     }
 
     fn ram_has_room(&self) -> bool {
@@ -869,8 +1099,9 @@ impl Overlay {
             for slot in live {
                 let at = (slot - first) * BLOCK_SIZE;
                 let data: &Block = bytes[at..at + BLOCK_SIZE].try_into().expect("windows are whole blocks");
+                let owner = Owner { block: owners[slot], seq: self.next_seq() };
                 let (spill, stats) = self.spill_and_stats();
-                let new = spill.append(owners[slot], data, Purpose::Compaction, stats)?;
+                let new = spill.append(owner, data, Purpose::Compaction, stats)?;
                 spill.release(addr(slot), stats);
                 stats.compaction_bytes_moved.add(BLOCK_BYTES);
                 self.map.insert(owners[slot], Slot::Spill(new));

@@ -6,6 +6,7 @@
 //! block and O(1) amortised work per eviction: a block touched since the hand last passed it is
 //! spared once.
 
+use crate::arena::Page;
 use crate::map::MAX_RAM_SLOTS;
 use crate::units::{Block, BlockIndex, BLOCK_SIZE};
 
@@ -13,11 +14,12 @@ use crate::units::{Block, BlockIndex, BLOCK_SIZE};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RamSlot(pub u32);
 
-/// Per slot, in parallel arrays (13 bytes a slot, where a struct of the three took 24): the page,
-/// the block it holds (32-bit block numbers, as in the map) and the CLOCK reference bit.
+/// Per slot, in parallel arrays (21 bytes a slot, where a struct of the three took 32): the page
+/// (a handle into the VM's arena), the block it holds (32-bit block numbers, as in the map) and
+/// the CLOCK reference bit.
 #[derive(Default)]
 pub struct RamTier {
-    pages: Vec<Option<Box<Block>>>,
+    pages: Vec<Option<Page>>,
     owners: Vec<u32>,
     referenced: Vec<bool>,
     free: Vec<u32>,
@@ -36,14 +38,14 @@ impl RamTier {
 
     /// Bookkeeping bytes beyond the pages themselves.
     pub fn index_bytes(&self) -> u64 {
-        (self.pages.capacity() * std::mem::size_of::<Option<Box<Block>>>()
+        (self.pages.capacity() * std::mem::size_of::<Option<Page>>()
             + self.owners.capacity() * 4
             + self.referenced.capacity()
             + self.free.capacity() * 4) as u64
     }
 
     /// Stores a page the caller filled already (a block received straight into it).
-    pub fn insert(&mut self, owner: BlockIndex, page: Box<Block>) -> RamSlot {
+    pub fn insert(&mut self, owner: BlockIndex, page: Page) -> RamSlot {
         // The overlay maps at most 2^32 blocks.
         let owner = owner.0 as u32;
         let page = Some(page);
@@ -82,13 +84,13 @@ impl RamTier {
     /// Takes a slot's page out so that it can be filled along with others (one vectored read
     /// into many pages). The slot stays occupied; its page must be given back before the tier is
     /// used again.
-    pub fn lend(&mut self, slot: RamSlot) -> Box<Block> {
+    pub fn lend(&mut self, slot: RamSlot) -> Page {
         let i = slot.0 as usize;
         self.referenced[i] = true;
         self.pages[i].take().expect("map points only at occupied RAM slots")
     }
 
-    pub fn give_back(&mut self, slot: RamSlot, page: Box<Block>) {
+    pub fn give_back(&mut self, slot: RamSlot, page: Page) {
         let lent = &mut self.pages[slot.0 as usize];
         debug_assert!(lent.is_none(), "RAM slot {} was not lent", slot.0);
         *lent = Some(page);
@@ -99,7 +101,7 @@ impl RamTier {
     }
 
     /// Frees a slot and hands its page over (to the spill log, which keeps it).
-    pub fn take(&mut self, slot: RamSlot) -> Box<Block> {
+    pub fn take(&mut self, slot: RamSlot) -> Page {
         let page = self.pages[slot.0 as usize].take().expect("map points only at occupied RAM slots");
         self.occupied -= 1;
         self.free.push(slot.0);
@@ -143,9 +145,10 @@ mod tests {
 
     #[test]
     fn clock_spares_recently_touched_blocks() {
+        let arena = crate::arena::Arena::in_memory(16).expect("arena");
         let mut ram = RamTier::default();
-        let a = ram.insert(BlockIndex(1), Box::new([1; BLOCK_SIZE]));
-        let b = ram.insert(BlockIndex(2), Box::new([2; BLOCK_SIZE]));
+        let a = ram.insert(BlockIndex(1), arena.alloc_copy(&[1; BLOCK_SIZE]).expect("page"));
+        let b = ram.insert(BlockIndex(2), arena.alloc_copy(&[2; BLOCK_SIZE]).expect("page"));
         // First sweep clears both bits and returns the first one it revisits.
         let (slot, owner) = ram.coldest().expect("non-empty");
         assert_eq!((slot, owner), (a, BlockIndex(1)));

@@ -56,6 +56,15 @@ impl RangeSet {
         }
     }
 
+    /// The ranges, in order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.ranges.iter().map(|(&start, &end)| (start, end))
+    }
+
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
     pub fn memory_bytes(&self) -> u64 {
         // A B-tree node holds up to 11 entries of 16 bytes plus overhead; 48 per entry is close.
         self.ranges.len() as u64 * 48

@@ -31,8 +31,10 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
+use crate::arena::{Arena, Owner, Page};
 use crate::error::{EngineError, Result};
 use crate::map::MAX_SPILL_SEGMENTS;
+use crate::state::SegmentSummaries;
 use crate::stats::VmStats;
 use crate::store::{BackingFile, SegmentPages, SegmentWrite};
 use crate::units::{Block, BlockIndex, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, BLOCK_SIZE, SEGMENT_BYTES};
@@ -82,6 +84,10 @@ pub enum Purpose {
 
 pub struct SpillLog {
     file: Box<dyn BackingFile>,
+    /// Where the pages of the open segment come from when a block is appended by copy.
+    arena: Arena,
+    /// Where a written segment's slots are recorded for a recovery, if the VM's state is kept.
+    summaries: Option<SegmentSummaries>,
     segments: Vec<Segment>,
     /// Free segments that are holes, lowest first.
     free: BinaryHeap<Reverse<u32>>,
@@ -100,7 +106,7 @@ pub struct SpillLog {
 }
 
 impl SpillLog {
-    pub fn new(file: Box<dyn BackingFile>, max_bytes: Option<u64>) -> Result<Self> {
+    pub fn new(file: Box<dyn BackingFile>, max_bytes: Option<u64>, arena: Arena) -> Result<Self> {
         let max_segments = match max_bytes {
             None => None,
             Some(bytes) => {
@@ -125,7 +131,63 @@ impl SpillLog {
             owner_tables: 0,
             shortages_heeded: file.space_shortages(),
             file,
+            arena,
+            summaries: None,
         })
+    }
+
+    /// Records each written segment's slots from now on, for a recovery.
+    pub(crate) fn set_summaries(&mut self, summaries: SegmentSummaries) {
+        self.summaries = Some(summaries);
+    }
+
+    /// A log rebuilt by a recovery, over a file of `segments` segments: `sealed` lists those
+    /// with a live slot, with the block of each slot (dead ones included) and the live count.
+    /// Every other segment is free: punched, its summary cleared.
+    pub(crate) fn recovered(
+        mut self,
+        segments: u32,
+        sealed: Vec<(u32, Vec<BlockIndex>, u16)>,
+        stats: &VmStats,
+    ) -> Result<Self> {
+        if segments > MAX_SPILL_SEGMENTS {
+            return Err(EngineError::Corrupt(format!("a spill file of {segments} segments")));
+        }
+        self.segments =
+            (0..segments).map(|_| Segment { state: SegmentState::Free, live: 0, owners: Vec::new() }).collect();
+        for (id, owners, live) in sealed {
+            let segment = &mut self.segments[id as usize];
+            *segment = Segment { state: SegmentState::Sealed, live, owners };
+            self.live_blocks += u64::from(live);
+            self.sealed_segments += 1;
+            self.owner_tables += 1;
+        }
+        for id in 0..segments {
+            if self.segments[id as usize].state == SegmentState::Free {
+                self.punch(id, stats);
+                if let Some(summaries) = &mut self.summaries {
+                    summaries.clear(id);
+                }
+            }
+        }
+        Ok(self)
+    }
+
+    /// The files stay for the next process.
+    pub fn keep(&mut self) {
+        self.file.keep();
+        if let Some(summaries) = &mut self.summaries {
+            summaries.keep();
+        }
+    }
+
+    fn summarize(&mut self, id: SegmentId, pages: &[Page]) -> Result<()> {
+        match &mut self.summaries {
+            Some(summaries) => {
+                summaries.write(id.0, pages).map_err(|e| EngineError::from_io("writing a segment summary", e))
+            }
+            None => Ok(()),
+        }
     }
 
     pub fn live_blocks(&self) -> u64 {
@@ -254,10 +316,12 @@ impl SpillLog {
             .map_err(|e| EngineError::from_io("reading spill segment", e))
     }
 
-    /// Appends a block. On error nothing changed: the block is not in the log.
-    pub fn append(&mut self, owner: BlockIndex, data: &Block, purpose: Purpose, stats: &VmStats) -> Result<SpillAddr> {
+    /// Appends a copy of a block. On error nothing changed: the block is not in the log.
+    pub fn append(&mut self, owner: Owner, data: &Block, purpose: Purpose, stats: &VmStats) -> Result<SpillAddr> {
+        let page = self.arena.alloc_copy(data)?;
+        page.set_owner(owner);
         self.reserve(purpose, stats)?;
-        Ok(self.push(owner, Box::new(*data)))
+        Ok(self.push(owner.block, page))
     }
 
     /// Makes room for one block in the open segment: seals a full one and opens the next. On
@@ -277,7 +341,7 @@ impl SpillLog {
     }
 
     /// Puts a block's page in the open segment, which [`Self::reserve`] made room in.
-    pub fn push(&mut self, owner: BlockIndex, page: Box<Block>) -> SpillAddr {
+    pub fn push(&mut self, owner: BlockIndex, page: Page) -> SpillAddr {
         let open = self.open.as_mut().expect("reserve opened a segment");
         let segment = &mut self.segments[open.id.0 as usize];
         let slot = open.pages.len();
@@ -333,11 +397,12 @@ impl SpillLog {
         self.segments[id.0 as usize].state = SegmentState::Sealed;
         self.sealed_segments += 1;
         if write.is_finished() {
-            match write.wait() {
+            let done = write.wait().map_err(|e| EngineError::from_io("writing spill segment", e));
+            match done.and_then(|()| self.summarize(id, &pages)) {
                 Ok(()) => self.written(id, stats),
                 Err(error) => {
                     self.writing = Some(Writing { id, pages, write: None });
-                    return Err(EngineError::from_io("writing spill segment", error));
+                    return Err(error);
                 }
             }
         } else {
@@ -369,6 +434,9 @@ impl SpillLog {
             }
         });
         let result = if written { Ok(()) } else { self.file.write_pages_at(&writing.pages, writing.id.byte_offset()) };
+        let result = result
+            .map_err(|e| EngineError::from_io("writing spill segment", e))
+            .and_then(|()| self.summarize(writing.id, &writing.pages));
         match result {
             Ok(()) => {
                 self.written(writing.id, stats);
@@ -376,7 +444,7 @@ impl SpillLog {
             }
             Err(error) => {
                 self.writing = Some(writing);
-                Err(EngineError::from_io("writing spill segment", error))
+                Err(error)
             }
         }
     }
@@ -447,6 +515,9 @@ impl SpillLog {
     /// A sealed segment with no live slot: kept for reuse, and the oldest kept one punched
     /// when there are more than [`KEPT_FREE_SEGMENTS`].
     fn free_segment(&mut self, id: SegmentId, stats: &VmStats) {
+        if let Some(summaries) = &mut self.summaries {
+            summaries.clear(id.0);
+        }
         let segment = &mut self.segments[id.0 as usize];
         segment.state = SegmentState::Free;
         segment.owners = Vec::new();
@@ -548,6 +619,10 @@ mod tests {
         }
     }
 
+    fn test_arena() -> Arena {
+        Arena::in_memory(1 << 16).expect("arena")
+    }
+
     fn block(i: u64) -> Block {
         [(i % 251) as u8 + 1; BLOCK_SIZE]
     }
@@ -565,9 +640,11 @@ mod tests {
         let full = Arc::new(AtomicBool::new(full));
         let file = HeldWrites { file: MemFile::default(), held: held.clone(), full: full.clone() };
         let stats = VmStats::default();
-        let mut log = SpillLog::new(Box::new(file), None).expect("log");
+        let mut log = SpillLog::new(Box::new(file), None, test_arena()).expect("log");
         let addrs: Vec<SpillAddr> = (0..=BLOCKS_PER_SEGMENT as u64)
-            .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"))
+            .map(|i| {
+                log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats).expect("append")
+            })
             .collect();
         (log, held, full, stats, addrs)
     }
@@ -587,14 +664,15 @@ mod tests {
         let (_, _, done) = held.lock().expect("lock").pop().expect("held write");
         done.send(Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))).expect("send");
         full.store(true, Ordering::Relaxed);
-        let refused = log.append(BlockIndex(9999), &block(9999), Purpose::Guest, &stats);
+        let refused = log.append(Owner { block: BlockIndex(9999), seq: 1 }, &block(9999), Purpose::Guest, &stats);
         assert!(matches!(refused, Err(EngineError::NoSpace(_))), "{refused:?}");
         assert_eq!(read(&mut log, addrs[7], &stats), block(7), "a failed write loses nothing");
         assert_eq!(read(&mut log, addrs[BLOCKS_PER_SEGMENT], &stats), block(BLOCKS_PER_SEGMENT as u64));
 
         // Space comes back: the next append retries, succeeds, and the segment reads from disk.
         full.store(false, Ordering::Relaxed);
-        log.append(BlockIndex(9999), &block(9999), Purpose::Guest, &stats).expect("append after the retry");
+        log.append(Owner { block: BlockIndex(9999), seq: 1 }, &block(9999), Purpose::Guest, &stats)
+            .expect("append after the retry");
         assert_eq!(stats.spill_segments_written.get(), 1);
         assert_eq!(read(&mut log, addrs[7], &stats), block(7), "read back from the file");
     }
@@ -644,15 +722,20 @@ mod tests {
     #[test]
     fn dead_segments_are_written_over_the_latest_first_and_only_a_few_are_kept() {
         let stats = VmStats::default();
-        let mut log = SpillLog::new(Box::new(MemFile::default()), None).expect("log");
+        let mut log = SpillLog::new(Box::new(MemFile::default()), None, test_arena()).expect("log");
         let segments = KEPT_FREE_SEGMENTS + 3;
         let mut addrs = Vec::new();
         for i in 0..(segments * BLOCKS_PER_SEGMENT) as u64 {
-            addrs.push(log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append"));
+            addrs.push(
+                log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats).expect("append"),
+            );
         }
         // One more block seals the last full segment.
         let extra = (segments * BLOCKS_PER_SEGMENT) as u64;
-        addrs.push(log.append(BlockIndex(extra), &block(extra), Purpose::Guest, &stats).expect("append"));
+        addrs.push(
+            log.append(Owner { block: BlockIndex(extra), seq: 1 }, &block(extra), Purpose::Guest, &stats)
+                .expect("append"),
+        );
         assert_eq!(stats.spill_segments_written.get(), segments as u64);
         // Every segment but the last dies, in order.
         for addr in &addrs[..(segments - 1) * BLOCKS_PER_SEGMENT] {
@@ -665,7 +748,7 @@ mod tests {
         // The open segment fills up and the next one opens where the last one died.
         let base = extra + 1;
         for i in base..base + BLOCKS_PER_SEGMENT as u64 {
-            log.append(BlockIndex(i), &block(i), Purpose::Guest, &stats).expect("append");
+            log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats).expect("append");
         }
         let opened = log.open.as_ref().map(|open| open.id).expect("an open segment");
         assert_eq!(opened, SegmentId(died as u32 - 1), "the segment that died last is reused first");
@@ -688,12 +771,12 @@ mod tests {
         let fill = |log: &mut SpillLog, segments: usize, stats: &VmStats| -> Result<Vec<SpillAddr>> {
             // One block more than the segments: the last one full is sealed, and written.
             (0..=(segments * BLOCKS_PER_SEGMENT) as u64)
-                .map(|i| log.append(BlockIndex(i), &block(i), Purpose::Guest, stats))
+                .map(|i| log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, stats))
                 .collect()
         };
         let (stats_b, stats_a) = (VmStats::default(), VmStats::default());
         // VM B writes three segments, then overwrites them all: they stay allocated, kept.
-        let mut b = SpillLog::new(on_disk(1), None).expect("log");
+        let mut b = SpillLog::new(on_disk(1), None, test_arena()).expect("log");
         let addrs = fill(&mut b, 3, &stats_b).expect("room for B");
         for addr in &addrs[..3 * BLOCKS_PER_SEGMENT] {
             b.release(*addr, &stats_b);
@@ -702,10 +785,11 @@ mod tests {
         assert_eq!(b.disk_used_bytes(), 3 * segment, "kept while nobody is short of space");
         assert_eq!(disk.used_bytes(), 3 * segment);
         // VM A fills what is left and is refused its fourth segment.
-        let mut a = SpillLog::new(on_disk(2), None).expect("log");
+        let mut a = SpillLog::new(on_disk(2), None, test_arena()).expect("log");
         fill(&mut a, 3, &stats_a).expect("room for three segments");
-        let refused = (0..BLOCKS_PER_SEGMENT as u64)
-            .try_for_each(|i| a.append(BlockIndex(1 << 20 | i), &block(i), Purpose::Guest, &stats_a).map(|_| ()));
+        let refused = (0..BLOCKS_PER_SEGMENT as u64).try_for_each(|i| {
+            a.append(Owner { block: BlockIndex(1 << 20 | i), seq: 1 }, &block(i), Purpose::Guest, &stats_a).map(|_| ())
+        });
         assert!(matches!(refused, Err(EngineError::NoSpace(_))), "the disk is full: {refused:?}");
         assert!(a.finish_writes(&stats_a).is_err(), "still full while B keeps its dead segments");
         // B's next write hears of it and punches them; A's retry then fits.

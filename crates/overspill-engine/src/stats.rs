@@ -195,6 +195,9 @@ pub struct VmStats {
     pub spill_segments_written: Counter,
     pub spill_segments_punched: Counter,
     pub compaction_bytes_moved: Counter,
+    /// Blocks a recovery found written when it rebuilt this overlay from a previous process's
+    /// state.
+    pub recovered_blocks: Counter,
     /// Mode `disk`: the per-VM cache file on local disk.
     pub cache_file_read: OpCounter,
     pub cache_file_write: OpCounter,

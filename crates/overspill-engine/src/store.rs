@@ -24,11 +24,12 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
 
 use rustix::fs::{FallocateFlags, OFlags};
 
+use crate::arena::Page;
 use crate::error::is_no_space;
-use crate::units::{Block, BLOCK_SIZE, SEGMENT_BYTES};
+use crate::units::{BLOCK_SIZE, SEGMENT_BYTES};
 
 /// A spill segment's blocks, slot by slot, each in the page it was received into or kept in RAM.
-pub type SegmentPages = Vec<Box<Block>>;
+pub type SegmentPages = Vec<Page>;
 
 pub trait BackingFile: Send {
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()>;
@@ -38,6 +39,10 @@ pub trait BackingFile: Send {
     /// Bytes the filesystem has allocated for the file (what `du` shows).
     fn allocated_bytes(&self) -> io::Result<u64>;
     fn path(&self) -> Option<&Path>;
+
+    /// The file is to outlive this handle (a VM's state, kept for the next process): dropping
+    /// the handle leaves it where it is.
+    fn keep(&mut self) {}
 
     /// How many times a file on the same filesystem as this one (as far as the host knows)
     /// was refused space. A spill log that sees the count move gives back the dead segments it
@@ -50,7 +55,7 @@ pub trait BackingFile: Send {
     /// Writes a segment's pages one after another from `offset`. The default gathers them into
     /// one buffer and calls `write_at` once (simulations and fault injection see one write per
     /// segment); a real file writes them with vectored writes, in order.
-    fn write_pages_at(&mut self, pages: &[Box<Block>], offset: u64) -> io::Result<()> {
+    fn write_pages_at(&mut self, pages: &[Page], offset: u64) -> io::Result<()> {
         let mut bytes = Vec::with_capacity(pages.len() * BLOCK_SIZE);
         for page in pages {
             bytes.extend_from_slice(&page[..]);
@@ -226,6 +231,8 @@ pub struct ScratchFile {
     /// Shared with the host's other scratch files; a file of its own when none was given.
     shortages: Arc<SpaceShortages>,
     path: PathBuf,
+    /// Left in place when dropped: a VM's state, kept for the next process.
+    kept: bool,
 }
 
 impl ScratchFile {
@@ -233,9 +240,26 @@ impl ScratchFile {
     pub fn create(dir: &Path, name: &str, logical_size: u64) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-        let scratch = Self { file: Arc::new(file), direct: None, writers: None, shortages: Arc::default(), path };
+        let scratch = Self::from_file(file, path);
         scratch.file.set_len(logical_size)?;
         Ok(scratch)
+    }
+
+    /// Opens `dir/name`, which an earlier overlay of the same VM created and kept: it is removed
+    /// with this handle unless kept again.
+    pub fn open(dir: &Path, name: &str) -> io::Result<Self> {
+        let path = dir.join(name);
+        let file = OpenOptions::new().read(true).write(true).open(&path)?;
+        Ok(Self::from_file(file, path))
+    }
+
+    fn from_file(file: File, path: PathBuf) -> Self {
+        Self { file: Arc::new(file), direct: None, writers: None, shortages: Arc::default(), path, kept: false }
+    }
+
+    /// The file's size in bytes.
+    pub fn logical_size(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
     }
 
     /// Writes whole segments from a thread of their own, so that the VM's requests go on while
@@ -279,7 +303,7 @@ impl ScratchFile {
 const PAGES_PER_WRITE_CALL: usize = 64;
 
 /// Writes a segment's pages in order from `offset` on, with vectored writes.
-fn write_pages(file: &File, pages: &[Box<Block>], mut offset: u64) -> io::Result<()> {
+fn write_pages(file: &File, pages: &[Page], mut offset: u64) -> io::Result<()> {
     let mut slices: Vec<IoSlice<'_>> = pages.iter().map(|page| IoSlice::new(&page[..])).collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
@@ -303,7 +327,7 @@ fn write_pages(file: &File, pages: &[Box<Block>], mut offset: u64) -> io::Result
 fn write_segment(
     direct: Option<(&File, &SegmentWriters)>,
     buffered: &File,
-    pages: &[Box<Block>],
+    pages: &[Page],
     offset: u64,
 ) -> io::Result<()> {
     if let Some((direct, writers)) = direct {
@@ -350,11 +374,15 @@ impl BackingFile for ScratchFile {
         Some(&self.path)
     }
 
+    fn keep(&mut self) {
+        self.kept = true;
+    }
+
     fn space_shortages(&self) -> u64 {
         self.shortages.count()
     }
 
-    fn write_pages_at(&mut self, pages: &[Box<Block>], offset: u64) -> io::Result<()> {
+    fn write_pages_at(&mut self, pages: &[Page], offset: u64) -> io::Result<()> {
         self.shortages.note(write_pages(&self.file, pages, offset))
     }
 
@@ -394,6 +422,9 @@ impl BackingFile for ScratchFile {
 
 impl Drop for ScratchFile {
     fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
         if let Err(error) = std::fs::remove_file(&self.path) {
             tracing::warn!(path = %self.path.display(), %error, "could not remove cache file");
         }
@@ -473,9 +504,11 @@ mod tests {
     use super::*;
 
     fn numbered_pages(count: usize) -> SegmentPages {
+        let arena = crate::arena::Arena::in_memory(count as u32).expect("arena");
         (0..count)
             .map(|n| {
-                let mut page = Box::new([0u8; BLOCK_SIZE]);
+                let mut page = arena.alloc().expect("page");
+                page.fill(0);
                 page[..8].copy_from_slice(&(n as u64).to_le_bytes());
                 page[BLOCK_SIZE - 1] = n as u8;
                 page

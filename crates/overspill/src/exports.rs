@@ -403,6 +403,8 @@ fn device_error(error: EngineError) -> DeviceError {
         EngineError::NoSpace(_) => DeviceErrorKind::NoSpace,
         EngineError::OutOfRange { .. } => DeviceErrorKind::Invalid,
         EngineError::Io { .. } | EngineError::Config(_) => DeviceErrorKind::Io,
+        // A VM whose state cannot be recovered is refused, never served something else.
+        EngineError::Corrupt(_) => DeviceErrorKind::Refused,
     };
     DeviceError::new(kind, error.to_string())
 }

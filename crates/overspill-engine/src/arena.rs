@@ -1,0 +1,471 @@
+//! The pages one VM's overlay holds in memory (its RAM tier, its open spill segment and the
+//! segment being written), in a shared mapping of a file, so that they can outlive the process.
+//!
+//! A server's arena is a pair of files in a memory-backed directory (tmpfs): `NAME.pages`, the
+//! 4 KiB pages, and `NAME.slots`, a 16-byte header per page naming the block it holds and the
+//! sequence number of the write that put it there (0: free). Stores into a shared mapping are in
+//! the page cache the moment they are made, so a process killed at any instruction leaves every
+//! finished store behind for the next one to find, with no `msync` and no copy. The simulation
+//! and the planner use an arena in a `memfd` that nobody else sees.
+//!
+//! Whatever the engine holds a page for, it holds a [`Page`]: the handle derefs to the block and
+//! gives the page back to the arena when dropped, so ownership works as a `Box` would (evicted
+//! RAM pages move into the open segment without a copy, segments go to disk from their pages).
+//!
+//! A header is written seq first to 0, then the block, then the new seq: a process killed
+//! between two of those stores leaves a header that is free or complete, never one naming a
+//! block with another block's sequence number.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::ops::{Deref, DerefMut};
+use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rustix::fs::{FallocateFlags, MemfdFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::error::{EngineError, Result};
+use crate::units::{Block, BlockIndex, BLOCKS_PER_SEGMENT, BLOCK_SIZE};
+
+const HEADER_BYTES: usize = 16;
+
+/// Free pages kept in memory for the next allocations: a segment's worth, which is what a
+/// spilling VM frees when a segment is written and allocates again as the next one fills.
+/// Beyond twice that, the rest are punched out of the file so that their memory goes back.
+const WARM_FREE_PAGES: usize = BLOCKS_PER_SEGMENT;
+
+/// The file grows this many pages at a time (pages past its end must never be touched).
+const GROWTH_PAGES: u32 = BLOCKS_PER_SEGMENT as u32;
+
+/// Pages an arena needs beyond a VM's RAM target: the open segment, the one being written, and
+/// the pages of one request being received (32 MiB, the largest request a server takes).
+pub const ARENA_SLACK_PAGES: u32 = 2 * BLOCKS_PER_SEGMENT as u32 + (32 << 20) / BLOCK_SIZE as u32;
+
+/// What a page's header says: the block it holds and the sequence number of the write that
+/// placed it there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub block: BlockIndex,
+    pub seq: u64,
+}
+
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+impl Mapping {
+    fn new(file: &File, len: usize) -> io::Result<Self> {
+        // SAFETY: a fresh mapping at an address the kernel picks, over a file this arena owns;
+        // nothing else aliases it. Pages past the file's end are never touched: the file is
+        // grown before a page beyond it is handed out.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::NORESERVE,
+                file.as_fd(),
+                0,
+            )
+        }?;
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(Self { base, len })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made by `new` with this length, and every page and header
+        // reference into it is gone: pages hold the arena alive until they are dropped.
+        if let Err(error) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) } {
+            tracing::warn!(%error, "could not unmap an arena");
+        }
+    }
+}
+
+#[derive(Default)]
+struct FreeLists {
+    /// Free pages still backed by memory, reused first.
+    warm: Vec<u32>,
+    /// Free pages punched out of the file.
+    cold: Vec<u32>,
+    /// Pages below this index have been handed out at least once.
+    high_water: u32,
+    /// Pages the files are sized for.
+    file_pages: u32,
+}
+
+struct Shared {
+    pages: Mapping,
+    headers: Mapping,
+    page_file: File,
+    header_file: File,
+    capacity: u32,
+    free: Mutex<FreeLists>,
+    /// Set when the state is to outlive this process: headers are then left as they are when
+    /// pages are dropped, and the files stay.
+    keep: AtomicBool,
+    /// The files, if this arena created them (a memfd has none).
+    paths: Option<[PathBuf; 2]>,
+}
+
+// SAFETY: the mappings are plain shared memory. Each page index is owned by one `Page` at a
+// time (handed out once by `alloc`, returned by its drop), so no two threads write one page;
+// headers are written with atomic stores; the free lists are behind a mutex.
+unsafe impl Send for Shared {}
+// SAFETY: as for Send: shared access goes through `&Page` (reads) or atomics and the mutex.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn lists(&self) -> std::sync::MutexGuard<'_, FreeLists> {
+        // A panic while holding the lock leaves the lists consistent (each update is one push
+        // or pop).
+        self.free.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn header(&self, index: u32, word: usize) -> &AtomicU64 {
+        debug_assert!(index < self.capacity);
+        let at = index as usize * HEADER_BYTES + word * 8;
+        // SAFETY: `at` is inside the header mapping (index below capacity), 8-byte aligned (the
+        // mapping is page-aligned, headers are 16 bytes), and only ever accessed atomically.
+        unsafe { &*self.headers.base.as_ptr().add(at).cast::<AtomicU64>() }
+    }
+
+    fn page_ptr(&self, index: u32) -> *mut Block {
+        debug_assert!(index < self.capacity);
+        // SAFETY: inside the page mapping, since index is below capacity.
+        unsafe { self.pages.base.as_ptr().add(index as usize * BLOCK_SIZE).cast::<Block>() }
+    }
+
+    fn set_owner(&self, index: u32, owner: Owner) {
+        self.header(index, 1).store(0, Ordering::Release);
+        self.header(index, 0).store(owner.block.0, Ordering::Release);
+        self.header(index, 1).store(owner.seq, Ordering::Release);
+    }
+
+    fn owner(&self, index: u32) -> Option<Owner> {
+        let seq = self.header(index, 1).load(Ordering::Acquire);
+        (seq != 0).then(|| Owner { block: BlockIndex(self.header(index, 0).load(Ordering::Acquire)), seq })
+    }
+
+    fn grow_to(&self, lists: &mut FreeLists, pages: u32) -> io::Result<()> {
+        let pages = pages.min(self.capacity);
+        self.page_file.set_len(u64::from(pages) * BLOCK_SIZE as u64)?;
+        self.header_file.set_len((pages as usize * HEADER_BYTES) as u64)?;
+        lists.file_pages = pages;
+        Ok(())
+    }
+
+    fn release(&self, index: u32) {
+        if self.keep.load(Ordering::Relaxed) {
+            // The page is state for the next process, not free: its header and bytes stay.
+            return;
+        }
+        self.header(index, 1).store(0, Ordering::Release);
+        let mut lists = self.lists();
+        lists.warm.push(index);
+        if lists.warm.len() > 2 * WARM_FREE_PAGES {
+            self.cool(&mut lists);
+        }
+    }
+
+    /// Punches the free pages beyond the warm few, the highest first in line, in runs.
+    fn cool(&self, lists: &mut FreeLists) {
+        lists.warm.sort_unstable_by(|a, b| b.cmp(a));
+        let excess = lists.warm.len() - WARM_FREE_PAGES;
+        let mut cooling: Vec<u32> = lists.warm.drain(..excess).collect();
+        cooling.reverse();
+        for run in cooling.chunk_by(|a, b| b == &(a + 1)) {
+            let offset = u64::from(run[0]) * BLOCK_SIZE as u64;
+            let len = (run.len() * BLOCK_SIZE) as u64;
+            let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+            if let Err(error) = rustix::fs::fallocate(&self.page_file, flags, offset, len) {
+                // The pages stay in memory, reusable; only the host waits longer for them.
+                tracing::debug!(%error, "could not punch free arena pages");
+            }
+        }
+        lists.cold.extend(cooling);
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if let Some(paths) = &self.paths {
+            if !self.keep.load(Ordering::Relaxed) {
+                for path in paths {
+                    if let Err(error) = std::fs::remove_file(path) {
+                        tracing::warn!(path = %path.display(), %error, "could not remove arena file");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A VM's page arena; clones share it.
+#[derive(Clone)]
+pub struct Arena(Arc<Shared>);
+
+/// A page found in use by [`Arena::open`], with what its header says.
+pub struct LivePage {
+    pub page: Page,
+    pub owner: Owner,
+}
+
+impl Arena {
+    /// An arena in a `memfd`: private to this process, gone with it.
+    pub fn in_memory(capacity_pages: u32) -> Result<Self> {
+        let create =
+            |name: &str| -> io::Result<File> { Ok(File::from(rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)?)) };
+        let files = create("overspill-pages").and_then(|pages| Ok((pages, create("overspill-slots")?)));
+        let (pages, headers) = files.map_err(|e| EngineError::from_io("creating a memory arena", e))?;
+        Self::map(pages, headers, capacity_pages, None, 0)
+    }
+
+    /// An arena in `dir/NAME.pages` and `dir/NAME.slots`, which must not exist yet (they could
+    /// belong to a live VM).
+    pub fn create(dir: &Path, name: &str, capacity_pages: u32) -> Result<Self> {
+        let paths = Self::paths(dir, name);
+        let create = |path: &Path| OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path);
+        let pages = create(&paths[0]).map_err(|e| EngineError::from_io("creating an arena file", e))?;
+        let headers = match create(&paths[1]) {
+            Ok(file) => file,
+            Err(error) => {
+                let _ = std::fs::remove_file(&paths[0]);
+                return Err(EngineError::from_io("creating an arena file", error));
+            }
+        };
+        Self::map(pages, headers, capacity_pages, Some(paths), 0)
+    }
+
+    /// Opens the arena a previous process left in `dir` under `name`, with the pages its
+    /// headers say are in use. Files made by an earlier process are this VM's state: they are
+    /// removed with the arena unless it is kept again.
+    pub fn open(dir: &Path, name: &str, capacity_pages: u32) -> Result<(Self, Vec<LivePage>)> {
+        let paths = Self::paths(dir, name);
+        let open = |path: &Path| OpenOptions::new().read(true).write(true).open(path);
+        let files = open(&paths[0]).and_then(|pages| Ok((pages, open(&paths[1])?)));
+        let (pages, headers) = files.map_err(|e| EngineError::from_io("opening an arena file", e))?;
+        let len = |file: &File| file.metadata().map(|m| m.len());
+        let (page_bytes, header_bytes) = len(&pages)
+            .and_then(|p| Ok((p, len(&headers)?)))
+            .map_err(|e| EngineError::from_io("reading an arena's size", e))?;
+        let found = (page_bytes / BLOCK_SIZE as u64).min(header_bytes / HEADER_BYTES as u64);
+        let found = u32::try_from(found).map_err(|_| EngineError::Config("an arena file is too large".into()))?;
+        let arena = Self::map(pages, headers, capacity_pages.max(found), Some(paths), found)?;
+        let mut live = Vec::new();
+        {
+            let mut lists = arena.0.lists();
+            for index in 0..found {
+                match arena.0.owner(index) {
+                    Some(owner) => live.push((index, owner)),
+                    None => lists.cold.push(index),
+                }
+            }
+            lists.high_water = found;
+        }
+        let live = live
+            .into_iter()
+            .map(|(index, owner)| LivePage { page: Page { index, arena: Arc::clone(&arena.0) }, owner })
+            .collect();
+        Ok((arena, live))
+    }
+
+    /// Removes what `create` would make under `name` in `dir`, if it is there.
+    pub fn remove_files(dir: &Path, name: &str) -> io::Result<()> {
+        for path in Self::paths(dir, name) {
+            match std::fs::remove_file(&path) {
+                Err(error) if error.kind() != io::ErrorKind::NotFound => return Err(error),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    pub fn exists(dir: &Path, name: &str) -> bool {
+        Self::paths(dir, name).iter().any(|path| path.exists())
+    }
+
+    fn paths(dir: &Path, name: &str) -> [PathBuf; 2] {
+        [dir.join(format!("{name}.pages")), dir.join(format!("{name}.slots"))]
+    }
+
+    fn map(page_file: File, header_file: File, capacity: u32, paths: Option<[PathBuf; 2]>, found: u32) -> Result<Self> {
+        let capacity = capacity.max(1);
+        let mapped = Mapping::new(&page_file, capacity as usize * BLOCK_SIZE)
+            .and_then(|pages| Ok((pages, Mapping::new(&header_file, capacity as usize * HEADER_BYTES)?)));
+        let (pages, headers) = mapped.map_err(|e| EngineError::from_io("mapping a memory arena", e))?;
+        let shared = Shared {
+            pages,
+            headers,
+            page_file,
+            header_file,
+            capacity,
+            free: Mutex::new(FreeLists { file_pages: found, ..FreeLists::default() }),
+            keep: AtomicBool::new(false),
+            paths,
+        };
+        Ok(Self(Arc::new(shared)))
+    }
+
+    /// A free page, holding whatever it held before.
+    pub fn alloc(&self) -> Result<Page> {
+        let shared = &self.0;
+        let mut lists = shared.lists();
+        let index = match lists.warm.pop().or_else(|| lists.cold.pop()) {
+            Some(index) => index,
+            None => {
+                let index = lists.high_water;
+                if index >= shared.capacity {
+                    return Err(EngineError::NoSpace(format!(
+                        "the VM's memory arena of {} pages is full",
+                        shared.capacity
+                    )));
+                }
+                if index >= lists.file_pages {
+                    let pages = lists.file_pages.saturating_add(GROWTH_PAGES.max(lists.file_pages / 4));
+                    shared.grow_to(&mut lists, pages).map_err(|e| EngineError::from_io("growing a memory arena", e))?;
+                }
+                lists.high_water += 1;
+                index
+            }
+        };
+        drop(lists);
+        Ok(Page { index, arena: Arc::clone(shared) })
+    }
+
+    /// A free page holding a copy of `data`.
+    pub fn alloc_copy(&self, data: &Block) -> Result<Page> {
+        let mut page = self.alloc()?;
+        page.copy_from_slice(data);
+        Ok(page)
+    }
+
+    /// From now on the arena's state outlives it: dropped pages keep their headers, and the
+    /// files stay when the arena goes.
+    pub fn keep(&self) {
+        self.0.keep.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the arena is kept past its end (see [`Self::keep`]).
+    pub fn is_kept(&self) -> bool {
+        self.0.keep.load(Ordering::Relaxed)
+    }
+
+    /// Pages the files have room for: the memory the arena may hold at most, free pages kept
+    /// warm included.
+    pub fn file_pages(&self) -> u32 {
+        self.0.lists().file_pages
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.0.capacity
+    }
+}
+
+/// One page of an arena, owned like a `Box<Block>`: dropping it frees the page.
+pub struct Page {
+    index: u32,
+    arena: Arc<Shared>,
+}
+
+impl Page {
+    /// Says in the page's header which block it holds since which write; what a recovery
+    /// finds.
+    pub fn set_owner(&self, owner: Owner) {
+        self.arena.set_owner(self.index, owner);
+    }
+
+    pub fn owner(&self) -> Option<Owner> {
+        self.arena.owner(self.index)
+    }
+
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+}
+
+impl Deref for Page {
+    type Target = Block;
+
+    fn deref(&self) -> &Block {
+        // SAFETY: the page is inside the mapping and within the file (grown before it was handed
+        // out), and this handle is its only owner: writes need `&mut self`.
+        unsafe { &*self.arena.page_ptr(self.index) }
+    }
+}
+
+impl DerefMut for Page {
+    fn deref_mut(&mut self) -> &mut Block {
+        // SAFETY: as for `deref`, and `&mut self` makes this the only reference.
+        unsafe { &mut *self.arena.page_ptr(self.index) }
+    }
+}
+
+impl Drop for Page {
+    fn drop(&mut self) {
+        self.arena.release(self.index);
+    }
+}
+
+impl std::fmt::Debug for Page {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Page({})", self.index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_and_their_owners_outlive_the_arena_that_kept_them() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let arena = Arena::create(dir.path(), "vm", 1024).expect("arena");
+        let mut pages = Vec::new();
+        for i in 0..600u64 {
+            let mut page = arena.alloc().expect("page");
+            page.fill(i as u8);
+            page.set_owner(Owner { block: BlockIndex(i * 3), seq: i + 1 });
+            pages.push(page);
+        }
+        // A page freed before the end is free afterwards too.
+        pages.swap_remove(5);
+        arena.keep();
+        drop(pages);
+        drop(arena);
+        let (arena, live) = Arena::open(dir.path(), "vm", 1024).expect("reopened");
+        assert_eq!(live.len(), 599);
+        for LivePage { page, owner } in &live {
+            let i = owner.seq - 1;
+            assert_eq!(owner.block, BlockIndex(i * 3));
+            assert!(page.iter().all(|&b| b == i as u8), "page of block {} kept its bytes", owner.block.0);
+        }
+        assert!(!live.iter().any(|live| live.owner.seq == 6));
+        // Not kept this time: the files go with it.
+        drop(live);
+        drop(arena);
+        assert!(!Arena::exists(dir.path(), "vm"));
+    }
+
+    #[test]
+    fn freed_pages_are_reused_and_the_excess_punched() {
+        let arena = Arena::in_memory(8192).expect("arena");
+        let pages: Vec<Page> = (0..4 * WARM_FREE_PAGES).map(|_| arena.alloc().expect("page")).collect();
+        let grown = arena.file_pages();
+        drop(pages);
+        assert!(arena.0.lists().warm.len() <= 2 * WARM_FREE_PAGES);
+        let again: Vec<Page> = (0..4 * WARM_FREE_PAGES).map(|_| arena.alloc().expect("page")).collect();
+        assert_eq!(arena.file_pages(), grown, "reused, not grown");
+        assert!(again.iter().all(|page| page.owner().is_none()), "freed pages have no owner");
+        let full = Arena::in_memory(2).expect("arena");
+        let _two = (full.alloc().expect("one"), full.alloc().expect("two"));
+        assert!(matches!(full.alloc(), Err(EngineError::NoSpace(_))));
+    }
+}

@@ -1,0 +1,162 @@
+//! A VM's overlay rebuilt from the state a previous overlay left in real files (an arena in a
+//! directory, a spill file, segment summaries, a zero log): after a planned hand-over
+//! (`keep_state`) and after the overlay simply vanished (as when its process is killed: nothing
+//! of it runs again), every block reads what the model says, across RAM, the open segment, the
+//! spill log, zeroed and trimmed ranges.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use overspill_engine::arena::Arena;
+use overspill_engine::state::StateFiles;
+use overspill_engine::{
+    EngineError, GoldenImage, HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode,
+    BLOCK_BYTES, SEGMENT_BYTES,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const DISK_BLOCKS: u64 = 8192;
+const MIB: u64 = 1 << 20;
+
+fn config() -> OverlayConfig {
+    // 1 MiB of RAM tier beside the open segment: most writes spill.
+    OverlayConfig { mode: WriteCacheMode::RamDisk, ram_target_bytes: 3 * MIB + 256 * 1024, spill_max_bytes: None }
+}
+
+fn golden() -> Arc<dyn GoldenImage> {
+    Arc::new(MemImage::new((0..DISK_BLOCKS * BLOCK_BYTES).map(|i| (i / 4096) as u8 | 0x80).collect()))
+}
+
+fn files(dir: &Path, create: bool) -> (Box<ScratchFile>, StateFiles) {
+    let file = |name: &str| {
+        Box::new(if create { ScratchFile::create(dir, name, 0) } else { ScratchFile::open(dir, name) }.expect(name))
+    };
+    (file("vm.spill"), StateFiles { segments: file("vm.segments"), zeros: file("vm.zeros") })
+}
+
+fn fresh(dir: &Path) -> Overlay {
+    let (spill, state) = files(dir, true);
+    let arena = Arena::create(dir, "vm", Overlay::arena_pages(&config())).expect("arena");
+    Overlay::persistent(golden(), config(), Some(spill), HostMemory::unlimited(), Arc::default(), arena, state)
+        .expect("overlay")
+}
+
+fn recover(dir: &Path) -> Result<Overlay, EngineError> {
+    let (spill, state) = files(dir, false);
+    let segments = (spill.logical_size().expect("spill length") / SEGMENT_BYTES as u64) as u32;
+    let arena = Arena::open(dir, "vm", Overlay::arena_pages(&config()))?;
+    Overlay::recover(
+        golden(),
+        config(),
+        Some(spill),
+        HostMemory::unlimited(),
+        Arc::new(VmStats::default()),
+        arena,
+        state,
+        segments,
+    )
+}
+
+/// What each block should read: `None` for "anything" (trimmed), else its bytes' first value
+/// (blocks are written whole with one value).
+struct Model {
+    blocks: Vec<Option<u8>>,
+}
+
+impl Model {
+    fn new() -> Self {
+        Self { blocks: (0..DISK_BLOCKS).map(|b| Some(b as u8 | 0x80)).collect() }
+    }
+
+    fn check(&self, vm: &mut Overlay, when: &str) {
+        let mut buf = vec![0u8; (DISK_BLOCKS * BLOCK_BYTES) as usize];
+        vm.read(0, &mut buf).expect("read");
+        for (block, (bytes, want)) in buf.chunks(4096).zip(&self.blocks).enumerate() {
+            if let Some(want) = want {
+                assert!(bytes.iter().all(|b| b == want), "{when}: block {block} reads {} not {want}", bytes[0]);
+            }
+        }
+    }
+}
+
+/// A mix of 4 KiB and 1 MiB writes, zeroings and trims; about a third of the writes land on
+/// blocks already written.
+fn work(vm: &mut Overlay, model: &mut Model, rng: &mut SmallRng, ops: usize) {
+    for _ in 0..ops {
+        let value: u8 = rng.gen_range(1..0x80);
+        match rng.gen_range(0..100) {
+            0..=69 => {
+                let block = rng.gen_range(0..DISK_BLOCKS);
+                vm.write(block * BLOCK_BYTES, &[value; 4096]).expect("write");
+                model.blocks[block as usize] = Some(value);
+            }
+            70..=79 => {
+                let first = rng.gen_range(0..DISK_BLOCKS - 256);
+                vm.write(first * BLOCK_BYTES, &vec![value; MIB as usize]).expect("large write");
+                model.blocks[first as usize..first as usize + 256].fill(Some(value));
+            }
+            80..=89 => {
+                let first = rng.gen_range(0..DISK_BLOCKS - 64);
+                let len = rng.gen_range(1..64);
+                vm.write_zeroes(first * BLOCK_BYTES, len * BLOCK_BYTES).expect("zero");
+                model.blocks[first as usize..(first + len) as usize].fill(Some(0));
+            }
+            _ => {
+                let first = rng.gen_range(0..DISK_BLOCKS - 64);
+                let len = rng.gen_range(1..64);
+                vm.trim(first * BLOCK_BYTES, len * BLOCK_BYTES).expect("trim");
+                model.blocks[first as usize..(first + len) as usize].fill(None);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_kept_overlay_and_a_vanished_one_are_rebuilt_block_for_block() {
+    for seed in 0..4 {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut model = Model::new();
+        let mut vm = fresh(dir.path());
+        work(&mut vm, &mut model, &mut rng, 400);
+        assert!(vm.stats().spill_segments_written.get() > 2, "seed {seed}: spilled");
+        model.check(&mut vm, "before");
+
+        // A planned hand-over.
+        vm.keep_state();
+        drop(vm);
+        let mut vm = recover(dir.path()).expect("recovered after a hand-over");
+        assert!(vm.stats().recovered_blocks.get() > 0);
+        model.check(&mut vm, "after a hand-over");
+        work(&mut vm, &mut model, &mut rng, 400);
+        model.check(&mut vm, "written after a hand-over");
+
+        // The process dies: nothing of the overlay runs again, its files stay as they are.
+        std::mem::forget(vm);
+        let mut vm = recover(dir.path()).expect("recovered after a crash");
+        model.check(&mut vm, "after a crash");
+        work(&mut vm, &mut model, &mut rng, 200);
+        model.check(&mut vm, "written after a crash");
+
+        // A deliberate end: the files go.
+        drop(vm);
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
+        assert!(left.is_empty(), "seed {seed}: files left after the VM ended: {left:?}");
+    }
+}
+
+#[test]
+fn state_that_does_not_check_out_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut vm = fresh(dir.path());
+    vm.write(0, &[7; 4096]).expect("write");
+    vm.keep_state();
+    drop(vm);
+    std::fs::write(dir.path().join("vm.zeros"), b"not a zero log").expect("overwrite");
+    match recover(dir.path()) {
+        Err(EngineError::Corrupt(message)) => assert!(message.contains("zero log"), "{message}"),
+        Err(other) => panic!("wrong error: {other}"),
+        Ok(_) => panic!("recovered from a corrupt zero log"),
+    }
+}
