@@ -12,18 +12,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use overspill_engine::arena::Arena;
 use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
+use overspill_engine::state::StateFiles;
 use overspill_engine::stats::GuestOp;
 use overspill_engine::{
     BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
-    SegmentWriters, SpaceShortages, WriteCacheMode,
+    SegmentWriters, SpaceShortages, VmStats, WriteCacheMode, SEGMENT_BYTES,
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Payload};
 use overspill_storm::profile::OpKind;
 
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
-use crate::vms::{check_vm_name, Claim, Ending, Lifecycle, VmRegistry};
+use crate::vms::{check_vm_name, state_file_stem, Claim, Ending, Lifecycle, Recoverable, StateRecord, VmRegistry};
 use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
 /// Where and how every VM's write cache is kept.
@@ -52,6 +54,7 @@ pub struct OverlayExports {
     settings: CacheSettings,
     host: Arc<HostMemory>,
     registry: Arc<VmRegistry>,
+    lifecycle: Lifecycle,
     record_dir: Option<PathBuf>,
     /// Shared by every VM's spill file: how many segments are written in the background at once.
     segment_writers: Arc<SegmentWriters>,
@@ -97,17 +100,94 @@ impl OverlayExports {
             settings,
             host,
             registry: VmRegistry::new(Lifecycle::default())?,
+            lifecycle: Lifecycle::default(),
             record_dir: None,
             segment_writers,
             space_shortages: SpaceShortages::new(),
         })
     }
 
-    /// Keeps named VMs' overlays over lost connections, and their ledger, as `lifecycle` says.
-    /// Call before serving: VMs registered before are forgotten.
+    /// Keeps named VMs' overlays over lost connections, and their ledger, as `lifecycle` says;
+    /// rebuilds the overlays an earlier server left state for, each in grace until its VM
+    /// reconnects. Call before serving (and after `with_image_store`): VMs registered before
+    /// are forgotten.
     pub fn with_lifecycle(&mut self, lifecycle: Lifecycle) -> std::io::Result<()> {
-        self.registry = VmRegistry::new(lifecycle)?;
+        if let Some(dir) = lifecycle.memory_dir.as_ref().filter(|_| lifecycle.persistent()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("memory directory {}: {e}", dir.display())))?;
+            std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        }
+        self.registry = VmRegistry::new(lifecycle.clone())?;
+        self.lifecycle = lifecycle;
+        for recoverable in self.registry.take_recoverable() {
+            let started = Instant::now();
+            match self.recover(&recoverable) {
+                Ok(()) => tracing::info!(
+                    vm = recoverable.vm,
+                    image = recoverable.state.image_label,
+                    ms = started.elapsed().as_millis() as u64,
+                    "VM overlay recovered from the previous server: waiting for its client"
+                ),
+                Err(why) => self.registry.refuse_unrecoverable(&recoverable.vm, why),
+            }
+        }
         Ok(())
+    }
+
+    /// Rebuilds a VM's overlay from the state an earlier server left.
+    fn recover(&self, recoverable: &Recoverable) -> Result<(), String> {
+        let state = &recoverable.state;
+        let (label, image) = self.image(&recoverable.image).map_err(|e| e.to_string())?;
+        if label != state.image_label {
+            return Err(format!("it was made over {}, and {label} is served now", state.image_label));
+        }
+        if image.size() != state.disk_bytes {
+            return Err(format!("its disk had {} bytes, {label} has {}", state.disk_bytes, image.size()));
+        }
+        if state.mode != self.settings.mode.to_string() {
+            return Err(format!("it was made in mode {}, this server runs mode {}", state.mode, self.settings.mode));
+        }
+        let stem = state_file_stem(&recoverable.vm);
+        let open = |dir: &Path, suffix: &str| -> Result<Box<ScratchFile>, String> {
+            ScratchFile::open(dir, &format!("{stem}.{suffix}"))
+                .map(Box::new)
+                .map_err(|e| format!("{}/{stem}.{suffix}: {e}", dir.display()))
+        };
+        let files =
+            StateFiles { segments: open(&state.memory_dir, "segments")?, zeros: open(&state.memory_dir, "zeros")? };
+        let (backing, segments): (Option<Box<dyn BackingFile>>, u32) = match &state.spill_dir {
+            Some(dir) => {
+                let spill = open(dir, "spill")?;
+                let bytes = spill.logical_size().map_err(|e| e.to_string())?;
+                let spill = spill.with_space_shortages(self.space_shortages.clone());
+                let spill: Box<dyn BackingFile> = if self.settings.spill_writers > 0 {
+                    Box::new(
+                        spill.with_background_segment_writes(self.segment_writers.clone(), self.settings.spill_direct),
+                    )
+                } else {
+                    Box::new(spill)
+                };
+                (Some(spill), u32::try_from(bytes / SEGMENT_BYTES as u64).unwrap_or(u32::MAX))
+            }
+            None => (None, 0),
+        };
+        let config = self.overlay_config();
+        let arena = Arena::open(&state.memory_dir, &stem, Overlay::arena_pages(&config)).map_err(|e| e.to_string())?;
+        let stats = Arc::new(VmStats::default());
+        let overlay =
+            Overlay::recover(image, config, backing, self.host.clone(), stats.clone(), arena, files, segments)
+                .map_err(|e| e.to_string())?;
+        let parked = VmOverlay { overlay, vm: recoverable.vm.clone(), recorder: None };
+        self.registry.adopt_recovered(recoverable, &label, stats, parked);
+        Ok(())
+    }
+
+    fn overlay_config(&self) -> OverlayConfig {
+        OverlayConfig {
+            mode: self.settings.mode,
+            ram_target_bytes: self.settings.ram_target_bytes,
+            spill_max_bytes: self.settings.spill_max_bytes,
+        }
     }
 
     /// Records every VM's requests to `dir/<vm>-<n>.trace` (see `overspill_storm::trace`).
@@ -238,20 +318,23 @@ impl OverlayExports {
         self.registry.label(number, &image_label);
         let vm = name.split_once('@').map_or_else(|| format!("vm-{number}"), |(_, vm)| vm.to_owned());
         let settings = &self.settings;
-        let backing = match settings.mode.backing_file() {
-            Some(kind) => Some(
-                self.backing(kind, image.size())
-                    .map_err(|e| device_error(EngineError::from_io("creating cache file", e)))?,
-            ),
-            None => None,
-        };
-        let config = OverlayConfig {
-            mode: settings.mode,
-            ram_target_bytes: settings.ram_target_bytes,
-            spill_max_bytes: settings.spill_max_bytes,
-        };
+        let config = self.overlay_config();
         let stats = self.registry.stats(number).unwrap_or_default();
-        let overlay = Overlay::new(image.clone(), config, backing, self.host.clone(), stats).map_err(device_error)?;
+        let persistent = name.contains('@')
+            && self.lifecycle.persistent()
+            && matches!(settings.mode, WriteCacheMode::Ram | WriteCacheMode::RamDisk);
+        let overlay = if persistent {
+            self.persistent_overlay(&vm, number, &image_label, image.clone(), config, stats)?
+        } else {
+            let backing = match settings.mode.backing_file() {
+                Some(kind) => Some(
+                    self.backing(kind, image.size())
+                        .map_err(|e| device_error(EngineError::from_io("creating cache file", e)))?,
+                ),
+                None => None,
+            };
+            Overlay::new(image.clone(), config, backing, self.host.clone(), stats).map_err(device_error)?
+        };
         tracing::info!(export = image_label, vm, mode = %settings.mode, "VM connected");
         let recorder =
             match &self.record_dir {
@@ -264,11 +347,70 @@ impl OverlayExports {
     }
 }
 
+impl OverlayExports {
+    /// A named VM's overlay whose state outlives the process, in files named after the VM; the
+    /// ledger knows of them before they exist.
+    fn persistent_overlay(
+        &self,
+        vm: &str,
+        number: u64,
+        image_label: &str,
+        image: Arc<dyn GoldenImage>,
+        config: OverlayConfig,
+        stats: Arc<VmStats>,
+    ) -> Result<Overlay, DeviceError> {
+        let memory_dir = self.lifecycle.memory_dir.clone().expect("persistent lifecycles have one");
+        let spill_dir = (self.settings.mode == WriteCacheMode::RamDisk).then(|| self.settings.spill_dir.clone());
+        let record = StateRecord {
+            image_label: image_label.to_owned(),
+            mode: self.settings.mode.to_string(),
+            disk_bytes: image.size(),
+            memory_dir: memory_dir.clone(),
+            spill_dir: spill_dir.clone(),
+        };
+        // Files of this name with no ledger entry are left from a server that died before it
+        // recorded them: this VM's, holding nothing acknowledged.
+        crate::vms::remove_state_files(vm, &record);
+        let io = |what: &'static str| move |e| device_error(EngineError::from_io(what, e));
+        self.registry.mark_persistent(number, record).map_err(io("recording the VM in the ledger"))?;
+        let stem = state_file_stem(vm);
+        let create = |dir: &Path, suffix: &str| ScratchFile::create(dir, &format!("{stem}.{suffix}"), 0);
+        let files = StateFiles {
+            segments: Box::new(create(&memory_dir, "segments").map_err(io("creating state file"))?),
+            zeros: Box::new(create(&memory_dir, "zeros").map_err(io("creating state file"))?),
+        };
+        let backing: Option<Box<dyn BackingFile>> = match &spill_dir {
+            Some(dir) => {
+                let spill = create(dir, "spill")
+                    .map_err(io("creating cache file"))?
+                    .with_space_shortages(self.space_shortages.clone());
+                Some(if self.settings.spill_writers > 0 {
+                    Box::new(
+                        spill.with_background_segment_writes(self.segment_writers.clone(), self.settings.spill_direct),
+                    )
+                } else {
+                    Box::new(spill)
+                })
+            }
+            None => None,
+        };
+        let arena = Arena::create(&memory_dir, &stem, Overlay::arena_pages(&config)).map_err(device_error)?;
+        Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files).map_err(device_error)
+    }
+}
+
 /// A VM's overlay and what goes with it; it outlives the connection while the VM is in grace.
 pub struct VmOverlay {
     overlay: Overlay,
     vm: String,
     recorder: Option<Recorder>,
+}
+
+impl VmOverlay {
+    /// The overlay's state stays for the next server when this is dropped.
+    pub fn keep_state(&mut self) {
+        self.overlay.keep_state();
+    }
 }
 
 impl Drop for VmOverlay {

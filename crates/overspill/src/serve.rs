@@ -112,6 +112,11 @@ pub struct ServeArgs {
     /// names whose writes it lost instead of serving them golden data (default: SPILL_DIR/state).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// Where named VMs keep their pages, so that their overlays outlive this process (a restart,
+    /// an upgrade, a crash): a memory-backed directory, wiped at reboot (default:
+    /// /dev/shm/overspill-HASH, HASH naming the state directory).
+    #[arg(long, value_name = "DIR")]
+    memory_dir: Option<PathBuf>,
     /// The control socket of `overspill vm` (default: STATE_DIR/control.sock).
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
@@ -179,7 +184,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
     exports
-        .with_lifecycle(Lifecycle { reconnect_grace: args.reconnect_grace, state_dir: Some(state_dir.clone()) })
+        .with_lifecycle(Lifecycle {
+            reconnect_grace: args.reconnect_grace,
+            state_dir: Some(state_dir.clone()),
+            memory_dir: Some(args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir))),
+        })
         .with_context(|| format!("state directory {}", state_dir.display()))?;
     let registry = exports.registry();
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
@@ -235,12 +244,25 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     // Overlays kept for VMs to reconnect go with the server; their names stay in the ledger.
-    registry.abandon_all_in_grace();
+    registry.hand_over_all_in_grace();
     // Removes the Unix sockets.
     drop(listener);
     drop(control);
     tracing::info!("shut down");
     Ok(())
+}
+
+/// A memory directory of its own for each state directory: two servers with different state
+/// never share one, and a server that restarts with the same state finds its pages.
+fn default_memory_dir(state_dir: &Path) -> PathBuf {
+    let absolute = std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_owned());
+    // FNV-1a: stable across releases, unlike the standard library's hasher.
+    let hash = absolute
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    PathBuf::from(format!("/dev/shm/overspill-{hash:016x}"))
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {

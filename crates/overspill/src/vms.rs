@@ -62,6 +62,17 @@ pub struct Lifecycle {
     pub reconnect_grace: Duration,
     /// The ledger's directory; `None` keeps no ledger (in-process servers of a storm).
     pub state_dir: Option<PathBuf>,
+    /// Where named VMs' pages, segment summaries and zero logs live (tmpfs), so that their
+    /// overlays outlive the process; `None` keeps overlays in this process only.
+    pub memory_dir: Option<PathBuf>,
+}
+
+impl Lifecycle {
+    /// Whether named VMs' overlays outlive the process: with a ledger, a memory directory and
+    /// a grace to come back in.
+    pub fn persistent(&self) -> bool {
+        self.state_dir.is_some() && self.memory_dir.is_some() && !self.reconnect_grace.is_zero()
+    }
 }
 
 /// A VM's state, as `vm list` and the metrics show it.
@@ -146,6 +157,8 @@ struct Registered {
     names: HashMap<String, u64>,
     /// Names whose writes were lost with an earlier server, and why.
     lost: BTreeMap<String, String>,
+    /// VMs an earlier server of this boot left state for, until the exports rebuild them.
+    recoverable: Vec<Recoverable>,
     departed: VmStats,
     next_number: u64,
 }
@@ -166,6 +179,8 @@ struct Entry {
     reset: Arc<AtomicBool>,
     /// The ledger has this VM's file.
     marked: bool,
+    /// The overlay's state outlives the process.
+    persistent: bool,
     grace: Option<Grace>,
 }
 
@@ -187,12 +202,12 @@ impl VmRegistry {
             Some(dir) => Some(Ledger::open(dir)?),
             None => None,
         };
-        let lost = ledger.as_ref().map(Ledger::lost_names).unwrap_or_default();
+        let (lost, recoverable) = ledger.as_ref().map(Ledger::left_behind).unwrap_or_default();
         for (vm, why) in &lost {
             tracing::warn!(vm, why, "VM refused until `overspill vm reset` ({why})");
         }
         let registry = Arc::new(Self {
-            inner: Mutex::new(Registered { lost, next_number: 1, ..Registered::default() }),
+            inner: Mutex::new(Registered { lost, recoverable, next_number: 1, ..Registered::default() }),
             lifecycle,
             ledger,
         });
@@ -317,6 +332,33 @@ impl VmRegistry {
         Ok(Claim::Fresh { number, reset })
     }
 
+    /// The VMs an earlier server left state for, to be rebuilt (once).
+    pub fn take_recoverable(&self) -> Vec<Recoverable> {
+        std::mem::take(&mut lock(&self.inner).recoverable)
+    }
+
+    /// A VM rebuilt from an earlier server's state: in grace from now, waiting for its client.
+    pub fn adopt_recovered(&self, recovered: &Recoverable, image_label: &str, stats: Arc<VmStats>, parked: VmOverlay) {
+        let mut inner = lock(&self.inner);
+        let number = inner.next_number;
+        inner.next_number += 1;
+        let mut entry = Entry::new(&recovered.image, &recovered.vm, true, Arc::new(AtomicBool::new(false)));
+        entry.handle.export = image_label.to_owned();
+        entry.handle.stats = stats;
+        entry.marked = true;
+        entry.persistent = true;
+        entry.grace = Some(Grace { until: Instant::now() + self.lifecycle.reconnect_grace, parked });
+        inner.names.insert(recovered.vm.clone(), number);
+        inner.vms.insert(number, entry);
+    }
+
+    /// A VM whose state an earlier server left but that cannot be rebuilt: its name is refused
+    /// until an operator resets it (its files stay for a look).
+    pub fn refuse_unrecoverable(&self, vm: &str, why: String) {
+        tracing::error!(vm, why, "VM state cannot be recovered: its name is refused until `overspill vm reset`");
+        lock(&self.inner).lost.insert(vm.to_owned(), format!("its state could not be recovered: {why}"));
+    }
+
     /// Names the image version a VM just claimed got, for logs, metrics and `vm list`.
     pub fn label(&self, number: u64, image_label: &str) {
         if let Some(entry) = lock(&self.inner).vms.get_mut(&number) {
@@ -327,6 +369,18 @@ impl VmRegistry {
     /// The counters of a VM just claimed, shared with its overlay.
     pub fn stats(&self, number: u64) -> Option<Arc<VmStats>> {
         lock(&self.inner).vms.get(&number).map(|e| e.handle.stats.clone())
+    }
+
+    /// Records in the ledger that a named VM's overlay keeps its state in files named after it,
+    /// before the files are made: a next server then rebuilds it, or removes the files.
+    pub fn mark_persistent(&self, number: u64, state: StateRecord) -> std::io::Result<()> {
+        let Some(ledger) = &self.ledger else { return Ok(()) };
+        let mut inner = lock(&self.inner);
+        let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
+        ledger.mark_with(&entry.handle.vm, &entry.image, Some(state))?;
+        entry.marked = true;
+        entry.persistent = true;
+        Ok(())
     }
 
     /// Records in the ledger that a named VM has writes, before the first is acknowledged.
@@ -389,6 +443,9 @@ impl VmRegistry {
         let mut inner = lock(&self.inner);
         if inner.lost.remove(vm).is_some() {
             if let Some(ledger) = &self.ledger {
+                if let Some(state) = ledger.state_of(vm) {
+                    remove_state_files(vm, &state);
+                }
                 ledger.unmark(vm);
             }
             tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
@@ -411,19 +468,26 @@ impl VmRegistry {
         Ok(format!("{vm}: overlay dropped; the next connection starts from the golden image"))
     }
 
-    /// Drops every overlay in grace, for a server that stops: their VMs' ledger files stay, so
-    /// that the next server refuses those names rather than serve them golden data.
-    pub fn abandon_all_in_grace(&self) {
+    /// For a server that stops: every overlay in grace whose state outlives the process is
+    /// handed over (its files and ledger entry stay, for the next server to rebuild); the others
+    /// are dropped, their names kept in the ledger so that the next server refuses them rather
+    /// than serve them golden data.
+    pub fn hand_over_all_in_grace(&self) {
         let mut inner = lock(&self.inner);
         let numbers: Vec<u64> = inner.vms.iter().filter(|(_, e)| e.grace.is_some()).map(|(n, _)| *n).collect();
         let mut parked = Vec::new();
         for number in numbers {
-            if let Some(entry) = inner.vms.get_mut(&number) {
-                if entry.marked {
-                    tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
+            let Some(entry) = inner.vms.get_mut(&number) else { continue };
+            if entry.persistent {
+                if let Some(grace) = &mut entry.grace {
+                    grace.parked.keep_state();
                 }
-                entry.marked = false;
+                tracing::info!(vm = %entry.handle.vm, "server stopping: this VM's overlay is kept for the next server");
+            } else if entry.marked {
+                tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
             }
+            // The ledger entry stays either way.
+            entry.marked = false;
             parked.extend(self.forget(&mut inner, number));
         }
         drop(inner);
@@ -475,6 +539,7 @@ impl Entry {
             created: Instant::now(),
             reset,
             marked: false,
+            persistent: false,
             grace: None,
         }
     }
@@ -515,6 +580,30 @@ struct LedgerEntry {
     pid: u32,
     boot_id: String,
     since_unix_s: u64,
+    /// Where the VM's overlay keeps its state, when it outlives the process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    state: Option<StateRecord>,
+}
+
+/// Where a VM's overlay keeps the state a next server rebuilds it from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateRecord {
+    /// The image label it was made over (`name:version` for a versioned image).
+    pub image_label: String,
+    pub mode: String,
+    pub disk_bytes: u64,
+    pub memory_dir: PathBuf,
+    /// `None` in mode `ram`.
+    pub spill_dir: Option<PathBuf>,
+}
+
+/// A VM an earlier server of this boot left state for.
+#[derive(Debug, Clone)]
+pub struct Recoverable {
+    pub vm: String,
+    /// The image name the VM asked for.
+    pub image: String,
+    pub state: StateRecord,
 }
 
 impl Ledger {
@@ -529,17 +618,28 @@ impl Ledger {
     }
 
     fn mark(&self, vm: &str, image: &str) -> std::io::Result<()> {
+        self.mark_with(vm, image, None)
+    }
+
+    fn mark_with(&self, vm: &str, image: &str, state: Option<StateRecord>) -> std::io::Result<()> {
         let entry = LedgerEntry {
             vm: vm.to_owned(),
             image: image.to_owned(),
             pid: std::process::id(),
             boot_id: self.boot_id.clone(),
             since_unix_s: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            state,
         };
         let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
         let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
         std::fs::write(&partial, text)?;
         std::fs::rename(&partial, self.path(vm))
+    }
+
+    /// Where the VM's ledger file says its state is, if it says so.
+    fn state_of(&self, vm: &str) -> Option<StateRecord> {
+        let bytes = std::fs::read(self.path(vm)).ok()?;
+        serde_json::from_slice::<LedgerEntry>(&bytes).ok()?.state
     }
 
     fn unmark(&self, vm: &str) {
@@ -550,11 +650,13 @@ impl Ledger {
         }
     }
 
-    /// Names whose files an earlier server of this boot left: their writes are gone. Files of
-    /// an earlier boot are removed; files of a live server are left to it.
-    fn lost_names(&self) -> BTreeMap<String, String> {
+    /// What earlier servers of this boot left: names whose writes are gone, and VMs whose state
+    /// can be rebuilt. Files of an earlier boot are removed (with the state files they name);
+    /// files of a live server are left to it.
+    fn left_behind(&self) -> (BTreeMap<String, String>, Vec<Recoverable>) {
         let mut lost = BTreeMap::new();
-        let Ok(entries) = std::fs::read_dir(&self.dir) else { return lost };
+        let mut recoverable = Vec::new();
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return (lost, recoverable) };
         for file in entries.flatten() {
             let name = file.file_name();
             let Some(vm) = name.to_str().and_then(|n| n.strip_prefix("vm-")?.strip_suffix(".json")) else { continue };
@@ -566,9 +668,15 @@ impl Ledger {
             match entry {
                 Some(e) if e.boot_id != self.boot_id => {
                     tracing::info!(vm, "ledger file of an earlier boot removed (its VM ended with the host)");
+                    if let Some(state) = &e.state {
+                        remove_state_files(vm, state);
+                    }
                     self.unmark(vm);
                 }
                 Some(e) if e.pid != std::process::id() && Path::new(&format!("/proc/{}", e.pid)).exists() => {}
+                Some(LedgerEntry { state: Some(state), image, .. }) => {
+                    recoverable.push(Recoverable { vm: vm.to_owned(), image, state });
+                }
                 Some(e) => {
                     lost.insert(
                         vm.to_owned(),
@@ -580,7 +688,31 @@ impl Ledger {
                 }
             }
         }
-        lost
+        (lost, recoverable)
+    }
+}
+
+/// The names of a VM's state files: `vm-NAME` in the memory and spill directories.
+pub fn state_file_stem(vm: &str) -> String {
+    format!("vm-{vm}")
+}
+
+/// Removes the state files the ledger says a VM had (they are named after it, in directories
+/// overspill keeps them in).
+pub fn remove_state_files(vm: &str, state: &StateRecord) {
+    let stem = state_file_stem(vm);
+    let mut paths: Vec<PathBuf> =
+        ["pages", "slots", "segments", "zeros"].iter().map(|s| state.memory_dir.join(format!("{stem}.{s}"))).collect();
+    if let Some(dir) = &state.spill_dir {
+        paths.push(dir.join(format!("{stem}.spill")));
+    }
+    for path in paths {
+        match std::fs::remove_file(&path) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                tracing::warn!(path = %path.display(), %error, "could not remove a VM's state file")
+            }
+            _ => {}
+        }
     }
 }
 
@@ -609,15 +741,21 @@ mod tests {
         let ledger = Ledger::open(dir.path()).expect("ledger");
         ledger.mark("same-pid", "golden").expect("mark");
         let write = |vm: &str, pid: u32, boot: &str| {
-            let entry =
-                LedgerEntry { vm: vm.into(), image: "golden".into(), pid, boot_id: boot.into(), since_unix_s: 0 };
+            let entry = LedgerEntry {
+                vm: vm.into(),
+                image: "golden".into(),
+                pid,
+                boot_id: boot.into(),
+                since_unix_s: 0,
+                state: None,
+            };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         };
         // A pid above the kernel's maximum (4194304) is never alive.
         write("crashed", 4_294_967, &ledger.boot_id);
         write("old-boot", 4_294_967, "another boot");
         std::fs::write(ledger.path("garbled"), b"{").expect("write");
-        let lost = ledger.lost_names();
+        let (lost, _) = ledger.left_behind();
         assert_eq!(lost.keys().map(String::as_str).collect::<Vec<_>>(), ["crashed", "garbled", "same-pid"]);
         assert!(!ledger.path("old-boot").exists(), "the earlier boot's file is removed");
         assert!(lost["crashed"].contains("4294967"), "{}", lost["crashed"]);

@@ -1,8 +1,9 @@
-//! A named VM's overlay lives as long as the VM, not as long as its connection: a connection
-//! lost without NBD_CMD_DISC is resumed within the reconnect grace, a second connection for a
-//! live name is refused, `overspill vm` lists, resets and drops, and a server that died with a
-//! VM's writes makes the next one refuse that name until it is reset (never golden data in place
-//! of its writes). Against the real binary, with our client and with qemu-io.
+//! A named VM's overlay lives as long as the VM, not as long as its connection nor its server:
+//! a connection lost without NBD_CMD_DISC is resumed within the reconnect grace, a second
+//! connection for a live name is refused, `overspill vm` lists, resets and drops, a killed or
+//! stopped server hands every VM to the next, and state the next one cannot recover makes it
+//! refuse that name until it is reset (never golden data in place of its writes). Against the
+//! real binary, with our client and with qemu-io.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -241,35 +242,129 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
 }
 
 #[test]
-fn a_killed_server_makes_the_next_refuse_the_names_whose_writes_it_lost_until_reset() {
+fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     let host = Host::new();
     let mut server = host.serve(&[]);
     let mut writer = host.connect("writer");
-    write_pattern(&mut writer, 30);
+    let written = write_pattern(&mut writer, 30);
     let mut reader = host.connect("reader");
     read_start(&mut reader, 1 << 20);
     let _ = server.child.kill();
     let _ = server.child.wait();
     drop((writer, reader, server));
 
+    // A crash: the next server rebuilds both overlays and waits for their clients.
+    let mut server = host.serve(&[]);
+    host.wait_for_states(&[("reader", "in-grace"), ("writer", "in-grace")]);
+    let mut writer = host.connect("writer");
+    assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, "the writer's data after a crash");
+    // More writes, half over the old ones, then a planned stop (SIGTERM) with the VM connected.
+    let more = pseudo_random(WRITTEN_BYTES, 31);
+    for (i, chunk) in more.chunks(64 << 10).enumerate() {
+        writer.write((WRITTEN_BYTES / 2 + i * (64 << 10)) as u64, chunk, false).expect("write");
+    }
+    server.stop();
+    drop((writer, server));
+    let server = host.serve(&[]);
+    host.wait_for_states(&[("reader", "in-grace"), ("writer", "in-grace")]);
+    let mut writer = host.connect("writer");
+    let back = read_start(&mut writer, WRITTEN_BYTES + WRITTEN_BYTES / 2);
+    assert_same(&back[..WRITTEN_BYTES / 2], &written[..WRITTEN_BYTES / 2], "the first writes after a restart");
+    assert_same(&back[WRITTEN_BYTES / 2..], &more, "the later writes after a restart");
+    writer.disconnect().expect("disconnect");
+    host.assert_reads_golden("reader", 1 << 20, "the reader, which never wrote");
+    host.wait_for_states(&[]);
+    drop(server);
+    let memory: Vec<_> = std::fs::read_dir(host.dir.path().join("memory")).expect("memory dir").flatten().collect();
+    assert!(memory.is_empty(), "state files left after every VM ended: {memory:?}");
+    host.assert_golden_untouched();
+}
+
+#[test]
+fn state_a_server_cannot_recover_refuses_the_name_until_reset() {
+    let host = Host::new();
+    let mut server = host.serve(&[]);
+    let mut writer = host.connect("writer");
+    write_pattern(&mut writer, 30);
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    drop((writer, server));
+    std::fs::write(host.dir.path().join("memory/vm-writer.zeros"), b"garbage").expect("corrupt the zero log");
+
     let server = host.serve(&[]);
     let uri = |vm: &str| format!("nbd+unix:///@{vm}?socket={}", host.socket.display());
     let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &uri("writer")]);
-    assert!(!out.status.success(), "a VM whose writes were lost was served:\n{}", out.all());
+    assert!(!out.status.success(), "a VM whose state was not recovered was served:\n{}", out.all());
     assert!(out.all().contains("policy"), "refused by policy:\n{}", out.all());
     let deadline = Instant::now() + WAIT;
     while !server.log_text().contains("vm reset writer") {
         assert!(Instant::now() < deadline, "the refusal says what to do:\n{}", server.log_text());
         std::thread::sleep(Duration::from_millis(50));
     }
-    let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &uri("reader")]);
-    assert!(out.status.success(), "a VM that never wrote has nothing to lose:\n{}", out.all());
     assert_eq!(host.states().iter().find(|(vm, _)| vm == "writer").map(|(_, s)| s.as_str()), Some("lost"));
-
     let (ok, text) = host.vm_command(&["reset", "writer"]);
     assert!(ok, "{text}");
+    assert!(!host.dir.path().join("memory/vm-writer.pages").exists(), "reset removes the state files");
     host.assert_reads_golden("writer", 1 << 20, "after reset");
     drop(server);
+    host.assert_golden_untouched();
+}
+
+/// One qemu-io session, with `reconnect-delay`, across a SIGKILL of the server and a restart:
+/// what it wrote before reads back after, from the same client.
+#[test]
+fn one_qemu_io_session_rides_through_a_killed_and_restarted_server() {
+    use std::io::{BufRead, BufReader, Write};
+    let host = Host::new();
+    let mut server = host.serve(&[]);
+    let image =
+        format!("driver=nbd,server.type=unix,server.path={},export=@qvm,reconnect-delay=30", host.socket.display());
+    let mut qemu = Command::new("qemu-io")
+        .args(["--image-opts", &image])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    let mut input = qemu.stdin.take().expect("stdin");
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    let stdout = qemu.stdout.take().expect("stdout");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let mut command = |text: &str, expect: &str| -> Vec<String> {
+        writeln!(input, "{text}").expect("qemu-io command");
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let line = lines
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|_| panic!("qemu-io: no {expect:?} after {text:?}; saw {seen:?}"));
+            let done = line.contains(expect);
+            seen.push(line);
+            if done {
+                return seen;
+            }
+        }
+    };
+    // 4 MiB (past the 1 MiB RAM target: spilled) and a block far out in RAM.
+    // Each command's last line is its timing ("... ops; ...").
+    command("write -P 0xab 0 4M", "ops;");
+    command("write -P 0xcd 16M 4k", "ops;");
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    drop(server);
+    let _server = host.serve(&[]);
+    for (read, len) in [("read -P 0xab 0 4M", "read 4194304/4194304"), ("read -P 0xcd 16M 4k", "read 4096/4096")] {
+        let seen = command(read, "ops;");
+        assert!(!seen.iter().any(|l| l.contains("verification failed")), "{read} after the restart: {seen:?}");
+        assert!(seen.iter().any(|l| l.contains(len)), "{read}: {seen:?}");
+    }
+    command("quit", "");
+    drop(input);
+    let _ = qemu.wait();
     host.assert_golden_untouched();
 }
 

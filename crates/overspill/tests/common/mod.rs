@@ -133,6 +133,8 @@ impl Serve {
             .arg("serve")
             .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8 temp path")])
             .args(["--ram-floor", "0"])
+            // Named VMs' pages: in the test's directory, not /dev/shm.
+            .args(["--memory-dir", dir.join("memory").to_str().expect("utf-8 temp path")])
             .args(args)
             .env("RUST_LOG", "debug")
             .envs(env.iter().copied())
@@ -153,6 +155,16 @@ impl Serve {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, and waits for the server to exit; it must exit 0.
+    #[allow(dead_code)]
+    #[track_caller]
+    pub fn stop(&mut self) {
+        let sent = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("kill");
+        assert!(sent.success(), "kill -TERM failed");
+        let status = self.child.wait().expect("wait");
+        assert!(status.success(), "overspill serve exited with {status} after SIGTERM:\n{}", self.log_text());
     }
 
     #[track_caller]
