@@ -89,6 +89,9 @@ impl Server {
             // control socket are one server's).
             .arg("--state-dir")
             .arg(dir.join(format!("{name}-state")))
+            // These tests count per-process spill files and their removal at SIGTERM: VMs here
+            // end with their connections (handing over across restarts is tests/lifecycle.rs).
+            .args(["--reconnect-grace", "0"])
             // No host-memory pressure from whatever else runs on the machine: targets stay put.
             .args(["--ram-floor", "0"])
             .args(extra)
