@@ -208,9 +208,13 @@ impl SegmentSummaries {
         let mut bytes = vec![0u8; SUMMARY_BYTES as usize];
         (0..segments)
             .map(|id| {
-                self.file
-                    .read_at(&mut bytes, u64::from(id) * SUMMARY_BYTES)
-                    .map_err(|e| EngineError::from_io("reading a segment summary", e))?;
+                match self.file.read_at(&mut bytes, u64::from(id) * SUMMARY_BYTES) {
+                    Ok(()) => {}
+                    // A segment written by a process killed before its summary was: its pages
+                    // are still in the arena (they are freed only after the summary is written).
+                    Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => bytes.fill(0),
+                    Err(error) => return Err(EngineError::from_io("reading a segment summary", error)),
+                }
                 Ok(bytes
                     .chunks_exact(16)
                     .map(|entry| {
@@ -387,5 +391,27 @@ mod tests {
         log.rewrite(&records[..1]).expect("rewrite");
         let (_, read) = ZeroLog::open(file()).expect("open");
         assert_eq!(read, records[..1]);
+    }
+}
+
+#[cfg(test)]
+mod summary_tests {
+    use super::*;
+    use crate::arena::Arena;
+    use crate::store::ScratchFile;
+
+    #[test]
+    fn a_segment_killed_before_its_summary_reads_as_unsummarised() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let arena = Arena::in_memory(8).expect("arena");
+        let page = arena.alloc().expect("page");
+        page.set_owner(Owner { block: BlockIndex(42), seq: 7 });
+        let file = ScratchFile::create(dir.path(), "segments", 0).expect("file");
+        let mut summaries = SegmentSummaries::new(Box::new(file));
+        summaries.write(0, std::slice::from_ref(&page)).expect("summary of segment 0");
+        // The spill file holds three segments; the process died before summarising 1 and 2.
+        let read = summaries.read(3).expect("read");
+        assert_eq!(read[0][0], Some(Owner { block: BlockIndex(42), seq: 7 }));
+        assert!(read[1].iter().chain(&read[2]).all(Option::is_none));
     }
 }
