@@ -159,15 +159,7 @@ impl OverlayExports {
             Some(dir) => {
                 let spill = open(dir, "spill")?;
                 let bytes = spill.logical_size().map_err(|e| e.to_string())?;
-                let spill = spill.with_space_shortages(self.space_shortages.clone());
-                let spill: Box<dyn BackingFile> = if self.settings.spill_writers > 0 {
-                    Box::new(
-                        spill.with_background_segment_writes(self.segment_writers.clone(), self.settings.spill_direct),
-                    )
-                } else {
-                    Box::new(spill)
-                };
-                (Some(spill), u32::try_from(bytes / SEGMENT_BYTES as u64).unwrap_or(u32::MAX))
+                (Some(self.spill_backing(*spill)), u32::try_from(bytes / SEGMENT_BYTES as u64).unwrap_or(u32::MAX))
             }
             None => (None, 0),
         };
@@ -247,16 +239,24 @@ impl OverlayExports {
             BackingKind::LocalCache => (&self.settings.spill_dir, "cache", size),
             BackingKind::SharedDifferencing => (&self.settings.shared_dir, "diff", size),
         };
-        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{suffix}"), logical)?
-            .with_space_shortages(self.space_shortages.clone());
+        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{suffix}"), logical)?;
         Ok(match kind {
-            // A VM's requests need not wait for its last segment to reach the disk.
-            BackingKind::SpillLog if self.settings.spill_writers > 0 => {
-                Box::new(file.with_background_segment_writes(self.segment_writers.clone(), self.settings.spill_direct))
+            BackingKind::SpillLog => self.spill_backing(file),
+            BackingKind::LocalCache | BackingKind::SharedDifferencing => {
+                Box::new(file.with_space_shortages(self.space_shortages.clone()))
             }
-            BackingKind::SpillLog => Box::new(file),
-            BackingKind::LocalCache | BackingKind::SharedDifferencing => Box::new(file),
         })
+    }
+
+    /// A VM's spill file, sharing the host's space-shortage count and segment writers.
+    fn spill_backing(&self, file: ScratchFile) -> Box<dyn BackingFile> {
+        let file = file.with_space_shortages(self.space_shortages.clone());
+        if self.settings.spill_writers > 0 {
+            // A VM's requests need not wait for its last segment to reach the disk.
+            Box::new(file.with_background_segment_writes(self.segment_writers.clone(), self.settings.spill_direct))
+        } else {
+            Box::new(file)
+        }
     }
 }
 
@@ -380,18 +380,7 @@ impl OverlayExports {
             zeros: Box::new(create(&memory_dir, "zeros").map_err(io("creating state file"))?),
         };
         let backing: Option<Box<dyn BackingFile>> = match &spill_dir {
-            Some(dir) => {
-                let spill = create(dir, "spill")
-                    .map_err(io("creating cache file"))?
-                    .with_space_shortages(self.space_shortages.clone());
-                Some(if self.settings.spill_writers > 0 {
-                    Box::new(
-                        spill.with_background_segment_writes(self.segment_writers.clone(), self.settings.spill_direct),
-                    )
-                } else {
-                    Box::new(spill)
-                })
-            }
+            Some(dir) => Some(self.spill_backing(create(dir, "spill").map_err(io("creating cache file"))?)),
             None => None,
         };
         let arena = Arena::create(&memory_dir, &stem, Overlay::arena_pages(&config)).map_err(device_error)?;
