@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rustix::fs::{FallocateFlags, MemfdFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
+use crate::crash;
 use crate::error::{EngineError, Result};
 use crate::units::{Block, BlockIndex, BLOCKS_PER_SEGMENT, BLOCK_SIZE};
 
@@ -144,14 +145,22 @@ impl Shared {
     }
 
     fn set_owner(&self, index: u32, owner: Owner) {
+        crash::point();
         self.header(index, 1).store(0, Ordering::Release);
+        crash::point();
         self.header(index, 0).store(owner.block.0, Ordering::Release);
+        crash::point();
         self.header(index, 1).store(owner.seq, Ordering::Release);
     }
 
     fn owner(&self, index: u32) -> Option<Owner> {
         let seq = self.header(index, 1).load(Ordering::Acquire);
         (seq != 0).then(|| Owner { block: BlockIndex(self.header(index, 0).load(Ordering::Acquire)), seq })
+    }
+
+    /// The pages among the first `found` whose headers name a block, in index order.
+    fn owners(&self, found: u32) -> Vec<(u32, Owner)> {
+        (0..found).filter_map(|index| self.owner(index).map(|owner| (index, owner))).collect()
     }
 
     fn grow_to(&self, lists: &mut FreeLists, pages: u32) -> io::Result<()> {
@@ -167,6 +176,7 @@ impl Shared {
             // The page is state for the next process, not free: its header and bytes stay.
             return;
         }
+        crash::point();
         self.header(index, 1).store(0, Ordering::Release);
         let mut lists = self.lists();
         lists.warm.push(index);
@@ -206,6 +216,17 @@ impl Drop for Shared {
             }
         }
     }
+}
+
+/// How many pages a pair of arena files holds whole: as many as both are long enough for (a
+/// process killed while growing them leaves one longer than the other).
+fn pages_in(pages: &File, headers: &File) -> Result<u32> {
+    let len = |file: &File| file.metadata().map(|m| m.len());
+    let (page_bytes, header_bytes) = len(pages)
+        .and_then(|p| Ok((p, len(headers)?)))
+        .map_err(|e| EngineError::from_io("reading an arena's size", e))?;
+    let found = (page_bytes / BLOCK_SIZE as u64).min(header_bytes / HEADER_BYTES as u64);
+    u32::try_from(found).map_err(|_| EngineError::Config("an arena file is too large".into()))
 }
 
 /// A VM's page arena; clones share it.
@@ -252,20 +273,15 @@ impl Arena {
         let open = |path: &Path| OpenOptions::new().read(true).write(true).open(path);
         let files = open(&paths[0]).and_then(|pages| Ok((pages, open(&paths[1])?)));
         let (pages, headers) = files.map_err(|e| EngineError::from_io("opening an arena file", e))?;
-        let len = |file: &File| file.metadata().map(|m| m.len());
-        let (page_bytes, header_bytes) = len(&pages)
-            .and_then(|p| Ok((p, len(&headers)?)))
-            .map_err(|e| EngineError::from_io("reading an arena's size", e))?;
-        let found = (page_bytes / BLOCK_SIZE as u64).min(header_bytes / HEADER_BYTES as u64);
-        let found = u32::try_from(found).map_err(|_| EngineError::Config("an arena file is too large".into()))?;
+        let found = pages_in(&pages, &headers)?;
         let arena = Self::map(pages, headers, capacity_pages.max(found), Some(paths), found)?;
-        let mut live = Vec::new();
+        let live = arena.0.owners(found);
         {
             let mut lists = arena.0.lists();
+            let mut live = live.iter().map(|(index, _)| *index).peekable();
             for index in 0..found {
-                match arena.0.owner(index) {
-                    Some(owner) => live.push((index, owner)),
-                    None => lists.cold.push(index),
+                if live.next_if_eq(&index).is_none() {
+                    lists.cold.push(index);
                 }
             }
             lists.high_water = found;
@@ -366,6 +382,27 @@ impl Arena {
 
     pub fn capacity(&self) -> u32 {
         self.0.capacity
+    }
+
+    /// What [`Self::open`] would find if this process were killed now: each page in use with
+    /// its header and the first 16 bytes it holds. For the crash simulation, which calls it
+    /// from a crash point, where no reference into a page is being written through.
+    #[cfg(feature = "crash-points")]
+    pub fn crash_image(&self) -> Result<Vec<(Owner, [u8; 16])>> {
+        let shared = &self.0;
+        let found = pages_in(&shared.page_file, &shared.header_file)?;
+        Ok(shared
+            .owners(found)
+            .into_iter()
+            .map(|(index, owner)| {
+                let mut prefix = [0u8; 16];
+                // SAFETY: the page is inside the mapping and the file (index below `found`); a
+                // crash point is reached between stores, with no `&mut` to a page alive, so
+                // these bytes are not being written while they are read.
+                unsafe { std::ptr::copy_nonoverlapping(shared.page_ptr(index).cast::<u8>(), prefix.as_mut_ptr(), 16) };
+                (owner, prefix)
+            })
+            .collect())
     }
 }
 

@@ -9,6 +9,7 @@
 pub mod arena;
 pub mod budget;
 mod chunk_pool;
+pub mod crash;
 pub mod error;
 pub mod faults;
 pub mod golden;

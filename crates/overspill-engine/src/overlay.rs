@@ -32,7 +32,7 @@ use crate::map::{self, BlockMap, Slot};
 use crate::ram::{RamSlot, RamTier};
 use crate::ranges::RangeSet;
 use crate::spill::{Purpose, SpillLog};
-use crate::state::{resolve, CopyAt, SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
+use crate::state::{self, CopyAt, Found, SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
 use crate::stats::{OpCounter, VmStats};
 use crate::store::BackingFile;
 use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SegmentId, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
@@ -223,7 +223,7 @@ pub struct Overlay {
 }
 
 /// Zero-log records beyond which the log is rewritten as the zeroed ranges it adds up to.
-const ZERO_LOG_REWRITE_RECORDS: u64 = 1024;
+const ZERO_LOG_REWRITE_RECORDS: u64 = 256;
 
 impl Overlay {
     /// `backing` must be given exactly when `config.mode.backing_file()` asks for one; in-place
@@ -289,20 +289,11 @@ impl Overlay {
         spill_segments: u32,
     ) -> Result<Self> {
         Self::check_recoverable(&config)?;
-        let (zero_log, zero_records) = ZeroLog::open(files.zeros)?;
-        let mut summaries = SegmentSummaries::new(files.segments);
         let spilling = config.mode == WriteCacheMode::RamDisk;
-        let summary = if spilling { summaries.read(spill_segments)? } else { Vec::new() };
+        let owners: Vec<Owner> = live.iter().map(|page| page.owner).collect();
         let disk_blocks = golden.size().div_ceil(BLOCK_BYTES);
-        let copies = live.iter().enumerate().map(|(i, page)| (page.owner, CopyAt::Page(i))).chain(
-            summary.iter().enumerate().flat_map(|(segment, slots)| {
-                slots.iter().enumerate().filter_map(move |(slot, owner)| {
-                    // Below MAX_SPILL_SEGMENTS (checked by the spill log) and 512 slots.
-                    owner.map(|owner| (owner, CopyAt::Spill { segment: segment as u32, slot: slot as u16 }))
-                })
-            }),
-        );
-        let resolution = resolve(copies, &zero_records, disk_blocks)?;
+        let Found { resolution, summary, zero_log, summaries } =
+            state::scan(&owners, files, spilling.then_some(spill_segments), disk_blocks)?;
         let mut overlay = Self::build(golden, config, backing, host, stats, arena, Some((zero_log, summaries)))?;
         let mut pages: Vec<Option<Page>> = live.into_iter().map(|live| Some(live.page)).collect();
         let mut live_slots: std::collections::HashMap<u32, u16> = Default::default();
@@ -875,6 +866,7 @@ impl Overlay {
         let old = self.map.get(block);
         match old {
             Some(Slot::Ram(slot)) => {
+                crate::crash::point();
                 self.ram.get_mut(slot).copy_from_slice(data.bytes());
                 Ok(LandedIn::Ram)
             }

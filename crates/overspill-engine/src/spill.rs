@@ -488,6 +488,7 @@ impl SpillLog {
     pub fn overwrite_open(&mut self, addr: SpillAddr, data: &Block) {
         let open = self.open.as_mut().expect("caller checked the segment is open");
         debug_assert_eq!(open.id, addr.segment);
+        crate::crash::point();
         open.pages[usize::from(addr.slot)].copy_from_slice(data);
     }
 

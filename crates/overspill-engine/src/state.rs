@@ -321,6 +321,39 @@ pub fn resolve(
     Ok(Resolution { current, zeros, max_seq })
 }
 
+/// What a recovery finds in a VM's state files beside its arena, and what it decides from it.
+pub struct Found {
+    pub resolution: Resolution,
+    /// Each spill segment's slots, as summarised (empty without a spill log).
+    pub summary: Vec<Vec<Option<Owner>>>,
+    pub(crate) zero_log: ZeroLog,
+    pub(crate) summaries: SegmentSummaries,
+}
+
+/// Reads a VM's state files and resolves every block: `pages` are what the headers of the
+/// arena's pages in use say, in the order [`CopyAt::Page`] counts them; `spill_segments` is the
+/// spill file's length in whole segments, `None` for a VM without a spill log. Exactly what a
+/// recovery rebuilds from, so that the crash simulation can check it at every crash point.
+pub fn scan(pages: &[Owner], files: StateFiles, spill_segments: Option<u32>, disk_blocks: u64) -> Result<Found> {
+    let (zero_log, zero_records) = ZeroLog::open(files.zeros)?;
+    let mut summaries = SegmentSummaries::new(files.segments);
+    let summary = match spill_segments {
+        Some(segments) => summaries.read(segments)?,
+        None => Vec::new(),
+    };
+    let copies = pages.iter().enumerate().map(|(i, owner)| (*owner, CopyAt::Page(i))).chain(
+        summary.iter().enumerate().flat_map(|(segment, slots)| {
+            slots.iter().enumerate().filter_map(move |(slot, owner)| {
+                // Segments are below MAX_SPILL_SEGMENTS (checked when the log is rebuilt) and
+                // slots below 512.
+                owner.map(|owner| (owner, CopyAt::Spill { segment: segment as u32, slot: slot as u16 }))
+            })
+        }),
+    );
+    let resolution = resolve(copies, &zero_records, disk_blocks)?;
+    Ok(Found { resolution, summary, zero_log, summaries })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
