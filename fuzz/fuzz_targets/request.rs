@@ -48,16 +48,17 @@ fuzz_target!(|data: &[u8]| {
     let (fua, no_hole, fast) =
         (h.flags & CMD_FLAG_FUA != 0, h.flags & CMD_FLAG_NO_HOLE != 0, h.flags & CMD_FLAG_FAST_ZERO != 0);
     let writable = !caps.read_only;
+    // FUA is valid on every command once negotiated (checked with `can_fua` below).
     let (allowed_flags, supported) = match h.kind {
-        CMD_READ => (CMD_FLAG_DF, true),
+        CMD_READ => (CMD_FLAG_FUA | CMD_FLAG_DF, true),
         CMD_WRITE => (CMD_FLAG_FUA, writable),
         CMD_TRIM => (CMD_FLAG_FUA, writable && caps.can_trim),
         CMD_WRITE_ZEROES => (
             CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
             writable && caps.can_zero && (!fast || caps.can_fast_zero),
         ),
-        CMD_FLUSH => (0, caps.can_flush),
-        CMD_DISC => (0, true),
+        CMD_FLUSH => (CMD_FLAG_FUA, caps.can_flush),
+        CMD_DISC => (CMD_FLAG_FUA, true),
         _ => (0, false),
     };
     let ranged = !matches!(h.kind, CMD_FLUSH | CMD_DISC);

@@ -86,13 +86,15 @@ pub fn errno_of(kind: DeviceErrorKind) -> Errno {
 
 /// Checks a request against the export; `Err` is the errno to reply with.
 pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u32) -> Result<Command, Errno> {
-    let allowed_flags = match h.kind {
-        CMD_READ => CMD_FLAG_DF,
-        CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
-        CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
-        CMD_FLUSH | CMD_DISC => 0,
-        _ => return Err(Errno::Inval),
-    };
+    // FUA is valid on every command once negotiated ("the server MUST accept all commands with
+    // this flag set, even if the flag has no effect"), as nbdkit and qemu-nbd do; checked below.
+    let allowed_flags = CMD_FLAG_FUA
+        | match h.kind {
+            CMD_READ => CMD_FLAG_DF,
+            CMD_WRITE | CMD_TRIM | CMD_FLUSH | CMD_DISC => 0,
+            CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+            _ => return Err(Errno::Inval),
+        };
     if h.flags & !allowed_flags != 0 {
         return Err(Errno::Inval);
     }
@@ -179,7 +181,11 @@ mod tests {
         assert_eq!(v(header(CMD_TRIM, 0, 1 << 20, 1)), Err(Errno::Inval));
         assert_eq!(v(header(CMD_READ, 0, 0, 1 << 17)), Err(Errno::Inval), "above the maximum");
         assert_eq!(v(header(9, 0, 0, 0)), Err(Errno::Inval), "unknown command");
-        assert_eq!(v(header(CMD_FLUSH, CMD_FLAG_FUA, 0, 0)), Err(Errno::Inval), "flag not allowed");
+        assert_eq!(v(header(CMD_FLUSH, CMD_FLAG_NO_HOLE, 0, 0)), Err(Errno::Inval), "flag not allowed");
+        assert_eq!(v(header(CMD_FLUSH, CMD_FLAG_FUA, 0, 0)), Ok(Command::Flush), "FUA is valid on every command");
+        assert_eq!(v(header(CMD_READ, CMD_FLAG_FUA, 0, 4096)), Ok(Command::Read { offset: 0, length: 4096 }));
+        let no_fua = Capabilities { can_fua: false, ..CAPS };
+        assert_eq!(validate(&header(CMD_READ, CMD_FLAG_FUA, 0, 512), 4096, no_fua, 4096), Err(Errno::Inval));
         assert_eq!(v(header(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 512)), Err(Errno::Inval), "not advertised");
         assert_eq!(
             v(header(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE | CMD_FLAG_FUA, 0, 512)),

@@ -85,6 +85,11 @@ fn invalid_requests_get_errors_and_the_connection_goes_on() {
         assert_eq!(err.errno(), Some(Errno::Inval as u32));
         let cookie = c.send_request(CMD_FLUSH, CMD_FLAG_FUA | 0x100, 0, 0, &[]).expect("send");
         assert_eq!(c.reply(cookie, None).expect_err("bad flags").errno(), Some(Errno::Inval as u32));
+        // FUA, once negotiated, is valid on every command, even where it means nothing.
+        let cookie = c.send_request(CMD_FLUSH, CMD_FLAG_FUA, 0, 0, &[]).expect("send");
+        c.reply(cookie, None).expect("FLUSH with FUA");
+        let cookie = c.send_request(CMD_READ, CMD_FLAG_FUA, 0, 512, &[]).expect("send");
+        c.reply(cookie, Some((0, &mut buf[..512]))).expect("READ with FUA");
         // Still in sync: a normal round trip works on the same connection.
         c.write(0, &[7; 512], false).expect("write after errors");
         c.read(0, &mut buf[..512]).expect("read after errors");
