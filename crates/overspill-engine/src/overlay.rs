@@ -220,6 +220,9 @@ pub struct Overlay {
     seq: u64,
     /// Where zeroings are recorded for a recovery, if the VM's state is kept.
     zero_log: Option<ZeroLog>,
+    /// The segment summaries of a VM without a spill log: empty, held so that their file is
+    /// kept or removed with the rest of the VM's state (a recovery opens it).
+    unused_summaries: Option<SegmentSummaries>,
 }
 
 /// Zero-log records beyond which the log is rewritten as the zeroed ranges it adds up to.
@@ -241,9 +244,9 @@ impl Overlay {
     }
 
     /// An overlay whose state outlives the process: its pages in `arena`, its segment summaries
-    /// and zero log in `files`, so that [`Self::recover`] can rebuild it. Modes `ram` and
-    /// `ram+disk` only (the in-place modes' files are their own state, with nothing yet to
-    /// recover them).
+    /// and zero log in `files`, so that [`Self::recover`] can rebuild it. In the in-place modes
+    /// the cache file is its own state: what holds data there is written, the zero log says
+    /// which holes read as zeroes.
     pub fn persistent(
         golden: Arc<dyn GoldenImage>,
         config: OverlayConfig,
@@ -253,7 +256,6 @@ impl Overlay {
         arena: Arena,
         files: StateFiles,
     ) -> Result<Self> {
-        Self::check_recoverable(&config)?;
         let zero_log = ZeroLog::create(files.zeros)?;
         Self::build(
             golden,
@@ -264,13 +266,6 @@ impl Overlay {
             arena,
             Some((zero_log, SegmentSummaries::new(files.segments))),
         )
-    }
-
-    fn check_recoverable(config: &OverlayConfig) -> Result<()> {
-        match config.mode {
-            WriteCacheMode::Ram | WriteCacheMode::RamDisk => Ok(()),
-            mode => Err(EngineError::Config(format!("a VM in mode {mode} cannot outlive the server process"))),
-        }
     }
 
     /// Rebuilds the overlay a previous process left: `live` are the pages its arena holds (see
@@ -288,7 +283,6 @@ impl Overlay {
         files: StateFiles,
         spill_segments: u32,
     ) -> Result<Self> {
-        Self::check_recoverable(&config)?;
         let spilling = config.mode == WriteCacheMode::RamDisk;
         let owners: Vec<Owner> = live.iter().map(|page| page.owner).collect();
         let disk_blocks = golden.size().div_ceil(BLOCK_BYTES);
@@ -320,21 +314,39 @@ impl Overlay {
             overlay.zeros.insert(first, end);
         }
         overlay.seq = resolution.max_seq;
-        if let Tier::RamDisk(spill) = std::mem::replace(&mut overlay.tier, Tier::Ram) {
-            let sealed = live_slots
-                .into_iter()
-                .map(|(segment, live)| {
-                    let owners = summary[segment as usize]
-                        .iter()
-                        // A slot with no entry is dead; any block number does for it.
-                        .map(|owner| owner.map_or(BlockIndex(0), |owner| owner.block))
-                        .collect();
-                    (segment, owners, live)
-                })
-                .collect();
-            overlay.tier = Tier::RamDisk(spill.recovered(spill_segments, sealed, &overlay.stats)?);
+        match std::mem::replace(&mut overlay.tier, Tier::Ram) {
+            Tier::RamDisk(spill) => {
+                let sealed = live_slots
+                    .into_iter()
+                    .map(|(segment, live)| {
+                        let owners = summary[segment as usize]
+                            .iter()
+                            // A slot with no entry is dead; any block number does for it.
+                            .map(|owner| owner.map_or(BlockIndex(0), |owner| owner.block))
+                            .collect();
+                        (segment, owners, live)
+                    })
+                    .collect();
+                overlay.tier = Tier::RamDisk(spill.recovered(spill_segments, sealed, &overlay.stats)?);
+            }
+            other => overlay.tier = other,
         }
-        overlay.stats.recovered_blocks.add(resolution.current.len() as u64);
+        let mut recovered = resolution.current.len() as u64;
+        if let Tier::InPlace { file, blocks, .. } = &mut overlay.tier {
+            // Every block that holds data was written (a zeroing or a trim punches its blocks),
+            // after any zeroing that covers it: data wins over the zero log here.
+            let ranges = file.data_ranges().map_err(|e| EngineError::from_io("finding the cache file's data", e))?;
+            for (start, end) in ranges {
+                let (first, end) = (start / BLOCK_BYTES, end.div_ceil(BLOCK_BYTES).min(disk_blocks));
+                for block in (first..end).map(BlockIndex) {
+                    if overlay.map.insert(block, Slot::File).is_none() {
+                        *blocks += 1;
+                        recovered += 1;
+                    }
+                }
+            }
+        }
+        overlay.stats.recovered_blocks.add(recovered);
         overlay.after_mutation();
         Ok(overlay)
     }
@@ -354,7 +366,7 @@ impl Overlay {
                 golden.size()
             )));
         }
-        let (zero_log, summaries) = match state {
+        let (zero_log, mut summaries) = match state {
             Some((zero_log, summaries)) => (Some(zero_log), Some(summaries)),
             None => (None, None),
         };
@@ -362,7 +374,7 @@ impl Overlay {
             (None, None) => Tier::Ram,
             (Some(BackingKind::SpillLog), Some(file)) => {
                 let mut spill = SpillLog::new(file, config.spill_max_bytes, arena.clone())?;
-                if let Some(summaries) = summaries {
+                if let Some(summaries) = summaries.take() {
                     spill.set_summaries(summaries);
                 }
                 Tier::RamDisk(spill)
@@ -393,6 +405,7 @@ impl Overlay {
             stats,
             seq: 0,
             zero_log,
+            unused_summaries: summaries,
         };
         overlay.stats.cache_memory_target_bytes.set(overlay.config.ram_target_bytes);
         overlay.stats.cache_disk_size_bytes.set(overlay.disk_size_bytes());
@@ -407,8 +420,14 @@ impl Overlay {
         if let Tier::RamDisk(spill) = &mut self.tier {
             spill.keep();
         }
+        if let Tier::InPlace { file, .. } = &mut self.tier {
+            file.keep();
+        }
         if let Some(zero_log) = &mut self.zero_log {
             zero_log.keep();
+        }
+        if let Some(summaries) = &mut self.unused_summaries {
+            summaries.keep();
         }
     }
 

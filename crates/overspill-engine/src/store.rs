@@ -44,6 +44,12 @@ pub trait BackingFile: Send {
     /// the handle leaves it where it is.
     fn keep(&mut self) {}
 
+    /// The byte ranges that hold data, as `[start, end)`, in order; holes (never written, or
+    /// punched) are left out. What rebuilds an in-place cache file's block map after a restart.
+    fn data_ranges(&mut self) -> io::Result<Vec<(u64, u64)>> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this file cannot tell its data from its holes"))
+    }
+
     /// How many times a file on the same filesystem as this one (as far as the host knows)
     /// was refused space. A spill log that sees the count move gives back the dead segments it
     /// keeps allocated for reuse, so that a VM out of space is not refused while others hold
@@ -376,6 +382,25 @@ impl BackingFile for ScratchFile {
 
     fn keep(&mut self) {
         self.kept = true;
+    }
+
+    fn data_ranges(&mut self) -> io::Result<Vec<(u64, u64)>> {
+        use rustix::fs::SeekFrom;
+        let len = self.logical_size()?;
+        let mut ranges = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let start = match rustix::fs::seek(&*self.file, SeekFrom::Data(at)) {
+                Ok(start) => start,
+                // No data from `at` on.
+                Err(rustix::io::Errno::NXIO) => break,
+                Err(error) => return Err(error.into()),
+            };
+            let end = rustix::fs::seek(&*self.file, SeekFrom::Hole(start))?;
+            ranges.push((start, end));
+            at = end;
+        }
+        Ok(ranges)
     }
 
     fn space_shortages(&self) -> u64 {

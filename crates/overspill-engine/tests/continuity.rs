@@ -19,9 +19,9 @@ use rand::{Rng, SeedableRng};
 const DISK_BLOCKS: u64 = 8192;
 const MIB: u64 = 1 << 20;
 
-fn config() -> OverlayConfig {
+fn config_in(mode: WriteCacheMode) -> OverlayConfig {
     // 1 MiB of RAM tier beside the open segment: most writes spill.
-    OverlayConfig { mode: WriteCacheMode::RamDisk, ram_target_bytes: 3 * MIB + 256 * 1024, spill_max_bytes: None }
+    OverlayConfig { mode, ram_target_bytes: 3 * MIB + 256 * 1024, spill_max_bytes: None }
 }
 
 fn golden() -> Arc<dyn GoldenImage> {
@@ -36,19 +36,39 @@ fn files(dir: &Path, create: bool) -> (Box<ScratchFile>, StateFiles) {
 }
 
 fn fresh(dir: &Path) -> Overlay {
+    fresh_in(dir, WriteCacheMode::RamDisk)
+}
+
+/// A persistent overlay in `mode`: its spill file, or its in-place cache file (as large as the
+/// disk), is `vm.spill`.
+fn fresh_in(dir: &Path, mode: WriteCacheMode) -> Overlay {
     let (spill, state) = files(dir, true);
-    let arena = Arena::create(dir, "vm", Overlay::arena_pages(&config())).expect("arena");
-    Overlay::persistent(golden(), config(), Some(spill), HostMemory::unlimited(), Arc::default(), arena, state)
+    if mode != WriteCacheMode::RamDisk {
+        std::fs::File::options()
+            .write(true)
+            .open(dir.join("vm.spill"))
+            .expect("file")
+            .set_len(DISK_BLOCKS * BLOCK_BYTES)
+            .expect("size");
+    }
+    let config = config_in(mode);
+    let arena = Arena::create(dir, "vm", Overlay::arena_pages(&config)).expect("arena");
+    Overlay::persistent(golden(), config, Some(spill), HostMemory::unlimited(), Arc::default(), arena, state)
         .expect("overlay")
 }
 
 fn recover(dir: &Path) -> Result<Overlay, EngineError> {
+    recover_in(dir, WriteCacheMode::RamDisk)
+}
+
+fn recover_in(dir: &Path, mode: WriteCacheMode) -> Result<Overlay, EngineError> {
     let (spill, state) = files(dir, false);
     let segments = (spill.logical_size().expect("spill length") / SEGMENT_BYTES as u64) as u32;
-    let arena = Arena::open(dir, "vm", Overlay::arena_pages(&config()))?;
+    let config = config_in(mode);
+    let arena = Arena::open(dir, "vm", Overlay::arena_pages(&config))?;
     Overlay::recover(
         golden(),
-        config(),
+        config,
         Some(spill),
         HostMemory::unlimited(),
         Arc::new(VmStats::default()),
@@ -143,6 +163,33 @@ fn a_kept_overlay_and_a_vanished_one_are_rebuilt_block_for_block() {
         drop(vm);
         let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
         assert!(left.is_empty(), "seed {seed}: files left after the VM ended: {left:?}");
+    }
+}
+
+/// The in-place modes keep no copies in memory: their cache file is the state. After a
+/// hand-over and after a crash, its data is the written blocks and the zero log says which of
+/// its holes read as zeroes (trimmed ones may read as anything).
+#[test]
+fn an_in_place_cache_file_is_rebuilt_from_its_data_and_its_zero_log() {
+    for (seed, mode) in [(10, WriteCacheMode::Disk), (11, WriteCacheMode::Shared)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut model = Model::new();
+        let mut vm = fresh_in(dir.path(), mode);
+        work(&mut vm, &mut model, &mut rng, 400);
+        model.check(&mut vm, "before");
+        vm.keep_state();
+        drop(vm);
+        let mut vm = recover_in(dir.path(), mode).expect("recovered after a hand-over");
+        assert!(vm.stats().recovered_blocks.get() > 0, "{mode}: blocks found in the cache file");
+        model.check(&mut vm, "after a hand-over");
+        work(&mut vm, &mut model, &mut rng, 300);
+        std::mem::forget(vm);
+        let mut vm = recover_in(dir.path(), mode).expect("recovered after a crash");
+        model.check(&mut vm, "after a crash");
+        drop(vm);
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
+        assert!(left.is_empty(), "{mode}: files left after the VM ended: {left:?}");
     }
 }
 

@@ -155,13 +155,22 @@ impl OverlayExports {
         };
         let files =
             StateFiles { segments: open(&state.memory_dir, "segments")?, zeros: open(&state.memory_dir, "zeros")? };
-        let (backing, segments): (Option<Box<dyn BackingFile>>, u32) = match &state.spill_dir {
-            Some(dir) => {
+        let (backing, segments): (Option<Box<dyn BackingFile>>, u32) = match (&state.spill_dir, self.settings.mode) {
+            (Some(dir), WriteCacheMode::RamDisk) => {
                 let spill = open(dir, "spill")?;
                 let bytes = spill.logical_size().map_err(|e| e.to_string())?;
                 (Some(self.spill_backing(*spill)), u32::try_from(bytes / SEGMENT_BYTES as u64).unwrap_or(u32::MAX))
             }
-            None => (None, 0),
+            (Some(dir), mode) => {
+                let kind = mode.backing_file().ok_or("a state record with a file for mode ram")?;
+                let file = open(dir, backing_suffix(kind))?;
+                let size = file.logical_size().map_err(|e| e.to_string())?;
+                if size < state.disk_bytes {
+                    return Err(format!("its cache file has {size} bytes, its disk {}", state.disk_bytes));
+                }
+                (Some(Box::new(file.with_space_shortages(self.space_shortages.clone()))), 0)
+            }
+            (None, _) => (None, 0),
         };
         let config = self.overlay_config();
         let arena = Arena::open(&state.memory_dir, &stem, Overlay::arena_pages(&config)).map_err(|e| e.to_string())?;
@@ -234,18 +243,23 @@ impl OverlayExports {
         static NEXT_FILE: AtomicU64 = AtomicU64::new(1);
         let number = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
-        let (dir, suffix, logical) = match kind {
-            BackingKind::SpillLog => (&self.settings.spill_dir, "spill", 0),
-            BackingKind::LocalCache => (&self.settings.spill_dir, "cache", size),
-            BackingKind::SharedDifferencing => (&self.settings.shared_dir, "diff", size),
-        };
-        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{suffix}"), logical)?;
+        let (dir, logical) = self.backing_place(kind, size);
+        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{}", backing_suffix(kind)), logical)?;
         Ok(match kind {
             BackingKind::SpillLog => self.spill_backing(file),
             BackingKind::LocalCache | BackingKind::SharedDifferencing => {
                 Box::new(file.with_space_shortages(self.space_shortages.clone()))
             }
         })
+    }
+
+    /// The directory a VM's backing file of `kind` goes in, and its size at creation.
+    fn backing_place(&self, kind: BackingKind, disk_bytes: u64) -> (&PathBuf, u64) {
+        match kind {
+            BackingKind::SpillLog => (&self.settings.spill_dir, 0),
+            BackingKind::LocalCache => (&self.settings.spill_dir, disk_bytes),
+            BackingKind::SharedDifferencing => (&self.settings.shared_dir, disk_bytes),
+        }
     }
 
     /// A VM's spill file, sharing the host's space-shortage count and segment writers.
@@ -320,9 +334,7 @@ impl OverlayExports {
         let settings = &self.settings;
         let config = self.overlay_config();
         let stats = self.registry.stats(number).unwrap_or_default();
-        let persistent = name.contains('@')
-            && self.lifecycle.persistent()
-            && matches!(settings.mode, WriteCacheMode::Ram | WriteCacheMode::RamDisk);
+        let persistent = name.contains('@') && self.lifecycle.persistent();
         let overlay = if persistent {
             self.persistent_overlay(&vm, number, &image_label, image.clone(), config, stats)?
         } else {
@@ -360,7 +372,8 @@ impl OverlayExports {
         stats: Arc<VmStats>,
     ) -> Result<Overlay, DeviceError> {
         let memory_dir = self.lifecycle.memory_dir.clone().expect("persistent lifecycles have one");
-        let spill_dir = (self.settings.mode == WriteCacheMode::RamDisk).then(|| self.settings.spill_dir.clone());
+        let kind = self.settings.mode.backing_file();
+        let spill_dir = kind.map(|kind| self.backing_place(kind, 0).0.clone());
         let record = StateRecord {
             image_label: image_label.to_owned(),
             mode: self.settings.mode.to_string(),
@@ -379,12 +392,28 @@ impl OverlayExports {
             segments: Box::new(create(&memory_dir, "segments").map_err(io("creating state file"))?),
             zeros: Box::new(create(&memory_dir, "zeros").map_err(io("creating state file"))?),
         };
-        let backing: Option<Box<dyn BackingFile>> = match &spill_dir {
-            Some(dir) => Some(self.spill_backing(create(dir, "spill").map_err(io("creating cache file"))?)),
-            None => None,
+        let backing: Option<Box<dyn BackingFile>> = match (&spill_dir, kind) {
+            (Some(dir), Some(BackingKind::SpillLog)) => {
+                Some(self.spill_backing(create(dir, "spill").map_err(io("creating cache file"))?))
+            }
+            (Some(dir), Some(kind)) => {
+                let name = format!("{stem}.{}", backing_suffix(kind));
+                let file = ScratchFile::create(dir, &name, image.size()).map_err(io("creating cache file"))?;
+                Some(Box::new(file.with_space_shortages(self.space_shortages.clone())))
+            }
+            _ => None,
         };
         let arena = Arena::create(&memory_dir, &stem, Overlay::arena_pages(&config)).map_err(device_error)?;
         Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files).map_err(device_error)
+    }
+}
+
+/// The file name suffix of a VM's backing file of `kind` (`vm-NAME.spill`, `.cache`, `.diff`).
+pub fn backing_suffix(kind: BackingKind) -> &'static str {
+    match kind {
+        BackingKind::SpillLog => "spill",
+        BackingKind::LocalCache => "cache",
+        BackingKind::SharedDifferencing => "diff",
     }
 }
 

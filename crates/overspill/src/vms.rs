@@ -593,7 +593,8 @@ pub struct StateRecord {
     pub mode: String,
     pub disk_bytes: u64,
     pub memory_dir: PathBuf,
-    /// `None` in mode `ram`.
+    /// The directory of its spill file (mode `ram+disk`) or in-place cache file (`disk`:
+    /// the spill directory, `shared`: the shared one); `None` in mode `ram`.
     pub spill_dir: Option<PathBuf>,
 }
 
@@ -704,7 +705,8 @@ pub fn remove_state_files(vm: &str, state: &StateRecord) {
     let mut paths: Vec<PathBuf> =
         ["pages", "slots", "segments", "zeros"].iter().map(|s| state.memory_dir.join(format!("{stem}.{s}"))).collect();
     if let Some(dir) = &state.spill_dir {
-        paths.push(dir.join(format!("{stem}.spill")));
+        // The VM's spill or in-place cache file: whichever its mode made, all named after it.
+        paths.extend(["spill", "cache", "diff"].iter().map(|s| dir.join(format!("{stem}.{s}"))));
     }
     for path in paths {
         match std::fs::remove_file(&path) {

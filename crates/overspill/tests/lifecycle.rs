@@ -40,7 +40,10 @@ impl Host {
 
     fn serve(&self, extra: &[&str]) -> Serve {
         let listen = format!("unix:{}", self.socket.display());
-        let mut args = vec!["--base", self.golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "1M"];
+        let mut args = vec!["--base", self.golden.to_str().expect("utf-8"), "--listen", &listen];
+        if !extra.contains(&"--ram") {
+            args.extend(["--ram", "1M"]);
+        }
         args.extend_from_slice(extra);
         // A killed server leaves its socket file: ready is when a connection is accepted.
         let socket = self.socket.clone();
@@ -278,6 +281,46 @@ fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     let memory: Vec<_> = std::fs::read_dir(host.dir.path().join("memory")).expect("memory dir").flatten().collect();
     assert!(memory.is_empty(), "state files left after every VM ended: {memory:?}");
     host.assert_golden_untouched();
+}
+
+/// Every mode's VM survives a killed server: `ram` (pages only), and the in-place modes, whose
+/// cache file (`disk`: in the spill directory, `shared`: in the shared one) is rebuilt from the
+/// data it holds, with zeroed ranges from the zero log. A clean end removes every file.
+#[test]
+fn a_vm_in_every_mode_survives_a_killed_server() {
+    for mode in ["ram", "disk", "shared"] {
+        let host = Host::new();
+        let shared = host.dir.path().join("shared");
+        std::fs::create_dir_all(&shared).expect("shared dir");
+        let args = ["--mode", mode, "--shared-dir", shared.to_str().expect("utf-8"), "--ram", "16M"];
+        let mut server = host.serve(&args);
+        let mut writer = host.connect("writer");
+        let mut written = write_pattern(&mut writer, 40);
+        // Zeroed blocks are holes in an in-place cache file: only the zero log tells them from
+        // golden ones.
+        writer.write_zeroes(1 << 20, 256 << 10, false).expect("zero");
+        written[1 << 20..(1 << 20) + (256 << 10)].fill(0);
+        let _ = server.child.kill();
+        let _ = server.child.wait();
+        drop((writer, server));
+
+        let server = host.serve(&args);
+        host.wait_for_states(&[("writer", "in-grace")]);
+        let mut writer = host.connect("writer");
+        assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, &format!("mode {mode}: after a crash"));
+        let golden_tail = read_start(&mut writer, WRITTEN_BYTES + (1 << 20));
+        assert_same(&golden_tail[WRITTEN_BYTES..], &host.golden_bytes[WRITTEN_BYTES..WRITTEN_BYTES + (1 << 20)], mode);
+        writer.disconnect().expect("disconnect");
+        host.wait_for_states(&[]);
+        drop(server);
+        for dir in ["memory", "spill", "shared"] {
+            let left: Vec<_> = std::fs::read_dir(host.dir.path().join(dir))
+                .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("vm-writer")).collect())
+                .unwrap_or_default();
+            assert!(left.is_empty(), "mode {mode}: the VM's files left in {dir}: {left:?}");
+        }
+        host.assert_golden_untouched();
+    }
 }
 
 #[test]
