@@ -35,7 +35,9 @@ use crate::spill::{Purpose, SpillLog};
 use crate::state::{self, CopyAt, Found, SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
 use crate::stats::{OpCounter, VmStats};
 use crate::store::BackingFile;
-use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SegmentId, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
+use crate::units::{
+    block_spans, Block, BlockIndex, BlockSpan, SegmentId, SpillAddr, BLOCK_BYTES, BLOCK_SIZE, SEGMENT_BYTES,
+};
 
 /// Where a VM's writes go; one per seed configuration, so they can be compared side by side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -336,6 +338,16 @@ impl Overlay {
             // Every block that holds data was written (a zeroing or a trim punches its blocks),
             // after any zeroing that covers it: data wins over the zero log here.
             let ranges = file.data_ranges().map_err(|e| EngineError::from_io("finding the cache file's data", e))?;
+            // A filesystem that cannot report holes calls the whole file data; taken at its
+            // word, every block never written would read as zeroes instead of golden data.
+            let data: u64 = ranges.iter().map(|(start, end)| end - start).sum();
+            let allocated = file.allocated_bytes().map_err(|e| EngineError::from_io("sizing the cache file", e))?;
+            if data > allocated + SEGMENT_BYTES as u64 {
+                return Err(EngineError::Corrupt(format!(
+                    "the cache file's filesystem reports {data} bytes of data in {allocated} allocated: \
+                     it cannot tell written blocks from holes"
+                )));
+            }
             for (start, end) in ranges {
                 let (first, end) = (start / BLOCK_BYTES, end.div_ceil(BLOCK_BYTES).min(disk_blocks));
                 for block in (first..end).map(BlockIndex) {

@@ -193,6 +193,51 @@ fn an_in_place_cache_file_is_rebuilt_from_its_data_and_its_zero_log() {
     }
 }
 
+/// A cache file on a filesystem that cannot report holes: all of it is "data".
+struct NoHoles(Box<ScratchFile>);
+
+impl overspill_engine::BackingFile for NoHoles {
+    fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        self.0.write_at(data, offset)
+    }
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.0.read_at(buf, offset)
+    }
+    fn punch_hole(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.0.punch_hole(offset, len)
+    }
+    fn allocated_bytes(&self) -> std::io::Result<u64> {
+        self.0.allocated_bytes()
+    }
+    fn path(&self) -> Option<&Path> {
+        self.0.path()
+    }
+    fn data_ranges(&mut self) -> std::io::Result<Vec<(u64, u64)>> {
+        Ok(vec![(0, self.0.logical_size()?)])
+    }
+}
+
+/// Taken at its word, such a filesystem would make every block never written read as zeroes:
+/// the VM is refused instead.
+#[test]
+fn an_in_place_cache_file_whose_holes_cannot_be_told_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut vm = fresh_in(dir.path(), WriteCacheMode::Disk);
+    vm.write(0, &[7; 4096]).expect("write");
+    vm.keep_state();
+    drop(vm);
+    let (cache, state) = files(dir.path(), false);
+    let config = config_in(WriteCacheMode::Disk);
+    let arena = Arena::open(dir.path(), "vm", Overlay::arena_pages(&config)).expect("arena");
+    let stats = Arc::new(VmStats::default());
+    let backing = Some(Box::new(NoHoles(cache)) as Box<dyn overspill_engine::BackingFile>);
+    match Overlay::recover(golden(), config, backing, HostMemory::unlimited(), stats, arena, state, 0) {
+        Err(EngineError::Corrupt(message)) => assert!(message.contains("holes"), "{message}"),
+        Err(other) => panic!("wrong error: {other}"),
+        Ok(_) => panic!("recovered a cache file whose holes it cannot see"),
+    }
+}
+
 #[test]
 fn state_that_does_not_check_out_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
