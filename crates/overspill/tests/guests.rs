@@ -48,8 +48,7 @@ umount /mnt
 fn serve(dir: &Path, golden: &Path, socket: &Path) -> Serve {
     let listen = format!("unix:{}", socket.display());
     // A 4 MiB RAM target: most of the 24 MiB the guest writes is spilled.
-    let args =
-        ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "4M", "--reconnect-grace", "0"];
+    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "4M"];
     let socket = socket.to_path_buf();
     // A killed server leaves its socket file: ready is when a connection is accepted.
     Serve::start(dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
