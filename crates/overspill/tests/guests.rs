@@ -65,12 +65,11 @@ fn a_guest_writing_files_rides_through_a_killed_and_a_stopped_server() {
     let golden_before = std::fs::read(&golden).expect("golden image");
     let kit = GuestKit::build(dir.path(), &writer_job());
     let socket = dir.path().join("nbd.sock");
-    let mut server = serve(dir.path(), &golden, &socket);
+    let server = serve(dir.path(), &golden, &socket);
     let mut guest = Guest::boot(&kit, dir.path(), &socket, "@writer", 60);
 
     guest.wait_for("WROTE 6\n", Duration::from_secs(180));
-    server.child.kill().expect("SIGKILL");
-    server.child.wait().expect("wait");
+    server.kill();
     let mut server = serve(dir.path(), &golden, &socket);
     let log = server.log_text();
     assert!(log.contains("VM overlay recovered from the previous server"), "not recovered after SIGKILL:\n{log}");

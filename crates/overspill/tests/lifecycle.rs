@@ -247,14 +247,13 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
 #[test]
 fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     let host = Host::new();
-    let mut server = host.serve(&[]);
+    let server = host.serve(&[]);
     let mut writer = host.connect("writer");
     let written = write_pattern(&mut writer, 30);
     let mut reader = host.connect("reader");
     read_start(&mut reader, 1 << 20);
-    let _ = server.child.kill();
-    let _ = server.child.wait();
-    drop((writer, reader, server));
+    server.kill();
+    drop((writer, reader));
 
     // A crash: the next server rebuilds both overlays and waits for their clients.
     let mut server = host.serve(&[]);
@@ -293,16 +292,15 @@ fn a_vm_in_every_mode_survives_a_killed_server() {
         let shared = host.dir.path().join("shared");
         std::fs::create_dir_all(&shared).expect("shared dir");
         let args = ["--mode", mode, "--shared-dir", shared.to_str().expect("utf-8"), "--ram", "16M"];
-        let mut server = host.serve(&args);
+        let server = host.serve(&args);
         let mut writer = host.connect("writer");
         let mut written = write_pattern(&mut writer, 40);
         // Zeroed blocks are holes in an in-place cache file: only the zero log tells them from
         // golden ones.
         writer.write_zeroes(1 << 20, 256 << 10, false).expect("zero");
         written[1 << 20..(1 << 20) + (256 << 10)].fill(0);
-        let _ = server.child.kill();
-        let _ = server.child.wait();
-        drop((writer, server));
+        server.kill();
+        drop(writer);
 
         let server = host.serve(&args);
         host.wait_for_states(&[("writer", "in-grace")]);
@@ -326,12 +324,11 @@ fn a_vm_in_every_mode_survives_a_killed_server() {
 #[test]
 fn state_a_server_cannot_recover_refuses_the_name_until_reset() {
     let host = Host::new();
-    let mut server = host.serve(&[]);
+    let server = host.serve(&[]);
     let mut writer = host.connect("writer");
     write_pattern(&mut writer, 30);
-    let _ = server.child.kill();
-    let _ = server.child.wait();
-    drop((writer, server));
+    server.kill();
+    drop(writer);
     std::fs::write(host.dir.path().join("memory/vm-writer.zeros"), b"garbage").expect("corrupt the zero log");
 
     let server = host.serve(&[]);
@@ -359,7 +356,7 @@ fn state_a_server_cannot_recover_refuses_the_name_until_reset() {
 fn one_qemu_io_session_rides_through_a_killed_and_restarted_server() {
     use std::io::{BufRead, BufReader, Write};
     let host = Host::new();
-    let mut server = host.serve(&[]);
+    let server = host.serve(&[]);
     let image =
         format!("driver=nbd,server.type=unix,server.path={},export=@qvm,reconnect-delay=30", host.socket.display());
     let mut qemu = Command::new("qemu-io")
@@ -396,9 +393,7 @@ fn one_qemu_io_session_rides_through_a_killed_and_restarted_server() {
     // Each command's last line is its timing ("... ops; ...").
     command("write -P 0xab 0 4M", "ops;");
     command("write -P 0xcd 16M 4k", "ops;");
-    let _ = server.child.kill();
-    let _ = server.child.wait();
-    drop(server);
+    server.kill();
     let _server = host.serve(&[]);
     for (read, len) in [("read -P 0xab 0 4M", "read 4194304/4194304"), ("read -P 0xcd 16M 4k", "read 4096/4096")] {
         let seen = command(read, "ops;");

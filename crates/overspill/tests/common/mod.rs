@@ -167,6 +167,15 @@ impl Serve {
         assert!(status.success(), "overspill serve exited with {status} after SIGTERM:\n{}", self.log_text());
     }
 
+    /// SIGKILL, as a crash: the server must have been running until then.
+    #[allow(dead_code)]
+    #[track_caller]
+    pub fn kill(mut self) {
+        self.assert_running();
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reaping the killed server");
+    }
+
     #[track_caller]
     pub fn assert_running(&mut self) {
         if let Some(status) = self.child.try_wait().expect("try_wait") {
