@@ -1,9 +1,8 @@
-//! The `overspill` command's library half: the wiring of engine and protocol (exports), the
-//! subcommands, and small command-line helpers. It owns no storage or protocol logic.
+//! The `overspill` command's library half: the subcommands' flags and their wiring of the server,
+//! engine and protocol crates, and small command-line helpers. It owns no storage, protocol or
+//! VM-lifecycle logic.
 
-pub mod control;
-pub mod exports;
-pub mod images;
+pub mod image;
 pub mod metrics;
 pub mod plan;
 pub mod replay;
@@ -12,4 +11,4 @@ pub mod serve;
 pub mod size;
 pub mod stat;
 pub mod storm;
-pub mod vms;
+pub mod vm;

@@ -2,7 +2,7 @@
 //! or protocol logic lives here.
 
 use clap::{Parser, Subcommand};
-use overspill::{control, images, plan, replay, serve, stat, storm};
+use overspill::{image, plan, replay, serve, stat, storm, vm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
@@ -36,9 +36,9 @@ enum Command {
     /// alone, with a lower bound and boot-time estimates.
     Plan(plan::PlanArgs),
     /// Golden images with versions: list, publish, choose the one new VMs get.
-    Image(images::ImageArgs),
+    Image(image::ImageArgs),
     /// A running server's named VMs: list them, reset or drop one (through its control socket).
-    Vm(control::VmArgs),
+    Vm(vm::VmArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -76,8 +76,8 @@ fn main() -> anyhow::Result<()> {
         Command::Stat(args) => stat::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Plan(args) => plan::run(args),
-        Command::Image(args) => images::run(args),
-        Command::Vm(args) => control::run(args),
+        Command::Image(args) => image::run(args),
+        Command::Vm(args) => vm::run(args),
     }
 }
 

@@ -19,8 +19,8 @@ use overspill_engine::read_cache::ReadCacheStats;
 use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
 use overspill_engine::{HostMemory, VmStats};
 
-use crate::images::ReadCacheList;
-use crate::vms::VmRegistry;
+use overspill_server::images::ReadCacheList;
+use overspill_server::vms::VmRegistry;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {

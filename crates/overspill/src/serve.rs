@@ -15,12 +15,12 @@ use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
 use overspill_sources::{open_source, Source, SourceSettings};
 
-use crate::control;
-use crate::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use crate::metrics;
 use crate::security::SecurityArgs;
 use crate::size::{format_bytes, parse_bytes};
-use crate::vms::Lifecycle;
+use overspill_server::control;
+use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
+use overspill_server::vms::Lifecycle;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {

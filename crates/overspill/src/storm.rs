@@ -16,9 +16,9 @@ use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};
 use overspill_storm::report::{self, StormReport};
 use overspill_storm::Workload;
 
-use crate::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use crate::size::{format_bytes, parse_bytes};
-use crate::vms::VmRegistry;
+use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
+use overspill_server::vms::VmRegistry;
 
 #[derive(Debug, Args)]
 pub struct StormArgs {

@@ -15,12 +15,12 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use overspill::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use overspill_engine::faults::{Fault, FaultPlan, FaultyImage, Op, Rule, Trigger};
 use overspill_engine::{GoldenImage, HostMemory, MemImage, WriteCacheMode};
 use overspill_nbd::client::{Client, ClientError, NbdUri};
 use overspill_nbd::server::socketpair;
 use overspill_nbd::ServerConfig;
+use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use serde_json::Value;
 use tempfile::TempDir;
 

@@ -34,25 +34,7 @@ use overspill_nbd::{DeviceError, DeviceErrorKind};
 use serde::{Deserialize, Serialize};
 
 use crate::exports::VmOverlay;
-
-/// Longest VM name.
-pub const VM_NAME_MAX: usize = 64;
-
-/// VM names key state that outlives a connection and name files: 1-64 of `[A-Za-z0-9._-]`, not
-/// starting with `.`.
-pub fn check_vm_name(name: &str) -> Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= VM_NAME_MAX
-        && !name.starts_with('.')
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
-            "VM name {name:?} is not allowed: use 1-{VM_NAME_MAX} letters, digits, '-', '_' or '.', not starting with '.'"
-        ))
-    }
-}
+use crate::{check_name, ServerError};
 
 /// How long overlays outlive their connections, and where the ledger is kept.
 #[derive(Debug, Clone, Default)]
@@ -430,16 +412,16 @@ impl VmRegistry {
 
     /// Ends a VM's overlay whatever its state: a connected VM's connection closes at its next
     /// request (unanswered, so its client sends it again to the fresh overlay).
-    pub fn reset(&self, vm: &str) -> Result<String, String> {
+    pub fn reset(&self, vm: &str) -> Result<String, ServerError> {
         self.end_by_name(vm, true)
     }
 
     /// Ends the overlay of a VM that is not connected (in grace or lost).
-    pub fn drop_vm(&self, vm: &str) -> Result<String, String> {
+    pub fn drop_vm(&self, vm: &str) -> Result<String, ServerError> {
         self.end_by_name(vm, false)
     }
 
-    fn end_by_name(&self, vm: &str, even_connected: bool) -> Result<String, String> {
+    fn end_by_name(&self, vm: &str, even_connected: bool) -> Result<String, ServerError> {
         let mut inner = lock(&self.inner);
         if inner.lost.remove(vm).is_some() {
             if let Some(ledger) = &self.ledger {
@@ -451,11 +433,11 @@ impl VmRegistry {
             tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
             return Ok(format!("{vm}: its lost writes are forgotten; it starts from the golden image"));
         }
-        let Some(&number) = inner.names.get(vm) else { return Err(format!("no VM named {vm:?}")) };
+        let Some(&number) = inner.names.get(vm) else { return Err(ServerError::NoSuchVm(vm.to_owned())) };
         let entry = inner.vms.get_mut(&number).expect("names point at entries");
         if entry.grace.is_none() {
             if !even_connected {
-                return Err(format!("{vm} is connected: `vm reset {vm}` disconnects it and drops its overlay"));
+                return Err(ServerError::VmConnected(vm.to_owned()));
             }
             entry.reset.store(true, Ordering::SeqCst);
             tracing::info!(vm, "VM reset by the operator: its connection closes at its next request");
@@ -661,7 +643,7 @@ impl Ledger {
         for file in entries.flatten() {
             let name = file.file_name();
             let Some(vm) = name.to_str().and_then(|n| n.strip_prefix("vm-")?.strip_suffix(".json")) else { continue };
-            if check_vm_name(vm).is_err() {
+            if check_name("VM", vm).is_err() {
                 continue;
             }
             let entry =
@@ -726,16 +708,6 @@ fn boot_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn vm_names_are_plain() {
-        for good in ["vm-17", "a", "Win7.pool_3", &"x".repeat(64)] {
-            assert!(check_vm_name(good).is_ok(), "{good}");
-        }
-        for bad in ["", ".", "..", ".hidden", "../../tmp/pwned", "a/b", "x\ny", "a b", "q\"{}", &"x".repeat(65)] {
-            assert!(check_vm_name(bad).is_err(), "{bad:?}");
-        }
-    }
 
     #[test]
     fn the_ledger_names_what_a_dead_server_of_this_boot_left_and_forgets_other_boots() {

@@ -24,8 +24,10 @@ use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Payload};
 use overspill_storm::profile::OpKind;
 
+use crate::check_name;
+use crate::error::device_error;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
-use crate::vms::{check_vm_name, state_file_stem, Claim, Ending, Lifecycle, Recoverable, StateRecord, VmRegistry};
+use crate::vms::{state_file_stem, Claim, Ending, Lifecycle, Recoverable, StateRecord, VmRegistry};
 use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
 /// Where and how every VM's write cache is kept.
@@ -232,7 +234,7 @@ impl OverlayExports {
         let versions =
             self.versions.as_ref().ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
         let (version, image) =
-            versions.current(image_name).map_err(|e| DeviceError::new(DeviceErrorKind::Invalid, format!("{e:#}")))?;
+            versions.current(image_name).map_err(|e| DeviceError::new(DeviceErrorKind::Invalid, e.to_string()))?;
         Ok((format!("{image_name}:{version}"), image))
     }
 
@@ -298,7 +300,7 @@ impl ExportProvider for OverlayExports {
     fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
         let vm_name = match name.split_once('@') {
             Some((_, vm)) => {
-                check_vm_name(vm).map_err(|message| DeviceError::new(DeviceErrorKind::Refused, message))?;
+                check_name("VM", vm).map_err(|e| DeviceError::new(DeviceErrorKind::Refused, e.to_string()))?;
                 Some(vm)
             }
             None => None,
@@ -555,18 +557,6 @@ impl EngineDevice {
         overlay.stats().latency(op).record(start.elapsed());
         result.map_err(device_error)
     }
-}
-
-/// The one mapping from engine errors to what the protocol layer reports.
-fn device_error(error: EngineError) -> DeviceError {
-    let kind = match &error {
-        EngineError::NoSpace(_) => DeviceErrorKind::NoSpace,
-        EngineError::OutOfRange { .. } => DeviceErrorKind::Invalid,
-        EngineError::Io { .. } | EngineError::Config(_) => DeviceErrorKind::Io,
-        // A VM whose state cannot be recovered is refused, never served something else.
-        EngineError::Corrupt(_) => DeviceErrorKind::Refused,
-    };
-    DeviceError::new(kind, error.to_string())
 }
 
 impl BlockDevice for EngineDevice {

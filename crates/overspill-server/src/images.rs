@@ -14,12 +14,10 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
-use anyhow::{bail, Context};
-use clap::{Args, Subcommand};
 use overspill_engine::read_cache::{ReadCacheStats, DEFAULT_CHUNK_BYTES};
 use overspill_engine::{open_image, CachedImage, GoldenImage};
 
-use crate::size::format_bytes;
+use crate::{check_name, ServerError};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Version {
@@ -40,18 +38,6 @@ pub struct ImageStore {
     root: PathBuf,
 }
 
-/// Image and version names become file names and NBD export names: keep them plain.
-fn check_name(what: &str, name: &str) -> anyhow::Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        && !name.starts_with('.');
-    if !ok {
-        bail!("{what} name {name:?}: use letters, digits, '-', '_' and '.', at most 64, not starting with '.'");
-    }
-    Ok(())
-}
-
 fn version_number(name: &str) -> Option<u64> {
     name.strip_prefix('v')?.parse().ok()
 }
@@ -61,12 +47,12 @@ impl ImageStore {
         Self { root: root.to_path_buf() }
     }
 
-    pub fn images(&self) -> anyhow::Result<Vec<ImageEntry>> {
+    pub fn images(&self) -> Result<Vec<ImageEntry>, ServerError> {
         let mut images = Vec::new();
         let entries = match std::fs::read_dir(&self.root) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(images),
-            Err(e) => return Err(e).with_context(|| format!("reading {}", self.root.display())),
+            Err(e) => return Err(ServerError::io(format!("reading {}", self.root.display()), e)),
         };
         for entry in entries.flatten() {
             let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
@@ -78,11 +64,12 @@ impl ImageStore {
         Ok(images)
     }
 
-    pub fn image(&self, name: &str) -> anyhow::Result<ImageEntry> {
+    pub fn image(&self, name: &str) -> Result<ImageEntry, ServerError> {
         check_name("image", name)?;
         let dir = self.root.join(name);
         let mut versions = Vec::new();
-        for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?.flatten() {
+        let entries = std::fs::read_dir(&dir).map_err(|e| ServerError::io(format!("reading {}", dir.display()), e))?;
+        for entry in entries.flatten() {
             let path = entry.path();
             let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else { continue };
             if version_number(stem).is_some() && path.extension().is_some_and(|e| e == "img" || e == "qcow2") {
@@ -96,33 +83,33 @@ impl ImageStore {
     }
 
     /// The version new connections to `name` get, and its file.
-    pub fn current(&self, name: &str) -> anyhow::Result<Version> {
+    pub fn current(&self, name: &str) -> Result<Version, ServerError> {
         let image = self.image(name)?;
-        let current = image.current.with_context(|| format!("image {name} has no current version"))?;
-        image
-            .versions
-            .into_iter()
-            .find(|v| v.name == current)
-            .with_context(|| format!("image {name}: current version {current} is not published"))
+        let current = image.current.ok_or_else(|| ServerError::NoCurrentVersion(name.to_owned()))?;
+        match image.versions.into_iter().find(|v| v.name == current) {
+            Some(version) => Ok(version),
+            None => Err(ServerError::CurrentNotPublished { image: name.to_owned(), version: current }),
+        }
     }
 
     /// Copies `file` in as the next version (`v1`, `v2`, …) and returns its name. The copy lands
     /// under a temporary name and is renamed into place, so a reader never sees half a version.
-    pub fn publish(&self, name: &str, file: &Path, activate: bool) -> anyhow::Result<String> {
+    pub fn publish(&self, name: &str, file: &Path, activate: bool) -> Result<String, ServerError> {
         check_name("image", name)?;
         let dir = self.root.join(name);
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
         let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
         let version = format!("v{next}");
         let ext = if overspill_engine::qcow2::is_qcow2(file) { "qcow2" } else { "img" };
         let target = dir.join(format!("{version}.{ext}"));
         let partial = dir.join(format!(".{version}.{ext}.partial"));
-        std::fs::copy(file, &partial).with_context(|| format!("copying {}", file.display()))?;
+        let io = |e| ServerError::io(format!("publishing {} as {}", file.display(), target.display()), e);
+        std::fs::copy(file, &partial).map_err(io)?;
         // Published versions are read-only, for people as for the server.
-        let mut perms = std::fs::metadata(&partial)?.permissions();
+        let mut perms = std::fs::metadata(&partial).map_err(io)?.permissions();
         perms.set_readonly(true);
-        std::fs::set_permissions(&partial, perms)?;
-        std::fs::rename(&partial, &target)?;
+        std::fs::set_permissions(&partial, perms).map_err(io)?;
+        std::fs::rename(&partial, &target).map_err(io)?;
         if activate {
             self.activate(name, &version)?;
         }
@@ -130,16 +117,17 @@ impl ImageStore {
     }
 
     /// Marks `version` as the one new connections get.
-    pub fn activate(&self, name: &str, version: &str) -> anyhow::Result<()> {
+    pub fn activate(&self, name: &str, version: &str) -> Result<(), ServerError> {
         check_name("version", version)?;
         let image = self.image(name)?;
         if !image.versions.iter().any(|v| v.name == version) {
-            bail!("image {name} has no version {version}");
+            return Err(ServerError::NoSuchVersion { image: name.to_owned(), version: version.to_owned() });
         }
         let dir = self.root.join(name);
         let partial = dir.join(".current.partial");
-        std::fs::write(&partial, format!("{version}\n"))?;
-        std::fs::rename(&partial, dir.join("current"))?;
+        let io = |e| ServerError::io(format!("making {version} current in {}", dir.display()), e);
+        std::fs::write(&partial, format!("{version}\n")).map_err(io)?;
+        std::fs::rename(&partial, dir.join("current")).map_err(io)?;
         Ok(())
     }
 }
@@ -216,7 +204,7 @@ impl OpenVersions {
 
     /// The current version of `name` as NBD_OPT_INFO describes it (size, description), without
     /// holding it open.
-    pub fn describe(&self, name: &str) -> anyhow::Result<(u64, String)> {
+    pub fn describe(&self, name: &str) -> Result<(u64, String), ServerError> {
         let version = self.store.current(name)?;
         let key = (name.to_owned(), version.name.clone());
         let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
@@ -224,12 +212,13 @@ impl OpenVersions {
             return Ok((image.size(), image.describe()));
         }
         drop(open);
-        let image = open_image(&version.path)?;
+        let image = open_image(&version.path)
+            .map_err(|source| ServerError::Engine { context: format!("opening {name}:{}", version.name), source })?;
         Ok((image.size(), format!("{name}:{} ({})", version.name, image.describe())))
     }
 
     /// The current version of `name`, shared with the VMs already on it.
-    pub fn current(&self, name: &str) -> anyhow::Result<(String, Arc<dyn GoldenImage>)> {
+    pub fn current(&self, name: &str) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
         let version = self.store.current(name)?;
         let key = (name.to_owned(), version.name.clone());
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
@@ -237,7 +226,8 @@ impl OpenVersions {
             return Ok((version.name, image));
         }
         let label = format!("{name}:{}", version.name);
-        let mut image = open_image(&version.path).with_context(|| format!("opening {label}"))?;
+        let mut image = open_image(&version.path)
+            .map_err(|source| ServerError::Engine { context: format!("opening {label}"), source })?;
         if self.read_cache_bytes > 0 {
             let cached = CachedImage::new(image, self.read_cache_bytes, DEFAULT_CHUNK_BYTES);
             self.caches.add(label.clone(), cached.stats());
@@ -248,55 +238,6 @@ impl OpenVersions {
         open.insert(key, Arc::downgrade(&held));
         Ok((version.name, held))
     }
-}
-
-#[derive(Debug, Args)]
-pub struct ImageArgs {
-    /// The image store directory (as `serve --images`).
-    #[arg(long)]
-    images: PathBuf,
-    #[command(subcommand)]
-    action: ImageAction,
-}
-
-#[derive(Debug, Subcommand)]
-enum ImageAction {
-    /// Images, their versions, and which one new connections get.
-    List,
-    /// Copy FILE in as IMAGE's next version.
-    Publish {
-        image: String,
-        file: PathBuf,
-        /// Also make it the version new connections get.
-        #[arg(long)]
-        activate: bool,
-    },
-    /// Make VERSION the one new connections to IMAGE get; VMs already running keep theirs.
-    Activate { image: String, version: String },
-}
-
-pub fn run(args: ImageArgs) -> anyhow::Result<()> {
-    let store = ImageStore::new(&args.images);
-    match args.action {
-        ImageAction::List => {
-            for image in store.images()? {
-                println!("{}", image.name);
-                for v in &image.versions {
-                    let mark = if image.current.as_deref() == Some(&v.name) { "*" } else { " " };
-                    println!("  {mark} {:<6} {:>10}  {}", v.name, format_bytes(v.bytes), v.path.display());
-                }
-            }
-        }
-        ImageAction::Publish { image, file, activate } => {
-            let version = store.publish(&image, &file, activate)?;
-            println!("{image} {version}{}", if activate { " (current)" } else { "" });
-        }
-        ImageAction::Activate { image, version } => {
-            store.activate(&image, &version)?;
-            println!("{image} {version} (current)");
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
