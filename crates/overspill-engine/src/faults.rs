@@ -574,6 +574,10 @@ impl GoldenImage for FaultyImage {
     fn describe(&self) -> String {
         format!("{} with injected faults", self.inner.describe())
     }
+
+    fn identity(&self) -> Option<String> {
+        self.inner.identity()
+    }
 }
 
 #[cfg(test)]

@@ -46,6 +46,12 @@ pub trait GoldenImage: Send + Sync {
         Ok(reads)
     }
     fn describe(&self) -> String;
+    /// What tells these exact contents from other contents under the same name, for state that
+    /// outlives the process: a file's device, inode, size and modification time; an S3 object's
+    /// ETag; an RBD snapshot's name (snapshots never change). `None`: nothing to compare.
+    fn identity(&self) -> Option<String> {
+        None
+    }
     /// The chunk a read cache in front should fetch at a time, if not the default: remote
     /// stores, where every request costs a round trip, want large ones.
     fn preferred_fetch_bytes(&self) -> Option<u64> {
@@ -68,6 +74,21 @@ pub struct RawImage {
     file: File,
     size: u64,
     path: PathBuf,
+    identity: String,
+}
+
+/// A file's identity for [`GoldenImage::identity`]: replacing the file (a new inode) or writing
+/// into it (a new modification time) changes it.
+pub(crate) fn file_identity(metadata: &std::fs::Metadata) -> String {
+    use std::os::unix::fs::MetadataExt;
+    format!(
+        "file dev {} inode {} size {} mtime {}.{:09}",
+        metadata.dev(),
+        metadata.ino(),
+        metadata.len(),
+        metadata.mtime(),
+        metadata.mtime_nsec()
+    )
 }
 
 impl RawImage {
@@ -80,7 +101,7 @@ impl RawImage {
         if !metadata.is_file() {
             return Err(EngineError::Config(format!("{} is not a regular file", path.display())));
         }
-        Ok(Self { file, size: metadata.len(), path: path.to_path_buf() })
+        Ok(Self { file, size: metadata.len(), path: path.to_path_buf(), identity: file_identity(&metadata) })
     }
 }
 
@@ -132,6 +153,10 @@ impl GoldenImage for RawImage {
 
     fn describe(&self) -> String {
         self.path.display().to_string()
+    }
+
+    fn identity(&self) -> Option<String> {
+        Some(self.identity.clone())
     }
 }
 

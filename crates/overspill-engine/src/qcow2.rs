@@ -40,6 +40,7 @@ pub struct Qcow2Image {
     cluster_bits: u32,
     l1: Vec<u64>,
     l2_cache: Mutex<HashMap<u64, Arc<[u64]>>>,
+    identity: String,
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
@@ -66,7 +67,8 @@ impl Qcow2Image {
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(|source| EngineError::Io { what: "opening golden image", source })?;
         let mut header = [0u8; 112];
-        let file_len = file.metadata().map_err(|source| EngineError::Io { what: "stat golden image", source })?.len();
+        let metadata = file.metadata().map_err(|source| EngineError::Io { what: "stat golden image", source })?;
+        let file_len = metadata.len();
         if file_len < 72 {
             return Err(refuse(path, "too short for a qcow2 header"));
         }
@@ -124,7 +126,8 @@ impl Qcow2Image {
         file.read_exact_at(&mut raw, l1_offset)
             .map_err(|source| EngineError::Io { what: "reading qcow2 L1 table", source })?;
         let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
-        Ok(Self { file, path: path.to_path_buf(), size, cluster_bits, l1, l2_cache: Mutex::default() })
+        let identity = crate::golden::file_identity(&metadata);
+        Ok(Self { file, path: path.to_path_buf(), size, cluster_bits, l1, l2_cache: Mutex::default(), identity })
     }
 
     fn l2_table(&self, offset: u64) -> io::Result<Arc<[u64]>> {
@@ -188,5 +191,9 @@ impl GoldenImage for Qcow2Image {
 
     fn describe(&self) -> String {
         format!("{} (qcow2)", self.path.display())
+    }
+
+    fn identity(&self) -> Option<String> {
+        Some(self.identity.clone())
     }
 }

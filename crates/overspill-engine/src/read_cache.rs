@@ -390,6 +390,10 @@ impl GoldenImage for CachedImage {
     fn describe(&self) -> String {
         format!("{} through a {}-byte shared read cache", self.source.describe(), self.stats.capacity_bytes.get())
     }
+
+    fn identity(&self) -> Option<String> {
+        self.source.identity()
+    }
 }
 
 #[cfg(test)]

@@ -139,9 +139,13 @@ impl OverlayExports {
     /// Rebuilds a VM's overlay from the state an earlier server left.
     fn recover(&self, recoverable: &Recoverable) -> Result<(), String> {
         let state = &recoverable.state;
-        let (label, image) = self.image(&recoverable.image).map_err(|e| e.to_string())?;
-        if label != state.image_label {
-            return Err(format!("it was made over {}, and {label} is served now", state.image_label));
+        let (label, image) = self.image_made_over(&recoverable.image, &state.image_label)?;
+        if image.identity() != state.image_identity {
+            return Err(format!(
+                "{label} is no longer the image its writes were made over (then: {}, now: {})",
+                state.image_identity.as_deref().unwrap_or("unknown"),
+                image.identity().as_deref().unwrap_or("unknown")
+            ));
         }
         if image.size() != state.disk_bytes {
             return Err(format!("its disk had {} bytes, {label} has {}", state.disk_bytes, image.size()));
@@ -183,6 +187,25 @@ impl OverlayExports {
         let parked = VmOverlay { overlay, vm: recoverable.vm.clone(), recorder: None };
         self.registry.adopt_recovered(recoverable, &label, stats, parked);
         Ok(())
+    }
+
+    /// The golden image a recovered VM's writes were made over: the export's image, or for a
+    /// versioned image the very version it had (which need not be current any more).
+    fn image_made_over(&self, export: &str, label: &str) -> Result<(String, Arc<dyn GoldenImage>), String> {
+        let image_name = Self::image_name(export);
+        if let Some(image) = self.images.get(image_name) {
+            if label != image_name {
+                return Err(format!("it was made over {label}, and {image_name} is served now"));
+            }
+            return Ok((label.to_owned(), image.clone()));
+        }
+        let version = label
+            .strip_prefix(image_name)
+            .and_then(|rest| rest.strip_prefix(':'))
+            .ok_or_else(|| format!("it was made over {label}, which export {export:?} does not serve"))?;
+        let versions = self.versions.as_ref().ok_or_else(|| format!("{label}: this server has no image store"))?;
+        let (version, image) = versions.version(image_name, version).map_err(|e| e.to_string())?;
+        Ok((format!("{image_name}:{version}"), image))
     }
 
     fn overlay_config(&self) -> OverlayConfig {
@@ -378,6 +401,7 @@ impl OverlayExports {
         let spill_dir = kind.map(|kind| self.backing_place(kind, 0).0.clone());
         let record = StateRecord {
             image_label: image_label.to_owned(),
+            image_identity: image.identity(),
             mode: self.settings.mode.to_string(),
             disk_bytes: image.size(),
             memory_dir: memory_dir.clone(),

@@ -92,6 +92,15 @@ impl ImageStore {
         }
     }
 
+    /// A published version of `name`, current or not.
+    pub fn version(&self, name: &str, version: &str) -> Result<Version, ServerError> {
+        let image = self.image(name)?;
+        match image.versions.into_iter().find(|v| v.name == version) {
+            Some(found) => Ok(found),
+            None => Err(ServerError::NoSuchVersion { image: name.to_owned(), version: version.to_owned() }),
+        }
+    }
+
     /// Copies `file` in as the next version (`v1`, `v2`, …) and returns its name. The copy lands
     /// under a temporary name and is renamed into place, so a reader never sees half a version.
     pub fn publish(&self, name: &str, file: &Path, activate: bool) -> Result<String, ServerError> {
@@ -191,6 +200,10 @@ impl GoldenImage for HeldVersion {
     fn describe(&self) -> String {
         format!("{} ({})", self.label, self.inner.describe())
     }
+
+    fn identity(&self) -> Option<String> {
+        self.inner.identity()
+    }
 }
 
 impl OpenVersions {
@@ -219,7 +232,16 @@ impl OpenVersions {
 
     /// The current version of `name`, shared with the VMs already on it.
     pub fn current(&self, name: &str) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
-        let version = self.store.current(name)?;
+        self.open(name, self.store.current(name)?)
+    }
+
+    /// Version `version` of `name`, current or not: a VM recovered after a restart goes on with
+    /// the version its writes were made over.
+    pub fn version(&self, name: &str, version: &str) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
+        self.open(name, self.store.version(name, version)?)
+    }
+
+    fn open(&self, name: &str, version: Version) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
         let key = (name.to_owned(), version.name.clone());
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(image) = open.get(&key).and_then(Weak::upgrade) {

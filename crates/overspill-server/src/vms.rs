@@ -572,6 +572,10 @@ struct LedgerEntry {
 pub struct StateRecord {
     /// The image label it was made over (`name:version` for a versioned image).
     pub image_label: String,
+    /// The golden image's [`GoldenImage::identity`](overspill_engine::GoldenImage::identity)
+    /// when the state was made: a file replaced or rewritten since must not show through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_identity: Option<String>,
     pub mode: String,
     pub disk_bytes: u64,
     pub memory_dir: PathBuf,

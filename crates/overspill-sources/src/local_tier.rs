@@ -147,6 +147,10 @@ impl GoldenImage for LocalTier {
         format!("{} with a local disk tier", self.remote.describe())
     }
 
+    fn identity(&self) -> Option<String> {
+        self.remote.identity()
+    }
+
     fn preferred_fetch_bytes(&self) -> Option<u64> {
         Some(self.chunk_bytes)
     }

@@ -162,6 +162,10 @@ impl GoldenImage for RbdImage {
         self.name.clone()
     }
 
+    fn identity(&self) -> Option<String> {
+        Some(self.name.clone())
+    }
+
     fn preferred_fetch_bytes(&self) -> Option<u64> {
         Some(self.fetch_bytes)
     }

@@ -96,6 +96,10 @@ impl GoldenImage for S3Image {
         self.name.clone()
     }
 
+    fn identity(&self) -> Option<String> {
+        self.etag.as_ref().map(|etag| format!("{} etag {etag}", self.name))
+    }
+
     fn preferred_fetch_bytes(&self) -> Option<u64> {
         Some(self.fetch_bytes)
     }

@@ -190,6 +190,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             memory_dir: Some(args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir))),
         })
         .with_context(|| format!("state directory {}", state_dir.display()))?;
+    if let Some(dir) = &args.memory_dir {
+        warn_unless_in_memory(dir);
+    }
     let registry = exports.registry();
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
@@ -250,6 +253,22 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     drop(control);
     tracing::info!("shut down");
     Ok(())
+}
+
+/// Pages in a memory directory on a disk filesystem still outlive the process, but every page the
+/// VMs write is written back to that disk: say so, as the operator asked for a RAM tier.
+fn warn_unless_in_memory(dir: &Path) {
+    use nix::sys::statfs::{statfs, FsType, TMPFS_MAGIC};
+    // Not among nix's names; linux/magic.h.
+    const RAMFS_MAGIC: FsType = FsType(0x8584_58f6);
+    match statfs(dir) {
+        Ok(fs) if fs.filesystem_type() == TMPFS_MAGIC || fs.filesystem_type() == RAMFS_MAGIC => {}
+        Ok(_) => tracing::warn!(
+            dir = %dir.display(),
+            "--memory-dir is not on tmpfs: the RAM tier's pages will be written back to its disk"
+        ),
+        Err(error) => tracing::warn!(dir = %dir.display(), %error, "cannot tell what filesystem --memory-dir is on"),
+    }
 }
 
 /// A memory directory of its own for each state directory: two servers with different state

@@ -350,6 +350,71 @@ fn state_a_server_cannot_recover_refuses_the_name_until_reset() {
     host.assert_golden_untouched();
 }
 
+/// A recovered VM goes on over the golden image its writes were made over: the version it had
+/// even when another is current now, and never a file that changed under it (that name is
+/// refused instead).
+#[test]
+fn a_recovered_vm_keeps_its_image_version_and_a_changed_image_refuses_it() {
+    let host = Host::new();
+    let store = host.dir.path().join("images");
+    let image = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("image")
+            .arg("--images")
+            .arg(&store)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("overspill image");
+        assert!(out.status.success(), "image {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    image(&["publish", "win", host.golden.to_str().expect("utf-8"), "--activate"]);
+    let serve = || host.serve(&["--images", store.to_str().expect("utf-8")]);
+    let uri = |export: &str| -> NbdUri {
+        format!("nbd+unix:///{export}?socket={}", host.socket.display()).parse().expect("uri")
+    };
+    let connect = |export: &str| Client::connect(&uri(export)).unwrap_or_else(|e| panic!("{export}: {e}"));
+
+    let server = serve();
+    let mut desk = connect("win@desk");
+    let written = write_pattern(&mut desk, 40);
+    let mut writer = host.connect("writer");
+    write_pattern(&mut writer, 41);
+    server.kill();
+    drop((desk, writer));
+
+    // v2 becomes current, and the file under --base is rewritten with the same bytes (a new
+    // modification time: `cp` over it would keep its inode and size too).
+    let v2 = pseudo_random(GOLDEN_BYTES, 42);
+    let v2_file = host.dir.path().join("v2.img");
+    std::fs::write(&v2_file, &v2).expect("v2");
+    image(&["publish", "win", v2_file.to_str().expect("utf-8"), "--activate"]);
+    std::thread::sleep(Duration::from_millis(20));
+    std::fs::write(&host.golden, &host.golden_bytes).expect("rewrite the base image");
+
+    let server = serve();
+    let mut desk = connect("win@desk");
+    let len = WRITTEN_BYTES + (4 << 20);
+    let seen = read_start(&mut desk, len);
+    assert_same(&seen[..WRITTEN_BYTES], &written, "desk's writes after the restart");
+    assert_same(&seen[WRITTEN_BYTES..], &host.golden_bytes[WRITTEN_BYTES..len], "desk's unwritten blocks: still v1");
+    desk.disconnect().expect("disconnect");
+    let mut fresh = connect("win@fresh");
+    assert_same(&read_start(&mut fresh, 1 << 20), &v2[..1 << 20], "a new VM gets v2");
+    fresh.disconnect().expect("disconnect");
+
+    let writer_uri = format!("nbd+unix:///@writer?socket={}", host.socket.display());
+    let out = run_tool(host.dir.path(), "nbdinfo", &["--size", &writer_uri]);
+    assert!(!out.status.success(), "a VM whose base image changed was served:\n{}", out.all());
+    let deadline = Instant::now() + WAIT;
+    while !server.log_text().contains("no longer the image its writes were made over") {
+        assert!(Instant::now() < deadline, "the refusal says why:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(server);
+    host.assert_golden_untouched();
+}
+
 /// One qemu-io session, with `reconnect-delay`, across a SIGKILL of the server and a restart:
 /// what it wrote before reads back after, from the same client.
 #[test]
