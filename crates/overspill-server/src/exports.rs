@@ -140,7 +140,9 @@ impl OverlayExports {
     fn recover(&self, recoverable: &Recoverable) -> Result<(), String> {
         let state = &recoverable.state;
         let (label, image) = self.image_made_over(&recoverable.image, &state.image_label)?;
-        if image.identity() != state.image_identity {
+        // A record without an identity comes from a server that did not keep one: nothing to
+        // compare, as before.
+        if state.image_identity.is_some() && image.identity() != state.image_identity {
             return Err(format!(
                 "{label} is no longer the image its writes were made over (then: {}, now: {})",
                 state.image_identity.as_deref().unwrap_or("unknown"),
