@@ -11,8 +11,9 @@ use std::io::{self, IoSliceMut, Read, Write};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use crate::counters::{command_name, ProtocolCounters, Refusal};
 use crate::device::{BlockDevice, DeviceError, ExportAccess, Payload};
 use crate::handshake::{Handshake, HandshakeError, Negotiated, Progress};
 use crate::request::{errno_of, validate, Command, FramingError, RequestHeader};
@@ -25,7 +26,8 @@ use crate::ExportProvider;
 pub struct Limits {
     /// Largest read or write payload accepted; advertised as the maximum block size.
     pub max_payload_bytes: u32,
-    /// Time a client has to finish the handshake.
+    /// Time a client has, from its connection, to finish the handshake (TLS included), however
+    /// it spreads its bytes.
     pub handshake_timeout: Duration,
     /// A connection with no request for this long is closed; `None` waits forever.
     pub idle_timeout: Option<Duration>,
@@ -88,6 +90,87 @@ impl Transport for std::net::TcpStream {
     }
 }
 
+/// A stream whose reads share one deadline until the first read timeout is set: the handshake's.
+/// Each read may wait only for what is left of it, so a client dribbling a byte a second cannot
+/// hold a connection slot past the deadline (a plain per-read timeout starts afresh with every
+/// byte). Setting a read timeout, as the transmission phase does, ends the deadline.
+struct Deadlined<T> {
+    inner: T,
+    deadline: Instant,
+    active: AtomicBool,
+}
+
+impl<T: Transport> Deadlined<T> {
+    fn new(inner: T, within: Duration) -> Self {
+        Self { inner, deadline: Instant::now() + within, active: AtomicBool::new(true) }
+    }
+
+    /// Before a read: the time left, as the socket's read timeout.
+    fn arm(&self) -> io::Result<()> {
+        if !self.active.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Self::expired());
+        }
+        self.inner.set_read_timeout(Some(left))
+    }
+
+    fn expired() -> io::Error {
+        io::Error::new(io::ErrorKind::TimedOut, "the handshake took longer than its deadline")
+    }
+
+    /// A read that timed out while the deadline holds says so.
+    fn explain<R>(&self, result: io::Result<R>) -> io::Result<R> {
+        match result {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && self.active.load(Ordering::Relaxed) => {
+                Err(Self::expired())
+            }
+            other => other,
+        }
+    }
+}
+
+impl<T: Transport> Read for Deadlined<T> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm()?;
+        let result = self.inner.read(buf);
+        self.explain(result)
+    }
+
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.arm()?;
+        let result = self.inner.read_vectored(bufs);
+        self.explain(result)
+    }
+}
+
+impl<T: Transport> Write for Deadlined<T> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.inner.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.inner.write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<T: Transport> Transport for Deadlined<T> {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.active.store(false, Ordering::Relaxed);
+        self.inner.set_read_timeout(timeout)
+    }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        self.inner.read_stopper()
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectionError {
     #[error("handshake: {0}")]
@@ -125,6 +208,7 @@ const MAX_IOVECS: usize = 1024;
 
 struct Wire<T> {
     stream: T,
+    counters: Arc<ProtocolCounters>,
     /// `input[start..end]` is received and not yet consumed.
     input: Vec<u8>,
     start: usize,
@@ -133,8 +217,8 @@ struct Wire<T> {
 }
 
 impl<T: Transport> Wire<T> {
-    fn new(stream: T, output: Vec<u8>) -> Self {
-        Self { stream, input: vec![0; INPUT_BYTES], start: 0, end: 0, output }
+    fn new(stream: T, output: Vec<u8>, counters: Arc<ProtocolCounters>) -> Self {
+        Self { stream, counters, input: vec![0; INPUT_BYTES], start: 0, end: 0, output }
     }
 
     fn buffered(&self) -> &[u8] {
@@ -218,22 +302,48 @@ pub fn serve_connection_until<T: Transport>(
     limits: &Limits,
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
-    serve_secured_connection(stream, exports, limits, &Security::default(), stop)
+    serve_secured_connection(stream, exports, limits, &Security::default(), &Arc::default(), stop)
 }
 
-/// Like [`serve_connection_until`], with TLS and export access as `security` says.
+/// Like [`serve_connection_until`], with TLS and export access as `security` says, counting
+/// error replies and refusals in `counters`.
 pub fn serve_secured_connection<T: Transport>(
     stream: T,
     exports: &dyn ExportProvider,
     limits: &Limits,
     security: &Security,
+    counters: &Arc<ProtocolCounters>,
+    stop: &AtomicBool,
+) -> Result<Ending, ConnectionError> {
+    let result = serve_counted(stream, exports, limits, security, counters, stop);
+    let refusal = match &result {
+        Err(ConnectionError::Handshake(HandshakeError::ExportRefused(_))) => Some(Refusal::UnknownExport),
+        Err(ConnectionError::Handshake(_)) => Some(Refusal::HandshakeError),
+        Err(ConnectionError::Tls(_)) => Some(Refusal::Tls),
+        // Only the handshake's deadline times out; transmission's idle timeout would block.
+        Err(ConnectionError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => Some(Refusal::HandshakeTimeout),
+        _ => None,
+    };
+    if let Some(why) = refusal {
+        counters.refused(why);
+    }
+    result
+}
+
+fn serve_counted<T: Transport>(
+    stream: T,
+    exports: &dyn ExportProvider,
+    limits: &Limits,
+    security: &Security,
+    counters: &Arc<ProtocolCounters>,
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
     let mode = security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let mut handshake =
         Handshake::with_tls(mode).with_access(security.access.clone()).with_max_payload(limits.max_payload_bytes);
-    let mut wire = Wire::new(stream, Handshake::greeting());
-    wire.stream.set_read_timeout(Some(limits.handshake_timeout))?;
+    // From accept to the end of option haggling, TLS included: one deadline.
+    let stream = Deadlined::new(stream, limits.handshake_timeout);
+    let mut wire = Wire::new(stream, Handshake::greeting(), counters.clone());
     match negotiate(&mut wire, &mut handshake, exports)? {
         Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
         Negotiation::StartTls => {
@@ -249,7 +359,7 @@ pub fn serve_secured_connection<T: Transport>(
             let stream = tls.accept(stream).map_err(ConnectionError::Tls)?;
             tracing::debug!(identity = %stream.identity().unwrap_or("-"), "TLS started");
             handshake.tls_started(stream.identity().map(str::to_owned));
-            let mut wire = Wire::new(stream, output);
+            let mut wire = Wire::new(stream, output, counters.clone());
             match negotiate(&mut wire, &mut handshake, exports)? {
                 Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
                 Negotiation::StartTls => Err(ConnectionError::Tls(io::Error::other("STARTTLS twice"))),
@@ -274,6 +384,9 @@ fn negotiate<T: Transport>(
     loop {
         let (used, progress) = handshake.advance(&wire.input[wire.start..wire.end], &mut wire.output, exports)?;
         wire.consume(used);
+        if let Some(why) = handshake.take_refusal() {
+            wire.counters.refused(why);
+        }
         match progress {
             Progress::NeedMore => {
                 if !wire.fill(1)? {
@@ -349,7 +462,7 @@ fn transmit<T: Transport>(
             if !cut_short_by_stop(data.finish(), stop)? {
                 break;
             }
-            reply_status(wire, &session, header.cookie, result);
+            reply_status(wire, &session, &header, result);
             // A write this large took reads of its own, so one more syscall for its reply is
             // cheap; holding the reply back until the socket runs dry would stall the client's
             // queue (with 1 MiB writes at QD4 it gets all four completions at once, then sends
@@ -366,7 +479,7 @@ fn transmit<T: Transport>(
         let data_range = REQUEST_HEADER_BYTES..REQUEST_HEADER_BYTES + payload;
         let disconnect = match command {
             Err(errno) => {
-                reply_status(wire, &session, header.cookie, Err((errno, "invalid request".into())));
+                reply_status(wire, &session, &header, Err((errno, "invalid request".into())));
                 false
             }
             Ok(Command::Disconnect) => {
@@ -380,7 +493,7 @@ fn transmit<T: Transport>(
             Ok(command) => {
                 let data = &wire.input[wire.start..][data_range.clone()];
                 let result = execute(session.device.as_mut(), command, data);
-                reply_status(wire, &session, header.cookie, result.map_err(|e| (errno_of(e.kind), e.message)));
+                reply_status(wire, &session, &header, result.map_err(|e| (errno_of(e.kind), e.message)));
                 false
             }
         };
@@ -486,7 +599,16 @@ fn execute(device: &mut dyn BlockDevice, command: Command, data: &[u8]) -> Resul
 
 /// Replies to a command that returns no data. Structured replies are not needed for these
 /// (the spec allows simple replies to anything but reads), but errors then carry a message.
-fn reply_status<T>(wire: &mut Wire<T>, session: &Negotiated, cookie: u64, result: Result<(), (Errno, String)>) {
+fn reply_status<T>(
+    wire: &mut Wire<T>,
+    session: &Negotiated,
+    header: &RequestHeader,
+    result: Result<(), (Errno, String)>,
+) {
+    let cookie = header.cookie;
+    if let Err((errno, _)) = &result {
+        wire.counters.error_reply(command_name(header.kind), *errno);
+    }
     match result {
         Ok(()) => simple_reply(&mut wire.output, cookie, 0),
         Err((errno, message)) if session.structured_replies => {
@@ -498,7 +620,7 @@ fn reply_status<T>(wire: &mut Wire<T>, session: &Negotiated, cookie: u64, result
 
 /// Reads straight into the output buffer behind the reply header, so data is copied once.
 fn read<T>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u64, length: u32) {
-    let out = &mut wire.output;
+    let Wire { output: out, counters, .. } = wire;
     let mark = out.len();
     if session.structured_replies {
         if length == 0 {
@@ -516,6 +638,7 @@ fn read<T>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u6
         out.truncate(mark);
         tracing::debug!(%error, offset, length, "read failed");
         let errno = errno_of(error.kind);
+        counters.error_reply("read", errno);
         if session.structured_replies {
             structured_error(out, cookie, errno as u32, &error.message);
         } else {
@@ -537,7 +660,7 @@ mod tests {
         cut: Option<usize>,
     ) -> (Wire<UnixStream>, std::thread::JoinHandle<()>) {
         let (mut client, server) = UnixStream::pair().expect("socketpair");
-        let wire = Wire::new(server, Vec::new());
+        let wire = Wire::new(server, Vec::new(), Arc::default());
         let thread = std::thread::spawn(move || {
             let sent = &bytes[..cut.unwrap_or(bytes.len())];
             for piece in sent.chunks(100_000) {

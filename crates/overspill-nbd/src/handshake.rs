@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use crate::counters::Refusal;
 use crate::device::{BlockDevice, Capabilities, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider};
 use crate::tls::TlsMode;
 use crate::wire::*;
@@ -82,6 +83,8 @@ pub struct Handshake {
     identity: Option<String>,
     /// The largest payload the connection accepts: never advertise a larger maximum block size.
     max_payload: u32,
+    /// Why the last NBD_OPT_GO was refused, until the connection counts it.
+    refusal: Option<Refusal>,
 }
 
 impl std::fmt::Debug for Handshake {
@@ -136,6 +139,7 @@ impl Handshake {
             access: None,
             identity: None,
             max_payload: u32::MAX,
+            refusal: None,
         }
     }
 
@@ -147,6 +151,11 @@ impl Handshake {
     }
 
     /// Hides and refuses the exports `access` does not allow this client.
+    /// Why the last NBD_OPT_GO was refused, once: the connection counts it for the metrics.
+    pub fn take_refusal(&mut self) -> Option<Refusal> {
+        self.refusal.take()
+    }
+
     pub fn with_access(mut self, access: Option<Arc<dyn ExportAccess>>) -> Self {
         self.access = access;
         self
@@ -330,6 +339,14 @@ impl Handshake {
             return Progress::NeedMore;
         };
         let Some(info) = self.visible(exports, &name) else {
+            // Asking is how clients look for exports (INFO); connecting to one that is not there
+            // (GO) is a misconfigured VM the operator wants to hear about.
+            if option == OPT_GO {
+                self.refusal = Some(Refusal::UnknownExport);
+                tracing::warn!(export = ?name, "a client asked for an export that does not exist (or is hidden from it)");
+            } else {
+                tracing::debug!(export = ?name, "INFO for an unknown export");
+            }
             option_reply(out, option, REP_ERR_UNKNOWN, format!("no export named {name:?}").as_bytes());
             return Progress::NeedMore;
         };
@@ -338,7 +355,12 @@ impl Handshake {
                 Ok(device) => Some(device),
                 Err(error) => {
                     tracing::warn!(export = ?name, %error, "could not open export");
-                    let reply = if error.kind == DeviceErrorKind::Refused { REP_ERR_POLICY } else { REP_ERR_UNKNOWN };
+                    let (reply, refusal) = if error.kind == DeviceErrorKind::Refused {
+                        (REP_ERR_POLICY, Refusal::Policy)
+                    } else {
+                        (REP_ERR_UNKNOWN, Refusal::CannotOpen)
+                    };
+                    self.refusal = Some(refusal);
                     option_reply(out, option, reply, format!("cannot open export: {}", error.message).as_bytes());
                     return Progress::NeedMore;
                 }

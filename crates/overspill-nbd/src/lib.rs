@@ -8,6 +8,7 @@
 
 pub mod client;
 pub mod connection;
+pub mod counters;
 pub mod device;
 pub mod handshake;
 pub mod memory;

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::connection::{serve_secured_connection, ConnectionError, Ending, Limits, ReadStopper, Security, Transport};
+use crate::counters::{ProtocolCounters, Refusal};
 use crate::ExportProvider;
 
 /// Where a server listens: `unix:PATH` or `tcp:HOST:PORT`.
@@ -28,6 +29,17 @@ use crate::ExportProvider;
 pub enum ListenAddr {
     Unix(PathBuf),
     Tcp(String),
+}
+
+impl ListenAddr {
+    /// The NBD URI (as libnbd, qemu and nbdinfo take it) of `export` at this address.
+    pub fn nbd_uri(&self, export: &str, tls: bool) -> String {
+        let scheme = if tls { "nbds" } else { "nbd" };
+        match self {
+            Self::Unix(path) => format!("{scheme}+unix:///{export}?socket={}", path.display()),
+            Self::Tcp(address) => format!("{scheme}://{address}/{export}"),
+        }
+    }
 }
 
 impl FromStr for ListenAddr {
@@ -184,11 +196,18 @@ pub struct ServerConfig {
     pub limits: Limits,
     pub max_connections: usize,
     pub security: Security,
+    /// Where error replies and refusals are counted (the metrics read them).
+    pub counters: Arc<ProtocolCounters>,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        Self { limits: Limits::default(), max_connections: 1024, security: Security::default() }
+        Self {
+            limits: Limits::default(),
+            max_connections: 1024,
+            security: Security::default(),
+            counters: Arc::default(),
+        }
     }
 }
 
@@ -284,6 +303,11 @@ impl Drop for Registration {
 }
 
 impl Server {
+    /// Where this server counts error replies and refusals.
+    pub fn counters(&self) -> Arc<ProtocolCounters> {
+        self.config.counters.clone()
+    }
+
     pub fn new(exports: Arc<dyn ExportProvider>, config: ServerConfig) -> Self {
         Self { exports, config, active: Arc::new(AtomicUsize::new(0)), shutdown: ShutdownHandle::default() }
     }
@@ -354,6 +378,7 @@ impl Server {
         let slot = Slot(self.active.clone());
         if active > self.config.max_connections {
             tracing::warn!(peer, limit = self.config.max_connections, "connection refused: too many connections");
+            self.config.counters.refused(Refusal::TooManyConnections);
             return;
         }
         // Connection ids need not be unique (socketpairs all use 0): the registry keys on its own.
@@ -368,11 +393,13 @@ impl Server {
         let exports = self.exports.clone();
         let limits = self.config.limits.clone();
         let security = self.config.security.clone();
+        let counters = self.config.counters.clone();
         let shutdown = self.shutdown.clone();
         let spawned = std::thread::Builder::new().name(format!("nbd-{id}")).spawn(move || {
             let _slot = slot;
             let _registration = registration;
-            let ending = serve_secured_connection(stream, exports.as_ref(), &limits, &security, &shutdown.0.stop);
+            let ending =
+                serve_secured_connection(stream, exports.as_ref(), &limits, &security, &counters, &shutdown.0.stop);
             log_ending(id, &peer, ending);
         });
         if let Err(error) = spawned {
@@ -423,6 +450,14 @@ impl Transport for Box<dyn Transport> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn nbd_uris_name_the_socket_and_the_export() {
+        let unix = ListenAddr::Unix("/run/overspill/nbd.sock".into());
+        assert_eq!(unix.nbd_uri("", false), "nbd+unix:///?socket=/run/overspill/nbd.sock");
+        assert_eq!(unix.nbd_uri("win7@vm1", true), "nbds+unix:///win7@vm1?socket=/run/overspill/nbd.sock");
+        assert_eq!(ListenAddr::Tcp("[::1]:10809".into()).nbd_uri("", false), "nbd://[::1]:10809/");
+    }
+
     use super::*;
 
     fn unix(path: &std::path::Path) -> ListenAddr {

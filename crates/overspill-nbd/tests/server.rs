@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use overspill_nbd::client::{Client, ClientError};
+use overspill_nbd::counters::Refusal;
 use overspill_nbd::memory::OneExport;
 use overspill_nbd::server::socketpair;
 use overspill_nbd::wire::*;
@@ -257,4 +258,47 @@ fn large_writes_land_whole_and_a_refused_one_keeps_the_connection_in_step() {
         c.disconnect().expect("disc");
     }
     assert_healthy(&server);
+}
+
+/// The handshake has one deadline from the connection on: a client that sends a byte every
+/// 250 ms, each well within any per-read timeout, is cut off once the 2 s are over.
+#[test]
+fn a_handshake_dribbled_byte_by_byte_is_cut_at_its_deadline() {
+    let (server, _) = server();
+    let counters = server.counters();
+    let mut stream = socketpair(&server).expect("socketpair");
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).expect("greeting");
+    let mut slow = Vec::new();
+    slow.extend_from_slice(&(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes());
+    slow.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    slow.extend_from_slice(&OPT_GO.to_be_bytes());
+    slow.extend_from_slice(&(4u32 + 8 + 2).to_be_bytes());
+    slow.extend_from_slice(&8u32.to_be_bytes());
+    slow.extend_from_slice(b"disk-xyz");
+    slow.extend_from_slice(&0u16.to_be_bytes());
+    assert!(slow.len() * 250 > 6_000, "enough bytes to outlast the deadline three times over");
+    stream.set_read_timeout(Some(Duration::from_millis(1))).expect("timeout");
+    let started = std::time::Instant::now();
+    let mut cut_after = None;
+    for byte in &slow {
+        if stream.write_all(std::slice::from_ref(byte)).is_err() {
+            cut_after = Some(started.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+        if let Ok(0) = stream.read(&mut [0u8; 64]) {
+            cut_after = Some(started.elapsed());
+            break;
+        }
+    }
+    let cut_after = cut_after.expect("a dribbled handshake was never cut off");
+    assert!(cut_after >= Duration::from_millis(1900), "cut off before its deadline: {cut_after:?}");
+    assert_healthy(&server);
+    // Counted as the connection's thread ends, just after the socket closes.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !counters.refusals().contains(&(Refusal::HandshakeTimeout, 1)) {
+        assert!(std::time::Instant::now() < deadline, "not counted: {:?}", counters.refusals());
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }

@@ -24,10 +24,10 @@ use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
 use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Payload};
 use overspill_storm::profile::OpKind;
 
-use crate::check_name;
 use crate::error::device_error;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
 use crate::vms::{state_file_stem, Claim, Ending, Lifecycle, Recoverable, StateRecord, VmRegistry};
+use crate::{check_name, ServerError};
 use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
 /// Where and how every VM's write cache is kept.
@@ -75,10 +75,21 @@ impl OverlayExports {
         images: BTreeMap<String, Arc<dyn GoldenImage>>,
         settings: CacheSettings,
         host: Arc<HostMemory>,
-    ) -> std::io::Result<Self> {
+    ) -> Result<Self, ServerError> {
+        // Checked now, so that a directory that cannot be written stops the start with its name
+        // rather than refuse every VM later.
+        let needed = match settings.mode {
+            WriteCacheMode::Ram => vec![],
+            WriteCacheMode::RamDisk | WriteCacheMode::Disk => vec![("--spill-dir", &settings.spill_dir)],
+            WriteCacheMode::Shared => vec![("--shared-dir", &settings.shared_dir)],
+        };
+        for (flag, dir) in needed {
+            writable_directory(dir).map_err(|e| ServerError::io(format!("{flag} {}", dir.display()), e))?;
+        }
         for dir in [&settings.spill_dir, &settings.shared_dir] {
-            std::fs::create_dir_all(dir)?;
-            remove_stale_cache_files(dir);
+            if dir.is_dir() {
+                remove_stale_cache_files(dir);
+            }
         }
         let read_caches = Arc::new(ReadCacheList::default());
         let images = if settings.read_cache_bytes == 0 {
@@ -101,7 +112,7 @@ impl OverlayExports {
             read_caches,
             settings,
             host,
-            registry: VmRegistry::new(Lifecycle::default())?,
+            registry: VmRegistry::new(Lifecycle::default()).map_err(|e| ServerError::io("VM registry", e))?,
             lifecycle: Lifecycle::default(),
             record_dir: None,
             segment_writers,
@@ -655,6 +666,14 @@ impl BlockDevice for EngineDevice {
     fn closing(&self) -> bool {
         self.reset.load(Ordering::Relaxed)
     }
+}
+
+/// Makes `dir` if it is missing and checks that files can be made in it.
+fn writable_directory(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(".overspill-probe-{}", std::process::id()));
+    std::fs::File::create(&probe)?;
+    std::fs::remove_file(&probe)
 }
 
 /// Removes cache files left by servers that are no longer running. Files of live servers (another

@@ -12,3 +12,14 @@ pub mod size;
 pub mod stat;
 pub mod storm;
 pub mod vm;
+
+/// The version, the commit it was built from and its optional features (`overspill --version`,
+/// `overspill_build_info`).
+pub const LONG_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("OVERSPILL_COMMIT"),
+    ", features: ",
+    env!("OVERSPILL_FEATURES"),
+    ")"
+);

@@ -1,17 +1,20 @@
 //! The `overspill` command: parses arguments and wires the engine to the NBD server. No storage
 //! or protocol logic lives here.
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 use overspill::{image, plan, replay, serve, stat, storm, vm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
-#[command(name = "overspill", version, about = "RAM write cache with overflow to disk for fleets of VMs, over NBD")]
+#[command(name = "overspill", version, long_version = overspill::LONG_VERSION, about = "RAM write cache with overflow to disk for fleets of VMs, over NBD")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// Log filter (tracing's env-filter syntax); RUST_LOG overrides it. Default: info for
-    /// serve, warn for storm (whose output is its tables).
+    /// Log filter (tracing's env-filter syntax, e.g. warn or overspill=debug). Wins over
+    /// RUST_LOG, which is used when this is not given. Default: info for serve, warn for the
+    /// others (storm's output is its tables).
     #[arg(long, global = true)]
     log: Option<String>,
     /// Log as JSON lines instead of human-readable text.
@@ -41,7 +44,7 @@ enum Command {
     Vm(vm::VmArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Serve(_) => "info",
@@ -52,14 +55,24 @@ fn main() -> anyhow::Result<()> {
         | Command::Image(_)
         | Command::Vm(_) => "warn",
     };
-    let level = cli.log.as_deref().unwrap_or(default_level);
-    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level))?;
+    let filter = match (&cli.log, std::env::var("RUST_LOG")) {
+        (Some(flag), _) => EnvFilter::try_new(flag),
+        (None, Ok(env)) if !env.is_empty() => EnvFilter::try_new(env),
+        _ => EnvFilter::try_new(default_level),
+    };
+    let filter = match filter {
+        Ok(filter) => filter,
+        Err(error) => {
+            eprintln!("overspill: log filter: {error}");
+            return ExitCode::from(2);
+        }
+    };
     // Colour codes only for a terminal: a log file or journald gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     // Log lines go through a bounded queue to a thread of their own, which drops what it cannot
     // write: a stalled or dead reader of stderr (`serve | tee log`, tee killed) must not block
     // a VM's requests or panic the thread that logs.
-    let (writer, _flush_at_exit) = tracing_appender::non_blocking(ErrorlessStderr);
+    let (writer, flush_at_exit) = tracing_appender::non_blocking(ErrorlessStderr);
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
@@ -70,7 +83,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         logs.init();
     }
-    match cli.command {
+    let result = match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Storm(args) => storm::run(args),
         Command::Stat(args) => stat::run(args),
@@ -78,7 +91,30 @@ fn main() -> anyhow::Result<()> {
         Command::Plan(args) => plan::run(args),
         Command::Image(args) => image::run(args),
         Command::Vm(args) => vm::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // The log lines queued before it come first.
+            drop(flush_at_exit);
+            eprintln!("overspill: {}", one_line(&error));
+            ExitCode::FAILURE
+        }
     }
+}
+
+/// An error and its causes on one line, each cause once: many error types print their source
+/// in their own message too, and an operator should not read the same cause three times.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut line = error.to_string();
+    for cause in error.chain().skip(1) {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 /// Standard error that reports every write as done: a log line that cannot be written is lost,

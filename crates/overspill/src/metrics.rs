@@ -19,6 +19,7 @@ use overspill_engine::read_cache::ReadCacheStats;
 use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
 use overspill_engine::{HostMemory, VmStats};
 
+use overspill_nbd::counters::ProtocolCounters;
 use overspill_server::images::ReadCacheList;
 use overspill_server::vms::VmRegistry;
 
@@ -264,6 +265,7 @@ pub fn render(
     registry: &VmRegistry,
     read_caches: &[(String, Arc<ReadCacheStats>)],
     host: &HostMemory,
+    protocol: &ProtocolCounters,
     format: Format,
 ) -> String {
     let (vms, departed) = registry.snapshot_with_departed();
@@ -362,6 +364,36 @@ pub fn render(
     w.sample("overspill_host_cache_memory_used_bytes", &[], host.used_bytes() as f64);
     w.header("overspill_host_cache_memory_cap_bytes", "The host cap on cache memory (--ram-total).", "gauge");
     w.sample("overspill_host_cache_memory_cap_bytes", &[], host.cap_bytes() as f64);
+    w.header(
+        "overspill_nbd_error_replies_total",
+        "Requests answered with an error, by command and errno (ENOSPC: a VM's cache is full).",
+        "counter",
+    );
+    for ((command, errno), count) in protocol.error_replies() {
+        w.sample(
+            "overspill_nbd_error_replies_total",
+            &[("command", command.to_owned()), ("errno", errno.to_owned())],
+            count as f64,
+        );
+    }
+    w.header(
+        "overspill_nbd_refused_connections_total",
+        "Connections turned away or cut off before serving an export, by reason.",
+        "counter",
+    );
+    for (reason, count) in protocol.refusals() {
+        w.sample("overspill_nbd_refused_connections_total", &[("reason", reason.as_str().to_owned())], count as f64);
+    }
+    w.header("overspill_build_info", "The server's version, commit and optional features (always 1).", "gauge");
+    w.sample(
+        "overspill_build_info",
+        &[
+            ("version", env!("CARGO_PKG_VERSION").to_owned()),
+            ("commit", env!("OVERSPILL_COMMIT").to_owned()),
+            ("features", env!("OVERSPILL_FEATURES").to_owned()),
+        ],
+        1.0,
+    );
     process_figures(&mut w);
     if format == Format::OpenMetrics {
         w.out.push_str("# EOF\n");
@@ -461,6 +493,7 @@ pub fn spawn_endpoint(
     registry: Arc<VmRegistry>,
     read_caches: Arc<ReadCacheList>,
     host: Arc<HostMemory>,
+    protocol: Arc<ProtocolCounters>,
 ) -> anyhow::Result<String> {
     START.get_or_init(SystemTime::now);
     let server = tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
@@ -472,7 +505,7 @@ pub fn spawn_endpoint(
             let (status, body, content_type) = match request.url() {
                 "/metrics" => {
                     let format = Format::from_accept(accept.as_deref());
-                    (200, render(&registry, &read_caches.live(), &host, format), format.content_type())
+                    (200, render(&registry, &read_caches.live(), &host, &protocol, format), format.content_type())
                 }
                 "/healthz" => (200, "ok\n".to_owned(), "text/plain; charset=utf-8"),
                 _ => (404, "not found: try /metrics or /healthz\n".to_owned(), "text/plain; charset=utf-8"),

@@ -11,6 +11,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::budget::read_mem_available;
 use overspill_engine::{GoldenImage, HostMemory, WriteCacheMode};
+use overspill_nbd::counters::ProtocolCounters;
 use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
 use overspill_sources::{open_source, Source, SourceSettings};
@@ -20,6 +21,7 @@ use crate::security::SecurityArgs;
 use crate::size::{format_bytes, parse_bytes};
 use overspill_server::control;
 use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
+use overspill_server::images::ImageStore;
 use overspill_server::vms::Lifecycle;
 
 #[derive(Debug, Args)]
@@ -120,6 +122,9 @@ pub struct ServeArgs {
     /// The control socket of `overspill vm` (default: STATE_DIR/control.sock).
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
+    /// Write the server's process id to FILE once it listens; removed when it exits cleanly.
+    #[arg(long, value_name = "FILE")]
+    pidfile: Option<PathBuf>,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10)]
     handshake_timeout: u64,
@@ -165,6 +170,14 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if args.ram > args.ram_total {
+        bail!(
+            "--ram {} is above --ram-total {}: no VM could reach its target",
+            format_bytes(args.ram),
+            format_bytes(args.ram_total)
+        );
+    }
+    raise_open_file_limit();
     let images = open_images(&args)?;
     let security = args.security.security().context("TLS and access settings")?;
     let host = HostMemory::new(args.ram_total, args.ram_floor);
@@ -178,8 +191,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         shared_dir: args.shared_dir.clone(),
         read_cache_bytes: args.read_cache,
     };
-    let mut exports = OverlayExports::new(images, settings, host.clone()).context("preparing cache directories")?;
+    let mut exports = OverlayExports::new(images, settings, host.clone())?;
     if let Some(dir) = &args.images {
+        let found = ImageStore::new(dir).images().with_context(|| format!("--images {}", dir.display()))?;
+        if found.is_empty() {
+            tracing::warn!(dir = %dir.display(), "the image store has no images yet (see `overspill image publish`)");
+        }
         exports.with_image_store(dir);
     }
     let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
@@ -199,12 +216,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.record {
         exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
     }
+    let protocol_counters = Arc::new(ProtocolCounters::default());
     if let Some(addr) = &args.metrics {
         let bound = metrics::spawn_endpoint(
             addr.strip_prefix("tcp:").unwrap_or(addr),
             exports.registry(),
             exports.read_caches(),
             host.clone(),
+            protocol_counters.clone(),
         )?;
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
     }
@@ -217,6 +236,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         max_connections: args.max_connections,
         security,
+        counters: protocol_counters,
     };
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let server = Server::new(Arc::new(exports), config);
@@ -229,6 +249,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
     }
     tracing::info!(
+        uri = %listener.local_addr().nbd_uri("", config_tls_mode != TlsMode::Off),
         listen = %listener.local_addr(),
         mode = %args.mode,
         ram_per_vm = %format_bytes(args.ram),
@@ -238,6 +259,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         control = %control_path.display(),
         "serving"
     );
+    let _pidfile = args.pidfile.as_deref().map(PidFile::write).transpose()?;
     server.run(&listener).context("accepting connections")?;
     // Connections close after the request in hand; their overlays drop, removing cache files.
     if !server.wait_idle(DRAIN_TIMEOUT) {
@@ -253,6 +275,43 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     drop(control);
     tracing::info!("shut down");
     Ok(())
+}
+
+/// Each VM holds a few descriptors (its socket, its files): the usual soft limit of 1024 would
+/// stop a host at a few hundred VMs while the hard limit allows far more, so take it all.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open-file limit"),
+            Err(error) => tracing::warn!(soft, hard, %error, "could not raise the open-file limit"),
+        },
+        Ok((soft, _)) => tracing::debug!(limit = soft, "open-file limit"),
+        Err(error) => tracing::warn!(%error, "could not read the open-file limit"),
+    }
+}
+
+/// `--pidfile`: made whole (a temporary file renamed into place), removed at a clean exit if it
+/// still names this process.
+struct PidFile(PathBuf);
+
+impl PidFile {
+    fn write(path: &Path) -> anyhow::Result<Self> {
+        let partial = path.with_extension("partial");
+        std::fs::write(&partial, format!("{}\n", std::process::id()))
+            .and_then(|()| std::fs::rename(&partial, path))
+            .with_context(|| format!("--pidfile {}", path.display()))?;
+        Ok(Self(path.to_owned()))
+    }
+}
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        let ours = std::fs::read_to_string(&self.0).is_ok_and(|text| text.trim() == std::process::id().to_string());
+        if ours {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
 }
 
 /// Pages in a memory directory on a disk filesystem still outlive the process, but every page the

@@ -17,6 +17,19 @@ fn dashboard_queries_parse_and_name_real_families() {
         .filter_map(|t| t["expr"].as_str().map(str::to_owned))
         .collect();
     assert!(exprs.len() >= 8);
+    // Several hosts scraped at once: every query keeps to the chosen hosts, and none reduces a
+    // vector to one number (scalar() is NaN once there are two series).
+    for expr in &exprs {
+        assert!(!expr.contains("scalar("), "{expr}");
+        assert!(expr.contains(r#"instance=~"$instance""#), "{expr} ignores the host variable");
+    }
+    let variables: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .expect("variables")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert!(variables.contains(&"instance") && variables.contains(&"export"), "{variables:?}");
     let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
     for (i, expr) in exprs.iter().enumerate() {
         rules.push_str(&format!("      - record: dashboard:q{i}\n        expr: '{}'\n", expr.replace('\'', "''")));

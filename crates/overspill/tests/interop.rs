@@ -1049,6 +1049,12 @@ fn metrics_pass_promtool_equal_the_engine_and_leave_with_the_vm() {
     for _ in 0..5 {
         me.flush().expect("flush");
     }
+    // Two reads past the end (EINVAL), and a connection to an export that is not there.
+    for _ in 0..2 {
+        assert!(me.read(GOLDEN_BYTES as u64, &mut buf).is_err(), "a read past the end fails");
+    }
+    let unknown: NbdUri = server.uri("no-such-image@vm-x").parse().expect("uri");
+    assert!(Client::connect(&unknown).is_err(), "an unknown export is refused");
     let (_, _, body) = http_get(&url, "text/plain");
     promtool_check(&body);
     let s = overspill::stat::parse(&body);
@@ -1066,6 +1072,12 @@ fn metrics_pass_promtool_equal_the_engine_and_leave_with_the_vm() {
         .map(|t| sample(&s, "overspill_vm_guest_read_blocks_total", &with(&[("served_by", t)])))
         .sum();
     assert_eq!(served, 500.0, "every read block served by exactly one tier");
+    let errors = [("command", "read"), ("errno", "EINVAL")];
+    assert_eq!(sample(&s, "overspill_nbd_error_replies_total", &errors), 2.0, "error replies by command and errno");
+    let refused = [("reason", "unknown-export")];
+    assert_eq!(sample(&s, "overspill_nbd_refused_connections_total", &refused), 1.0, "refusals by reason");
+    let build = [("version", env!("CARGO_PKG_VERSION")), ("features", "s3")];
+    assert_eq!(sample(&s, "overspill_build_info", &build), 1.0, "build info with the default features");
     let spill_ops = sample(&s, "overspill_vm_storage_ops_total", &with(&[("tier", "spill"), ("direction", "write")]));
     let spill_bytes =
         sample(&s, "overspill_vm_storage_bytes_total", &with(&[("tier", "spill"), ("direction", "write")]));

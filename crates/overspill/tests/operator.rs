@@ -133,3 +133,154 @@ fn nix_kill(pid: u32, signal: &str) {
     let status = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().expect("kill");
     assert!(status.success());
 }
+
+/// `overspill serve ARGS` that must fail at start: its exit status and standard error.
+fn serve_must_fail(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("serve")
+        .args(["--ram-floor", "0", "--listen", &format!("unix:{}", dir.join("nbd.sock").display())])
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run overspill serve");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "serve {args:?} started:\n{stderr}");
+    assert!(!dir.join("nbd.sock").exists(), "serve {args:?} listened before refusing:\n{stderr}");
+    stderr
+}
+
+/// What will fail later fails at start, in one line that names the flag and the path, each
+/// cause once.
+#[test]
+fn what_cannot_work_is_refused_at_start_in_one_line() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let golden_arg = golden.to_str().expect("utf-8");
+    let under_a_file = format!("{golden_arg}/spill");
+    let missing = tmp.path().join("missing.img");
+    let cases: [(Vec<&str>, &[&str]); 5] = [
+        (vec!["--base", golden_arg, "--spill-dir", &under_a_file], &["--spill-dir", "golden.img/spill"]),
+        (
+            vec!["--base", golden_arg, "--mode", "shared", "--shared-dir", &under_a_file],
+            &["--shared-dir", "golden.img/spill"],
+        ),
+        (vec!["--base", missing.to_str().expect("utf-8")], &["missing.img", "No such file"]),
+        (vec!["--base", golden_arg, "--ram", "2G", "--ram-total", "1G"], &["--ram", "--ram-total"]),
+        (vec!["--images", golden_arg], &["--images", "golden.img"]),
+    ];
+    for (args, expected) in cases {
+        let stderr = serve_must_fail(tmp.path(), &args);
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        let error = lines.last().copied().unwrap_or_default();
+        assert!(error.starts_with("overspill: "), "{args:?}: the error is the last line:\n{stderr}");
+        for part in expected {
+            assert!(error.contains(part), "{args:?}: {part:?} missing from {error:?}");
+        }
+        assert!(!stderr.contains("Caused by") && !stderr.contains("backtrace"), "{args:?}:\n{stderr}");
+        for (i, word) in error.split(": ").enumerate() {
+            assert!(!error.split(": ").skip(i + 1).any(|w| w == word), "{args:?}: {word:?} twice in {error:?}");
+        }
+    }
+    assert!(golden.is_file(), "the golden image is still there");
+}
+
+/// `--log` wins over RUST_LOG, which applies when the flag is absent.
+#[test]
+fn the_log_flag_wins_over_rust_log() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let serving_logged = |log_flag: Option<&str>, rust_log: &str| -> bool {
+        let listen = format!("unix:{}", socket.display());
+        let mut args = vec!["--base", golden.to_str().expect("utf-8"), "--listen", &listen];
+        if let Some(level) = log_flag {
+            args.extend(["--log", level]);
+        }
+        let mut server = Serve::start(tmp.path(), &args, &[("RUST_LOG", rust_log)], || {
+            std::os::unix::net::UnixStream::connect(&socket).is_ok()
+        });
+        server.stop();
+        let log = server.log_text();
+        if log.contains("serving") {
+            let uri = format!("nbd+unix:///?socket={}", socket.display());
+            assert!(log.contains(&uri), "the serving line gives the URI {uri}:\n{log}");
+        }
+        log.contains("serving")
+    };
+    assert!(!serving_logged(Some("warn"), "info"), "--log warn, RUST_LOG=info: info lines were logged");
+    assert!(serving_logged(Some("info"), "warn"), "--log info, RUST_LOG=warn: no info line");
+    assert!(!serving_logged(None, "warn"), "RUST_LOG=warn alone: info lines were logged");
+}
+
+/// `--version` says the commit it was built from (this checkout's, when there is one) and its
+/// optional features.
+#[test]
+fn version_names_the_commit_and_the_features() {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill")).arg("--version").output().expect("overspill --version");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(env!("CARGO_PKG_VERSION")) && text.contains("features: s3"), "{text}");
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned());
+    match head {
+        Some(commit) => assert!(text.contains(&format!("commit {commit}")), "{text} (HEAD is {commit})"),
+        None => assert!(text.contains("commit unknown"), "{text}"),
+    }
+}
+
+/// `--pidfile` names the server once it listens and goes when it stops.
+#[test]
+fn the_pidfile_names_the_server_while_it_runs() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let pidfile = tmp.path().join("run/overspill.pid");
+    std::fs::create_dir_all(pidfile.parent().expect("parent")).expect("run dir");
+    let listen = format!("unix:{}", socket.display());
+    let args =
+        ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--pidfile", pidfile.to_str().expect("utf-8")];
+    let mut server = Serve::start(tmp.path(), &args, &[], || pidfile.exists());
+    let written = std::fs::read_to_string(&pidfile).expect("pidfile");
+    assert_eq!(written.trim(), server.child.id().to_string());
+    server.stop();
+    assert!(!pidfile.exists(), "the pidfile outlived the server");
+}
+
+/// A soft open-file limit below the hard one is raised at start: each VM holds descriptors.
+#[test]
+fn serve_raises_its_open_file_limit_to_the_hard_limit() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let mut child = Command::new("prlimit")
+        .args(["--nofile=256:4096", "--"])
+        .arg(env!("CARGO_BIN_EXE_overspill"))
+        .args(["serve", "--base", golden.to_str().expect("utf-8"), "--ram-floor", "0"])
+        .args(["--listen", &format!("unix:{}", socket.display())])
+        .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
+        .args(["--memory-dir", tmp.path().join("memory").to_str().expect("utf-8")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("prlimit (util-linux) runs serve");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "serve never listened");
+        assert!(child.try_wait().expect("try_wait").is_none(), "serve exited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).expect("limits");
+    let open_files = limits.lines().find(|l| l.starts_with("Max open files")).expect("open files line");
+    let numbers: Vec<&str> = open_files.split_whitespace().filter(|w| w.parse::<u64>().is_ok()).collect();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(numbers, ["4096", "4096"], "{open_files}");
+}
