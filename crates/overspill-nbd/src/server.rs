@@ -446,6 +446,10 @@ impl Transport for Box<dyn Transport> {
     fn read_stopper(&self) -> Option<ReadStopper> {
         (**self).read_stopper()
     }
+
+    fn read_now(&mut self, buf: &mut [u8]) -> Option<std::io::Result<usize>> {
+        (**self).read_now(buf)
+    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,12 @@ const SIZE: usize = 1 << 20;
 fn server() -> (Server, OneExport) {
     let exports = OneExport::new("disk", SIZE);
     let config = ServerConfig {
-        limits: Limits { max_payload_bytes: 1 << 16, handshake_timeout: Duration::from_secs(2), idle_timeout: None },
+        limits: Limits {
+            max_payload_bytes: 1 << 16,
+            handshake_timeout: Duration::from_secs(2),
+            idle_timeout: None,
+            ..Limits::default()
+        },
         max_connections: 8,
         ..ServerConfig::default()
     };
@@ -241,7 +246,12 @@ fn large_writes_land_whole_and_a_refused_one_keeps_the_connection_in_step() {
     const DISK: usize = 8 << 20;
     let exports = OneExport::new("disk", DISK);
     let config = ServerConfig {
-        limits: Limits { max_payload_bytes: 4 << 20, handshake_timeout: Duration::from_secs(2), idle_timeout: None },
+        limits: Limits {
+            max_payload_bytes: 4 << 20,
+            handshake_timeout: Duration::from_secs(2),
+            idle_timeout: None,
+            ..Limits::default()
+        },
         max_connections: 2,
         ..ServerConfig::default()
     };

@@ -284,3 +284,34 @@ fn serve_raises_its_open_file_limit_to_the_hard_limit() {
     let _ = child.wait();
     assert_eq!(numbers, ["4096", "4096"], "{open_files}");
 }
+
+/// CPU time (user + system, in clock ticks) a process has used, from /proc.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // Fields after the command name (which may hold spaces): state is the 3rd, utime the 14th.
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}
+
+/// Connections poll their socket for a moment before sleeping, for the next request: a VM that
+/// goes quiet must not keep a core busy.
+#[test]
+fn a_quiet_vm_costs_no_cpu_while_it_waits() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--poll-us", "1000"];
+    let server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let mut vm = Client::connect(&socket_uri(&socket, "@quiet")).expect("connect");
+    for i in 0..200u64 {
+        vm.write(i * 4096, &[7u8; 4096], false).expect("write");
+    }
+    let before = cpu_ticks(server.child.id());
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(server.child.id()) - before;
+    // A poll that never gave up would use the whole 2 s (200 ticks at 100 Hz).
+    assert!(used < 20, "a quiet VM's connection used {used} ticks of CPU in 2 s");
+    vm.disconnect().expect("disconnect");
+}
