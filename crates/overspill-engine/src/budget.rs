@@ -14,6 +14,7 @@
 //! Checks are not reservations: overlays racing on different threads can overshoot the cap by a
 //! block each, which the next rebalance corrects.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -123,6 +124,48 @@ pub fn read_mem_available() -> std::io::Result<u64> {
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "no MemAvailable line in /proc/meminfo"))
 }
 
+/// Memory this process may still take before its cgroup's limit (`MemoryMax=` of a systemd
+/// unit, a container's limit): the limit less what the cgroup uses, cgroup v2 or v1. `None`
+/// when there is no limit or it cannot be read. Page cache counts in the cgroup's use, as the
+/// kernel counts it when it enforces the limit.
+pub fn read_cgroup_room() -> Option<u64> {
+    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let (limit, usage) = cgroup_limit_and_usage(&membership, Path::new("/sys/fs/cgroup"))?;
+    Some(limit.saturating_sub(usage))
+}
+
+/// The memory limit and use of the cgroup `membership` (/proc/self/cgroup) names, under the
+/// cgroup filesystem at `root`.
+fn cgroup_limit_and_usage(membership: &str, root: &Path) -> Option<(u64, u64)> {
+    let read = |path: std::path::PathBuf| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    for line in membership.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
+            continue;
+        };
+        let relative = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "memory") {
+            // v1: limit_in_bytes holds a huge number when there is no limit.
+            let dir = root.join("memory").join(relative);
+            let limit = read(dir.join("memory.limit_in_bytes"))?;
+            if limit >= 1 << 60 {
+                return None;
+            }
+            return Some((limit, read(dir.join("memory.usage_in_bytes"))?));
+        }
+        if controllers.is_empty() {
+            // v2: "max" when there is no limit (the unified tree at the root or under unified/).
+            for base in [root.to_path_buf(), root.join("unified")] {
+                let dir = base.join(relative);
+                if let Some(limit) = read(dir.join("memory.max")) {
+                    return Some((limit, read(dir.join("memory.current"))?));
+                }
+            }
+        }
+    }
+    None
+}
+
 fn parse_mem_available(meminfo: &str) -> Option<u64> {
     let line = meminfo.lines().find(|line| line.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -132,6 +175,30 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cgroup_limits_v1_and_v2() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let write = |path: &str, text: &str| {
+            let path = root.path().join(path);
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            std::fs::write(path, text).expect("write");
+        };
+        write("memory/vm/memory.limit_in_bytes", "1073741824\n");
+        write("memory/vm/memory.usage_in_bytes", "73741824\n");
+        assert_eq!(cgroup_limit_and_usage("4:memory:/vm\n0::/\n", root.path()), Some((1 << 30, 73_741_824)));
+        write("memory/free/memory.limit_in_bytes", "9223372036854771712\n");
+        write("memory/free/memory.usage_in_bytes", "1\n");
+        assert_eq!(cgroup_limit_and_usage("4:memory:/free\n", root.path()), None, "no limit");
+        write("system.slice/overspill.service/memory.max", "536870912\n");
+        write("system.slice/overspill.service/memory.current", "1048576\n");
+        assert_eq!(
+            cgroup_limit_and_usage("0::/system.slice/overspill.service\n", root.path()),
+            Some((512 << 20, 1 << 20))
+        );
+        write("unlimited/memory.max", "max\n");
+        assert_eq!(cgroup_limit_and_usage("0::/unlimited\n", root.path()), None, "max: no limit");
+    }
 
     #[test]
     fn parses_meminfo() {

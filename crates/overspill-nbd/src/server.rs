@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -72,11 +73,19 @@ impl fmt::Display for ListenAddr {
 }
 
 /// A bound listening socket. A Unix socket remembers the file it made, so that it removes that
-/// file and nothing else when it goes.
+/// file and nothing else when it goes; one handed over by systemd (`None`) made nothing.
 #[derive(Debug)]
 pub enum Listener {
     Unix(UnixListener, PathBuf, Option<FileIdentity>),
-    Tcp(TcpListener),
+    Tcp(TcpListener, Origin),
+}
+
+/// Whether this process bound a socket or was handed it (socket activation): a socket the
+/// service manager holds too must be left able to accept for the next server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Bound,
+    Inherited,
 }
 
 /// Device and inode of a file, to tell "the socket we made" from whatever replaced it since.
@@ -107,16 +116,44 @@ impl Listener {
                 Ok(Self::Unix(listener, path.clone(), FileIdentity::of(path)))
             }
             ListenAddr::Tcp(addr) => TcpListener::bind(addr.as_str())
-                .map(Self::Tcp)
+                .map(|listener| Self::Tcp(listener, Origin::Bound))
                 .map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}"))),
         }
+    }
+
+    /// A listening socket this process was handed (systemd's socket activation): a Unix or TCP
+    /// stream socket already listening. Its file, if it has one, is left where it is.
+    pub fn from_inherited(socket: std::os::fd::OwnedFd) -> std::io::Result<Self> {
+        use rustix::net::{sockopt, AddressFamily, SocketAddrUnix, SocketType};
+        let invalid = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
+        if sockopt::socket_type(&socket)? != SocketType::STREAM || !sockopt::socket_acceptconn(&socket)? {
+            return Err(invalid("the inherited socket is not a listening stream socket"));
+        }
+        let address = rustix::net::getsockname(&socket)?;
+        match address.address_family() {
+            AddressFamily::UNIX => {
+                let unix = SocketAddrUnix::try_from(address)?;
+                let path =
+                    unix.path_bytes().map(|p| PathBuf::from(std::ffi::OsStr::from_bytes(p))).ok_or_else(|| {
+                        invalid("the inherited Unix socket has no path (abstract or unnamed sockets are not served)")
+                    })?;
+                Ok(Self::Unix(UnixListener::from(socket), path, None))
+            }
+            AddressFamily::INET | AddressFamily::INET6 => Ok(Self::Tcp(TcpListener::from(socket), Origin::Inherited)),
+            _ => Err(invalid("the inherited socket is neither Unix nor TCP")),
+        }
+    }
+
+    /// Whether this listener was handed over rather than bound here.
+    pub fn is_inherited(&self) -> bool {
+        matches!(self, Self::Unix(_, _, None) | Self::Tcp(_, Origin::Inherited))
     }
 
     /// The bound address, with the real port when port 0 was asked for.
     pub fn local_addr(&self) -> ListenAddr {
         match self {
             Self::Unix(_, path, _) => ListenAddr::Unix(path.clone()),
-            Self::Tcp(listener) => {
+            Self::Tcp(listener, _) => {
                 ListenAddr::Tcp(listener.local_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_else(|_| "?".into()))
             }
         }
@@ -153,6 +190,9 @@ fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
 struct ListenerWaker {
     socket: std::os::fd::OwnedFd,
     addr: ListenAddr,
+    /// Not for a socket the service manager holds: shut, it would refuse the next server's
+    /// clients too.
+    may_shut: bool,
 }
 
 impl ListenerWaker {
@@ -160,7 +200,7 @@ impl ListenerWaker {
         // Shutting a listening socket for reading makes a blocked accept() fail at once on Linux,
         // even when its Unix socket file is gone. Should that not work, a connection of our own
         // wakes it, if the address can still be reached.
-        if rustix::net::shutdown(&self.socket, rustix::net::Shutdown::Read).is_ok() {
+        if self.may_shut && rustix::net::shutdown(&self.socket, rustix::net::Shutdown::Read).is_ok() {
             return;
         }
         if let Err(error) = connect(&self.addr) {
@@ -173,9 +213,9 @@ impl Listener {
     fn waker(&self) -> std::io::Result<ListenerWaker> {
         let socket = match self {
             Self::Unix(l, ..) => l.try_clone()?.into(),
-            Self::Tcp(l) => l.try_clone()?.into(),
+            Self::Tcp(l, _) => l.try_clone()?.into(),
         };
-        Ok(ListenerWaker { socket, addr: self.local_addr() })
+        Ok(ListenerWaker { socket, addr: self.local_addr(), may_shut: !self.is_inherited() })
     }
 }
 
@@ -345,7 +385,7 @@ impl Server {
             next_id += 1;
             let accepted = match listener {
                 Listener::Unix(l, ..) => l.accept().map(|(s, _)| self.spawn_unless_stopping(s, next_id, "unix".into())),
-                Listener::Tcp(l) => l.accept().map(|(s, peer)| {
+                Listener::Tcp(l, _) => l.accept().map(|(s, peer)| {
                     // Replies are batched by the connection; Nagle would only add latency.
                     let _ = s.set_nodelay(true);
                     self.spawn_unless_stopping(s, next_id, peer.to_string())

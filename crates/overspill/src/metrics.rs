@@ -266,6 +266,7 @@ pub fn render(
     read_caches: &[(String, Arc<ReadCacheStats>)],
     host: &HostMemory,
     protocol: &ProtocolCounters,
+    cache_dirs: &[std::path::PathBuf],
     format: Format,
 ) -> String {
     let (vms, departed) = registry.snapshot_with_departed();
@@ -384,6 +385,7 @@ pub fn render(
     for (reason, count) in protocol.refusals() {
         w.sample("overspill_nbd_refused_connections_total", &[("reason", reason.as_str().to_owned())], count as f64);
     }
+    filesystem_figures(&mut w, cache_dirs);
     w.header("overspill_build_info", "The server's version, commit and optional features (always 1).", "gauge");
     w.sample(
         "overspill_build_info",
@@ -399,6 +401,28 @@ pub fn render(
         w.out.push_str("# EOF\n");
     }
     w.out
+}
+
+/// Room on the filesystems of the cache directories (spill, shared), for alerts before a VM is
+/// refused space: read at each scrape.
+fn filesystem_figures(w: &mut Writer, dirs: &[std::path::PathBuf]) {
+    let found: Vec<(String, nix::sys::statvfs::Statvfs)> = dirs
+        .iter()
+        .filter_map(|dir| Some((dir.display().to_string(), nix::sys::statvfs::statvfs(dir).ok()?)))
+        .collect();
+    let bytes = |blocks: u64, fs: &nix::sys::statvfs::Statvfs| (blocks * fs.fragment_size()) as f64;
+    w.header("overspill_cache_filesystem_size_bytes", "Size of the filesystem of a cache directory.", "gauge");
+    for (dir, fs) in &found {
+        w.sample("overspill_cache_filesystem_size_bytes", &[("dir", dir.clone())], bytes(fs.blocks(), fs));
+    }
+    w.header(
+        "overspill_cache_filesystem_avail_bytes",
+        "Room left to the server on the filesystem of a cache directory.",
+        "gauge",
+    );
+    for (dir, fs) in &found {
+        w.sample("overspill_cache_filesystem_avail_bytes", &[("dir", dir.clone())], bytes(fs.blocks_available(), fs));
+    }
 }
 
 /// One family per shared read-cache figure, a series per golden image.
@@ -494,6 +518,7 @@ pub fn spawn_endpoint(
     read_caches: Arc<ReadCacheList>,
     host: Arc<HostMemory>,
     protocol: Arc<ProtocolCounters>,
+    cache_dirs: Vec<std::path::PathBuf>,
 ) -> anyhow::Result<String> {
     START.get_or_init(SystemTime::now);
     let server = tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
@@ -505,7 +530,11 @@ pub fn spawn_endpoint(
             let (status, body, content_type) = match request.url() {
                 "/metrics" => {
                     let format = Format::from_accept(accept.as_deref());
-                    (200, render(&registry, &read_caches.live(), &host, &protocol, format), format.content_type())
+                    (
+                        200,
+                        render(&registry, &read_caches.live(), &host, &protocol, &cache_dirs, format),
+                        format.content_type(),
+                    )
                 }
                 "/healthz" => (200, "ok\n".to_owned(), "text/plain; charset=utf-8"),
                 _ => (404, "not found: try /metrics or /healthz\n".to_owned(), "text/plain; charset=utf-8"),

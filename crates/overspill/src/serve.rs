@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use overspill_engine::budget::read_mem_available;
+use overspill_engine::budget::{read_cgroup_room, read_mem_available};
 use overspill_engine::{GoldenImage, HostMemory, WriteCacheMode};
 use overspill_nbd::counters::ProtocolCounters;
 use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
 use overspill_sources::{open_source, Source, SourceSettings};
+use sd_notify::NotifyState;
 
 use crate::metrics;
 use crate::security::SecurityArgs;
@@ -229,6 +230,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             exports.read_caches(),
             host.clone(),
             protocol_counters.clone(),
+            cache_dirs(&args),
         )?;
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
     }
@@ -248,12 +250,24 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let server = Server::new(Arc::new(exports), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle())?;
-    let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
-    if let ListenAddr::Unix(path) = &args.listen {
-        set_socket_access(path, args.socket_mode, args.socket_group.as_deref())?;
-    } else if args.socket_mode.is_some() || args.socket_group.is_some() {
-        bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
-    }
+    let listener = match inherited_listener()? {
+        Some(listener) => {
+            // The socket unit says who may connect (SocketMode=, SocketGroup=).
+            if args.socket_mode.is_some() || args.socket_group.is_some() {
+                tracing::warn!("--socket-mode and --socket-group are ignored for a socket handed over by systemd");
+            }
+            listener
+        }
+        None => {
+            let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+            if let ListenAddr::Unix(path) = &args.listen {
+                set_socket_access(path, args.socket_mode, args.socket_group.as_deref())?;
+            } else if args.socket_mode.is_some() || args.socket_group.is_some() {
+                bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
+            }
+            listener
+        }
+    };
     tracing::info!(
         uri = %listener.local_addr().nbd_uri("", config_tls_mode != TlsMode::Off),
         listen = %listener.local_addr(),
@@ -266,7 +280,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "serving"
     );
     let _pidfile = args.pidfile.as_deref().map(PidFile::write).transpose()?;
+    let uri = listener.local_addr().nbd_uri("", config_tls_mode != TlsMode::Off);
+    notify_service_manager(&[NotifyState::Ready, NotifyState::Status(&format!("serving {uri}"))]);
     server.run(&listener).context("accepting connections")?;
+    notify_service_manager(&[NotifyState::Stopping, NotifyState::Status("draining connections")]);
     // Connections close after the request in hand; their overlays drop, removing cache files.
     if !server.wait_idle(DRAIN_TIMEOUT) {
         tracing::warn!(
@@ -294,6 +311,39 @@ fn raise_open_file_limit() {
         },
         Ok((soft, _)) => tracing::debug!(limit = soft, "open-file limit"),
         Err(error) => tracing::warn!(%error, "could not read the open-file limit"),
+    }
+}
+
+/// The directories whose filesystems the metrics watch: where this mode puts its files.
+fn cache_dirs(args: &ServeArgs) -> Vec<PathBuf> {
+    match args.mode {
+        WriteCacheMode::Ram => vec![],
+        WriteCacheMode::RamDisk | WriteCacheMode::Disk => vec![args.spill_dir.clone()],
+        WriteCacheMode::Shared => vec![args.shared_dir.clone()],
+    }
+}
+
+/// The listening socket systemd handed over (socket activation: `LISTEN_FDS` for this
+/// process), if any. Only the first is served.
+fn inherited_listener() -> anyhow::Result<Option<Listener>> {
+    use std::os::fd::FromRawFd;
+    let Ok(mut fds) = sd_notify::listen_fds() else { return Ok(None) };
+    let Some(fd) = fds.next() else { return Ok(None) };
+    if fds.next().is_some() {
+        tracing::warn!("systemd passed more than one socket: only the first is served");
+    }
+    // SAFETY: the service manager passed this descriptor to this process (LISTEN_PID is ours,
+    // checked by listen_fds) for it alone to use; nothing else in the process owns it.
+    let socket = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let listener = Listener::from_inherited(socket).context("the socket systemd passed (LISTEN_FDS)")?;
+    tracing::info!(listen = %listener.local_addr(), "serving the socket systemd passed");
+    Ok(Some(listener))
+}
+
+/// Tells systemd (Type=notify) how the server is doing; nothing without NOTIFY_SOCKET.
+fn notify_service_manager(states: &[NotifyState<'_>]) {
+    if let Err(error) = sd_notify::notify(false, states) {
+        tracing::debug!(%error, "could not notify the service manager");
     }
 }
 
@@ -415,7 +465,9 @@ fn spawn_signal_handler(shutdown: ShutdownHandle) -> anyhow::Result<()> {
 fn spawn_memory_sampler(host: Arc<HostMemory>) {
     let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || loop {
         match read_mem_available() {
-            Ok(available) => host.rebalance(available),
+            // Under a cgroup limit (MemoryMax=, a container) the room left in it is what counts
+            // when it is less than the host's free memory.
+            Ok(available) => host.rebalance(read_cgroup_room().map_or(available, |room| room.min(available))),
             Err(error) => {
                 tracing::warn!(%error, "cannot read free memory; the free floor is not enforced");
                 return;

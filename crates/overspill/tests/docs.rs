@@ -44,9 +44,13 @@ fn dashboard_queries_parse_and_name_real_families() {
         .unwrap_or_else(|e| panic!("promtool is not installed (apt-get install prometheus): {e}"));
     assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
 
-    // Every overspill_* name in the queries is a family the exposition writes.
+    assert_real_families(&exprs);
+}
+
+/// Every overspill_* name in these queries is a family the exposition writes.
+fn assert_real_families(exprs: &[String]) {
     let source = include_str!("../src/metrics.rs");
-    for expr in &exprs {
+    for expr in exprs {
         for word in expr.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
             if let Some(name) = word.strip_prefix("overspill_") {
                 let base = name.trim_end_matches("_bucket");
@@ -58,4 +62,19 @@ fn dashboard_queries_parse_and_name_real_families() {
             }
         }
     }
+}
+
+/// The shipped alert rules load in Prometheus and watch families the server exports.
+#[test]
+fn alert_rules_check_and_name_real_families() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/overspill-alerts.yml");
+    let out = Command::new("promtool")
+        .args(["check", "rules", path])
+        .output()
+        .unwrap_or_else(|e| panic!("promtool is not installed (apt-get install prometheus): {e}"));
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(path).expect("rules");
+    let exprs: Vec<String> = text.lines().filter_map(|l| l.trim().strip_prefix("expr: ").map(str::to_owned)).collect();
+    assert!(exprs.len() >= 5, "{exprs:?}");
+    assert_real_families(&exprs);
 }

@@ -315,3 +315,163 @@ fn a_quiet_vm_costs_no_cpu_while_it_waits() {
     assert!(used < 20, "a quiet VM's connection used {used} ticks of CPU in 2 s");
     vm.disconnect().expect("disconnect");
 }
+
+/// The systemd way, with systemd's own tool: the socket comes from the service manager (socket
+/// activation, started by the first client), the server says READY=1 over NOTIFY_SOCKET once
+/// it serves (Type=notify) and STOPPING=1 when told to stop, and leaves the socket, which is
+/// the manager's, where it is for the next server.
+#[test]
+fn socket_activation_and_readiness_the_systemd_way() {
+    use std::os::unix::net::UnixDatagram;
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let notify_path = tmp.path().join("notify.sock");
+    let notify = UnixDatagram::bind(&notify_path).expect("notify socket");
+    notify.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    let log = tmp.path().join("server.log");
+    let mut activator = Command::new("systemd-socket-activate")
+        .arg("--listen")
+        .arg(&socket)
+        .arg("-E")
+        .arg(format!("NOTIFY_SOCKET={}", notify_path.display()))
+        .arg("-E")
+        .arg("RUST_LOG=info")
+        .arg(env!("CARGO_BIN_EXE_overspill"))
+        .args(["serve", "--base", golden.to_str().expect("utf-8"), "--ram-floor", "0"])
+        .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
+        .args(["--memory-dir", tmp.path().join("memory").to_str().expect("utf-8")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("systemd-socket-activate (package systemd)");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "systemd-socket-activate never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The first client starts the server, which finds it waiting on the socket it is handed.
+    let mut vm = Client::connect(&socket_uri(&socket, "@activated")).expect("a VM connects through the passed socket");
+    let mut message = [0u8; 512];
+    let n = notify.recv(&mut message).expect("a notification");
+    let text = String::from_utf8_lossy(&message[..n]).into_owned();
+    assert!(text.lines().any(|l| l == "READY=1"), "{text}");
+    assert!(text.contains(&format!("STATUS=serving nbd+unix:///?socket={}", socket.display())), "{text}");
+    let data = pseudo_random(64 * 1024, 11);
+    vm.write(0, &data, false).expect("write");
+    let mut back = vec![0; data.len()];
+    vm.read(0, &mut back).expect("read");
+    assert_eq!(back, data);
+    vm.disconnect().expect("disconnect");
+
+    nix_kill(activator.id(), "TERM");
+    let n = notify.recv(&mut message).expect("a notification at stop");
+    let text = String::from_utf8_lossy(&message[..n]).into_owned();
+    assert!(text.lines().any(|l| l == "STOPPING=1"), "{text}");
+    let status = activator.wait().expect("wait");
+    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "{status}:\n{log_text}");
+    assert!(log_text.contains("serving the socket systemd passed"), "{log_text}");
+    assert!(socket.exists(), "the server removed the socket the service manager owns");
+}
+
+/// A memory cgroup for one test (v1 `memory` controller or v2), removed when dropped.
+struct MemoryCgroup {
+    dir: PathBuf,
+    procs: PathBuf,
+}
+
+impl MemoryCgroup {
+    /// A child of this process's own memory cgroup, limited to `limit` bytes.
+    fn new(name: &str, limit: u64) -> Result<Self, String> {
+        let membership = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| e.to_string())?;
+        for line in membership.lines() {
+            let mut fields = line.splitn(3, ':');
+            let (_, controllers, path) = (fields.next(), fields.next().unwrap_or(""), fields.next().unwrap_or("/"));
+            let relative = path.trim_start_matches('/');
+            let (base, limit_file) = if controllers.split(',').any(|c| c == "memory") {
+                (Path::new("/sys/fs/cgroup/memory").join(relative), "memory.limit_in_bytes")
+            } else if controllers.is_empty() && Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+                (Path::new("/sys/fs/cgroup").join(relative), "memory.max")
+            } else {
+                continue;
+            };
+            let dir = base.join(name);
+            let _ = std::fs::remove_dir(&dir);
+            std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+            let group = Self { procs: dir.join("cgroup.procs"), dir };
+            std::fs::write(group.dir.join(limit_file), limit.to_string())
+                .map_err(|e| format!("limiting {}: {e}", group.dir.display()))?;
+            return Ok(group);
+        }
+        Err(format!("no memory cgroup this test can make a child of:\n{membership}"))
+    }
+
+    fn add(&self, pid: u32) {
+        std::fs::write(&self.procs, pid.to_string()).expect("moving the server into the cgroup");
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Bytes allocated to the spill files in `dir`.
+fn spilled_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "spill"))
+                .map(|e| e.metadata().map(|m| m.blocks() * 512).unwrap_or(0))
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Under a cgroup memory limit (`MemoryMax=`, a container) the free floor applies to the room
+/// left in the cgroup, not to the host's free memory: with 256 MiB allowed and a 512 MiB floor, a
+/// VM's writes spill that stay in RAM without the limit. Run as root (CI is), it fails with the
+/// reason where no memory cgroup can be made.
+#[test]
+fn the_free_floor_applies_to_the_cgroup_memory_limit() {
+    let run = |cgroup: Option<&MemoryCgroup>| -> u64 {
+        let tmp = TempDir::new().expect("tempdir");
+        let golden = golden(tmp.path());
+        let socket = tmp.path().join("nbd.sock");
+        let listen = format!("unix:{}", socket.display());
+        let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "200M"];
+        let mut args = args.to_vec();
+        args.extend(["--ram-floor", "512M"]);
+        let server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+        if let Some(cgroup) = cgroup {
+            cgroup.add(server.child.id());
+        }
+        // The sampler reads memory once a second.
+        std::thread::sleep(Duration::from_millis(2500));
+        let mut vm = Client::connect(&socket_uri(&socket, "")).expect("connect");
+        let chunk = pseudo_random(1 << 20, 5);
+        for i in 0..4u64 {
+            vm.write(i << 20, &chunk, false).expect("write");
+        }
+        // 4 MiB of a 4 MiB disk written once; more of the same keeps the overlay's size.
+        for round in 0..16u64 {
+            for i in 0..4u64 {
+                vm.write(i << 20, &pseudo_random(1 << 20, round * 4 + i), false).expect("write");
+            }
+        }
+        vm.flush().expect("flush");
+        std::thread::sleep(Duration::from_millis(300));
+        let spilled = spilled_bytes(&tmp.path().join("spill"));
+        drop(vm);
+        spilled
+    };
+    assert_eq!(run(None), 0, "without a limit, 4 MiB stay in a 200 MiB RAM tier");
+    let cgroup = MemoryCgroup::new(&format!("overspill-test-{}", std::process::id()), 256 << 20)
+        .unwrap_or_else(|why| panic!("this test needs a memory cgroup (run as root): {why}"));
+    let spilled = run(Some(&cgroup));
+    assert!(spilled > 0, "under a 256 MiB cgroup limit with a 512 MiB floor, nothing spilled");
+}

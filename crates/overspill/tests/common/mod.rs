@@ -125,14 +125,14 @@ pub struct Serve {
 
 impl Serve {
     /// Starts `overspill serve ARGS` (its log in `dir/server.log`) with a spill directory in
-    /// `dir` and no free-memory floor; `env` is added to its environment. Returns once `ready`
+    /// `dir` and no free-memory floor unless ARGS give one; `env` is added to its environment. Returns once `ready`
     /// says it listens.
     pub fn start(dir: &Path, args: &[&str], env: &[(&str, &str)], ready: impl Fn() -> bool) -> Self {
         let log = dir.join("server.log");
         let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("serve")
             .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8 temp path")])
-            .args(["--ram-floor", "0"])
+            .args(if args.contains(&"--ram-floor") { &[][..] } else { &["--ram-floor", "0"][..] })
             // Named VMs' pages: in the test's directory, not /dev/shm.
             .args(["--memory-dir", dir.join("memory").to_str().expect("utf-8 temp path")])
             .args(args)
