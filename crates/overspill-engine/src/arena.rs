@@ -228,7 +228,9 @@ impl Drop for Shared {
 /// maps a page the file already has. At most two growth steps (4 MiB) per VM are ready and not
 /// yet handed out.
 fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
-    type Job = (std::sync::Weak<Shared>, u32, u32);
+    // The job holds its own descriptor of the file, not the arena: an arena that goes while its
+    // job waits must go at once, its files with it (a VM's clean end removes them).
+    type Job = (File, u32, u32);
     static HELPER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<Job>>>> = std::sync::OnceLock::new();
     if from >= to {
         return;
@@ -239,21 +241,20 @@ fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
             // As the read cache's helper: at normal priority it would take the core a VM's
             // request is waiting for.
             let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19);
-            for (arena, from, to) in receive {
-                let Some(arena) = arena.upgrade() else { continue };
+            for (file, from, to) in receive {
                 let offset = u64::from(from) * BLOCK_SIZE as u64;
                 let len = u64::from(to - from) * BLOCK_SIZE as u64;
                 // Pages past the file's end are allocated without growing it: the VM grows the
                 // file when it gets there, and finds them.
-                if let Err(error) = rustix::fs::fallocate(&arena.page_file, FallocateFlags::KEEP_SIZE, offset, len) {
+                if let Err(error) = rustix::fs::fallocate(&file, FallocateFlags::KEEP_SIZE, offset, len) {
                     tracing::debug!(%error, "could not allocate arena pages ahead");
                 }
             }
         });
         spawned.ok().map(|_| Mutex::new(send))
     });
-    if let Some(sender) = helper {
-        let _ = sender.lock().unwrap_or_else(PoisonError::into_inner).send((Arc::downgrade(shared), from, to));
+    if let (Some(sender), Ok(file)) = (helper, shared.page_file.try_clone()) {
+        let _ = sender.lock().unwrap_or_else(PoisonError::into_inner).send((file, from, to));
     }
 }
 

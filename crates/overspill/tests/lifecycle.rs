@@ -310,13 +310,21 @@ fn a_vm_in_every_mode_survives_a_killed_server() {
         assert_same(&golden_tail[WRITTEN_BYTES..], &host.golden_bytes[WRITTEN_BYTES..WRITTEN_BYTES + (1 << 20)], mode);
         writer.disconnect().expect("disconnect");
         host.wait_for_states(&[]);
-        drop(server);
-        for dir in ["memory", "spill", "shared"] {
-            let left: Vec<_> = std::fs::read_dir(host.dir.path().join(dir))
-                .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("vm-writer")).collect())
-                .unwrap_or_default();
-            assert!(left.is_empty(), "mode {mode}: the VM's files left in {dir}: {left:?}");
+        // The overlay leaves the registry first and its files go as it drops, just after.
+        let left = || -> Vec<PathBuf> {
+            ["memory", "spill", "shared"]
+                .iter()
+                .flat_map(|dir| std::fs::read_dir(host.dir.path().join(dir)).into_iter().flatten().flatten())
+                .map(|e| e.path())
+                .filter(|p| p.to_string_lossy().contains("vm-writer"))
+                .collect()
+        };
+        let deadline = Instant::now() + WAIT;
+        while !left().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
         }
+        drop(server);
+        assert!(left().is_empty(), "mode {mode}: the VM's files are left after its clean end: {:?}", left());
         host.assert_golden_untouched();
     }
 }
