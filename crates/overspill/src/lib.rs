@@ -2,6 +2,7 @@
 //! engine and protocol crates, and small command-line helpers. It owns no storage, protocol or
 //! VM-lifecycle logic.
 
+pub mod config;
 pub mod image;
 pub mod metrics;
 pub mod plan;

@@ -44,8 +44,34 @@ enum Command {
     Vm(vm::VmArgs),
 }
 
+/// The command line, with `serve --config FILE`'s flags put in before the command line's own.
+fn parse_cli() -> anyhow::Result<Cli> {
+    use clap::{CommandFactory, FromArgMatches};
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let mut command = Cli::command();
+    // Built, so that each flag says how many values it takes.
+    command.build();
+    let matches = command.clone().get_matches_from(&args);
+    if let Some(("serve", serve)) = matches.subcommand() {
+        if let Some(path) = serve.get_one::<std::path::PathBuf>("config") {
+            let definition = command.find_subcommand("serve").expect("serve is a subcommand");
+            let flags = overspill::config::flags_from_file(path, definition, serve)?;
+            let at = args.iter().position(|a| a == "serve").expect("serve was parsed") + 1;
+            args.splice(at..at, flags);
+            return Ok(Cli::try_parse_from(&args)?);
+        }
+    }
+    Ok(Cli::from_arg_matches(&matches)?)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse_cli() {
+        Ok(cli) => cli,
+        Err(error) => {
+            eprintln!("overspill: {}", one_line(&error));
+            return ExitCode::from(2);
+        }
+    };
     let default_level = match cli.command {
         Command::Serve(_) => "info",
         Command::Storm(_)

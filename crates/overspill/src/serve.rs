@@ -27,6 +27,10 @@ use overspill_server::vms::Lifecycle;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
+    /// A TOML file of serve's flags (`ram = "256M"`, `listen = "unix:/run/overspill.sock"`,
+    /// `export = ["win7=/srv/win7.img"]`); flags given on the command line win.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// The default golden image (export name ""): a raw or qcow2 file, s3://BUCKET/KEY or
     /// rbd:POOL/IMAGE@SNAPSHOT. Opened read-only, never written.
     #[arg(long, value_name = "SOURCE")]

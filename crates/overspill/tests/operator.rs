@@ -475,3 +475,35 @@ fn the_free_floor_applies_to_the_cgroup_memory_limit() {
     let spilled = run(Some(&cgroup));
     assert!(spilled > 0, "under a 256 MiB cgroup limit with a 512 MiB floor, nothing spilled");
 }
+
+/// `serve --config FILE`: the file's keys are serve's flags, and a flag on the command line
+/// wins over the file; a key that is no flag is refused in one line naming it.
+#[test]
+fn a_config_file_sets_flags_and_the_command_line_wins() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("from-config.sock");
+    let config = tmp.path().join("overspill.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "base = {golden:?}\nlisten = \"unix:{}\"\nram = \"64M\"\nreconnect-grace = \"30s\"\nexport = [\"second={golden}\"]\n",
+            socket.display(),
+            golden = golden.display().to_string()
+        ),
+    )
+    .expect("config");
+    let args = ["--config", config.to_str().expect("utf-8"), "--ram", "32M"];
+    let mut server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let mut vm = Client::connect(&socket_uri(&socket, "second@vm")).expect("the config's second export serves");
+    vm.disconnect().expect("disconnect");
+    server.stop();
+    let log = server.log_text();
+    let serving = log.lines().find(|l| l.contains("serving")).unwrap_or_else(|| panic!("no serving line:\n{log}"));
+    assert!(serving.contains("ram_per_vm=32.0 MiB"), "the command line's --ram wins: {serving}");
+    assert!(serving.contains("reconnect_grace=30s"), "the file's reconnect-grace applies: {serving}");
+
+    std::fs::write(&config, "rma = \"64M\"\n").expect("config");
+    let stderr = serve_must_fail(tmp.path(), &["--config", config.to_str().expect("utf-8")]);
+    assert!(stderr.contains("\"rma\" is not a flag of serve") && stderr.contains("overspill.toml"), "{stderr}");
+}

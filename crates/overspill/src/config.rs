@@ -1,0 +1,54 @@
+//! `serve --config FILE`: a TOML file whose keys are `serve`'s long flags (`ram = "256M"`,
+//! `listen = "unix:/run/overspill.sock"`, `export = ["win7=/srv/win7.img"]`, `local-tier =
+//! true`). It becomes flags placed before the command line's, so a value given on the command
+//! line wins, and every value goes through the same parsing and checks as the flag.
+
+use std::ffi::OsString;
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Command};
+
+/// The flags FILE stands for, leaving out those `given` has from the command line. `serve` is
+/// the subcommand's definition, for the names and kinds of its flags.
+pub fn flags_from_file(path: &Path, serve: &Command, given: &ArgMatches) -> anyhow::Result<Vec<OsString>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
+    let table: toml::Table = text.parse().with_context(|| format!("--config {}", path.display()))?;
+    let mut flags = Vec::new();
+    for (key, value) in &table {
+        let Some(arg) = serve.get_arguments().find(|a| a.get_long() == Some(key.as_str())) else {
+            bail!("--config {}: {key:?} is not a flag of serve (see overspill serve --help)", path.display());
+        };
+        if key == "config" {
+            bail!("--config {}: a configuration file cannot name another", path.display());
+        }
+        if given.value_source(arg.get_id().as_str()) == Some(ValueSource::CommandLine) {
+            continue;
+        }
+        let takes_value = arg.get_num_args().is_none_or(|n| n.takes_values());
+        let values: Vec<&toml::Value> = match value {
+            toml::Value::Array(items) => items.iter().collect(),
+            single => vec![single],
+        };
+        for value in values {
+            let text = match value {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(n) => n.to_string(),
+                toml::Value::Float(x) => x.to_string(),
+                toml::Value::Boolean(on) if !takes_value => {
+                    if *on {
+                        flags.push(OsString::from(format!("--{key}")));
+                    }
+                    continue;
+                }
+                other => bail!("--config {}: {key} = {other}: not a value this flag takes", path.display()),
+            };
+            if !takes_value {
+                bail!("--config {}: {key} is a switch: write {key} = true", path.display());
+            }
+            flags.push(OsString::from(format!("--{key}={text}")));
+        }
+    }
+    Ok(flags)
+}
