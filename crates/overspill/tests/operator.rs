@@ -495,7 +495,7 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     .expect("config");
     let args = ["--config", config.to_str().expect("utf-8"), "--ram", "32M"];
     let mut server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
-    let mut vm = Client::connect(&socket_uri(&socket, "second@vm")).expect("the config's second export serves");
+    let vm = Client::connect(&socket_uri(&socket, "second@vm")).expect("the config's second export serves");
     vm.disconnect().expect("disconnect");
     server.stop();
     let log = server.log_text();
