@@ -42,6 +42,14 @@ enum Command {
     Image(image::ImageArgs),
     /// A running server's named VMs: list them, reset or drop one (through its control socket).
     Vm(vm::VmArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to standard output.
+    Completions { shell: clap_complete::Shell },
+    /// Print a manual page (roff) to standard output: `overspill man > overspill.1`, `overspill
+    /// man serve > overspill-serve.1`.
+    Man {
+        /// A subcommand's page instead of the command's.
+        subcommand: Option<String>,
+    },
 }
 
 /// The command line, with `serve --config FILE`'s flags put in before the command line's own.
@@ -79,7 +87,9 @@ fn main() -> ExitCode {
         | Command::Replay(_)
         | Command::Plan(_)
         | Command::Image(_)
-        | Command::Vm(_) => "warn",
+        | Command::Vm(_)
+        | Command::Completions { .. }
+        | Command::Man { .. } => "warn",
     };
     let filter = match (&cli.log, std::env::var("RUST_LOG")) {
         (Some(flag), _) => EnvFilter::try_new(flag),
@@ -117,6 +127,27 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::run(args),
         Command::Image(args) => image::run(args),
         Command::Vm(args) => vm::run(args),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "overspill", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Man { subcommand } => {
+            use clap::CommandFactory;
+            let mut command = Cli::command();
+            command.build();
+            let page = match subcommand {
+                None => clap_mangen::Man::new(command),
+                Some(name) => match command.find_subcommand(&name) {
+                    Some(sub) => clap_mangen::Man::new(sub.clone()).title(format!("overspill-{name}")),
+                    None => {
+                        eprintln!("overspill: no subcommand {name:?}");
+                        return ExitCode::from(2);
+                    }
+                },
+            };
+            page.render(&mut std::io::stdout()).map_err(anyhow::Error::from)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -507,3 +507,30 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     let stderr = serve_must_fail(tmp.path(), &["--config", config.to_str().expect("utf-8")]);
     assert!(stderr.contains("\"rma\" is not a flag of serve") && stderr.contains("overspill.toml"), "{stderr}");
 }
+
+/// `overspill man [SUBCOMMAND]` renders pages `man` formats, with every flag; `overspill
+/// completions SHELL` prints a script the shell accepts.
+#[test]
+fn man_pages_and_completions_render() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill")).args(args).output().expect("overspill");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    let tmp = TempDir::new().expect("tempdir");
+    let page = tmp.path().join("overspill-serve.1");
+    std::fs::write(&page, run(&["man", "serve"])).expect("page");
+    let formatted =
+        Command::new("man").arg("-l").arg(&page).env("MANWIDTH", "100").output().expect("man (package man-db)");
+    let text = String::from_utf8_lossy(&formatted.stdout);
+    assert!(formatted.status.success(), "{}", String::from_utf8_lossy(&formatted.stderr));
+    for flag in ["--reconnect-grace", "--config", "--poll-us", "--pidfile", "--socket-group"] {
+        assert!(text.contains(flag), "{flag} missing from the serve page:\n{text}");
+    }
+    assert!(String::from_utf8_lossy(&run(&["man"])).contains(".TH overspill 1"));
+    let script = tmp.path().join("overspill.bash");
+    std::fs::write(&script, run(&["completions", "bash"])).expect("script");
+    let syntax = Command::new("bash").arg("-n").arg(&script).status().expect("bash");
+    assert!(syntax.success(), "the bash completion script does not parse");
+    assert!(std::fs::read_to_string(&script).expect("script").contains("--reconnect-grace"));
+}
