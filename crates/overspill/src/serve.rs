@@ -130,18 +130,19 @@ pub struct ServeArgs {
     /// Write the server's process id to FILE once it listens; removed when it exits cleanly.
     #[arg(long, value_name = "FILE")]
     pidfile: Option<PathBuf>,
-    /// Seconds a client has to finish the handshake.
-    #[arg(long, default_value_t = 10)]
-    handshake_timeout: u64,
+    /// Time a client has, from its connection, to finish the handshake (TLS included), however
+    /// it spreads its bytes (e.g. 10s; a bare number is seconds).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    handshake_timeout: Duration,
     /// Microseconds a VM's connection polls its socket for the next request before it sleeps:
     /// waking a sleeping thread costs more than a 4 KiB request on virtual machines. 0 sleeps
     /// at once (less CPU for VMs that pause between requests).
     #[arg(long, default_value_t = overspill_nbd::connection::DEFAULT_POLL_BEFORE_SLEEP.as_micros() as u64)]
     poll_us: u64,
-    /// Seconds a VM may send nothing before it is disconnected (its overlay is then dropped);
-    /// 0 waits forever.
-    #[arg(long, default_value_t = 0)]
-    idle_timeout: u64,
+    /// Time a VM may send nothing before it is disconnected, as a lost connection (e.g. 10m; a
+    /// bare number is seconds); 0 waits forever.
+    #[arg(long, default_value = "0", value_parser = parse_duration)]
+    idle_timeout: Duration,
     #[command(flatten)]
     security: SecurityArgs,
 }
@@ -241,8 +242,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     spawn_memory_sampler(host);
     let config = ServerConfig {
         limits: Limits {
-            handshake_timeout: Duration::from_secs(args.handshake_timeout),
-            idle_timeout: (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout)),
+            handshake_timeout: args.handshake_timeout,
+            idle_timeout: (!args.idle_timeout.is_zero()).then_some(args.idle_timeout),
             poll_before_sleep: Duration::from_micros(args.poll_us),
             ..Limits::default()
         },
@@ -403,9 +404,10 @@ fn default_memory_dir(state_dir: &Path) -> PathBuf {
     PathBuf::from(format!("/dev/shm/overspill-{hash:016x}"))
 }
 
+/// A duration with its unit (`30s`, `5m`, `1h`); a bare number is seconds.
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    if text == "0" {
-        return Ok(Duration::ZERO);
+    if let Ok(seconds) = text.parse::<u64>() {
+        return Ok(Duration::from_secs(seconds));
     }
     humantime::parse_duration(text).map_err(|e| format!("{text:?}: {e} (for example 30s, 5m, 1h)"))
 }
@@ -500,3 +502,17 @@ fn release_freed_memory() {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn release_freed_memory() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_units_and_bare_seconds() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert!(parse_duration("soon").is_err());
+    }
+}
