@@ -144,6 +144,15 @@ impl Listener {
         }
     }
 
+    /// A second descriptor of the listening socket: a server that restarts in place hands it to
+    /// the program it becomes.
+    pub fn duplicate_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        Ok(match self {
+            Self::Unix(l, ..) => l.try_clone()?.into(),
+            Self::Tcp(l, _) => l.try_clone()?.into(),
+        })
+    }
+
     /// Whether this listener was handed over rather than bound here.
     pub fn is_inherited(&self) -> bool {
         matches!(self, Self::Unix(_, _, None) | Self::Tcp(_, Origin::Inherited))

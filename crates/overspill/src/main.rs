@@ -73,6 +73,9 @@ fn parse_cli() -> anyhow::Result<Cli> {
 }
 
 fn main() -> ExitCode {
+    // Where the binary is now: a restart in place runs what is at this path then, which is the
+    // new release after an upgrade (the running file may be gone by then).
+    let executable = std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
     let cli = match parse_cli() {
         Ok(cli) => cli,
         Err(error) => {
@@ -120,7 +123,16 @@ fn main() -> ExitCode {
         logs.init();
     }
     let result = match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => match serve::run(args) {
+            Ok(serve::ServeEnd::Restart(listener)) => {
+                // The log lines queued before it come first.
+                drop(flush_at_exit);
+                let error = restart_in_place(&executable, listener);
+                eprintln!("overspill: restarting in place: {error}");
+                return ExitCode::FAILURE;
+            }
+            other => other.map(|_| ()),
+        },
         Command::Storm(args) => storm::run(args),
         Command::Stat(args) => stat::run(args),
         Command::Replay(args) => replay::run(args),
@@ -158,6 +170,41 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Becomes the program at `executable` with this process's arguments: same pid, so systemd
+/// and the VMs' ledger see the same server. A listening socket systemd passed goes along as
+/// fd 3 (`LISTEN_FDS=1`, `LISTEN_PID` this pid). Returns only if the exec failed.
+fn restart_in_place(executable: &std::path::Path, listener: Option<std::os::fd::OwnedFd>) -> std::io::Error {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new(executable);
+    command.args(std::env::args_os().skip(1));
+    command.env_remove("LISTEN_FDS").env_remove("LISTEN_PID").env_remove("LISTEN_FDNAMES");
+    if let Some(listener) = listener {
+        command.env("LISTEN_FDS", "1").env("LISTEN_PID", std::process::id().to_string());
+        let fd = listener.as_raw_fd();
+        // The descriptor must outlive this function until exec: leaked on purpose.
+        std::mem::forget(listener);
+        // SAFETY: runs in this process just before exec (no fork: CommandExt::exec), and calls
+        // only dup2 and fcntl, which touch no memory. `fd` stays open (forgotten above). Should
+        // another thread hold a descriptor 3, it is replaced an instant before exec ends every
+        // thread; if exec fails the process exits. dup2 gives fd 3 without FD_CLOEXEC; if the
+        // socket is fd 3 already, the flag is cleared instead.
+        unsafe {
+            command.pre_exec(move || {
+                if fd == 3 {
+                    if libc::fcntl(3, libc::F_SETFD, 0) == -1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, 3) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    command.exec()
 }
 
 /// An error and its causes on one line, each cause once: many error types print their source

@@ -180,7 +180,19 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
     Ok(images)
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+/// How `serve` ended.
+pub enum ServeEnd {
+    /// SIGTERM or SIGINT: every VM handed over, the process exits.
+    Stopped,
+    /// SIGHUP: every VM handed over, the process is to become a new server (the binary now at
+    /// its path, with the same arguments), keeping this listening socket when systemd passed it.
+    Restart(Option<std::os::fd::OwnedFd>),
+}
+
+/// Set by SIGHUP: the drain that follows ends in a restart in place.
+static RESTART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     if args.ram > args.ram_total {
         bail!(
             "--ram {} is above --ram-total {}: no VM could reach its target",
@@ -288,7 +300,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let uri = listener.local_addr().nbd_uri("", config_tls_mode != TlsMode::Off);
     notify_service_manager(&[NotifyState::Ready, NotifyState::Status(&format!("serving {uri}"))]);
     server.run(&listener).context("accepting connections")?;
-    notify_service_manager(&[NotifyState::Stopping, NotifyState::Status("draining connections")]);
+    if !RESTART.load(std::sync::atomic::Ordering::SeqCst) {
+        notify_service_manager(&[NotifyState::Stopping, NotifyState::Status("draining connections")]);
+    }
     // Connections close after the request in hand; their overlays drop, removing cache files.
     if !server.wait_idle(DRAIN_TIMEOUT) {
         tracing::warn!(
@@ -298,11 +312,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Overlays kept for VMs to reconnect go with the server; their names stay in the ledger.
     registry.hand_over_all_in_grace();
-    // Removes the Unix sockets.
+    let end = if RESTART.load(std::sync::atomic::Ordering::SeqCst) {
+        // A socket systemd passed is kept open for the next program; one bound here is made
+        // again by it (clients retry meanwhile).
+        let keep = if listener.is_inherited() { Some(listener.duplicate_fd()?) } else { None };
+        tracing::info!("restarting in place: every VM is handed to the next server");
+        ServeEnd::Restart(keep)
+    } else {
+        tracing::info!("shut down");
+        ServeEnd::Stopped
+    };
+    // Removes the Unix sockets this server made.
     drop(listener);
     drop(control);
-    tracing::info!("shut down");
-    Ok(())
+    Ok(end)
 }
 
 /// Each VM holds a few descriptors (its socket, its files): the usual soft limit of 1024 would
@@ -445,16 +468,26 @@ fn set_socket_access(path: &Path, mode: Option<u32>, group: Option<&str>) -> any
 /// How long SIGTERM waits for connections to finish the request in hand.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// SIGTERM or SIGINT drains the server; a second one exits at once.
+/// SIGTERM or SIGINT drains the server, SIGHUP drains it and restarts it in place; a second
+/// signal exits at once.
 fn spawn_signal_handler(shutdown: ShutdownHandle) -> anyhow::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
             let mut signals = signals.forever();
             if let Some(signal) = signals.next() {
-                tracing::info!(signal, "signal received: draining connections");
+                if signal == SIGHUP {
+                    // A restart is cheap now that VMs outlive the process: reloading means
+                    // becoming a new server, which reads every flag, credential and image again.
+                    RESTART.store(true, std::sync::atomic::Ordering::SeqCst);
+                    tracing::info!("SIGHUP: draining connections, then restarting in place");
+                    notify_service_manager(&[NotifyState::Reloading, NotifyState::Status("restarting in place")]);
+                } else {
+                    tracing::info!(signal, "signal received: draining connections");
+                }
                 shutdown.shutdown();
             }
             if let Some(signal) = signals.next() {

@@ -533,3 +533,32 @@ fn qemu_io_killed_mid_session_and_a_new_one_reads_back_what_it_wrote() {
     assert_eq!(verification_failed, 0);
     host.assert_golden_untouched();
 }
+
+/// SIGHUP (`systemctl reload`): the server drains, hands every VM over and becomes a new server
+/// in the same process; the VM reconnects by name to its writes.
+#[test]
+fn sighup_restarts_the_server_in_place_and_vms_resume() {
+    let host = Host::new();
+    let server = host.serve(&[]);
+    let pid = server.child.id();
+    let mut writer = host.connect("writer");
+    let written = write_pattern(&mut writer, 50);
+    let hup = Command::new("kill").args(["-HUP", &pid.to_string()]).status().expect("kill");
+    assert!(hup.success());
+    drop(writer);
+    let deadline = Instant::now() + WAIT;
+    while server.log_text().matches("serving").count() < 2 {
+        assert!(Instant::now() < deadline, "no second serving line after SIGHUP:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(server.log_text().contains("restarting in place"), "{}", server.log_text());
+    host.wait_for_states(&[("writer", "in-grace")]);
+    let mut writer = host.connect("writer");
+    assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, "after SIGHUP");
+    writer.disconnect().expect("disconnect");
+    let mut server = server;
+    server.assert_running();
+    assert_eq!(server.child.id(), pid);
+    drop(server);
+    host.assert_golden_untouched();
+}

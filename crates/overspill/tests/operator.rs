@@ -365,6 +365,31 @@ fn socket_activation_and_readiness_the_systemd_way() {
     assert_eq!(back, data);
     vm.disconnect().expect("disconnect");
 
+    // SIGHUP (systemctl reload): RELOADING=1, then the same process, a new program, READY=1 on
+    // the same socket; a VM that lost its connection to the restart finds its writes.
+    let mut kept = Client::connect(&socket_uri(&socket, "@kept")).expect("connect");
+    kept.write(0, &data, false).expect("write");
+    drop(kept);
+    nix_kill(activator.id(), "HUP");
+    let mut said = String::new();
+    while !said.lines().any(|l| l == "READY=1") {
+        let n = notify.recv(&mut message).expect("notifications around the restart");
+        said += &String::from_utf8_lossy(&message[..n]);
+        said.push('\n');
+    }
+    assert!(said.lines().any(|l| l == "RELOADING=1") && !said.contains("STOPPING=1"), "{said}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut kept = loop {
+        match Client::connect(&socket_uri(&socket, "@kept")) {
+            Ok(client) => break client,
+            Err(error) => assert!(Instant::now() < deadline, "@kept never got back in: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    kept.read(0, &mut back).expect("read");
+    assert_eq!(back, data, "the restarted server served @kept its own writes");
+    kept.disconnect().expect("disconnect");
+
     nix_kill(activator.id(), "TERM");
     let n = notify.recv(&mut message).expect("a notification at stop");
     let text = String::from_utf8_lossy(&message[..n]).into_owned();
