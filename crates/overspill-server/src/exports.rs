@@ -49,6 +49,17 @@ pub struct CacheSettings {
     pub read_cache_bytes: u64,
 }
 
+impl CacheSettings {
+    /// The directory this mode writes its VMs' cache files in, with the flag that names it:
+    /// the spill directory for `ram+disk` and `disk`, the shared one for `shared`, none for `ram`.
+    pub fn cache_dir(&self) -> Option<(&'static str, &PathBuf)> {
+        self.mode.backing_file().map(|kind| match kind {
+            BackingKind::SpillLog | BackingKind::LocalCache => ("--spill-dir", &self.spill_dir),
+            BackingKind::SharedDifferencing => ("--shared-dir", &self.shared_dir),
+        })
+    }
+}
+
 pub struct OverlayExports {
     images: BTreeMap<String, Arc<dyn GoldenImage>>,
     versions: Option<OpenVersions>,
@@ -78,12 +89,7 @@ impl OverlayExports {
     ) -> Result<Self, ServerError> {
         // Checked now, so that a directory that cannot be written stops the start with its name
         // rather than refuse every VM later.
-        let needed = match settings.mode {
-            WriteCacheMode::Ram => vec![],
-            WriteCacheMode::RamDisk | WriteCacheMode::Disk => vec![("--spill-dir", &settings.spill_dir)],
-            WriteCacheMode::Shared => vec![("--shared-dir", &settings.shared_dir)],
-        };
-        for (flag, dir) in needed {
+        if let Some((flag, dir)) = settings.cache_dir() {
             writable_directory(dir).map_err(|e| ServerError::io(format!("{flag} {}", dir.display()), e))?;
         }
         for dir in [&settings.spill_dir, &settings.shared_dir] {
@@ -293,11 +299,11 @@ impl OverlayExports {
 
     /// The directory a VM's backing file of `kind` goes in, and its size at creation.
     fn backing_place(&self, kind: BackingKind, disk_bytes: u64) -> (&PathBuf, u64) {
-        match kind {
-            BackingKind::SpillLog => (&self.settings.spill_dir, 0),
-            BackingKind::LocalCache => (&self.settings.spill_dir, disk_bytes),
-            BackingKind::SharedDifferencing => (&self.settings.shared_dir, disk_bytes),
-        }
+        let dir = match kind {
+            BackingKind::SpillLog | BackingKind::LocalCache => &self.settings.spill_dir,
+            BackingKind::SharedDifferencing => &self.settings.shared_dir,
+        };
+        (dir, if kind == BackingKind::SpillLog { 0 } else { disk_bytes })
     }
 
     /// A VM's spill file, sharing the host's space-shortage count and segment writers.

@@ -214,6 +214,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         shared_dir: args.shared_dir.clone(),
         read_cache_bytes: args.read_cache,
     };
+    let cache_dirs: Vec<PathBuf> = settings.cache_dir().map(|(_, dir)| dir.clone()).into_iter().collect();
     let mut exports = OverlayExports::new(images, settings, host.clone())?;
     if let Some(dir) = &args.images {
         let found = ImageStore::new(dir).images().with_context(|| format!("--images {}", dir.display()))?;
@@ -247,7 +248,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
             exports.read_caches(),
             host.clone(),
             protocol_counters.clone(),
-            cache_dirs(&args),
+            cache_dirs,
         )?;
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
     }
@@ -339,15 +340,6 @@ fn raise_open_file_limit() {
         },
         Ok((soft, _)) => tracing::debug!(limit = soft, "open-file limit"),
         Err(error) => tracing::warn!(%error, "could not read the open-file limit"),
-    }
-}
-
-/// The directories whose filesystems the metrics watch: where this mode puts its files.
-fn cache_dirs(args: &ServeArgs) -> Vec<PathBuf> {
-    match args.mode {
-        WriteCacheMode::Ram => vec![],
-        WriteCacheMode::RamDisk | WriteCacheMode::Disk => vec![args.spill_dir.clone()],
-        WriteCacheMode::Shared => vec![args.shared_dir.clone()],
     }
 }
 
