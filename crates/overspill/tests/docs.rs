@@ -1,11 +1,19 @@
 //! What the docs ship, checked by the tools that will read it: the Grafana dashboard's queries
 //! and the alert rules are valid PromQL over metric families the server really exports (promtool,
 //! and the server's own exposition code); docs/libvirt-domain.xml is a domain libvirt's schema and
-//! parser accept, and docs/operations.md shows its disk.
+//! parser accept, and docs/operations.md shows its disk; the QEMU command line and the Proxmox VE
+//! `args:` line in docs/operations.md, run by a real QEMU against a real `overspill serve`, open
+//! the VM's disk.
 
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
 
+use common::{pseudo_random, Serve};
 use serde_json::Value;
 
 #[test]
@@ -81,6 +89,9 @@ fn alert_rules_check_and_name_real_families() {
     assert!(exprs.len() >= 5, "{exprs:?}");
     assert_real_families(&exprs);
 }
+
+/// The socket every recipe in the docs names; the tests put their own in its place.
+const DOC_SOCKET: &str = "/run/overspill.sock";
 
 fn doc_path(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs").join(name)
@@ -202,4 +213,208 @@ fn the_libvirt_domain_validates_and_operations_md_shows_its_disk() {
     let dumped = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "virsh define: {dumped}{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(dedented_lines(&dumped, "<disk ", "</disk>"), disk, "libvirt's definition of the disk differs");
+}
+
+/// A QEMU with `-qmp stdio`, killed when dropped.
+struct Qmp {
+    child: Child,
+    input: ChildStdin,
+    lines: Receiver<String>,
+    /// What QEMU printed on stdout besides QMP (qemu-io's output, for one).
+    printed: Vec<String>,
+    log: PathBuf,
+}
+
+impl Qmp {
+    /// QEMU paused before the guest runs (-S), with no devices but those of `args`, under TCG.
+    fn start(dir: &Path, args: &[String]) -> Self {
+        let log = dir.join("qemu.log");
+        let mut child = Command::new("qemu-system-x86_64")
+            .args(["-accel", "tcg", "-nodefaults", "-no-user-config", "-display", "none", "-S", "-qmp", "stdio"])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("qemu log"))
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86; scripts/test does): {e}")
+            });
+        let input = child.stdin.take().expect("qemu stdin");
+        let output = BufReader::new(child.stdout.take().expect("qemu stdout"));
+        let (send, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in output.lines().map_while(Result::ok) {
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut qmp = Self { child, input, lines, printed: Vec::new(), log };
+        let greeting = qmp.next_line();
+        assert!(greeting.contains("\"QMP\""), "no QMP greeting: {greeting}");
+        qmp.execute(serde_json::json!({"execute": "qmp_capabilities"}));
+        qmp
+    }
+
+    fn next_line(&mut self) -> String {
+        self.lines.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+            let status = self.child.try_wait().ok().flatten();
+            panic!("QEMU said nothing on QMP ({status:?}):\n{}", std::fs::read_to_string(&self.log).unwrap_or_default())
+        })
+    }
+
+    /// Runs one command; its "return" value (events in between are skipped).
+    fn execute(&mut self, command: Value) -> Value {
+        writeln!(self.input, "{command}").expect("writing to QMP");
+        loop {
+            let line = self.next_line();
+            if !line.starts_with('{') {
+                self.printed.push(line);
+                continue;
+            }
+            let reply: Value = serde_json::from_str(&line).expect("QMP speaks JSON");
+            if let Some(value) = reply.get("return") {
+                return value.clone();
+            }
+            assert!(reply.get("event").is_some(), "{command} failed: {reply}");
+        }
+    }
+
+    /// `quit`, and QEMU exits; everything it printed besides QMP.
+    fn quit(mut self) -> Vec<String> {
+        self.execute(serde_json::json!({"execute": "quit"}));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().expect("try_wait").is_none() {
+            assert!(Instant::now() < deadline, "QEMU did not quit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // qemu-io prints through stdio, whose buffer reaches the pipe at the latest when QEMU exits.
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(10)) {
+            if !line.starts_with('{') {
+                self.printed.push(line);
+            }
+        }
+        std::mem::take(&mut self.printed)
+    }
+}
+
+impl Drop for Qmp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value of `key=` in a comma-separated QEMU option among `args`, in the option that also holds
+/// `having` (e.g. the `export=` of the argument with `driver=nbd`).
+fn option_value(args: &[String], having: &str, key: &str) -> String {
+    args.iter()
+        .filter(|a| a.split(',').any(|kv| kv == having))
+        .flat_map(|a| a.split(','))
+        .find_map(|kv| kv.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key}= beside {having} in {args:?}"))
+        .to_owned()
+}
+
+/// Runs QEMU with a VM disk's arguments as the docs give them (`doc_args`, naming [`DOC_SOCKET`])
+/// against a real `overspill serve`, and checks what the docs promise: QEMU opens the export over
+/// NBD, a virtio-blk device uses it with zero detection on, the guest's drive reads the golden
+/// image, the server sees the VM by its name, and QEMU's quit ends the VM's overlay.
+fn assert_qemu_serves_the_vm_with(doc_args: &[String], recipe: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let golden_bytes = pseudo_random(1 << 20, 17);
+    let golden = dir.path().join("golden.img");
+    std::fs::write(&golden, &golden_bytes).expect("golden image");
+    let socket = dir.path().join("overspill.sock");
+    let listen = format!("unix:{}", socket.display());
+    let ready = socket.clone();
+    let server = Serve::start(
+        dir.path(),
+        &["--base", golden.to_str().expect("utf-8 temp path"), "--listen", &listen],
+        &[],
+        move || std::os::unix::net::UnixStream::connect(&ready).is_ok(),
+    );
+
+    assert!(doc_args.iter().any(|a| a.contains(DOC_SOCKET)), "{recipe} does not name {DOC_SOCKET}: {doc_args:?}");
+    let args: Vec<String> = doc_args.iter().map(|a| a.replace(DOC_SOCKET, &socket.to_string_lossy())).collect();
+    let export = option_value(&args, "driver=nbd", "export");
+    let vm = export.split_once('@').map(|(_, vm)| vm.to_owned()).unwrap_or_else(|| panic!("{export} names no VM"));
+    let drive = option_value(&args, "virtio-blk-pci", "drive");
+
+    let mut qemu = Qmp::start(dir.path(), &args);
+    let nodes = qemu.execute(serde_json::json!({"execute": "query-named-block-nodes", "arguments": {"flat": true}}));
+    let nodes = nodes.as_array().expect("block nodes");
+    let node = |name: &str| nodes.iter().find(|n| n["node-name"] == name);
+    let nbd = nodes.iter().find(|n| n["drv"] == "nbd").unwrap_or_else(|| panic!("{recipe}: no nbd node: {nodes:?}"));
+    let uri = nbd["file"].as_str().unwrap_or_default();
+    assert!(uri.contains(&format!("/{export}?socket={}", socket.display())), "{recipe}: nbd node on {uri}");
+    let disk = node(&drive).unwrap_or_else(|| panic!("{recipe}: no node {drive}: {nodes:?}"));
+    assert_eq!(disk["detect_zeroes"], "unmap", "{recipe}: {disk}");
+    assert_eq!(disk["image"]["virtual-size"], golden_bytes.len(), "{recipe}: {disk}");
+
+    let backends = qemu.execute(serde_json::json!({"execute": "query-block"}));
+    assert!(
+        backends.as_array().expect("block backends").iter().any(|b| b["inserted"]["node-name"] == drive.as_str()
+            && b["qdev"].as_str().is_some_and(|q| q.contains("virtio"))),
+        "{recipe}: no virtio device on {drive}: {backends}"
+    );
+
+    // The guest's drive, read through the whole chain (virtio-blk's node, raw, NBD, the server).
+    let hmp = format!("qemu-io {drive} \"read -v 0 16\"");
+    qemu.execute(serde_json::json!({"execute": "human-monitor-command", "arguments": {"command-line": hmp}}));
+
+    wait_for_log(&server, &format!("VM connected export=\"\" vm=\"{vm}\""), recipe);
+    let printed = qemu.quit();
+    wait_for_log(&server, &format!("VM disconnected; its cache is dropped vm={vm}"), recipe);
+
+    // qemu-io's dump: "00000000:  e2 b7 bf ...  ................"
+    let dump = printed.iter().find(|l| l.starts_with("00000000:")).unwrap_or_else(|| panic!("{recipe}: {printed:?}"));
+    let bytes: Vec<u8> = dump
+        .split_whitespace()
+        .skip(1)
+        .take(16)
+        .map(|h| u8::from_str_radix(h, 16).unwrap_or_else(|_| panic!("{recipe}: qemu-io printed {dump}")))
+        .collect();
+    assert_eq!(bytes, golden_bytes[..16], "{recipe}: the drive's first bytes are not the golden image's");
+}
+
+#[track_caller]
+fn wait_for_log(server: &Serve, line: &str, recipe: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !server.log_text().contains(line) {
+        assert!(Instant::now() < deadline, "{recipe}: the server never logged {line:?}:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// docs/operations.md section 4's QEMU command line, as QEMU runs it.
+#[test]
+fn the_qemu_command_line_in_operations_md_opens_the_vm_disk() {
+    let command = vm_recipes()
+        .into_iter()
+        .map(|(_, text)| text)
+        .find(|text| text.starts_with("qemu-system-x86_64 "))
+        .expect("a qemu-system-x86_64 command in section 4");
+    let joined = command.replace("\\\n", " ");
+    let words: Vec<String> = joined.split_whitespace().map(str::to_owned).collect();
+    // "qemu-system-x86_64 ..." then the disk's arguments, complete.
+    assert_eq!(words[..2], ["qemu-system-x86_64", "..."], "{command}");
+    assert_qemu_serves_the_vm_with(&words[2..], "the QEMU command line");
+}
+
+/// docs/operations.md's Proxmox VE `args:` line, as QEMU runs it. Proxmox splits the value into
+/// words as a shell would (PVE::Tools::split_args) and appends them to its own QEMU command line.
+#[test]
+fn the_proxmox_args_line_in_operations_md_opens_the_vm_disk() {
+    let lines: Vec<String> = vm_recipes()
+        .into_iter()
+        .flat_map(|(_, text)| {
+            text.lines().filter_map(|l| l.strip_prefix("args: ").map(str::to_owned)).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(lines.len(), 1, "one args: line in section 4: {lines:?}");
+    // Without quotes or escapes, shell words are the whitespace-separated ones.
+    assert!(!lines[0].contains(['\'', '"', '\\']), "{}", lines[0]);
+    let words: Vec<String> = lines[0].split_whitespace().map(str::to_owned).collect();
+    assert_qemu_serves_the_vm_with(&words, "the Proxmox args: line");
 }
