@@ -79,19 +79,22 @@ pub trait Transport: Read + Write + Send + 'static {
         None
     }
 
-    /// Reads what has arrived without waiting: `None` if the stream cannot.
-    fn read_now(&mut self, _buf: &mut [u8]) -> Option<io::Result<usize>> {
+    /// Reads what has arrived into `bufs`, in order, without waiting: `None` if the stream
+    /// cannot.
+    fn read_now(&mut self, _bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
         None
     }
 }
 
-fn recv_now(fd: std::os::fd::BorrowedFd<'_>, buf: &mut [u8]) -> Option<io::Result<usize>> {
-    Some(rustix::net::recv(fd, buf, rustix::net::RecvFlags::DONTWAIT).map(|(n, _)| n).map_err(io::Error::from))
+fn recv_now(fd: std::os::fd::BorrowedFd<'_>, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+    let mut no_control = rustix::net::RecvAncillaryBuffer::default();
+    let received = rustix::net::recvmsg(fd, bufs, &mut no_control, rustix::net::RecvFlags::DONTWAIT);
+    Some(received.map(|r| r.bytes).map_err(io::Error::from))
 }
 
 impl Transport for std::os::unix::net::UnixStream {
-    fn read_now(&mut self, buf: &mut [u8]) -> Option<io::Result<usize>> {
-        recv_now(std::os::fd::AsFd::as_fd(self), buf)
+    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+        recv_now(std::os::fd::AsFd::as_fd(self), bufs)
     }
 
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
@@ -106,8 +109,8 @@ impl Transport for std::os::unix::net::UnixStream {
 }
 
 impl Transport for std::net::TcpStream {
-    fn read_now(&mut self, buf: &mut [u8]) -> Option<io::Result<usize>> {
-        recv_now(std::os::fd::AsFd::as_fd(self), buf)
+    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+        recv_now(std::os::fd::AsFd::as_fd(self), bufs)
     }
 
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
@@ -200,11 +203,11 @@ impl<T: Transport> Transport for Deadlined<T> {
         self.inner.read_stopper()
     }
 
-    fn read_now(&mut self, buf: &mut [u8]) -> Option<io::Result<usize>> {
+    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
         if self.active.load(Ordering::Relaxed) {
             return None;
         }
-        self.inner.read_now(buf)
+        self.inner.read_now(bufs)
     }
 }
 
@@ -238,6 +241,10 @@ const INPUT_BYTES: usize = 256 * 1024;
 /// A write payload with more than this still unread is received straight into the device's
 /// buffers; a smaller rest is read into the input buffer, with whatever follows it, in one read.
 const DIRECT_RECEIVE_BYTES: usize = 64 * 1024;
+/// What the first read after a payload received straight into the device reads at most: the next
+/// request's header and a small payload. A full read-ahead there takes the start of the next large
+/// write's payload too, which is then copied twice (socket to input buffer to device).
+const READ_AFTER_DIRECT_BYTES: usize = 4096 + REQUEST_HEADER_BYTES;
 /// Flush the output early once this much is waiting, so large reads do not pile up.
 const OUTPUT_HIGH_WATER: usize = 4 << 20;
 /// Most buffers one `readv` takes (Linux's UIO_MAXIOV).
@@ -252,6 +259,8 @@ struct Wire<T> {
     /// the handshake.
     poll: Duration,
     poll_skips: u32,
+    /// The next read takes at most this much (see [`READ_AFTER_DIRECT_BYTES`]).
+    read_limit: usize,
     counters: Arc<ProtocolCounters>,
     /// `input[start..end]` is received and not yet consumed.
     input: Vec<u8>,
@@ -266,6 +275,7 @@ impl<T: Transport> Wire<T> {
             stream,
             poll: Duration::ZERO,
             poll_skips: 0,
+            read_limit: usize::MAX,
             counters,
             input: vec![0; INPUT_BYTES],
             start: 0,
@@ -317,8 +327,9 @@ impl<T: Transport> Wire<T> {
             return None;
         }
         let until = Instant::now() + self.poll;
+        let room = self.read_room();
         loop {
-            match self.stream.read_now(&mut self.input[self.end..])? {
+            match self.stream.read_now(&mut [IoSliceMut::new(&mut self.input[self.end..room])])? {
                 Ok(n) => {
                     self.end += n;
                     return Some(Ok(n > 0));
@@ -350,11 +361,15 @@ impl<T: Transport> Wire<T> {
                 self.input.resize(want, 0);
             }
         }
-        if let Some(result) = self.poll_for_input() {
+        self.read_limit = self.read_limit.max(want.saturating_sub(self.buffered().len()));
+        let polled = self.poll_for_input();
+        let room = self.read_room();
+        self.read_limit = usize::MAX;
+        if let Some(result) = polled {
             return result;
         }
         loop {
-            match self.stream.read(&mut self.input[self.end..]) {
+            match self.stream.read(&mut self.input[self.end..room]) {
                 Ok(n) => {
                     self.end += n;
                     return Ok(n > 0);
@@ -363,6 +378,30 @@ impl<T: Transport> Wire<T> {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Reads the middle of a payload into `bufs`, polling as [`Self::poll_for_input`] does before
+    /// it sleeps: the client is in the middle of sending, so the rest is on its way, and a sleep
+    /// here costs a wake-up for every chunk the client's socket buffer lets through.
+    fn read_payload(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        if !self.poll.is_zero() {
+            let until = Instant::now() + self.poll;
+            while let Some(result) = self.stream.read_now(bufs) {
+                match result {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < until => {
+                        std::thread::yield_now();
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    other => return other,
+                }
+            }
+        }
+        self.stream.read_vectored(bufs)
+    }
+
+    /// Where the next read into the input buffer ends.
+    fn read_room(&self) -> usize {
+        self.end.saturating_add(self.read_limit).min(self.input.len())
     }
 
     /// Ensures `n` bytes are buffered. `Ok(false)` if the stream ended before any byte of them.
@@ -557,6 +596,7 @@ fn transmit<T: Transport>(
             if !cut_short_by_stop(data.finish(), stop)? {
                 break;
             }
+            wire.read_limit = READ_AFTER_DIRECT_BYTES;
             reply_status(wire, &session, &header, result);
             // A write this large took reads of its own, so one more syscall for its reply is
             // cheap; holding the reply back until the socket runs dry would stall the client's
@@ -624,7 +664,7 @@ impl<T: Transport> WirePayload<'_, T> {
                 // Replies go out before a read that may block, as in `fill`.
                 self.wire.flush()?;
                 let batch = buffers.len().min(MAX_IOVECS);
-                match self.wire.stream.read_vectored(&mut buffers[..batch]) {
+                match self.wire.read_payload(&mut buffers[..batch]) {
                     Ok(0) => return Err(ConnectionError::Truncated),
                     Ok(n) => n,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -792,6 +832,34 @@ mod tests {
         assert!(wire.need(4).expect("next request"));
         assert_eq!(&wire.buffered()[..4], b"next");
         assert_eq!(wire.input.len(), INPUT_BYTES, "a large payload does not grow the input buffer");
+        client.join().expect("client");
+    }
+
+    #[test]
+    fn a_polling_connection_receives_a_payload_whole_and_reads_little_ahead_after_it() {
+        let payload = pattern(2 << 20);
+        let next: &'static [u8] = Box::leak(pattern(1 << 20).into_boxed_slice());
+        let (mut wire, client) = sender(payload.clone(), next, None);
+        wire.poll = Duration::from_micros(50);
+        let mut pages = vec![[0u8; 4096]; 512];
+        let mut data = WirePayload { wire: &mut wire, unread: payload.len(), failed: None };
+        let mut buffers: Vec<IoSliceMut<'_>> = pages.iter_mut().map(|page| IoSliceMut::new(page)).collect();
+        data.receive(&mut buffers).expect("the payload");
+        assert!(data.finish().expect("nothing left"));
+        assert_eq!(pages.concat(), payload);
+        // What follows a payload received straight into the device is read only a little ahead,
+        // even with a whole MiB waiting: it may be the next large payload.
+        std::thread::sleep(Duration::from_millis(100));
+        wire.read_limit = READ_AFTER_DIRECT_BYTES;
+        assert!(wire.need(REQUEST_HEADER_BYTES).expect("next request"));
+        let buffered = wire.buffered().len();
+        assert!((REQUEST_HEADER_BYTES..=READ_AFTER_DIRECT_BYTES).contains(&buffered), "read {buffered} ahead");
+        assert_eq!(wire.buffered(), &next[..buffered]);
+        // The limit held for one read only.
+        assert!(wire.need(buffered + 1).expect("more"));
+        assert!(wire.buffered().len() > READ_AFTER_DIRECT_BYTES);
+        // The client may still be sending the rest: it stops when the connection goes.
+        drop(wire);
         client.join().expect("client");
     }
 

@@ -496,8 +496,8 @@ impl Transport for Box<dyn Transport> {
         (**self).read_stopper()
     }
 
-    fn read_now(&mut self, buf: &mut [u8]) -> Option<std::io::Result<usize>> {
-        (**self).read_now(buf)
+    fn read_now(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> Option<std::io::Result<usize>> {
+        (**self).read_now(bufs)
     }
 }
 
