@@ -8,6 +8,8 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use bytes::Bytes;
+
 use crate::error::{EngineError, Result};
 
 /// Reads that reached an image's underlying storage.
@@ -44,6 +46,14 @@ pub trait GoldenImage: Send + Sync {
             rest = tail;
         }
         Ok(reads)
+    }
+    /// Like [`Self::read_counted`] of `len` bytes, as pieces to be sent in order rather than
+    /// copied into a buffer: a read cache hands out its chunks' bytes themselves. The default
+    /// reads into one new buffer.
+    fn read_shared(&self, offset: u64, len: usize) -> io::Result<(Vec<Bytes>, SourceReads)> {
+        let mut buf = vec![0u8; len];
+        let reads = self.read_counted(&mut buf, offset)?;
+        Ok((vec![Bytes::from(buf)], reads))
     }
     fn describe(&self) -> String;
     /// What tells these exact contents from other contents under the same name, for state that

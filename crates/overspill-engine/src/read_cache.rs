@@ -18,6 +18,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::sync::{Arc, Condvar, Mutex};
 
+use bytes::Bytes;
+
 use crate::chunk_pool::{ChunkBuf, ChunkPool};
 use crate::golden::{GoldenImage, SourceReads};
 use crate::stats::{Counter, Gauge};
@@ -47,6 +49,16 @@ pub struct ReadCacheStats {
 
 /// A cached chunk's bytes, shared by the cache and the readers copying out of it.
 type Chunk = Arc<ChunkBuf>;
+
+/// A chunk lent out as [`Bytes`]: the reader keeps it alive (an evicted chunk's slot is reused
+/// only once the last of these is gone).
+struct SharedChunk(Chunk);
+
+impl AsRef<[u8]> for SharedChunk {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
 
 struct Entry {
     data: Chunk,
@@ -229,6 +241,73 @@ impl CachedImage {
     /// caches them and hands them to whoever waits. On error the waiters get the error too.
     /// Returns the chunks and what the read cost the storage behind the source (less than the
     /// bytes fetched when the source has a cache of its own, such as a local disk tier).
+    /// The chunks holding bytes `offset..end` (inside the image), the first one's number, and
+    /// what fetching the missing ones cost: every chunk is classified under one lock, each run of
+    /// consecutive misses is one source read, and chunks another reader is fetching are waited for.
+    fn chunks(&self, offset: u64, end: u64) -> io::Result<(u64, Vec<Chunk>, SourceReads)> {
+        let c = self.chunk_bytes;
+        let first = offset / c;
+        let mut parts: Vec<Part> = {
+            let mut cache = self.lock();
+            (first..=(end - 1) / c)
+                .map(|chunk| {
+                    if let Some(data) = cache.get(chunk) {
+                        Part::Have(data)
+                    } else if let Some(pending) = cache.pending.get(&chunk) {
+                        Part::Wait(pending.clone())
+                    } else {
+                        let pending = Arc::new(Pending::default());
+                        cache.pending.insert(chunk, pending.clone());
+                        Part::Fetch(pending)
+                    }
+                })
+                .collect()
+        };
+        // Each run of consecutive misses is one source read.
+        let mut fetched = SourceReads::default();
+        let mut i = 0;
+        while i < parts.len() {
+            let run: Vec<&Arc<Pending>> =
+                parts[i..].iter().map_while(|p| if let Part::Fetch(p) = p { Some(p) } else { None }).collect();
+            if run.is_empty() {
+                i += 1;
+                continue;
+            }
+            let n = run.len();
+            let (chunks, reads) = match self.fetch_run(first + i as u64, &run) {
+                Ok(fetched_run) => fetched_run,
+                Err(e) => {
+                    // The chunks this reader claimed further on will not be fetched now; left
+                    // pending, every later reader of them would wait forever.
+                    self.abandon(first, &parts[i + n..], i + n, &e);
+                    return Err(e);
+                }
+            };
+            fetched.ops += reads.ops;
+            fetched.bytes += reads.bytes;
+            for (k, chunk) in chunks.into_iter().enumerate() {
+                parts[i + k] = Part::Fetched(chunk);
+            }
+            i += n;
+        }
+        let mut chunks = Vec::with_capacity(parts.len());
+        for part in parts {
+            chunks.push(match part {
+                Part::Have(data) => {
+                    self.stats.hits.inc();
+                    data
+                }
+                Part::Wait(pending) => {
+                    self.stats.coalesced.inc();
+                    pending.wait()?
+                }
+                Part::Fetched(data) => data,
+                Part::Fetch(_) => unreachable!("every claimed chunk was fetched above"),
+            });
+        }
+        Ok((first, chunks, fetched))
+    }
+
     fn fetch_run(&self, first: u64, pendings: &[&Arc<Pending>]) -> io::Result<(Vec<Chunk>, SourceReads)> {
         let start = first * self.chunk_bytes;
         let end = ((first + pendings.len() as u64) * self.chunk_bytes).min(self.source.size());
@@ -311,72 +390,15 @@ impl GoldenImage for CachedImage {
     }
 
     fn read_counted(&self, buf: &mut [u8], offset: u64) -> io::Result<SourceReads> {
-        let c = self.chunk_bytes;
         let end = offset.saturating_add(buf.len() as u64).min(self.size());
         if offset >= end {
             buf.fill(0);
             return Ok(SourceReads::default());
         }
         buf[(end - offset) as usize..].fill(0);
-        let first = offset / c;
-        // Every chunk of the request is classified under one lock.
-        let mut parts: Vec<Part> = {
-            let mut cache = self.lock();
-            (first..=(end - 1) / c)
-                .map(|chunk| {
-                    if let Some(data) = cache.get(chunk) {
-                        Part::Have(data)
-                    } else if let Some(pending) = cache.pending.get(&chunk) {
-                        Part::Wait(pending.clone())
-                    } else {
-                        let pending = Arc::new(Pending::default());
-                        cache.pending.insert(chunk, pending.clone());
-                        Part::Fetch(pending)
-                    }
-                })
-                .collect()
-        };
-        // Each run of consecutive misses is one source read.
-        let mut fetched = SourceReads::default();
-        let mut i = 0;
-        while i < parts.len() {
-            let run: Vec<&Arc<Pending>> =
-                parts[i..].iter().map_while(|p| if let Part::Fetch(p) = p { Some(p) } else { None }).collect();
-            if run.is_empty() {
-                i += 1;
-                continue;
-            }
-            let n = run.len();
-            let (chunks, reads) = match self.fetch_run(first + i as u64, &run) {
-                Ok(fetched_run) => fetched_run,
-                Err(e) => {
-                    // The chunks this reader claimed further on will not be fetched now; left
-                    // pending, every later reader of them would wait forever.
-                    self.abandon(first, &parts[i + n..], i + n, &e);
-                    return Err(e);
-                }
-            };
-            fetched.ops += reads.ops;
-            fetched.bytes += reads.bytes;
-            for (k, chunk) in chunks.into_iter().enumerate() {
-                parts[i + k] = Part::Fetched(chunk);
-            }
-            i += n;
-        }
-        for (k, part) in parts.into_iter().enumerate() {
-            let data = match part {
-                Part::Have(data) => {
-                    self.stats.hits.inc();
-                    data
-                }
-                Part::Wait(pending) => {
-                    self.stats.coalesced.inc();
-                    pending.wait()?
-                }
-                Part::Fetched(data) => data,
-                Part::Fetch(_) => unreachable!("every claimed chunk was fetched above"),
-            };
-            let chunk_start = (first + k as u64) * c;
+        let (first, chunks, fetched) = self.chunks(offset, end)?;
+        for (k, data) in chunks.into_iter().enumerate() {
+            let chunk_start = (first + k as u64) * self.chunk_bytes;
             let from = offset.max(chunk_start);
             let to = end.min(chunk_start + data.len() as u64);
             if from < to {
@@ -385,6 +407,30 @@ impl GoldenImage for CachedImage {
             }
         }
         Ok(fetched)
+    }
+
+    fn read_shared(&self, offset: u64, len: usize) -> io::Result<(Vec<Bytes>, SourceReads)> {
+        let end = offset.saturating_add(len as u64).min(self.size());
+        let mut pieces = Vec::new();
+        let mut fetched = SourceReads::default();
+        if offset < end {
+            let (first, chunks, reads) = self.chunks(offset, end)?;
+            fetched = reads;
+            for (k, data) in chunks.into_iter().enumerate() {
+                let chunk_start = (first + k as u64) * self.chunk_bytes;
+                let from = offset.max(chunk_start);
+                let to = end.min(chunk_start + data.len() as u64);
+                if from < to {
+                    let range = (from - chunk_start) as usize..(to - chunk_start) as usize;
+                    pieces.push(Bytes::from_owner(SharedChunk(data)).slice(range));
+                }
+            }
+        }
+        let past_end = (offset.saturating_add(len as u64) - end.max(offset)) as usize;
+        if past_end > 0 {
+            pieces.push(Bytes::from(vec![0u8; past_end]));
+        }
+        Ok((pieces, fetched))
     }
 
     fn describe(&self) -> String {

@@ -134,12 +134,24 @@ impl Harness {
             Op::Read { offset, len } => {
                 let mut buf = vec![0u8; len as usize];
                 self.overlay.read(offset, &mut buf).map_err(|e| format!("read failed: {e}"))?;
+                // The same range as the pieces a connection sends without copying them.
+                let pieces = self.overlay.read_shared(offset, len as usize).map_err(|e| format!("read failed: {e}"))?;
+                let shared = pieces.concat();
+                if shared.len() != buf.len() {
+                    return Err(format!("read_shared gave {} bytes for {len}", shared.len()));
+                }
                 let range = offset as usize..(offset + len) as usize;
-                for (i, (&got, (&want, &known))) in
-                    buf.iter().zip(self.model.bytes[range.clone()].iter().zip(&self.model.known[range])).enumerate()
+                for (i, ((&got, &got_shared), (&want, &known))) in buf
+                    .iter()
+                    .zip(&shared)
+                    .zip(self.model.bytes[range.clone()].iter().zip(&self.model.known[range]))
+                    .enumerate()
                 {
-                    if known && got != want {
-                        return Err(format!("byte {} reads {got:#x}, model has {want:#x}", offset + i as u64));
+                    if known && (got != want || got_shared != want) {
+                        return Err(format!(
+                            "byte {} reads {got:#x} (shared {got_shared:#x}), model has {want:#x}",
+                            offset + i as u64
+                        ));
                     }
                 }
             }

@@ -7,11 +7,13 @@
 //! syscall, while a lone request is answered at once. A large write's reply goes out as soon as
 //! it is served.
 
-use std::io::{self, IoSliceMut, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use bytes::Bytes;
 
 use crate::counters::{command_name, ProtocolCounters, Refusal};
 use crate::device::{BlockDevice, DeviceError, ExportAccess, Payload};
@@ -245,6 +247,9 @@ const DIRECT_RECEIVE_BYTES: usize = 64 * 1024;
 /// request's header and a small payload. A full read-ahead there takes the start of the next large
 /// write's payload too, which is then copied twice (socket to input buffer to device).
 const READ_AFTER_DIRECT_BYTES: usize = 4096 + REQUEST_HEADER_BYTES;
+/// Reads at least this long are sent from the device's own buffers ([`BlockDevice::read_shared`])
+/// in one vectored write, not copied into the output first.
+const SHARED_READ_BYTES: usize = 32 * 1024;
 /// Flush the output early once this much is waiting, so large reads do not pile up.
 const OUTPUT_HIGH_WATER: usize = 4 << 20;
 /// Most buffers one `readv` takes (Linux's UIO_MAXIOV).
@@ -308,6 +313,25 @@ impl<T: Transport> Wire<T> {
             self.stream.flush()?;
         }
         Ok(())
+    }
+
+    /// Sends what is in the output, then `pieces`, in one vectored write where the stream
+    /// takes it.
+    fn send_with(&mut self, pieces: &[Bytes]) -> io::Result<()> {
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 1);
+        slices.push(IoSlice::new(&self.output));
+        slices.extend(pieces.iter().map(|piece| IoSlice::new(piece)));
+        let mut rest = slices.as_mut_slice();
+        while !rest.is_empty() {
+            match self.stream.write_vectored(rest) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => IoSlice::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.output.clear();
+        self.stream.flush()
     }
 
     /// Waits for input by asking the socket, without sleeping, for up to `poll`: a thread that
@@ -622,7 +646,7 @@ fn transmit<T: Transport>(
                 true
             }
             Ok(Command::Read { offset, length }) => {
-                read(wire, &mut session, header.cookie, offset, length);
+                read(wire, &mut session, header.cookie, offset, length)?;
                 false
             }
             Ok(command) => {
@@ -754,13 +778,19 @@ fn reply_status<T>(
 }
 
 /// Reads straight into the output buffer behind the reply header, so data is copied once.
-fn read<T>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u64, length: u32) {
+fn read<T: Transport>(
+    wire: &mut Wire<T>,
+    session: &mut Negotiated,
+    cookie: u64,
+    offset: u64,
+    length: u32,
+) -> io::Result<()> {
     let Wire { output: out, counters, .. } = wire;
     let mark = out.len();
     if session.structured_replies {
         if length == 0 {
             chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
-            return;
+            return Ok(());
         }
         chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, 8 + length);
         put_u64(out, offset);
@@ -768,8 +798,16 @@ fn read<T>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u6
         simple_reply(out, cookie, 0);
     }
     let data_start = out.len();
-    out.resize(data_start + length as usize, 0);
-    if let Err(error) = session.device.read(offset, &mut out[data_start..]) {
+    let result = if length as usize >= SHARED_READ_BYTES {
+        match session.device.read_shared(offset, length as usize) {
+            Ok(pieces) => return wire.send_with(&pieces),
+            Err(error) => Err(error),
+        }
+    } else {
+        out.resize(data_start + length as usize, 0);
+        session.device.read(offset, &mut out[data_start..])
+    };
+    if let Err(error) = result {
         out.truncate(mark);
         tracing::debug!(%error, offset, length, "read failed");
         let errno = errno_of(error.kind);
@@ -780,6 +818,7 @@ fn read<T>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u6
             simple_reply(out, cookie, errno as u32);
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@
 use std::fmt;
 use std::io::{self, IoSliceMut};
 
+use bytes::Bytes;
+
 /// A write's data, still to be read from the connection.
 pub trait Payload {
     /// Fills `buffers`, in order, with the next bytes of the write's data; together they may not
@@ -94,6 +96,14 @@ pub trait BlockDevice: Send {
     fn size(&self) -> u64;
     fn capabilities(&self) -> Capabilities;
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError>;
+    /// Reads `length` bytes at `offset` as pieces the connection sends in order, with no copy
+    /// of its own: a device whose blocks are already in shared buffers lends them. The default
+    /// reads into one new buffer.
+    fn read_shared(&mut self, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
+        let mut buf = vec![0u8; length];
+        self.read(offset, &mut buf)?;
+        Ok(vec![Bytes::from(buf)])
+    }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError>;
     /// A write whose `length` bytes are still in the socket: the device hands `payload` the
     /// buffers they should land in, so a device that keeps blocks in memory can have them copied

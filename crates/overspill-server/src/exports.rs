@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use overspill_engine::arena::Arena;
 use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::state::StateFiles;
@@ -614,6 +615,13 @@ impl BlockDevice for EngineDevice {
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
         self.record(OpKind::Read, offset, buf.len() as u64);
         self.timed(GuestOp::Read, |o| o.read(offset, buf))
+    }
+
+    fn read_shared(&mut self, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
+        self.record(OpKind::Read, offset, length as u64);
+        let mut pieces = Vec::new();
+        self.timed(GuestOp::Read, |o| o.read_shared(offset, length).map(|read| pieces = read))?;
+        Ok(pieces)
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
