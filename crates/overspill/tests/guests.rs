@@ -7,10 +7,10 @@ use std::time::Duration;
 use tempfile::TempDir;
 
 mod common;
-use common::Serve;
+use common::{sample, scrape, Serve};
 #[path = "common/guest.rs"]
 mod guest;
-use guest::{ext4_image, Guest, GuestKit};
+use guest::{ext4_image, Extras, Guest, GuestKit};
 
 const FILES: u32 = 24;
 
@@ -85,4 +85,162 @@ fn a_guest_writing_files_rides_through_a_killed_and_a_stopped_server() {
     assert!(console.contains("JOB EXIT 0"), "{console}");
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
     drop(server);
+}
+
+/// Mounts `device` (set up by `setup`), writes 8 files to keep and 8 to delete (1 MiB of random
+/// bytes each), pauses at "WRITTEN" for the test to read the server's counters, deletes the 8,
+/// runs `fstrim`, pauses at "TRIMMED", then reads the kept files back past the page cache and
+/// checks their checksums, and runs `teardown`.
+fn trim_job(device: &str, setup: &str, teardown: &str) -> String {
+    format!(
+        r#"{setup}
+mount {device} /mnt || exit 1
+grep -q "golden file" /mnt/golden.txt || {{ echo "GOLDEN FILE WRONG"; exit 1; }}
+for i in 1 2 3 4 5 6 7 8; do
+  dd if=/dev/urandom of=/mnt/keep$i bs=64k count=16 2>/dev/null
+  dd if=/dev/urandom of=/mnt/temp$i bs=64k count=16 2>/dev/null
+done
+(cd /mnt && sha256sum keep* > sums)
+sync
+echo WRITTEN
+sleep 5
+rm /mnt/temp*
+sync
+fstrim -v /mnt || echo "FSTRIM FAILED"
+sync
+echo TRIMMED
+sleep 5
+umount /mnt
+echo 3 > /proc/sys/vm/drop_caches
+mount {device} /mnt || exit 1
+if (cd /mnt && sha256sum -c sums > /tmp/check 2>&1); then
+  echo "CHECKSUMS OK $(wc -l < /mnt/sums)"
+else
+  cat /tmp/check
+  echo "CHECKSUMS FAILED"
+fi
+umount /mnt
+{teardown}
+"#
+    )
+}
+
+/// The server's metrics endpoint, from its log.
+fn metrics_url(server: &Serve) -> String {
+    let log = server.log_text();
+    let url = log.lines().find_map(|line| {
+        let at = line.find("metrics=http://")? + "metrics=".len();
+        Some(line[at..].split_whitespace().next()?.trim_matches('"').to_string())
+    });
+    url.unwrap_or_else(|| panic!("no metrics endpoint in the log:\n{log}"))
+}
+
+/// A VM's figure from the server's metrics.
+fn vm_figure(url: &str, family: &str, vm: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut wanted = vec![("vm", vm)];
+    wanted.extend_from_slice(labels);
+    sample(&scrape(url), family, &wanted)
+}
+
+/// Follows a guest running [`trim_job`] for VM `vm`: TRIM must reach the server and give the
+/// deleted files' RAM back, the kept files must read back whole, and the VM's overlay must be gone
+/// once the guest has ended (its client disconnected cleanly).
+fn check_trim_run(server: &mut Serve, mut guest: Guest, vm: &str, dir: &Path) {
+    let url = metrics_url(server);
+    let memory = "overspill_vm_cache_memory_used_bytes";
+    let trims = "overspill_vm_guest_requests_total";
+    guest.wait_for("WRITTEN\n", Duration::from_secs(300));
+    let used_written = vm_figure(&url, memory, vm, &[]);
+    let trims_written = vm_figure(&url, trims, vm, &[("op", "trim")]);
+    assert!(used_written >= 16.0 * 1048576.0, "16 MiB written, {used_written} bytes of cache memory used");
+    guest.wait_for("TRIMMED\n", Duration::from_secs(300));
+    let used_trimmed = vm_figure(&url, memory, vm, &[]);
+    let trims_trimmed = vm_figure(&url, trims, vm, &[("op", "trim")]);
+    let console = guest.console_text();
+    assert!(!console.contains("FSTRIM FAILED"), "fstrim failed in the guest:\n{console}");
+    assert!(trims_trimmed > trims_written, "no TRIM reached the server ({trims_written} then {trims_trimmed})");
+    assert!(
+        used_trimmed <= used_written - 7.0 * 1048576.0,
+        "8 MiB deleted and trimmed gave back too little RAM: {used_written} then {used_trimmed} bytes"
+    );
+    let console = guest.wait_exit(Duration::from_secs(300));
+    assert!(console.contains("CHECKSUMS OK 8"), "the kept files after TRIM:\n{console}");
+    assert!(console.contains("JOB EXIT 0"), "{console}");
+    // The clean end drops the overlay: its series leave the metrics, its files the disk.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let gone = !scrape(&url)
+            .keys()
+            .any(|(name, labels)| name == memory && labels.get("vm").map(String::as_str) == Some(vm));
+        let files: Vec<_> = ["memory", "spill"]
+            .iter()
+            .flat_map(|sub| std::fs::read_dir(dir.join(sub)).into_iter().flatten().flatten())
+            .map(|entry| entry.path())
+            // The server's own ledger and control socket stay.
+            .filter(|path| !path.ends_with("spill/state"))
+            .collect();
+        if gone && files.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "VM {vm} still has an overlay: metrics gone {gone}, files {files:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    server.assert_running();
+}
+
+/// The smoke test of a real host: a guest on a virtio disk (QEMU's NBD client, `discard=unmap`)
+/// writes, deletes, TRIMs and reads back; TRIM reaches the server and gives RAM back, and the
+/// overlay goes when the guest powers off.
+#[test]
+fn a_guest_trims_and_the_server_gives_its_ram_back() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]);
+    let golden_before = std::fs::read(&golden).expect("golden image");
+    let kit = GuestKit::build(dir.path(), &trim_job("/dev/vda", "", ""));
+    let socket = dir.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "64M"];
+    let ready = || std::os::unix::net::UnixStream::connect(&socket).is_ok();
+    let mut server = Serve::start(dir.path(), &[&args[..], &["--metrics", "tcp:127.0.0.1:0"]].concat(), &[], ready);
+    let guest = Guest::boot(&kit, dir.path(), &socket, "@trimmer", 0);
+    check_trim_run(&mut server, guest, "trimmer", dir.path());
+    assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
+}
+
+/// The same with the Linux kernel's own NBD client: `nbd-client` (Debian's, with the `nbd.ko` of
+/// the guest's kernel) connects from inside the guest over QEMU's user network to the server's
+/// TCP port, and `nbd-client -d` ends the connection cleanly.
+#[test]
+fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]);
+    let golden_before = std::fs::read(&golden).expect("golden image");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let setup = format!(
+        "ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 || exit 1\n\
+         nbd-client 10.0.2.2 {port} /dev/nbd0 -N @kernel -b 4096 || exit 1"
+    );
+    let job = trim_job("/dev/nbd0", &setup, "nbd-client -d /dev/nbd0");
+    let extras =
+        Extras { modules: &["nbd", "virtio_net"], programs: &[("/usr/sbin/nbd-client", "nbd-client")], disk: false };
+    let kit = GuestKit::build_with(dir.path(), &job, &extras);
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let args = [
+        "--base",
+        golden.to_str().expect("utf-8"),
+        "--listen",
+        &listen,
+        "--ram",
+        "64M",
+        "--metrics",
+        "tcp:127.0.0.1:0",
+    ];
+    let ready = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+    let mut server = Serve::start(dir.path(), &args, &[], ready);
+    let guest = Guest::boot_networked(&kit, dir.path());
+    check_trim_run(&mut server, guest, "kernel", dir.path());
+    assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
 }

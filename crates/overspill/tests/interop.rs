@@ -29,7 +29,7 @@ const WAIT: Duration = Duration::from_secs(10);
 // Data
 
 mod common;
-use common::{assert_same, pseudo_random, run_ok, run_tool, spawn_tool, ToolOutput};
+use common::{assert_same, http_get, pseudo_random, run_ok, run_tool, sample, scrape, spawn_tool, ToolOutput};
 
 /// A golden image file with the bytes it was made from, to prove later that nobody wrote it.
 struct Golden {
@@ -953,44 +953,6 @@ fn metrics_url(server: &Server) -> String {
     server.wait_for("the metrics endpoint", || {
         server.events("metrics endpoint up").first().and_then(|f| f["metrics"].as_str().map(str::to_owned))
     })
-}
-
-/// A plain HTTP GET: (status line, Content-Type, body).
-fn http_get(url: &str, accept: &str) -> (String, String, String) {
-    let rest = url.strip_prefix("http://").expect("http URL");
-    let (host, path) = rest.split_once('/').expect("URL with a path");
-    let mut stream = std::net::TcpStream::connect(host).expect("connect to the metrics endpoint");
-    write!(stream, "GET /{path} HTTP/1.0\r\nHost: {host}\r\nAccept: {accept}\r\n\r\n").expect("send");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read");
-    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
-    let content_type = head
-        .lines()
-        .find_map(|l| l.strip_prefix("Content-Type: ").or_else(|| l.strip_prefix("content-type: ")))
-        .unwrap_or_default()
-        .to_owned();
-    (head.lines().next().unwrap_or_default().to_owned(), content_type, body.to_owned())
-}
-
-fn scrape(url: &str) -> Samples {
-    let (status, _, body) = http_get(url, "text/plain");
-    assert!(status.contains("200"), "{status}");
-    overspill::stat::parse(&body)
-}
-
-use overspill::stat::Samples;
-
-/// The value of the one series of `family` whose labels include all of `labels`.
-fn sample(samples: &Samples, family: &str, labels: &[(&str, &str)]) -> f64 {
-    let found: Vec<f64> = samples
-        .iter()
-        .filter(|((name, l), _)| {
-            name == family && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
-        })
-        .map(|(_, v)| *v)
-        .collect();
-    assert_eq!(found.len(), 1, "{family} {labels:?}: {found:?}");
-    found[0]
 }
 
 fn promtool_check(body: &str) {

@@ -64,11 +64,45 @@ fn with_dependencies(modules: &Path, wanted: &[&str]) -> Vec<PathBuf> {
     order.into_iter().map(|path| modules.join(path)).collect()
 }
 
+/// What a guest needs beyond the virtio disk: more kernel modules, programs from the host (with
+/// the shared libraries they load; each with the package that has it), and whether `init` waits
+/// for `/dev/vda`.
+pub struct Extras<'a> {
+    pub modules: &'a [&'a str],
+    pub programs: &'a [(&'a str, &'a str)],
+    pub disk: bool,
+}
+
+impl Default for Extras<'_> {
+    fn default() -> Self {
+        Self { modules: &[], programs: &[], disk: true }
+    }
+}
+
+/// `program` and the shared libraries `ldd` says it loads (the dynamic loader included).
+fn with_libraries(program: &str) -> Vec<PathBuf> {
+    let out = Command::new("ldd").arg(program).output().expect("ldd");
+    assert!(out.status.success(), "ldd {program}: {}", String::from_utf8_lossy(&out.stderr));
+    let mut files = vec![PathBuf::from(program)];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let path = line.split_once("=> ").map_or(line.trim(), |(_, rest)| rest).split(" (").next().unwrap_or("");
+        if path.starts_with('/') {
+            files.push(PathBuf::from(path));
+        }
+    }
+    files
+}
+
 impl GuestKit {
     /// Builds, in `dir`, an initramfs whose init mounts the usual filesystems, loads virtio-blk,
     /// waits for /dev/vda, runs `job` (a busybox shell script), prints `JOB EXIT <status>` and
     /// powers off.
     pub fn build(dir: &Path, job: &str) -> Self {
+        Self::build_with(dir, job, &Extras::default())
+    }
+
+    /// As [`Self::build`], with `extras` in the initramfs.
+    pub fn build_with(dir: &Path, job: &str, extras: &Extras<'_>) -> Self {
         let (kernel, modules) = cloud_kernel();
         let root = dir.join("initramfs");
         for sub in ["bin", "lib/modules"] {
@@ -76,12 +110,23 @@ impl GuestKit {
         }
         fs::copy("/bin/busybox", root.join("bin/busybox"))
             .expect("/bin/busybox: install busybox-static (scripts/test does)");
+        for &(program, package) in extras.programs {
+            assert!(Path::new(program).exists(), "{program} is missing: install {package} (scripts/test does)");
+            for file in with_libraries(program) {
+                let target = root.join(file.strip_prefix("/").expect("absolute path"));
+                fs::create_dir_all(target.parent().expect("a parent")).expect("initramfs dirs");
+                fs::copy(&file, &target).unwrap_or_else(|e| panic!("copying {}: {e}", file.display()));
+            }
+        }
         let mut loads = String::new();
-        for module in with_dependencies(&modules, &MODULES) {
+        let wanted: Vec<&str> = MODULES.iter().chain(extras.modules).copied().collect();
+        for module in with_dependencies(&modules, &wanted) {
             let name = module.file_name().expect("module file").to_owned();
             fs::copy(&module, root.join("lib/modules").join(&name)).expect("copying a module");
             loads.push_str(&format!("insmod /lib/modules/{}\n", name.to_string_lossy()));
         }
+        let wait_for_disk =
+            if extras.disk { "for i in $(seq 50); do [ -b /dev/vda ] && break; sleep 0.2; done\n" } else { "" };
         let init = format!(
             "#!/bin/busybox sh\n\
              /bin/busybox mkdir -p /proc /sys /dev /mnt /tmp /sbin /usr/bin /usr/sbin\n\
@@ -90,7 +135,7 @@ impl GuestKit {
              /bin/busybox mount -t devtmpfs dev /dev\n\
              /bin/busybox --install -s\n\
              {loads}\
-             for i in $(seq 50); do [ -b /dev/vda ] && break; sleep 0.2; done\n\
+             {wait_for_disk}\
              echo GUEST UP\n\
              sh /job.sh\n\
              echo \"JOB EXIT $?\"\n\
@@ -114,7 +159,8 @@ impl GuestKit {
     }
 }
 
-/// An ext4 golden image of `mib` MiB holding `files` (name, contents), made with mkfs.ext4.
+/// An ext4 golden image of `mib` MiB with 4 KiB blocks holding `files` (name, contents), made
+/// with mkfs.ext4.
 pub fn ext4_image(dir: &Path, mib: u64, files: &[(&str, &[u8])]) -> PathBuf {
     let content = dir.join("golden-content");
     fs::create_dir_all(&content).expect("content dir");
@@ -124,7 +170,9 @@ pub fn ext4_image(dir: &Path, mib: u64, files: &[(&str, &[u8])]) -> PathBuf {
     let image = dir.join("golden.img");
     fs::File::create(&image).and_then(|f| f.set_len(mib << 20)).expect("image file");
     let out = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-d"])
+        // 4 KiB blocks, as real images have (a small filesystem would get 1 KiB ones, which a
+        // disk with 4 KiB sectors cannot mount).
+        .args(["-q", "-F", "-b", "4096", "-d"])
         .arg(&content)
         .arg(&image)
         .output()
@@ -143,11 +191,21 @@ impl Guest {
     /// Boots `kit` with one virtio disk, the NBD export `export` at unix socket `socket`, with
     /// discard passed down and QEMU's reconnect delay (seconds).
     pub fn boot(kit: &GuestKit, dir: &Path, socket: &Path, export: &str, reconnect_delay: u32) -> Self {
-        let console = dir.join("console.log");
         let disk = format!(
             r#"{{"driver":"raw","node-name":"disk0","discard":"unmap","file":{{"driver":"nbd","server":{{"type":"unix","path":"{}"}},"export":"{export}","reconnect-delay":{reconnect_delay}}}}}"#,
             socket.display()
         );
+        Self::start(kit, dir, &["-blockdev", &disk, "-device", "virtio-blk-pci,drive=disk0"])
+    }
+
+    /// Boots `kit` with no disk and a virtio network card on QEMU's user network, where the
+    /// host's loopback is 10.0.2.2 (the guest is to be 10.0.2.15).
+    pub fn boot_networked(kit: &GuestKit, dir: &Path) -> Self {
+        Self::start(kit, dir, &["-netdev", "user,id=net0", "-device", "virtio-net-pci,netdev=net0"])
+    }
+
+    fn start(kit: &GuestKit, dir: &Path, devices: &[&str]) -> Self {
+        let console = dir.join("console.log");
         let child = Command::new("qemu-system-x86_64")
             .args(["-accel", "tcg", "-m", "256", "-smp", "1", "-nodefaults", "-no-user-config", "-display", "none"])
             .args(["-no-reboot", "-serial", &format!("file:{}", console.display())])
@@ -156,7 +214,7 @@ impl Guest {
             .arg("-initrd")
             .arg(&kit.initrd)
             .args(["-append", "console=ttyS0 panic=-1 quiet"])
-            .args(["-blockdev", &disk, "-device", "virtio-blk-pci,drive=disk0"])
+            .args(devices)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(fs::File::create(dir.join("qemu.log")).expect("qemu log"))

@@ -1,7 +1,9 @@
 //! Helpers shared by this crate's integration tests (each test file includes it as a module).
 #![allow(dead_code)] // each test file uses its own subset
 
-use std::io::{ErrorKind, Read};
+use std::io::{ErrorKind, Read, Write};
+
+use overspill::stat::Samples;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -192,4 +194,40 @@ impl Drop for Serve {
             eprintln!("--- server log ---\n{}", self.log_text());
         }
     }
+}
+
+/// A plain HTTP GET: (status line, Content-Type, body).
+pub fn http_get(url: &str, accept: &str) -> (String, String, String) {
+    let rest = url.strip_prefix("http://").expect("http URL");
+    let (host, path) = rest.split_once('/').expect("URL with a path");
+    let mut stream = std::net::TcpStream::connect(host).expect("connect to the metrics endpoint");
+    write!(stream, "GET /{path} HTTP/1.0\r\nHost: {host}\r\nAccept: {accept}\r\n\r\n").expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
+    let content_type = head
+        .lines()
+        .find_map(|l| l.strip_prefix("Content-Type: ").or_else(|| l.strip_prefix("content-type: ")))
+        .unwrap_or_default()
+        .to_owned();
+    (head.lines().next().unwrap_or_default().to_owned(), content_type, body.to_owned())
+}
+
+pub fn scrape(url: &str) -> Samples {
+    let (status, _, body) = http_get(url, "text/plain");
+    assert!(status.contains("200"), "{status}");
+    overspill::stat::parse(&body)
+}
+
+/// The value of the one series of `family` whose labels include all of `labels`.
+pub fn sample(samples: &Samples, family: &str, labels: &[(&str, &str)]) -> f64 {
+    let found: Vec<f64> = samples
+        .iter()
+        .filter(|((name, l), _)| {
+            name == family && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|(_, v)| *v)
+        .collect();
+    assert_eq!(found.len(), 1, "{family} {labels:?}: {found:?}");
+    found[0]
 }
