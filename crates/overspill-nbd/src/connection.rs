@@ -248,7 +248,7 @@ const DIRECT_RECEIVE_BYTES: usize = 64 * 1024;
 /// write's payload too, which is then copied twice (socket to input buffer to device).
 const READ_AFTER_DIRECT_BYTES: usize = 4096 + REQUEST_HEADER_BYTES;
 /// Reads at least this long are sent from the device's own buffers ([`BlockDevice::read_shared`])
-/// in one vectored write, not copied into the output first.
+/// by the output's vectored write, not copied into the output first.
 const SHARED_READ_BYTES: usize = 32 * 1024;
 /// Flush the output early once this much is waiting, so large reads do not pile up.
 const OUTPUT_HIGH_WATER: usize = 4 << 20;
@@ -272,6 +272,10 @@ struct Wire<T> {
     start: usize,
     end: usize,
     output: Vec<u8>,
+    /// Read data the device lent ([`BlockDevice::read_shared`]), each piece to go out after
+    /// `output[..at]`, so that replies still leave in order and together, one `writev`.
+    lent: Vec<(usize, Bytes)>,
+    lent_bytes: usize,
 }
 
 impl<T: Transport> Wire<T> {
@@ -286,6 +290,8 @@ impl<T: Transport> Wire<T> {
             start: 0,
             end: 0,
             output,
+            lent: Vec::new(),
+            lent_bytes: 0,
         }
     }
 
@@ -306,32 +312,54 @@ impl<T: Transport> Wire<T> {
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        if !self.output.is_empty() {
-            self.stream.write_all(&self.output)?;
-            self.output.clear();
-            // A socket sends on write; a TLS stream may hold the last record until flushed.
-            self.stream.flush()?;
-        }
-        Ok(())
-    }
-
-    /// Sends what is in the output, then `pieces`, in one vectored write where the stream
-    /// takes it.
-    fn send_with(&mut self, pieces: &[Bytes]) -> io::Result<()> {
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 1);
-        slices.push(IoSlice::new(&self.output));
-        slices.extend(pieces.iter().map(|piece| IoSlice::new(piece)));
-        let mut rest = slices.as_mut_slice();
-        while !rest.is_empty() {
-            match self.stream.write_vectored(rest) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => IoSlice::advance_slices(&mut rest, n),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+        if self.lent.is_empty() {
+            if self.output.is_empty() {
+                return Ok(());
             }
+            self.stream.write_all(&self.output)?;
+        } else {
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * self.lent.len() + 1);
+            let mut from = 0;
+            for (at, piece) in &self.lent {
+                if *at > from {
+                    slices.push(IoSlice::new(&self.output[from..*at]));
+                    from = *at;
+                }
+                slices.push(IoSlice::new(piece));
+            }
+            if from < self.output.len() {
+                slices.push(IoSlice::new(&self.output[from..]));
+            }
+            let mut rest = slices.as_mut_slice();
+            while !rest.is_empty() {
+                let batch = rest.len().min(MAX_IOVECS);
+                match self.stream.write_vectored(&rest[..batch]) {
+                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                    Ok(n) => IoSlice::advance_slices(&mut rest, n),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            self.lent.clear();
+            self.lent_bytes = 0;
         }
         self.output.clear();
+        // A socket sends on write; a TLS stream may hold the last record until flushed.
         self.stream.flush()
+    }
+
+    /// Queues `pieces` to go out after what the output holds now.
+    fn lend(&mut self, pieces: Vec<Bytes>) {
+        let at = self.output.len();
+        for piece in pieces {
+            self.lent_bytes += piece.len();
+            self.lent.push((at, piece));
+        }
+    }
+
+    /// Bytes waiting to be sent.
+    fn unsent(&self) -> usize {
+        self.output.len() + self.lent_bytes
     }
 
     /// Waits for input by asking the socket, without sleeping, for up to `poll`: a thread that
@@ -646,7 +674,7 @@ fn transmit<T: Transport>(
                 true
             }
             Ok(Command::Read { offset, length }) => {
-                read(wire, &mut session, header.cookie, offset, length)?;
+                read(wire, &mut session, header.cookie, offset, length);
                 false
             }
             Ok(command) => {
@@ -660,7 +688,7 @@ fn transmit<T: Transport>(
         if disconnect {
             break;
         }
-        if wire.output.len() >= OUTPUT_HIGH_WATER {
+        if wire.unsent() >= OUTPUT_HIGH_WATER {
             wire.flush()?;
         }
     }
@@ -778,19 +806,13 @@ fn reply_status<T>(
 }
 
 /// Reads straight into the output buffer behind the reply header, so data is copied once.
-fn read<T: Transport>(
-    wire: &mut Wire<T>,
-    session: &mut Negotiated,
-    cookie: u64,
-    offset: u64,
-    length: u32,
-) -> io::Result<()> {
+fn read<T: Transport>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u64, length: u32) {
     let Wire { output: out, counters, .. } = wire;
     let mark = out.len();
     if session.structured_replies {
         if length == 0 {
             chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
-            return Ok(());
+            return;
         }
         chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, 8 + length);
         put_u64(out, offset);
@@ -800,7 +822,10 @@ fn read<T: Transport>(
     let data_start = out.len();
     let result = if length as usize >= SHARED_READ_BYTES {
         match session.device.read_shared(offset, length as usize) {
-            Ok(pieces) => return wire.send_with(&pieces),
+            Ok(pieces) => {
+                wire.lend(pieces);
+                return;
+            }
             Err(error) => Err(error),
         }
     } else {
@@ -818,7 +843,6 @@ fn read<T: Transport>(
             simple_reply(out, cookie, errno as u32);
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
