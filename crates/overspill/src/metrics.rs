@@ -15,6 +15,10 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use anyhow::Context as _;
+use bytes::Bytes;
+use http_body_util::Full;
+
 use overspill_engine::read_cache::ReadCacheStats;
 use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
 use overspill_engine::{HostMemory, VmStats};
@@ -511,7 +515,60 @@ fn process_figures(w: &mut Writer) {
 
 static START: std::sync::OnceLock<SystemTime> = std::sync::OnceLock::new();
 
-/// Serves `/metrics` and `/healthz` on `addr` from a thread of its own.
+/// HTTP connections served at once; more are closed as they come until some end.
+const MAX_HTTP_CLIENTS: usize = 128;
+/// The longest an HTTP connection lives, however it behaves: a client that sends requests and
+/// never reads the answers holds its slot no longer than this (Prometheus's scrape timeout
+/// defaults to 10 s).
+const HTTP_CLIENT_LIFETIME: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's header.
+const HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the endpoint answers from.
+struct Endpoint {
+    registry: Arc<VmRegistry>,
+    read_caches: Arc<ReadCacheList>,
+    host: Arc<HostMemory>,
+    protocol: Arc<ProtocolCounters>,
+    cache_dirs: Vec<std::path::PathBuf>,
+}
+
+impl Endpoint {
+    fn answer(&self, request: &hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
+        let accept = request.headers().get(hyper::header::ACCEPT).and_then(|value| value.to_str().ok());
+        let (status, body, content_type) = match request.uri().path() {
+            "/metrics" => {
+                let format = Format::from_accept(accept);
+                let body = render(
+                    &self.registry,
+                    &self.read_caches.live(),
+                    &self.host,
+                    &self.protocol,
+                    &self.cache_dirs,
+                    format,
+                );
+                (hyper::StatusCode::OK, body, format.content_type())
+            }
+            "/healthz" => (hyper::StatusCode::OK, "ok\n".to_owned(), "text/plain; charset=utf-8"),
+            _ => (
+                hyper::StatusCode::NOT_FOUND,
+                "not found: try /metrics or /healthz\n".to_owned(),
+                "text/plain; charset=utf-8",
+            ),
+        };
+        let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+        *response.status_mut() = status;
+        response
+            .headers_mut()
+            .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
+        response
+    }
+}
+
+/// Serves `/metrics` and `/healthz` on `addr` from a thread of its own, each HTTP connection a
+/// task of that thread's event loop: a client that never reads its answers (1,000 pipelined
+/// requests, say) stalls only its own connection, for at most [`HTTP_CLIENT_LIFETIME`], and no
+/// health check waits behind it.
 pub fn spawn_endpoint(
     addr: &str,
     registry: Arc<VmRegistry>,
@@ -521,35 +578,59 @@ pub fn spawn_endpoint(
     cache_dirs: Vec<std::path::PathBuf>,
 ) -> anyhow::Result<String> {
     START.get_or_init(SystemTime::now);
-    let server = tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
-    let bound = server.server_addr().to_string();
+    let listener = std::net::TcpListener::bind(addr).with_context(|| format!("metrics endpoint on {addr}"))?;
+    listener.set_nonblocking(true).with_context(|| format!("metrics endpoint on {addr}"))?;
+    let bound = listener.local_addr().with_context(|| format!("metrics endpoint on {addr}"))?.to_string();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .context("starting the metrics endpoint's event loop")?;
+    let endpoint = Arc::new(Endpoint { registry, read_caches, host, protocol, cache_dirs });
     std::thread::Builder::new().name("metrics".into()).spawn(move || {
-        for request in server.incoming_requests() {
-            let accept =
-                request.headers().iter().find(|h| h.field.equiv("Accept")).map(|h| h.value.as_str().to_owned());
-            let (status, body, content_type) = match request.url() {
-                "/metrics" => {
-                    let format = Format::from_accept(accept.as_deref());
-                    (
-                        200,
-                        render(&registry, &read_caches.live(), &host, &protocol, &cache_dirs, format),
-                        format.content_type(),
-                    )
-                }
-                "/healthz" => (200, "ok\n".to_owned(), "text/plain; charset=utf-8"),
-                _ => (404, "not found: try /metrics or /healthz\n".to_owned(), "text/plain; charset=utf-8"),
-            };
-            let header = tiny_http::Header::from_bytes("Content-Type", content_type).ok();
-            let mut response = tiny_http::Response::from_string(body).with_status_code(status);
-            if let Some(header) = header {
-                response.add_header(header);
+        runtime.block_on(async move {
+            match tokio::net::TcpListener::from_std(listener) {
+                Ok(listener) => serve_http(listener, endpoint).await,
+                Err(error) => tracing::error!(%error, "metrics endpoint stopped"),
             }
-            if let Err(error) = request.respond(response) {
-                tracing::debug!(%error, "metrics client went away");
-            }
-        }
+        })
     })?;
     Ok(bound)
+}
+
+async fn serve_http(listener: tokio::net::TcpListener, endpoint: Arc<Endpoint>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CLIENTS));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of descriptors, most likely: the NBD side needs them more; try again soon.
+                tracing::debug!(%error, "metrics endpoint could not accept");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!("metrics endpoint full: a connection closed unanswered");
+            continue;
+        };
+        let endpoint = endpoint.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let response = endpoint.answer(&request);
+                async move { Ok::<_, std::convert::Infallible>(response) }
+            });
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HTTP_HEADER_TIMEOUT);
+            let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            match tokio::time::timeout(HTTP_CLIENT_LIFETIME, connection).await {
+                Ok(Err(error)) => tracing::debug!(%error, "metrics client went away"),
+                Err(_) => tracing::debug!("metrics client held its connection too long: closed"),
+                Ok(Ok(())) => {}
+            }
+            drop(slot);
+        });
+    }
 }
 
 /// How long `overspill stat` waits for the endpoint.

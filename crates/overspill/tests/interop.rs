@@ -1157,3 +1157,38 @@ fn vms_keep_their_image_version_and_old_versions_are_released() {
     v1.assert_untouched();
     v2.assert_untouched();
 }
+
+/// One HTTP client that pipelines requests and never reads the answers (what stalled the
+/// endpoint's only thread for every health check) holds only its own connection: `/healthz` and
+/// `/metrics` answer other clients at once, and the server stays up.
+#[test]
+fn a_metrics_client_that_never_reads_stalls_no_one_else() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = Golden::create(dir.path(), "golden.img", GOLDEN_BYTES, 37);
+    let server = Server::start(dir.path(), &golden, &["--metrics", "tcp:127.0.0.1:0"]);
+    let url = metrics_url(&server);
+    let host = url.strip_prefix("http://").and_then(|rest| rest.split('/').next()).expect("host").to_owned();
+    // Several VMs, so that each answer is large enough to fill a socket's buffers soon.
+    let _vms: Vec<_> = (0..20).map(|i| server.client(&format!("@vm-{i}"))).collect();
+    let mut hogs = Vec::new();
+    for _ in 0..4 {
+        let mut hog = std::net::TcpStream::connect(&host).expect("connect");
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n").repeat(1000);
+        hog.set_write_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        // The server stops reading a connection whose answers pile up: the rest of the
+        // requests may not fit in the socket.
+        let _ = hog.write_all(request.as_bytes());
+        hogs.push(hog);
+    }
+    for _ in 0..5 {
+        let started = Instant::now();
+        let (status, _, body) = http_get(&url.replace("/metrics", "/healthz"), "*/*");
+        assert!(status.contains("200") && body == "ok\n", "{status} {body}");
+        assert!(started.elapsed() < Duration::from_secs(3), "/healthz took {:?}", started.elapsed());
+        let samples = scrape(&url);
+        assert_eq!(sample(&samples, "overspill_connected_vms", &[]), 20.0);
+    }
+    drop(hogs);
+    let (status, _, _) = http_get(&url.replace("/metrics", "/healthz"), "*/*");
+    assert!(status.contains("200"), "{status}");
+}
