@@ -50,6 +50,9 @@ pub struct ReadCacheStats {
 /// A cached chunk's bytes, shared by the cache and the readers copying out of it.
 type Chunk = Arc<ChunkBuf>;
 
+/// Part of a chunk: the bytes `range` of it.
+type ChunkPiece = (Chunk, std::ops::Range<usize>);
+
 /// A chunk lent out as [`Bytes`]: the reader keeps it alive (an evicted chunk's slot is reused
 /// only once the last of these is gone).
 struct SharedChunk(Chunk);
@@ -241,6 +244,26 @@ impl CachedImage {
     /// caches them and hands them to whoever waits. On error the waiters get the error too.
     /// Returns the chunks and what the read cost the storage behind the source (less than the
     /// bytes fetched when the source has a cache of its own, such as a local disk tier).
+    /// The bytes `offset..offset + len` as far as the image goes, in order, as ranges of the
+    /// chunks that hold them, with what fetching the missing chunks cost.
+    fn pieces(&self, offset: u64, len: usize) -> io::Result<(Vec<ChunkPiece>, SourceReads)> {
+        let end = offset.saturating_add(len as u64).min(self.size());
+        if offset >= end {
+            return Ok((Vec::new(), SourceReads::default()));
+        }
+        let (first, chunks, fetched) = self.chunks(offset, end)?;
+        let mut pieces = Vec::with_capacity(chunks.len());
+        for (k, chunk) in chunks.into_iter().enumerate() {
+            let chunk_start = (first + k as u64) * self.chunk_bytes;
+            let from = offset.max(chunk_start);
+            let to = end.min(chunk_start + chunk.len() as u64);
+            if from < to {
+                pieces.push((chunk, (from - chunk_start) as usize..(to - chunk_start) as usize));
+            }
+        }
+        Ok((pieces, fetched))
+    }
+
     /// The chunks holding bytes `offset..end` (inside the image), the first one's number, and
     /// what fetching the missing ones cost: every chunk is classified under one lock, each run of
     /// consecutive misses is one source read, and chunks another reader is fetching are waited for.
@@ -390,47 +413,26 @@ impl GoldenImage for CachedImage {
     }
 
     fn read_counted(&self, buf: &mut [u8], offset: u64) -> io::Result<SourceReads> {
-        let end = offset.saturating_add(buf.len() as u64).min(self.size());
-        if offset >= end {
-            buf.fill(0);
-            return Ok(SourceReads::default());
+        let (pieces, fetched) = self.pieces(offset, buf.len())?;
+        let mut at = 0;
+        for (chunk, range) in pieces {
+            let len = range.len();
+            buf[at..at + len].copy_from_slice(&chunk[range]);
+            at += len;
         }
-        buf[(end - offset) as usize..].fill(0);
-        let (first, chunks, fetched) = self.chunks(offset, end)?;
-        for (k, data) in chunks.into_iter().enumerate() {
-            let chunk_start = (first + k as u64) * self.chunk_bytes;
-            let from = offset.max(chunk_start);
-            let to = end.min(chunk_start + data.len() as u64);
-            if from < to {
-                let dst = (from - offset) as usize..(to - offset) as usize;
-                buf[dst].copy_from_slice(&data[(from - chunk_start) as usize..(to - chunk_start) as usize]);
-            }
-        }
+        buf[at..].fill(0);
         Ok(fetched)
     }
 
     fn read_shared(&self, offset: u64, len: usize) -> io::Result<(Vec<Bytes>, SourceReads)> {
-        let end = offset.saturating_add(len as u64).min(self.size());
-        let mut pieces = Vec::new();
-        let mut fetched = SourceReads::default();
-        if offset < end {
-            let (first, chunks, reads) = self.chunks(offset, end)?;
-            fetched = reads;
-            for (k, data) in chunks.into_iter().enumerate() {
-                let chunk_start = (first + k as u64) * self.chunk_bytes;
-                let from = offset.max(chunk_start);
-                let to = end.min(chunk_start + data.len() as u64);
-                if from < to {
-                    let range = (from - chunk_start) as usize..(to - chunk_start) as usize;
-                    pieces.push(Bytes::from_owner(SharedChunk(data)).slice(range));
-                }
-            }
-        }
-        let past_end = (offset.saturating_add(len as u64) - end.max(offset)) as usize;
+        let (pieces, fetched) = self.pieces(offset, len)?;
+        let mut shared: Vec<Bytes> =
+            pieces.into_iter().map(|(chunk, range)| Bytes::from_owner(SharedChunk(chunk)).slice(range)).collect();
+        let past_end = len - shared.iter().map(Bytes::len).sum::<usize>();
         if past_end > 0 {
-            pieces.push(Bytes::from(vec![0u8; past_end]));
+            shared.push(Bytes::from(vec![0u8; past_end]));
         }
-        Ok((pieces, fetched))
+        Ok((shared, fetched))
     }
 
     fn describe(&self) -> String {

@@ -18,6 +18,24 @@ const FILES: u32 = 24;
 /// checksum, a `sync` (so that "WROTE n" means the server acknowledged files 1..n) and a short
 /// pause (so that a server killed at "WROTE n" dies while the guest writes on), then remounts
 /// with the page cache dropped and checks every checksum against what the disk holds.
+/// Remounts `device` with the page cache dropped, so that the files come from the disk, and
+/// checks them against the `sums` file written with them ("CHECKSUMS OK n" or "CHECKSUMS FAILED").
+fn check_sums(device: &str) -> String {
+    format!(
+        r#"umount /mnt
+echo 3 > /proc/sys/vm/drop_caches
+mount {device} /mnt || exit 1
+if (cd /mnt && sha256sum -c sums > /tmp/check 2>&1); then
+  echo "CHECKSUMS OK $(wc -l < /mnt/sums)"
+else
+  cat /tmp/check
+  echo "CHECKSUMS FAILED"
+fi
+umount /mnt
+"#
+    )
+}
+
 fn writer_job() -> String {
     format!(
         r#"mount /dev/vda /mnt || exit 1
@@ -31,17 +49,8 @@ while [ $i -le {FILES} ]; do
   sleep 0.3
   i=$((i+1))
 done
-umount /mnt
-echo 3 > /proc/sys/vm/drop_caches
-mount /dev/vda /mnt || exit 1
-if (cd /mnt && sha256sum -c sums > /tmp/check 2>&1); then
-  echo "CHECKSUMS OK $(wc -l < /mnt/sums)"
-else
-  cat /tmp/check
-  echo "CHECKSUMS FAILED"
-fi
-umount /mnt
-"#
+{check}"#,
+        check = check_sums("/dev/vda")
     )
 }
 
@@ -110,18 +119,9 @@ fstrim -v /mnt || echo "FSTRIM FAILED"
 sync
 echo TRIMMED
 sleep 5
-umount /mnt
-echo 3 > /proc/sys/vm/drop_caches
-mount {device} /mnt || exit 1
-if (cd /mnt && sha256sum -c sums > /tmp/check 2>&1); then
-  echo "CHECKSUMS OK $(wc -l < /mnt/sums)"
-else
-  cat /tmp/check
-  echo "CHECKSUMS FAILED"
-fi
-umount /mnt
-{teardown}
-"#
+{check}{teardown}
+"#,
+        check = check_sums(device)
     )
 }
 
