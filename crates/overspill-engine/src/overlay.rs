@@ -544,22 +544,20 @@ impl Overlay {
         self.check_range(offset, len as u64)?;
         self.stats.guest_read.add(len as u64);
         let spans: Vec<BlockSpan> = block_spans(offset, len as u64).collect();
+        let golden: Vec<bool> = spans.iter().map(|span| self.source(span.block) == Source::Golden).collect();
         let mut pieces = Vec::new();
         let mut i = 0;
         while i < spans.len() {
-            let golden = self.source(spans[i].block) == Source::Golden;
-            let mut j = i + 1;
-            while j < spans.len() && (self.source(spans[j].block) == Source::Golden) == golden {
-                j += 1;
-            }
+            let j = i + golden[i..].iter().take_while(|&&g| g == golden[i]).count();
             let run_offset = spans[i].block.byte_offset() + spans[i].within as u64;
             let run_len: usize = spans[i..j].iter().map(|span| span.len).sum();
-            if golden {
+            if golden[i] {
                 let (shared, fetched) = self
                     .golden
                     .read_shared(run_offset, run_len)
                     .map_err(|source| EngineError::Io { what: "reading golden image", source })?;
-                self.count_golden_read(run_len, (j - i) as u64, fetched);
+                self.count_golden_fetch(run_len, fetched);
+                self.stats.read_blocks_golden.add((j - i) as u64);
                 pieces.extend(shared);
             } else {
                 let mut copy = vec![0u8; run_len];
@@ -882,16 +880,14 @@ impl Overlay {
             .golden
             .read_counted(buf, offset)
             .map_err(|source| EngineError::Io { what: "reading golden image", source })?;
-        self.stats.golden_request.add(buf.len() as u64);
-        self.stats.golden_read.add_many(fetched.ops, fetched.bytes);
+        self.count_golden_fetch(buf.len(), fetched);
         Ok(())
     }
 
-    /// Counts a run of `blocks` golden blocks (`len` bytes) read for the guest.
-    fn count_golden_read(&self, len: usize, blocks: u64, fetched: crate::golden::SourceReads) {
+    /// Counts `len` bytes asked of the golden image and what that cost the storage behind it.
+    fn count_golden_fetch(&self, len: usize, fetched: crate::golden::SourceReads) {
         self.stats.golden_request.add(len as u64);
         self.stats.golden_read.add_many(fetched.ops, fetched.bytes);
-        self.stats.read_blocks_golden.add(blocks);
     }
 
     fn in_place_counters(&self, shared: bool) -> (&OpCounter, &OpCounter) {

@@ -590,11 +590,11 @@ impl EngineDevice {
     }
 
     /// Runs one engine call and records its service time (the engine itself keeps no clock).
-    fn timed(
+    fn timed<R>(
         &mut self,
         op: GuestOp,
-        call: impl FnOnce(&mut Overlay) -> Result<(), EngineError>,
-    ) -> Result<(), DeviceError> {
+        call: impl FnOnce(&mut Overlay) -> Result<R, EngineError>,
+    ) -> Result<R, DeviceError> {
         let overlay = &mut self.vm().overlay;
         let start = Instant::now();
         let result = call(overlay);
@@ -619,9 +619,7 @@ impl BlockDevice for EngineDevice {
 
     fn read_shared(&mut self, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
         self.record(OpKind::Read, offset, length as u64);
-        let mut pieces = Vec::new();
-        self.timed(GuestOp::Read, |o| o.read_shared(offset, length).map(|read| pieces = read))?;
-        Ok(pieces)
+        self.timed(GuestOp::Read, |o| o.read_shared(offset, length))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
