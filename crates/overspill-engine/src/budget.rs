@@ -27,7 +27,11 @@ pub struct HostMemory {
     used_bytes: AtomicU64,
     vms: AtomicU64,
     per_vm_cap_bytes: AtomicU64,
+    /// The last free-memory figure [`HostMemory::rebalance`] saw (`NOT_SAMPLED` before one).
+    available_bytes: AtomicU64,
 }
+
+const NOT_SAMPLED: u64 = u64::MAX;
 
 impl HostMemory {
     pub fn new(cap_bytes: u64, floor_bytes: u64) -> Arc<Self> {
@@ -37,6 +41,7 @@ impl HostMemory {
             used_bytes: AtomicU64::new(0),
             vms: AtomicU64::new(0),
             per_vm_cap_bytes: AtomicU64::new(NO_CAP),
+            available_bytes: AtomicU64::new(NOT_SAMPLED),
         })
     }
 
@@ -58,6 +63,11 @@ impl HostMemory {
 
     pub fn vms(&self) -> u64 {
         self.vms.load(Ordering::Relaxed)
+    }
+
+    /// Free memory at the last rebalance, if there was one.
+    pub fn available_bytes(&self) -> Option<u64> {
+        Some(self.available_bytes.load(Ordering::Relaxed)).filter(|&b| b != NOT_SAMPLED)
     }
 
     /// The most one VM may hold now, whatever its own target.
@@ -93,6 +103,7 @@ impl HostMemory {
 
     /// Recomputes the per-VM cap from the host's available memory (MemAvailable).
     pub fn rebalance(&self, available_bytes: u64) {
+        self.available_bytes.store(available_bytes.min(NOT_SAMPLED - 1), Ordering::Relaxed);
         let used = self.used_bytes();
         let vms = self.vms().max(1);
         let previous = self.per_vm_cap_bytes();
@@ -214,9 +225,11 @@ mod tests {
         host.attach();
         host.account(0, 200 << 20);
         assert_eq!(host.effective_target(64 << 20), 64 << 20);
+        assert_eq!(host.available_bytes(), None, "nothing sampled yet");
         // 40 MiB short of the floor: together the VMs must give 40 MiB back.
         host.rebalance(60 << 20);
         assert_eq!(host.per_vm_cap_bytes(), 80 << 20);
+        assert_eq!(host.available_bytes(), Some(60 << 20), "the sample is kept for the metrics");
         host.account(200 << 20, 160 << 20);
         host.rebalance(100 << 20);
         assert_eq!(host.per_vm_cap_bytes(), 80 << 20, "at the floor: hold");

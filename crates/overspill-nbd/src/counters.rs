@@ -18,6 +18,8 @@ pub enum Refusal {
     Policy,
     /// The export exists and could not be opened.
     CannotOpen,
+    /// The server lacked a resource to open the export (file descriptors at its limit).
+    OutOfResources,
     /// The handshake did not finish within its deadline.
     HandshakeTimeout,
     /// The handshake broke the protocol.
@@ -27,11 +29,12 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 7] = [
+    pub const ALL: [Refusal; 8] = [
         Refusal::TooManyConnections,
         Refusal::UnknownExport,
         Refusal::Policy,
         Refusal::CannotOpen,
+        Refusal::OutOfResources,
         Refusal::HandshakeTimeout,
         Refusal::HandshakeError,
         Refusal::Tls,
@@ -43,6 +46,7 @@ impl Refusal {
             Refusal::UnknownExport => "unknown-export",
             Refusal::Policy => "policy",
             Refusal::CannotOpen => "cannot-open",
+            Refusal::OutOfResources => "out-of-resources",
             Refusal::HandshakeTimeout => "handshake-timeout",
             Refusal::HandshakeError => "handshake-error",
             Refusal::Tls => "tls",
@@ -67,6 +71,7 @@ pub fn errno_name(errno: Errno) -> &'static str {
     match errno {
         Errno::Perm => "EPERM",
         Errno::Io => "EIO",
+        Errno::NoMem => "ENOMEM",
         Errno::Inval => "EINVAL",
         Errno::NoSpc => "ENOSPC",
         Errno::NotSup => "ENOTSUP",

@@ -65,6 +65,9 @@ pub enum DeviceErrorKind {
     /// The export exists but this client may not open it now (a VM name already connected,
     /// or whose state was lost); NBD_REP_ERR_POLICY at the handshake.
     Refused,
+    /// ENOMEM: the server lacks a resource to do this now (file descriptors at its limit); it
+    /// may work later, and nothing is wrong with the export or the request.
+    Exhausted,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

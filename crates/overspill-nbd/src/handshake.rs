@@ -355,10 +355,12 @@ impl Handshake {
                 Ok(device) => Some(device),
                 Err(error) => {
                     tracing::warn!(export = ?name, %error, "could not open export");
-                    let (reply, refusal) = if error.kind == DeviceErrorKind::Refused {
-                        (REP_ERR_POLICY, Refusal::Policy)
-                    } else {
-                        (REP_ERR_UNKNOWN, Refusal::CannotOpen)
+                    // NBD has no "try later" reply: an export that cannot be opened now is
+                    // unavailable (as nbdkit answers); the message and the count say why.
+                    let (reply, refusal) = match error.kind {
+                        DeviceErrorKind::Refused => (REP_ERR_POLICY, Refusal::Policy),
+                        DeviceErrorKind::Exhausted => (REP_ERR_UNKNOWN, Refusal::OutOfResources),
+                        _ => (REP_ERR_UNKNOWN, Refusal::CannotOpen),
                     };
                     self.refusal = Some(refusal);
                     option_reply(out, option, reply, format!("cannot open export: {}", error.message).as_bytes());

@@ -81,6 +81,7 @@ pub fn errno_of(kind: DeviceErrorKind) -> Errno {
         DeviceErrorKind::Invalid => Errno::Inval,
         DeviceErrorKind::NotSupported => Errno::NotSup,
         DeviceErrorKind::ReadOnly | DeviceErrorKind::Refused => Errno::Perm,
+        DeviceErrorKind::Exhausted => Errno::NoMem,
     }
 }
 

@@ -386,6 +386,7 @@ impl Server {
     pub fn run(&self, listener: &Listener) -> std::io::Result<()> {
         lock(&self.shutdown.0.listening).push(listener.waker()?);
         let mut next_id = 0u64;
+        let mut failures = AcceptFailures::default();
         loop {
             if self.shutdown.is_requested() {
                 tracing::info!(listen = %listener.local_addr(), "no longer accepting connections");
@@ -406,7 +407,7 @@ impl Server {
                 Err(_) if self.shutdown.is_requested() => {}
                 // Out of file descriptors or a client that reset before accept: keep serving.
                 Err(error) => {
-                    tracing::warn!(%error, "accept failed");
+                    failures.note(&error);
                     std::thread::sleep(std::time::Duration::from_millis(10));
                 }
             }
@@ -473,6 +474,33 @@ pub fn socketpair(server: &Server) -> std::io::Result<UnixStream> {
     let (client, server_end) = UnixStream::pair()?;
     server.spawn(server_end, 0, "socketpair".into());
     Ok(client)
+}
+
+/// Failed accepts, logged at most every few seconds: while the process is out of file
+/// descriptors the waiting client stays in the backlog and every retry fails the same way.
+#[derive(Default)]
+struct AcceptFailures {
+    last_logged: Option<Instant>,
+    since_logged: u64,
+}
+
+impl AcceptFailures {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn note(&mut self, error: &std::io::Error) {
+        self.since_logged += 1;
+        if self.last_logged.is_some_and(|t| t.elapsed() < Self::EVERY) {
+            return;
+        }
+        let failures = std::mem::take(&mut self.since_logged);
+        // EMFILE and ENFILE (Linux's numbers): the server's or the system's table is full.
+        if matches!(error.raw_os_error(), Some(23 | 24)) {
+            tracing::warn!(%error, failures, "accept failed: out of file descriptors; new VMs wait until some leave (raise the open-file limit, LimitNOFILE=)");
+        } else {
+            tracing::warn!(%error, failures, "accept failed");
+        }
+        self.last_logged = Some(Instant::now());
+    }
 }
 
 /// Connects to a listening address as a client would.

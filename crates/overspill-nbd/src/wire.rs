@@ -74,6 +74,7 @@ pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
 pub enum Errno {
     Perm = 1,
     Io = 5,
+    NoMem = 12,
     Inval = 22,
     NoSpc = 28,
     NotSup = 95,

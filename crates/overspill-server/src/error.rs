@@ -65,6 +65,12 @@ pub fn check_name(what: &'static str, name: &str) -> Result<(), ServerError> {
 /// The one mapping from engine errors to what the protocol layer reports.
 pub fn device_error(error: EngineError) -> DeviceError {
     let kind = match &error {
+        EngineError::Io { source, .. } if is_out_of_descriptors(source) => {
+            return DeviceError::new(
+                DeviceErrorKind::Exhausted,
+                format!("the server is out of file descriptors (raise its open-file limit, LimitNOFILE=): {error}"),
+            );
+        }
         EngineError::NoSpace(_) => DeviceErrorKind::NoSpace,
         EngineError::OutOfRange { .. } => DeviceErrorKind::Invalid,
         EngineError::Io { .. } | EngineError::Config(_) => DeviceErrorKind::Io,
@@ -72,6 +78,17 @@ pub fn device_error(error: EngineError) -> DeviceError {
         EngineError::Corrupt(_) => DeviceErrorKind::Refused,
     };
     DeviceError::new(kind, error.to_string())
+}
+
+/// EMFILE (this process's limit) or ENFILE (the system's): each VM holds a few descriptors.
+pub fn is_out_of_descriptors(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(code) if code == libc_errno::EMFILE || code == libc_errno::ENFILE)
+}
+
+/// Linux's numbers (the server runs on Linux only).
+mod libc_errno {
+    pub const ENFILE: i32 = 23;
+    pub const EMFILE: i32 = 24;
 }
 
 #[cfg(test)]
@@ -97,5 +114,9 @@ mod tests {
         assert_eq!(kind(EngineError::OutOfRange { offset: 1, len: 1, size: 1 }), DeviceErrorKind::Invalid);
         assert_eq!(kind(EngineError::Corrupt("torn".into())), DeviceErrorKind::Refused);
         assert_eq!(kind(EngineError::Config("bad".into())), DeviceErrorKind::Io);
+        let emfile = io::Error::from_raw_os_error(libc_errno::EMFILE);
+        assert_eq!(kind(EngineError::from_io("opening", emfile)), DeviceErrorKind::Exhausted);
+        let eacces = io::Error::from_raw_os_error(13);
+        assert_eq!(kind(EngineError::from_io("opening", eacces)), DeviceErrorKind::Io);
     }
 }

@@ -369,6 +369,16 @@ pub fn render(
     w.sample("overspill_host_cache_memory_used_bytes", &[], host.used_bytes() as f64);
     w.header("overspill_host_cache_memory_cap_bytes", "The host cap on cache memory (--ram-total).", "gauge");
     w.sample("overspill_host_cache_memory_cap_bytes", &[], host.cap_bytes() as f64);
+    w.header("overspill_host_memory_floor_bytes", "Free memory the caches leave to the host (--ram-floor).", "gauge");
+    w.sample("overspill_host_memory_floor_bytes", &[], host.floor_bytes() as f64);
+    if let Some(available) = host.available_bytes() {
+        w.header(
+            "overspill_host_memory_available_bytes",
+            "Free memory at the last sample (MemAvailable, or the cgroup's room when less); below the floor, VMs' targets shrink.",
+            "gauge",
+        );
+        w.sample("overspill_host_memory_available_bytes", &[], available as f64);
+    }
     w.header(
         "overspill_nbd_error_replies_total",
         "Requests answered with an error, by command and errno (ENOSPC: a VM's cache is full).",

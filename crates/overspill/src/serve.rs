@@ -330,17 +330,28 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
 }
 
 /// Each VM holds a few descriptors (its socket, its files): the usual soft limit of 1024 would
-/// stop a host at a few hundred VMs while the hard limit allows far more, so take it all.
+/// stop a host at a few hundred VMs while the hard limit allows far more, so take it all, and
+/// say what it allows.
 fn raise_open_file_limit() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    match getrlimit(Resource::RLIMIT_NOFILE) {
+    // A named VM holds its socket twice (reader, and the handle that stops it), four state files
+    // and its spill file.
+    const DESCRIPTORS_PER_VM: u64 = 7;
+    let limit = match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open-file limit"),
-            Err(error) => tracing::warn!(soft, hard, %error, "could not raise the open-file limit"),
+            Ok(()) => hard,
+            Err(error) => {
+                tracing::warn!(soft, hard, %error, "could not raise the open-file limit");
+                soft
+            }
         },
-        Ok((soft, _)) => tracing::debug!(limit = soft, "open-file limit"),
-        Err(error) => tracing::warn!(%error, "could not read the open-file limit"),
-    }
+        Ok((soft, _)) => soft,
+        Err(error) => {
+            tracing::warn!(%error, "could not read the open-file limit");
+            return;
+        }
+    };
+    tracing::info!(limit, vms = limit / DESCRIPTORS_PER_VM, "open-file limit (about this many VMs fit)");
 }
 
 /// The listening socket systemd handed over (socket activation: `LISTEN_FDS` for this

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tempfile::TempDir;
 
 mod common;
-use common::{sample, scrape, Serve};
+use common::{metrics_url, sample, scrape, Serve};
 #[path = "common/guest.rs"]
 mod guest;
 use guest::{ext4_image, Extras, Guest, GuestKit};
@@ -123,16 +123,6 @@ sleep 5
 "#,
         check = check_sums(device)
     )
-}
-
-/// The server's metrics endpoint, from its log.
-fn metrics_url(server: &Serve) -> String {
-    let log = server.log_text();
-    let url = log.lines().find_map(|line| {
-        let at = line.find("metrics=http://")? + "metrics=".len();
-        Some(line[at..].split_whitespace().next()?.trim_matches('"').to_string())
-    });
-    url.unwrap_or_else(|| panic!("no metrics endpoint in the log:\n{log}"))
 }
 
 /// A VM's figure from the server's metrics.

@@ -11,7 +11,7 @@ use overspill_nbd::client::{Client, NbdUri};
 use tempfile::TempDir;
 
 mod common;
-use common::{pseudo_random, run_tool, Serve};
+use common::{metrics_url, pseudo_random, run_ok, run_tool, sample, scrape, Serve};
 
 fn golden(dir: &Path) -> PathBuf {
     let path = dir.join("golden.img");
@@ -283,6 +283,50 @@ fn serve_raises_its_open_file_limit_to_the_hard_limit() {
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(numbers, ["4096", "4096"], "{open_files}");
+}
+
+/// A server out of file descriptors says so: the VM it cannot take is told the real cause, not
+/// "no such export", the refusal is counted under its own reason, the VMs already in go on, and
+/// once one leaves the next gets in.
+#[test]
+fn a_server_out_of_file_descriptors_says_so_and_keeps_serving() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--metrics", "tcp:127.0.0.1:0"];
+    let server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let url = metrics_url(&server);
+    let pid = server.child.id().to_string();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fd table").count();
+    // Room for a few VMs and no more, set on the running server (it raised its own limit at start).
+    let limit = format!("--nofile={0}:{0}", open + 16);
+    run_ok(tmp.path(), "prlimit", &["--pid", &pid, &limit]);
+
+    let mut vms = Vec::new();
+    let refusal = loop {
+        assert!(vms.len() < 16, "16 descriptors took {} VMs and no refusal", vms.len());
+        // Bounded: were the server's table full at accept, the greeting would never come.
+        let stream = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        match Client::handshake(Box::new(stream), &format!("@fd-{}", vms.len()), true) {
+            Ok(vm) => vms.push(vm),
+            Err(error) => break error.to_string(),
+        }
+    };
+    assert!(vms.len() >= 2, "only {} VMs got in before: {refusal}", vms.len());
+    assert!(refusal.contains("out of file descriptors"), "the client was told: {refusal}");
+    for (i, vm) in vms.iter_mut().enumerate() {
+        vm.write(0, &[i as u8; 4096], false).expect("a VM already in goes on");
+    }
+    for vm in vms.drain(..2) {
+        vm.disconnect().expect("disconnect");
+    }
+    let mut late = Client::connect(&socket_uri(&socket, "@late")).expect("a VM gets in once others left");
+    late.write(0, &[9; 4096], false).expect("write");
+    let refused = sample(&scrape(&url), "overspill_nbd_refused_connections_total", &[("reason", "out-of-resources")]);
+    assert!(refused >= 1.0, "the refusal was not counted as out-of-resources");
+    assert!(server.log_text().contains("out of file descriptors"), "the log does not name the cause");
 }
 
 /// CPU time (user + system, in clock ticks) a process has used, from /proc.

@@ -196,6 +196,17 @@ impl Drop for Serve {
     }
 }
 
+/// The server's metrics endpoint, from its log.
+#[allow(dead_code)]
+pub fn metrics_url(server: &Serve) -> String {
+    let log = server.log_text();
+    let url = log.lines().find_map(|line| {
+        let at = line.find("metrics=http://")? + "metrics=".len();
+        Some(line[at..].split_whitespace().next()?.trim_matches('"').to_string())
+    });
+    url.unwrap_or_else(|| panic!("no metrics endpoint in the log:\n{log}"))
+}
+
 /// A plain HTTP GET: (status line, Content-Type, body).
 pub fn http_get(url: &str, accept: &str) -> (String, String, String) {
     let rest = url.strip_prefix("http://").expect("http URL");
