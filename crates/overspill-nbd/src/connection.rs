@@ -252,6 +252,8 @@ const READ_AFTER_DIRECT_BYTES: usize = 4096 + REQUEST_HEADER_BYTES;
 const SHARED_READ_BYTES: usize = 32 * 1024;
 /// Flush the output early once this much is waiting, so large reads do not pile up.
 const OUTPUT_HIGH_WATER: usize = 4 << 20;
+/// Reads larger than this are answered in slices of it (see [`read`]).
+const READ_SLICE_BYTES: usize = 1 << 20;
 /// Most buffers one `readv` takes (Linux's UIO_MAXIOV).
 const MAX_IOVECS: usize = 1024;
 
@@ -674,7 +676,7 @@ fn transmit<T: Transport>(
                 true
             }
             Ok(Command::Read { offset, length }) => {
-                read(wire, &mut session, header.cookie, offset, length);
+                read(wire, &mut session, header.cookie, offset, length)?;
                 false
             }
             Ok(command) => {
@@ -805,44 +807,84 @@ fn reply_status<T>(
     }
 }
 
-/// Reads straight into the output buffer behind the reply header, so data is copied once.
-fn read<T: Transport>(wire: &mut Wire<T>, session: &mut Negotiated, cookie: u64, offset: u64, length: u32) {
-    let Wire { output: out, counters, .. } = wire;
-    let mark = out.len();
-    if session.structured_replies {
-        if length == 0 {
-            chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
-            return;
-        }
-        chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, 8 + length);
-        put_u64(out, offset);
-    } else {
-        simple_reply(out, cookie, 0);
+/// Answers a read. Data is read straight into the output buffer behind the reply header, so it
+/// is copied once, or lent by the device ([`SHARED_READ_BYTES`]). A read larger than
+/// [`READ_SLICE_BYTES`] is answered slice by slice, sending the output whenever it passes its
+/// high water: a client that asks for large reads and never reads the replies holds at most that
+/// much of the server's memory, and the server stops reading its requests (it waits in the
+/// write) instead of queueing more replies.
+fn read<T: Transport>(
+    wire: &mut Wire<T>,
+    session: &mut Negotiated,
+    cookie: u64,
+    offset: u64,
+    length: u32,
+) -> Result<(), ConnectionError> {
+    let structured = session.structured_replies;
+    if structured && length == 0 {
+        chunk_header(&mut wire.output, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
+        return Ok(());
     }
-    let data_start = out.len();
-    let result = if length as usize >= SHARED_READ_BYTES {
-        match session.device.read_shared(offset, length as usize) {
-            Ok(pieces) => {
-                wire.lend(pieces);
-                return;
+    let reply_start = wire.output.len();
+    if !structured {
+        simple_reply(&mut wire.output, cookie, 0);
+    }
+    let length = length as usize;
+    let mut done = 0usize;
+    loop {
+        let slice = (length - done).min(READ_SLICE_BYTES);
+        let last = done + slice == length;
+        let at = offset + done as u64;
+        let slice_start = wire.output.len();
+        if structured {
+            let flags = if last { REPLY_FLAG_DONE } else { 0 };
+            chunk_header(&mut wire.output, flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + slice as u32);
+            put_u64(&mut wire.output, at);
+        }
+        if let Err(error) = read_slice(wire, session.device.as_mut(), at, slice) {
+            tracing::debug!(%error, offset = at, length = slice, "read failed");
+            let errno = errno_of(error.kind);
+            wire.counters.error_reply("read", errno);
+            if structured {
+                // After data chunks, an error chunk ends the reply.
+                wire.output.truncate(slice_start);
+                structured_error(&mut wire.output, cookie, errno as u32, &error.message);
+            } else if done == 0 {
+                wire.output.truncate(reply_start);
+                simple_reply(&mut wire.output, cookie, errno as u32);
+            } else {
+                // A simple reply said "no error" before its data: NBD's only way out is to close.
+                wire.output.truncate(slice_start);
+                wire.flush()?;
+                let why = format!("a read failed after its reply began, so the connection closes: {}", error.message);
+                return Err(io::Error::other(why).into());
             }
-            Err(error) => Err(error),
+            return Ok(());
         }
-    } else {
-        out.resize(data_start + length as usize, 0);
-        session.device.read(offset, &mut out[data_start..])
-    };
-    if let Err(error) = result {
-        out.truncate(mark);
-        tracing::debug!(%error, offset, length, "read failed");
-        let errno = errno_of(error.kind);
-        counters.error_reply("read", errno);
-        if session.structured_replies {
-            structured_error(out, cookie, errno as u32, &error.message);
-        } else {
-            simple_reply(out, cookie, errno as u32);
+        done += slice;
+        if last {
+            return Ok(());
+        }
+        if wire.unsent() >= OUTPUT_HIGH_WATER {
+            wire.flush()?;
         }
     }
+}
+
+/// Appends `length` bytes of the device at `offset` to the output: lent, or copied in.
+fn read_slice<T: Transport>(
+    wire: &mut Wire<T>,
+    device: &mut dyn BlockDevice,
+    offset: u64,
+    length: usize,
+) -> Result<(), DeviceError> {
+    if length >= SHARED_READ_BYTES {
+        wire.lend(device.read_shared(offset, length)?);
+        return Ok(());
+    }
+    let data_start = wire.output.len();
+    wire.output.resize(data_start + length, 0);
+    device.read(offset, &mut wire.output[data_start..])
 }
 
 #[cfg(test)]

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use overspill_nbd::client::{Client, ClientError};
 use overspill_nbd::counters::Refusal;
+use overspill_nbd::device::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo};
 use overspill_nbd::memory::OneExport;
 use overspill_nbd::server::socketpair;
 use overspill_nbd::wire::*;
-use overspill_nbd::{Limits, Server, ServerConfig};
+use overspill_nbd::{ExportProvider, Limits, Server, ServerConfig};
 
 const SIZE: usize = 1 << 20;
 
@@ -311,4 +312,83 @@ fn a_handshake_dribbled_byte_by_byte_is_cut_at_its_deadline() {
         assert!(std::time::Instant::now() < deadline, "not counted: {:?}", counters.refusals());
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// An in-memory export whose reads fail from `bad` on, to see how a large read's reply ends.
+struct FailsFrom {
+    inner: OneExport,
+    bad: u64,
+}
+
+struct FailingDevice {
+    inner: Box<dyn BlockDevice>,
+    bad: u64,
+}
+
+impl BlockDevice for FailingDevice {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        if offset + buf.len() as u64 > self.bad {
+            return Err(DeviceError::new(DeviceErrorKind::Io, "bad sector"));
+        }
+        self.inner.read(offset, buf)
+    }
+    fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        self.inner.write(offset, data, fua)
+    }
+    fn write_zeroes(&mut self, o: u64, l: u64, may_trim: bool, fast: bool, fua: bool) -> Result<(), DeviceError> {
+        self.inner.write_zeroes(o, l, may_trim, fast, fua)
+    }
+    fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn flush(&mut self) -> Result<(), DeviceError> {
+        self.inner.flush()
+    }
+}
+
+impl ExportProvider for FailsFrom {
+    fn list(&self) -> Vec<ExportInfo> {
+        self.inner.list()
+    }
+    fn info(&self, name: &str) -> Option<ExportInfo> {
+        self.inner.info(name)
+    }
+    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        Ok(Box::new(FailingDevice { inner: self.inner.open(name)?, bad: self.bad }))
+    }
+}
+
+/// A read larger than a reply slice (1 MiB) that fails part way: with structured replies the
+/// data chunks sent are followed by an error chunk and the connection goes on; with simple
+/// replies, whose header already said "no error", the server closes the connection, as NBD
+/// requires. A failure in the first slice is an ordinary error reply either way.
+#[test]
+fn a_large_read_failing_part_way_ends_its_reply_as_nbd_requires() {
+    const DISK: usize = 8 << 20;
+    let bad = (5 << 20) + 4096;
+    let config =
+        ServerConfig { limits: Limits { max_payload_bytes: 8 << 20, ..Limits::default() }, ..ServerConfig::default() };
+    let server = Server::new(Arc::new(FailsFrom { inner: OneExport::new("disk", DISK), bad }), config);
+    let mut buf = vec![0u8; 4 << 20];
+
+    let mut c = client(&server, true);
+    let err = c.read(2 << 20, &mut buf).expect_err("crosses the bad sector");
+    assert_eq!(err.errno(), Some(Errno::Io as u32), "{err}");
+    c.read(0, &mut buf).expect("the connection goes on");
+    c.disconnect().expect("disc");
+
+    let mut c = client(&server, false);
+    let err = c.read(5 << 20, &mut buf[..2 << 20]).expect_err("fails in its first slice");
+    assert_eq!(err.errno(), Some(Errno::Io as u32), "{err}");
+    c.read(0, &mut buf).expect("still in step after an ordinary error");
+    let err = c.read(2 << 20, &mut buf).expect_err("fails in a later slice");
+    assert!(err.errno().is_none(), "a simple reply cannot carry a late error: {err}");
+    assert!(c.read(0, &mut buf[..4096]).is_err(), "the server closed the connection");
+    assert_healthy(&server);
 }
