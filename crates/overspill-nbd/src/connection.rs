@@ -28,6 +28,9 @@ use crate::ExportProvider;
 /// 50 µs all of it), short enough that an idle VM costs nothing to speak of.
 pub const DEFAULT_POLL_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 
+/// The default of [`Limits::request_timeout`]: a 32 MiB write at 10 Mbit/s takes 27 s.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Limits that bound what one client can make the server do.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -38,6 +41,9 @@ pub struct Limits {
     pub handshake_timeout: Duration,
     /// A connection with no request for this long is closed; `None` waits forever.
     pub idle_timeout: Option<Duration>,
+    /// Time a request has to arrive whole (header and payload) once its first byte has, however
+    /// the client spreads its bytes; a connection that takes longer is closed.
+    pub request_timeout: Duration,
     /// Between requests, how long to poll the socket before sleeping until the client sends
     /// (zero: sleep at once).
     pub poll_before_sleep: Duration,
@@ -49,6 +55,7 @@ impl Default for Limits {
             max_payload_bytes: 32 << 20,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             poll_before_sleep: DEFAULT_POLL_BEFORE_SLEEP,
         }
     }
@@ -227,6 +234,18 @@ pub enum ConnectionError {
     Tls(io::Error),
 }
 
+/// Inside the `TimedOut` error of a transmission deadline that passed: which one.
+#[derive(Debug)]
+struct DeadlinePassed(Wait);
+
+impl std::fmt::Display for DeadlinePassed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.describe())
+    }
+}
+
+impl std::error::Error for DeadlinePassed {}
+
 /// How a connection ended without error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ending {
@@ -278,6 +297,45 @@ struct Wire<T> {
     /// `output[..at]`, so that replies still leave in order and together, one `writev`.
     lent: Vec<(usize, Bytes)>,
     lent_bytes: usize,
+    /// Transmission's deadlines (the handshake has its own, in [`Deadlined`]).
+    deadlines: Option<Deadlines>,
+    /// What a read that blocks now waits for, and since when.
+    waiting: Option<(Wait, Instant)>,
+    /// The request's header has been read: more bytes are part of it.
+    mid_request: bool,
+}
+
+/// What a connection waits for when it blocks reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// The next request.
+    Idle(Duration),
+    /// The rest of a request whose first bytes came.
+    Request(Duration),
+}
+
+impl Wait {
+    fn describe(&self) -> String {
+        match self {
+            Wait::Idle(limit) => format!("no request for {limit:?} (the idle timeout)"),
+            Wait::Request(limit) => format!("a request took longer than {limit:?} to arrive whole"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Deadlines {
+    idle: Option<Duration>,
+    request: Duration,
+}
+
+impl Deadlines {
+    /// How often a blocked read wakes to look at the clock: a deadline is enforced within a
+    /// third of itself, and an idle VM wakes now and then (at most every 20 s), not per request.
+    fn tick(&self) -> Duration {
+        let shortest = self.idle.map_or(self.request, |idle| idle.min(self.request));
+        (shortest / 3).clamp(Duration::from_millis(10), Duration::from_secs(20))
+    }
 }
 
 impl<T: Transport> Wire<T> {
@@ -294,6 +352,54 @@ impl<T: Transport> Wire<T> {
             output,
             lent: Vec::new(),
             lent_bytes: 0,
+            deadlines: None,
+            waiting: None,
+            mid_request: false,
+        }
+    }
+
+    /// A new request begins: its wait starts afresh.
+    fn next_request(&mut self) {
+        self.waiting = None;
+        self.mid_request = false;
+    }
+
+    /// Notes, before a read, what it waits for: the clock of a wait runs from its first read
+    /// until the request is whole. An error once that is longer than its deadline: a client
+    /// that dribbles bytes, each in time for a read, is cut off here.
+    fn note_wait(&mut self) -> io::Result<()> {
+        let Some(deadlines) = self.deadlines else { return Ok(()) };
+        let wait = if self.mid_request || !self.buffered().is_empty() {
+            Wait::Request(deadlines.request)
+        } else {
+            match deadlines.idle {
+                Some(idle) => Wait::Idle(idle),
+                None => {
+                    self.waiting = None;
+                    return Ok(());
+                }
+            }
+        };
+        match self.waiting {
+            Some((w, _)) if w == wait => self.check_deadline(io::ErrorKind::WouldBlock.into()),
+            _ => {
+                self.waiting = Some((wait, Instant::now()));
+                Ok(())
+            }
+        }
+    }
+
+    /// A blocked read woke without data (the socket's timeout is the deadlines' tick): an error
+    /// once the wait is over its deadline, otherwise read again.
+    fn check_deadline(&self, error: io::Error) -> Result<(), io::Error> {
+        if self.deadlines.is_none() || !matches!(error.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+            return Err(error);
+        }
+        match self.waiting {
+            Some((wait @ (Wait::Idle(limit) | Wait::Request(limit)), since)) if since.elapsed() >= limit => {
+                Err(io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(wait)))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -416,6 +522,7 @@ impl<T: Transport> Wire<T> {
             }
         }
         self.read_limit = self.read_limit.max(want.saturating_sub(self.buffered().len()));
+        self.note_wait()?;
         let polled = self.poll_for_input();
         let room = self.read_room();
         self.read_limit = usize::MAX;
@@ -429,7 +536,7 @@ impl<T: Transport> Wire<T> {
                     return Ok(n > 0);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+                Err(e) => self.check_deadline(e)?,
             }
         }
     }
@@ -438,6 +545,7 @@ impl<T: Transport> Wire<T> {
     /// it sleeps: the client is in the middle of sending, so the rest is on its way, and a sleep
     /// here costs a wake-up for every chunk the client's socket buffer lets through.
     fn read_payload(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.note_wait()?;
         if !self.poll.is_zero() {
             let until = Instant::now() + self.poll;
             while let Some(result) = self.stream.read_now(bufs) {
@@ -450,7 +558,13 @@ impl<T: Transport> Wire<T> {
                 }
             }
         }
-        self.stream.read_vectored(bufs)
+        loop {
+            match self.stream.read_vectored(bufs) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => self.check_deadline(e)?,
+                other => return other,
+            }
+        }
     }
 
     /// Where the next read into the input buffer ends.
@@ -507,8 +621,13 @@ pub fn serve_secured_connection<T: Transport>(
         Err(ConnectionError::Handshake(HandshakeError::ExportRefused(_))) => Some(Refusal::UnknownExport),
         Err(ConnectionError::Handshake(_)) => Some(Refusal::HandshakeError),
         Err(ConnectionError::Tls(_)) => Some(Refusal::Tls),
-        // Only the handshake's deadline times out; transmission's idle timeout would block.
-        Err(ConnectionError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => Some(Refusal::HandshakeTimeout),
+        Err(ConnectionError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => {
+            match e.get_ref().and_then(|inner| inner.downcast_ref::<DeadlinePassed>()) {
+                Some(DeadlinePassed(Wait::Idle(_))) => Some(Refusal::IdleTimeout),
+                Some(DeadlinePassed(Wait::Request(_))) => Some(Refusal::RequestTimeout),
+                None => Some(Refusal::HandshakeTimeout),
+            }
+        }
         _ => None,
     };
     if let Some(why) = refusal {
@@ -601,7 +720,9 @@ fn start_transmission<T: Transport>(
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
     let Some(negotiated) = negotiated else { return Ok(Ending::NoExport) };
-    wire.stream.set_read_timeout(limits.idle_timeout)?;
+    let deadlines = Deadlines { idle: limits.idle_timeout, request: limits.request_timeout };
+    wire.stream.set_read_timeout(Some(deadlines.tick()))?;
+    wire.deadlines = Some(deadlines);
     wire.poll = limits.poll_before_sleep;
     tracing::debug!(export = %negotiated.export, structured = negotiated.structured_replies, "transmission");
     transmit(wire, negotiated, limits, stop)
@@ -623,9 +744,11 @@ fn transmit<T: Transport>(
         if wire.buffered().is_empty() && stop.load(Ordering::Relaxed) {
             break;
         }
+        wire.next_request();
         if !cut_short_by_stop(wire.need(REQUEST_HEADER_BYTES), stop)? {
             break;
         }
+        wire.mid_request = true;
         let mut raw = [0u8; REQUEST_HEADER_BYTES];
         raw.copy_from_slice(&wire.buffered()[..REQUEST_HEADER_BYTES]);
         let header = RequestHeader::parse(&raw)?;

@@ -26,10 +26,14 @@ pub enum Refusal {
     HandshakeError,
     /// The TLS handshake failed.
     Tls,
+    /// A VM sent no request for `--idle-timeout`.
+    IdleTimeout,
+    /// A request did not arrive whole within `--request-timeout` of its first byte.
+    RequestTimeout,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 8] = [
+    pub const ALL: [Refusal; 10] = [
         Refusal::TooManyConnections,
         Refusal::UnknownExport,
         Refusal::Policy,
@@ -38,6 +42,8 @@ impl Refusal {
         Refusal::HandshakeTimeout,
         Refusal::HandshakeError,
         Refusal::Tls,
+        Refusal::IdleTimeout,
+        Refusal::RequestTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,6 +56,8 @@ impl Refusal {
             Refusal::HandshakeTimeout => "handshake-timeout",
             Refusal::HandshakeError => "handshake-error",
             Refusal::Tls => "tls",
+            Refusal::IdleTimeout => "idle-timeout",
+            Refusal::RequestTimeout => "request-timeout",
         }
     }
 }

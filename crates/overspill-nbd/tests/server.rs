@@ -392,3 +392,71 @@ fn a_large_read_failing_part_way_ends_its_reply_as_nbd_requires() {
     assert!(c.read(0, &mut buf[..4096]).is_err(), "the server closed the connection");
     assert_healthy(&server);
 }
+
+/// A request as raw bytes: header, then `payload`.
+fn request(kind: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) -> Vec<u8> {
+    let mut msg = Vec::new();
+    put_u32(&mut msg, REQUEST_MAGIC);
+    put_u16(&mut msg, 0);
+    put_u16(&mut msg, kind);
+    put_u64(&mut msg, cookie);
+    put_u64(&mut msg, offset);
+    put_u32(&mut msg, length);
+    msg.extend_from_slice(payload);
+    msg
+}
+
+/// Sends `bytes` one at a time, `gap` apart, on a clone of `stream`; returns how long the server
+/// let it go on before it closed the connection.
+fn dribble(stream: &UnixStream, bytes: Vec<u8>, gap: Duration) -> Option<Duration> {
+    let mut writer = stream.try_clone().expect("clone");
+    let mut reader = stream.try_clone().expect("clone");
+    reader.set_read_timeout(Some(Duration::from_millis(1))).expect("timeout");
+    let started = std::time::Instant::now();
+    for byte in &bytes {
+        if writer.write_all(std::slice::from_ref(byte)).is_err() {
+            return Some(started.elapsed());
+        }
+        std::thread::sleep(gap);
+        if let Ok(0) = reader.read(&mut [0u8; 64]) {
+            return Some(started.elapsed());
+        }
+    }
+    None
+}
+
+fn with_request_timeout(timeout: Duration) -> Server {
+    let limits = Limits { request_timeout: timeout, max_payload_bytes: 1 << 16, ..Limits::default() };
+    Server::new(Arc::new(OneExport::new("disk", SIZE)), ServerConfig { limits, ..ServerConfig::default() })
+}
+
+/// Once a request's first byte has come, the rest must come within the request timeout, however
+/// it is spread: a header, or a write's payload, dribbled a byte at a time is cut off, and
+/// counted; a connection that is merely quiet between requests is not.
+#[test]
+fn a_request_dribbled_byte_by_byte_is_cut_at_its_deadline() {
+    let server = with_request_timeout(Duration::from_millis(600));
+    let counters = server.counters();
+    let header = request(CMD_READ, 1, 0, 4096, &[]);
+    let write = request(CMD_WRITE, 2, 0, 4096, &[9; 4096]);
+    for (what, bytes) in [("header", header.clone()), ("write payload", write)] {
+        let stream = after_handshake(&server);
+        let cut = dribble(&stream, bytes, Duration::from_millis(100))
+            .unwrap_or_else(|| panic!("a dribbled {what} was never cut off"));
+        assert!(cut >= Duration::from_millis(550), "{what} cut off before its deadline: {cut:?}");
+        assert!(cut < Duration::from_secs(3), "{what} cut off late: {cut:?}");
+    }
+    // Quiet for three request timeouts, then a whole request: answered.
+    let mut quiet = after_handshake(&server);
+    std::thread::sleep(Duration::from_millis(1800));
+    quiet.write_all(&header).expect("send");
+    let mut reply = [0u8; 16];
+    quiet.read_exact(&mut reply).expect("a quiet connection is still served");
+    assert_eq!(u32::from_be_bytes(reply[..4].try_into().expect("magic")), SIMPLE_REPLY_MAGIC);
+    assert_healthy(&server);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !counters.refusals().contains(&(Refusal::RequestTimeout, 2)) {
+        assert!(std::time::Instant::now() < deadline, "not counted: {:?}", counters.refusals());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -143,6 +143,10 @@ pub struct ServeArgs {
     /// bare number is seconds); 0 waits forever.
     #[arg(long, default_value = "0", value_parser = parse_duration)]
     idle_timeout: Duration,
+    /// Time a request has to arrive whole (header and payload) once its first byte has, however
+    /// the client spreads its bytes; a VM that takes longer is disconnected (e.g. 60s).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    request_timeout: Duration,
     #[command(flatten)]
     security: SecurityArgs,
 }
@@ -257,6 +261,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         limits: Limits {
             handshake_timeout: args.handshake_timeout,
             idle_timeout: (!args.idle_timeout.is_zero()).then_some(args.idle_timeout),
+            request_timeout: args.request_timeout,
             poll_before_sleep: Duration::from_micros(args.poll_us),
             ..Limits::default()
         },
