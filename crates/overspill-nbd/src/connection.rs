@@ -616,7 +616,21 @@ pub fn serve_secured_connection<T: Transport>(
     counters: &Arc<ProtocolCounters>,
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
-    let result = serve_counted(stream, exports, limits, security, counters, stop);
+    serve_tracked(stream, exports, limits, security, counters, stop, &mut || {})
+}
+
+/// Like [`serve_secured_connection`], calling `handshake_over` once the handshake has opened an
+/// export (the server counts connections still in their handshake).
+pub(crate) fn serve_tracked<T: Transport>(
+    stream: T,
+    exports: &dyn ExportProvider,
+    limits: &Limits,
+    security: &Security,
+    counters: &Arc<ProtocolCounters>,
+    stop: &AtomicBool,
+    handshake_over: &mut dyn FnMut(),
+) -> Result<Ending, ConnectionError> {
+    let result = serve_counted(stream, exports, limits, security, counters, stop, handshake_over);
     let refusal = match &result {
         Err(ConnectionError::Handshake(HandshakeError::ExportRefused(_))) => Some(Refusal::UnknownExport),
         Err(ConnectionError::Handshake(_)) => Some(Refusal::HandshakeError),
@@ -643,6 +657,7 @@ fn serve_counted<T: Transport>(
     security: &Security,
     counters: &Arc<ProtocolCounters>,
     stop: &AtomicBool,
+    handshake_over: &mut dyn FnMut(),
 ) -> Result<Ending, ConnectionError> {
     let mode = security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let mut handshake =
@@ -651,7 +666,7 @@ fn serve_counted<T: Transport>(
     let stream = Deadlined::new(stream, limits.handshake_timeout);
     let mut wire = Wire::new(stream, Handshake::greeting(), counters.clone());
     match negotiate(&mut wire, &mut handshake, exports)? {
-        Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
+        Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop, handshake_over),
         Negotiation::StartTls => {
             let Some(tls) = &security.tls else {
                 return Err(ConnectionError::Tls(io::Error::other("STARTTLS acknowledged without credentials")));
@@ -667,7 +682,9 @@ fn serve_counted<T: Transport>(
             handshake.tls_started(stream.identity().map(str::to_owned));
             let mut wire = Wire::new(stream, output, counters.clone());
             match negotiate(&mut wire, &mut handshake, exports)? {
-                Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop),
+                Negotiation::Done(negotiated) => {
+                    start_transmission(&mut wire, negotiated, limits, stop, handshake_over)
+                }
                 Negotiation::StartTls => Err(ConnectionError::Tls(io::Error::other("STARTTLS twice"))),
             }
         }
@@ -718,8 +735,10 @@ fn start_transmission<T: Transport>(
     negotiated: Option<Negotiated>,
     limits: &Limits,
     stop: &AtomicBool,
+    handshake_over: &mut dyn FnMut(),
 ) -> Result<Ending, ConnectionError> {
     let Some(negotiated) = negotiated else { return Ok(Ending::NoExport) };
+    handshake_over();
     let deadlines = Deadlines { idle: limits.idle_timeout, request: limits.request_timeout };
     wire.stream.set_read_timeout(Some(deadlines.tick()))?;
     wire.deadlines = Some(deadlines);

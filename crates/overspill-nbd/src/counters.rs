@@ -12,6 +12,10 @@ use crate::wire::Errno;
 pub enum Refusal {
     /// `--max-connections` reached.
     TooManyConnections,
+    /// `--max-handshakes` reached with none old enough to shed.
+    TooManyHandshakes,
+    /// A slow handshake cut off to make room for a new connection.
+    HandshakeShed,
     /// GO for an export that does not exist or is hidden from the client.
     UnknownExport,
     /// The export refused this client (a VM name in use or not allowed, a lost VM).
@@ -33,8 +37,10 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 10] = [
+    pub const ALL: [Refusal; 12] = [
         Refusal::TooManyConnections,
+        Refusal::TooManyHandshakes,
+        Refusal::HandshakeShed,
         Refusal::UnknownExport,
         Refusal::Policy,
         Refusal::CannotOpen,
@@ -49,6 +55,8 @@ impl Refusal {
     pub fn as_str(self) -> &'static str {
         match self {
             Refusal::TooManyConnections => "too-many-connections",
+            Refusal::TooManyHandshakes => "too-many-handshakes",
+            Refusal::HandshakeShed => "handshake-shed",
             Refusal::UnknownExport => "unknown-export",
             Refusal::Policy => "policy",
             Refusal::CannotOpen => "cannot-open",

@@ -10,7 +10,7 @@
 //! and a blocking read gives the lowest latency at queue depth 1. Hundreds of VMs are hundreds of
 //! mostly idle threads, which Linux handles well.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::ffi::OsStrExt;
@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::connection::{serve_secured_connection, ConnectionError, Ending, Limits, ReadStopper, Security, Transport};
+use crate::connection::{serve_tracked, ConnectionError, Ending, Limits, ReadStopper, Security, Transport};
 use crate::counters::{ProtocolCounters, Refusal};
 use crate::ExportProvider;
 
@@ -244,6 +244,10 @@ impl Drop for Listener {
 pub struct ServerConfig {
     pub limits: Limits,
     pub max_connections: usize,
+    /// Connections still in their handshake at once (part of `max_connections`): past it, new
+    /// clients wait in the listen backlog and the oldest handshake is cut off once it has had
+    /// its share of time, so slow clients cannot hold the door shut.
+    pub max_handshakes: usize,
     pub security: Security,
     /// Where error replies and refusals are counted (the metrics read them).
     pub counters: Arc<ProtocolCounters>,
@@ -254,6 +258,7 @@ impl Default for ServerConfig {
         Self {
             limits: Limits::default(),
             max_connections: 1024,
+            max_handshakes: 128,
             security: Security::default(),
             counters: Arc::default(),
         }
@@ -264,7 +269,36 @@ pub struct Server {
     exports: Arc<dyn ExportProvider>,
     config: ServerConfig,
     active: Arc<AtomicUsize>,
+    handshakes: Arc<Mutex<Handshakes>>,
     shutdown: ShutdownHandle,
+}
+
+/// Connections still in their handshake, oldest first (keys only grow), each with when it
+/// began and what cuts it off.
+#[derive(Default)]
+struct Handshakes {
+    next_key: u64,
+    live: BTreeMap<u64, (Instant, ReadStopper)>,
+}
+
+/// A connection's place among the handshakes; given up when its handshake ends, or with it.
+struct HandshakeEntry {
+    handshakes: Arc<Mutex<Handshakes>>,
+    key: Option<u64>,
+}
+
+impl HandshakeEntry {
+    fn release(&mut self) {
+        if let Some(key) = self.key.take() {
+            lock(&self.handshakes).live.remove(&key);
+        }
+    }
+}
+
+impl Drop for HandshakeEntry {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// Releases a connection slot however the connection's thread ends.
@@ -358,7 +392,40 @@ impl Server {
     }
 
     pub fn new(exports: Arc<dyn ExportProvider>, config: ServerConfig) -> Self {
-        Self { exports, config, active: Arc::new(AtomicUsize::new(0)), shutdown: ShutdownHandle::default() }
+        Self {
+            exports,
+            config,
+            active: Arc::new(AtomicUsize::new(0)),
+            handshakes: Arc::default(),
+            shutdown: ShutdownHandle::default(),
+        }
+    }
+
+    /// How long a handshake is left alone before a newcomer may take its place: a real
+    /// client's handshake takes milliseconds, TLS included, even on a loaded host.
+    fn shed_age(&self) -> Duration {
+        (self.config.limits.handshake_timeout / 2).min(Duration::from_secs(1))
+    }
+
+    fn handshakes_full(&self) -> bool {
+        lock(&self.handshakes).live.len() >= self.config.max_handshakes
+    }
+
+    /// Cuts off the oldest handshake if it has had [`Self::shed_age`]; whether one was.
+    fn shed_oldest_handshake(&self) -> bool {
+        let shed = {
+            let mut handshakes = lock(&self.handshakes);
+            match handshakes.live.first_key_value() {
+                Some((&key, (began, _))) if began.elapsed() >= self.shed_age() => handshakes.live.remove(&key),
+                _ => None,
+            }
+        };
+        let Some((began, stop)) = shed else { return false };
+        tracing::info!(after = ?began.elapsed(), "slowest handshake cut off to make room");
+        self.config.counters.refused(Refusal::HandshakeShed);
+        // A stream that cannot be shut now ends at its handshake's deadline anyway.
+        let _ = stop();
+        true
     }
 
     pub fn active_connections(&self) -> usize {
@@ -391,6 +458,13 @@ impl Server {
             if self.shutdown.is_requested() {
                 tracing::info!(listen = %listener.local_addr(), "no longer accepting connections");
                 return Ok(());
+            }
+            // Slow handshakes fill their slots: new clients wait in the backlog meanwhile, and
+            // the oldest handshake goes once it has had its time.
+            while self.handshakes_full() && !self.shutdown.is_requested() {
+                if !self.shed_oldest_handshake() {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
             }
             next_id += 1;
             let accepted = match listener {
@@ -426,10 +500,24 @@ impl Server {
     pub fn spawn<T: Transport>(&self, stream: T, id: u64, peer: String) {
         let active = self.active.fetch_add(1, Ordering::Relaxed) + 1;
         let slot = Slot(self.active.clone());
-        if active > self.config.max_connections {
+        // Full: a slow handshake gives way before a newcomer is turned away.
+        if active > self.config.max_connections && !self.shed_oldest_handshake() {
             tracing::warn!(peer, limit = self.config.max_connections, "connection refused: too many connections");
             self.config.counters.refused(Refusal::TooManyConnections);
             return;
+        }
+        if self.handshakes_full() && !self.shed_oldest_handshake() {
+            tracing::warn!(peer, limit = self.config.max_handshakes, "connection refused: too many handshakes");
+            self.config.counters.refused(Refusal::TooManyHandshakes);
+            return;
+        }
+        let mut handshake = HandshakeEntry { handshakes: self.handshakes.clone(), key: None };
+        if let Some(stop) = stream.read_stopper() {
+            let mut handshakes = lock(&self.handshakes);
+            let key = handshakes.next_key;
+            handshakes.next_key += 1;
+            handshakes.live.insert(key, (Instant::now(), stop));
+            handshake.key = Some(key);
         }
         // Connection ids need not be unique (socketpairs all use 0): the registry keys on its own.
         let key = self.shutdown.0.next_key.fetch_add(1, Ordering::Relaxed);
@@ -449,7 +537,9 @@ impl Server {
             let _slot = slot;
             let _registration = registration;
             let ending =
-                serve_secured_connection(stream, exports.as_ref(), &limits, &security, &counters, &shutdown.0.stop);
+                serve_tracked(stream, exports.as_ref(), &limits, &security, &counters, &shutdown.0.stop, &mut || {
+                    handshake.release()
+                });
             log_ending(id, &peer, ending);
         });
         if let Err(error) = spawned {

@@ -460,3 +460,47 @@ fn a_request_dribbled_byte_by_byte_is_cut_at_its_deadline() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Slow handshakes cannot hold the door shut: with every handshake slot and all but the
+/// established VMs' connections held by clients that never finish theirs, a real client waits
+/// in the backlog while the oldest slow handshakes are cut off, and gets in long before their
+/// deadline; the established VMs keep their connections throughout.
+#[test]
+fn slow_handshakes_are_shed_before_anyone_else_is_refused() {
+    use overspill_nbd::server::{ListenAddr, Listener};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("nbd.sock");
+    let listener = Arc::new(Listener::bind(&ListenAddr::Unix(socket.clone())).expect("bind"));
+    let config = ServerConfig {
+        limits: Limits { handshake_timeout: Duration::from_secs(20), ..Limits::default() },
+        max_connections: 6,
+        max_handshakes: 3,
+        ..ServerConfig::default()
+    };
+    let server = Arc::new(Server::new(Arc::new(OneExport::new("disk", SIZE)), config));
+    let counters = server.counters();
+    {
+        let (server, listener) = (server.clone(), listener.clone());
+        std::thread::spawn(move || server.run(&listener));
+    }
+    let connect = || {
+        let stream = UnixStream::connect(&socket).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        Client::handshake(Box::new(stream), "disk", true)
+    };
+    let mut established: Vec<Client> = (0..2).map(|_| connect().expect("an established VM")).collect();
+    // Six clients that connect and never say a word after the greeting.
+    let slow: Vec<UnixStream> = (0..6).map(|_| UnixStream::connect(&socket).expect("connect")).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let mut late = connect().expect("a real client gets in");
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(8), "it waited {waited:?} (the slow handshakes' deadline is 20 s)");
+    late.write(0, &[1; 4096], false).expect("write");
+    for vm in &mut established {
+        vm.read(0, &mut [0u8; 4096]).expect("an established VM keeps its connection");
+    }
+    let shed = counters.refusals().into_iter().find(|(r, _)| *r == Refusal::HandshakeShed).map_or(0, |(_, n)| n);
+    assert!(shed >= 4, "slow handshakes shed: {shed}");
+    drop(slow);
+}

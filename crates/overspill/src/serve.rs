@@ -102,6 +102,10 @@ pub struct ServeArgs {
     /// Connections served at once; more are refused.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Connections still in their handshake at once (counted in --max-connections): past it,
+    /// new clients wait and the oldest handshake is cut off once it has had a second.
+    #[arg(long, default_value_t = 128)]
+    max_handshakes: usize,
     /// Shared read cache per golden image (all its VMs read through it); 0 turns it off.
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     read_cache: u64,
@@ -266,6 +270,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
             ..Limits::default()
         },
         max_connections: args.max_connections,
+        max_handshakes: args.max_handshakes.max(1),
         security,
         counters: protocol_counters,
     };
