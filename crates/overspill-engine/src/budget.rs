@@ -79,6 +79,17 @@ impl HostMemory {
         vm_target_bytes.min(self.per_vm_cap_bytes())
     }
 
+    /// How many VMs the cap holds when each needs at least `minimum_bytes` (a spilling VM's
+    /// open segment): past that, the cap could not be kept, however targets were cut.
+    pub fn vms_that_fit(&self, minimum_bytes: u64) -> u64 {
+        self.cap_bytes / minimum_bytes.max(1)
+    }
+
+    /// Whether one more VM needing `minimum_bytes` fits beside those attached now.
+    pub fn admits(&self, minimum_bytes: u64) -> bool {
+        self.vms() < self.vms_that_fit(minimum_bytes)
+    }
+
     /// Whether the host has room for `bytes` more.
     pub fn has_room(&self, bytes: u64) -> bool {
         self.used_bytes().saturating_add(bytes) <= self.cap_bytes

@@ -370,6 +370,10 @@ impl ExportProvider for OverlayExports {
     }
 }
 
+/// What a spilling VM keeps in memory at the least: its open 2 MiB segment, and room for the
+/// index of what it spilled (about 0.4 % of it: 256 KiB covers 64 MiB spilled).
+pub const SPILLING_VM_MINIMUM_BYTES: u64 = SEGMENT_BYTES as u64 + SEGMENT_BYTES as u64 / 8;
+
 impl OverlayExports {
     /// A fresh overlay over the image's current version, with the counters the registry keeps.
     fn new_overlay(&self, name: &str, number: u64) -> Result<VmOverlay, DeviceError> {
@@ -377,6 +381,19 @@ impl OverlayExports {
         self.registry.label(number, &image_label);
         let vm = name.split_once('@').map_or_else(|| format!("vm-{number}"), |(_, vm)| vm.to_owned());
         let settings = &self.settings;
+        // A spilling VM holds its open segment and the index of what it spilled whatever its
+        // target: more of them than --ram-total holds would break the cap, so the next is
+        // turned away (it may try again later).
+        if settings.mode.backing_file() == Some(BackingKind::SpillLog) && !self.host.admits(SPILLING_VM_MINIMUM_BYTES) {
+            return Err(DeviceError::new(
+                DeviceErrorKind::Exhausted,
+                format!(
+                    "the host's cache memory cap (--ram-total {} MiB) is full: it holds {} VMs, as each spilling VM keeps 2.25 MiB (its open segment and index) in memory",
+                    self.host.cap_bytes() >> 20,
+                    self.host.vms_that_fit(SPILLING_VM_MINIMUM_BYTES)
+                ),
+            ));
+        }
         let config = self.overlay_config();
         let stats = self.registry.stats(number).unwrap_or_default();
         let persistent = name.contains('@') && self.lifecycle.persistent();

@@ -10,10 +10,11 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::budget::{read_cgroup_room, read_mem_available};
-use overspill_engine::{GoldenImage, HostMemory, WriteCacheMode};
+use overspill_engine::{BackingKind, GoldenImage, HostMemory, WriteCacheMode};
 use overspill_nbd::counters::ProtocolCounters;
 use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
+use overspill_server::exports::SPILLING_VM_MINIMUM_BYTES;
 use overspill_sources::{open_source, Source, SourceSettings};
 use sd_notify::NotifyState;
 
@@ -73,7 +74,8 @@ pub struct ServeArgs {
     /// Cache memory target per VM (RAM tier, open spill segment and index).
     #[arg(long, default_value = "256M", value_parser = parse_bytes)]
     ram: u64,
-    /// Cap on the cache memory of all VMs together.
+    /// Cap on the cache memory of all VMs together. A spilling VM keeps 2.25 MiB of it at the
+    /// least (its open segment and index), so it also bounds how many are served at once.
     #[arg(long, default_value = "8G", value_parser = parse_bytes)]
     ram_total: u64,
     /// Free memory (MemAvailable) the caches leave to the host: below it, VMs' targets shrink.
@@ -206,6 +208,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
             "--ram {} is above --ram-total {}: no VM could reach its target",
             format_bytes(args.ram),
             format_bytes(args.ram_total)
+        );
+    }
+    if args.mode.backing_file() == Some(BackingKind::SpillLog) && args.ram_total < SPILLING_VM_MINIMUM_BYTES {
+        bail!(
+            "--ram-total {} cannot hold one VM: a spilling VM keeps {} (its open segment and index) in memory",
+            format_bytes(args.ram_total),
+            format_bytes(SPILLING_VM_MINIMUM_BYTES)
         );
     }
     raise_open_file_limit();

@@ -329,6 +329,49 @@ fn a_server_out_of_file_descriptors_says_so_and_keeps_serving() {
     assert!(server.log_text().contains("out of file descriptors"), "the log does not name the cause");
 }
 
+/// `--ram-total` is a true cap: each spilling VM keeps its 2 MiB segment and an index in memory
+/// (2.25 MiB set aside), so the cap admits as many VMs as it holds those and turns the next away
+/// naming the cap; the VMs it took, all writing past their targets, settle under the cap.
+#[test]
+fn ram_total_is_a_true_cap_for_spilling_vms() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let base = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--metrics", "tcp:127.0.0.1:0"];
+    let args = [&base[..], &["--ram", "4M", "--ram-total", "9M"]].concat();
+    let server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let url = metrics_url(&server);
+    let mut vms: Vec<Client> =
+        (0..4).map(|i| Client::connect(&socket_uri(&socket, &format!("@cap-{i}"))).expect("within the cap")).collect();
+    let Err(refused) = Client::connect(&socket_uri(&socket, "@one-too-many")) else { panic!("a fifth VM got in") };
+    assert!(refused.to_string().contains("--ram-total 9 MiB"), "the refusal names the cap: {refused}");
+    let used = || sample(&scrape(&url), "overspill_host_cache_memory_used_bytes", &[]);
+    let block = pseudo_random(64 << 10, 9);
+    for round in 0..60u64 {
+        for vm in &mut vms {
+            vm.write(round * (64 << 10), &block, false).expect("write");
+        }
+    }
+    // Targets are cut to the fair share at the next rebalance (each second); the VMs give the
+    // excess back as they go on writing.
+    let cap = (9 << 20) as f64;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut round = 0u64;
+    while used() > cap {
+        assert!(Instant::now() < deadline, "cache memory {} stays above the 9 MiB cap", used());
+        for vm in &mut vms {
+            vm.write(round % 60 * (64 << 10), &block, false).expect("write");
+        }
+        round += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for vm in vms {
+        vm.disconnect().expect("disconnect");
+    }
+    Client::connect(&socket_uri(&socket, "@later")).expect("room again once the others left");
+}
+
 /// CPU time (user + system, in clock ticks) a process has used, from /proc.
 fn cpu_ticks(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
