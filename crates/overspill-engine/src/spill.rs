@@ -484,6 +484,33 @@ impl SpillLog {
         Ok(())
     }
 
+    /// Reads blocks that lie next to each other in one segment, `first` and the ones after it,
+    /// into `buf` (whole blocks): one read of the file, or copies while the segment is still in
+    /// memory. A guest reading back what it wrote in one go finds it this way, since a segment
+    /// is filled in the order blocks come.
+    pub fn read_run(&mut self, first: SpillAddr, buf: &mut [u8], stats: &VmStats) -> Result<()> {
+        debug_assert!(buf.len() % BLOCK_SIZE == 0);
+        debug_assert!(usize::from(first.slot) + buf.len() / BLOCK_SIZE <= BLOCKS_PER_SEGMENT);
+        let start = usize::from(first.slot);
+        if let Some(open) = self.open.as_ref().filter(|open| open.id == first.segment) {
+            for (i, block) in buf.chunks_exact_mut(BLOCK_SIZE).enumerate() {
+                block.copy_from_slice(&open.pages[start + i][..]);
+            }
+            return Ok(());
+        }
+        if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == first.segment) {
+            // Counted as reads of the file, as in `read`.
+            for (i, block) in buf.chunks_exact_mut(BLOCK_SIZE).enumerate() {
+                block.copy_from_slice(&writing.pages[start + i][..]);
+            }
+            stats.spill_read.add(buf.len() as u64);
+            return Ok(());
+        }
+        self.file.read_at(buf, first.byte_offset()).map_err(|e| EngineError::from_io("reading spill blocks", e))?;
+        stats.spill_read.add(buf.len() as u64);
+        Ok(())
+    }
+
     /// Overwrites a block of the open segment in memory; the caller checked [`Self::is_open`].
     pub fn overwrite_open(&mut self, addr: SpillAddr, data: &Block) {
         let open = self.open.as_mut().expect("caller checked the segment is open");
