@@ -620,7 +620,7 @@ impl Overlay {
                         j += 1;
                     }
                     let run_len: usize = spans[i..j].iter().map(|s| s.len).sum();
-                    let whole = span.within == 0 && run_len % BLOCK_SIZE == 0;
+                    let whole = span.within == 0 && run_len.is_multiple_of(BLOCK_SIZE);
                     let (spill, stats) = self.spill_and_stats();
                     if whole {
                         spill.read_run(addr, &mut buf[pos..pos + run_len], stats)?;

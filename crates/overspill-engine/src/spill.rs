@@ -489,7 +489,7 @@ impl SpillLog {
     /// memory. A guest reading back what it wrote in one go finds it this way, since a segment
     /// is filled in the order blocks come.
     pub fn read_run(&mut self, first: SpillAddr, buf: &mut [u8], stats: &VmStats) -> Result<()> {
-        debug_assert!(buf.len() % BLOCK_SIZE == 0);
+        debug_assert!(buf.len().is_multiple_of(BLOCK_SIZE));
         debug_assert!(usize::from(first.slot) + buf.len() / BLOCK_SIZE <= BLOCKS_PER_SEGMENT);
         let start = usize::from(first.slot);
         if let Some(open) = self.open.as_ref().filter(|open| open.id == first.segment) {
