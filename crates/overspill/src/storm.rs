@@ -37,6 +37,8 @@ pub struct StormArgs {
     #[arg(long, value_delimiter = ',', default_value = "32M,256M", value_parser = parse_bytes)]
     ram: Vec<u64>,
     /// Shared read cache in front of the golden image, as `serve --read-cache`; 0 turns it off.
+    /// Mode `shared` never has one: it stands for MCS, whose VMs read the golden image from
+    /// shared storage (the seeds' MCS figures include those reads).
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     read_cache: u64,
     /// Seconds between VM boots (0: all at once, a boot storm).
@@ -232,7 +234,8 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         let label = run.label();
         let target: Box<dyn Target> = match (run, &golden) {
             (Run::Local { mode, ram }, Some(golden)) => {
-                Box::new(start_local_server(golden, *mode, *ram, args.read_cache, &work, index)?)
+                let read_cache = if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache };
+                Box::new(start_local_server(golden, *mode, *ram, read_cache, &work, index)?)
             }
             (Run::Remote(uri), _) => Box::new(RemoteTarget(uri.clone())),
             (Run::Local { .. }, None) => unreachable!("a golden image is opened for local runs"),
