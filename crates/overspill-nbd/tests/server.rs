@@ -396,12 +396,7 @@ fn a_large_read_failing_part_way_ends_its_reply_as_nbd_requires() {
 /// A request as raw bytes: header, then `payload`.
 fn request(kind: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) -> Vec<u8> {
     let mut msg = Vec::new();
-    put_u32(&mut msg, REQUEST_MAGIC);
-    put_u16(&mut msg, 0);
-    put_u16(&mut msg, kind);
-    put_u64(&mut msg, cookie);
-    put_u64(&mut msg, offset);
-    put_u32(&mut msg, length);
+    overspill_nbd::request::RequestHeader { flags: 0, kind, cookie, offset, length }.encode(&mut msg);
     msg.extend_from_slice(payload);
     msg
 }

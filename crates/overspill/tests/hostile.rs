@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use overspill_nbd::client::{Client, NbdUri};
+use overspill_nbd::request::RequestHeader;
 use overspill_nbd::wire::*;
 use tempfile::TempDir;
 
@@ -72,12 +73,7 @@ fn handshaken(socket: &Path, export: &str) -> Option<UnixStream> {
 
 fn request(kind: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
     let mut msg = Vec::new();
-    put_u32(&mut msg, REQUEST_MAGIC);
-    put_u16(&mut msg, 0);
-    put_u16(&mut msg, kind);
-    put_u64(&mut msg, cookie);
-    put_u64(&mut msg, offset);
-    put_u32(&mut msg, length);
+    RequestHeader { flags: 0, kind, cookie, offset, length }.encode(&mut msg);
     msg
 }
 
