@@ -93,6 +93,12 @@ pub trait Transport: Read + Write + Send + 'static {
     fn read_now(&mut self, _bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
         None
     }
+
+    /// Ends the session on the stream before it is dropped: TLS sends its close_notify (NBD_CMD_DISC
+    /// requires the TLS session shut down before the connection closes). Nothing for a socket.
+    fn close(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 fn recv_now(fd: std::os::fd::BorrowedFd<'_>, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
@@ -837,6 +843,10 @@ fn transmit<T: Transport>(
         }
     }
     wire.flush()?;
+    // The client may be gone already; the connection ends cleanly either way.
+    if let Err(error) = wire.stream.close() {
+        tracing::debug!(%error, "closing the session");
+    }
     Ok(Ending::Disconnected { export: session.export, requests })
 }
 

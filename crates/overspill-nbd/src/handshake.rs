@@ -20,6 +20,9 @@ use crate::wire::*;
 /// nothing this server accepts needs more.
 pub const MAX_OPTION_BYTES: u32 = 16 * 1024;
 
+/// Error messages in option replies are cut to this, well within the spec's 4096-byte strings.
+const MAX_MESSAGE_BYTES: usize = 1024;
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum HandshakeError {
     #[error("client flags {0:#x} include bits this server does not know")]
@@ -347,7 +350,16 @@ impl Handshake {
             } else {
                 tracing::debug!(export = ?name, "INFO for an unknown export");
             }
-            option_reply(out, option, REP_ERR_UNKNOWN, format!("no export named {name:?}").as_bytes());
+            // SELECTIVETLS: a hidden export may be one only a TLS identity opens, and for such an
+            // export the spec wants TLS_REQD before TLS; a missing one may get it too, so hidden
+            // and missing exports still look alike.
+            let reply = if self.tls == TlsMode::On && !self.tls_active && self.access.is_some() {
+                REP_ERR_TLS_REQD
+            } else {
+                REP_ERR_UNKNOWN
+            };
+            let message = format!("no export named {name:?}");
+            option_reply(out, option, reply, truncate_utf8(&message, MAX_MESSAGE_BYTES).as_bytes());
             return Progress::NeedMore;
         };
         let device = if option == OPT_GO {
@@ -363,7 +375,8 @@ impl Handshake {
                         _ => (REP_ERR_UNKNOWN, Refusal::CannotOpen),
                     };
                     self.refusal = Some(refusal);
-                    option_reply(out, option, reply, format!("cannot open export: {}", error.message).as_bytes());
+                    let message = format!("cannot open export: {}", error.message);
+                    option_reply(out, option, reply, truncate_utf8(&message, MAX_MESSAGE_BYTES).as_bytes());
                     return Progress::NeedMore;
                 }
             }
@@ -537,7 +550,8 @@ mod tests {
     }
 
     /// An export the client's identity does not allow is neither listed nor opened, and looks
-    /// like one that does not exist; after TLS proves the identity, it is.
+    /// like one that does not exist (before TLS, INFO asks for TLS, as the spec's SELECTIVETLS
+    /// wants for an export only TLS opens); after TLS proves the identity, it is.
     #[test]
     fn exports_are_hidden_from_identities_not_allowed_them() {
         struct OnlyAlice;
@@ -556,7 +570,7 @@ mod tests {
         let mut out = Vec::new();
         hs.advance(&input, &mut out, &exports).expect("well-framed");
         let kinds: Vec<u32> = replies(&out).iter().map(|r| r.1).collect();
-        assert_eq!(kinds, vec![REP_ACK, REP_ERR_UNKNOWN, REP_ACK], "an empty list, an unknown export, STARTTLS");
+        assert_eq!(kinds, vec![REP_ACK, REP_ERR_TLS_REQD, REP_ACK], "an empty list, TLS required, STARTTLS");
 
         hs.tls_started(Some("alice".into()));
         let mut input = Vec::new();

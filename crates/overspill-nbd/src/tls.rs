@@ -272,6 +272,16 @@ impl<T: Transport> Transport for TlsStream<T> {
         // The server took the socket's stopper before the upgrade; it still works underneath.
         None
     }
+
+    fn close(&mut self) -> io::Result<()> {
+        match &mut self.inner {
+            Inner::Rustls(s) => {
+                s.conn.send_close_notify();
+                s.flush()
+            }
+            Inner::OpenSsl(s) => s.shutdown().map(|_| ()).map_err(io::Error::other),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -154,7 +154,9 @@ pub fn structured_error(out: &mut Vec<u8>, cookie: u64, error: u32, message: &st
     out.extend_from_slice(message.as_bytes());
 }
 
-fn truncate_utf8(s: &str, max: usize) -> &str {
+/// `s` cut to at most `max` bytes, at a character boundary: strings on the wire (error messages
+/// among them) may not exceed 4096 bytes.
+pub fn truncate_utf8(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }
