@@ -10,7 +10,7 @@
 //! and a blocking read gives the lowest latency at queue depth 1. Hundreds of VMs are hundreds of
 //! mostly idle threads, which Linux handles well.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::ffi::OsStrExt;
@@ -274,14 +274,17 @@ pub struct Server {
 }
 
 /// Connections still in their handshake, oldest first (keys only grow), each with when it
-/// began and what cuts it off.
+/// began and what cuts it off; and those cut off whose threads have not ended yet, which no
+/// longer count as connections.
 #[derive(Default)]
 struct Handshakes {
     next_key: u64,
     live: BTreeMap<u64, (Instant, ReadStopper)>,
+    shed: HashSet<u64>,
 }
 
-/// A connection's place among the handshakes; given up when its handshake ends, or with it.
+/// A connection's place among the handshakes: given up when its handshake ends, and its mark
+/// as shed when its thread ends.
 struct HandshakeEntry {
     handshakes: Arc<Mutex<Handshakes>>,
     key: Option<u64>,
@@ -289,7 +292,7 @@ struct HandshakeEntry {
 
 impl HandshakeEntry {
     fn release(&mut self) {
-        if let Some(key) = self.key.take() {
+        if let Some(key) = self.key {
             lock(&self.handshakes).live.remove(&key);
         }
     }
@@ -297,7 +300,11 @@ impl HandshakeEntry {
 
 impl Drop for HandshakeEntry {
     fn drop(&mut self) {
-        self.release();
+        if let Some(key) = self.key {
+            let mut handshakes = lock(&self.handshakes);
+            handshakes.live.remove(&key);
+            handshakes.shed.remove(&key);
+        }
     }
 }
 
@@ -411,12 +418,29 @@ impl Server {
         lock(&self.handshakes).live.len() >= self.config.max_handshakes
     }
 
+    /// Connections that count against `max_connections`: not those shed and still ending.
+    fn connections(&self) -> usize {
+        let shed = lock(&self.handshakes).shed.len();
+        self.active.load(Ordering::Relaxed).saturating_sub(shed)
+    }
+
+    /// Whether a newcomer must wait in the backlog: every handshake slot is taken, or every
+    /// connection is and some of them are still handshakes that may be shed soon.
+    fn must_wait(&self) -> bool {
+        let handshakes = lock(&self.handshakes).live.len();
+        handshakes >= self.config.max_handshakes
+            || (handshakes > 0 && self.connections() >= self.config.max_connections)
+    }
+
     /// Cuts off the oldest handshake if it has had [`Self::shed_age`]; whether one was.
     fn shed_oldest_handshake(&self) -> bool {
         let shed = {
             let mut handshakes = lock(&self.handshakes);
             match handshakes.live.first_key_value() {
-                Some((&key, (began, _))) if began.elapsed() >= self.shed_age() => handshakes.live.remove(&key),
+                Some((&key, (began, _))) if began.elapsed() >= self.shed_age() => {
+                    handshakes.shed.insert(key);
+                    handshakes.live.remove(&key)
+                }
                 _ => None,
             }
         };
@@ -461,7 +485,7 @@ impl Server {
             }
             // Slow handshakes fill their slots: new clients wait in the backlog meanwhile, and
             // the oldest handshake goes once it has had its time.
-            while self.handshakes_full() && !self.shutdown.is_requested() {
+            while self.must_wait() && !self.shutdown.is_requested() {
                 if !self.shed_oldest_handshake() {
                     std::thread::sleep(Duration::from_millis(5));
                 }
@@ -498,10 +522,10 @@ impl Server {
 
     /// Serves one already-connected stream on a new thread (also used for socketpairs in tests).
     pub fn spawn<T: Transport>(&self, stream: T, id: u64, peer: String) {
-        let active = self.active.fetch_add(1, Ordering::Relaxed) + 1;
+        self.active.fetch_add(1, Ordering::Relaxed);
         let slot = Slot(self.active.clone());
         // Full: a slow handshake gives way before a newcomer is turned away.
-        if active > self.config.max_connections && !self.shed_oldest_handshake() {
+        if self.connections() > self.config.max_connections && !self.shed_oldest_handshake() {
             tracing::warn!(peer, limit = self.config.max_connections, "connection refused: too many connections");
             self.config.counters.refused(Refusal::TooManyConnections);
             return;
