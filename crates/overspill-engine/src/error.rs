@@ -36,9 +36,30 @@ impl EngineError {
     }
 }
 
-/// Whether a file error says the filesystem is full.
+/// Whether a file error says there is no room: the filesystem is full, a quota is reached
+/// (EDQUOT) or the file may grow no further (EFBIG). NBD asks ENOSPC for all of them.
 pub(crate) fn is_no_space(error: &io::Error) -> bool {
-    error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) || error.kind() == io::ErrorKind::StorageFull
+    let no_room = [rustix::io::Errno::NOSPC, rustix::io::Errno::DQUOT, rustix::io::Errno::FBIG];
+    no_room.iter().any(|errno| error.raw_os_error() == Some(errno.raw_os_error()))
+        || matches!(
+            error.kind(),
+            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::FileTooLarge
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quota_or_a_file_size_limit_is_no_space_too() {
+        for errno in [rustix::io::Errno::NOSPC, rustix::io::Errno::DQUOT, rustix::io::Errno::FBIG] {
+            let error = io::Error::from_raw_os_error(errno.raw_os_error());
+            assert!(matches!(EngineError::from_io("writing", error), EngineError::NoSpace(_)), "{errno:?}");
+        }
+        let eio = io::Error::from_raw_os_error(rustix::io::Errno::IO.raw_os_error());
+        assert!(matches!(EngineError::from_io("writing", eio), EngineError::Io { .. }));
+    }
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
