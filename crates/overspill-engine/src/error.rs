@@ -47,6 +47,8 @@ pub(crate) fn is_no_space(error: &io::Error) -> bool {
         )
 }
 
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,5 +63,3 @@ mod tests {
         assert!(matches!(EngineError::from_io("writing", eio), EngineError::Io { .. }));
     }
 }
-
-pub type Result<T, E = EngineError> = std::result::Result<T, E>;
