@@ -1,5 +1,6 @@
 //! Writes the committed seed corpora (`fuzz/corpus/<target>/seed-*`): what real clients send,
-//! so the fuzzers start from deep inside the protocol. Run from fuzz/: `cargo run --example seeds`.
+//! so the fuzzers start from deep inside the protocol (and, for `engine`, the engine). Run from
+//! fuzz/: `cargo run --example seeds`.
 
 use overspill_fuzz::*;
 use overspill_nbd::wire::*;
@@ -97,6 +98,48 @@ fn bad_requests() -> Vec<u8> {
     out
 }
 
+/// One 4 KiB write per block of `blocks`, every third with FUA.
+fn block_writes(out: &mut Vec<u8>, blocks: std::ops::Range<u64>, byte: u8) {
+    for block in blocks {
+        let flags = if block % 3 == 0 { CMD_FLAG_FUA } else { 0 };
+        request(out, CMD_WRITE, flags, block * 4096, 4096, &[byte ^ block as u8; 4096]);
+    }
+}
+
+/// `engine`: a VM's session past its 16-block memory target, so it spills, then reads,
+/// trims, zeroes and flushes; `disc` ends it with NBD_CMD_DISC, else the connection is lost.
+fn spilling_session(disc: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    block_writes(&mut out, 0..20, 0x11);
+    request(&mut out, CMD_READ, 0, 0, 20 * 4096, &[]);
+    request(&mut out, CMD_TRIM, 0, 4096, 4 * 4096, &[]);
+    request(&mut out, CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 8 * 4096, 2 * 4096, &[]);
+    request(&mut out, CMD_FLUSH, 0, 0, 0, &[]);
+    request(&mut out, CMD_READ, CMD_FLAG_DF, 0, 24 * 4096, &[]);
+    if disc {
+        request(&mut out, CMD_DISC, 0, 0, 0, &[]);
+    }
+    out
+}
+
+/// `engine`: `@full` is 8 blocks short of its spill limit, its first segment on disk: of
+/// `new` fresh blocks the 9th gets ENOSPC; overwriting and trimming sealed blocks makes
+/// garbage that compaction turns into room for the next writes.
+fn full_session(new: u64, disc: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    block_writes(&mut out, 1536..1536 + new, 0x22);
+    block_writes(&mut out, 0..2, 0x33);
+    request(&mut out, CMD_TRIM, 0, 64 * 4096, 256 * 4096, &[]);
+    block_writes(&mut out, 1600..1600 + new, 0x44);
+    request(&mut out, CMD_READ, 0, 60 * 4096, 8 * 4096, &[]);
+    request(&mut out, CMD_READ, 0, 1530 * 4096, 80 * 4096, &[]);
+    request(&mut out, CMD_FLUSH, 0, 0, 0, &[]);
+    if disc {
+        request(&mut out, CMD_DISC, 0, 0, 0, &[]);
+    }
+    out
+}
+
 /// `request` input: header, export size, maximum payload, capability bits.
 fn request_seed(kind: u16, flags: u16, offset: u64, length: u32, size: u64, max: u32, caps: u8) -> Vec<u8> {
     let mut out = Vec::new();
@@ -137,6 +180,31 @@ fn main() -> std::io::Result<()> {
         ("server", "refusals", [vec![0], refusals()].concat()),
         ("server", "nbdinfo-list", [vec![0], nbdinfo_list()].concat()),
     ];
+    let (go, sgo, raw, export_name) = (1, 2, 0, 3);
+    let engine = [
+        ("go-spill-session", engine_input(go | ENGINE_DEFAULT, b"", &spilling_session(true))),
+        ("export-name-spill-lost", engine_input(export_name | ENGINE_DEFAULT, b"", &spilling_session(false))),
+        ("vm-lost-again", engine_input(go | ENGINE_NAMED | ENGINE_AGAIN, b"", &spilling_session(false))),
+        (
+            "vm-restart-again",
+            engine_input(sgo | ENGINE_NAMED | ENGINE_RESTART | ENGINE_AGAIN, b"", &spilling_session(false)),
+        ),
+        ("full-enospc", engine_input(sgo | ENGINE_FULL, b"", &full_session(10, true))),
+        ("full-restart", engine_input(go | ENGINE_FULL | ENGINE_RESTART, b"", &full_session(3, false))),
+        ("raw-qemu-full", engine_input(raw | ENGINE_FULL, b"", &[qemu("@full"), full_session(3, true)].concat())),
+        ("raw-nbdinfo-list", engine_input(raw | ENGINE_DEFAULT, b"", &nbdinfo_list())),
+        ("name-ok-restart", engine_input(sgo | ENGINE_NAME_FROM_INPUT | ENGINE_RESTART, b"@Win7.pool_3", &session())),
+        ("bad-name-dotdot", engine_input(go | ENGINE_NAME_FROM_INPUT, b"@../x", &session())),
+        ("bad-name-newline", engine_input(export_name | ENGINE_NAME_FROM_INPUT, b"@a\nb", &session())),
+        ("bad-name-slash", engine_input(go | ENGINE_NAME_FROM_INPUT, b"@a/../../b", &session())),
+        ("bad-name-not-utf8", engine_input(go | ENGINE_NAME_FROM_INPUT, b"@\xff\xfe", &session())),
+        (
+            "bad-name-too-long",
+            engine_input(sgo | ENGINE_NAME_FROM_INPUT, format!("@{}", "x".repeat(65)).as_bytes(), &session()),
+        ),
+        ("unknown-image", engine_input(go | ENGINE_NAME_FROM_INPUT, b"nope@vm-1", &session())),
+    ];
+    let seeds = seeds.into_iter().chain(engine.into_iter().map(|(name, bytes)| ("engine", name, bytes)));
     // A write whose payload never comes: the client goes away mid-message.
     let mut truncated = vec![1];
     request(&mut truncated, CMD_WRITE, 0, 0, 4096, &[1; 100]);

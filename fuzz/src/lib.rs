@@ -1,9 +1,10 @@
-//! The fuzz crate of overspill: libFuzzer targets for the NBD protocol crate and what they share.
+//! The fuzz crate of overspill: libFuzzer targets for the NBD protocol crate and the engine-backed
+//! server, and what they share.
 //!
-//! It owns the three targets in `fuzz_targets/` (`handshake`, `request`, `server`), the layout of
-//! their inputs (defined here, so that `examples/seeds.rs` writes the committed seed corpora in
-//! the same layout), and a reference reading of the wire that the targets check the server
-//! against. It is a workspace of its own, built only by `cargo fuzz`: see docs/fuzzing.md.
+//! It owns the four targets in `fuzz_targets/` (`handshake`, `request`, `server`, `engine`), the
+//! layout of their inputs (defined here, so that `examples/seeds.rs` writes the committed seed
+//! corpora in the same layout), and a reference reading of the wire that the targets check the
+//! server against. It is a workspace of its own, built only by `cargo fuzz`: see docs/fuzzing.md.
 
 use overspill_nbd::wire::*;
 
@@ -86,3 +87,87 @@ pub fn option_replies(mut out: &[u8]) -> (Vec<Reply<'_>>, &[u8]) {
     }
     (all, out)
 }
+
+/// `engine` input: a mode byte, then, when its export bits are [`ENGINE_NAME_FROM_INPUT`], a
+/// length byte and that many bytes of export name (sent as they are: not always UTF-8, nor
+/// always `IMAGE@VM`), then the client's stream. The mode's low two bits pick the handshake the
+/// target sends before the stream, as for `server`, but naming the chosen export: none (the
+/// stream has its own), GO, structured replies and GO, or EXPORT_NAME.
+pub fn engine_input(mode: u8, name: &[u8], stream: &[u8]) -> Vec<u8> {
+    let mut out = vec![mode];
+    if mode & ENGINE_EXPORT_BITS == ENGINE_NAME_FROM_INPUT {
+        let len = u8::try_from(name.len()).expect("a name from the input is at most 255 bytes");
+        out.push(len);
+        out.extend_from_slice(name);
+    }
+    out.extend_from_slice(stream);
+    out
+}
+
+/// Splits an `engine` input into mode, export name and client stream; `None` for an empty one.
+/// A name cut short by the input's end is what there is of it.
+pub fn engine_split(data: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&mode, rest) = data.split_first()?;
+    Some(match mode & ENGINE_EXPORT_BITS {
+        ENGINE_NAME_FROM_INPUT => {
+            let (&len, rest) = rest.split_first().unwrap_or((&0, &[]));
+            let (name, rest) = rest.split_at(usize::from(len).min(rest.len()));
+            (mode, name, rest)
+        }
+        bits => (mode, ENGINE_EXPORTS[usize::from(bits >> 2)].as_bytes(), rest),
+    })
+}
+
+/// The handshake an `engine` mode sends before the fuzzed stream.
+pub fn engine_prefix(mode: u8, name: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    match mode & 3 {
+        0 => {}
+        1 => {
+            put_u32(&mut out, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+            option(&mut out, OPT_GO, &go_data_bytes(name, &[]));
+        }
+        2 => {
+            put_u32(&mut out, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+            option(&mut out, OPT_STRUCTURED_REPLY, &[]);
+            option(&mut out, OPT_GO, &go_data_bytes(name, &[INFO_BLOCK_SIZE]));
+        }
+        _ => {
+            put_u32(&mut out, CLIENT_FIXED_NEWSTYLE);
+            option(&mut out, OPT_EXPORT_NAME, name);
+        }
+    }
+    out
+}
+
+/// GO or INFO data for a name of any bytes ([`go_data`] takes a `&str`).
+pub fn go_data_bytes(name: &[u8], requests: &[u16]) -> Vec<u8> {
+    let mut data = Vec::new();
+    put_u32(&mut data, name.len() as u32);
+    data.extend_from_slice(name);
+    put_u16(&mut data, requests.len() as u16);
+    for &r in requests {
+        put_u16(&mut data, r);
+    }
+    data
+}
+
+/// `engine` mode bits 2-3: the export the handshake names, an index into [`ENGINE_EXPORTS`]
+/// or a name from the input.
+pub const ENGINE_EXPORT_BITS: u8 = 3 << 2;
+/// The golden image's default export: an anonymous VM, its overlay ending with its connection.
+pub const ENGINE_DEFAULT: u8 = 0;
+/// A named VM, `@vm-1`: its overlay is kept (state files and all) when its connection is lost.
+pub const ENGINE_NAMED: u8 = 1 << 2;
+/// `@full`, a named VM the target fills before the input, to a few blocks short of its spill
+/// limit: its first segment sealed and on disk, so the input's writes hit ENOSPC, overwrite
+/// spilled blocks and make compaction run.
+pub const ENGINE_FULL: u8 = 2 << 2;
+pub const ENGINE_NAME_FROM_INPUT: u8 = 3 << 2;
+pub const ENGINE_EXPORTS: [&str; 3] = ["", "@vm-1", "@full"];
+/// After the input's connection: the server stops, handing its VMs in grace over to the next
+/// one (their state in files), and a new server rebuilds them; each must read back the same.
+pub const ENGINE_RESTART: u8 = 1 << 4;
+/// The same handshake and stream once more on a new connection (after the restart, if there
+/// is one): a named VM whose connection was lost resumes its overlay.
+pub const ENGINE_AGAIN: u8 = 1 << 5;
