@@ -16,8 +16,7 @@
 #![no_main]
 
 use std::collections::BTreeMap;
-use std::io::{ErrorKind, Read, Write};
-use std::net::Shutdown;
+use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -27,7 +26,6 @@ use libfuzzer_sys::fuzz_target;
 use overspill_engine::{GoldenImage, HostMemory, RawImage, WriteCacheMode, BLOCK_BYTES, BLOCK_SIZE};
 use overspill_fuzz::*;
 use overspill_nbd::client::Client;
-use overspill_nbd::handshake::Handshake;
 use overspill_nbd::server::socketpair;
 use overspill_nbd::wire::{be_u16, be_u32, be_u64, Errno, CMD_TRIM, CMD_WRITE, REQUEST_HEADER_BYTES, REQUEST_MAGIC};
 use overspill_nbd::{Server, ServerConfig};
@@ -149,33 +147,9 @@ impl Env {
         env
     }
 
-    /// The fuzzer's connection: `input` written from another thread (the server may answer a
-    /// large read before it reads on; both sides blocking on write would be our deadlock, not
-    /// the server's), then half-closed; read until the server closes.
+    /// The fuzzer's connection (see [`play`]).
     fn session(&self, input: &[u8]) {
-        let mut client = socketpair(&self.server).expect("socketpair");
-        client.set_read_timeout(Some(PATIENCE)).expect("read timeout");
-        let mut writer = client.try_clone().expect("clone");
-        let input = input.to_vec();
-        let feeder = std::thread::spawn(move || {
-            // The server may close first (bad magic, say): EPIPE is an answer, not a failure.
-            let _ = writer.write_all(&input);
-            let _ = writer.shutdown(Shutdown::Write);
-        });
-        let (mut heard, mut buf) = (Vec::new(), vec![0u8; 64 * 1024]);
-        loop {
-            match client.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) if heard.len() < 18 => heard.extend_from_slice(&buf[..n]),
-                Ok(_) => {}
-                // Closing with our bytes unread resets the connection: that is closing too.
-                Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => panic!("server neither answered nor closed within {PATIENCE:?}: {e}"),
-            }
-        }
-        feeder.join().expect("feeder");
-        assert!(heard.starts_with(&Handshake::greeting()), "no greeting: {heard:02x?}");
+        play(socketpair(&self.server).expect("socketpair"), input.to_vec(), PATIENCE);
         self.idle("the fuzzer's connection");
     }
 

@@ -6,16 +6,13 @@
 //! so it is found even though the server would only log it.
 #![no_main]
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::Shutdown;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use overspill_fuzz::{server_prefix, EXPORT_NAME, EXPORT_SIZE};
+use overspill_fuzz::{play, server_prefix, EXPORT_NAME, EXPORT_SIZE};
 use overspill_nbd::client::Client;
-use overspill_nbd::handshake::Handshake;
 use overspill_nbd::memory::OneExport;
 use overspill_nbd::server::socketpair;
 use overspill_nbd::{Server, ServerConfig};
@@ -39,33 +36,8 @@ fn server() -> &'static Server {
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else { return };
     let server = server();
-    let mut client = socketpair(server).expect("socketpair");
-    client.set_read_timeout(Some(PATIENCE)).expect("read timeout");
-
-    // Written from another thread: the server may answer (a read of the whole export) before it
-    // reads on, and both sides blocking on write would be our deadlock, not the server's.
-    let mut writer = client.try_clone().expect("clone");
-    let input = [server_prefix(mode), rest.to_vec()].concat();
-    let feeder = std::thread::spawn(move || {
-        // The server may close first (bad magic, say): EPIPE is an answer, not a failure.
-        let _ = writer.write_all(&input);
-        let _ = writer.shutdown(Shutdown::Write);
-    });
-
-    let (mut heard, mut buf) = (Vec::new(), vec![0u8; 64 * 1024]);
-    loop {
-        match client.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) if heard.len() < 18 => heard.extend_from_slice(&buf[..n]),
-            Ok(_) => {}
-            // Closing with our bytes unread resets the connection: that is closing too.
-            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => panic!("server neither answered nor closed within {PATIENCE:?}: {e}"),
-        }
-    }
-    feeder.join().expect("feeder");
-    assert!(heard.starts_with(&Handshake::greeting()), "no greeting: {heard:02x?}");
+    let client = socketpair(server).expect("socketpair");
+    play(client, [server_prefix(mode), rest.to_vec()].concat(), PATIENCE);
     assert!(idle(server), "connection thread still running after its socket closed");
     still_serves(server);
 });

@@ -6,6 +6,12 @@
 //! corpora in the same layout), and a reference reading of the wire that the targets check the
 //! server against. It is a workspace of its own, built only by `cargo fuzz`: see docs/fuzzing.md.
 
+use std::io::{ErrorKind, Read, Write};
+use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use overspill_nbd::handshake::Handshake;
 use overspill_nbd::wire::*;
 
 /// The export every target serves: small, so that reads the fuzzer asks for stay cheap, and
@@ -171,3 +177,32 @@ pub const ENGINE_RESTART: u8 = 1 << 4;
 /// The same handshake and stream once more on a new connection (after the restart, if there
 /// is one): a named VM whose connection was lost resumes its overlay.
 pub const ENGINE_AGAIN: u8 = 1 << 5;
+
+/// Plays a fuzz input as a client: `input` is written from another thread (the server may answer
+/// a large read before it reads on, and both sides blocking on write would be our deadlock, not
+/// the server's), then the client half-closes; reads until the server closes. Panics if the
+/// server neither answers nor closes within `patience`, or never greeted.
+pub fn play(client: UnixStream, input: Vec<u8>, patience: Duration) {
+    client.set_read_timeout(Some(patience)).expect("read timeout");
+    let mut writer = client.try_clone().expect("clone");
+    let feeder = std::thread::spawn(move || {
+        // The server may close first (bad magic, say): EPIPE is an answer, not a failure.
+        let _ = writer.write_all(&input);
+        let _ = writer.shutdown(Shutdown::Write);
+    });
+    let mut client = client;
+    let (mut heard, mut buf) = (Vec::new(), vec![0u8; 64 * 1024]);
+    loop {
+        match client.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) if heard.len() < 18 => heard.extend_from_slice(&buf[..n]),
+            Ok(_) => {}
+            // Closing with our bytes unread resets the connection: that is closing too.
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => panic!("server neither answered nor closed within {patience:?}: {e}"),
+        }
+    }
+    feeder.join().expect("feeder");
+    assert!(heard.starts_with(&Handshake::greeting()), "no greeting: {heard:02x?}");
+}
