@@ -387,7 +387,7 @@ impl<T: Transport> Wire<T> {
             }
         };
         match self.waiting {
-            Some((w, _)) if w == wait => self.check_deadline(io::ErrorKind::WouldBlock.into()),
+            Some((w, _)) if w == wait => self.deadline_passed(),
             _ => {
                 self.waiting = Some((wait, Instant::now()));
                 Ok(())
@@ -395,18 +395,23 @@ impl<T: Transport> Wire<T> {
         }
     }
 
-    /// A blocked read woke without data (the socket's timeout is the deadlines' tick): an error
-    /// once the wait is over its deadline, otherwise read again.
-    fn check_deadline(&self, error: io::Error) -> Result<(), io::Error> {
-        if self.deadlines.is_none() || !matches!(error.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
-            return Err(error);
-        }
+    /// The wait noted last, as an error once it is over its deadline.
+    fn deadline_passed(&self) -> io::Result<()> {
         match self.waiting {
             Some((wait @ (Wait::Idle(limit) | Wait::Request(limit)), since)) if since.elapsed() >= limit => {
                 Err(io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(wait)))
             }
             _ => Ok(()),
         }
+    }
+
+    /// A blocked read woke without data (the socket's timeout is the deadlines' tick): an error
+    /// once the wait is over its deadline, otherwise read again. Other errors stand.
+    fn check_deadline(&self, error: io::Error) -> io::Result<()> {
+        if self.deadlines.is_none() || !matches!(error.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+            return Err(error);
+        }
+        self.deadline_passed()
     }
 
     fn buffered(&self) -> &[u8] {

@@ -3,7 +3,7 @@
 
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,14 +38,44 @@ impl Screen {
     }
 }
 
-fn start_server(dir: &Path, golden: &Path, socket: &Path, metrics_port: u16) -> Serve {
-    let listen = format!("unix:{}", socket.display());
-    let metrics = format!("tcp:127.0.0.1:{metrics_port}");
-    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--metrics", &metrics];
-    let url = format!("127.0.0.1:{metrics_port}");
-    Serve::start(dir, &args, &[], || {
-        std::os::unix::net::UnixStream::connect(socket).is_ok() && std::net::TcpStream::connect(&url).is_ok()
-    })
+/// A golden image, the socket and metrics port a server will use, and the server on them.
+struct Setup {
+    tmp: TempDir,
+    golden: PathBuf,
+    socket: PathBuf,
+    port: u16,
+}
+
+impl Setup {
+    fn new(seed: u64) -> (Self, Serve) {
+        let tmp = TempDir::new().expect("tempdir");
+        let golden = tmp.path().join("golden.img");
+        std::fs::write(&golden, pseudo_random(4 << 20, seed)).expect("golden image");
+        let socket = tmp.path().join("nbd.sock");
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+        let setup = Self { tmp, golden, socket, port };
+        let server = setup.start();
+        (setup, server)
+    }
+
+    fn start(&self) -> Serve {
+        let listen = format!("unix:{}", self.socket.display());
+        let metrics = format!("tcp:127.0.0.1:{}", self.port);
+        let args = ["--base", self.golden.to_str().expect("utf-8"), "--listen", &listen, "--metrics", &metrics];
+        let endpoint = format!("127.0.0.1:{}", self.port);
+        Serve::start(self.tmp.path(), &args, &[], || {
+            std::os::unix::net::UnixStream::connect(&self.socket).is_ok()
+                && std::net::TcpStream::connect(&endpoint).is_ok()
+        })
+    }
+
+    fn uri(&self, vm: &str) -> NbdUri {
+        format!("nbd+unix:///@{vm}?socket={}", self.socket.display()).parse().expect("uri")
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/metrics", self.port)
+    }
 }
 
 /// The full-screen view: alternate screen, the VM and the server's figures, sort keys, a
@@ -53,14 +83,8 @@ fn start_server(dir: &Path, golden: &Path, socket: &Path, metrics_port: u16) -> 
 /// grace), and `q` quits, leaving the terminal as it was.
 #[test]
 fn stat_is_a_full_screen_view_that_rides_through_a_server_restart() {
-    let tmp = TempDir::new().expect("tempdir");
-    let golden = tmp.path().join("golden.img");
-    std::fs::write(&golden, pseudo_random(4 << 20, 3)).expect("golden image");
-    let socket = tmp.path().join("nbd.sock");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
-    let server = start_server(tmp.path(), &golden, &socket, port);
-    let uri: NbdUri = format!("nbd+unix:///@watched?socket={}", socket.display()).parse().expect("uri");
-    let mut vm = Client::connect(&uri).expect("connect");
+    let (setup, server) = Setup::new(3);
+    let mut vm = Client::connect(&setup.uri("watched")).expect("connect");
     for i in 0..64u64 {
         vm.write(i * 4096, &[5; 4096], false).expect("write");
     }
@@ -71,7 +95,7 @@ fn stat_is_a_full_screen_view_that_rides_through_a_server_restart() {
     // setsid --ctty: the terminal becomes the program's own, as in a login shell.
     let mut stat = Command::new("setsid")
         .args(["--ctty", env!("CARGO_BIN_EXE_overspill"), "stat", "--interval", "0.3"])
-        .args(["--url", &format!("http://127.0.0.1:{port}/metrics")])
+        .args(["--url", &setup.url()])
         .stdin(slave(&pty.slave))
         .stdout(slave(&pty.slave))
         .stderr(slave(&pty.slave))
@@ -102,7 +126,7 @@ fn stat_is_a_full_screen_view_that_rides_through_a_server_restart() {
     server.kill();
     let at = screen.wait_for("unreachable", at);
     drop(vm);
-    let mut server = start_server(tmp.path(), &golden, &socket, port);
+    let mut server = setup.start();
     // The new server knows the VM from its ledger and waits for it to come back.
     screen.wait_for("1 in grace", at);
 
@@ -124,14 +148,8 @@ fn stat_is_a_full_screen_view_that_rides_through_a_server_restart() {
 /// `--once --json`: one view for scripts, with the rates of the interval.
 #[test]
 fn stat_once_prints_json_for_scripts() {
-    let tmp = TempDir::new().expect("tempdir");
-    let golden = tmp.path().join("golden.img");
-    std::fs::write(&golden, pseudo_random(4 << 20, 4)).expect("golden image");
-    let socket = tmp.path().join("nbd.sock");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
-    let mut server = start_server(tmp.path(), &golden, &socket, port);
-    let uri: NbdUri = format!("nbd+unix:///@scripted?socket={}", socket.display()).parse().expect("uri");
-    let mut vm = Client::connect(&uri).expect("connect");
+    let (setup, mut server) = Setup::new(4);
+    let mut vm = Client::connect(&setup.uri("scripted")).expect("connect");
     // Writes all through the interval, so that its rate is not zero.
     let writer = std::thread::spawn(move || {
         let deadline = Instant::now() + Duration::from_secs(3);
@@ -144,7 +162,7 @@ fn stat_once_prints_json_for_scripts() {
     });
     std::thread::sleep(Duration::from_millis(300));
     let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
-        .args(["stat", "--once", "--json", "--interval", "1", "--url", &format!("http://127.0.0.1:{port}/metrics")])
+        .args(["stat", "--once", "--json", "--interval", "1", "--url", &setup.url()])
         .output()
         .expect("overspill stat");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
