@@ -578,6 +578,10 @@ impl GoldenImage for FaultyImage {
     fn identity(&self) -> Option<String> {
         self.inner.identity()
     }
+
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::Extent>> {
+        self.inner.extents(offset, len)
+    }
 }
 
 #[cfg(test)]

@@ -67,14 +67,42 @@ pub trait GoldenImage: Send + Sync {
     fn preferred_fetch_bytes(&self) -> Option<u64> {
         None
     }
+    /// How `[offset, offset + len)` is stored, as extents in order from `offset`: they cover
+    /// at least one byte and at most `len` (a reader may stop early, at the end of a table, and
+    /// be asked again). `offset + len` lies within the image. The default knows nothing and
+    /// calls it all data, which is always a true answer, only not a useful one.
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        let _ = offset;
+        Ok(vec![Extent { len, state: Allocation::Data }])
+    }
 }
 
-/// Opens a golden image by its format: qcow2 (by its magic) or raw.
-pub fn open_image(path: &Path) -> Result<std::sync::Arc<dyn GoldenImage>> {
-    if crate::qcow2::is_qcow2(path) {
-        Ok(std::sync::Arc::new(crate::qcow2::Qcow2Image::open(path)?))
-    } else {
-        Ok(std::sync::Arc::new(RawImage::open(path)?))
+/// How a range of an image is stored: what NBD's block status (`base:allocation`) reports, and
+/// what lets a copy skip what was never written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allocation {
+    /// Stored data (which may happen to be zeroes).
+    Data,
+    /// Stored, but known to read as zeroes: a qcow2 zero cluster, a range a VM wrote zeroes to.
+    Zero,
+    /// Not stored at all, and reads as zeroes: a hole in a sparse file, an unallocated cluster.
+    Hole,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u64,
+    pub state: Allocation,
+}
+
+/// Appends an extent, merged with the last one when both are stored the same way.
+pub fn push_extent(extents: &mut Vec<Extent>, len: u64, state: Allocation) {
+    if len == 0 {
+        return;
+    }
+    match extents.last_mut() {
+        Some(last) if last.state == state => last.len += len,
+        _ => extents.push(Extent { len, state }),
     }
 }
 
@@ -89,7 +117,7 @@ pub struct RawImage {
 
 /// A file's identity for [`GoldenImage::identity`]: replacing the file (a new inode) or writing
 /// into it (a new modification time) changes it.
-pub(crate) fn file_identity(metadata: &std::fs::Metadata) -> String {
+pub fn file_identity(metadata: &std::fs::Metadata) -> String {
     use std::os::unix::fs::MetadataExt;
     format!(
         "file dev {} inode {} size {} mtime {}.{:09}",
@@ -163,6 +191,40 @@ impl GoldenImage for RawImage {
 
     fn describe(&self) -> String {
         self.path.display().to_string()
+    }
+
+    /// The file's holes, from `SEEK_DATA`/`SEEK_HOLE`: a sparse golden image (what `qemu-img
+    /// convert` and `cp --sparse` make) tells its clients which parts were never written.
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        use rustix::fs::{seek, SeekFrom};
+        let end = offset + len;
+        let mut extents = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let data = match seek(&self.file, SeekFrom::Data(at)) {
+                Ok(data) => data.min(end),
+                // Past the last data: a hole to the end of the file.
+                Err(rustix::io::Errno::NXIO) => end,
+                // A file system without hole reporting: all data, as the default says.
+                Err(rustix::io::Errno::INVAL | rustix::io::Errno::OPNOTSUPP) => {
+                    push_extent(&mut extents, end - at, Allocation::Data);
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            push_extent(&mut extents, data - at, Allocation::Hole);
+            if data >= end {
+                break;
+            }
+            let hole = match seek(&self.file, SeekFrom::Hole(data)) {
+                Ok(hole) => hole.min(end),
+                Err(rustix::io::Errno::NXIO) => end,
+                Err(e) => return Err(e.into()),
+            };
+            push_extent(&mut extents, hole - data, Allocation::Data);
+            at = hole;
+        }
+        Ok(extents)
     }
 
     fn identity(&self) -> Option<String> {

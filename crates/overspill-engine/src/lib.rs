@@ -15,7 +15,6 @@ pub mod faults;
 pub mod golden;
 mod map;
 pub mod overlay;
-pub mod qcow2;
 pub mod ram;
 mod ranges;
 pub mod read_cache;
@@ -27,7 +26,7 @@ pub mod units;
 
 pub use budget::HostMemory;
 pub use error::{EngineError, Result};
-pub use golden::{open_image, GoldenImage, MemImage, RawImage, SourceReads};
+pub use golden::{push_extent, Allocation, Extent, GoldenImage, MemImage, RawImage, SourceReads};
 pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};
 pub use read_cache::CachedImage;
 pub use stats::VmStats;

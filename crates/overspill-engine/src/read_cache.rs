@@ -442,6 +442,10 @@ impl GoldenImage for CachedImage {
     fn identity(&self) -> Option<String> {
         self.source.identity()
     }
+
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::Extent>> {
+        self.source.extents(offset, len)
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
 use overspill_engine::read_cache::{ReadCacheStats, DEFAULT_CHUNK_BYTES};
-use overspill_engine::{open_image, CachedImage, GoldenImage};
+use overspill_engine::{CachedImage, GoldenImage};
+use overspill_images::open_image;
 
 use crate::{check_name, ServerError};
 
@@ -109,7 +110,11 @@ impl ImageStore {
         std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
         let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
         let version = format!("v{next}");
-        let ext = if overspill_engine::qcow2::is_qcow2(file) { "qcow2" } else { "img" };
+        let ext = if overspill_images::Format::probe(file).is_ok_and(|f| f == overspill_images::Format::Qcow2) {
+            "qcow2"
+        } else {
+            "img"
+        };
         let target = dir.join(format!("{version}.{ext}"));
         let partial = dir.join(format!(".{version}.{ext}.partial"));
         let io = |e| ServerError::io(format!("publishing {} as {}", file.display(), target.display()), e);
@@ -203,6 +208,10 @@ impl GoldenImage for HeldVersion {
 
     fn identity(&self) -> Option<String> {
         self.inner.identity()
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> std::io::Result<Vec<overspill_engine::Extent>> {
+        self.inner.extents(offset, len)
     }
 }
 

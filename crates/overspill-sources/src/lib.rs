@@ -13,7 +13,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use overspill_engine::{open_image, GoldenImage};
+use overspill_engine::GoldenImage;
+use overspill_images::open_image;
 
 pub mod local_tier;
 #[cfg(feature = "rbd")]

@@ -151,6 +151,10 @@ impl GoldenImage for LocalTier {
         self.remote.identity()
     }
 
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<overspill_engine::Extent>> {
+        self.remote.extents(offset, len)
+    }
+
     fn preferred_fetch_bytes(&self) -> Option<u64> {
         Some(self.chunk_bytes)
     }

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use overspill_engine::{open_image, GoldenImage, HostMemory, VmStats, WriteCacheMode};
+use overspill_engine::{GoldenImage, HostMemory, VmStats, WriteCacheMode};
+use overspill_images::open_image;
 use overspill_nbd::client::{Endpoint, NbdUri};
 use overspill_nbd::{ListenAddr, Listener, Server, ServerConfig};
 use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};

@@ -4,8 +4,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use overspill_engine::qcow2::Qcow2Image;
-use overspill_engine::{open_image, EngineError, GoldenImage};
+use overspill_engine::{EngineError, GoldenImage};
+use overspill_images::open_image;
+use overspill_images::qcow2::Qcow2Image;
 
 fn run(program: &str, args: &[&str]) {
     let out = Command::new(program)

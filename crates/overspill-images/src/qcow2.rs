@@ -18,8 +18,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::error::{EngineError, Result};
-use crate::golden::GoldenImage;
+use overspill_engine::{EngineError, GoldenImage, Result};
 
 const MAGIC: u32 = 0x5146_49fb;
 /// Host offsets in L1/L2 entries: bits 9–55.
@@ -57,10 +56,9 @@ fn refuse(path: &Path, why: impl std::fmt::Display) -> EngineError {
     EngineError::Config(format!("{}: {why}", path.display()))
 }
 
-/// Whether the file starts with the qcow2 magic.
-pub fn is_qcow2(path: &Path) -> bool {
-    let mut magic = [0u8; 4];
-    File::open(path).and_then(|f| f.read_exact_at(&mut magic, 0)).is_ok() && u32::from_be_bytes(magic) == MAGIC
+/// Whether a file's first bytes are the qcow2 magic.
+pub fn has_magic(first: &[u8]) -> bool {
+    first.len() >= 4 && be32(first, 0) == MAGIC
 }
 
 impl Qcow2Image {
@@ -126,7 +124,7 @@ impl Qcow2Image {
         file.read_exact_at(&mut raw, l1_offset)
             .map_err(|source| EngineError::Io { what: "reading qcow2 L1 table", source })?;
         let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
-        let identity = crate::golden::file_identity(&metadata);
+        let identity = overspill_engine::golden::file_identity(&metadata);
         Ok(Self { file, path: path.to_path_buf(), size, cluster_bits, l1, l2_cache: Mutex::default(), identity })
     }
 

@@ -1,0 +1,63 @@
+//! The file formats a golden image comes in, read-only: raw (the engine's [`RawImage`]), qcow2
+//! with compressed clusters and backing chains ([`qcow2`]), and VHDX ([`vhdx`]). Each reader
+//! refuses at open what it cannot read, so that a VM never meets an unsupported feature as a
+//! failed read in the middle of its boot.
+//!
+//! A format is recognised by its magic, never by the file name; a backing file names its format
+//! where the image says it (qcow2's backing format extension), so that a raw layer whose first
+//! bytes happen to look like a header is never taken for one.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use overspill_engine::{EngineError, GoldenImage, RawImage, Result};
+
+pub mod qcow2;
+
+/// The formats an image file can be read as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Raw,
+    Qcow2,
+}
+
+impl Format {
+    /// The format a file's first bytes say it is: raw when they name no format.
+    pub fn probe(path: &Path) -> Result<Self> {
+        let mut magic = [0u8; 8];
+        let file =
+            std::fs::File::open(path).map_err(|source| EngineError::Io { what: "opening golden image", source })?;
+        let have = std::os::unix::fs::FileExt::read_at(&file, &mut magic, 0)
+            .map_err(|source| EngineError::Io { what: "reading golden image header", source })?;
+        Ok(if have >= 4 && qcow2::has_magic(&magic) { Self::Qcow2 } else { Self::Raw })
+    }
+
+    /// The name qemu-img gives the format (and qcow2's backing format extension holds).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw",
+            Self::Qcow2 => "qcow2",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "raw" => Some(Self::Raw),
+            "qcow2" => Some(Self::Qcow2),
+            _ => None,
+        }
+    }
+}
+
+/// Opens a golden image file in the format its magic names.
+pub fn open_image(path: &Path) -> Result<Arc<dyn GoldenImage>> {
+    open_image_as(path, Format::probe(path)?)
+}
+
+/// Opens a golden image file as `format`, whatever its first bytes say.
+pub fn open_image_as(path: &Path, format: Format) -> Result<Arc<dyn GoldenImage>> {
+    Ok(match format {
+        Format::Raw => Arc::new(RawImage::open(path)?),
+        Format::Qcow2 => Arc::new(qcow2::Qcow2Image::open(path)?),
+    })
+}
