@@ -56,8 +56,13 @@ pub fn open_image(path: &Path) -> Result<Arc<dyn GoldenImage>> {
 
 /// Opens a golden image file as `format`, whatever its first bytes say.
 pub fn open_image_as(path: &Path, format: Format) -> Result<Arc<dyn GoldenImage>> {
+    open_layer(path, format, 0)
+}
+
+/// Opens one layer of a chain, `depth` layers below the image a VM sees.
+pub(crate) fn open_layer(path: &Path, format: Format, depth: usize) -> Result<Arc<dyn GoldenImage>> {
     Ok(match format {
         Format::Raw => Arc::new(RawImage::open(path)?),
-        Format::Qcow2 => Arc::new(qcow2::Qcow2Image::open(path)?),
+        Format::Qcow2 => Arc::new(qcow2::Qcow2Image::open_layer(path, depth)?),
     })
 }

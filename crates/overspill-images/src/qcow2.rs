@@ -1,27 +1,32 @@
-//! A read-only qcow2 golden image: a small reader for the common case, which refuses what it
-//! does not support rather than guess.
+//! A read-only qcow2 golden image: the format distributions ship cloud images in, and the one
+//! sites keep golden images in as chains of versions.
 //!
-//! Supported: versions 2 and 3, any cluster size, allocated clusters, unallocated clusters and
-//! v3 zero clusters (both read as zeroes), internal snapshots present but ignored (the active
-//! layer is read). Refused when opening: encryption, a backing file, an external data file,
-//! extended L2 entries (subclusters), the corrupt bit, unknown incompatible features. Refused
-//! when read: compressed clusters (the read fails with `Unsupported`; convert the image with
-//! `qemu-img convert -O qcow2` without `-c` first).
+//! Supported: versions 2 and 3, any cluster size, allocated, unallocated and zero clusters,
+//! compressed clusters (deflate, and zstd where the header says so), backing files of any format
+//! this crate reads, in chains of any depth up to [`MAX_CHAIN_DEPTH`] (each layer opened
+//! read-only; an unallocated cluster reads from the layer below, or zeroes at the bottom), and
+//! internal snapshots present but ignored (the active layer is read). Refused when opening:
+//! encryption, an external data file, extended L2 entries (subclusters), the corrupt bit,
+//! unknown incompatible features, an unknown compression type.
 //!
 //! Lookups: the L1 table is read at open; L2 tables are read on first use and kept (one 64 KiB
 //! table maps 512 MiB of disk with 64 KiB clusters, so even a large image's tables are small).
+//! The last few decompressed clusters are kept too: a read cache in front fetches in chunks that
+//! may be smaller than a cluster, and each would otherwise inflate the whole cluster again.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io;
+use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use overspill_engine::{EngineError, GoldenImage, Result};
+use overspill_engine::{push_extent, Allocation, EngineError, Extent, GoldenImage, Result};
+
+use crate::Format;
 
 const MAGIC: u32 = 0x5146_49fb;
-/// Host offsets in L1/L2 entries: bits 9–55.
+/// Host offsets in L1 and standard L2 entries: bits 9–55.
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const L2_COMPRESSED: u64 = 1 << 62;
 const L2_ZERO: u64 = 1;
@@ -31,14 +36,33 @@ const INCOMPAT_CORRUPT: u64 = 1 << 1;
 const INCOMPAT_EXTERNAL_DATA: u64 = 1 << 2;
 const INCOMPAT_COMPRESSION_TYPE: u64 = 1 << 3;
 const INCOMPAT_EXTENDED_L2: u64 = 1 << 4;
+// Header extensions.
+const EXT_END: u32 = 0;
+const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+const EXT_DATA_FILE: u32 = 0x4441_5441;
+/// A chain deeper than this is a loop or a mistake; qemu's limit is of the same order.
+pub const MAX_CHAIN_DEPTH: usize = 64;
+/// Decompressed clusters kept: enough for a few VMs reading neighbouring clusters at once.
+const DECOMPRESSED_KEPT: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compression {
+    Deflate,
+    Zstd,
+}
 
 pub struct Qcow2Image {
     file: File,
     path: PathBuf,
+    file_len: u64,
     size: u64,
     cluster_bits: u32,
+    compression: Compression,
     l1: Vec<u64>,
     l2_cache: Mutex<HashMap<u64, Arc<[u64]>>>,
+    /// Host offset of a compressed cluster → its bytes, the newest last.
+    decompressed: Mutex<Vec<(u64, Arc<[u8]>)>>,
+    backing: Option<Arc<dyn GoldenImage>>,
     identity: String,
 }
 
@@ -56,13 +80,58 @@ fn refuse(path: &Path, why: impl std::fmt::Display) -> EngineError {
     EngineError::Config(format!("{}: {why}", path.display()))
 }
 
+fn corrupt(path: &Path, why: impl std::fmt::Display) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("{}: {why}", path.display()))
+}
+
 /// Whether a file's first bytes are the qcow2 magic.
 pub fn has_magic(first: &[u8]) -> bool {
     first.len() >= 4 && be32(first, 0) == MAGIC
 }
 
+/// What the header extensions say that matters to a reader.
+#[derive(Default)]
+struct Extensions {
+    backing_format: Option<String>,
+    data_file: bool,
+}
+
+fn read_extensions(file: &File, path: &Path, mut at: u64, cluster: u64, file_len: u64) -> Result<Extensions> {
+    let mut found = Extensions::default();
+    // Extensions live in the header's first cluster.
+    while at + 8 <= cluster.min(file_len) {
+        let mut head = [0u8; 8];
+        file.read_exact_at(&mut head, at)
+            .map_err(|source| EngineError::Io { what: "reading qcow2 header extensions", source })?;
+        let (kind, len) = (be32(&head, 0), be32(&head, 4) as u64);
+        if kind == EXT_END {
+            break;
+        }
+        if at + 8 + len > cluster.min(file_len) {
+            return Err(refuse(path, "a header extension runs past the header cluster"));
+        }
+        match kind {
+            EXT_BACKING_FORMAT => {
+                let mut name = vec![0u8; len as usize];
+                file.read_exact_at(&mut name, at + 8)
+                    .map_err(|source| EngineError::Io { what: "reading qcow2 backing format", source })?;
+                found.backing_format = Some(String::from_utf8_lossy(&name).into_owned());
+            }
+            EXT_DATA_FILE => found.data_file = true,
+            _ => {}
+        }
+        at += 8 + len.next_multiple_of(8);
+    }
+    Ok(found)
+}
+
 impl Qcow2Image {
+    /// Opens an image and the chain of backing files under it.
     pub fn open(path: &Path) -> Result<Self> {
+        Self::open_layer(path, 0)
+    }
+
+    pub(crate) fn open_layer(path: &Path, depth: usize) -> Result<Self> {
         let file = File::open(path).map_err(|source| EngineError::Io { what: "opening golden image", source })?;
         let mut header = [0u8; 112];
         let metadata = file.metadata().map_err(|source| EngineError::Io { what: "stat golden image", source })?;
@@ -80,21 +149,25 @@ impl Qcow2Image {
         if version != 2 && version != 3 {
             return Err(refuse(path, format!("qcow2 version {version} is not supported")));
         }
-        if be64(&header, 8) != 0 {
-            return Err(refuse(
-                path,
-                "qcow2 images with a backing file are not supported; flatten it with qemu-img convert",
-            ));
-        }
         let cluster_bits = be32(&header, 20);
         if !(9..=21).contains(&cluster_bits) {
             return Err(refuse(path, format!("cluster_bits {cluster_bits} out of range")));
         }
+        let cluster = 1u64 << cluster_bits;
         let size = be64(&header, 24);
         if be32(&header, 32) != 0 {
             return Err(refuse(path, "encrypted qcow2 images are not supported"));
         }
+        let mut compression = Compression::Deflate;
+        let mut header_len = 72u64;
         if version == 3 {
+            if have < 104 {
+                return Err(refuse(path, "too short for a qcow2 version 3 header"));
+            }
+            header_len = u64::from(be32(&header, 100));
+            if !(104..=cluster).contains(&header_len) {
+                return Err(refuse(path, format!("header length {header_len} out of range")));
+            }
             let incompatible = be64(&header, 72);
             let known = INCOMPAT_DIRTY
                 | INCOMPAT_CORRUPT
@@ -111,10 +184,22 @@ impl Qcow2Image {
                     return Err(refuse(path, what));
                 }
             }
+            if incompatible & INCOMPAT_COMPRESSION_TYPE != 0 {
+                compression = match header.get(104).filter(|_| header_len > 104) {
+                    Some(0) => Compression::Deflate,
+                    Some(1) => Compression::Zstd,
+                    other => {
+                        return Err(refuse(path, format!("compression type {other:?} is not supported")));
+                    }
+                };
+            }
+        }
+        let extensions = read_extensions(&file, path, header_len, cluster, file_len)?;
+        if extensions.data_file {
+            return Err(refuse(path, "external data files are not supported"));
         }
         let l1_size = be32(&header, 36) as usize;
         let l1_offset = be64(&header, 40);
-        let cluster = 1u64 << cluster_bits;
         let entries_per_l2 = cluster / 8;
         let needed = size.div_ceil(cluster * entries_per_l2);
         if (l1_size as u64) < needed || l1_size > 32 << 20 {
@@ -124,8 +209,70 @@ impl Qcow2Image {
         file.read_exact_at(&mut raw, l1_offset)
             .map_err(|source| EngineError::Io { what: "reading qcow2 L1 table", source })?;
         let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
-        let identity = overspill_engine::golden::file_identity(&metadata);
-        Ok(Self { file, path: path.to_path_buf(), size, cluster_bits, l1, l2_cache: Mutex::default(), identity })
+        let backing = Self::open_backing(&file, path, &header, extensions.backing_format.as_deref(), depth)?;
+        let mut identity = overspill_engine::golden::file_identity(&metadata);
+        if let Some(below) = &backing {
+            identity = format!("{identity} on {}", below.identity().unwrap_or_default());
+        }
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+            file_len,
+            size,
+            cluster_bits,
+            compression,
+            l1,
+            l2_cache: Mutex::default(),
+            decompressed: Mutex::default(),
+            backing,
+            identity,
+        })
+    }
+
+    /// The layer under this one, if the header names one: a path relative to this image's
+    /// directory (as qemu-img writes it) or absolute, in the format the backing format
+    /// extension names, or else the one its magic says.
+    fn open_backing(
+        file: &File,
+        path: &Path,
+        header: &[u8],
+        format: Option<&str>,
+        depth: usize,
+    ) -> Result<Option<Arc<dyn GoldenImage>>> {
+        let (offset, len) = (be64(header, 8), u64::from(be32(header, 16)));
+        if offset == 0 {
+            return Ok(None);
+        }
+        if len == 0 || len > 1023 {
+            return Err(refuse(path, format!("backing file name of {len} bytes")));
+        }
+        if depth + 1 >= MAX_CHAIN_DEPTH {
+            return Err(refuse(path, format!("the backing chain is deeper than {MAX_CHAIN_DEPTH} layers (a loop?)")));
+        }
+        let mut name = vec![0u8; len as usize];
+        file.read_exact_at(&mut name, offset)
+            .map_err(|source| EngineError::Io { what: "reading qcow2 backing file name", source })?;
+        let name = String::from_utf8(name).map_err(|_| refuse(path, "the backing file name is not UTF-8"))?;
+        if name.contains("://") || name.starts_with("json:") {
+            return Err(refuse(path, format!("backing file {name:?} is not a local file")));
+        }
+        let backing_path = match path.parent() {
+            Some(dir) if Path::new(&name).is_relative() => dir.join(&name),
+            _ => PathBuf::from(&name),
+        };
+        let format = match format {
+            Some(named) => Format::from_name(named).ok_or_else(|| {
+                refuse(
+                    path,
+                    format!("backing file {name:?} is in format {named:?}, which this reader does not support"),
+                )
+            })?,
+            None => Format::probe(&backing_path).map_err(|e| refuse(path, format!("backing file {name:?}: {e}")))?,
+        };
+        let below = crate::open_layer(&backing_path, format, depth + 1)
+            .map_err(|e| refuse(path, format!("backing file {name:?}: {e}")))?;
+        tracing::info!(image = %path.display(), backing = %below.describe(), "qcow2 layer opened on its backing file");
+        Ok(Some(below))
     }
 
     fn l2_table(&self, offset: u64) -> io::Result<Arc<[u64]>> {
@@ -139,28 +286,102 @@ impl Qcow2Image {
         Ok(table)
     }
 
-    /// Where guest `offset` lives: `Some(host offset)` or `None` for zeroes.
-    fn map(&self, offset: u64) -> io::Result<Option<u64>> {
+    /// The L2 entry of the cluster holding guest `offset`; 0 when no L2 table maps it.
+    fn l2_entry(&self, offset: u64) -> io::Result<u64> {
         let cluster = 1u64 << self.cluster_bits;
         let entries = cluster / 8;
         let l1_index = (offset / cluster / entries) as usize;
         let l2_offset = self.l1.get(l1_index).copied().unwrap_or(0) & OFFSET_MASK;
         if l2_offset == 0 {
-            return Ok(None);
+            return Ok(0);
         }
-        let entry = self.l2_table(l2_offset)?[((offset / cluster) % entries) as usize];
+        Ok(self.l2_table(l2_offset)?[((offset / cluster) % entries) as usize])
+    }
+
+    fn cluster_of(&self, entry: u64) -> Cluster {
         if entry & L2_COMPRESSED != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!("{}: compressed clusters are not supported", self.path.display()),
-            ));
+            // The descriptor: a byte offset in the low bits, then the count of 512-byte sectors
+            // the compressed data spans beyond the first, up to bit 61.
+            let shift = 62 - (self.cluster_bits - 8);
+            let offset = entry & ((1 << shift) - 1);
+            let sectors = ((entry >> shift) & ((1 << (self.cluster_bits - 8)) - 1)) + 1;
+            return Cluster::Compressed { offset, len: sectors * 512 - (offset & 511) };
         }
         let host = entry & OFFSET_MASK;
-        if entry & L2_ZERO != 0 || host == 0 {
-            return Ok(None);
+        if entry & L2_ZERO != 0 {
+            Cluster::Zero { stored: host != 0 }
+        } else if host == 0 {
+            Cluster::Unallocated
+        } else {
+            Cluster::Data(host)
         }
-        Ok(Some(host + offset % cluster))
     }
+
+    fn decompress(&self, offset: u64, len: u64) -> io::Result<Arc<[u8]>> {
+        {
+            let kept = self.decompressed.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((_, bytes)) = kept.iter().find(|(at, _)| *at == offset) {
+                return Ok(bytes.clone());
+            }
+        }
+        // The last cluster's data may end before its last sector does.
+        let len = len.min(self.file_len.saturating_sub(offset));
+        let mut compressed = vec![0u8; len as usize];
+        self.file.read_exact_at(&mut compressed, offset)?;
+        let cluster = 1usize << self.cluster_bits;
+        let mut out = vec![0u8; cluster];
+        let filled = match self.compression {
+            // Raw deflate, no zlib header: what qemu writes.
+            Compression::Deflate => read_full(&mut flate2::read::DeflateDecoder::new(compressed.as_slice()), &mut out)?,
+            Compression::Zstd => read_full(&mut zstd::stream::read::Decoder::new(compressed.as_slice())?, &mut out)?,
+        };
+        if filled != cluster {
+            return Err(corrupt(&self.path, format!("a compressed cluster at {offset} inflates to {filled} bytes")));
+        }
+        let bytes: Arc<[u8]> = out.into();
+        let mut kept = self.decompressed.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() >= DECOMPRESSED_KEPT {
+            kept.remove(0);
+        }
+        kept.push((offset, bytes.clone()));
+        Ok(bytes)
+    }
+
+    fn read_below(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        match &self.backing {
+            // A backing file shorter than this layer reads as zeroes past its end.
+            Some(below) if offset < below.size() => {
+                let inside = ((below.size() - offset) as usize).min(buf.len());
+                below.read_at(&mut buf[..inside], offset)?;
+                buf[inside..].fill(0);
+            }
+            _ => buf.fill(0),
+        }
+        Ok(())
+    }
+}
+
+/// Where a cluster's bytes are, from its L2 entry.
+enum Cluster {
+    Unallocated,
+    Zero { stored: bool },
+    Data(u64),
+    Compressed { offset: u64, len: u64 },
+}
+
+/// Reads until `buf` is full or the stream ends, and says how much it read; a stream that
+/// goes on past `buf` is corrupt.
+fn read_full(reader: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match reader.read(&mut buf[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+        }
+    }
+    Ok(filled)
 }
 
 impl GoldenImage for Qcow2Image {
@@ -178,9 +399,16 @@ impl GoldenImage for Qcow2Image {
                 break;
             }
             let n = ((cluster - pos % cluster) as usize).min(buf.len() - done).min((self.size - pos) as usize);
-            match self.map(pos)? {
-                Some(host) => self.file.read_exact_at(&mut buf[done..done + n], host)?,
-                None => buf[done..done + n].fill(0),
+            let part = &mut buf[done..done + n];
+            match self.cluster_of(self.l2_entry(pos)?) {
+                Cluster::Data(host) => self.file.read_exact_at(part, host + pos % cluster)?,
+                Cluster::Zero { .. } => part.fill(0),
+                Cluster::Unallocated => self.read_below(part, pos)?,
+                Cluster::Compressed { offset, len } => {
+                    let bytes = self.decompress(offset, len)?;
+                    let from = (pos % cluster) as usize;
+                    part.copy_from_slice(&bytes[from..from + n]);
+                }
             }
             done += n;
         }
@@ -188,10 +416,58 @@ impl GoldenImage for Qcow2Image {
     }
 
     fn describe(&self) -> String {
-        format!("{} (qcow2)", self.path.display())
+        match &self.backing {
+            Some(below) => format!("{} (qcow2) on {}", self.path.display(), below.describe()),
+            None => format!("{} (qcow2)", self.path.display()),
+        }
     }
 
     fn identity(&self) -> Option<String> {
         Some(self.identity.clone())
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        let cluster = 1u64 << self.cluster_bits;
+        let end = (offset + len).min(self.size);
+        let mut extents = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let mut n = (cluster - pos % cluster).min(end - pos);
+            let entry = self.l2_entry(pos)?;
+            if entry == 0 {
+                // One L2 table's whole span is unallocated when its L1 entry is empty: step over
+                // it at once rather than cluster by cluster.
+                let span = cluster * (cluster / 8);
+                let l1_index = (pos / span) as usize;
+                if self.l1.get(l1_index).copied().unwrap_or(0) & OFFSET_MASK == 0 {
+                    n = (span - pos % span).min(end - pos);
+                }
+            }
+            match self.cluster_of(entry) {
+                Cluster::Data(_) | Cluster::Compressed { .. } => push_extent(&mut extents, n, Allocation::Data),
+                Cluster::Zero { stored: true } => push_extent(&mut extents, n, Allocation::Zero),
+                Cluster::Zero { stored: false } => push_extent(&mut extents, n, Allocation::Hole),
+                Cluster::Unallocated => match &self.backing {
+                    Some(below) if pos < below.size() => {
+                        let inside = n.min(below.size() - pos);
+                        let mut covered = 0;
+                        while covered < inside {
+                            let parts = below.extents(pos + covered, inside - covered)?;
+                            if parts.is_empty() {
+                                return Err(corrupt(&self.path, "the backing file reported no extents"));
+                            }
+                            for part in parts {
+                                push_extent(&mut extents, part.len, part.state);
+                                covered += part.len;
+                            }
+                        }
+                        push_extent(&mut extents, n - inside, Allocation::Hole);
+                    }
+                    _ => push_extent(&mut extents, n, Allocation::Hole),
+                },
+            }
+            pos += n;
+        }
+        Ok(extents)
     }
 }

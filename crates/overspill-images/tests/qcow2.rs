@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use overspill_engine::{EngineError, GoldenImage};
+use overspill_engine::{Allocation, EngineError, GoldenImage};
 use overspill_images::open_image;
 use overspill_images::qcow2::Qcow2Image;
 
@@ -79,27 +79,154 @@ fn reads_what_qemu_wrote_for_v2_v3_and_small_and_large_clusters() {
     }
 }
 
+/// Every extent a reader calls a hole or zeroes reads as zeroes, the extents tile the image, and
+/// `data` (guest offset, length) ranges are reported as data.
+fn assert_extents_truthful(image: &dyn GoldenImage, expected: &[u8], data: &[(u64, u64)]) {
+    let size = image.size();
+    let mut states = Vec::new();
+    let mut at = 0;
+    while at < size {
+        let extents = image.extents(at, size - at).expect("extents");
+        assert!(!extents.is_empty(), "no extents at {at}");
+        for extent in extents {
+            assert!(extent.len > 0 && at + extent.len <= size, "extent {extent:?} at {at}");
+            if extent.state != Allocation::Data {
+                let bytes = &expected[at as usize..(at + extent.len) as usize];
+                assert!(bytes.iter().all(|&b| b == 0), "{:?} at {at}+{} holds data", extent.state, extent.len);
+            }
+            states.push((at, extent.len, extent.state));
+            at += extent.len;
+        }
+    }
+    for &(offset, len) in data {
+        for &(at, n, state) in &states {
+            if at < offset + len && offset < at + n {
+                assert_eq!(state, Allocation::Data, "{offset}+{len} was written, {at}+{n} says {state:?}");
+            }
+        }
+    }
+    assert!(states.iter().any(|s| s.2 != Allocation::Data), "a mostly empty image has holes");
+}
+
+/// Where make_image's data is: its writes, less what it zeroed (1M+256k) and discarded (2M+64k).
+const WRITTEN: [(u64, u64); 6] = [
+    (0, 100 << 10),
+    (1000 << 10, 24 << 10),
+    (1280 << 10, 768 << 10),
+    (2112 << 10, 1888 << 10),
+    (20 << 20, 4096),
+    (39 << 20, 1 << 20),
+];
+
+#[test]
+fn reads_compressed_clusters_of_both_kinds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let (qcow, expected) = make_image(d, "compat=1.1");
+    for (name, options) in [("zlib.qcow2", "compression_type=zlib"), ("zstd.qcow2", "compression_type=zstd")] {
+        let compressed = d.join(name);
+        run("qemu-img", &["convert", "-c", "-f", "qcow2", "-O", "qcow2", "-o", options, s(&qcow), s(&compressed)]);
+        let image = open_image(&compressed).expect("compressed qcow2 opens");
+        assert_reads_match(image.as_ref(), &expected);
+        assert_extents_truthful(image.as_ref(), &expected, &WRITTEN);
+    }
+    // Small clusters compress into descriptors with few sector bits, large ones with many.
+    for cluster_size in ["4096", "2M"] {
+        let compressed = d.join(format!("zstd-{cluster_size}.qcow2"));
+        let options = format!("compression_type=zstd,cluster_size={cluster_size}");
+        run("qemu-img", &["convert", "-c", "-f", "qcow2", "-O", "qcow2", "-o", &options, s(&qcow), s(&compressed)]);
+        assert_reads_match(open_image(&compressed).expect("opens").as_ref(), &expected);
+    }
+}
+
+#[test]
+fn reads_a_three_layer_chain_and_its_zero_clusters_hide_the_layers_below() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    // The bottom layer: golden-compat_1.1.qcow2, which v1 names by its file name.
+    make_image(d, "compat=1.1");
+    let v1 = d.join("v1.qcow2");
+    let v2 = d.join("v2.qcow2");
+    // v1 names its backing file relative to its own directory, as qemu-img writes it.
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", "golden-compat_1.1.qcow2", s(&v1)]);
+    run("qemu-io", &["-f", "qcow2", "-c", "write -P 0x66 64k 128k", "-c", "write -z 1200k 64k", s(&v1)]);
+    // The top layer compressed, on a layer of a different cluster size, and longer than it.
+    run(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096", "-F", "qcow2", "-b", s(&v1), s(&v2), "48M"],
+    );
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 0x77 3000k 8k",
+            "-c",
+            "write -c -P 0x78 0 64k",
+            "-c",
+            "write -P 0x79 47m 4k",
+            s(&v2),
+        ],
+    );
+    let raw = d.join("chain.raw");
+    run("qemu-img", &["convert", "-f", "qcow2", "-O", "raw", s(&v2), s(&raw)]);
+    let expected = std::fs::read(&raw).expect("raw");
+    let image = open_image(&v2).expect("chain opens");
+    let described = image.describe();
+    assert!(
+        described.contains("v2.qcow2") && described.contains("v1.qcow2") && described.contains("golden"),
+        "{described}"
+    );
+    assert_reads_match(image.as_ref(), &expected);
+    assert_extents_truthful(image.as_ref(), &expected, &[(64 << 10, 128 << 10), (47 << 20, 4096), (3000 << 10, 8192)]);
+    assert_eq!(expected[1200 << 10], 0, "v1's zero cluster hides base's 0x22");
+    // A raw bottom layer, named raw by the backing format extension.
+    let on_raw = d.join("on-raw.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-F", "raw", "-b", s(&raw), s(&on_raw)]);
+    assert_reads_match(open_image(&on_raw).expect("opens").as_ref(), &expected);
+    // The identity changes when a layer below changes.
+    let before = image.identity();
+    drop(image);
+    run("qemu-io", &["-f", "qcow2", "-c", "write -P 0x12 30m 4k", s(&v1)]);
+    assert_ne!(open_image(&v2).expect("opens").identity(), before, "a changed layer changes the identity");
+}
+
+#[test]
+fn a_loop_or_a_missing_layer_is_refused_at_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let a = d.join("a.qcow2");
+    let b = d.join("b.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&b), "8M"]);
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", s(&b), s(&a)]);
+    // Unsafe rebase: b now names a as its backing file, and a names b.
+    run("qemu-img", &["rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", s(&a), s(&b)]);
+    let err = open_image(&a).err().expect("a loop is refused").to_string();
+    assert!(err.contains("deeper than"), "{err}");
+    let c = d.join("c.qcow2");
+    let orphan = d.join("orphan.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&c), "8M"]);
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", s(&c), s(&orphan)]);
+    std::fs::remove_file(&c).expect("remove the backing file");
+    let err = open_image(&orphan).err().expect("a missing layer is refused").to_string();
+    assert!(err.contains("c.qcow2"), "names the missing file: {err}");
+}
+
 #[test]
 fn refuses_what_it_does_not_support() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    let (qcow, _) = make_image(d, "compat=1.1");
-    // A backing file.
-    let overlay = d.join("overlay.qcow2");
-    run("qemu-img", &["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", s(&qcow), s(&overlay)]);
-    let err = Qcow2Image::open(&overlay).err().expect("backing file refused");
-    assert!(err.to_string().contains("backing file"), "{err}");
     // Subclusters.
     let extended = d.join("extended.qcow2");
     run("qemu-img", &["create", "-q", "-f", "qcow2", "-o", "extended_l2=on", s(&extended), "8M"]);
     assert!(matches!(Qcow2Image::open(&extended), Err(EngineError::Config(m)) if m.contains("subclusters")));
-    // Compressed clusters open, and fail to read with a clear error.
-    let compressed = d.join("compressed.qcow2");
-    run("qemu-img", &["convert", "-c", "-f", "qcow2", "-O", "qcow2", s(&qcow), s(&compressed)]);
-    let image = Qcow2Image::open(&compressed).expect("opens");
-    let mut buf = vec![0u8; 4096];
-    let err = image.read_at(&mut buf, 0).expect_err("compressed cluster");
-    assert_eq!(err.kind(), std::io::ErrorKind::Unsupported);
+    // An external data file.
+    let external = d.join("external.qcow2");
+    let data = d.join("external.data");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-o", &format!("data_file={}", s(&data)), s(&external), "8M"]);
+    let err = open_image(&external).err().expect("data file refused").to_string();
+    assert!(err.contains("external data file"), "{err}");
     // Not qcow2 at all: opened as raw.
     let raw = d.join("plain.img");
     std::fs::write(&raw, vec![5u8; 8192]).expect("write");
@@ -108,4 +235,15 @@ fn refuses_what_it_does_not_support() {
     let short = d.join("short.qcow2");
     std::fs::write(&short, [0x51, 0x46, 0x49, 0xfb, 0, 0, 0, 3]).expect("write");
     assert!(open_image(&short).is_err());
+}
+
+#[test]
+fn a_sparse_raw_file_reports_its_holes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (qcow, expected) = make_image(dir.path(), "compat=1.1");
+    let raw = dir.path().join("sparse.raw");
+    // qemu-img writes a sparse raw file: the zeroes it was never told of are holes.
+    run("qemu-img", &["convert", "-f", "qcow2", "-O", "raw", s(&qcow), s(&raw)]);
+    let image = open_image(&raw).expect("raw");
+    assert_extents_truthful(image.as_ref(), &expected, &WRITTEN);
 }
