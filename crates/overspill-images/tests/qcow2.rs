@@ -1,24 +1,14 @@
 //! The qcow2 reader against images made and written by qemu's own tools, compared byte for byte
 //! with `qemu-img convert`'s raw output.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
 
+use std::path::Path;
+
+use common::{assert_reads_match, run, s};
 use overspill_engine::{EngineError, GoldenImage};
 use overspill_images::open_image;
 use overspill_images::qcow2::Qcow2Image;
-
-fn run(program: &str, args: &[&str]) {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{program} must be installed (qemu-utils): {e}"));
-    assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("UTF-8 path")
-}
 
 /// A qcow2 image with data, zeroed and unallocated regions, and its raw equivalent.
 fn make_image(dir: &Path, options: &str) -> (std::path::PathBuf, Vec<u8>) {
@@ -47,25 +37,6 @@ fn make_image(dir: &Path, options: &str) -> (std::path::PathBuf, Vec<u8>) {
     let raw = dir.join("expected.raw");
     run("qemu-img", &["convert", "-f", "qcow2", "-O", "raw", s(&qcow), s(&raw)]);
     (qcow, std::fs::read(&raw).expect("raw image"))
-}
-
-fn assert_reads_match(image: &dyn GoldenImage, expected: &[u8]) {
-    assert_eq!(image.size(), expected.len() as u64);
-    // Whole image in odd-sized pieces that straddle cluster boundaries.
-    let mut offset = 0usize;
-    let mut step = 77_777usize;
-    while offset < expected.len() {
-        let len = step.min(expected.len() - offset);
-        let mut buf = vec![0xeeu8; len];
-        image.read_at(&mut buf, offset as u64).expect("read");
-        assert!(buf == expected[offset..offset + len], "bytes differ in {offset}+{len}");
-        offset += len;
-        step = step * 7 % 200_003 + 1;
-    }
-    let mut tail = [0xeeu8; 16];
-    image.read_at(&mut tail, expected.len() as u64 - 8).expect("read past the end");
-    assert_eq!(&tail[..8], &expected[expected.len() - 8..]);
-    assert_eq!(tail[8..], [0u8; 8], "bytes past the end read as zero");
 }
 
 #[test]
