@@ -150,6 +150,51 @@ fn request_seed(kind: u16, flags: u16, offset: u64, length: u32, size: u64, max:
     out
 }
 
+/// VHDX files as `vhdx` inputs: the target's parent disk itself, a dynamic disk with every
+/// block state, a fixed one, one with 4 KiB sectors, and differencing disks on the parent (one
+/// with a stale parent_linkage, one whose parent is missing, one on itself).
+fn vhdx_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use overspill_fuzz::vhdx_builder::{guid_from, Block, Spec, MIB};
+    let input = |spec: &Spec| {
+        let layout = spec.layout();
+        vhdx_input(layout.len, &layout.pieces)
+    };
+    let parent = vhdx_parent();
+    let mut dynamic = Spec::new(6 * MIB, MIB as u32)
+        .block(0, Block::Full(vec![0x11; 700]))
+        .block(1, Block::Zero)
+        .block(2, Block::Unmapped)
+        .block(3, Block::Undefined)
+        .block(5, Block::Full(vec![0x22; 512]));
+    let mut fixed = Spec::new(3 * MIB + 512, MIB as u32);
+    fixed.fixed = true;
+    for i in 0..4 {
+        fixed = fixed.block(i, Block::Full(vec![i as u8 + 1; 64]));
+    }
+    let mut big_sectors = Spec::new(4 * MIB, MIB as u32).block(2, Block::Full(vec![0x33; 4096]));
+    big_sectors.logical_sector = 4096;
+    dynamic.data_write_guid = guid_from(1);
+    big_sectors.data_write_guid = guid_from(2);
+    let child = |linkage: &[u8; 16], path: &str| {
+        Spec::new(8 * MIB, MIB as u32)
+            .on_parent(path, linkage)
+            .block(0, Block::Partial { data: vec![0x44; 4096], present: vec![false, true, true, false, false, true] })
+            .block(1, Block::Full(vec![0x55; 100]))
+            .block(3, Block::Partial { data: vec![0x66; 512], present: vec![true] })
+            .block(6, Block::Zero)
+    };
+    vec![
+        ("parent", input(&parent)),
+        ("dynamic", input(&dynamic)),
+        ("fixed", input(&fixed)),
+        ("4k-sectors", input(&big_sectors)),
+        ("differencing", input(&child(&parent.data_write_guid, "parent.vhdx"))),
+        ("differencing-stale-parent", input(&child(&guid_from(9), ".\\parent.vhdx"))),
+        ("differencing-missing-parent", input(&child(&parent.data_write_guid, "..\\gone\\parent.vhdx"))),
+        ("differencing-on-itself", input(&child(&guid_from(3), "disk.vhdx"))),
+    ]
+}
+
 fn main() -> std::io::Result<()> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     let all = 0b11_1110; // every capability, writable
@@ -209,6 +254,7 @@ fn main() -> std::io::Result<()> {
     let mut truncated = vec![1];
     request(&mut truncated, CMD_WRITE, 0, 0, 4096, &[1; 100]);
     let seeds = seeds.into_iter().chain([("server", "truncated-write", truncated)]);
+    let seeds = seeds.into_iter().chain(vhdx_seeds().into_iter().map(|(name, bytes)| ("vhdx", name, bytes)));
     for (target, name, bytes) in seeds {
         std::fs::create_dir_all(dir.join(target))?;
         std::fs::write(dir.join(target).join(format!("seed-{name}")), bytes)?;

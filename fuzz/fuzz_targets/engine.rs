@@ -434,19 +434,3 @@ fn entries(dir: &Path) -> Vec<String> {
     names.sort();
     names
 }
-
-/// Removes `dir` when libFuzzer exits (it calls `exit`, so statics are never dropped); a run
-/// that crashes leaves it for a look.
-fn remove_at_exit(dir: &Path) {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    extern "C" fn remove() {
-        if let Some(dir) = DIR.get() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-    if DIR.set(dir.to_owned()).is_ok() {
-        // SAFETY: `remove` is an `extern "C" fn()` that lives as long as the process and does
-        // not unwind (it ignores the one error it can meet).
-        unsafe { libc::atexit(remove) };
-    }
-}

@@ -1,14 +1,16 @@
 //! The fuzz crate of overspill: libFuzzer targets for the NBD protocol crate and the engine-backed
 //! server, and what they share.
 //!
-//! It owns the four targets in `fuzz_targets/` (`handshake`, `request`, `server`, `engine`), the
-//! layout of their inputs (defined here, so that `examples/seeds.rs` writes the committed seed
+//! It owns the targets in `fuzz_targets/` (`handshake`, `request`, `server`, `engine` for the
+//! NBD side, `vhdx` for the VHDX golden image reader), the layout of their inputs (defined here, so that `examples/seeds.rs` writes the committed seed
 //! corpora in the same layout), and a reference reading of the wire that the targets check the
 //! server against. It is a workspace of its own, built only by `cargo fuzz`: see docs/fuzzing.md.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use overspill_nbd::handshake::Handshake;
@@ -205,4 +207,89 @@ pub fn play(client: UnixStream, input: Vec<u8>, patience: Duration) {
     }
     feeder.join().expect("feeder");
     assert!(heard.starts_with(&Handshake::greeting()), "no greeting: {heard:02x?}");
+}
+
+/// Removes `dir` when libFuzzer exits (it calls `exit`, so statics are never dropped); a run
+/// that crashes leaves it for a look. One directory a process.
+pub fn remove_at_exit(dir: &Path) {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    extern "C" fn remove() {
+        if let Some(dir) = DIR.get() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+    if DIR.set(dir.to_owned()).is_ok() {
+        // SAFETY: `remove` is an `extern "C" fn()` that lives as long as the process and does
+        // not unwind (it ignores the one error it can meet).
+        unsafe { libc::atexit(remove) };
+    }
+}
+
+/// The VHDX file writer of overspill-images' tests, shared so that the `vhdx` target's parent
+/// disk and seeds are files written to the spec.
+#[path = "../../crates/overspill-images/tests/common/vhdx_builder.rs"]
+pub mod vhdx_builder;
+
+/// The largest file a `vhdx` input makes: room for the header section, log, metadata, BAT and
+/// a dozen 1 MiB blocks, which is all the reader's structures need.
+pub const VHDX_MAX_FILE: u64 = 16 << 20;
+
+/// `vhdx` input: a sparse file, so that an input of a few kilobytes can place structures at the
+/// 1 MiB-aligned offsets the format puts them at. A little-endian u32 file length (taken modulo
+/// [`VHDX_MAX_FILE`] + 1), then records: a u32 offset, a u16 length and that many bytes, written
+/// at the offset (what falls past the file's end is dropped); the rest of the file is zeroes.
+/// The target reads each input twice: as it is, and with the header and region table checksums
+/// recomputed, so that the fuzzer's changes get past them.
+pub fn vhdx_file(data: &[u8]) -> Vec<u8> {
+    let Some((len, mut rest)) = data.split_first_chunk::<4>() else { return Vec::new() };
+    let len = u64::from(u32::from_le_bytes(*len)) % (VHDX_MAX_FILE + 1);
+    let mut file = vec![0u8; len as usize];
+    while let Some((head, tail)) = rest.split_first_chunk::<6>() {
+        let offset = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        let n = usize::from(u16::from_le_bytes([head[4], head[5]])).min(tail.len());
+        let (bytes, next) = tail.split_at(n);
+        if let Some(dest) = file.get_mut(offset..) {
+            let fit = dest.len().min(n);
+            dest[..fit].copy_from_slice(&bytes[..fit]);
+        }
+        rest = next;
+    }
+    file
+}
+
+/// A `vhdx` input for a file of `len` bytes whose bytes that are not zero are `pieces`: a record
+/// for each run of them (runs less than 32 zero bytes apart are one), so that a table of mostly
+/// zero entries makes a short input.
+pub fn vhdx_input(len: u64, pieces: &[(u64, Vec<u8>)]) -> Vec<u8> {
+    let mut out = (len as u32).to_le_bytes().to_vec();
+    for (offset, bytes) in pieces {
+        let mut at = 0;
+        while let Some(start) = bytes[at..].iter().position(|&b| b != 0).map(|p| at + p) {
+            let mut end = start + 1;
+            while end < bytes.len() && end - start < usize::from(u16::MAX) {
+                match bytes[end..].iter().take(32).position(|&b| b != 0) {
+                    Some(p) => end += p + 1,
+                    None => break,
+                }
+            }
+            let end = end.min(start + usize::from(u16::MAX));
+            out.extend(((*offset as usize + start) as u32).to_le_bytes());
+            out.extend(((end - start) as u16).to_le_bytes());
+            out.extend(&bytes[start..end]);
+            at = end;
+        }
+    }
+    out
+}
+
+/// The `vhdx` target's parent disk, in its directory as `parent.vhdx`: 8 MiB in 1 MiB blocks, a
+/// block of data, a zero block, the rest not present. Seeds' differencing disks name it.
+pub fn vhdx_parent() -> vhdx_builder::Spec {
+    use vhdx_builder::{guid_from, Block, Spec, MIB};
+    let mut parent = Spec::new(8 * MIB, MIB as u32)
+        .block(0, Block::Full((0..5000u32).map(|i| (i % 251) as u8 | 1).collect()))
+        .block(3, Block::Zero)
+        .block(5, Block::Full(vec![0x5a; 4096]));
+    parent.data_write_guid = guid_from(0xfa7e);
+    parent
 }

@@ -13,12 +13,14 @@ use std::sync::Arc;
 use overspill_engine::{EngineError, GoldenImage, RawImage, Result};
 
 pub mod qcow2;
+pub mod vhdx;
 
 /// The formats an image file can be read as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     Raw,
     Qcow2,
+    Vhdx,
 }
 
 impl Format {
@@ -29,7 +31,13 @@ impl Format {
             std::fs::File::open(path).map_err(|source| EngineError::Io { what: "opening golden image", source })?;
         let have = std::os::unix::fs::FileExt::read_at(&file, &mut magic, 0)
             .map_err(|source| EngineError::Io { what: "reading golden image header", source })?;
-        Ok(if have >= 4 && qcow2::has_magic(&magic) { Self::Qcow2 } else { Self::Raw })
+        Ok(if have >= 4 && qcow2::has_magic(&magic) {
+            Self::Qcow2
+        } else if have >= 8 && vhdx::has_magic(&magic) {
+            Self::Vhdx
+        } else {
+            Self::Raw
+        })
     }
 
     /// The name qemu-img gives the format (and qcow2's backing format extension holds).
@@ -37,6 +45,7 @@ impl Format {
         match self {
             Self::Raw => "raw",
             Self::Qcow2 => "qcow2",
+            Self::Vhdx => "vhdx",
         }
     }
 
@@ -44,6 +53,7 @@ impl Format {
         match name {
             "raw" => Some(Self::Raw),
             "qcow2" => Some(Self::Qcow2),
+            "vhdx" => Some(Self::Vhdx),
             _ => None,
         }
     }
@@ -64,5 +74,6 @@ pub(crate) fn open_layer(path: &Path, format: Format, depth: usize) -> Result<Ar
     Ok(match format {
         Format::Raw => Arc::new(RawImage::open(path)?),
         Format::Qcow2 => Arc::new(qcow2::Qcow2Image::open_layer(path, depth)?),
+        Format::Vhdx => Arc::new(vhdx::VhdxImage::open(path)?),
     })
 }

@@ -1,24 +1,14 @@
 //! The qcow2 reader against images made and written by qemu's own tools, compared byte for byte
 //! with `qemu-img convert`'s raw output.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
 
+use std::path::Path;
+
+use common::{assert_reads_match, run, s};
 use overspill_engine::{Allocation, EngineError, GoldenImage};
 use overspill_images::open_image;
 use overspill_images::qcow2::Qcow2Image;
-
-fn run(program: &str, args: &[&str]) {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{program} must be installed (qemu-utils): {e}"));
-    assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("UTF-8 path")
-}
 
 /// A qcow2 image with data, zeroed and unallocated regions, and its raw equivalent.
 fn make_image(dir: &Path, options: &str) -> (std::path::PathBuf, Vec<u8>) {
@@ -49,25 +39,6 @@ fn make_image(dir: &Path, options: &str) -> (std::path::PathBuf, Vec<u8>) {
     (qcow, std::fs::read(&raw).expect("raw image"))
 }
 
-fn assert_reads_match(image: &dyn GoldenImage, expected: &[u8]) {
-    assert_eq!(image.size(), expected.len() as u64);
-    // Whole image in odd-sized pieces that straddle cluster boundaries.
-    let mut offset = 0usize;
-    let mut step = 77_777usize;
-    while offset < expected.len() {
-        let len = step.min(expected.len() - offset);
-        let mut buf = vec![0xeeu8; len];
-        image.read_at(&mut buf, offset as u64).expect("read");
-        assert!(buf == expected[offset..offset + len], "bytes differ in {offset}+{len}");
-        offset += len;
-        step = step * 7 % 200_003 + 1;
-    }
-    let mut tail = [0xeeu8; 16];
-    image.read_at(&mut tail, expected.len() as u64 - 8).expect("read past the end");
-    assert_eq!(&tail[..8], &expected[expected.len() - 8..]);
-    assert_eq!(tail[8..], [0u8; 8], "bytes past the end read as zero");
-}
-
 #[test]
 fn reads_what_qemu_wrote_for_v2_v3_and_small_and_large_clusters() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -79,25 +50,10 @@ fn reads_what_qemu_wrote_for_v2_v3_and_small_and_large_clusters() {
     }
 }
 
-/// Every extent a reader calls a hole or zeroes reads as zeroes, the extents tile the image, and
-/// `data` (guest offset, length) ranges are reported as data.
+/// [`common::extents_of`], and the `data` (offset, length) ranges are reported as data, and a
+/// mostly empty image has holes.
 fn assert_extents_truthful(image: &dyn GoldenImage, expected: &[u8], data: &[(u64, u64)]) {
-    let size = image.size();
-    let mut states = Vec::new();
-    let mut at = 0;
-    while at < size {
-        let extents = image.extents(at, size - at).expect("extents");
-        assert!(!extents.is_empty(), "no extents at {at}");
-        for extent in extents {
-            assert!(extent.len > 0 && at + extent.len <= size, "extent {extent:?} at {at}");
-            if extent.state != Allocation::Data {
-                let bytes = &expected[at as usize..(at + extent.len) as usize];
-                assert!(bytes.iter().all(|&b| b == 0), "{:?} at {at}+{} holds data", extent.state, extent.len);
-            }
-            states.push((at, extent.len, extent.state));
-            at += extent.len;
-        }
-    }
+    let states = common::extents_of(image, expected);
     for &(offset, len) in data {
         for &(at, n, state) in &states {
             if at < offset + len && offset < at + n {
