@@ -13,11 +13,12 @@ fn main() {
         .map(|text| text.trim().to_owned())
         .filter(|text| !text.is_empty())
         .unwrap_or_else(|| "unknown".to_owned());
-    let features: Vec<&str> = [("s3", "CARGO_FEATURE_S3"), ("rbd", "CARGO_FEATURE_RBD")]
-        .into_iter()
-        .filter(|(_, var)| std::env::var_os(var).is_some())
-        .map(|(name, _)| name)
-        .collect();
+    let features: Vec<&str> =
+        [("s3", "CARGO_FEATURE_S3"), ("http", "CARGO_FEATURE_HTTP"), ("rbd", "CARGO_FEATURE_RBD")]
+            .into_iter()
+            .filter(|(_, var)| std::env::var_os(var).is_some())
+            .map(|(name, _)| name)
+            .collect();
     println!("cargo:rustc-env=OVERSPILL_COMMIT={commit}");
     println!(
         "cargo:rustc-env=OVERSPILL_FEATURES={}",

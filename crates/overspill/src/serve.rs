@@ -15,7 +15,7 @@ use overspill_nbd::counters::ProtocolCounters;
 use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
 use overspill_server::exports::SPILLING_VM_MINIMUM_BYTES;
-use overspill_sources::{open_source, Source, SourceSettings};
+use overspill_sources::{open_source, Source, SourceError, SourceSettings};
 use sd_notify::NotifyState;
 
 use crate::metrics;
@@ -32,21 +32,22 @@ pub struct ServeArgs {
     /// `export = ["win7=/srv/win7.img"]`); flags given on the command line win.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// The default golden image (export name ""): a raw or qcow2 file, s3://BUCKET/KEY or
+    /// The default golden image (export name ""): a raw or qcow2 file, s3://BUCKET/KEY,
+    /// http(s)://HOST/PATH (a server that honours Range, or a presigned URL) or
     /// rbd:POOL/IMAGE@SNAPSHOT. Opened read-only, never written.
     #[arg(long, value_name = "SOURCE")]
     base: Option<String>,
     /// More golden images as NAME=SOURCE; clients pick one by export name (NAME or NAME@VM).
     #[arg(long = "export", value_name = "NAME=SOURCE")]
     exports: Vec<String>,
-    /// Keep what remote golden images (S3, RBD) fetch in a local sparse file in the spill
+    /// Keep what remote golden images (S3, HTTP, RBD) fetch in a local sparse file in the spill
     /// directory, so each block crosses the network once per server.
     #[arg(long)]
     local_tier: bool,
     /// Ceph configuration for rbd: sources (default: CEPH_CONF, then /etc/ceph/ceph.conf).
     #[arg(long, value_name = "FILE")]
     ceph_conf: Option<PathBuf>,
-    /// The chunk remote golden images (S3, RBD) are fetched in: larger means fewer requests and
+    /// The chunk remote golden images (S3, HTTP, RBD) are fetched in: larger means fewer requests and
     /// more bytes for scattered reads.
     #[arg(long, default_value = "256K", value_parser = parse_bytes)]
     remote_chunk: u64,
@@ -170,7 +171,13 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
             bail!("export name {name:?} may not contain '@' (it separates the VM name)");
         }
         let source = Source::parse(spec)?;
-        let image = open_source(&source, &settings).with_context(|| format!("golden image {spec}"))?;
+        let image = match open_source(&source, &settings) {
+            Ok(image) => image,
+            // Named already, by the name a remote source shows (without credentials).
+            Err(error @ SourceError::Remote { .. }) => bail!("golden image {error}"),
+            // A URL's query may be a signature: the source as its Display redacts it.
+            Err(error) => return Err(anyhow::Error::from(error).context(format!("golden image {source}"))),
+        };
         tracing::info!(export = name, source = %image.describe(), size = image.size(), "golden image");
         if images.insert(name.to_owned(), image).is_some() {
             bail!("export {name:?} is given twice");
@@ -181,7 +188,11 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
         add("", base)?;
     }
     for spec in &args.exports {
-        let (name, source) = spec.split_once('=').with_context(|| format!("--export {spec:?}: use NAME=SOURCE"))?;
+        // A URL given without NAME= splits at its query's first '=': no name holds "://".
+        let (name, source) = spec
+            .split_once('=')
+            .filter(|(name, _)| !name.contains("://"))
+            .with_context(|| format!("--export {:?}: use NAME=SOURCE", overspill_sources::redact(spec)))?;
         add(name, source)?;
     }
     if images.is_empty() && args.images.is_none() {

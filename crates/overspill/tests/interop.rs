@@ -1038,7 +1038,7 @@ fn metrics_pass_promtool_equal_the_engine_and_leave_with_the_vm() {
     assert_eq!(sample(&s, "overspill_nbd_error_replies_total", &errors), 2.0, "error replies by command and errno");
     let refused = [("reason", "unknown-export")];
     assert_eq!(sample(&s, "overspill_nbd_refused_connections_total", &refused), 1.0, "refusals by reason");
-    let build = [("version", env!("CARGO_PKG_VERSION")), ("features", "s3")];
+    let build = [("version", env!("CARGO_PKG_VERSION")), ("features", "s3,http")];
     assert_eq!(sample(&s, "overspill_build_info", &build), 1.0, "build info with the default features");
     let spill_ops = sample(&s, "overspill_vm_storage_ops_total", &with(&[("tier", "spill"), ("direction", "write")]));
     let spill_bytes =

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""A small web server for the HTTP source's tests: serves the files of a directory with single
+byte ranges (206 and Content-Range), ETag and Last-Modified, and honours If-Match and
+If-Unmodified-Since, as nginx, Apache and S3 do. Python's http.server has none of that.
+
+Prints "listening on PORT" once it listens (PORT 0 picks a free one). Options:
+  --no-etag            send no ETag (the client falls back to Last-Modified)
+  --ignore-conditions  answer as if If-Match and If-Unmodified-Since were not sent
+  --no-head            refuse HEAD with 403, as a URL presigned for GET does
+  --fail-every N       answer every Nth GET with 503 (a flaky server)
+  --tls CERT KEY       serve HTTPS
+Standard library only.
+"""
+
+import argparse
+import email.utils
+import http.server
+import os
+import re
+import ssl
+import sys
+import threading
+import urllib.parse
+
+RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def make_handler(root, options):
+    gets = {"count": 0}
+    lock = threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        # Keep-alive, as clients expect of real servers; every reply has a Content-Length.
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):
+            sys.stderr.write("range_server: " + (fmt % args) + "\n")
+
+        def reply(self, status, headers=(), body=b"", length=None):
+            """Sends a reply; `length` is the Content-Length when it is not the body's (HEAD)."""
+            self.send_response(status)
+            for name, value in headers:
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body) if length is None else length))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def file(self):
+            # The query (a presigned URL's signature) is not part of the file's name.
+            name = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
+            if not name or "/" in name or name.startswith("."):
+                return None
+            path = os.path.join(root, name)
+            return path if os.path.isfile(path) else None
+
+        def do_HEAD(self):
+            if options.no_head:
+                self.reply(403)
+                return
+            self.serve()
+
+        def do_GET(self):
+            with lock:
+                gets["count"] += 1
+                fail = options.fail_every and gets["count"] % options.fail_every == 0
+            if fail:
+                self.reply(503, body=b"try again\n")
+                return
+            self.serve()
+
+        def serve(self):
+            path = self.file()
+            if path is None:
+                self.reply(404, body=b"not found\n")
+                return
+            # Opened once: what is sent and what is described are the same file, even if it
+            # is replaced meanwhile.
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                size = st.st_size
+                etag = '"%x-%x-%x"' % (st.st_ino, st.st_mtime_ns, size)
+                modified = email.utils.formatdate(st.st_mtime, usegmt=True)
+                validators = [("Last-Modified", modified)]
+                if not options.no_etag:
+                    validators.append(("ETag", etag))
+                if not options.ignore_conditions and not self.preconditions_hold(etag, st.st_mtime):
+                    self.reply(412, validators)
+                    return
+                headers = validators + [("Accept-Ranges", "bytes"), ("Content-Type", "application/octet-stream")]
+                asked = self.headers.get("Range")
+                if asked is None:
+                    self.whole(f, size, headers)
+                    return
+                match = RANGE.match(asked.strip())
+                if match is None:
+                    # Several ranges, or another unit: a server may ignore such a header.
+                    self.whole(f, size, headers)
+                    return
+                first, last = match.groups()
+                if first == "":
+                    # bytes=-N: the last N bytes.
+                    first, last = max(0, size - int(last)), size - 1
+                else:
+                    first = int(first)
+                    last = size - 1 if last == "" else min(int(last), size - 1)
+                if first >= size or first > last:
+                    self.reply(416, validators + [("Content-Range", "bytes */%d" % size)])
+                    return
+                f.seek(first)
+                headers.append(("Content-Range", "bytes %d-%d/%d" % (first, last, size)))
+                if self.command == "HEAD":
+                    self.reply(206, headers, length=last - first + 1)
+                else:
+                    self.reply(206, headers, f.read(last - first + 1))
+
+        def whole(self, f, size, headers):
+            if self.command == "HEAD":
+                self.reply(200, headers, length=size)
+            else:
+                self.reply(200, headers, f.read())
+
+        def preconditions_hold(self, etag, mtime):
+            if_match = self.headers.get("If-Match")
+            if if_match is not None:
+                tags = [t.strip() for t in if_match.split(",")]
+                return "*" in tags or (not options.no_etag and etag in tags)
+            since = self.headers.get("If-Unmodified-Since")
+            if since is not None:
+                try:
+                    limit = email.utils.parsedate_to_datetime(since).timestamp()
+                except (TypeError, ValueError):
+                    return True
+                return int(mtime) <= limit
+            return True
+
+    return Handler
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--no-etag", action="store_true")
+    parser.add_argument("--ignore-conditions", action="store_true")
+    parser.add_argument("--no-head", action="store_true")
+    parser.add_argument("--fail-every", type=int, default=0)
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
+    options = parser.parse_args()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", options.port), make_handler(options.dir, options))
+    server.daemon_threads = True
+    if options.tls:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*options.tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    print("listening on %d" % server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+//! The HTTP source against real web servers on this host: `tests/data/range_server.py` (ranges,
+//! ETag, Last-Modified and preconditions, as nginx or S3 answer) in its several guises, and
+//! Python's own `http.server`, which ignores Range and must be refused.
+#![cfg(feature = "http")]
+
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use overspill_engine::GoldenImage;
+use overspill_sources::http::HttpImage;
+use overspill_sources::{open_source, Source, SourceSettings};
+
+const IMAGE_BYTES: usize = (3 << 20) + 1234;
+/// A presigned URL's credentials, which must never be shown.
+const SECRETS: [&str; 3] = ["hunter2", "deadbeefcafe", "AKIAFAKEKEY"];
+
+/// Deterministic bytes (xorshift64), so that a failure reproduces.
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+/// A web server process, killed when dropped.
+struct WebServer {
+    child: Child,
+    port: u16,
+}
+
+impl WebServer {
+    /// `range_server.py` serving `dir` with `options`.
+    fn ranges(dir: &Path, options: &[&str]) -> Self {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/range_server.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .arg("--dir")
+            .arg(dir)
+            .args(options)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("python3 is needed for the HTTP source's tests: {e}"));
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the server's first line");
+        let port = line
+            .trim()
+            .strip_prefix("listening on ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("range_server.py said {line:?}"));
+        Self { child, port }
+    }
+
+    /// `python3 -m http.server`, which answers every GET with the whole file.
+    fn plain(dir: &Path) -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+        let child = Command::new("python3")
+            .args(["-m", "http.server", "--bind", "127.0.0.1", "--directory"])
+            .arg(dir)
+            .arg(port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("python3 is needed for the HTTP source's tests: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "python3 -m http.server is not listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self { child, port }
+    }
+
+    fn url(&self, file: &str) -> String {
+        format!("http://127.0.0.1:{}/{file}", self.port)
+    }
+}
+
+impl Drop for WebServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn golden(dir: &Path, seed: u64) -> (PathBuf, Vec<u8>) {
+    let bytes = pseudo_random(IMAGE_BYTES, seed);
+    let path = dir.join("golden.img");
+    std::fs::write(&path, &bytes).expect("golden image");
+    (path, bytes)
+}
+
+fn open(url: &str) -> Result<HttpImage, String> {
+    let Source::Http { url } = Source::parse(url).expect("an HTTP URL") else { panic!("{url} is not an HTTP source") };
+    HttpImage::open(&url, 256 << 10).map_err(|e| e.to_string())
+}
+
+/// Replaces the file as a publisher would: a new file renamed over the old, dated later.
+fn replace(path: &Path) {
+    let new = path.with_extension("new");
+    std::fs::write(&new, pseudo_random(IMAGE_BYTES, 99)).expect("new image");
+    let later = SystemTime::now() + Duration::from_secs(10);
+    std::fs::File::options().write(true).open(&new).and_then(|f| f.set_modified(later)).expect("mtime");
+    std::fs::rename(&new, path).expect("rename");
+}
+
+#[track_caller]
+fn assert_no_secrets(text: &str) {
+    for secret in SECRETS {
+        assert!(!text.contains(secret), "{secret:?} shown in: {text}");
+    }
+}
+
+#[test]
+fn random_reads_equal_the_file_and_past_the_end_reads_zero() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, bytes) = golden(dir.path(), 1);
+    // Every way of learning the image: HEAD with an ETag, HEAD refused (a URL presigned for
+    // GET), and no ETag (Last-Modified only).
+    for options in [&[][..], &["--no-head"], &["--no-etag"]] {
+        let server = WebServer::ranges(dir.path(), options);
+        let source = Source::parse(&server.url("golden.img")).expect("parse");
+        let image = open_source(&source, &SourceSettings::default()).expect("open");
+        assert_eq!(image.size(), IMAGE_BYTES as u64, "{options:?}");
+        assert_eq!(image.preferred_fetch_bytes(), Some(overspill_sources::REMOTE_FETCH_BYTES));
+        let identity = image.identity().expect("an identity");
+        assert!(identity.contains(&format!("size {IMAGE_BYTES}")), "{identity}");
+        let validator = if options == ["--no-etag"] { "last-modified" } else { "etag" };
+        assert!(identity.contains(validator), "{options:?}: {identity}");
+        let mut state = 0x1234_5678_u64;
+        for _ in 0..100 {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let offset = (state >> 20) % (IMAGE_BYTES as u64 + 4096);
+            let len = ((state >> 8) % (300 << 10)) as usize + 1;
+            let mut buf = vec![0xa5u8; len];
+            image.read_at(&mut buf, offset).expect("read");
+            let inside = (IMAGE_BYTES as u64).saturating_sub(offset).min(len as u64) as usize;
+            let start = offset as usize;
+            assert!(buf[..inside] == bytes[start..start + inside], "{options:?}: {len} bytes at {offset} differ");
+            assert!(buf[inside..].iter().all(|&b| b == 0), "{options:?}: past the end reads zero");
+        }
+        let mut whole = vec![0u8; IMAGE_BYTES];
+        image.read_at(&mut whole, 0).expect("read all");
+        assert!(whole == bytes, "{options:?}: the whole image differs");
+    }
+}
+
+#[test]
+fn a_server_without_range_support_is_refused_at_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    golden(dir.path(), 2);
+    let server = WebServer::plain(dir.path());
+    let error = open(&format!("{}?X-Amz-Signature=deadbeefcafe", server.url("golden.img"))).err().expect("refused");
+    assert!(error.contains("does not support range requests"), "{error}");
+    assert_no_secrets(&error);
+    let missing = open(&server.url("missing.img")).err().expect("no such file");
+    assert!(missing.contains("404"), "{missing}");
+}
+
+#[test]
+fn a_replaced_image_fails_reads_rather_than_mixing_images() {
+    // By If-Match, by the reply's ETag (a server that ignores preconditions), by
+    // If-Unmodified-Since and by the reply's Last-Modified.
+    let cases: [&[&str]; 4] = [&[], &["--ignore-conditions"], &["--no-etag"], &["--no-etag", "--ignore-conditions"]];
+    for options in cases {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, bytes) = golden(dir.path(), 3);
+        let server = WebServer::ranges(dir.path(), options);
+        let image = open(&server.url("golden.img")).expect("open");
+        let mut buf = vec![0u8; 4096];
+        image.read_at(&mut buf, 8192).expect("read before");
+        assert!(buf[..] == bytes[8192..8192 + 4096]);
+        replace(&path);
+        let error = image.read_at(&mut buf, 8192).expect_err("a read of the replaced image").to_string();
+        assert!(error.contains("replaced"), "{options:?}: {error}");
+    }
+}
+
+#[test]
+fn credentials_in_the_url_are_never_shown() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, _) = golden(dir.path(), 4);
+    let server = WebServer::ranges(dir.path(), &[]);
+    let secret_url = |file: &str| {
+        format!(
+            "http://user:hunter2@127.0.0.1:{}/{file}?X-Amz-Credential=AKIAFAKEKEY&X-Amz-Signature=deadbeefcafe",
+            server.port
+        )
+    };
+    let image = open(&secret_url("golden.img")).expect("open");
+    let shown = [
+        image.describe(),
+        image.identity().unwrap_or_default(),
+        format!("{:?}", Source::parse(&secret_url("golden.img"))),
+    ];
+    for text in &shown {
+        assert_no_secrets(text);
+    }
+    assert!(image.describe().ends_with("/golden.img?REDACTED"), "{}", image.describe());
+    replace(&path);
+    let mut buf = [0u8; 512];
+    assert_no_secrets(&image.read_at(&mut buf, 0).expect_err("replaced").to_string());
+    assert_no_secrets(&open(&secret_url("missing.img")).err().expect("404"));
+    // Nothing listens there: a transport error, which reqwest would show with its URL.
+    let closed = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let error = open(&format!("https://user:hunter2@127.0.0.1:{closed}/x?sig=deadbeefcafe")).err().expect("refused");
+    assert!(error.contains("tried 3 times"), "{error}");
+    assert_no_secrets(&error);
+}
+
+#[test]
+fn transient_server_errors_are_tried_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, bytes) = golden(dir.path(), 5);
+    // Every second GET is a 503: each read's first or second try succeeds.
+    let server = WebServer::ranges(dir.path(), &["--fail-every", "2"]);
+    let image = open(&server.url("golden.img")).expect("open");
+    for offset in [0, 1 << 20, 2 << 20, IMAGE_BYTES - 65536] {
+        let mut buf = vec![0u8; 65536];
+        image.read_at(&mut buf, offset as u64).expect("read");
+        assert!(buf[..] == bytes[offset..offset + 65536]);
+    }
+    // A server that always fails gives up after three tries with the status.
+    let server = WebServer::ranges(dir.path(), &["--fail-every", "1", "--no-head"]);
+    let error = open(&server.url("golden.img")).err().expect("always 503");
+    assert!(error.contains("503") && error.contains("tried 3 times"), "{error}");
+}

@@ -1,0 +1,188 @@
+//! A golden image on a web server, served by the real `overspill serve` and read over NBD by
+//! `qemu-img compare` against the file itself: from `range_server.py` (the HTTP source's test
+//! server in overspill-sources, which honours Range) over HTTP with the local disk tier, and
+//! over HTTPS with a private CA trusted through `SSL_CERT_FILE`; and Python's `http.server`,
+//! which ignores Range, refused at start.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{pseudo_random, run_ok, Serve};
+use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
+use tempfile::TempDir;
+
+/// Not a multiple of the 256 KiB fetch chunk: the last chunk is short.
+const GOLDEN_BYTES: usize = (24 << 20) + (3 << 12);
+/// Stands for a presigned URL's signature, which must never reach the server's log.
+const SIGNATURE: &str = "X-Amz-Signature=deadbeefcafe";
+
+/// A web server process, killed when dropped; its request log in a file.
+struct WebServer {
+    child: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl WebServer {
+    /// overspill-sources' `range_server.py` serving `dir`.
+    fn ranges(dir: &Path, options: &[&str]) -> Self {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../overspill-sources/tests/data/range_server.py");
+        let log = dir.join("web.log");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .arg("--dir")
+            .arg(dir)
+            .args(options)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("web server log"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("python3 is needed for the HTTP source's tests: {e}"));
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the server's first line");
+        let port = line
+            .trim()
+            .strip_prefix("listening on ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("range_server.py said {line:?}"));
+        Self { child, port, log }
+    }
+
+    /// `python3 -m http.server`: whole files only.
+    fn plain(dir: &Path) -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+        let log = dir.join("web.log");
+        let child = Command::new("python3")
+            .args(["-m", "http.server", "--bind", "127.0.0.1", "--directory"])
+            .arg(dir)
+            .arg(port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("web server log"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("python3 is needed for the HTTP source's tests: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "python3 -m http.server is not listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self { child, port, log }
+    }
+
+    /// GETs the server has answered so far.
+    fn gets(&self) -> usize {
+        std::fs::read_to_string(&self.log).unwrap_or_default().matches("\"GET ").count()
+    }
+}
+
+impl Drop for WebServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn golden(dir: &Path) -> PathBuf {
+    let path = dir.join("golden.img");
+    std::fs::write(&path, pseudo_random(GOLDEN_BYTES, 19)).expect("golden image");
+    path
+}
+
+/// `overspill serve` on a unix socket in `dir`, with `args`.
+fn serve(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (Serve, String) {
+    let socket = dir.join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args = [&["--listen", listen.as_str()], args].concat();
+    let server = Serve::start(dir, &args, env, || UnixStream::connect(&socket).is_ok());
+    (server, format!("nbd+unix:///?socket={}", socket.display()))
+}
+
+/// `overspill serve ARGS` that must refuse to start: the last line of its standard error.
+fn serve_must_fail(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("serve")
+        .args(["--ram-floor", "0", "--listen", &format!("unix:{}", dir.join("nbd.sock").display())])
+        .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8")])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .expect("run overspill serve");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "serve {args:?} started:\n{stderr}");
+    stderr.lines().rfind(|l| !l.trim().is_empty()).unwrap_or_default().to_owned()
+}
+
+#[test]
+fn an_image_on_a_web_server_serves_its_exact_bytes_through_the_local_tier() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = golden(dir.path());
+    let web = WebServer::ranges(dir.path(), &[]);
+    let url = format!("http://127.0.0.1:{}/golden.img?{SIGNATURE}", web.port);
+    // A read cache far smaller than the image: the second pass must come from the local tier.
+    let (mut server, uri) = serve(dir.path(), &["--base", &url, "--local-tier", "--read-cache", "2M"], &[]);
+    let golden = golden.to_str().expect("utf-8");
+    run_ok(dir.path(), "qemu-img", &["compare", "-f", "raw", "-F", "raw", golden, &uri]);
+    let fetched = web.gets();
+    // Two proving GETs at open, then at least one per 256 KiB chunk; never whole-image GETs.
+    assert!(fetched >= GOLDEN_BYTES.div_ceil(256 << 10), "{fetched} GETs");
+    run_ok(dir.path(), "qemu-img", &["compare", "-f", "raw", "-F", "raw", golden, &uri]);
+    assert_eq!(web.gets(), fetched, "the second pass fetched from the web server, not the local tier");
+    server.assert_running();
+    let log = server.log_text();
+    assert!(!log.contains("deadbeefcafe"), "the signature is in the server's log:\n{log}");
+    assert!(log.contains("/golden.img?REDACTED"), "the image is named in the log:\n{log}");
+    server.stop();
+}
+
+#[test]
+fn a_web_server_without_range_support_is_refused_at_start() {
+    let dir = TempDir::new().expect("tempdir");
+    golden(dir.path());
+    let web = WebServer::plain(dir.path());
+    let url = format!("http://127.0.0.1:{}/golden.img?{SIGNATURE}", web.port);
+    let error = serve_must_fail(dir.path(), &["--base", &url], &[]);
+    assert!(error.contains("does not support range requests"), "{error}");
+    assert!(!error.contains("deadbeefcafe"), "{error}");
+    let error = serve_must_fail(dir.path(), &["--export", &format!("win={url}"), "--local-tier"], &[]);
+    assert!(error.contains("does not support range requests"), "{error}");
+}
+
+#[test]
+fn https_with_a_private_ca_trusted_through_ssl_cert_file() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = golden(dir.path());
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca.self_signed(&ca_key).expect("CA certificate");
+    let mut leaf = CertificateParams::new(vec!["localhost".to_owned()]).expect("leaf params");
+    leaf.subject_alt_names.push(SanType::IpAddress([127, 0, 0, 1].into()));
+    let leaf_key = KeyPair::generate().expect("leaf key");
+    let leaf_cert = leaf.signed_by(&leaf_key, &ca_cert, &ca_key).expect("leaf certificate");
+    let pem = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("PEM file");
+        path.to_str().expect("utf-8").to_owned()
+    };
+    let ca_file = pem("ca.pem", ca_cert.pem());
+    let (cert, key) = (pem("web-cert.pem", leaf_cert.pem()), pem("web-key.pem", leaf_key.serialize_pem()));
+    let web = WebServer::ranges(dir.path(), &["--tls", &cert, &key]);
+    let url = format!("https://127.0.0.1:{}/golden.img?{SIGNATURE}", web.port);
+
+    // Without the CA the server's certificate is unknown: refused at start.
+    let error = serve_must_fail(dir.path(), &["--base", &url], &[]);
+    assert!(error.to_lowercase().contains("certificate"), "{error}");
+    assert!(!error.contains("tried"), "a TLS refusal is not tried again: {error}");
+    assert!(!error.contains("deadbeefcafe"), "{error}");
+
+    let (mut server, uri) = serve(dir.path(), &["--base", &url], &[("SSL_CERT_FILE", &ca_file)]);
+    run_ok(dir.path(), "qemu-img", &["compare", "-f", "raw", "-F", "raw", golden.to_str().expect("utf-8"), &uri]);
+    server.stop();
+}
