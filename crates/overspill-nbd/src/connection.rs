@@ -17,7 +17,7 @@ use bytes::Bytes;
 
 use crate::counters::{command_name, ProtocolCounters, Refusal};
 use crate::device::{BlockDevice, DeviceError, ExportAccess, Payload};
-use crate::handshake::{Handshake, HandshakeError, Negotiated, Progress};
+use crate::handshake::{Handshake, HandshakeError, Negotiated, Progress, ALLOCATION_CONTEXT_ID};
 use crate::request::{errno_of, validate, Command, FramingError, RequestHeader};
 use crate::tls::{ServerTls, TlsMode};
 use crate::wire::*;
@@ -832,6 +832,10 @@ fn transmit<T: Transport>(
                 read(wire, &mut session, header.cookie, offset, length)?;
                 false
             }
+            Ok(Command::BlockStatus { offset, length, req_one }) => {
+                block_status(wire, &mut session, &header, offset, length, req_one);
+                false
+            }
             Ok(command) => {
                 let data = &wire.input[wire.start..][data_range.clone()];
                 let result = execute(session.device.as_mut(), command, data);
@@ -939,7 +943,10 @@ fn execute(device: &mut dyn BlockDevice, command: Command, data: &[u8]) -> Resul
         Command::WriteZeroes { offset, length, may_trim, fast_only, fua } => {
             device.write_zeroes(offset, u64::from(length), may_trim, fast_only, fua)
         }
-        Command::Read { .. } | Command::Disconnect => unreachable!("handled by the caller"),
+        Command::Cache { offset, length } => device.cache(offset, u64::from(length)),
+        Command::Read { .. } | Command::BlockStatus { .. } | Command::Disconnect => {
+            unreachable!("handled by the caller")
+        }
     }
 }
 
@@ -961,6 +968,66 @@ fn reply_status<T>(
             structured_error(&mut wire.output, cookie, errno as u32, &message)
         }
         Err((errno, _)) => simple_reply(&mut wire.output, cookie, errno as u32),
+    }
+}
+
+/// Descriptors in one block status reply at most, as the spec asks (2^20); a client asks again
+/// from where the reply stopped.
+const MAX_STATUS_DESCRIPTORS: usize = 1 << 20;
+
+/// Answers NBD_CMD_BLOCK_STATUS for `base:allocation`: one chunk of (length, flags)
+/// descriptors, never past the request's end (so REQ_ONE's limit holds too), merged where
+/// neighbours agree.
+fn block_status<T>(
+    wire: &mut Wire<T>,
+    session: &mut Negotiated,
+    header: &RequestHeader,
+    offset: u64,
+    length: u32,
+    req_one: bool,
+) {
+    if !session.block_status {
+        let why = "no metadata context was selected (NBD_OPT_SET_META_CONTEXT base:allocation)";
+        reply_status(wire, session, header, Err((Errno::Inval, why.into())));
+        return;
+    }
+    let extents = match session.device.block_status(offset, u64::from(length)) {
+        Ok(extents) => extents,
+        Err(error) => {
+            reply_status(wire, session, header, Err((errno_of(error.kind), error.message)));
+            return;
+        }
+    };
+    let mut descriptors: Vec<(u32, u32)> = Vec::new();
+    let mut left = length;
+    for extent in extents {
+        let len = extent.length.min(u64::from(left)) as u32;
+        if len == 0 {
+            break;
+        }
+        let flags = if extent.hole { STATE_HOLE } else { 0 } | if extent.zero { STATE_ZERO } else { 0 };
+        let full = descriptors.len() == MAX_STATUS_DESCRIPTORS;
+        match descriptors.last_mut() {
+            Some((last_len, last_flags)) if *last_flags == flags => *last_len += len,
+            _ if full => break,
+            _ => descriptors.push((len, flags)),
+        }
+        left -= len;
+        if req_one {
+            break;
+        }
+    }
+    if descriptors.is_empty() {
+        let why = "the device reported no extents";
+        reply_status(wire, session, header, Err((Errno::Io, why.into())));
+        return;
+    }
+    let out = &mut wire.output;
+    chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, header.cookie, 4 + 8 * descriptors.len() as u32);
+    put_u32(out, ALLOCATION_CONTEXT_ID);
+    for (len, flags) in descriptors {
+        put_u32(out, len);
+        put_u32(out, flags);
     }
 }
 

@@ -79,6 +79,8 @@ pub fn command_name(kind: u16) -> &'static str {
         crate::wire::CMD_FLUSH => "flush",
         crate::wire::CMD_TRIM => "trim",
         crate::wire::CMD_WRITE_ZEROES => "write_zeroes",
+        crate::wire::CMD_CACHE => "cache",
+        crate::wire::CMD_BLOCK_STATUS => "block_status",
         _ => "other",
     }
 }

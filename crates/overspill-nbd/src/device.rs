@@ -49,6 +49,16 @@ pub struct BlockSizes {
     pub maximum: u32,
 }
 
+/// A run of a device's bytes stored one way, as `base:allocation` block status reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub length: u64,
+    /// Not stored (NBD_STATE_HOLE).
+    pub hole: bool,
+    /// Reads as zeroes (NBD_STATE_ZERO).
+    pub zero: bool,
+}
+
 /// Why a device refused or failed a command; mapped to an NBD errno in exactly one place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceErrorKind {
@@ -137,6 +147,19 @@ pub trait BlockDevice: Send {
     ) -> Result<(), DeviceError>;
     fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError>;
     fn flush(&mut self) -> Result<(), DeviceError>;
+    /// How `[offset, offset + length)` is stored, in order from `offset`: at least one extent,
+    /// which may cover less than asked (the client asks again) but never more. The default calls
+    /// it all data, which is always true.
+    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
+        let _ = offset;
+        Ok(vec![Extent { length, hole: false, zero: false }])
+    }
+    /// The client will read this range soon (NBD_CMD_CACHE): a device may fetch it. Doing
+    /// nothing is a correct answer, and the default.
+    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
+        let _ = (offset, length);
+        Ok(())
+    }
     /// The client sent NBD_CMD_DISC: it is done with the device (a VM powered off or its QEMU
     /// quit). Any other end of a connection (reset, EOF, error, timeout) comes without this call,
     /// so a device can tell a deliberate end from a lost connection when it is dropped.

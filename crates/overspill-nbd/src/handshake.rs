@@ -20,6 +20,12 @@ use crate::wire::*;
 /// nothing this server accepts needs more.
 pub const MAX_OPTION_BYTES: u32 = 16 * 1024;
 
+/// The longest string the spec allows (export names, queries).
+const MAX_STRING_BYTES: usize = 4096;
+
+/// The ID of `base:allocation` in block status replies.
+pub const ALLOCATION_CONTEXT_ID: u32 = 1;
+
 /// Error messages in option replies are cut to this, well within the spec's 4096-byte strings.
 const MAX_MESSAGE_BYTES: usize = 1024;
 
@@ -45,6 +51,8 @@ pub struct Negotiated {
     pub device: Box<dyn BlockDevice>,
     pub info: ExportInfo,
     pub structured_replies: bool,
+    /// The client selected `base:allocation` for this export: it may ask for block status.
+    pub block_status: bool,
 }
 
 impl std::fmt::Debug for Negotiated {
@@ -53,6 +61,7 @@ impl std::fmt::Debug for Negotiated {
             .field("export", &self.export)
             .field("info", &self.info)
             .field("structured_replies", &self.structured_replies)
+            .field("block_status", &self.block_status)
             .finish_non_exhaustive()
     }
 }
@@ -79,6 +88,8 @@ pub struct Handshake {
     phase: Phase,
     no_zeroes: bool,
     structured_replies: bool,
+    /// The export the last NBD_OPT_SET_META_CONTEXT selected `base:allocation` for.
+    allocation_context: Option<String>,
     tls: TlsMode,
     tls_active: bool,
     access: Option<Arc<dyn ExportAccess>>,
@@ -109,7 +120,9 @@ impl Default for Handshake {
 
 /// The transmission flags that follow from what a device can do.
 pub fn transmission_flags(caps: Capabilities) -> u16 {
-    let mut flags = TFLAG_HAS_FLAGS | TFLAG_SEND_FUA;
+    // CACHE is always understood: a device that cannot prefetch answers it by doing nothing,
+    // which the spec allows.
+    let mut flags = TFLAG_HAS_FLAGS | TFLAG_SEND_FUA | TFLAG_SEND_CACHE;
     for (on, flag) in [
         (caps.read_only, TFLAG_READ_ONLY),
         (caps.can_flush, TFLAG_SEND_FLUSH),
@@ -137,6 +150,7 @@ impl Handshake {
             phase: Phase::ClientFlags,
             no_zeroes: false,
             structured_replies: false,
+            allocation_context: None,
             tls,
             tls_active: false,
             access: None,
@@ -172,6 +186,12 @@ impl Handshake {
         // What was negotiated in plain text could have been tampered with: start afresh, as
         // qemu and nbdkit do.
         self.structured_replies = false;
+        self.allocation_context = None;
+    }
+
+    /// Whether the client selected block status for the export it is now opening.
+    fn block_status_for(&self, export: &str) -> bool {
+        self.allocation_context.as_deref() == Some(export)
     }
 
     fn allowed(&self, export: &str) -> bool {
@@ -278,11 +298,13 @@ impl Handshake {
                 if !self.no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
                 }
+                let block_status = self.block_status_for(&name);
                 Ok(Progress::Transmission(Negotiated {
                     export: name,
                     device,
                     info,
                     structured_replies: self.structured_replies,
+                    block_status,
                 }))
             }
             OPT_ABORT => {
@@ -315,6 +337,10 @@ impl Handshake {
             }
             OPT_INFO | OPT_GO => Ok(self.info_or_go(option, data, out, exports)),
             OPT_STARTTLS => Ok(self.start_tls(data, out)),
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                self.meta_context(option, data, out, exports);
+                Ok(Progress::NeedMore)
+            }
             _ => {
                 option_reply(out, option, REP_ERR_UNSUP, b"option not supported");
                 Ok(Progress::NeedMore)
@@ -334,6 +360,53 @@ impl Handshake {
             return Progress::StartTls;
         }
         Progress::NeedMore
+    }
+
+    /// LIST_META_CONTEXT and SET_META_CONTEXT. The one context is `base:allocation`; queries
+    /// for anything else are ignored, as the spec asks, and `base:` lists it. SET forgets the
+    /// earlier selection even when it fails.
+    fn meta_context(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>, exports: &dyn ExportProvider) {
+        let set = option == OPT_SET_META_CONTEXT;
+        if set {
+            self.allocation_context = None;
+        }
+        // Block status replies are structured: without them there is nothing to select (SET
+        // SHOULD be refused; LIST MAY be, and nbdkit and qemu-nbd refuse both).
+        if !self.structured_replies {
+            option_reply(out, option, REP_ERR_INVALID, b"negotiate structured replies first");
+            return;
+        }
+        let Some((name, queries)) = parse_meta_request(data) else {
+            option_reply(out, option, REP_ERR_INVALID, b"malformed metadata context request");
+            return;
+        };
+        if queries.iter().any(|query| !query.contains(':')) {
+            option_reply(
+                out,
+                option,
+                REP_ERR_INVALID,
+                b"a metadata context query must start with a namespace and a colon",
+            );
+            return;
+        }
+        if self.visible(exports, &name).is_none() {
+            let message = format!("no export named {name:?}");
+            option_reply(out, option, REP_ERR_UNKNOWN, truncate_utf8(&message, MAX_MESSAGE_BYTES).as_bytes());
+            return;
+        }
+        let selected = queries.iter().any(|query| *query == BASE_ALLOCATION)
+            || (!set && (queries.is_empty() || queries.iter().any(|query| *query == "base:")));
+        if selected {
+            let mut payload = Vec::with_capacity(4 + BASE_ALLOCATION.len());
+            // LIST's IDs are reserved (zero); SET's name the context in block status replies.
+            put_u32(&mut payload, if set { ALLOCATION_CONTEXT_ID } else { 0 });
+            payload.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            option_reply(out, option, REP_META_CONTEXT, &payload);
+            if set {
+                self.allocation_context = Some(name);
+            }
+        }
+        option_reply(out, option, REP_ACK, &[]);
     }
 
     fn info_or_go(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>, exports: &dyn ExportProvider) -> Progress {
@@ -411,6 +484,7 @@ impl Handshake {
         option_reply(out, option, REP_ACK, &[]);
         match device {
             Some(device) => Progress::Transmission(Negotiated {
+                block_status: self.block_status_for(&name),
                 export: name,
                 device,
                 info,
@@ -419,6 +493,33 @@ impl Handshake {
             None => Progress::NeedMore,
         }
     }
+}
+
+/// META_CONTEXT data: u32 name length, name, u32 query count, then each query as a u32 length
+/// and a string. `None` if the lengths do not add up or a string is not UTF-8 or too long.
+fn parse_meta_request(data: &[u8]) -> Option<(String, Vec<&str>)> {
+    fn string(data: &[u8]) -> Option<(&str, &[u8])> {
+        let len = be_u32(data.get(..4)?) as usize;
+        if len > MAX_STRING_BYTES {
+            return None;
+        }
+        let text = std::str::from_utf8(data.get(4..4 + len)?).ok()?;
+        Some((text, &data[4 + len..]))
+    }
+    let (name, mut rest) = string(data)?;
+    let count = be_u32(rest.get(..4)?) as usize;
+    rest = &rest[4..];
+    // Each query takes at least its length: a count the data cannot hold is a lie.
+    if count > rest.len() / 4 {
+        return None;
+    }
+    let mut queries = Vec::with_capacity(count);
+    for _ in 0..count {
+        let (query, tail) = string(rest)?;
+        queries.push(query);
+        rest = tail;
+    }
+    rest.is_empty().then(|| (name.to_owned(), queries))
 }
 
 /// INFO/GO data: u32 name length, name, u16 request count, u16 requests. `None` if the lengths

@@ -20,7 +20,7 @@ pub mod wire;
 pub use connection::{serve_connection, Limits, Security, Transport};
 pub use device::{
     BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider,
-    Payload,
+    Extent, Payload,
 };
 pub use server::{ListenAddr, Listener, Server, ServerConfig};
 pub use tls::{ServerTls, TlsMode};

@@ -70,6 +70,8 @@ pub enum Command {
     Flush,
     Trim { offset: u64, length: u32, fua: bool },
     WriteZeroes { offset: u64, length: u32, may_trim: bool, fast_only: bool, fua: bool },
+    Cache { offset: u64, length: u32 },
+    BlockStatus { offset: u64, length: u32, req_one: bool },
     Disconnect,
 }
 
@@ -92,7 +94,8 @@ pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u
     let allowed_flags = CMD_FLAG_FUA
         | match h.kind {
             CMD_READ => CMD_FLAG_DF,
-            CMD_WRITE | CMD_TRIM | CMD_FLUSH | CMD_DISC => 0,
+            CMD_WRITE | CMD_TRIM | CMD_FLUSH | CMD_DISC | CMD_CACHE => 0,
+            CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
             CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
             _ => return Err(Errno::Inval),
         };
@@ -116,6 +119,10 @@ pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u
     if matches!(h.kind, CMD_READ) && h.length > max_payload {
         return Err(Errno::Inval);
     }
+    if h.kind == CMD_BLOCK_STATUS && h.length == 0 {
+        // The spec leaves it unspecified; an error is an answer a client can act on.
+        return Err(Errno::Inval);
+    }
     let in_range = h.offset.checked_add(u64::from(h.length)).is_some_and(|end| end <= size);
     if !in_range && h.kind != CMD_FLUSH && h.kind != CMD_DISC {
         // The spec asks for ENOSPC when a write reaches past the end, EINVAL for the rest.
@@ -127,6 +134,8 @@ pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u
         CMD_WRITE => Command::Write { offset, length, fua },
         CMD_FLUSH => Command::Flush,
         CMD_TRIM => Command::Trim { offset, length, fua },
+        CMD_CACHE => Command::Cache { offset, length },
+        CMD_BLOCK_STATUS => Command::BlockStatus { offset, length, req_one: h.flags & CMD_FLAG_REQ_ONE != 0 },
         CMD_WRITE_ZEROES => Command::WriteZeroes {
             offset,
             length,

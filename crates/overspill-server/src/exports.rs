@@ -18,11 +18,13 @@ use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::state::StateFiles;
 use overspill_engine::stats::GuestOp;
 use overspill_engine::{
-    BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
-    SegmentWriters, SpaceShortages, VmStats, WriteCacheMode, SEGMENT_BYTES,
+    Allocation, BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig,
+    ScratchFile, SegmentWriters, SpaceShortages, VmStats, WriteCacheMode, SEGMENT_BYTES,
 };
 use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
-use overspill_nbd::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Payload};
+use overspill_nbd::{
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Extent, Payload,
+};
 use overspill_storm::profile::OpKind;
 
 use crate::error::device_error;
@@ -686,6 +688,22 @@ impl BlockDevice for EngineDevice {
     fn flush(&mut self) -> Result<(), DeviceError> {
         self.record(OpKind::Flush, 0, 0);
         self.timed(GuestOp::Flush, Overlay::flush)
+    }
+
+    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
+        let extents = self.vm().overlay.extents(offset, length).map_err(device_error)?;
+        Ok(extents
+            .into_iter()
+            .map(|extent| Extent {
+                length: extent.len,
+                hole: extent.state == Allocation::Hole,
+                zero: extent.state != Allocation::Data,
+            })
+            .collect())
+    }
+
+    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
+        self.vm().overlay.prefetch(offset, length).map(drop).map_err(device_error)
     }
 
     fn disconnect(&mut self) {

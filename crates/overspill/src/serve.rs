@@ -32,7 +32,7 @@ pub struct ServeArgs {
     /// `export = ["win7=/srv/win7.img"]`); flags given on the command line win.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// The default golden image (export name ""): a raw or qcow2 file, s3://BUCKET/KEY,
+    /// The default golden image (export name ""): a raw, qcow2 or VHDX file, s3://BUCKET/KEY,
     /// http(s)://HOST/PATH (a server that honours Range, or a presigned URL) or
     /// rbd:POOL/IMAGE@SNAPSHOT. Opened read-only, never written.
     #[arg(long, value_name = "SOURCE")]
