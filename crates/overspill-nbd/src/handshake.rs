@@ -394,8 +394,8 @@ impl Handshake {
             option_reply(out, option, REP_ERR_UNKNOWN, truncate_utf8(&message, MAX_MESSAGE_BYTES).as_bytes());
             return;
         }
-        let selected = queries.iter().any(|query| *query == BASE_ALLOCATION)
-            || (!set && (queries.is_empty() || queries.iter().any(|query| *query == "base:")));
+        let selected =
+            queries.contains(&BASE_ALLOCATION) || (!set && (queries.is_empty() || queries.contains(&"base:")));
         if selected {
             let mut payload = Vec::with_capacity(4 + BASE_ALLOCATION.len());
             // LIST's IDs are reserved (zero); SET's name the context in block status replies.
