@@ -636,6 +636,75 @@ mod tests {
         assert_eq!(error, Some(HandshakeError::TlsRequired));
     }
 
+    /// Two exports, for what depends on which one a client names.
+    struct TwoExports(OneExport, OneExport);
+
+    impl ExportProvider for TwoExports {
+        fn list(&self) -> Vec<ExportInfo> {
+            [self.0.list(), self.1.list()].concat()
+        }
+        fn info(&self, name: &str) -> Option<ExportInfo> {
+            self.0.info(name).or_else(|| self.1.info(name))
+        }
+        fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+            self.0.open(name).or_else(|_| self.1.open(name))
+        }
+    }
+
+    fn meta_request(export: &str, queries: &[&str]) -> Vec<u8> {
+        let mut data = Vec::new();
+        put_u32(&mut data, export.len() as u32);
+        data.extend_from_slice(export.as_bytes());
+        put_u32(&mut data, queries.len() as u32);
+        for query in queries {
+            put_u32(&mut data, query.len() as u32);
+            data.extend_from_slice(query.as_bytes());
+        }
+        data
+    }
+
+    /// Block status is negotiated for the export SET_META_CONTEXT named, only if GO opens that
+    /// same export, and not across STARTTLS; a later SET replaces an earlier one.
+    #[test]
+    fn block_status_holds_only_for_the_export_selected_and_not_across_starttls() {
+        let exports = TwoExports(OneExport::new("a", 4096), OneExport::new("b", 4096));
+        let negotiate = |tls: TlsMode, options: &[(u32, Vec<u8>)], after_tls: &[(u32, Vec<u8>)]| -> bool {
+            let mut hs = Handshake::with_tls(tls);
+            let mut input = Vec::new();
+            put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+            put_option(&mut input, OPT_STRUCTURED_REPLY, &[]);
+            for (option, data) in options {
+                put_option(&mut input, *option, data);
+            }
+            let mut out = Vec::new();
+            let (_, mut progress) = hs.advance(&input, &mut out, &exports).expect("well-framed");
+            if matches!(progress, Progress::StartTls) {
+                hs.tls_started(None);
+                let mut input = Vec::new();
+                put_option(&mut input, OPT_STRUCTURED_REPLY, &[]);
+                for (option, data) in after_tls {
+                    put_option(&mut input, *option, data);
+                }
+                progress = hs.advance(&input, &mut out, &exports).expect("well-framed").1;
+            }
+            match progress {
+                Progress::Transmission(negotiated) => negotiated.block_status,
+                other => panic!("GO should open the export: {other:?}"),
+            }
+        };
+        let set = |export: &str, queries: &[&str]| (OPT_SET_META_CONTEXT, meta_request(export, queries));
+        let go = |export: &str| (OPT_GO, info_request(export, &[]));
+        assert!(negotiate(TlsMode::Off, &[set("a", &[BASE_ALLOCATION]), go("a")], &[]));
+        assert!(!negotiate(TlsMode::Off, &[set("a", &[BASE_ALLOCATION]), go("b")], &[]), "another export");
+        assert!(!negotiate(TlsMode::Off, &[set("a", &[BASE_ALLOCATION]), set("a", &[]), go("a")], &[]), "replaced");
+        assert!(!negotiate(TlsMode::Off, &[go("a")], &[]), "never selected");
+        let export_name = (OPT_EXPORT_NAME, b"a".to_vec());
+        assert!(negotiate(TlsMode::Off, &[set("a", &[BASE_ALLOCATION]), export_name], &[]), "EXPORT_NAME too");
+        let starttls = (OPT_STARTTLS, Vec::new());
+        assert!(!negotiate(TlsMode::On, &[set("a", &[BASE_ALLOCATION]), starttls.clone()], &[go("a")]), "before TLS");
+        assert!(negotiate(TlsMode::On, &[starttls], &[set("a", &[BASE_ALLOCATION]), go("a")]), "after TLS");
+    }
+
     /// A connection that accepts at most 64 KiB never advertises the export's 32 MiB maximum.
     #[test]
     fn the_advertised_maximum_block_size_is_what_the_connection_accepts() {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use openssl::ssl::{ShutdownState, Ssl, SslContext, SslMethod, SslStream, SslVersion};
 use overspill_nbd::device::{
-    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider,
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider, Extent,
 };
 use overspill_nbd::memory::{MemoryDevice, DEFAULT_BLOCK_SIZES};
 use overspill_nbd::server::socketpair;
@@ -28,19 +28,13 @@ const SIZE: usize = 4 << 20;
 
 // Values of the spec this crate's `wire` module has no use for.
 const OPT_PEEK_EXPORT: u32 = 4;
-const OPT_LIST_META_CONTEXT: u32 = 9;
-const OPT_SET_META_CONTEXT: u32 = 10;
 const OPT_EXTENDED_HEADERS: u32 = 11;
 const TFLAG_ROTATIONAL: u16 = 1 << 4;
 const TFLAG_SEND_DF: u16 = 1 << 7;
 const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 const TFLAG_SEND_RESIZE: u16 = 1 << 9;
-const TFLAG_SEND_CACHE: u16 = 1 << 10;
 const TFLAG_BLOCK_STATUS_PAYLOAD: u16 = 1 << 12;
-const CMD_CACHE: u16 = 5;
-const CMD_BLOCK_STATUS: u16 = 7;
 const CMD_RESIZE: u16 = 8;
-const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
 const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 /// The error values the spec defines: EPERM EIO ENOMEM EINVAL ENOSPC EOVERFLOW ENOTSUP ESHUTDOWN.
@@ -159,6 +153,19 @@ impl BlockDevice for Disk {
     }
     fn disconnect(&mut self) {
         self.log(Call::Disconnect);
+    }
+    /// Even 4 KiB blocks are data, odd ones holes: many extents for any range.
+    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
+        self.failing()?;
+        let mut extents = Vec::new();
+        let (mut at, end) = (offset, offset + length);
+        while at < end {
+            let block_end = ((at / 4096 + 1) * 4096).min(end);
+            let hole = (at / 4096) % 2 == 1;
+            extents.push(Extent { length: block_end - at, hole, zero: hole });
+            at = block_end;
+        }
+        Ok(extents)
     }
 }
 
@@ -564,8 +571,6 @@ fn unimplemented_options_get_unsup_and_the_next_option_is_still_read() {
     let junk = pattern(3000, 7);
     for (option, data) in [
         (OPT_PEEK_EXPORT, &[][..]),
-        (OPT_LIST_META_CONTEXT, &meta_query[..]),
-        (OPT_SET_META_CONTEXT, &meta_query[..]),
         (OPT_EXTENDED_HEADERS, &[][..]),
         (0, &[][..]),
         (0x4242_4242, &junk[..]),
@@ -923,17 +928,14 @@ fn transmission_flags_claim_only_what_the_device_can_do() {
             TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_FUA,
         ),
     ];
-    let never = TFLAG_SEND_DF
-        | TFLAG_ROTATIONAL
-        | TFLAG_CAN_MULTI_CONN
-        | TFLAG_SEND_RESIZE
-        | TFLAG_SEND_CACHE
-        | TFLAG_BLOCK_STATUS_PAYLOAD;
+    let never =
+        TFLAG_SEND_DF | TFLAG_ROTATIONAL | TFLAG_CAN_MULTI_CONN | TFLAG_SEND_RESIZE | TFLAG_BLOCK_STATUS_PAYLOAD;
     for (caps, expected) in cases {
         let server = serve(&Disk::new(caps));
         for structured in [false, true] {
             let (mut conn, flags) = Conn::transmission(&server, structured);
-            assert_eq!(flags, TFLAG_HAS_FLAGS | expected, "{caps:?}, structured {structured}");
+            // CACHE is always understood (a device that cannot prefetch does nothing).
+            assert_eq!(flags, TFLAG_HAS_FLAGS | TFLAG_SEND_CACHE | expected, "{caps:?}, structured {structured}");
             assert_eq!(flags & never, 0);
             // What is not advertised is refused, without losing the connection.
             if !caps.can_flush {
@@ -954,7 +956,11 @@ fn transmission_flags_claim_only_what_the_device_can_do() {
         conn.option(OPT_EXPORT_NAME, NAME.as_bytes());
         let answer = conn.bytes(10);
         assert_eq!(be_u64(&answer), SIZE as u64);
-        assert_eq!(be_u16(&answer[8..]), TFLAG_HAS_FLAGS | expected, "EXPORT_NAME's flags, {caps:?}");
+        assert_eq!(
+            be_u16(&answer[8..]),
+            TFLAG_HAS_FLAGS | TFLAG_SEND_CACHE | expected,
+            "EXPORT_NAME's flags, {caps:?}"
+        );
     }
 }
 
@@ -1284,14 +1290,9 @@ fn commands_never_negotiated_get_einval_and_the_connection_goes_on() {
     let server = serve(&disk);
     for structured in [false, true] {
         let (mut conn, _) = Conn::transmission(&server, structured);
-        for (kind, flags) in [
-            (CMD_BLOCK_STATUS, 0),
-            (CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE),
-            (CMD_CACHE, 0),
-            (CMD_RESIZE, 0),
-            (9, 0),
-            (u16::MAX, 0),
-        ] {
+        for (kind, flags) in
+            [(CMD_BLOCK_STATUS, 0), (CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE), (CMD_RESIZE, 0), (9, 0), (u16::MAX, 0)]
+        {
             assert_eq!(conn.command(kind, flags, 0, 4096), EINVAL, "command {kind} flags {flags:#x}");
         }
         assert_eq!(conn.command(CMD_FLUSH, 1 << 15, 0, 0), EINVAL, "an undefined command flag");
@@ -1424,4 +1425,145 @@ fn option_error_messages_stay_within_the_string_limit() {
     assert_ne!(last.kind & (1 << 31), 0, "GO of an export that cannot open: {last:?}");
     assert!(last.payload.len() <= MAX_STRING, "a {}-byte error message", last.payload.len());
     assert!(std::str::from_utf8(&last.payload).is_ok(), "cut inside a character");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metadata contexts, BLOCK_STATUS and CACHE (rows 87–93).
+
+/// LIST/SET_META_CONTEXT data: the export, then each query.
+fn meta_request(export: &str, queries: &[&str]) -> Vec<u8> {
+    let mut data = Vec::new();
+    put_u32(&mut data, export.len() as u32);
+    data.extend_from_slice(export.as_bytes());
+    put_u32(&mut data, queries.len() as u32);
+    for query in queries {
+        put_u32(&mut data, query.len() as u32);
+        data.extend_from_slice(query.as_bytes());
+    }
+    data
+}
+
+/// The (id, name) of each NBD_REP_META_CONTEXT, and the final reply's type.
+fn contexts(replies: &[OptReply]) -> (Vec<(u32, String)>, u32) {
+    let (last, rest) = replies.split_last().expect("a final reply");
+    let found = rest
+        .iter()
+        .map(|r| {
+            assert_eq!(r.kind, REP_META_CONTEXT, "only META_CONTEXT replies before the final one: {r:?}");
+            let name = std::str::from_utf8(&r.payload[4..]).expect("UTF-8 context name").to_owned();
+            (be_u32(&r.payload), name)
+        })
+        .collect();
+    (found, last.kind)
+}
+
+/// Rows 87–89. Metadata contexts need structured replies (SET: SHOULD refuse; LIST: MAY, and
+/// does, as nbdkit and qemu-nbd); LIST with no query lists every context, `base:` lists the
+/// base namespace, unknown namespaces are ignored; SET selects `base:allocation` with an ID;
+/// malformed requests get INVALID, unknown exports UNKNOWN, and negotiation goes on.
+#[test]
+fn metadata_contexts_are_listed_and_selected_as_the_spec_says() {
+    let server = serve(&Disk::new(Capabilities::ALL));
+    let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+    let wanted = meta_request(NAME, &[BASE_ALLOCATION]);
+    assert_eq!(conn.ask_final(OPT_SET_META_CONTEXT, &wanted), REP_ERR_INVALID, "SET before structured replies");
+    assert_eq!(conn.ask_final(OPT_LIST_META_CONTEXT, &wanted), REP_ERR_INVALID, "LIST before structured replies");
+    assert_eq!(conn.ask_final(OPT_STRUCTURED_REPLY, &[]), REP_ACK);
+    let base = vec![(0, BASE_ALLOCATION.to_owned())];
+    for queries in [&[][..], &["base:"][..], &[BASE_ALLOCATION][..], &["x-other:thing", "base:"][..]] {
+        let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_request(NAME, queries)));
+        assert_eq!(listed, (base.clone(), REP_ACK), "LIST {queries:?}");
+    }
+    for queries in [&["x-other:thing"][..], &["base:nonesuch"][..], &["qemu:dirty-bitmap:x"][..]] {
+        let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_request(NAME, queries)));
+        assert_eq!(listed, (vec![], REP_ACK), "LIST {queries:?} finds nothing");
+    }
+    // SET ignores `base:` and unknown leaves; it selects base:allocation alone.
+    assert_eq!(contexts(&conn.ask(OPT_SET_META_CONTEXT, &meta_request(NAME, &["base:"]))), (vec![], REP_ACK));
+    let (selected, last) = contexts(&conn.ask(OPT_SET_META_CONTEXT, &wanted));
+    assert_eq!(last, REP_ACK);
+    assert_eq!(selected.len(), 1);
+    assert_eq!(selected[0].1, BASE_ALLOCATION);
+    // Malformed: a query running past the option, a count the data cannot hold, a query with
+    // no namespace; an unknown export.
+    let mut past = meta_request(NAME, &[BASE_ALLOCATION]);
+    past.truncate(past.len() - 3);
+    let mut lying = meta_request(NAME, &[]);
+    let count_at = lying.len() - 4;
+    lying[count_at..].copy_from_slice(&1000u32.to_be_bytes());
+    for (what, data) in [("past the end", past), ("count", lying), ("no colon", meta_request(NAME, &["allocation"]))] {
+        for option in [OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT] {
+            assert_eq!(conn.ask_final(option, &data), REP_ERR_INVALID, "{what}, option {option}");
+        }
+    }
+    for option in [OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT] {
+        let reply = conn.ask_final(option, &meta_request("missing", &[BASE_ALLOCATION]));
+        assert_eq!(reply, REP_ERR_UNKNOWN, "option {option}");
+    }
+    // The failed SET above forgot the selection: BLOCK_STATUS is not negotiated.
+    assert_eq!(conn.negotiate(true) & TFLAG_SEND_CACHE, TFLAG_SEND_CACHE);
+    assert_eq!(conn.command(CMD_BLOCK_STATUS, 0, 0, 4096), EINVAL, "a failed SET selects nothing");
+}
+
+/// The descriptors of a BLOCK_STATUS reply: one chunk of type BLOCK_STATUS with DONE, for the
+/// context `id`, length 4 + 8n.
+fn block_status(conn: &mut Conn<UnixStream>, id: u32, flags: u16, offset: u64, length: u32) -> Vec<(u32, u32)> {
+    conn.request(CMD_BLOCK_STATUS, flags, 0xb5, offset, length, &[]);
+    let chunk = conn.chunk(0xb5);
+    assert_eq!(chunk.kind, REPLY_TYPE_BLOCK_STATUS, "{chunk:?}");
+    assert_eq!(chunk.flags, REPLY_FLAG_DONE, "one chunk per context, the last");
+    let payload = &chunk.payload;
+    assert!(payload.len() >= 12 && (payload.len() - 4).is_multiple_of(8), "{} bytes", payload.len());
+    assert_eq!(be_u32(payload), id, "the ID SET assigned");
+    payload[4..].chunks_exact(8).map(|d| (be_u32(d), be_u32(&d[4..]))).collect()
+}
+
+/// Rows 90–92. BLOCK_STATUS answers with one chunk for the selected context; descriptors have
+/// nonzero lengths, cover the range from its offset, never run past the request, and neighbours
+/// with equal flags are merged; REQ_ONE gives exactly one descriptor no longer than asked. A
+/// range past the end and a zero length get EINVAL, and the connection goes on.
+#[test]
+fn block_status_describes_the_range_asked_for_and_no_more() {
+    let server = serve(&Disk::new(Capabilities::ALL));
+    let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+    assert_eq!(conn.ask_final(OPT_STRUCTURED_REPLY, &[]), REP_ACK);
+    let (selected, _) = contexts(&conn.ask(OPT_SET_META_CONTEXT, &meta_request(NAME, &[BASE_ALLOCATION])));
+    let id = selected[0].0;
+    conn.negotiate(false);
+    let hole = STATE_HOLE | STATE_ZERO;
+    // From an unaligned offset: the device's alternating 4 KiB blocks, the first cut short.
+    let descriptors = block_status(&mut conn, id, 0, 1000, 20000);
+    assert_eq!(descriptors, vec![(3096, 0), (4096, hole), (4096, 0), (4096, hole), (4096, 0), (520, hole)]);
+    assert_eq!(block_status(&mut conn, id, CMD_FLAG_REQ_ONE, 1000, 20000), vec![(3096, 0)]);
+    assert_eq!(block_status(&mut conn, id, CMD_FLAG_REQ_ONE, 4096, 100), vec![(100, hole)], "REQ_ONE within length");
+    // The whole disk: every descriptor nonzero, and they add up to the disk.
+    let whole = block_status(&mut conn, id, 0, 0, SIZE as u32);
+    assert!(whole.iter().all(|d| d.0 > 0));
+    assert_eq!(whole.iter().map(|d| u64::from(d.0)).sum::<u64>(), SIZE as u64);
+    assert_eq!(conn.command(CMD_BLOCK_STATUS, 0, SIZE as u64 - 512, 1024), EINVAL, "past the end");
+    assert_eq!(conn.command(CMD_BLOCK_STATUS, 0, 0, 0), EINVAL, "zero length");
+    assert_eq!(conn.command(CMD_BLOCK_STATUS, CMD_FLAG_DF, 0, 4096), EINVAL, "a flag BLOCK_STATUS has not");
+    assert_eq!(conn.read(0, 512, true), Ok(vec![0; 512]), "the connection goes on");
+}
+
+/// Row 93. CACHE is advertised and answered (a prefetch or nothing, never a change); flags it
+/// does not know and ranges past the end get EINVAL.
+#[test]
+fn cache_is_advertised_and_answered() {
+    let disk = Disk::new(Capabilities::ALL);
+    let server = serve(&disk);
+    for structured in [false, true] {
+        let (mut conn, flags) = Conn::transmission(&server, structured);
+        assert_eq!(flags & TFLAG_SEND_CACHE, TFLAG_SEND_CACHE);
+        assert_eq!(conn.command(CMD_CACHE, 0, 0, 1 << 20), 0);
+        assert_eq!(conn.command(CMD_CACHE, CMD_FLAG_FUA, 4096, 4096), 0, "FUA is valid on every command");
+        assert_eq!(conn.command(CMD_CACHE, CMD_FLAG_NO_HOLE, 0, 4096), EINVAL, "a flag CACHE has not");
+        assert_eq!(conn.command(CMD_CACHE, 0, SIZE as u64, 4096), EINVAL, "past the end");
+        assert_eq!(conn.read(0, 512, structured), Ok(vec![0; 512]));
+    }
+    assert!(
+        disk.calls().iter().all(|call| matches!(call, Call::Disconnect)),
+        "CACHE changed nothing: {:?}",
+        disk.calls()
+    );
 }
