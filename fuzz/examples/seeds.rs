@@ -5,9 +5,6 @@
 use overspill_fuzz::*;
 use overspill_nbd::wire::*;
 
-/// NBD_OPT_SET_META_CONTEXT: unknown to this server, but qemu sends it.
-const OPT_SET_META_CONTEXT: u32 = 10;
-
 fn flags(no_zeroes: bool) -> Vec<u8> {
     let mut out = Vec::new();
     put_u32(&mut out, CLIENT_FIXED_NEWSTYLE | if no_zeroes { CLIENT_NO_ZEROES } else { 0 });
@@ -81,6 +78,9 @@ fn session() -> Vec<u8> {
     request(&mut out, CMD_TRIM, 0, 0, 4096, &[]);
     request(&mut out, CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 8192, 4096, &[]);
     request(&mut out, CMD_READ, CMD_FLAG_DF, 0, 0, &[]);
+    request(&mut out, CMD_CACHE, 0, 0, 65536, &[]);
+    request(&mut out, CMD_BLOCK_STATUS, 0, 0, 1 << 20, &[]);
+    request(&mut out, CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4096, 8192, &[]);
     request(&mut out, CMD_DISC, 0, 0, 0, &[]);
     out
 }
@@ -216,6 +216,8 @@ fn main() -> std::io::Result<()> {
             request_seed(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO, 0, 1 << 20, 1 << 20, 4096, 0b11_1111),
         ),
         ("request", "flush", request_seed(CMD_FLUSH, 0, 0, 0, 1 << 20, 4096, all)),
+        ("request", "cache", request_seed(CMD_CACHE, 0, 0, 1 << 20, 1 << 20, 4096, all)),
+        ("request", "block-status-one", request_seed(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4096, 8192, 1 << 20, 4096, all)),
         ("request", "disc", request_seed(CMD_DISC, 0, u64::MAX, u32::MAX, 0, 0, 0)),
         ("request", "read-overflow", request_seed(CMD_READ, 0, u64::MAX - 1, 4096, u64::MAX, u32::MAX, all)),
         ("server", "qemu-session", [vec![0], qemu(EXPORT_NAME), session()].concat()),

@@ -44,6 +44,8 @@ struct Model {
     flags_done: bool,
     no_zeroes: bool,
     structured: bool,
+    /// The export the last successful SET_META_CONTEXT selected `base:allocation` for.
+    allocation: Option<String>,
 }
 
 /// The export an INFO/GO names, if its data is well formed (name length, UTF-8 name, u16 count,
@@ -55,6 +57,38 @@ fn info_target(data: &[u8]) -> Option<&str> {
     let count = be_u16(rest.get(..2)?) as usize;
     (rest.len() == 2 + 2 * count).then_some(())?;
     std::str::from_utf8(name).ok()
+}
+
+/// The export and queries of a LIST/SET_META_CONTEXT, if its data is well formed (u32 name
+/// length, UTF-8 name, u32 count, exactly that many u32-length UTF-8 queries of at most 4096
+/// bytes each).
+fn meta_target(data: &[u8]) -> Option<(&str, Vec<&str>)> {
+    let mut rest = data;
+    let mut string = || -> Option<&str> {
+        let len = be_u32(rest.get(..4)?) as usize;
+        (len <= 4096).then_some(())?;
+        let text = std::str::from_utf8(rest.get(4..4 + len)?).ok()?;
+        rest = &rest[4 + len..];
+        Some(text)
+    };
+    let name = string()?;
+    let count = be_u32(rest.get(..4)?) as usize;
+    rest = &rest[4..];
+    let mut queries = Vec::new();
+    for _ in 0..count {
+        let len = be_u32(rest.get(..4)?) as usize;
+        (len <= 4096).then_some(())?;
+        queries.push(std::str::from_utf8(rest.get(4..4 + len)?).ok()?);
+        rest = &rest[4 + len..];
+    }
+    rest.is_empty().then_some((name, queries))
+}
+
+/// How many contexts a well-formed META_CONTEXT request finds: `base:allocation` is the only one.
+fn contexts_found(option: u32, queries: &[&str]) -> usize {
+    let named = queries.contains(&"base:allocation");
+    let listed = option == OPT_LIST_META_CONTEXT && (queries.is_empty() || queries.contains(&"base:"));
+    usize::from(named || listed)
 }
 
 impl Model {
@@ -76,6 +110,13 @@ impl Model {
             _ if self.gated() => false,
             OPT_LIST | OPT_STRUCTURED_REPLY => data.is_empty(),
             OPT_INFO | OPT_GO => self.visible() && info_target(data) == Some(self.export),
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                self.structured
+                    && self.visible()
+                    && meta_target(data).is_some_and(|(name, queries)| {
+                        name == self.export && queries.iter().all(|query| query.contains(':'))
+                    })
+            }
             _ => false,
         }
     }
@@ -149,7 +190,7 @@ impl Model {
                 tail = &[];
                 continue;
             }
-            let (mut servers, mut infos) = (0, 0);
+            let (mut servers, mut infos, mut contexts) = (0, 0, 0);
             let (acked, kind) = loop {
                 let (o, kind, payload) = replies.next().expect("every option is answered");
                 assert_eq!(o, option, "reply for another option");
@@ -164,6 +205,13 @@ impl Model {
                         check_info(option, payload, caps);
                         infos += 1;
                     }
+                    REP_META_CONTEXT => {
+                        assert!(option == OPT_LIST_META_CONTEXT || option == OPT_SET_META_CONTEXT);
+                        assert_eq!(payload.get(4..), Some(&b"base:allocation"[..]), "context name");
+                        let id = be_u32(payload);
+                        assert_eq!(id == 0, option == OPT_LIST_META_CONTEXT, "LIST's IDs are zero, SET's not");
+                        contexts += 1;
+                    }
                     REP_ACK => break (true, kind),
                     _ => {
                         assert_ne!(kind & (1 << 31), 0, "reply type {kind:#x} is neither ACK, INFO, SERVER nor error");
@@ -174,7 +222,18 @@ impl Model {
             };
             let should = self.acks(option, data);
             assert_eq!(acked, should, "option {option} answered {kind:#x}");
-            assert!(acked || infos + servers == 0, "INFO/SERVER replies before an error");
+            assert!(acked || infos + servers + contexts == 0, "INFO/SERVER/META_CONTEXT replies before an error");
+            if option == OPT_SET_META_CONTEXT && !self.gated() {
+                // SET replaces the selection, even when it fails.
+                self.allocation = None;
+            }
+            if acked && (option == OPT_LIST_META_CONTEXT || option == OPT_SET_META_CONTEXT) {
+                let (_, queries) = meta_target(data).expect("acknowledged, so well formed");
+                assert_eq!(contexts, contexts_found(option, &queries), "contexts for {queries:?}");
+                if option == OPT_SET_META_CONTEXT && contexts == 1 {
+                    self.allocation = Some(self.export.to_owned());
+                }
+            }
             if self.gated() && !acked && option != OPT_STARTTLS {
                 assert_eq!(kind, REP_ERR_TLS_REQD, "option {option} before STARTTLS on a TLS-only server");
             }
@@ -228,6 +287,7 @@ fuzz_target!(|data: &[u8]| {
         flags_done: false,
         no_zeroes: false,
         structured: false,
+        allocation: None,
     };
     let access: Option<Arc<dyn ExportAccess>> = model.access.then(|| Arc::new(OnlyAlice) as _);
     let mut hs = Handshake::with_tls(tls).with_access(access);
@@ -262,6 +322,7 @@ fuzz_target!(|data: &[u8]| {
             let sizes = (n.info.size, n.device.size());
             assert_eq!((n.export.as_str(), sizes), (export, (EXPORT_SIZE as u64, EXPORT_SIZE as u64)));
             assert_eq!(n.structured_replies, model.structured, "structured replies as acknowledged");
+            assert_eq!(n.block_status, model.allocation.as_deref() == Some(export), "block status as selected");
         }
         match outcome {
             Outcome::NeedMore if fed < stream.len() => {}
@@ -269,7 +330,7 @@ fuzz_target!(|data: &[u8]| {
             Outcome::StartTls => {
                 hs.tls_started(Some(if model.alice { "alice" } else { "mallory" }.into()));
                 // What was negotiated in plain text could have been tampered with.
-                (model.tls_active, model.structured) = (true, false);
+                (model.tls_active, model.structured, model.allocation) = (true, false, None);
             }
             // Over (or broken, or out of input): the socket loop stops calling it.
             _ => break,

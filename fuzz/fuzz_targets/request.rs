@@ -59,6 +59,10 @@ fuzz_target!(|data: &[u8]| {
         ),
         CMD_FLUSH => (CMD_FLAG_FUA, caps.can_flush),
         CMD_DISC => (CMD_FLAG_FUA, true),
+        CMD_CACHE => (CMD_FLAG_FUA, true),
+        // Whether a context was selected is the connection's to check; a zero length asks
+        // about nothing.
+        CMD_BLOCK_STATUS => (CMD_FLAG_FUA | CMD_FLAG_REQ_ONE, h.length > 0),
         _ => (0, false),
     };
     let ranged = !matches!(h.kind, CMD_FLUSH | CMD_DISC);
@@ -95,6 +99,8 @@ fuzz_target!(|data: &[u8]| {
         CMD_TRIM => Command::Trim { offset, length, fua },
         CMD_WRITE_ZEROES => Command::WriteZeroes { offset, length, may_trim: !no_hole, fast_only: fast, fua },
         CMD_FLUSH => Command::Flush,
+        CMD_CACHE => Command::Cache { offset, length },
+        CMD_BLOCK_STATUS => Command::BlockStatus { offset, length, req_one: h.flags & CMD_FLAG_REQ_ONE != 0 },
         _ => Command::Disconnect,
     };
     assert_eq!(command, expected);
