@@ -153,6 +153,56 @@ fn request_seed(kind: u16, flags: u16, offset: u64, length: u32, size: u64, max:
 /// VHDX files as `vhdx` inputs: the target's parent disk itself, a dynamic disk with every
 /// block state, a fixed one, one with 4 KiB sectors, and differencing disks on the parent (one
 /// with a stale parent_linkage, one whose parent is missing, one on itself).
+/// Small qcow2 files qemu-img makes (512-byte and 4 KiB clusters keep them a few KiB): data, zero
+/// clusters and holes, compressed with zlib and zstd, version 2, and one on `parent.img` (the raw
+/// backing file the target keeps beside its input). Needs qemu-img and qemu-io.
+fn qcow2_seeds() -> std::io::Result<Vec<(&'static str, Vec<u8>)>> {
+    use std::process::Command;
+    let dir = std::env::temp_dir().join(format!("overspill-qcow2-seeds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let run = |program: &str, args: &[&str]| -> std::io::Result<()> {
+        let status = Command::new(program).args(args).current_dir(&dir).status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!("{program} {args:?}: {status}")))
+        }
+    };
+    let writes = ["write -P 0x11 0 3k", "write -P 0x22 64k 8k", "write -z 8k 4k", "write -P 0x33 900k 4k"];
+    let mut seeds = Vec::new();
+    for (name, options, compress, backing) in [
+        ("v3-512", "compat=1.1,cluster_size=512", false, false),
+        ("v2-4k", "compat=0.10,cluster_size=4096", false, false),
+        ("zlib-4k", "cluster_size=4096,compression_type=zlib", true, false),
+        ("zstd-4k", "cluster_size=4096,compression_type=zstd", true, false),
+        ("on-parent", "cluster_size=4096", false, true),
+    ] {
+        let file = format!("{name}.qcow2");
+        let plain = format!("{name}.plain.qcow2");
+        let mut create = vec!["create", "-q", "-f", "qcow2", "-o", options];
+        if backing {
+            create.extend(["-F", "raw", "-b", "parent.img"]);
+            std::fs::write(dir.join("parent.img"), vec![7u8; 1 << 20])?;
+        }
+        create.extend([plain.as_str(), "1M"]);
+        run("qemu-img", &create)?;
+        let mut io = vec!["-f", "qcow2"];
+        for write in writes {
+            io.extend(["-c", write]);
+        }
+        io.push(&plain);
+        run("qemu-io", &io)?;
+        if compress {
+            run("qemu-img", &["convert", "-c", "-f", "qcow2", "-O", "qcow2", "-o", options, &plain, &file])?;
+        } else {
+            std::fs::rename(dir.join(&plain), dir.join(&file))?;
+        }
+        seeds.push((name, std::fs::read(dir.join(&file))?));
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(seeds)
+}
+
 fn vhdx_seeds() -> Vec<(&'static str, Vec<u8>)> {
     use overspill_fuzz::vhdx_builder::{guid_from, Block, Spec, MIB};
     let input = |spec: &Spec| {
@@ -257,6 +307,7 @@ fn main() -> std::io::Result<()> {
     request(&mut truncated, CMD_WRITE, 0, 0, 4096, &[1; 100]);
     let seeds = seeds.into_iter().chain([("server", "truncated-write", truncated)]);
     let seeds = seeds.into_iter().chain(vhdx_seeds().into_iter().map(|(name, bytes)| ("vhdx", name, bytes)));
+    let seeds = seeds.into_iter().chain(qcow2_seeds()?.into_iter().map(|(name, bytes)| ("qcow2", name, bytes)));
     for (target, name, bytes) in seeds {
         std::fs::create_dir_all(dir.join(target))?;
         std::fs::write(dir.join(target).join(format!("seed-{name}")), bytes)?;

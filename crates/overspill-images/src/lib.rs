@@ -59,6 +59,17 @@ impl Format {
     }
 }
 
+/// Whether an image file reads through other files (a qcow2 backing file, a VHDX parent), so
+/// that a copy of it alone is not the disk. Opens the image, so an image that cannot be read is
+/// an error here too.
+pub fn has_backing(path: &Path) -> Result<bool> {
+    Ok(match Format::probe(path)? {
+        Format::Raw => false,
+        Format::Qcow2 => qcow2::Qcow2Image::open(path)?.has_backing(),
+        Format::Vhdx => vhdx::VhdxImage::open(path)?.has_parent(),
+    })
+}
+
 /// Opens a golden image file in the format its magic names.
 pub fn open_image(path: &Path) -> Result<Arc<dyn GoldenImage>> {
     open_image_as(path, Format::probe(path)?)

@@ -131,6 +131,11 @@ impl Qcow2Image {
         Self::open_layer(path, 0)
     }
 
+    /// Whether this image reads through a backing file.
+    pub fn has_backing(&self) -> bool {
+        self.backing.is_some()
+    }
+
     pub(crate) fn open_layer(path: &Path, depth: usize) -> Result<Self> {
         let file = File::open(path).map_err(|source| EngineError::Io { what: "opening golden image", source })?;
         let mut header = [0u8; 112];
@@ -205,6 +210,9 @@ impl Qcow2Image {
         if (l1_size as u64) < needed || l1_size > 32 << 20 {
             return Err(refuse(path, format!("L1 table of {l1_size} entries cannot map {size} bytes")));
         }
+        if l1_offset.checked_add(l1_size as u64 * 8).is_none_or(|end| end > file_len) {
+            return Err(refuse(path, "the L1 table lies past the end of the file"));
+        }
         let mut raw = vec![0u8; l1_size * 8];
         file.read_exact_at(&mut raw, l1_offset)
             .map_err(|source| EngineError::Io { what: "reading qcow2 L1 table", source })?;
@@ -260,6 +268,13 @@ impl Qcow2Image {
             Some(dir) if Path::new(&name).is_relative() => dir.join(&name),
             _ => PathBuf::from(&name),
         };
+        // Only a regular file can be a layer: opening a FIFO or a device would block or read
+        // something that is not an image.
+        match std::fs::metadata(&backing_path) {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => return Err(refuse(path, format!("backing file {name:?} is not a regular file"))),
+            Err(e) => return Err(refuse(path, format!("backing file {name:?} ({}): {e}", backing_path.display()))),
+        }
         let format = match format {
             Some(named) => Format::from_name(named).ok_or_else(|| {
                 refuse(

@@ -298,6 +298,11 @@ fn read_structure(file: &File, path: &Path, len: u64, buf: &mut [u8], offset: u6
 }
 
 impl VhdxImage {
+    /// Whether this disk reads through a parent (a differencing disk).
+    pub fn has_parent(&self) -> bool {
+        self.parent.is_some()
+    }
+
     /// Opens a VHDX file and, for a differencing disk, its parents, all read-only.
     pub fn open(path: &Path) -> Result<Self> {
         let image = Self::open_layer(path, &mut Vec::new())?;

@@ -37,6 +37,8 @@ pub enum ServerError {
         #[source]
         source: EngineError,
     },
+    #[error("{0} reads through a backing file or parent: a version must be one file, so publish a flattened copy (qemu-img convert -O qcow2 or -O vhdx)")]
+    Layered(String),
     /// The control socket's peer said something that is not an answer, or refused the request.
     #[error("{0}")]
     Control(String),

@@ -73,7 +73,9 @@ impl ImageStore {
         for entry in entries.flatten() {
             let path = entry.path();
             let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else { continue };
-            if version_number(stem).is_some() && path.extension().is_some_and(|e| e == "img" || e == "qcow2") {
+            if version_number(stem).is_some()
+                && path.extension().is_some_and(|e| e == "img" || e == "qcow2" || e == "vhdx")
+            {
                 let bytes = entry.metadata().map(|m| m.len()).unwrap_or(0);
                 versions.push(Version { name: stem.to_owned(), path: path.clone(), bytes });
             }
@@ -110,10 +112,17 @@ impl ImageStore {
         std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
         let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
         let version = format!("v{next}");
-        let ext = if overspill_images::Format::probe(file).is_ok_and(|f| f == overspill_images::Format::Qcow2) {
-            "qcow2"
-        } else {
-            "img"
+        // A version is one immutable file: a layer whose backing file or parent lies elsewhere
+        // would change when that file does.
+        let layered = overspill_images::has_backing(file)
+            .map_err(|source| ServerError::Engine { context: format!("publishing {}", file.display()), source })?;
+        if layered {
+            return Err(ServerError::Layered(file.display().to_string()));
+        }
+        let ext = match overspill_images::Format::probe(file) {
+            Ok(overspill_images::Format::Qcow2) => "qcow2",
+            Ok(overspill_images::Format::Vhdx) => "vhdx",
+            _ => "img",
         };
         let target = dir.join(format!("{version}.{ext}"));
         let partial = dir.join(format!(".{version}.{ext}.partial"));
@@ -304,5 +313,27 @@ mod tests {
         assert_eq!(caches.live().len(), 2);
         drop((first, again));
         assert_eq!(caches.live().len(), 1, "v1's cache goes when its last user does");
+    }
+
+    /// A VHDX version keeps its format's name; a layer whose backing file lies elsewhere is
+    /// refused, since a version must be one immutable file.
+    #[test]
+    fn versions_keep_their_format_and_layers_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let store = ImageStore::new(&d.join("images"));
+        let qemu_img = |args: &[&str]| {
+            let out = std::process::Command::new("qemu-img").args(args).current_dir(d).output().expect("qemu-img");
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        };
+        qemu_img(&["create", "-q", "-f", "vhdx", "disk.vhdx", "8M"]);
+        qemu_img(&["create", "-q", "-f", "qcow2", "base.qcow2", "8M"]);
+        qemu_img(&["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", "base.qcow2", "top.qcow2"]);
+        assert_eq!(store.publish("pvs", &d.join("disk.vhdx"), true).expect("publish"), "v1");
+        assert!(d.join("images/pvs/v1.vhdx").is_file());
+        assert_eq!(store.image("pvs").expect("image").versions.len(), 1, "listed");
+        let err = store.publish("pvs", &d.join("top.qcow2"), false).expect_err("a layer is refused");
+        assert!(matches!(err, ServerError::Layered(_)), "{err}");
+        assert_eq!(store.publish("pvs", &d.join("base.qcow2"), false).expect("a standalone qcow2"), "v2");
     }
 }
