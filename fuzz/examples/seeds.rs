@@ -161,7 +161,8 @@ fn qcow2_seeds() -> std::io::Result<Vec<(&'static str, Vec<u8>)>> {
     let dir = std::env::temp_dir().join(format!("overspill-qcow2-seeds-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let run = |program: &str, args: &[&str]| -> std::io::Result<()> {
-        let status = Command::new(program).args(args).current_dir(&dir).status()?;
+        let status =
+            Command::new(program).args(args).current_dir(&dir).stdout(std::process::Stdio::null()).status()?;
         if status.success() {
             Ok(())
         } else {
