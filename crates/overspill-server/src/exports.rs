@@ -108,8 +108,9 @@ impl OverlayExports {
                 .into_iter()
                 .map(|(name, image)| {
                     let chunk_bytes = image.preferred_fetch_bytes().unwrap_or(DEFAULT_CHUNK_BYTES);
+                    let source = image.describe();
                     let cached = CachedImage::new(image, settings.read_cache_bytes, chunk_bytes);
-                    read_caches.add(name.clone(), cached.stats());
+                    read_caches.add(name.clone(), source, cached.stats());
                     (name, Arc::new(cached) as Arc<dyn GoldenImage>)
                 })
                 .collect()

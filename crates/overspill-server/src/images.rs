@@ -163,25 +163,32 @@ pub struct OpenVersions {
     caches: Arc<ReadCacheList>,
 }
 
+/// A shared read cache, for metrics: the export (and version) it serves, what it reads from
+/// (the golden image's description: file, format, the chain of layers under it), its figures.
+pub type CacheEntry = (String, String, Arc<ReadCacheStats>);
+
 /// Every shared read cache a server has, for metrics; entries of released versions fade out.
 #[derive(Debug, Default)]
 pub struct ReadCacheList {
-    caches: Mutex<Vec<(String, Weak<ReadCacheStats>)>>,
+    caches: Mutex<Vec<(String, String, Weak<ReadCacheStats>)>>,
 }
 
 impl ReadCacheList {
-    pub fn add(&self, label: String, stats: &Arc<ReadCacheStats>) {
-        self.lock().push((label, Arc::downgrade(stats)));
+    pub fn add(&self, label: String, source: String, stats: &Arc<ReadCacheStats>) {
+        self.lock().push((label, source, Arc::downgrade(stats)));
     }
 
     /// The caches still alive, dropping the others.
-    pub fn live(&self) -> Vec<(String, Arc<ReadCacheStats>)> {
+    pub fn live(&self) -> Vec<CacheEntry> {
         let mut caches = self.lock();
-        caches.retain(|(_, weak)| weak.strong_count() > 0);
-        caches.iter().filter_map(|(label, weak)| Some((label.clone(), weak.upgrade()?))).collect()
+        caches.retain(|(_, _, weak)| weak.strong_count() > 0);
+        caches
+            .iter()
+            .filter_map(|(label, source, weak)| Some((label.clone(), source.clone(), weak.upgrade()?)))
+            .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, Weak<ReadCacheStats>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, String, Weak<ReadCacheStats>)>> {
         self.caches.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -269,8 +276,9 @@ impl OpenVersions {
         let mut image = open_image(&version.path)
             .map_err(|source| ServerError::Engine { context: format!("opening {label}"), source })?;
         if self.read_cache_bytes > 0 {
+            let source = image.describe();
             let cached = CachedImage::new(image, self.read_cache_bytes, DEFAULT_CHUNK_BYTES);
-            self.caches.add(label.clone(), cached.stats());
+            self.caches.add(label.clone(), source, cached.stats());
             image = Arc::new(cached);
         }
         let held: Arc<dyn GoldenImage> = Arc::new(HeldVersion { inner: image, label });

@@ -24,7 +24,7 @@ use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
 use overspill_engine::{HostMemory, VmStats};
 
 use overspill_nbd::counters::ProtocolCounters;
-use overspill_server::images::ReadCacheList;
+use overspill_server::images::{CacheEntry, ReadCacheList};
 use overspill_server::vms::VmRegistry;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,7 +267,7 @@ fn size_bounds() -> Vec<f64> {
 /// Renders every family: per VM (`overspill_vm_*`) and server-wide (`overspill_*`).
 pub fn render(
     registry: &VmRegistry,
-    read_caches: &[(String, Arc<ReadCacheStats>)],
+    read_caches: &[CacheEntry],
     host: &HostMemory,
     protocol: &ProtocolCounters,
     cache_dirs: &[std::path::PathBuf],
@@ -440,7 +440,7 @@ fn filesystem_figures(w: &mut Writer, dirs: &[std::path::PathBuf]) {
 }
 
 /// One family per shared read-cache figure, a series per golden image.
-fn read_cache_figures(w: &mut Writer, caches: &[(String, Arc<ReadCacheStats>)]) {
+fn read_cache_figures(w: &mut Writer, caches: &[CacheEntry]) {
     type CacheGetter = fn(&ReadCacheStats) -> u64;
     let figures: [(&str, &str, &str, CacheGetter); 9] = [
         ("overspill_read_cache_hits_total", "Chunk lookups served from the shared read cache.", "counter", |c| {
@@ -485,9 +485,16 @@ fn read_cache_figures(w: &mut Writer, caches: &[(String, Arc<ReadCacheStats>)]) 
     ];
     for (family, help, kind, get) in figures {
         w.header(family, help, kind);
-        for (export, stats) in caches {
+        for (export, _, stats) in caches {
             w.sample(family, &[("export", export.clone())], get(stats) as f64);
         }
+    }
+    // What each export reads from, the whole chain of a layered image included: which file a
+    // VM's blocks come from should not need the log.
+    let family = "overspill_golden_image_info";
+    w.header(family, "The golden image behind each shared read cache (file, format and the layers under it).", "gauge");
+    for (export, source, _) in caches {
+        w.sample(family, &[("export", export.clone()), ("source", source.clone())], 1.0);
     }
 }
 

@@ -110,6 +110,23 @@ fn every_supported_format_reads_the_same_as_its_raw_image_over_nbd() {
     }
     let log = server.log_text();
     assert!(log.contains("chain-v1.qcow2"), "the chain is in the log:\n{log}");
+    // And in the metrics: the top layer's series names every layer under it.
+    let samples = scrape(&metrics_url(&server));
+    let chain: Vec<&String> = samples
+        .keys()
+        .filter(|(name, labels)| {
+            name == "overspill_golden_image_info" && labels.get("export").map(String::as_str) == Some("chain")
+        })
+        .filter_map(|(_, labels)| labels.get("source"))
+        .collect();
+    assert_eq!(chain.len(), 1, "{chain:?}");
+    assert!(
+        chain[0].contains("chain-v2.qcow2")
+            && chain[0].contains("chain-v1.qcow2")
+            && chain[0].contains("chain-base.qcow2"),
+        "{}",
+        chain[0]
+    );
 }
 
 /// (offset, length, NBD flags) runs, neighbours with the same flags merged.
