@@ -3,15 +3,18 @@
 //! Python's own `http.server`, which ignores Range and must be refused.
 #![cfg(feature = "http")]
 
-use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
+#[allow(dead_code)] // Shared with the overspill crate's tests, which use other parts.
+#[path = "common/web_server.rs"]
+mod web_server;
+
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use overspill_engine::GoldenImage;
 use overspill_sources::http::HttpImage;
 use overspill_sources::{open_source, Source, SourceSettings};
+use web_server::WebServer;
 
 const IMAGE_BYTES: usize = (3 << 20) + 1234;
 /// A presigned URL's credentials, which must never be shown.
@@ -28,68 +31,6 @@ fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
             state as u8
         })
         .collect()
-}
-
-/// A web server process, killed when dropped.
-struct WebServer {
-    child: Child,
-    port: u16,
-}
-
-impl WebServer {
-    /// `range_server.py` serving `dir` with `options`.
-    fn ranges(dir: &Path, options: &[&str]) -> Self {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/range_server.py");
-        let mut child = Command::new("python3")
-            .arg(script)
-            .arg("--dir")
-            .arg(dir)
-            .args(options)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("python3 is needed for the HTTP source's tests: {e}"));
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the server's first line");
-        let port = line
-            .trim()
-            .strip_prefix("listening on ")
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("range_server.py said {line:?}"));
-        Self { child, port }
-    }
-
-    /// `python3 -m http.server`, which answers every GET with the whole file.
-    fn plain(dir: &Path) -> Self {
-        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-        let child = Command::new("python3")
-            .args(["-m", "http.server", "--bind", "127.0.0.1", "--directory"])
-            .arg(dir)
-            .arg(port.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("python3 is needed for the HTTP source's tests: {e}"));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "python3 -m http.server is not listening");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Self { child, port }
-    }
-
-    fn url(&self, file: &str) -> String {
-        format!("http://127.0.0.1:{}/{file}", self.port)
-    }
-}
-
-impl Drop for WebServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn golden(dir: &Path, seed: u64) -> (PathBuf, Vec<u8>) {
