@@ -161,8 +161,7 @@ fn qcow2_seeds() -> std::io::Result<Vec<(&'static str, Vec<u8>)>> {
     let dir = std::env::temp_dir().join(format!("overspill-qcow2-seeds-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let run = |program: &str, args: &[&str]| -> std::io::Result<()> {
-        let status =
-            Command::new(program).args(args).current_dir(&dir).stdout(std::process::Stdio::null()).status()?;
+        let status = Command::new(program).args(args).current_dir(&dir).stdout(std::process::Stdio::null()).status()?;
         if status.success() {
             Ok(())
         } else {
@@ -268,7 +267,11 @@ fn main() -> std::io::Result<()> {
         ),
         ("request", "flush", request_seed(CMD_FLUSH, 0, 0, 0, 1 << 20, 4096, all)),
         ("request", "cache", request_seed(CMD_CACHE, 0, 0, 1 << 20, 1 << 20, 4096, all)),
-        ("request", "block-status-one", request_seed(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4096, 8192, 1 << 20, 4096, all)),
+        (
+            "request",
+            "block-status-one",
+            request_seed(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4096, 8192, 1 << 20, 4096, all),
+        ),
         ("request", "disc", request_seed(CMD_DISC, 0, u64::MAX, u32::MAX, 0, 0, 0)),
         ("request", "read-overflow", request_seed(CMD_READ, 0, u64::MAX - 1, 4096, u64::MAX, u32::MAX, all)),
         ("server", "qemu-session", [vec![0], qemu(EXPORT_NAME), session()].concat()),

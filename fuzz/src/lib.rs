@@ -2,7 +2,7 @@
 //! server, and what they share.
 //!
 //! It owns the targets in `fuzz_targets/` (`handshake`, `request`, `server`, `engine` for the
-//! NBD side, `vhdx` for the VHDX golden image reader), the layout of their inputs (defined here, so that `examples/seeds.rs` writes the committed seed
+//! NBD side, `vhdx` and `qcow2` for the golden image readers), the layout of their inputs (defined here, so that `examples/seeds.rs` writes the committed seed
 //! corpora in the same layout), and a reference reading of the wire that the targets check the
 //! server against. It is a workspace of its own, built only by `cargo fuzz`: see docs/fuzzing.md.
 
@@ -222,6 +222,54 @@ pub fn remove_at_exit(dir: &Path) {
         // SAFETY: `remove` is an `extern "C" fn()` that lives as long as the process and does
         // not unwind (it ignores the one error it can meet).
         unsafe { libc::atexit(remove) };
+    }
+}
+
+/// A work directory for an image target's files, made once per process (in /dev/shm where there
+/// is one: inputs are written there thousands of times a second) and removed when libFuzzer
+/// exits; `prepare` writes what the target keeps beside its inputs (a parent disk).
+pub fn image_work_dir(target: &str, prepare: impl FnOnce(&Path)) -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    let parent = if shm.is_dir() { shm.to_owned() } else { std::env::temp_dir() };
+    let dir = parent.join(format!("overspill-fuzz-{target}-{}", std::process::id()));
+    // A directory of a process with this pid that died without cleaning up.
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("creating the work directory");
+    remove_at_exit(&dir);
+    prepare(&dir);
+    dir
+}
+
+/// What every image that opened must do, whatever its file held: read anywhere without
+/// panicking (`reads`: offset and length of each, past the end included, which must read as
+/// zeroes), and describe the extents of its first `span` bytes so that they tile no more than
+/// that, none is empty, and what they call a hole or zeroes reads as zeroes.
+pub fn check_image(image: &dyn overspill_engine::GoldenImage, reads: &[(u64, usize)], span: u64) {
+    use overspill_engine::Allocation;
+    let size = image.size();
+    let _ = image.describe();
+    let _ = image.identity();
+    for &(at, len) in reads {
+        let mut buf = vec![0xeeu8; len];
+        if image.read_at(&mut buf, at).is_ok() && at >= size {
+            assert!(buf.iter().all(|&b| b == 0), "bytes past the end read as zero");
+        }
+    }
+    let span = size.min(span);
+    let Ok(extents) = image.extents(0, span) else { return };
+    let total: u64 = extents.iter().map(|e| e.len).sum();
+    assert!(total > 0 || span == 0, "no extent for {span} bytes");
+    assert!(total <= span, "extents of {total} bytes for {span}");
+    assert!(extents.iter().all(|e| e.len > 0), "an empty extent");
+    let mut at = 0u64;
+    for extent in extents.iter().take(64) {
+        if extent.state != Allocation::Data {
+            let mut buf = vec![0xeeu8; extent.len.min(1 << 20) as usize];
+            if image.read_at(&mut buf, at).is_ok() {
+                assert!(buf.iter().all(|&b| b == 0), "{extent:?} at {at} reads as data");
+            }
+        }
+        at += extent.len;
     }
 }
 
