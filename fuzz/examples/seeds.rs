@@ -15,13 +15,7 @@ fn flags(no_zeroes: bool) -> Vec<u8> {
 fn qemu(export: &str) -> Vec<u8> {
     let mut out = flags(true);
     option(&mut out, OPT_STRUCTURED_REPLY, &[]);
-    let mut meta = Vec::new();
-    put_u32(&mut meta, export.len() as u32);
-    meta.extend_from_slice(export.as_bytes());
-    put_u32(&mut meta, 1);
-    put_u32(&mut meta, 15);
-    meta.extend_from_slice(b"base:allocation");
-    option(&mut out, OPT_SET_META_CONTEXT, &meta);
+    option(&mut out, OPT_SET_META_CONTEXT, &meta_context_request(export, &[BASE_ALLOCATION]));
     option(&mut out, OPT_GO, &go_data(export, &[INFO_BLOCK_SIZE]));
     out
 }

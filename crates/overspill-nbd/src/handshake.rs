@@ -376,7 +376,7 @@ impl Handshake {
             option_reply(out, option, REP_ERR_INVALID, b"negotiate structured replies first");
             return;
         }
-        let Some((name, queries)) = parse_meta_request(data) else {
+        let Some((name, queries)) = parse_meta_context_request(data) else {
             option_reply(out, option, REP_ERR_INVALID, b"malformed metadata context request");
             return;
         };
@@ -497,7 +497,7 @@ impl Handshake {
 
 /// META_CONTEXT data: u32 name length, name, u32 query count, then each query as a u32 length
 /// and a string. `None` if the lengths do not add up or a string is not UTF-8 or too long.
-fn parse_meta_request(data: &[u8]) -> Option<(String, Vec<&str>)> {
+fn parse_meta_context_request(data: &[u8]) -> Option<(String, Vec<&str>)> {
     fn string(data: &[u8]) -> Option<(&str, &[u8])> {
         let len = be_u32(data.get(..4)?) as usize;
         if len > MAX_STRING_BYTES {
@@ -651,18 +651,6 @@ mod tests {
         }
     }
 
-    fn meta_request(export: &str, queries: &[&str]) -> Vec<u8> {
-        let mut data = Vec::new();
-        put_u32(&mut data, export.len() as u32);
-        data.extend_from_slice(export.as_bytes());
-        put_u32(&mut data, queries.len() as u32);
-        for query in queries {
-            put_u32(&mut data, query.len() as u32);
-            data.extend_from_slice(query.as_bytes());
-        }
-        data
-    }
-
     /// Block status is negotiated for the export SET_META_CONTEXT named, only if GO opens that
     /// same export, and not across STARTTLS; a later SET replaces an earlier one.
     #[test]
@@ -692,7 +680,7 @@ mod tests {
                 other => panic!("GO should open the export: {other:?}"),
             }
         };
-        let set = |export: &str, queries: &[&str]| (OPT_SET_META_CONTEXT, meta_request(export, queries));
+        let set = |export: &str, queries: &[&str]| (OPT_SET_META_CONTEXT, meta_context_request(export, queries));
         let go = |export: &str| (OPT_GO, info_request(export, &[]));
         assert!(negotiate(TlsMode::Off, &[set("a", &[BASE_ALLOCATION]), go("a")], &[]));
         assert!(!negotiate(TlsMode::Off, &[set("a", &[BASE_ALLOCATION]), go("b")], &[]), "another export");

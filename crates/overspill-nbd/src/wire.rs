@@ -133,6 +133,20 @@ pub fn info_request(name: &str, requests: &[u16]) -> Vec<u8> {
     data
 }
 
+/// The data of NBD_OPT_LIST_META_CONTEXT and NBD_OPT_SET_META_CONTEXT: the export name and the
+/// queries.
+pub fn meta_context_request(export: &str, queries: &[&str]) -> Vec<u8> {
+    let mut data = Vec::with_capacity(8 + export.len() + queries.iter().map(|q| 4 + q.len()).sum::<usize>());
+    put_u32(&mut data, export.len() as u32);
+    data.extend_from_slice(export.as_bytes());
+    put_u32(&mut data, queries.len() as u32);
+    for query in queries {
+        put_u32(&mut data, query.len() as u32);
+        data.extend_from_slice(query.as_bytes());
+    }
+    data
+}
+
 /// An option reply header followed by its payload.
 pub fn option_reply(out: &mut Vec<u8>, option: u32, reply: u32, payload: &[u8]) {
     put_u64(out, OPTION_REPLY_MAGIC);

@@ -556,18 +556,12 @@ fn the_greeting_is_fixed_newstyle_with_no_undefined_flags() {
 
 /// Baseline: an option the server does not implement MUST get NBD_REP_ERR_UNSUP (naming the
 /// option), and the next option MUST still be parsed; that includes the extensions this server
-/// leaves out (meta contexts, extended headers). And a NOTLS server MUST NOT answer anything with
+/// leaves out (PEEK_EXPORT, extended headers). And a NOTLS server MUST NOT answer anything with
 /// NBD_REP_ERR_TLS_REQD; STARTTLS MUST get UNSUP or POLICY.
 #[test]
 fn unimplemented_options_get_unsup_and_the_next_option_is_still_read() {
     let server = serve(&Disk::new(Capabilities::ALL));
     let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
-    let mut meta_query = Vec::new();
-    put_u32(&mut meta_query, NAME.len() as u32);
-    meta_query.extend_from_slice(NAME.as_bytes());
-    put_u32(&mut meta_query, 1);
-    put_u32(&mut meta_query, 16);
-    meta_query.extend_from_slice(b"base:allocation\0");
     let junk = pattern(3000, 7);
     for (option, data) in [
         (OPT_PEEK_EXPORT, &[][..]),
@@ -1430,19 +1424,6 @@ fn option_error_messages_stay_within_the_string_limit() {
 // ---------------------------------------------------------------------------------------------
 // Metadata contexts, BLOCK_STATUS and CACHE (rows 87–93).
 
-/// LIST/SET_META_CONTEXT data: the export, then each query.
-fn meta_request(export: &str, queries: &[&str]) -> Vec<u8> {
-    let mut data = Vec::new();
-    put_u32(&mut data, export.len() as u32);
-    data.extend_from_slice(export.as_bytes());
-    put_u32(&mut data, queries.len() as u32);
-    for query in queries {
-        put_u32(&mut data, query.len() as u32);
-        data.extend_from_slice(query.as_bytes());
-    }
-    data
-}
-
 /// The (id, name) of each NBD_REP_META_CONTEXT, and the final reply's type.
 fn contexts(replies: &[OptReply]) -> (Vec<(u32, String)>, u32) {
     let (last, rest) = replies.split_last().expect("a final reply");
@@ -1465,39 +1446,41 @@ fn contexts(replies: &[OptReply]) -> (Vec<(u32, String)>, u32) {
 fn metadata_contexts_are_listed_and_selected_as_the_spec_says() {
     let server = serve(&Disk::new(Capabilities::ALL));
     let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
-    let wanted = meta_request(NAME, &[BASE_ALLOCATION]);
+    let wanted = meta_context_request(NAME, &[BASE_ALLOCATION]);
     assert_eq!(conn.ask_final(OPT_SET_META_CONTEXT, &wanted), REP_ERR_INVALID, "SET before structured replies");
     assert_eq!(conn.ask_final(OPT_LIST_META_CONTEXT, &wanted), REP_ERR_INVALID, "LIST before structured replies");
     assert_eq!(conn.ask_final(OPT_STRUCTURED_REPLY, &[]), REP_ACK);
     let base = vec![(0, BASE_ALLOCATION.to_owned())];
     for queries in [&[][..], &["base:"][..], &[BASE_ALLOCATION][..], &["x-other:thing", "base:"][..]] {
-        let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_request(NAME, queries)));
+        let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_context_request(NAME, queries)));
         assert_eq!(listed, (base.clone(), REP_ACK), "LIST {queries:?}");
     }
     for queries in [&["x-other:thing"][..], &["base:nonesuch"][..], &["qemu:dirty-bitmap:x"][..]] {
-        let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_request(NAME, queries)));
+        let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_context_request(NAME, queries)));
         assert_eq!(listed, (vec![], REP_ACK), "LIST {queries:?} finds nothing");
     }
     // SET ignores `base:` and unknown leaves; it selects base:allocation alone.
-    assert_eq!(contexts(&conn.ask(OPT_SET_META_CONTEXT, &meta_request(NAME, &["base:"]))), (vec![], REP_ACK));
+    assert_eq!(contexts(&conn.ask(OPT_SET_META_CONTEXT, &meta_context_request(NAME, &["base:"]))), (vec![], REP_ACK));
     let (selected, last) = contexts(&conn.ask(OPT_SET_META_CONTEXT, &wanted));
     assert_eq!(last, REP_ACK);
     assert_eq!(selected.len(), 1);
     assert_eq!(selected[0].1, BASE_ALLOCATION);
     // Malformed: a query running past the option, a count the data cannot hold, a query with
     // no namespace; an unknown export.
-    let mut past = meta_request(NAME, &[BASE_ALLOCATION]);
+    let mut past = meta_context_request(NAME, &[BASE_ALLOCATION]);
     past.truncate(past.len() - 3);
-    let mut lying = meta_request(NAME, &[]);
+    let mut lying = meta_context_request(NAME, &[]);
     let count_at = lying.len() - 4;
     lying[count_at..].copy_from_slice(&1000u32.to_be_bytes());
-    for (what, data) in [("past the end", past), ("count", lying), ("no colon", meta_request(NAME, &["allocation"]))] {
+    for (what, data) in
+        [("past the end", past), ("count", lying), ("no colon", meta_context_request(NAME, &["allocation"]))]
+    {
         for option in [OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT] {
             assert_eq!(conn.ask_final(option, &data), REP_ERR_INVALID, "{what}, option {option}");
         }
     }
     for option in [OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT] {
-        let reply = conn.ask_final(option, &meta_request("missing", &[BASE_ALLOCATION]));
+        let reply = conn.ask_final(option, &meta_context_request("missing", &[BASE_ALLOCATION]));
         assert_eq!(reply, REP_ERR_UNKNOWN, "option {option}");
     }
     // The failed SET above forgot the selection: BLOCK_STATUS is not negotiated.
@@ -1527,7 +1510,7 @@ fn block_status_describes_the_range_asked_for_and_no_more() {
     let server = serve(&Disk::new(Capabilities::ALL));
     let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
     assert_eq!(conn.ask_final(OPT_STRUCTURED_REPLY, &[]), REP_ACK);
-    let (selected, _) = contexts(&conn.ask(OPT_SET_META_CONTEXT, &meta_request(NAME, &[BASE_ALLOCATION])));
+    let (selected, _) = contexts(&conn.ask(OPT_SET_META_CONTEXT, &meta_context_request(NAME, &[BASE_ALLOCATION])));
     let id = selected[0].0;
     conn.negotiate(false);
     let hole = STATE_HOLE | STATE_ZERO;
