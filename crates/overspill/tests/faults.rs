@@ -385,6 +385,9 @@ fn a_vm_refused_space_gets_back_the_dead_segments_another_vm_keeps() {
     b.trim(0, b_ram as u32).expect("B trims what it holds in RAM");
     let overwrite = pseudo_random(6 * MIB as usize, 501);
     write_all(&mut b, b_ram, &overwrite);
+    // Segments are written in the background: a flush waits for the last one to land, so the
+    // allocation measured here is not overtaken by it later.
+    b.flush().expect("B flushes");
     let b_file = server.spill_files().into_iter().next().expect("B's spill file");
     let b_before = allocated_bytes(&b_file);
     eprintln!("B's spill file: {} KiB allocated", b_before / 1024);
