@@ -3,6 +3,7 @@
 //! fuzz/: `cargo run --example seeds`.
 
 use overspill_fuzz::*;
+use overspill_nbd::handshake::MAX_OPTION_BYTES;
 use overspill_nbd::wire::*;
 
 fn flags(no_zeroes: bool) -> Vec<u8> {
@@ -42,6 +43,16 @@ fn refusals() -> Vec<u8> {
     option(&mut out, OPT_STARTTLS, &[]);
     option(&mut out, 42, b"whatever");
     option(&mut out, OPT_ABORT, &[]);
+    out
+}
+
+/// Options whose data is over the server's limit, skipped and answered; the last one aborts.
+fn oversized() -> Vec<u8> {
+    let mut out = flags(false);
+    let big = vec![0x5a; MAX_OPTION_BYTES as usize + 1];
+    option(&mut out, 42, &big);
+    option(&mut out, OPT_GO, &big);
+    option(&mut out, OPT_ABORT, &big);
     out
 }
 
@@ -248,6 +259,7 @@ fn main() -> std::io::Result<()> {
         ("handshake", "qemu-default-export", handshake_input(&[3, 0, 17], HS_DEFAULT_EXPORT, &qemu(""))),
         ("handshake", "nbdinfo-list", handshake_input(&[7, 20], 0, &nbdinfo_list())),
         ("handshake", "refusals", handshake_input(&[], 0, &refusals())),
+        ("handshake", "oversized", handshake_input(&[200, 0, 97], 0, &oversized())),
         ("handshake", "export-name", handshake_input(&[2], 0, &[old_client(), session()].concat())),
         ("handshake", "tls-require", handshake_input(&[5], HS_TLS_REQUIRE | HS_ACCESS | HS_ALICE, &tls_client())),
         ("handshake", "tls-on-mallory", handshake_input(&[], HS_TLS_ON | HS_ACCESS, &tls_client())),

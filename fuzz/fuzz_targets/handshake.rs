@@ -46,7 +46,14 @@ struct Model {
     structured: bool,
     /// The export the last successful SET_META_CONTEXT selected `base:allocation` for.
     allocation: Option<String>,
+    /// An option over MAX_OPTION_BYTES whose data is being skipped, and how much of it is left.
+    skipping: Option<(u32, u32)>,
 }
+
+/// The options this server knows besides EXPORT_NAME and ABORT: too much data for one of them is
+/// TOO_BIG, for any other option UNSUP.
+const KNOWN: [u32; 7] =
+    [OPT_LIST, OPT_STARTTLS, OPT_INFO, OPT_GO, OPT_STRUCTURED_REPLY, OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT];
 
 /// The export an INFO/GO names, if its data is well formed (name length, UTF-8 name, u16 count,
 /// exactly that many u16 info requests).
@@ -102,8 +109,10 @@ impl Model {
         !self.access || (self.tls_active && self.alice)
     }
 
-    /// Whether the spec has the option succeed (ACK), given the state so far.
-    fn acks(&self, option: u32, data: &[u8]) -> bool {
+    /// Whether the spec has the option succeed (ACK), given the state so far; `None` is data
+    /// too large to hold, skipped.
+    fn acks(&self, option: u32, data: Option<&[u8]>) -> bool {
+        let Some(data) = data else { return option == OPT_ABORT };
         match option {
             OPT_ABORT => true,
             OPT_STARTTLS => self.tls != TlsMode::Off && !self.tls_active && data.is_empty(),
@@ -123,7 +132,7 @@ impl Model {
 
     /// Frames `input` as the spec does: the options it holds (up to the one that ends the call),
     /// the bytes they take, and how the call must end.
-    fn walk<'a>(&mut self, input: &'a [u8]) -> (Vec<(u32, &'a [u8])>, usize, Outcome) {
+    fn walk<'a>(&mut self, input: &'a [u8]) -> (Vec<(u32, Option<&'a [u8]>)>, usize, Outcome) {
         let (mut pos, mut options) = (0, Vec::new());
         let ended = |options, pos, outcome| (options, pos, outcome);
         loop {
@@ -142,6 +151,21 @@ impl Model {
                 (self.flags_done, self.no_zeroes, pos) = (true, flags & CLIENT_NO_ZEROES != 0, pos + 4);
                 continue;
             }
+            if let Some((option, remaining)) = self.skipping {
+                if rest.is_empty() {
+                    return ended(options, pos, Outcome::NeedMore);
+                }
+                let dropped = rest.len().min(remaining as usize);
+                pos += dropped;
+                self.skipping = Some((option, remaining - dropped as u32)).filter(|&(_, left)| left > 0);
+                if self.skipping.is_none() {
+                    options.push((option, None));
+                    if option == OPT_ABORT {
+                        return ended(options, pos, Outcome::Close);
+                    }
+                }
+                continue;
+            }
             if rest.len() < 16 {
                 return ended(options, pos, Outcome::NeedMore);
             }
@@ -150,7 +174,11 @@ impl Model {
                 return ended(options, pos, Outcome::Error(HandshakeError::BadOptionMagic(magic)));
             }
             if length > MAX_OPTION_BYTES {
-                return ended(options, pos, Outcome::Error(HandshakeError::OptionTooLarge { option, length }));
+                if option == OPT_EXPORT_NAME {
+                    return ended(options, pos, Outcome::Error(HandshakeError::ExportNameTooLarge(length)));
+                }
+                (pos, self.skipping) = (pos + 16, Some((option, length)));
+                continue;
             }
             let Some(data) = rest.get(16..16 + length as usize) else {
                 return ended(options, pos, Outcome::NeedMore);
@@ -164,12 +192,12 @@ impl Model {
                 return ended(options, pos, Outcome::Error(HandshakeError::ExportRefused(name)));
             }
             pos += 16 + data.len();
-            options.push((option, data));
+            options.push((option, Some(data)));
             let outcome = match option {
                 OPT_EXPORT_NAME => Outcome::Transmission,
                 OPT_ABORT => Outcome::Close,
-                OPT_GO if self.acks(option, data) => Outcome::Transmission,
-                OPT_STARTTLS if self.acks(option, data) => Outcome::StartTls,
+                OPT_GO if self.acks(option, Some(data)) => Outcome::Transmission,
+                OPT_STARTTLS if self.acks(option, Some(data)) => Outcome::StartTls,
                 _ => continue,
             };
             return ended(options, pos, outcome);
@@ -178,7 +206,7 @@ impl Model {
 
     /// Checks the output of one call: per option, INFO/SERVER replies then one ACK or error,
     /// all carrying that option's number; EXPORT_NAME's reply is the bare size and flags.
-    fn check_replies(&mut self, options: &[(u32, &[u8])], out: &[u8], caps: Capabilities) {
+    fn check_replies(&mut self, options: &[(u32, Option<&[u8]>)], out: &[u8], caps: Capabilities) {
         let (replies, mut tail) = option_replies(out);
         let mut replies = replies.into_iter();
         for &(option, data) in options {
@@ -228,7 +256,7 @@ impl Model {
                 self.allocation = None;
             }
             if acked && (option == OPT_LIST_META_CONTEXT || option == OPT_SET_META_CONTEXT) {
-                let (_, queries) = meta_target(data).expect("acknowledged, so well formed");
+                let (_, queries) = data.and_then(meta_target).expect("acknowledged, so well formed");
                 assert_eq!(contexts, contexts_found(option, &queries), "contexts for {queries:?}");
                 if option == OPT_SET_META_CONTEXT && contexts == 1 {
                     self.allocation = Some(self.export.to_owned());
@@ -236,6 +264,9 @@ impl Model {
             }
             if self.gated() && !acked && option != OPT_STARTTLS {
                 assert_eq!(kind, REP_ERR_TLS_REQD, "option {option} before STARTTLS on a TLS-only server");
+            } else if data.is_none() && !acked {
+                let expected = if KNOWN.contains(&option) { REP_ERR_TOO_BIG } else { REP_ERR_UNSUP };
+                assert_eq!(kind, expected, "option {option} with too much data");
             }
             if option == OPT_LIST && acked {
                 assert_eq!(servers, usize::from(self.visible()), "LIST shows exactly the visible export");
@@ -288,6 +319,7 @@ fuzz_target!(|data: &[u8]| {
         no_zeroes: false,
         structured: false,
         allocation: None,
+        skipping: None,
     };
     let access: Option<Arc<dyn ExportAccess>> = model.access.then(|| Arc::new(OnlyAlice) as _);
     let mut hs = Handshake::with_tls(tls).with_access(access);

@@ -81,6 +81,11 @@ pub type ReadStopper = Box<dyn Fn() -> io::Result<()> + Send>;
 pub trait Transport: Read + Write + Send + 'static {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
 
+    /// Bounds writes, so that a goodbye to a client that no longer reads cannot block forever.
+    fn set_write_timeout(&self, _timeout: Option<Duration>) -> io::Result<()> {
+        Ok(())
+    }
+
     /// A handle that shuts the stream for reading from another thread, so that a server shutting
     /// down can wake connections blocked waiting for a request. `None` if the stream has none;
     /// such a connection then ends only when its client goes.
@@ -116,6 +121,10 @@ impl Transport for std::os::unix::net::UnixStream {
         std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
     }
 
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_write_timeout(self, timeout)
+    }
+
     fn read_stopper(&self) -> Option<ReadStopper> {
         // A second descriptor for the same socket: shutdown acts on the socket, not the fd.
         let socket = self.try_clone().ok()?;
@@ -130,6 +139,10 @@ impl Transport for std::net::TcpStream {
 
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         std::net::TcpStream::set_read_timeout(self, timeout)
+    }
+
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::net::TcpStream::set_write_timeout(self, timeout)
     }
 
     fn read_stopper(&self) -> Option<ReadStopper> {
@@ -212,6 +225,10 @@ impl<T: Transport> Transport for Deadlined<T> {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         self.active.store(false, Ordering::Relaxed);
         self.inner.set_read_timeout(timeout)
+    }
+
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.inner.set_write_timeout(timeout)
     }
 
     fn read_stopper(&self) -> Option<ReadStopper> {
@@ -676,7 +693,7 @@ fn serve_counted<T: Transport>(
     // From accept to the end of option haggling, TLS included: one deadline.
     let stream = Deadlined::new(stream, limits.handshake_timeout);
     let mut wire = Wire::new(stream, Handshake::greeting(), counters.clone());
-    match negotiate(&mut wire, &mut handshake, exports)? {
+    match negotiate(&mut wire, &mut handshake, exports, stop)? {
         Negotiation::Done(negotiated) => start_transmission(&mut wire, negotiated, limits, stop, handshake_over),
         Negotiation::StartTls => {
             let Some(tls) = &security.tls else {
@@ -692,15 +709,37 @@ fn serve_counted<T: Transport>(
             tracing::debug!(identity = %stream.identity().unwrap_or("-"), "TLS started");
             handshake.tls_started(stream.identity().map(str::to_owned));
             let mut wire = Wire::new(stream, output, counters.clone());
-            match negotiate(&mut wire, &mut handshake, exports)? {
-                Negotiation::Done(negotiated) => {
+            let ending = match negotiate(&mut wire, &mut handshake, exports, stop) {
+                Ok(Negotiation::Done(negotiated)) => {
                     start_transmission(&mut wire, negotiated, limits, stop, handshake_over)
                 }
-                Negotiation::StartTls => Err(ConnectionError::Tls(io::Error::other("STARTTLS twice"))),
-            }
+                Ok(Negotiation::StartTls) => Err(ConnectionError::Tls(io::Error::other("STARTTLS twice"))),
+                Err(error) => Err(error),
+            };
+            close_tls(&mut wire, &ending);
+            ending
         }
     }
 }
+
+/// However a TLS session ends (DISC, ABORT, bad input, a deadline, the server's shutdown), the
+/// client hears close_notify before the connection closes, as the spec asks of every hard
+/// disconnect; not when the socket itself failed, since nobody is left to hear it. The write is
+/// bounded: a client that stopped reading cannot hold the connection open with it.
+fn close_tls<T: Transport>(wire: &mut Wire<T>, ending: &Result<Ending, ConnectionError>) {
+    if let Err(ConnectionError::Io(error)) = ending {
+        if error.kind() != io::ErrorKind::TimedOut {
+            return;
+        }
+    }
+    let closed = wire.stream.set_write_timeout(Some(CLOSE_NOTIFY_TIMEOUT)).and_then(|()| wire.stream.close());
+    if let Err(error) = closed {
+        tracing::debug!(%error, "could not send close_notify");
+    }
+}
+
+/// How long sending close_notify may take.
+const CLOSE_NOTIFY_TIMEOUT: Duration = Duration::from_secs(1);
 
 enum Negotiation {
     /// An export was opened, or (`None`) the client left without one.
@@ -709,13 +748,18 @@ enum Negotiation {
     StartTls,
 }
 
-/// Options until the handshake ends or turns to TLS.
+/// Options until the handshake ends or turns to TLS. Once the server is stopping, options are
+/// answered NBD_REP_ERR_SHUTDOWN: the server gives handshakes a moment before it stops reading.
 fn negotiate<T: Transport>(
     wire: &mut Wire<T>,
     handshake: &mut Handshake,
     exports: &dyn ExportProvider,
+    stop: &AtomicBool,
 ) -> Result<Negotiation, ConnectionError> {
     loop {
+        if stop.load(Ordering::Relaxed) {
+            handshake.shut_down();
+        }
         let (used, progress) = handshake.advance(&wire.input[wire.start..wire.end], &mut wire.output, exports)?;
         wire.consume(used);
         if let Some(why) = handshake.take_refusal() {

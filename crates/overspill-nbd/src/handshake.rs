@@ -16,8 +16,11 @@ use crate::device::{BlockDevice, Capabilities, DeviceErrorKind, ExportAccess, Ex
 use crate::tls::TlsMode;
 use crate::wire::*;
 
-/// Option payloads above this are refused by closing: export names are at most 4096 bytes and
-/// nothing this server accepts needs more.
+/// Option payloads above this are never held in memory: export names are at most 4096 bytes and
+/// nothing this server accepts needs more. Such an option's data is read and dropped as it
+/// arrives (the option length exists so that a server can skip what it does not understand),
+/// then the option is answered: UNSUP if unknown, TOO_BIG if known. The handshake deadline bounds
+/// how long a client may keep the server skipping.
 pub const MAX_OPTION_BYTES: u32 = 16 * 1024;
 
 /// The longest string the spec allows (export names, queries).
@@ -37,8 +40,8 @@ pub enum HandshakeError {
     NotFixedNewstyle,
     #[error("option magic {0:#x} is not IHAVEOPT")]
     BadOptionMagic(u64),
-    #[error("option {option} carries {length} bytes, more than the {MAX_OPTION_BYTES} allowed")]
-    OptionTooLarge { option: u32, length: u32 },
+    #[error("EXPORT_NAME carries {0} bytes, more than the {MAX_OPTION_BYTES} allowed (it has no error reply)")]
+    ExportNameTooLarge(u32),
     #[error("export {0:?} cannot be served")]
     ExportRefused(String),
     #[error("EXPORT_NAME before STARTTLS on a server that requires TLS")]
@@ -82,6 +85,11 @@ pub enum Progress {
 enum Phase {
     ClientFlags,
     Options,
+    /// Dropping the data of an option over [`MAX_OPTION_BYTES`]; `remaining` bytes are still to come.
+    Skipping {
+        option: u32,
+        remaining: u32,
+    },
 }
 
 pub struct Handshake {
@@ -99,6 +107,8 @@ pub struct Handshake {
     max_payload: u32,
     /// Why the last NBD_OPT_GO was refused, until the connection counts it.
     refusal: Option<Refusal>,
+    /// The server is shutting down: options get NBD_REP_ERR_SHUTDOWN, and the client ABORTs.
+    shutting_down: bool,
 }
 
 impl std::fmt::Debug for Handshake {
@@ -157,6 +167,7 @@ impl Handshake {
             identity: None,
             max_payload: u32::MAX,
             refusal: None,
+            shutting_down: false,
         }
     }
 
@@ -187,6 +198,25 @@ impl Handshake {
         // qemu and nbdkit do.
         self.structured_replies = false;
         self.allocation_context = None;
+    }
+
+    /// The server is shutting down: from now on every option but ABORT gets
+    /// NBD_REP_ERR_SHUTDOWN (the spec's SHOULD), so the client knows why and ABORTs, and an
+    /// EXPORT_NAME, which has no error reply, closes the connection.
+    pub fn shut_down(&mut self) {
+        self.shutting_down = true;
+    }
+
+    /// The answer to an option during shutdown, if it is not ABORT.
+    fn refused_for_shutdown(&self, option: u32, out: &mut Vec<u8>) -> Option<Progress> {
+        if !self.shutting_down || option == OPT_ABORT {
+            return None;
+        }
+        if option != OPT_EXPORT_NAME {
+            option_reply(out, option, REP_ERR_SHUTDOWN, b"the server is shutting down");
+            return Some(Progress::NeedMore);
+        }
+        Some(Progress::Close)
     }
 
     /// Whether the client selected block status for the export it is now opening.
@@ -253,7 +283,12 @@ impl Handshake {
                     let option = be_u32(&rest[8..]);
                     let length = be_u32(&rest[12..]);
                     if length > MAX_OPTION_BYTES {
-                        return Err(HandshakeError::OptionTooLarge { option, length });
+                        if option == OPT_EXPORT_NAME {
+                            return Err(HandshakeError::ExportNameTooLarge(length));
+                        }
+                        consumed += 16;
+                        self.phase = Phase::Skipping { option, remaining: length };
+                        continue;
                     }
                     let total = 16 + length as usize;
                     if rest.len() < total {
@@ -263,6 +298,22 @@ impl Handshake {
                     match self.option(option, &rest[16..total], output, exports)? {
                         Progress::NeedMore => {}
                         done => return Ok((consumed, done)),
+                    }
+                }
+                Phase::Skipping { option, remaining } => {
+                    if rest.is_empty() {
+                        return Ok((consumed, Progress::NeedMore));
+                    }
+                    let dropped = rest.len().min(remaining as usize);
+                    consumed += dropped;
+                    let remaining = remaining - dropped as u32;
+                    if remaining > 0 {
+                        self.phase = Phase::Skipping { option, remaining };
+                        continue;
+                    }
+                    self.phase = Phase::Options;
+                    if let Progress::Close = self.oversized_option(option, output) {
+                        return Ok((consumed, Progress::Close));
                     }
                 }
             }
@@ -276,6 +327,9 @@ impl Handshake {
         out: &mut Vec<u8>,
         exports: &dyn ExportProvider,
     ) -> Result<Progress, HandshakeError> {
+        if let Some(progress) = self.refused_for_shutdown(option, out) {
+            return Ok(progress);
+        }
         if self.tls == TlsMode::Require && !self.tls_active {
             match option {
                 OPT_STARTTLS | OPT_ABORT => {}
@@ -346,6 +400,40 @@ impl Handshake {
                 Ok(Progress::NeedMore)
             }
         }
+    }
+
+    /// The answer to an option whose data was skipped: as to any option before STARTTLS on a
+    /// server that requires TLS; ABORT ignores its data, as ever; otherwise UNSUP for an option
+    /// this server does not know and TOO_BIG for one it does, nothing of which needs that much.
+    fn oversized_option(&mut self, option: u32, out: &mut Vec<u8>) -> Progress {
+        const KNOWN: [u32; 7] = [
+            OPT_LIST,
+            OPT_STARTTLS,
+            OPT_INFO,
+            OPT_GO,
+            OPT_STRUCTURED_REPLY,
+            OPT_LIST_META_CONTEXT,
+            OPT_SET_META_CONTEXT,
+        ];
+        if let Some(progress) = self.refused_for_shutdown(option, out) {
+            return progress;
+        }
+        if option == OPT_ABORT {
+            option_reply(out, option, REP_ACK, &[]);
+            return Progress::Close;
+        }
+        if self.tls == TlsMode::Require && !self.tls_active && option != OPT_STARTTLS {
+            option_reply(out, option, REP_ERR_TLS_REQD, b"this server requires TLS: send STARTTLS first");
+        } else if KNOWN.contains(&option) {
+            if option == OPT_SET_META_CONTEXT {
+                self.allocation_context = None;
+            }
+            let message = format!("option data over {MAX_OPTION_BYTES} bytes");
+            option_reply(out, option, REP_ERR_TOO_BIG, message.as_bytes());
+        } else {
+            option_reply(out, option, REP_ERR_UNSUP, b"option not supported");
+        }
+        Progress::NeedMore
     }
 
     fn start_tls(&mut self, data: &[u8], out: &mut Vec<u8>) -> Progress {
@@ -809,12 +897,46 @@ mod tests {
             let err = Handshake::new().advance(&input, &mut Vec::new(), &exports).expect_err("must close");
             assert_eq!(err, expected);
         }
+        // EXPORT_NAME has no error reply, and no name is that long.
         let mut big = vec![0, 0, 0, 1];
         put_u64(&mut big, IHAVEOPT);
-        put_u32(&mut big, OPT_GO);
-        put_u32(&mut big, u32::MAX);
+        put_u32(&mut big, OPT_EXPORT_NAME);
+        put_u32(&mut big, MAX_OPTION_BYTES + 1);
         let err = Handshake::new().advance(&big, &mut Vec::new(), &exports).expect_err("must close");
-        assert!(matches!(err, HandshakeError::OptionTooLarge { .. }));
+        assert_eq!(err, HandshakeError::ExportNameTooLarge(MAX_OPTION_BYTES + 1));
+    }
+
+    /// An option carrying more than MAX_OPTION_BYTES is skipped as its bytes arrive, never held
+    /// whole, and answered: UNSUP when unknown, TOO_BIG when known; negotiation goes on, and an
+    /// oversized ABORT still aborts.
+    #[test]
+    fn oversized_options_are_skipped_and_answered() {
+        let exports = OneExport::new("golden", 4096);
+        let big = vec![0x41; MAX_OPTION_BYTES as usize * 3 + 7];
+        for tls in [TlsMode::Off, TlsMode::Require] {
+            let mut input = Vec::new();
+            put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+            put_option(&mut input, 42, &big);
+            put_option(&mut input, OPT_GO, &big);
+            put_option(&mut input, OPT_STRUCTURED_REPLY, &[]);
+            put_option(&mut input, OPT_ABORT, &big);
+            let mut hs = Handshake::with_tls(tls);
+            let (mut out, mut pending, mut closed) = (Vec::new(), Vec::new(), false);
+            for chunk in input.chunks(1000) {
+                pending.extend_from_slice(chunk);
+                let (used, progress) = hs.advance(&pending, &mut out, &exports).expect("well framed");
+                pending.drain(..used);
+                assert!(pending.len() < 1016, "{} bytes held", pending.len());
+                closed = matches!(progress, Progress::Close);
+            }
+            assert!(closed, "ABORT ends the handshake");
+            let kinds: Vec<(u32, u32)> = replies(&out).iter().map(|r| (r.0, r.1)).collect();
+            let expected = match tls {
+                TlsMode::Off => [(42, REP_ERR_UNSUP), (OPT_GO, REP_ERR_TOO_BIG), (OPT_STRUCTURED_REPLY, REP_ACK)],
+                _ => [(42, REP_ERR_TLS_REQD), (OPT_GO, REP_ERR_TLS_REQD), (OPT_STRUCTURED_REPLY, REP_ERR_TLS_REQD)],
+            };
+            assert_eq!(kinds, [&expected[..], &[(OPT_ABORT, REP_ACK)]].concat(), "{tls:?}");
+        }
     }
 
     #[test]

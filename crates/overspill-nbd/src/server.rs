@@ -327,7 +327,7 @@ struct ShutdownState {
     /// The accept loops' sockets (second descriptors of them), to wake the loops.
     listening: Mutex<Vec<ListenerWaker>>,
     /// What wakes each live connection blocked on a read.
-    connections: Mutex<HashMap<u64, ReadStopper>>,
+    connections: Mutex<HashMap<u64, Registered>>,
     next_key: AtomicU64,
 }
 
@@ -348,7 +348,10 @@ impl ShutdownHandle {
     }
 
     /// Stops accepting and tells every connection to close after the request in hand. Returns
-    /// at once; [`Server::wait_idle`] waits for the connections to go.
+    /// at once; [`Server::wait_idle`] waits for the connections to go. Connections still in
+    /// their handshake are stopped [`HANDSHAKE_SHUTDOWN_GRACE`] later: meanwhile their next
+    /// option is answered NBD_REP_ERR_SHUTDOWN, as the spec asks, and a client that ABORTs
+    /// leaves cleanly.
     pub fn shutdown(&self) {
         if self.0.stop.swap(true, Ordering::SeqCst) {
             return;
@@ -358,21 +361,35 @@ impl ShutdownHandle {
         }
         let connections = lock(&self.0.connections);
         tracing::info!(connections = connections.len(), "shutting down: closing connections after their requests");
-        for stop_reading in connections.values() {
-            // The peer may be gone already; nothing is left to wake then.
-            let _ = stop_reading();
+        let mut handshaking = 0;
+        for connection in connections.values() {
+            if connection.handshaking.load(Ordering::SeqCst) {
+                handshaking += 1;
+            } else {
+                connection.stop();
+            }
+        }
+        if handshaking > 0 {
+            let handle = self.clone();
+            let spawned = std::thread::Builder::new().name("nbd-shutdown".into()).spawn(move || {
+                std::thread::sleep(HANDSHAKE_SHUTDOWN_GRACE);
+                lock(&handle.0.connections).values().for_each(Registered::stop);
+            });
+            if spawned.is_err() {
+                connections.values().for_each(Registered::stop);
+            }
         }
     }
 
     /// Registers a connection's stopper; stops it at once if shutdown has begun.
-    fn register(&self, id: u64, stopper: ReadStopper) {
+    fn register(&self, id: u64, connection: Registered) {
         let mut connections = lock(&self.0.connections);
         // Checked under the lock that shutdown() takes after setting the flag, so a connection
         // registered while it runs is either in its list or sees the flag here.
         if self.is_requested() {
-            let _ = stopper();
+            connection.stop();
         }
-        connections.insert(id, stopper);
+        connections.insert(id, connection);
     }
 
     fn unregister(&self, id: u64) {
@@ -384,6 +401,24 @@ impl ShutdownHandle {
 struct Registration {
     shutdown: ShutdownHandle,
     id: u64,
+}
+
+/// How long connections still in their handshake may go on after shutdown begins: long enough
+/// for a client to send its next option, hear NBD_REP_ERR_SHUTDOWN and ABORT.
+pub const HANDSHAKE_SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+
+/// A live connection as shutdown sees it.
+struct Registered {
+    stopper: ReadStopper,
+    /// Still negotiating: shutdown stops it only after [`HANDSHAKE_SHUTDOWN_GRACE`].
+    handshaking: Arc<AtomicBool>,
+}
+
+impl Registered {
+    fn stop(&self) {
+        // The peer may be gone already; nothing is left to wake then.
+        let _ = (self.stopper)();
+    }
 }
 
 impl Drop for Registration {
@@ -545,9 +580,10 @@ impl Server {
         }
         // Connection ids need not be unique (socketpairs all use 0): the registry keys on its own.
         let key = self.shutdown.0.next_key.fetch_add(1, Ordering::Relaxed);
+        let handshaking = Arc::new(AtomicBool::new(true));
         let registration = match stream.read_stopper() {
             Some(stopper) => {
-                self.shutdown.register(key, stopper);
+                self.shutdown.register(key, Registered { stopper, handshaking: handshaking.clone() });
                 Some(Registration { shutdown: self.shutdown.clone(), id: key })
             }
             None => None,
@@ -562,6 +598,7 @@ impl Server {
             let _registration = registration;
             let ending =
                 serve_tracked(stream, exports.as_ref(), &limits, &security, &counters, &shutdown.0.stop, &mut || {
+                    handshaking.store(false, Ordering::SeqCst);
                     handshake.release()
                 });
             log_ending(id, &peer, ending);
@@ -632,6 +669,10 @@ pub fn connect(addr: &ListenAddr) -> std::io::Result<Box<dyn Transport>> {
 impl Transport for Box<dyn Transport> {
     fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> std::io::Result<()> {
         (**self).set_read_timeout(timeout)
+    }
+
+    fn set_write_timeout(&self, timeout: Option<std::time::Duration>) -> std::io::Result<()> {
+        (**self).set_write_timeout(timeout)
     }
 
     fn read_stopper(&self) -> Option<ReadStopper> {

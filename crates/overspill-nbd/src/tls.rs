@@ -191,7 +191,7 @@ impl ServerTls {
                     tls.conn.complete_io(&mut tls.sock)?;
                 }
                 let identity = tls.conn.peer_certificates().and_then(|chain| chain.first()).and_then(common_name);
-                Ok(TlsStream { inner: Inner::Rustls(Box::new(tls)), identity })
+                Ok(TlsStream { inner: Inner::Rustls(Box::new(tls)), identity, closed: false })
             }
             Credentials::Psk(context, identity_slot) => {
                 let ssl = Ssl::new(context).map_err(io::Error::other)?;
@@ -205,7 +205,7 @@ impl ServerTls {
                     io::Error::new(io::ErrorKind::PermissionDenied, format!("TLS handshake: {message}"))
                 })?;
                 let identity = tls.ssl().ex_data(*identity_slot).cloned();
-                Ok(TlsStream { inner: Inner::OpenSsl(Box::new(tls)), identity })
+                Ok(TlsStream { inner: Inner::OpenSsl(Box::new(tls)), identity, closed: false })
             }
         }
     }
@@ -221,6 +221,8 @@ fn common_name(der: &CertificateDer<'_>) -> Option<String> {
 pub struct TlsStream<T: Transport> {
     inner: Inner<T>,
     identity: Option<String>,
+    /// close_notify has been sent: once is enough.
+    closed: bool,
 }
 
 enum Inner<T: Transport> {
@@ -268,12 +270,22 @@ impl<T: Transport> Transport for TlsStream<T> {
         }
     }
 
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match &self.inner {
+            Inner::Rustls(s) => s.sock.set_write_timeout(timeout),
+            Inner::OpenSsl(s) => s.get_ref().set_write_timeout(timeout),
+        }
+    }
+
     fn read_stopper(&self) -> Option<ReadStopper> {
         // The server took the socket's stopper before the upgrade; it still works underneath.
         None
     }
 
     fn close(&mut self) -> io::Result<()> {
+        if std::mem::replace(&mut self.closed, true) {
+            return Ok(());
+        }
         match &mut self.inner {
             Inner::Rustls(s) => {
                 s.conn.send_close_notify();

@@ -557,23 +557,27 @@ fn the_greeting_is_fixed_newstyle_with_no_undefined_flags() {
 /// Baseline: an option the server does not implement MUST get NBD_REP_ERR_UNSUP (naming the
 /// option), and the next option MUST still be parsed; that includes the extensions this server
 /// leaves out (PEEK_EXPORT, extended headers). And a NOTLS server MUST NOT answer anything with
-/// NBD_REP_ERR_TLS_REQD; STARTTLS MUST get UNSUP or POLICY.
+/// NBD_REP_ERR_TLS_REQD; STARTTLS MUST get UNSUP or POLICY. The option length is what lets a
+/// server skip an option it does not understand, so one carrying a MiB is skipped too (and a
+/// known option with more data than it can need gets TOO_BIG).
 #[test]
 fn unimplemented_options_get_unsup_and_the_next_option_is_still_read() {
     let server = serve(&Disk::new(Capabilities::ALL));
     let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
-    let junk = pattern(3000, 7);
+    let junk = pattern(1 << 20, 7);
     for (option, data) in [
         (OPT_PEEK_EXPORT, &[][..]),
         (OPT_EXTENDED_HEADERS, &[][..]),
         (0, &[][..]),
-        (0x4242_4242, &junk[..]),
+        (0x4242_4242, &junk[..3000]),
         (u32::MAX, &junk[..100]),
+        (0x4343_4343, &junk[..]),
     ] {
         let replies = conn.ask(option, data);
         assert_eq!(replies.len(), 1, "option {option:#x}: {replies:?}");
         assert_eq!(replies[0].kind, REP_ERR_UNSUP, "option {option:#x}");
     }
+    assert_eq!(conn.ask_final(OPT_INFO, &junk[..20_000]), REP_ERR_TOO_BIG, "INFO with 20,000 bytes of data");
     let starttls = conn.ask_final(OPT_STARTTLS, &[]);
     assert!(starttls == REP_ERR_UNSUP || starttls == REP_ERR_POLICY, "STARTTLS without TLS: {starttls:#x}");
     // Still in step: LIST, INFO on a missing export, then GO, all answered and none TLS_REQD.
@@ -895,6 +899,49 @@ fn disc_over_tls_ends_the_tls_session_before_the_connection() {
             shutdown.contains(ShutdownState::RECEIVED)
         );
         assert!(disk.calls().contains(&Call::Disconnect));
+    }
+}
+
+type TlsConn = Conn<SslStream<UnixStream>>;
+/// A way to end a TLS session, named.
+type TlsEnding = (&'static str, fn(&mut TlsConn));
+
+/// Every other end of a TLS session shuts TLS down first too (a hard disconnect SHOULD): ABORT
+/// over TLS, a framing error during negotiation, a bad request in transmission, and a handshake
+/// deadline that passes after TLS is up; with either kind of credentials.
+#[test]
+fn every_end_of_a_tls_session_sends_close_notify() {
+    for psk in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let security = if psk {
+            psk_security(dir.path(), TlsMode::Require, None)
+        } else {
+            x509_security(dir.path(), TlsMode::Require)
+        };
+        let limits = Limits { handshake_timeout: Duration::from_millis(1500), ..limits(1 << 20) };
+        let server = serve_with(&Disk::new(Capabilities::ALL), limits, security);
+        let over_tls = || {
+            let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
+            assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
+            upgrade_with(conn, psk, None)
+        };
+        let ends: [TlsEnding; 4] = [
+            ("ABORT", |conn| assert_eq!(conn.ask_final(OPT_ABORT, &[]), REP_ACK)),
+            ("a bad option magic", |conn| conn.send(&[0x55; 16])),
+            ("a bad request magic", |conn| {
+                conn.negotiate(false);
+                conn.send(&[0x55; 28]);
+            }),
+            ("the handshake deadline", |_| {}),
+        ];
+        for (what, end_it) in ends {
+            let mut conn = over_tls();
+            end_it(&mut conn);
+            let mut buf = [0u8; 16];
+            let end = conn.s.read(&mut buf);
+            let received = conn.s.get_shutdown().contains(ShutdownState::RECEIVED);
+            assert!(matches!(end, Ok(0)) && received, "psk {psk}, {what}: {end:?}, close_notify received: {received}");
+        }
     }
 }
 

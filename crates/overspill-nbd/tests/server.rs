@@ -151,13 +151,13 @@ fn broken_framing_closes_only_that_connection() {
     put_u64(&mut bad_opt, 0xdead_beef);
     put_u64(&mut bad_opt, 0);
     cases.push(("wrong option magic", raw(&server), bad_opt));
-    // An option length far beyond anything reasonable.
+    // An export name far longer than any (other options that long are skipped and answered).
     let mut huge = Vec::new();
     put_u32(&mut huge, CLIENT_FIXED_NEWSTYLE);
     put_u64(&mut huge, IHAVEOPT);
-    put_u32(&mut huge, OPT_GO);
+    put_u32(&mut huge, OPT_EXPORT_NAME);
     put_u32(&mut huge, u32::MAX);
-    cases.push(("oversized option", raw(&server), huge));
+    cases.push(("oversized export name", raw(&server), huge));
     // Transmission: wrong request magic.
     cases.push(("wrong request magic", after_handshake(&server), vec![0x55; 28]));
     // A write whose payload is over the limit: framing cannot be trusted.

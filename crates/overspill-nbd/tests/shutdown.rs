@@ -1,8 +1,9 @@
 //! Draining a server over a real Unix listener: after `ShutdownHandle::shutdown` the accept loop
-//! returns, a request being served is answered, idle connections and connections still in the
-//! handshake are closed, every device is dropped, and no acknowledged write is missing.
+//! returns, a request being served is answered, idle connections are closed, connections still
+//! in the handshake hear NBD_REP_ERR_SHUTDOWN for their next options and are closed soon after,
+//! every device is dropped, and no acknowledged write is missing.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -11,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use overspill_nbd::client::{Client, ClientError};
 use overspill_nbd::memory::{MemoryDevice, OneExport};
+use overspill_nbd::server::HANDSHAKE_SHUTDOWN_GRACE;
+use overspill_nbd::wire::*;
 use overspill_nbd::{
     BlockDevice, Capabilities, DeviceError, ExportInfo, ExportProvider, ListenAddr, Listener, Server, ServerConfig,
 };
@@ -263,4 +266,57 @@ fn shutdown_ends_the_accept_loop_even_when_the_socket_file_is_gone() {
     });
     let ended = finished.recv_timeout(Duration::from_secs(30)).expect("the accept loop ended");
     ended.expect("accept thread").expect("run returns Ok");
+}
+
+/// Reads one option reply: (option, type, payload).
+fn option_reply(stream: &mut UnixStream) -> (u32, u32, Vec<u8>) {
+    let mut header = [0u8; 20];
+    stream.read_exact(&mut header).expect("option reply header");
+    assert_eq!(be_u64(&header), OPTION_REPLY_MAGIC);
+    let mut payload = vec![0u8; be_u32(&header[16..]) as usize];
+    stream.read_exact(&mut payload).expect("option reply payload");
+    (be_u32(&header[8..]), be_u32(&header[12..]), payload)
+}
+
+/// A client in the middle of its handshake when shutdown comes: its next options are answered
+/// NBD_REP_ERR_SHUTDOWN (GO included, so it never opens the export), its ABORT is acknowledged
+/// and the connection closes; one that stays silent is closed after the grace.
+#[test]
+fn options_during_shutdown_get_err_shutdown_and_abort_ends_the_session() {
+    let h = start();
+    let mut talking = UnixStream::connect(&h.socket).expect("connect");
+    let mut silent = UnixStream::connect(&h.socket).expect("connect");
+    let mut greeting = [0u8; 18];
+    for stream in [&mut talking, &mut silent] {
+        stream.read_exact(&mut greeting).expect("greeting");
+    }
+    let mut hello = Vec::new();
+    put_u32(&mut hello, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+    put_option(&mut hello, OPT_STRUCTURED_REPLY, &[]);
+    talking.write_all(&hello).expect("send");
+    assert_eq!(option_reply(&mut talking).1, REP_ACK, "before shutdown, options are served");
+
+    let started = Instant::now();
+    h.server.shutdown_handle().shutdown();
+    h.accept_loop.join().expect("accept thread").expect("run returns Ok after shutdown");
+    for (option, data) in [(OPT_LIST, Vec::new()), (OPT_GO, info_request("disk", &[])), (0x4242, b"x".to_vec())] {
+        let mut message = Vec::new();
+        put_option(&mut message, option, &data);
+        talking.write_all(&message).expect("the server still reads options");
+        let (answered, kind, text) = option_reply(&mut talking);
+        assert_eq!((answered, kind), (option, REP_ERR_SHUTDOWN), "option {option}: {}", String::from_utf8_lossy(&text));
+    }
+    let mut abort = Vec::new();
+    put_option(&mut abort, OPT_ABORT, &[]);
+    talking.write_all(&abort).expect("send ABORT");
+    assert_eq!(option_reply(&mut talking).1, REP_ACK, "ABORT is acknowledged during shutdown");
+    let mut rest = Vec::new();
+    assert_eq!(talking.read_to_end(&mut rest).expect("end of stream"), 0, "closed after ABORT");
+
+    assert_eq!(silent.read_to_end(&mut rest).expect("end of stream"), 0, "the silent handshake is closed");
+    assert!(h.server.wait_idle(Duration::from_secs(5)), "connections still open: {}", h.server.active_connections());
+    let took = started.elapsed();
+    assert!(took >= HANDSHAKE_SHUTDOWN_GRACE, "the silent handshake had its grace ({took:?})");
+    assert!(took < HANDSHAKE_SHUTDOWN_GRACE * 3, "the silent handshake was closed in {took:?}");
+    assert_eq!(h.exports.opened.load(Ordering::SeqCst), 0, "no export was opened during shutdown");
 }
