@@ -311,12 +311,18 @@ impl Client {
                 self.stream.read_exact(target)?;
                 Ok(None)
             }
-            2 => {
-                // NBD_REPLY_TYPE_OFFSET_HOLE: offset and length of zeroes.
+            REPLY_TYPE_OFFSET_HOLE => {
+                // Offset and length of zeroes.
                 let (base, buf) = read.ok_or_else(|| protocol("hole chunk for a request that reads nothing"))?;
+                if length != 12 {
+                    return Err(protocol(format!("hole chunk of {length} bytes")));
+                }
                 let mut payload = [0u8; 12];
                 self.stream.read_exact(&mut payload)?;
-                let start = usize::try_from(be_u64(&payload).saturating_sub(base)).unwrap_or(usize::MAX);
+                let start = be_u64(&payload)
+                    .checked_sub(base)
+                    .and_then(|s| usize::try_from(s).ok())
+                    .ok_or_else(|| protocol("hole chunk before the requested range"))?;
                 let len = be_u32(&payload[8..]) as usize;
                 buf.get_mut(start..start.saturating_add(len))
                     .ok_or_else(|| protocol("hole chunk past the range"))?

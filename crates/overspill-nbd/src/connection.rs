@@ -1075,12 +1075,21 @@ fn block_status<T>(
     }
 }
 
+/// Structured reads at least this long ask the device which parts read as zeroes, and send
+/// those as hole chunks instead of data. Smaller reads are not worth the question: it costs an
+/// index walk, and the 4-64 KiB reads of a running guest are almost never zero.
+const SPARSE_READ_BYTES: usize = 256 * 1024;
+
+/// Zero runs shorter than this travel as data: a hole chunk would save too little.
+const MIN_HOLE_BYTES: u64 = 4096;
+
 /// Answers a read. Data is read straight into the output buffer behind the reply header, so it
 /// is copied once, or lent by the device ([`SHARED_READ_BYTES`]). A read larger than
 /// [`READ_SLICE_BYTES`] is answered slice by slice, sending the output whenever it passes its
 /// high water: a client that asks for large reads and never reads the replies holds at most that
 /// much of the server's memory, and the server stops reading its requests (it waits in the
-/// write) instead of queueing more replies.
+/// write) instead of queueing more replies. With structured replies, a large read's zero runs
+/// are hole chunks ([`SPARSE_READ_BYTES`]).
 fn read<T: Transport>(
     wire: &mut Wire<T>,
     session: &mut Negotiated,
@@ -1098,38 +1107,59 @@ fn read<T: Transport>(
         simple_reply(&mut wire.output, cookie, 0);
     }
     let length = length as usize;
+    let runs = if structured && length >= SPARSE_READ_BYTES {
+        zero_runs(session.device.as_mut(), offset, length)
+    } else {
+        Vec::new()
+    };
+    let mut runs = runs.into_iter().peekable();
     let mut done = 0usize;
     loop {
-        let slice = (length - done).min(READ_SLICE_BYTES);
-        let last = done + slice == length;
         let at = offset + done as u64;
-        let slice_start = wire.output.len();
-        if structured {
-            let flags = if last { REPLY_FLAG_DONE } else { 0 };
-            chunk_header(&mut wire.output, flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + slice as u32);
-            put_u64(&mut wire.output, at);
-        }
-        if let Err(error) = read_slice(wire, session.device.as_mut(), at, slice) {
-            tracing::debug!(%error, offset = at, length = slice, "read failed");
-            let errno = errno_of(error.kind);
-            wire.counters.error_reply("read", errno);
-            if structured {
-                // After data chunks, an error chunk ends the reply.
-                wire.output.truncate(slice_start);
-                structured_error(&mut wire.output, cookie, errno as u32, &error.message);
-            } else if done == 0 {
-                wire.output.truncate(reply_start);
-                simple_reply(&mut wire.output, cookie, errno as u32);
-            } else {
-                // A simple reply said "no error" before its data: NBD's only way out is to close.
-                wire.output.truncate(slice_start);
-                wire.flush()?;
-                let why = format!("a read failed after its reply began, so the connection closes: {}", error.message);
-                return Err(io::Error::other(why).into());
+        // The next piece: a zero run starting here, or data up to the next run or slice end.
+        let (piece, hole) = match runs.peek() {
+            Some(&(start, len)) if start == at => {
+                runs.next();
+                (len as usize, true)
             }
-            return Ok(());
+            Some(&(start, _)) => (((start - at) as usize).min(READ_SLICE_BYTES), false),
+            None => ((length - done).min(READ_SLICE_BYTES), false),
+        };
+        let last = done + piece == length;
+        let flags = if last { REPLY_FLAG_DONE } else { 0 };
+        let slice_start = wire.output.len();
+        if hole {
+            chunk_header(&mut wire.output, flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12);
+            put_u64(&mut wire.output, at);
+            put_u32(&mut wire.output, piece as u32);
+        } else {
+            if structured {
+                chunk_header(&mut wire.output, flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + piece as u32);
+                put_u64(&mut wire.output, at);
+            }
+            if let Err(error) = read_slice(wire, session.device.as_mut(), at, piece) {
+                tracing::debug!(%error, offset = at, length = piece, "read failed");
+                let errno = errno_of(error.kind);
+                wire.counters.error_reply("read", errno);
+                if structured {
+                    // After data chunks, an error chunk ends the reply.
+                    wire.output.truncate(slice_start);
+                    structured_error(&mut wire.output, cookie, errno as u32, &error.message);
+                } else if done == 0 {
+                    wire.output.truncate(reply_start);
+                    simple_reply(&mut wire.output, cookie, errno as u32);
+                } else {
+                    // A simple reply said "no error" before its data: NBD's only way out is to close.
+                    wire.output.truncate(slice_start);
+                    wire.flush()?;
+                    let why =
+                        format!("a read failed after its reply began, so the connection closes: {}", error.message);
+                    return Err(io::Error::other(why).into());
+                }
+                return Ok(());
+            }
         }
-        done += slice;
+        done += piece;
         if last {
             return Ok(());
         }
@@ -1137,6 +1167,37 @@ fn read<T: Transport>(
             wire.flush()?;
         }
     }
+}
+
+/// The runs of `[offset, offset + length)` the device says read as zeroes, as (offset, length),
+/// in order, each at least [`MIN_HOLE_BYTES`]. A device that cannot tell, or fails to, has none:
+/// the read then sends everything as data, which is never wrong.
+fn zero_runs(device: &mut dyn BlockDevice, offset: u64, length: usize) -> Vec<(u64, u64)> {
+    let extents = match device.block_status(offset, length as u64) {
+        Ok(extents) => extents,
+        Err(error) => {
+            tracing::debug!(%error, offset, length, "block status for a sparse read failed: sending data");
+            return Vec::new();
+        }
+    };
+    let end = offset + length as u64;
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut at = offset;
+    for extent in extents {
+        let len = extent.length.min(end - at);
+        if len == 0 {
+            break;
+        }
+        if extent.zero {
+            match runs.last_mut() {
+                Some((start, run)) if *start + *run == at => *run += len,
+                _ => runs.push((at, len)),
+            }
+        }
+        at += len;
+    }
+    runs.retain(|&(_, len)| len >= MIN_HOLE_BYTES);
+    runs
 }
 
 /// Appends `length` bytes of the device at `offset` to the output: lent, or copied in.

@@ -154,7 +154,8 @@ impl BlockDevice for Disk {
     fn disconnect(&mut self) {
         self.log(Call::Disconnect);
     }
-    /// Even 4 KiB blocks are data, odd ones holes: many extents for any range.
+    /// Even 4 KiB blocks are data, odd ones holes: many extents for any range. A hole reads as
+    /// zeroes when its bytes are zeroes (which the server may then send as a hole chunk).
     fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
         self.failing()?;
         let mut extents = Vec::new();
@@ -162,7 +163,10 @@ impl BlockDevice for Disk {
         while at < end {
             let block_end = ((at / 4096 + 1) * 4096).min(end);
             let hole = (at / 4096) % 2 == 1;
-            extents.push(Extent { length: block_end - at, hole, zero: hole });
+            let mut bytes = vec![0u8; (block_end - at) as usize];
+            self.memory.read(at, &mut bytes)?;
+            let zero = hole && bytes.iter().all(|&b| b == 0);
+            extents.push(Extent { length: block_end - at, hole, zero });
             at = block_end;
         }
         Ok(extents)
@@ -1120,6 +1124,60 @@ fn a_structured_read_is_chunks_that_tile_the_request_and_end_with_done() {
     }
     // Check the same through the generic checker, with a zero-length read for good measure.
     assert_eq!(conn.read(100, 5000, true), Ok(data[100..5100].to_vec()));
+}
+
+/// A large structured read may send what reads as zeroes as hole chunks (NBD_REPLY_TYPE_OFFSET_HOLE,
+/// 12 bytes: offset, length): data and hole chunks together tile the request, in order, DONE on
+/// the last only; a hole only where the device says the range reads as zeroes, and never where
+/// the device holds data. Here the disk's odd 4 KiB blocks are zero holes past its first 128 KiB.
+#[test]
+fn a_large_structured_read_sends_zero_runs_as_hole_chunks() {
+    let disk = Disk::new(Capabilities::ALL);
+    let data = pattern(128 << 10, 9);
+    disk.memory.clone().write(0, &data, false).expect("seed");
+    let server = serve_with(&disk, limits(SIZE as u32), Security::default());
+    let (mut conn, _) = Conn::transmission(&server, true);
+    let (offset, length) = (4096 * 3 + 100, 512 << 10);
+    conn.request(CMD_READ, 0, 0x401e, offset, length, &[]);
+    let (mut next, mut holes) = (offset, 0);
+    loop {
+        let c = conn.chunk(0x401e);
+        let at = be_u64(&c.payload);
+        assert_eq!(at, next, "chunks tile the request in order");
+        let len = match c.kind {
+            REPLY_TYPE_OFFSET_DATA => {
+                let len = c.payload.len() as u64 - 8;
+                let mut expected = vec![0u8; len as usize];
+                disk.memory.clone().read(at, &mut expected).expect("read");
+                assert_eq!(c.payload[8..], expected[..], "data at {at}");
+                len
+            }
+            REPLY_TYPE_OFFSET_HOLE => {
+                assert_eq!(c.payload.len(), 12, "a hole chunk is offset and length");
+                let len = u64::from(be_u32(&c.payload[8..]));
+                assert!(at >= 128 << 10, "a hole over the disk's data at {at}");
+                assert!(
+                    at % 8192 == 4096 && len == 4096,
+                    "a hole at {at} of {len}: only the odd blocks read as zeroes"
+                );
+                holes += 1;
+                len
+            }
+            other => panic!("chunk type {other} in a read reply"),
+        };
+        next += len;
+        if c.flags & REPLY_FLAG_DONE != 0 {
+            break;
+        }
+    }
+    assert_eq!(next, offset + u64::from(length), "the chunks cover the request");
+    // The odd blocks 33 to 129; block 131, which the request ends 100 bytes into, is too short
+    // a run of zeroes for a hole chunk.
+    assert_eq!(holes, 49, "hole chunks");
+    // Small reads stay plain data, and the generic reader puts holes back as zeroes.
+    let mut expected = vec![0u8; length as usize];
+    disk.memory.clone().read(offset, &mut expected).expect("read");
+    assert_eq!(conn.read(offset, length, true), Ok(expected));
 }
 
 /// A structured read failing part way: the content chunks already sent are followed by an error

@@ -214,6 +214,31 @@ fn block_status_shows_what_a_vm_wrote_zeroed_and_trimmed_over_the_golden_images_
         )
     }));
     assert_eq!(seen, expected, "qemu-img map");
+
+    // Large structured reads send what reads as zeroes as hole chunks: the whole 24 MiB read in
+    // 1 MiB requests comes back right, while the device reads little more than the data.
+    prepare();
+    let mut golden_bytes = vec![0u8; 24 * MIB as usize];
+    golden_bytes[MIB as usize..3 * MIB as usize].copy_from_slice(&pseudo_random(2 * MIB as usize, 1));
+    golden_bytes[10 * MIB as usize..(10 * MIB + (64 << 10)) as usize].copy_from_slice(&pseudo_random(64 << 10, 2));
+    let mut expected_bytes = golden_bytes;
+    expected_bytes[MIB as usize..2 * MIB as usize].fill(0);
+    expected_bytes[20 * MIB as usize..(20 * MIB + 8192) as usize].copy_from_slice(&pseudo_random(8192, 3));
+    let read_bytes = || sample(&scrape(&metrics_url(&server)), "overspill_guest_bytes_total", &[("op", "read")]);
+    let before = read_bytes();
+    let mut client = Client::connect(&vm_uri).expect("connect");
+    let mut got = vec![0u8; expected_bytes.len()];
+    for (i, piece) in got.chunks_mut(MIB as usize).enumerate() {
+        client.read(i as u64 * MIB, piece).expect("read");
+    }
+    assert!(got == expected_bytes, "24 MiB read in 1 MiB structured reads differ from the VM's disk");
+    let device_read = read_bytes() - before;
+    eprintln!("24 MiB read in 1 MiB structured reads: the device read {device_read} bytes");
+    let data = (MIB + (64 << 10) + 8192) as f64;
+    assert!(
+        device_read >= data && device_read <= data + MIB as f64,
+        "the device read {device_read} bytes for {data} of data"
+    );
 }
 
 #[test]
