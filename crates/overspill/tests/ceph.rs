@@ -5,7 +5,7 @@
 //! For each source: nbdcopy reads the whole export and it equals the file it was made from; fio
 //! writes and verifies through a VM's overlay while the golden image stays as it was; and with
 //! the local disk tier and the shared read cache, twenty VMs reading the same blocks fetch them
-//! from the cluster once.
+//! from the cluster once. Block status over an RBD snapshot shows the holes `rbd import` left.
 #![cfg(feature = "rbd")]
 
 use std::collections::HashMap;
@@ -178,4 +178,54 @@ fn rbd_snapshots_and_s3_objects_serve_their_bytes_and_take_writes() {
         .expect("rbd");
     assert!(status.success(), "rbd export failed");
     assert!(std::fs::read(&export).expect("export") == bytes, "the RBD snapshot changed");
+}
+
+/// Block status over an RBD snapshot shows where it holds data and where it has none (what
+/// `rbd import` skipped as zeroes): nbdinfo's map calls every written byte data and most of the
+/// rest holes, and a sparse copy (nbdcopy, which reads only data and gets holes as hole chunks)
+/// equals the file.
+#[test]
+fn block_status_of_an_rbd_snapshot_shows_its_holes() {
+    let (cluster, env) = cluster_env();
+    let dir = TempDir::new().expect("tempdir");
+    let golden = dir.path().join("sparse.img");
+    let file = std::fs::File::create(&golden).expect("golden file");
+    file.set_len(GOLDEN_BYTES as u64).expect("size");
+    let data = [(1u64 << 20, 2usize << 20), (40 << 20, 1 << 20)];
+    for (i, &(at, len)) in data.iter().enumerate() {
+        std::os::unix::fs::FileExt::write_all_at(&file, &pseudo_random(len, 20 + i as u64), at).expect("write");
+    }
+    drop(file);
+    let golden_path = golden.to_str().expect("utf-8");
+    script(&["rbd-import", cluster.to_str().expect("utf-8"), golden_path, "rbd/sparse@v1"]);
+    let server = Server::start(dir.path(), &env, &["--export", "sparse=rbd:rbd/sparse@v1"]);
+
+    let out = common::run_ok(dir.path(), "nbdinfo", &["--map", "--json", &server.uri("sparse")]);
+    let map: serde_json::Value = serde_json::from_str(&out.stdout).expect("nbdinfo's JSON");
+    let extents: Vec<(u64, u64, u64)> = map
+        .as_array()
+        .expect("a list of extents")
+        .iter()
+        .map(|e| {
+            (
+                e["offset"].as_u64().expect("offset"),
+                e["length"].as_u64().expect("length"),
+                e["type"].as_u64().expect("type"),
+            )
+        })
+        .collect();
+    eprintln!("nbdinfo --map of rbd/sparse@v1: {extents:?}");
+    for &(at, len) in &data {
+        for &(offset, length, kind) in &extents {
+            let overlaps = offset < at + len as u64 && at < offset + length;
+            assert!(!overlaps || kind & 1 == 0, "written bytes at {at}+{len} reported as a hole: {extents:?}");
+        }
+    }
+    let holes: u64 = extents.iter().filter(|e| e.2 & 1 == 1).map(|e| e.1).sum();
+    // 61 MiB were never written; even whole 4 MiB objects as the unit leave 56 MiB of holes.
+    assert!(holes >= 56 << 20, "only {holes} bytes of holes: {extents:?}");
+
+    let copy = dir.path().join("sparse.copy");
+    run_ok(dir.path(), "nbdcopy", &[&server.uri("sparse"), copy.to_str().expect("utf-8")]);
+    assert!(std::fs::read(&copy).expect("copy") == std::fs::read(&golden).expect("golden"), "nbdcopy's copy differs");
 }
