@@ -6,8 +6,10 @@
 //! only when the caller hands them over (a server in the same process).
 
 pub mod driver;
+pub mod page;
 pub mod profile;
 pub mod report;
+pub mod seeds;
 pub mod trace;
 
 pub use driver::{StormConfig, Target};

@@ -31,6 +31,10 @@ pub enum ProfileError {
 pub struct Workload {
     pub name: String,
     pub description: String,
+    /// The platform of the seeds' table (`data/seed-iops.csv`) this workload models, whose
+    /// figures the report draws beside a run's own.
+    #[serde(default)]
+    pub seed_platform: Option<String>,
     pub disk: DiskLayout,
     pub phases: Vec<Phase>,
 }

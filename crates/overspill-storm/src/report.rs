@@ -8,7 +8,6 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::driver::{BlockTally, Ops, RunPlan, StormConfig, VmResult, TIERS};
@@ -57,12 +56,66 @@ pub struct ConfigReport {
     pub wall_s: f64,
     /// IOPS per VM over profile time, per tier: `timeline[bucket][tier]`.
     pub timeline_iops_per_vm: Vec<[f64; TIERS.len()]>,
+    /// Each phase's window in profile seconds, from the first VM's start of it to the last
+    /// VM's end.
+    pub phase_windows_s: Vec<(f64, f64)>,
+    /// The write-cache mode (`shared`, `ram+disk`, …) and RAM per VM of an in-process server;
+    /// `None` for an outside one. What the seeds' figures are matched on.
+    pub mode: Option<String>,
+    pub ram_bytes: Option<u64>,
+}
+
+/// Where and how a report was made, printed at its top.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunInfo {
+    pub version: String,
+    /// The source commit, when the binary runs from a git checkout.
+    pub commit: Option<String>,
+    pub command: String,
+    /// Host name, kernel, CPU model and count.
+    pub machine: String,
+    /// UTC, RFC 3339.
+    pub date: String,
+}
+
+impl RunInfo {
+    /// This process, on this machine, now.
+    pub fn here() -> Self {
+        let read = |path: &str| std::fs::read_to_string(path).map(|s| s.trim().to_owned()).ok();
+        let cpu = read("/proc/cpuinfo")
+            .and_then(|info| {
+                info.lines().find(|l| l.starts_with("model name"))?.split_once(':').map(|(_, m)| m.trim().to_owned())
+            })
+            .unwrap_or_else(|| "unknown CPU".into());
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let machine = format!(
+            "{}, Linux {}, {cpu} ({cpus} CPUs)",
+            read("/proc/sys/kernel/hostname").unwrap_or_else(|| "unknown host".into()),
+            read("/proc/sys/kernel/osrelease").unwrap_or_else(|| "?".into()),
+        );
+        let commit = std::process::Command::new("git")
+            .args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "--short=12", "HEAD"])
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned());
+        Self {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            commit,
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            machine,
+            date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct StormReport {
+    pub run: RunInfo,
     pub workload: String,
     pub description: String,
+    /// The seeds' platform the workload models ([`crate::seeds`]), if any.
+    pub seed_platform: Option<String>,
     pub vms: usize,
     pub boot_interval_s: f64,
     pub logon_interval_s: f64,
@@ -161,6 +214,9 @@ pub fn config_report(
         }),
         wall_s,
         timeline_iops_per_vm,
+        phase_windows_s: timeline.windows_ms.iter().map(|&(s, e)| (s as f64 / 1000.0, e as f64 / 1000.0)).collect(),
+        mode: None,
+        ram_bytes: None,
     }
 }
 
@@ -257,77 +313,11 @@ pub fn text_tables(report: &StormReport) -> String {
     out
 }
 
-/// IOPS per VM over profile time for one tier, one line per configuration, as SVG.
-fn chart(report: &StormReport, tier: usize) -> Result<String, String> {
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (900, 300)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let buckets = report.configs.iter().map(|c| c.timeline_iops_per_vm.len()).max().unwrap_or(1).max(2);
-        let x_max = (buckets as u64 * report.bucket_s) as f64 / 60.0;
-        let y_max = report
-            .configs
-            .iter()
-            .flat_map(|c| c.timeline_iops_per_vm.iter().map(|b| b[tier]))
-            .fold(0.0f64, f64::max)
-            .max(1.0)
-            * 1.1;
-        let mut ctx = ChartBuilder::on(&root)
-            .caption(format!("{}: IOPS per VM", TIERS[tier]), ("sans-serif", 18))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(50)
-            .build_cartesian_2d(0f64..x_max, 0f64..y_max)
-            .map_err(|e| e.to_string())?;
-        ctx.configure_mesh().x_desc("profile minutes").draw().map_err(|e| e.to_string())?;
-        for (i, config) in report.configs.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let points = config
-                .timeline_iops_per_vm
-                .iter()
-                .enumerate()
-                .map(|(b, v)| ((b as u64 * report.bucket_s) as f64 / 60.0, v[tier]));
-            ctx.draw_series(LineSeries::new(points, color.stroke_width(2)))
-                .map_err(|e| e.to_string())?
-                .label(config.label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
-        }
-        ctx.configure_series_labels().border_style(BLACK).background_style(WHITE).draw().map_err(|e| e.to_string())?;
-        root.present().map_err(|e| e.to_string())?;
-    }
-    Ok(svg)
-}
-
-fn html_escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
-pub fn html(report: &StormReport) -> Result<String, String> {
-    let mut out = String::new();
-    let _ = write!(
-        out,
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>overspill storm: {}</title>\
-         <style>body{{font-family:sans-serif;margin:2em}}pre{{font-size:12px}}</style></head><body>\
-         <h1>overspill storm: {}</h1><p>{}</p>",
-        html_escape(&report.workload),
-        html_escape(&report.workload),
-        html_escape(&report.description)
-    );
-    for tier in 0..TIERS.len() {
-        let any = report.configs.iter().any(|c| c.timeline_iops_per_vm.iter().any(|b| b[tier] > 0.0));
-        if any {
-            out.push_str(&chart(report, tier)?);
-        }
-    }
-    let _ = write!(out, "<h2>Tables</h2><pre>{}</pre></body></html>", html_escape(&text_tables(report)));
-    Ok(out)
-}
-
 /// Writes `report.json` and `report.html` into `dir`.
 pub fn write_files(report: &StormReport, dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let json = serde_json::to_string_pretty(report).map_err(std::io::Error::other)?;
     std::fs::write(dir.join("report.json"), json)?;
-    let page = html(report).map_err(std::io::Error::other)?;
+    let page = crate::page::html(report).map_err(std::io::Error::other)?;
     std::fs::write(dir.join("report.html"), page)
 }

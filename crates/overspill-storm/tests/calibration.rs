@@ -1,11 +1,11 @@
-//! The built-in profiles against the seeds' published figures (`tests/data/seed-iops.csv`, a copy
+//! The built-in profiles against the seeds' published figures (`data/seed-iops.csv`, a copy
 //! of the project's calibration data with its README, so that a clone alone passes its tests):
 //! generated request counts, read shares and volumes within ±10%.
 
 use overspill_storm::profile::{Op, OpKind, Workload};
 
 fn calibration_rows() -> Vec<Vec<String>> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/seed-iops.csv");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/seed-iops.csv");
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     text.lines()
         .filter(|l| !l.starts_with('#') && !l.starts_with("source,"))

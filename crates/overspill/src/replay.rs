@@ -55,6 +55,8 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let config_report = report::config_report(&label, &plan, &config, &results, started.elapsed().as_secs_f64());
     let failed = config_report.failed_vms.clone();
     let report = StormReport {
+        run: report::RunInfo::here(),
+        seed_platform: None,
         workload: format!("replay of {} traces", traces.len()),
         description: args.traces.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
         vms: plan.vms(),

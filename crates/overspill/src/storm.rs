@@ -249,11 +249,18 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         let results = driver::run(&plan, &config, target.as_ref(), &bar, record);
         bar.finish();
         let wall_s = started.elapsed().as_secs_f64();
-        configs.push(report::config_report(&label, &plan, &config, &results, wall_s));
+        let mut config_report = report::config_report(&label, &plan, &config, &results, wall_s);
+        if let Run::Local { mode, ram } = run {
+            config_report.mode = Some(mode.to_string());
+            config_report.ram_bytes = matches!(mode, WriteCacheMode::Ram | WriteCacheMode::RamDisk).then_some(*ram);
+        }
+        configs.push(config_report);
     }
     let report = StormReport {
+        run: report::RunInfo::here(),
         workload: workload.name.clone(),
         description: workload.description.clone(),
+        seed_platform: workload.seed_platform.clone(),
         vms: args.vms,
         boot_interval_s: args.boot_interval,
         logon_interval_s: args.logon_interval,

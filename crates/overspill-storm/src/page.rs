@@ -1,0 +1,407 @@
+//! The storm report as an HTML page: first, per phase, what reached storage per VM at each tier
+//! for every configuration, beside the seeds' published figures for the same configuration;
+//! then storage IOPS over each phase's own time axis; then the tables; run metadata at the top.
+//! Charts are SVG (plotters); legends are HTML beside them, so they never cover data.
+
+use std::fmt::Write as _;
+
+use plotters::coord::combinators::IntoLogRange;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+use crate::driver::TIERS;
+use crate::report::{text_tables, ConfigReport, StormReport};
+use crate::seeds::{self, SeedRow};
+
+/// The tiers behind the VMs, as indices into [`TIERS`], in the order the bars are drawn.
+const STORAGE_TIERS: [usize; 4] = [3, 4, 5, 2];
+const TIER_COLORS: [RGBColor; 4] =
+    [RGBColor(214, 39, 40), RGBColor(255, 127, 14), RGBColor(31, 119, 180), RGBColor(44, 160, 44)];
+const SEED_COLOR: RGBColor = RGBColor(190, 190, 190);
+/// The floor of the log axis: less than this per VM is drawn as nothing.
+const Y_FLOOR: f64 = 0.001;
+
+fn hex(color: RGBColor) -> String {
+    format!("#{:02x}{:02x}{:02x}", color.0, color.1, color.2)
+}
+
+fn config_color(i: usize) -> RGBColor {
+    let (r, g, b) = Palette99::pick(i).rgb();
+    RGBColor(r, g, b)
+}
+
+fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// IOPS per VM at each storage tier in phase `p`, in [`STORAGE_TIERS`] order.
+fn storage_iops(config: &ConfigReport, p: usize) -> [f64; 4] {
+    let phase = config.phases.get(p);
+    STORAGE_TIERS.map(|t| {
+        phase.and_then(|ph| ph.tiers.iter().find(|row| row.tier == TIERS[t])).map_or(0.0, |row| row.iops_per_vm)
+    })
+}
+
+/// Everything that reached storage per VM in phase `p`.
+fn storage_total(config: &ConfigReport, p: usize) -> f64 {
+    storage_iops(config, p).iter().sum()
+}
+
+/// The MCS baseline the reductions are measured against.
+fn baseline(report: &StormReport) -> Option<&ConfigReport> {
+    report.configs.iter().find(|c| c.mode.as_deref() == Some("shared"))
+}
+
+/// The seeds' figure for a configuration in phase `p`, if the seeds measured one like it.
+pub fn seed_figure(report: &StormReport, config: &ConfigReport, p: usize) -> Option<SeedRow> {
+    let platform = report.seed_platform.as_deref()?;
+    let phase = &report.phase_sources.get(p)?.0;
+    seeds::figure_for(platform, config.mode.as_deref()?, config.ram_bytes, phase)
+}
+
+/// The change against the baseline, as printed on the bars: "-97%".
+pub fn reduction_text(total: f64, base: f64) -> Option<String> {
+    (base > 0.0).then(|| format!("{:+.0}%", (total / base - 1.0) * 100.0))
+}
+
+fn error(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// Phase `p` as a grouped bar chart: one group per configuration, a bar per storage tier and
+/// one for the seeds' figure, on a log axis with the 1 IOPS per VM line.
+fn phase_bars(report: &StormReport, p: usize) -> Result<String, String> {
+    let groups = report.configs.len().max(1);
+    let width = (170 * groups as u32 + 120).clamp(700, 1400);
+    let seeds: Vec<Option<SeedRow>> = report.configs.iter().map(|c| seed_figure(report, c, p)).collect();
+    let top = report
+        .configs
+        .iter()
+        .flat_map(|c| storage_iops(c, p))
+        .chain(seeds.iter().flatten().map(|s| s.iops_per_vm))
+        .fold(1.0f64, f64::max)
+        * 8.0;
+    let base = baseline(report).map(|b| storage_total(b, p));
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (width, 380)).into_drawing_area();
+        root.fill(&WHITE).map_err(error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..groups as f64, (Y_FLOOR..top).log_scale())
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_desc("IOPS per VM (log scale)")
+            .y_label_formatter(&|v| if *v >= 1.0 { format!("{v:.0}") } else { format!("{v}") })
+            .draw()
+            .map_err(error)?;
+        let slot = 0.8 / 5.0;
+        for (g, config) in report.configs.iter().enumerate() {
+            let x0 = g as f64 + 0.1;
+            for (i, value) in storage_iops(config, p).into_iter().enumerate() {
+                if value > Y_FLOOR {
+                    let (a, b) = (x0 + slot * i as f64, x0 + slot * (i as f64 + 0.85));
+                    chart
+                        .draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], TIER_COLORS[i].filled())])
+                        .map_err(error)?;
+                }
+            }
+            if let Some(seed) = &seeds[g] {
+                let (a, b) = (x0 + slot * 4.0, x0 + slot * 4.85);
+                let value = seed.iops_per_vm.max(Y_FLOOR);
+                chart.draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], SEED_COLOR.filled())]).map_err(error)?;
+                chart
+                    .draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], BLACK.stroke_width(1))])
+                    .map_err(error)?;
+            }
+            let highest = storage_iops(config, p).into_iter().fold(Y_FLOOR, f64::max);
+            let above = highest.max(seeds[g].as_ref().map_or(Y_FLOOR, |s| s.iops_per_vm)) * 1.4;
+            let label = match (base, config.mode.as_deref()) {
+                (_, Some("shared")) => "baseline (MCS)".to_owned(),
+                (Some(base), _) => reduction_text(storage_total(config, p), base)
+                    .map_or_else(String::new, |r| format!("{r} vs shared")),
+                (None, _) => String::new(),
+            };
+            let centre = g as f64 + 0.5;
+            let style = ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Bottom));
+            chart.draw_series([Text::new(label, (centre, above), style)]).map_err(error)?;
+            // The configuration's name under its group, in the label area.
+            let (x, y) = chart.backend_coord(&(centre, Y_FLOOR));
+            let name_style = ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
+            root.draw(&Text::new(config.label.clone(), (x, y + 8), name_style)).map_err(error)?;
+        }
+        let one = [(0.0, 1.0), (groups as f64, 1.0)];
+        chart.draw_series(DashedLineSeries::new(one, 6, 4, BLACK.stroke_width(1))).map_err(error)?;
+        let style = ("sans-serif", 12).into_font().color(&BLACK).pos(Pos::new(HPos::Right, VPos::Bottom));
+        chart.draw_series([Text::new("1 IOPS per VM", (groups as f64 - 0.02, 1.05), style)]).map_err(error)?;
+        root.present().map_err(error)?;
+    }
+    Ok(svg)
+}
+
+/// Storage IOPS per VM over phase `p`'s own window, one line per configuration.
+fn phase_timeline(report: &StormReport, p: usize) -> Result<String, String> {
+    let Some(&(start, end)) = report.configs.first().and_then(|c| c.phase_windows_s.get(p)) else {
+        return Ok(String::new());
+    };
+    let bucket = report.bucket_s as f64;
+    let minutes = end - start >= 300.0;
+    let scale = if minutes { 60.0 } else { 1.0 };
+    let series: Vec<Vec<(f64, f64)>> = report
+        .configs
+        .iter()
+        .map(|c| {
+            c.timeline_iops_per_vm
+                .iter()
+                .enumerate()
+                .map(|(b, tiers)| (b as f64 * bucket, STORAGE_TIERS.iter().map(|&t| tiers[t]).sum::<f64>()))
+                .filter(|&(at, _)| at + bucket > start && at < end)
+                .map(|(at, v)| ((at.max(start) - start) / scale, v))
+                .collect()
+        })
+        .collect();
+    let x_max = ((end - start) / scale).max(1.0 / scale);
+    let y_max = series.iter().flatten().map(|p| p.1).fold(0.0f64, f64::max).max(0.01) * 1.15;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, 260)).into_drawing_area();
+        root.fill(&WHITE).map_err(error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..x_max, 0f64..y_max)
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .x_desc(if minutes { "minutes into the phase" } else { "seconds into the phase" })
+            .y_desc("storage IOPS per VM")
+            .draw()
+            .map_err(error)?;
+        for (i, points) in series.into_iter().enumerate() {
+            chart.draw_series(LineSeries::new(points, config_color(i).stroke_width(2))).map_err(error)?;
+        }
+        root.present().map_err(error)?;
+    }
+    Ok(svg)
+}
+
+fn legend(items: &[(String, RGBColor, bool)]) -> String {
+    let mut out = String::from("<div class=\"legend\">");
+    for (name, color, outlined) in items {
+        let border = if *outlined { "border:1px solid #000;" } else { "" };
+        let _ = write!(
+            out,
+            "<span class=\"sw\" style=\"background:{};{border}\"></span>{}",
+            hex(*color),
+            html_escape(name)
+        );
+    }
+    out.push_str("</div>");
+    out
+}
+
+fn duration_text(s: f64) -> String {
+    if s >= 120.0 {
+        format!("{:.1} min", s / 60.0)
+    } else {
+        format!("{s:.0} s")
+    }
+}
+
+fn metadata(report: &StormReport) -> String {
+    let run = &report.run;
+    let pacing = match report.paced {
+        None => "requests back to back; IOPS over the profile's real durations".to_owned(),
+        Some(speed) => format!("paced at {speed}× real time"),
+    };
+    let rows = [
+        ("workload", format!("{}: {}", report.workload, report.description)),
+        (
+            "VMs",
+            format!(
+                "{}, boots every {} s, logons every {} s",
+                report.vms, report.boot_interval_s, report.logon_interval_s
+            ),
+        ),
+        ("pacing", pacing),
+        ("seeds' platform", report.seed_platform.clone().unwrap_or_else(|| "none (no seed figures drawn)".into())),
+        ("overspill", format!("{} ({})", run.version, run.commit.as_deref().unwrap_or("commit unknown"))),
+        ("command", run.command.clone()),
+        ("machine", run.machine.clone()),
+        ("date", run.date.clone()),
+    ];
+    let mut out = String::from("<table class=\"meta\">");
+    for (key, value) in rows {
+        let _ = write!(out, "<tr><th>{key}</th><td>{}</td></tr>", html_escape(&value));
+    }
+    out.push_str("</table>");
+    out
+}
+
+/// The seeds' table for one phase as HTML: a row per configuration and tier, and the seeds'
+/// figure under each configuration it exists for.
+fn phase_table(report: &StormReport, p: usize) -> String {
+    let mut out = String::from(
+        "<table><tr><th>configuration</th><th>tier</th><th>VMs</th><th>duration</th><th>IO ops / VM</th>\
+         <th>IOPS / VM</th><th>read</th><th>write</th><th>read/write</th><th>p95 IOPS / VM</th></tr>",
+    );
+    for config in &report.configs {
+        let Some(phase) = config.phases.get(p) else { continue };
+        for row in &phase.tiers {
+            if row.tier != "guest" && (!config.has_storage || row.total_ops_per_vm == 0.0) {
+                continue;
+            }
+            let ratio = row.read_pct.map_or("-".to_owned(), |r| format!("{r:.0}%/{:.0}%", 100.0 - r));
+            let _ = write!(
+                out,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.0}</td><td>{:.3}</td><td>{:.3}</td>\
+                 <td>{:.3}</td><td>{ratio}</td><td>{:.3}</td></tr>",
+                html_escape(&config.label),
+                html_escape(&row.tier),
+                phase.vms,
+                duration_text(phase.duration_s),
+                row.total_ops_per_vm,
+                row.iops_per_vm,
+                row.read_iops_per_vm,
+                row.write_iops_per_vm,
+                row.p95_iops_per_vm
+            );
+        }
+        if let Some(seed) = seed_figure(report, config, p) {
+            let _ = write!(
+                out,
+                "<tr class=\"seed\"><td>{}</td><td>seed {} figure ({}, {} MB, {} VMs)</td><td>{}</td><td></td><td></td>\
+                 <td>{}</td><td>{}</td><td>{}</td><td></td><td></td></tr>",
+                html_escape(&config.label),
+                seed.source,
+                seed.provisioning,
+                seed.ram_cache_mb,
+                seed.vms,
+                seed.vms,
+                seed.iops_per_vm,
+                seed.read_iops_per_vm,
+                seed.write_iops_per_vm
+            );
+        }
+        if phase.errors > 0 {
+            let _ = write!(
+                out,
+                "<tr><td>{}</td><td colspan=\"9\">{} errors ({} ENOSPC)</td></tr>",
+                html_escape(&config.label),
+                phase.errors,
+                phase.enospc
+            );
+        }
+    }
+    out.push_str("</table>");
+    out
+}
+
+fn config_table(report: &StormReport) -> String {
+    let mut out = String::from(
+        "<table><tr><th>configuration</th><th>spill segments</th><th>peak spill / VM</th><th>peak RAM / VM</th>\
+         <th>reads served by RAM, spill, golden, zeroes, cache file</th><th>wall time</th></tr>",
+    );
+    for c in &report.configs {
+        let b = &c.blocks;
+        let served = if c.has_storage && b.guest_read_blocks > 0 {
+            let pct = |n: u64| 100.0 * n as f64 / b.guest_read_blocks as f64;
+            format!(
+                "{:.1}%, {:.1}%, {:.1}%, {:.1}%, {:.1}%",
+                pct(b.read_ram),
+                pct(b.read_spill),
+                pct(b.read_golden),
+                pct(b.read_zero),
+                pct(b.read_cache_file)
+            )
+        } else {
+            "-".into()
+        };
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{:.1} MiB</td><td>{:.1} MiB</td><td>{served}</td><td>{:.1} s</td></tr>",
+            html_escape(&c.label),
+            c.spill_segments_written,
+            c.peak_spill_bytes_max_vm as f64 / (1 << 20) as f64,
+            c.peak_cache_memory_bytes_max_vm as f64 / (1 << 20) as f64,
+            c.wall_s
+        );
+        for failure in &c.failed_vms {
+            let _ = write!(
+                out,
+                "<tr><td>{}</td><td colspan=\"5\">failed: {}</td></tr>",
+                html_escape(&c.label),
+                html_escape(failure)
+            );
+        }
+    }
+    out.push_str("</table>");
+    out
+}
+
+const STYLE: &str = "body{font-family:sans-serif;margin:2em;max-width:1400px;color:#222}\
+table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px}\
+td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}\
+th{background:#f2f2f2}td:first-child,td:nth-child(2),th{text-align:left}\
+table.meta td{text-align:left}tr.seed td{background:#f4f4f4;font-style:italic}\
+.legend{margin:.3em 0 1.5em;font-size:13px}\
+.legend .sw{display:inline-block;width:12px;height:12px;margin:0 5px 0 16px;vertical-align:middle}\
+svg{display:block}";
+
+pub fn html(report: &StormReport) -> Result<String, String> {
+    let mut out = String::new();
+    let title = html_escape(&report.workload);
+    let _ = write!(
+        out,
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>overspill storm: {title}</title>\
+         <style>{STYLE}</style></head><body><h1>overspill storm: {title}</h1>{}",
+        metadata(report)
+    );
+    let _ = write!(
+        out,
+        "<h2>What reaches storage, per VM</h2><p>IOPS per VM at each storage tier behind the VMs, per \
+         phase and write-cache configuration (log scale; the dashed line is 1 IOPS per VM). Grey \
+         outlined bars are the seeds' published figures for the same configuration (<code>shared</code> \
+         against MCS, <code>ram+disk</code> against PVS RAM cache with overflow to disk at the \
+         nearest RAM size), not measured here. Above each group: the change in everything that \
+         reached storage against <code>shared</code>, the MCS baseline.</p>"
+    );
+    let mut tier_legend: Vec<(String, RGBColor, bool)> =
+        STORAGE_TIERS.iter().zip(TIER_COLORS).map(|(&t, c)| (TIERS[t].to_owned(), c, false)).collect();
+    tier_legend.push(("seeds' figure".to_owned(), SEED_COLOR, true));
+    for (p, (phase, source)) in report.phase_sources.iter().enumerate() {
+        let duration = report.configs.first().and_then(|c| c.phases.get(p)).map_or(0.0, |ph| ph.duration_s);
+        let _ = write!(
+            out,
+            "<h3>{} ({})</h3><p class=\"source\">profile: {}</p>{}{}",
+            html_escape(phase),
+            duration_text(duration),
+            html_escape(source),
+            phase_bars(report, p)?,
+            legend(&tier_legend)
+        );
+    }
+    let config_legend: Vec<(String, RGBColor, bool)> =
+        report.configs.iter().enumerate().map(|(i, c)| (c.label.clone(), config_color(i), false)).collect();
+    out.push_str("<h2>Storage IOPS per VM over each phase</h2>");
+    for (p, (phase, _)) in report.phase_sources.iter().enumerate() {
+        let _ = write!(out, "<h3>{}</h3>{}{}", html_escape(phase), phase_timeline(report, p)?, legend(&config_legend));
+    }
+    out.push_str("<h2>Tables</h2>");
+    for (p, (phase, _)) in report.phase_sources.iter().enumerate() {
+        let _ = write!(out, "<h3>{}</h3>{}", html_escape(phase), phase_table(report, p));
+    }
+    let _ = write!(out, "<h2>Per configuration</h2>{}", config_table(report));
+    let _ = write!(
+        out,
+        "<details><summary>The same tables as text</summary><pre>{}</pre></details></body></html>",
+        html_escape(&text_tables(report))
+    );
+    Ok(out)
+}
