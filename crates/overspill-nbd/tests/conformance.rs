@@ -766,6 +766,15 @@ fn upgrade_with(conn: Conn<UnixStream>, psk: bool, max_version: Option<SslVersio
     Conn { s }
 }
 
+/// A TLS-only server's security, with pre-shared keys (OpenSSL) or certificates (rustls).
+fn required_tls(dir: &Path, psk: bool) -> Security {
+    if psk {
+        psk_security(dir, TlsMode::Require, None)
+    } else {
+        x509_security(dir, TlsMode::Require)
+    }
+}
+
 fn upgrade(conn: Conn<UnixStream>, max_version: Option<SslVersion>) -> Conn<SslStream<UnixStream>> {
     upgrade_with(conn, true, max_version)
 }
@@ -857,11 +866,7 @@ fn selective_tls_asks_for_tls_for_exports_only_tls_opens() {
 fn tls_1_2_is_supported() {
     for psk in [true, false] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let security = if psk {
-            psk_security(dir.path(), TlsMode::Require, None)
-        } else {
-            x509_security(dir.path(), TlsMode::Require)
-        };
+        let security = required_tls(dir.path(), psk);
         let server = serve_with(&Disk::new(Capabilities::ALL), limits(1 << 20), security);
         let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
         assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
@@ -881,11 +886,7 @@ fn disc_over_tls_ends_the_tls_session_before_the_connection() {
     for psk in [true, false] {
         let dir = tempfile::tempdir().expect("tempdir");
         let disk = Disk::new(Capabilities::ALL);
-        let security = if psk {
-            psk_security(dir.path(), TlsMode::Require, None)
-        } else {
-            x509_security(dir.path(), TlsMode::Require)
-        };
+        let security = required_tls(dir.path(), psk);
         let server = serve_with(&disk, limits(1 << 20), security);
         let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
         assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
@@ -917,11 +918,7 @@ type TlsEnding = (&'static str, fn(&mut TlsConn));
 fn every_end_of_a_tls_session_sends_close_notify() {
     for psk in [true, false] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let security = if psk {
-            psk_security(dir.path(), TlsMode::Require, None)
-        } else {
-            x509_security(dir.path(), TlsMode::Require)
-        };
+        let security = required_tls(dir.path(), psk);
         let limits = Limits { handshake_timeout: Duration::from_millis(1500), ..limits(1 << 20) };
         let server = serve_with(&Disk::new(Capabilities::ALL), limits, security);
         let over_tls = || {

@@ -10,7 +10,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::driver::TIERS;
-use crate::report::{text_tables, ConfigReport, StormReport};
+use crate::report::{duration_text, read_write_text, served_text, shown_rows, text_tables, ConfigReport, StormReport};
 use crate::seeds::{self, SeedRow};
 
 /// The tiers behind the VMs, as indices into [`TIERS`], in the order the bars are drawn.
@@ -206,14 +206,6 @@ fn legend(items: &[(String, RGBColor, bool)]) -> String {
     out
 }
 
-fn duration_text(s: f64) -> String {
-    if s >= 120.0 {
-        format!("{:.1} min", s / 60.0)
-    } else {
-        format!("{s:.0} s")
-    }
-}
-
 fn metadata(report: &StormReport) -> String {
     let run = &report.run;
     let pacing = match report.paced {
@@ -253,11 +245,8 @@ fn phase_table(report: &StormReport, p: usize) -> String {
     );
     for config in &report.configs {
         let Some(phase) = config.phases.get(p) else { continue };
-        for row in &phase.tiers {
-            if row.tier != "guest" && (!config.has_storage || row.total_ops_per_vm == 0.0) {
-                continue;
-            }
-            let ratio = row.read_pct.map_or("-".to_owned(), |r| format!("{r:.0}%/{:.0}%", 100.0 - r));
+        for row in shown_rows(config, phase) {
+            let ratio = read_write_text(row);
             let _ = write!(
                 out,
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.0}</td><td>{:.3}</td><td>{:.3}</td>\
@@ -306,23 +295,10 @@ fn phase_table(report: &StormReport, p: usize) -> String {
 fn config_table(report: &StormReport) -> String {
     let mut out = String::from(
         "<table><tr><th>configuration</th><th>spill segments</th><th>peak spill / VM</th><th>peak RAM / VM</th>\
-         <th>reads served by RAM, spill, golden, zeroes, cache file</th><th>wall time</th></tr>",
+         <th>guest reads served by</th><th>wall time</th></tr>",
     );
     for c in &report.configs {
-        let b = &c.blocks;
-        let served = if c.has_storage && b.guest_read_blocks > 0 {
-            let pct = |n: u64| 100.0 * n as f64 / b.guest_read_blocks as f64;
-            format!(
-                "{:.1}%, {:.1}%, {:.1}%, {:.1}%, {:.1}%",
-                pct(b.read_ram),
-                pct(b.read_spill),
-                pct(b.read_golden),
-                pct(b.read_zero),
-                pct(b.read_cache_file)
-            )
-        } else {
-            "-".into()
-        };
+        let served = served_text(c).unwrap_or_else(|| "-".into());
         let _ = write!(
             out,
             "<tr><td>{}</td><td>{}</td><td>{:.1} MiB</td><td>{:.1} MiB</td><td>{served}</td><td>{:.1} s</td></tr>",

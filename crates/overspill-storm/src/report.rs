@@ -220,7 +220,35 @@ pub fn config_report(
     }
 }
 
-fn duration_text(s: f64) -> String {
+/// The tier rows worth a line: the guest's always, storage tiers that saw operations.
+pub(crate) fn shown_rows<'a>(config: &'a ConfigReport, phase: &'a PhaseReport) -> impl Iterator<Item = &'a TierRow> {
+    phase.tiers.iter().filter(|row| row.tier == "guest" || (config.has_storage && row.total_ops_per_vm > 0.0))
+}
+
+/// "86%/14%", or "-" without operations.
+pub(crate) fn read_write_text(row: &TierRow) -> String {
+    row.read_pct.map_or("-".to_owned(), |r| format!("{r:.0}%/{:.0}%", 100.0 - r))
+}
+
+/// Where guest reads were served from, in percent: "RAM 4.3%, spill 0.0%, …"; `None` when the
+/// server's counters were not at hand.
+pub(crate) fn served_text(config: &ConfigReport) -> Option<String> {
+    let b = &config.blocks;
+    if !config.has_storage || b.guest_read_blocks == 0 {
+        return None;
+    }
+    let pct = |n: u64| 100.0 * n as f64 / b.guest_read_blocks as f64;
+    Some(format!(
+        "RAM {:.1}%, spill {:.1}%, golden image {:.1}%, zeroes {:.1}%, cache file {:.1}%",
+        pct(b.read_ram),
+        pct(b.read_spill),
+        pct(b.read_golden),
+        pct(b.read_zero),
+        pct(b.read_cache_file)
+    ))
+}
+
+pub(crate) fn duration_text(s: f64) -> String {
     if s >= 120.0 {
         format!("{:.1} min", s / 60.0)
     } else {
@@ -253,11 +281,8 @@ pub fn text_tables(report: &StormReport) -> String {
         );
         for config in &report.configs {
             let Some(phase) = config.phases.get(p) else { continue };
-            for row in &phase.tiers {
-                if row.tier != "guest" && (!config.has_storage || row.total_ops_per_vm == 0.0) {
-                    continue;
-                }
-                let ratio = row.read_pct.map_or("-".to_owned(), |r| format!("{r:.0}%/{:.0}%", 100.0 - r));
+            for row in shown_rows(config, phase) {
+                let ratio = read_write_text(row);
                 let _ = writeln!(
                     out,
                     "{:<22} {:<16} {:>5} {:>9} {:>13.0} {:>9.3} {:>9.3} {:>9.3} {:>11} {:>8.3}",
@@ -293,18 +318,8 @@ pub fn text_tables(report: &StormReport) -> String {
             c.peak_cache_memory_bytes_max_vm as f64 / (1 << 20) as f64,
             c.wall_s
         );
-        if c.has_storage && c.blocks.guest_read_blocks > 0 {
-            let b = &c.blocks;
-            let pct = |n: u64| 100.0 * n as f64 / b.guest_read_blocks as f64;
-            let _ = writeln!(
-                out,
-                "  reads served by: RAM {:.1}%, spill {:.1}%, golden image {:.1}%, zeroes {:.1}%, cache file {:.1}%",
-                pct(b.read_ram),
-                pct(b.read_spill),
-                pct(b.read_golden),
-                pct(b.read_zero),
-                pct(b.read_cache_file)
-            );
+        if let Some(served) = served_text(c) {
+            let _ = writeln!(out, "  reads served by: {served}");
         }
         for failure in &c.failed_vms {
             let _ = writeln!(out, "  failed: {failure}");
