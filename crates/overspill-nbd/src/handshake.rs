@@ -207,16 +207,26 @@ impl Handshake {
         self.shutting_down = true;
     }
 
-    /// The answer to an option during shutdown, if it is not ABORT.
-    fn refused_for_shutdown(&self, option: u32, out: &mut Vec<u8>) -> Option<Progress> {
-        if !self.shutting_down || option == OPT_ABORT {
-            return None;
-        }
-        if option != OPT_EXPORT_NAME {
+    /// The answer to an option the server will not serve now, whatever its data: every option
+    /// but ABORT during shutdown (NBD_REP_ERR_SHUTDOWN), and every option but STARTTLS and ABORT
+    /// before TLS on a server that requires it (NBD_REP_ERR_TLS_REQD). EXPORT_NAME has no error
+    /// reply: the spec's answer is to close. `None`: the option goes on to be served.
+    fn refused_now(&self, option: u32, out: &mut Vec<u8>) -> Option<Result<Progress, HandshakeError>> {
+        if self.shutting_down && option != OPT_ABORT {
+            if option == OPT_EXPORT_NAME {
+                return Some(Ok(Progress::Close));
+            }
             option_reply(out, option, REP_ERR_SHUTDOWN, b"the server is shutting down");
-            return Some(Progress::NeedMore);
+            return Some(Ok(Progress::NeedMore));
         }
-        Some(Progress::Close)
+        if self.tls == TlsMode::Require && !self.tls_active && option != OPT_STARTTLS && option != OPT_ABORT {
+            if option == OPT_EXPORT_NAME {
+                return Some(Err(HandshakeError::TlsRequired));
+            }
+            option_reply(out, option, REP_ERR_TLS_REQD, b"this server requires TLS: send STARTTLS first");
+            return Some(Ok(Progress::NeedMore));
+        }
+        None
     }
 
     /// Whether the client selected block status for the export it is now opening.
@@ -312,8 +322,9 @@ impl Handshake {
                         continue;
                     }
                     self.phase = Phase::Options;
-                    if let Progress::Close = self.oversized_option(option, output) {
-                        return Ok((consumed, Progress::Close));
+                    match self.oversized_option(option, output)? {
+                        Progress::NeedMore => {}
+                        done => return Ok((consumed, done)),
                     }
                 }
             }
@@ -327,19 +338,8 @@ impl Handshake {
         out: &mut Vec<u8>,
         exports: &dyn ExportProvider,
     ) -> Result<Progress, HandshakeError> {
-        if let Some(progress) = self.refused_for_shutdown(option, out) {
-            return Ok(progress);
-        }
-        if self.tls == TlsMode::Require && !self.tls_active {
-            match option {
-                OPT_STARTTLS | OPT_ABORT => {}
-                // It has no error reply: the spec says to close.
-                OPT_EXPORT_NAME => return Err(HandshakeError::TlsRequired),
-                _ => {
-                    option_reply(out, option, REP_ERR_TLS_REQD, b"this server requires TLS: send STARTTLS first");
-                    return Ok(Progress::NeedMore);
-                }
-            }
+        if let Some(refused) = self.refused_now(option, out) {
+            return refused;
         }
         match option {
             OPT_EXPORT_NAME => {
@@ -402,10 +402,11 @@ impl Handshake {
         }
     }
 
-    /// The answer to an option whose data was skipped: as to any option before STARTTLS on a
-    /// server that requires TLS; ABORT ignores its data, as ever; otherwise UNSUP for an option
-    /// this server does not know and TOO_BIG for one it does, nothing of which needs that much.
-    fn oversized_option(&mut self, option: u32, out: &mut Vec<u8>) -> Progress {
+    /// The answer to an option whose data was skipped: as to any option the server will not
+    /// serve now ([`Self::refused_now`]); ABORT ignores its data, as ever; otherwise UNSUP for an
+    /// option this server does not know and TOO_BIG for one it does, nothing of which needs that
+    /// much. (EXPORT_NAME never gets here: too long a name closes at once.)
+    fn oversized_option(&mut self, option: u32, out: &mut Vec<u8>) -> Result<Progress, HandshakeError> {
         const KNOWN: [u32; 7] = [
             OPT_LIST,
             OPT_STARTTLS,
@@ -415,16 +416,14 @@ impl Handshake {
             OPT_LIST_META_CONTEXT,
             OPT_SET_META_CONTEXT,
         ];
-        if let Some(progress) = self.refused_for_shutdown(option, out) {
-            return progress;
+        if let Some(refused) = self.refused_now(option, out) {
+            return refused;
         }
         if option == OPT_ABORT {
             option_reply(out, option, REP_ACK, &[]);
-            return Progress::Close;
+            return Ok(Progress::Close);
         }
-        if self.tls == TlsMode::Require && !self.tls_active && option != OPT_STARTTLS {
-            option_reply(out, option, REP_ERR_TLS_REQD, b"this server requires TLS: send STARTTLS first");
-        } else if KNOWN.contains(&option) {
+        if KNOWN.contains(&option) {
             if option == OPT_SET_META_CONTEXT {
                 self.allocation_context = None;
             }
@@ -433,7 +432,7 @@ impl Handshake {
         } else {
             option_reply(out, option, REP_ERR_UNSUP, b"option not supported");
         }
-        Progress::NeedMore
+        Ok(Progress::NeedMore)
     }
 
     fn start_tls(&mut self, data: &[u8], out: &mut Vec<u8>) -> Progress {

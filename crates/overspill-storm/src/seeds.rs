@@ -21,8 +21,13 @@ pub struct SeedRow {
 
 const SEED_IOPS: &str = include_str!("../data/seed-iops.csv");
 
-/// Every row of the seeds' table.
-pub fn rows() -> Vec<SeedRow> {
+/// Every row of the seeds' table, parsed once.
+pub fn rows() -> &'static [SeedRow] {
+    static ROWS: std::sync::OnceLock<Vec<SeedRow>> = std::sync::OnceLock::new();
+    ROWS.get_or_init(parse)
+}
+
+fn parse() -> Vec<SeedRow> {
     SEED_IOPS
         .lines()
         .filter(|line| !line.starts_with('#') && !line.starts_with("source,") && !line.trim().is_empty())
@@ -54,12 +59,12 @@ pub fn figure_for(platform: &str, mode: &str, ram_bytes: Option<u64>, phase: &st
         _ => return None,
     };
     let candidates =
-        rows().into_iter().filter(|r| r.platform == platform && r.provisioning == provisioning && r.phase == phase);
+        rows().iter().filter(|r| r.platform == platform && r.provisioning == provisioning && r.phase == phase);
     match provisioning {
-        "mcs" => candidates.max_by_key(|r| r.vms),
+        "mcs" => candidates.max_by_key(|r| r.vms).cloned(),
         _ => {
             let ram_mb = ram_bytes? / (1 << 20);
-            candidates.min_by_key(|r| r.ram_cache_mb.abs_diff(ram_mb))
+            candidates.min_by_key(|r| r.ram_cache_mb.abs_diff(ram_mb)).cloned()
         }
     }
 }
