@@ -29,6 +29,6 @@ pub use error::{EngineError, Result};
 pub use golden::{push_extent, Allocation, Extent, GoldenImage, MemImage, RawImage, SourceReads};
 pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};
 pub use read_cache::CachedImage;
-pub use stats::VmStats;
+pub use stats::{StorageTier, VmStats};
 pub use store::{BackingFile, ScratchFile, SegmentWriters, SpaceShortages};
 pub use units::{BLOCK_BYTES, BLOCK_SIZE, SEGMENT_BYTES};

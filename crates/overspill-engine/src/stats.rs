@@ -161,6 +161,69 @@ impl GuestOp {
     }
 }
 
+/// The storage behind a VM, where [`VmStats`] counts operations actually issued: the one list
+/// the metrics, the storm driver, its reports and the planner loop over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StorageTier {
+    /// The golden image's storage (behind its shared read cache, when there is one).
+    Golden,
+    /// Mode `shared`: the per-VM differencing file on shared storage.
+    Shared,
+    /// Mode `disk`: the per-VM cache file on local disk.
+    CacheFile,
+    /// Mode `ram+disk`: the spill log of 2 MiB segments on local disk.
+    Spill,
+}
+
+impl StorageTier {
+    /// In report order.
+    pub const ALL: [StorageTier; 4] = [Self::Golden, Self::Shared, Self::CacheFile, Self::Spill];
+
+    /// The `tier` label of the metrics.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::Golden => "golden",
+            Self::Shared => "shared",
+            Self::CacheFile => "cache_file",
+            Self::Spill => "spill",
+        }
+    }
+
+    /// What reports call it.
+    pub const fn title(self) -> &'static str {
+        match self {
+            Self::Golden => "golden image",
+            Self::Shared => "shared storage",
+            Self::CacheFile => "local cache disk",
+            Self::Spill => "spill",
+        }
+    }
+
+    /// Whether the tier is ever written (the golden image never is).
+    pub const fn is_written(self) -> bool {
+        !matches!(self, Self::Golden)
+    }
+
+    pub fn reads(self, s: &VmStats) -> &OpCounter {
+        match self {
+            Self::Golden => &s.golden_read,
+            Self::Shared => &s.shared_read,
+            Self::CacheFile => &s.cache_file_read,
+            Self::Spill => &s.spill_read,
+        }
+    }
+
+    /// `None` for the golden image, which is never written.
+    pub fn writes(self, s: &VmStats) -> Option<&OpCounter> {
+        match self {
+            Self::Golden => None,
+            Self::Shared => Some(&s.shared_write),
+            Self::CacheFile => Some(&s.cache_file_write),
+            Self::Spill => Some(&s.spill_write),
+        }
+    }
+}
+
 /// Every figure the engine keeps for one VM.
 #[derive(Debug, Default)]
 pub struct VmStats {
@@ -255,17 +318,12 @@ impl VmStats {
         ] {
             a.absorb(b);
         }
-        for (a, b) in [
-            (&self.golden_request, &other.golden_request),
-            (&self.golden_read, &other.golden_read),
-            (&self.spill_read, &other.spill_read),
-            (&self.spill_write, &other.spill_write),
-            (&self.cache_file_read, &other.cache_file_read),
-            (&self.cache_file_write, &other.cache_file_write),
-            (&self.shared_read, &other.shared_read),
-            (&self.shared_write, &other.shared_write),
-        ] {
-            a.absorb(b);
+        self.golden_request.absorb(&other.golden_request);
+        for tier in StorageTier::ALL {
+            tier.reads(self).absorb(tier.reads(other));
+            if let (Some(a), Some(b)) = (tier.writes(self), tier.writes(other)) {
+                a.absorb(b);
+            }
         }
         self.spill_write_sizes.absorb(&other.spill_write_sizes);
     }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use overspill_engine::VmStats;
+use overspill_engine::{StorageTier, VmStats};
 use overspill_nbd::client::{Client, NbdUri};
 use serde::Serialize;
 
@@ -84,17 +84,33 @@ impl Ops {
     }
 }
 
-/// The tiers a request can reach, in report order. `read cache` counts the reads asked of the
-/// golden image (all served by its shared read cache when there is one); `golden image` counts
-/// what reached the image's storage.
-pub const TIERS: [&str; 6] = ["guest", "read cache", "golden image", "shared storage", "local cache disk", "spill"];
+/// The tiers a request can reach, in report order: the guest's requests, what the overlay asked
+/// of the golden image (all served by its shared read cache when there is one), then each
+/// [`StorageTier`], where operations actually reached storage.
+pub const TIERS: [&str; 2 + StorageTier::ALL.len()] = {
+    let mut names = ["guest", "read cache", "", "", "", ""];
+    let mut i = 0;
+    while i < StorageTier::ALL.len() {
+        names[2 + i] = StorageTier::ALL[i].title();
+        i += 1;
+    }
+    names
+};
+
+/// Where in [`TIERS`] (and [`TierOps`]) the guest's requests, the golden-image requests and
+/// each storage tier are.
+pub const GUEST: usize = 0;
+pub const READ_CACHE: usize = 1;
+pub const fn tier_index(tier: StorageTier) -> usize {
+    2 + tier as usize
+}
 
 /// Counts per tier, indexed like [`TIERS`].
-pub type TierOps = [Ops; 6];
+pub type TierOps = [Ops; TIERS.len()];
 
 /// The storage tiers' operations between two samples; tier 0 (the guest's own) is left alone.
 fn set_storage_since(delta: &mut TierOps, now: &TierOps, last: &TierOps) {
-    for (tier, (n, l)) in now.iter().zip(last).enumerate().skip(1) {
+    for (tier, (n, l)) in now.iter().zip(last).enumerate().skip(GUEST + 1) {
         delta[tier] = n.minus(l);
     }
 }
@@ -106,21 +122,20 @@ fn add_tiers(into: &mut TierOps, from: &TierOps) {
 }
 
 /// The storage tiers of an in-process VM, read from the engine's counters.
-fn storage_tiers(s: &VmStats) -> TierOps {
-    let ops = |read: &overspill_engine::stats::OpCounter, write: Option<&overspill_engine::stats::OpCounter>| Ops {
-        reads: read.ops.get(),
-        writes: write.map_or(0, |w| w.ops.get()),
-        read_bytes: read.bytes.get(),
-        write_bytes: write.map_or(0, |w| w.bytes.get()),
-    };
-    [
-        Ops::default(),
-        ops(&s.golden_request, None),
-        ops(&s.golden_read, None),
-        ops(&s.shared_read, Some(&s.shared_write)),
-        ops(&s.cache_file_read, Some(&s.cache_file_write)),
-        ops(&s.spill_read, Some(&s.spill_write)),
-    ]
+pub fn storage_tiers(s: &VmStats) -> TierOps {
+    let mut tiers = TierOps::default();
+    tiers[READ_CACHE] =
+        Ops { reads: s.golden_request.ops.get(), read_bytes: s.golden_request.bytes.get(), ..Ops::default() };
+    for tier in StorageTier::ALL {
+        let (read, write) = (tier.reads(s), tier.writes(s));
+        tiers[tier_index(tier)] = Ops {
+            reads: read.ops.get(),
+            writes: write.map_or(0, |w| w.ops.get()),
+            read_bytes: read.bytes.get(),
+            write_bytes: write.map_or(0, |w| w.bytes.get()),
+        };
+    }
+    tiers
 }
 
 /// Which tier served each 4 KiB block of guest I/O, from the engine's counters, beside the
@@ -365,30 +380,123 @@ fn open_recorder(ctx: &VmContext, dir: &Path) -> Result<TraceWriter, String> {
     TraceWriter::create(&dir.join(format!("vm-{}.trace", ctx.vm)), &header).map_err(|e| format!("record: {e}"))
 }
 
+/// How one request ended, as the driver needs to know it: done, refused with an errno (counted,
+/// the VM goes on), or the connection failed (the VM stops).
+pub(crate) enum Outcome {
+    Done,
+    Refused { errno: u32 },
+    Failed(String),
+}
+
+/// One VM's figures, built as its requests are issued: the guest's side from the requests, the
+/// storage side from the engine's counters sampled after each request, so that storage
+/// operations are attributed to the phase and moment of the guest request that caused them.
+/// The network driver and the in-memory model share it, so their figures mean the same.
+pub(crate) struct VmTally {
+    pub result: VmResult,
+    stats: Option<Arc<VmStats>>,
+    last: TierOps,
+    bucket_ms: u64,
+    last_place: (usize, usize),
+    phase_names: Vec<String>,
+}
+
+impl VmTally {
+    pub fn new(vm: usize, plan: &RunPlan, buckets: usize, bucket_s: u64, stats: Option<Arc<VmStats>>) -> Self {
+        let mut result = failed(vm, plan, buckets, "");
+        result.failure = None;
+        result.has_storage = stats.is_some();
+        let last = stats.as_deref().map(storage_tiers).unwrap_or_default();
+        let phase_names = plan.phase_names.clone();
+        Self { result, stats, last, bucket_ms: bucket_s * 1000, last_place: (0, 0), phase_names }
+    }
+
+    /// Counts `op` of phase `p`, issued at `at_ms` of profile time. Returns false when the VM
+    /// must stop (its connection failed).
+    pub fn issued(&mut self, p: usize, at_ms: u64, op: &Op, outcome: Outcome) -> bool {
+        let result = &mut self.result;
+        let mut delta = TierOps::default();
+        let len = u64::from(op.len);
+        match op.kind {
+            OpKind::Read => delta[GUEST] = Ops { reads: 1, read_bytes: len, ..Ops::default() },
+            OpKind::Write | OpKind::Zero => delta[GUEST] = Ops { writes: 1, write_bytes: len, ..Ops::default() },
+            OpKind::Trim => result.phases[p].trims += 1,
+            OpKind::Flush => result.phases[p].flushes += 1,
+        }
+        match outcome {
+            Outcome::Done => match op.kind {
+                OpKind::Read => result.blocks.guest_read_blocks += len.div_ceil(4096),
+                OpKind::Write => result.blocks.guest_write_blocks += len.div_ceil(4096),
+                _ => {}
+            },
+            Outcome::Refused { errno } => {
+                result.phases[p].errors += 1;
+                if errno == ENOSPC {
+                    result.phases[p].enospc += 1;
+                }
+            }
+            Outcome::Failed(why) => {
+                result.failure = Some(format!("phase {}: {why}", self.phase_names[p]));
+                return false;
+            }
+        }
+        if let Some(stats) = self.stats.as_deref() {
+            let now = storage_tiers(stats);
+            set_storage_since(&mut delta, &now, &self.last);
+            self.last = now;
+        }
+        add_tiers(&mut result.phases[p].tiers, &delta);
+        let buckets = result.timeline.len();
+        let bucket = ((at_ms / self.bucket_ms) as usize).min(buckets - 1);
+        add_tiers(&mut result.timeline[bucket], &delta);
+        self.last_place = (p, bucket);
+        true
+    }
+
+    /// The engine's own figures, and with `settled` (a flush has waited for the last spill
+    /// segment, written in the background) what reached storage since the last request, counted
+    /// with it.
+    pub fn finish(mut self, settled: bool) -> VmResult {
+        if let Some(stats) = self.stats.as_deref() {
+            if settled {
+                let mut delta = TierOps::default();
+                set_storage_since(&mut delta, &storage_tiers(stats), &self.last);
+                let (p, bucket) = self.last_place;
+                add_tiers(&mut self.result.phases[p].tiers, &delta);
+                add_tiers(&mut self.result.timeline[bucket], &delta);
+            }
+            self.result.spill_segments_written = stats.spill_segments_written.get();
+            self.result.peak_cache_memory_bytes = stats.cache_memory_peak_bytes.get();
+            self.result.peak_cache_disk_bytes = stats.cache_disk_peak_bytes.get();
+            self.result.blocks.engine_side(stats);
+        }
+        self.result
+    }
+}
+
+pub(crate) const ENOSPC: u32 = 28;
+
+/// Content that differs per VM and write, cheaply: the request itself.
+pub(crate) fn fill_write(buffer: &mut [u8], vm: usize, op: &Op) {
+    let stamp = op.offset ^ ((vm as u64) << 48) ^ op.at_ms;
+    for (i, chunk) in buffer.chunks_mut(8).enumerate() {
+        chunk.copy_from_slice(&(stamp.wrapping_add(i as u64)).to_le_bytes()[..chunk.len()]);
+    }
+}
+
 fn run_vm(ctx: &VmContext) -> VmResult {
     let (plan, config, vm, buckets) = (ctx.plan, ctx.config, ctx.vm, ctx.buckets);
-    let mut result = failed(vm, plan, buckets, "");
-    result.failure = None;
     let mut recorder = match ctx.record.map(|dir| open_recorder(ctx, dir)).transpose() {
         Ok(r) => r,
-        Err(e) => {
-            result.failure = Some(e);
-            return result;
-        }
+        Err(e) => return failed(vm, plan, buckets, &e),
     };
     let mut client = match Client::connect(&ctx.target.uri(vm)) {
         Ok(c) => c,
-        Err(e) => {
-            result.failure = Some(format!("connect: {e}"));
-            return result;
-        }
+        Err(e) => return failed(vm, plan, buckets, &format!("connect: {e}")),
     };
-    let stats = ctx.target.stats(vm);
-    result.has_storage = stats.is_some();
-    let mut last = stats.as_deref().map(storage_tiers).unwrap_or_default();
+    let mut tally = VmTally::new(vm, plan, buckets, config.bucket_s, ctx.target.stats(vm));
     let mut buffer = Vec::new();
     let mut unreported = 0u64;
-    let mut last_place = (0, 0);
     'phases: for (p, ops) in plan.ops[vm].iter().enumerate() {
         let start_ms = plan.timeline.starts_ms[p][vm];
         for op in ops {
@@ -410,74 +518,35 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     phase: p as u16,
                 };
                 if let Err(e) = w.record(&record) {
-                    result.failure = Some(format!("record: {e}"));
+                    tally.result.failure = Some(format!("record: {e}"));
                     break 'phases;
                 }
             }
-            let mut delta = TierOps::default();
             let outcome = match op.kind {
                 OpKind::Read => {
                     buffer.resize(op.len as usize, 0);
-                    delta[0] = Ops { reads: 1, read_bytes: u64::from(op.len), ..Ops::default() };
                     client.read(op.offset, &mut buffer)
                 }
                 OpKind::Write => {
                     buffer.resize(op.len as usize, 0);
-                    // Content that differs per VM and write, cheaply: the request itself.
-                    let stamp = op.offset ^ ((vm as u64) << 48) ^ op.at_ms;
-                    for (i, chunk) in buffer.chunks_mut(8).enumerate() {
-                        chunk.copy_from_slice(&(stamp.wrapping_add(i as u64)).to_le_bytes()[..chunk.len()]);
-                    }
-                    delta[0] = Ops { writes: 1, write_bytes: u64::from(op.len), ..Ops::default() };
+                    fill_write(&mut buffer, vm, op);
                     client.write(op.offset, &buffer, false)
                 }
-                OpKind::Trim => {
-                    result.phases[p].trims += 1;
-                    if client.can_trim() {
-                        client.trim(op.offset, op.len)
-                    } else {
-                        Ok(())
-                    }
-                }
-                OpKind::Zero => {
-                    delta[0] = Ops { writes: 1, write_bytes: u64::from(op.len), ..Ops::default() };
-                    client.write_zeroes(op.offset, op.len, false)
-                }
-                OpKind::Flush => {
-                    result.phases[p].flushes += 1;
-                    if client.can_flush() {
-                        client.flush()
-                    } else {
-                        Ok(())
-                    }
-                }
+                OpKind::Trim if client.can_trim() => client.trim(op.offset, op.len),
+                OpKind::Zero => client.write_zeroes(op.offset, op.len, false),
+                OpKind::Flush if client.can_flush() => client.flush(),
+                OpKind::Trim | OpKind::Flush => Ok(()),
             };
-            match outcome {
-                Ok(()) => match op.kind {
-                    OpKind::Read => result.blocks.guest_read_blocks += u64::from(op.len).div_ceil(4096),
-                    OpKind::Write => result.blocks.guest_write_blocks += u64::from(op.len).div_ceil(4096),
-                    _ => {}
+            let outcome = match outcome {
+                Ok(()) => Outcome::Done,
+                Err(e) => match e.errno() {
+                    Some(errno) => Outcome::Refused { errno },
+                    None => Outcome::Failed(e.to_string()),
                 },
-                Err(e) if e.errno().is_some() => {
-                    result.phases[p].errors += 1;
-                    if e.errno() == Some(28) {
-                        result.phases[p].enospc += 1;
-                    }
-                }
-                Err(e) => {
-                    result.failure = Some(format!("phase {}: {e}", plan.phase_names[p]));
-                    break 'phases;
-                }
+            };
+            if !tally.issued(p, at_ms, op, outcome) {
+                break 'phases;
             }
-            if let Some(stats) = stats.as_deref() {
-                let now = storage_tiers(stats);
-                set_storage_since(&mut delta, &now, &last);
-                last = now;
-            }
-            add_tiers(&mut result.phases[p].tiers, &delta);
-            let bucket = (at_ms / (config.bucket_s * 1000)) as usize;
-            add_tiers(&mut result.timeline[bucket.min(buckets - 1)], &delta);
-            last_place = (p, bucket.min(buckets - 1));
             unreported += 1;
             if unreported == 512 {
                 ctx.progress.inc(unreported);
@@ -488,26 +557,13 @@ fn run_vm(ctx: &VmContext) -> VmResult {
     ctx.progress.inc(unreported);
     if let Some(w) = recorder {
         if let Err(e) = w.finish() {
-            result.failure.get_or_insert(format!("record: {e}"));
+            tally.result.failure.get_or_insert(format!("record: {e}"));
         }
     }
-    if let (Some(stats), None) = (stats.as_deref(), &result.failure) {
-        // The VM's last spill segment may still be on its way to disk; a flush waits for it, so
-        // that it is counted, with the last request.
-        if client.flush().is_ok() {
-            let mut delta = TierOps::default();
-            set_storage_since(&mut delta, &storage_tiers(stats), &last);
-            let (p, bucket) = last_place;
-            add_tiers(&mut result.phases[p].tiers, &delta);
-            add_tiers(&mut result.timeline[bucket], &delta);
-        }
-    }
-    if let Some(stats) = stats.as_deref() {
-        result.spill_segments_written = stats.spill_segments_written.get();
-        result.peak_cache_memory_bytes = stats.cache_memory_peak_bytes.get();
-        result.peak_cache_disk_bytes = stats.cache_disk_peak_bytes.get();
-        result.blocks.engine_side(stats);
-    }
+    // The VM's last spill segment may still be on its way to disk; a flush waits for it, so
+    // that it is counted with the last request.
+    let settled = tally.result.failure.is_none() && tally.result.has_storage && client.flush().is_ok();
+    let result = tally.finish(settled);
     if result.failure.is_none() {
         let _ = client.disconnect();
     }

@@ -1,12 +1,17 @@
 //! Storms: many VMs booting, logging on and working at once over real NBD connections, with the
 //! workload models that say what each VM does ([`profile`]), the driver that runs them
-//! ([`driver`]) and the reports in the seeds' table format ([`report`]).
+//! ([`driver`]), the same runs through the engine alone ([`model`]), the planner built on it
+//! ([`plan`]), traces ([`trace`]) and the reports in the seeds' table format ([`report`],
+//! [`page`]).
 //!
 //! This crate knows no server: it connects to an NBD URI, and reads the engine's per-VM counters
-//! only when the caller hands them over (a server in the same process).
+//! only when the caller hands them over (a server in the same process); the model builds its own
+//! overlays from the engine.
 
 pub mod driver;
+pub mod model;
 pub mod page;
+pub mod plan;
 pub mod profile;
 pub mod report;
 pub mod seeds;

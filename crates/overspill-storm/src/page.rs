@@ -9,12 +9,20 @@ use plotters::coord::combinators::IntoLogRange;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::driver::TIERS;
+use overspill_engine::StorageTier;
+
+use crate::driver::{tier_index, TIERS};
 use crate::report::{duration_text, read_write_text, served_text, shown_rows, text_tables, ConfigReport, StormReport};
 use crate::seeds::{self, SeedRow};
 
-/// The tiers behind the VMs, as indices into [`TIERS`], in the order the bars are drawn.
-const STORAGE_TIERS: [usize; 4] = [3, 4, 5, 2];
+/// The tiers behind the VMs, as indices into [`TIERS`], in the order the bars are drawn: the
+/// write caches' storage first, the golden image's last.
+const STORAGE_TIERS: [usize; 4] = [
+    tier_index(StorageTier::Shared),
+    tier_index(StorageTier::CacheFile),
+    tier_index(StorageTier::Spill),
+    tier_index(StorageTier::Golden),
+];
 const TIER_COLORS: [RGBColor; 4] =
     [RGBColor(214, 39, 40), RGBColor(255, 127, 14), RGBColor(31, 119, 180), RGBColor(44, 160, 44)];
 const SEED_COLOR: RGBColor = RGBColor(190, 190, 190);

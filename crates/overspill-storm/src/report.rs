@@ -336,3 +336,19 @@ pub fn write_files(report: &StormReport, dir: &Path) -> std::io::Result<()> {
     let page = crate::page::html(report).map_err(std::io::Error::other)?;
     std::fs::write(dir.join("report.html"), page)
 }
+
+/// Bytes in binary units, one decimal: `256.0 MiB`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}

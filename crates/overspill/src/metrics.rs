@@ -20,8 +20,8 @@ use bytes::Bytes;
 use http_body_util::Full;
 
 use overspill_engine::read_cache::ReadCacheStats;
-use overspill_engine::stats::{GuestOp, LatencyHistogram, SizeHistogram};
-use overspill_engine::{HostMemory, VmStats};
+use overspill_engine::stats::{GuestOp, LatencyHistogram, OpCounter, SizeHistogram};
+use overspill_engine::{HostMemory, StorageTier, VmStats};
 
 use overspill_nbd::counters::ProtocolCounters;
 use overspill_server::images::{CacheEntry, ReadCacheList};
@@ -56,152 +56,147 @@ enum Kind {
     Gauge,
 }
 
-type Getter = fn(&VmStats) -> u64;
+type Getter = Box<dyn Fn(&VmStats) -> u64 + Send + Sync>;
 
 /// One engine figure: family (without prefix), help, kind, extra labels, and where to read it.
 struct Figure {
     family: &'static str,
     help: &'static str,
     kind: Kind,
-    labels: &'static [(&'static str, &'static str)],
+    labels: Vec<(&'static str, &'static str)>,
     get: Getter,
 }
 
 macro_rules! figure {
     ($family:literal, $help:literal, $kind:ident, [$(($k:literal, $v:literal)),*], $get:expr) => {
-        Figure { family: $family, help: $help, kind: Kind::$kind, labels: &[$(($k, $v)),*], get: $get }
+        Figure { family: $family, help: $help, kind: Kind::$kind, labels: vec![$(($k, $v)),*], get: Box::new($get) }
     };
 }
 
-const FIGURES: &[Figure] = &[
-    figure!("guest_requests_total", "Guest requests by command.", Counter, [("op", "read")], |s| s
-        .guest_read
-        .ops
-        .get()),
-    figure!("guest_requests_total", "", Counter, [("op", "write")], |s| s.guest_write.ops.get()),
-    figure!("guest_requests_total", "", Counter, [("op", "trim")], |s| s.guest_trim.ops.get()),
-    figure!("guest_requests_total", "", Counter, [("op", "write_zeroes")], |s| s.guest_zero.ops.get()),
-    figure!("guest_requests_total", "", Counter, [("op", "flush")], |s| s.guest_flush.ops.get()),
-    figure!("guest_bytes_total", "Bytes guest requests covered, by command.", Counter, [("op", "read")], |s| s
-        .guest_read
-        .bytes
-        .get()),
-    figure!("guest_bytes_total", "", Counter, [("op", "write")], |s| s.guest_write.bytes.get()),
-    figure!("guest_bytes_total", "", Counter, [("op", "trim")], |s| s.guest_trim.bytes.get()),
-    figure!("guest_bytes_total", "", Counter, [("op", "write_zeroes")], |s| s.guest_zero.bytes.get()),
-    figure!(
-        "guest_read_blocks_total",
-        "4 KiB blocks of guest reads by the tier that served them.",
-        Counter,
-        [("served_by", "ram")],
-        |s| s.read_blocks_ram.get()
-    ),
-    figure!("guest_read_blocks_total", "", Counter, [("served_by", "spill")], |s| s.read_blocks_spill.get()),
-    figure!("guest_read_blocks_total", "", Counter, [("served_by", "golden")], |s| s.read_blocks_golden.get()),
-    figure!("guest_read_blocks_total", "", Counter, [("served_by", "zero")], |s| s.read_blocks_zero.get()),
-    figure!("guest_read_blocks_total", "", Counter, [("served_by", "cache_file")], |s| s.read_blocks_cache_file.get()),
-    figure!(
-        "guest_write_blocks_total",
-        "4 KiB blocks of guest writes by the tier they landed in.",
-        Counter,
-        [("landed_in", "ram")],
-        |s| s.write_blocks_ram.get()
-    ),
-    figure!("guest_write_blocks_total", "", Counter, [("landed_in", "spill")], |s| s.write_blocks_spill.get()),
-    figure!("guest_write_blocks_total", "", Counter, [("landed_in", "cache_file")], |s| s
-        .write_blocks_cache_file
-        .get()),
-    figure!("guest_zeroed_blocks_total", "Whole 4 KiB blocks zeroed without storing data.", Counter, [], |s| s
-        .zero_blocks
-        .get()),
-    figure!(
-        "golden_requests_total",
-        "Reads asked of the golden image (its shared read cache, when there is one).",
-        Counter,
-        [],
-        |s| s.golden_request.ops.get()
-    ),
-    figure!(
-        "storage_ops_total",
-        "Operations issued to storage: golden image, spill file, local cache file, shared differencing file.",
-        Counter,
-        [("tier", "golden"), ("direction", "read")],
-        |s| s.golden_read.ops.get()
-    ),
-    figure!("storage_ops_total", "", Counter, [("tier", "spill"), ("direction", "read")], |s| s.spill_read.ops.get()),
-    figure!("storage_ops_total", "", Counter, [("tier", "spill"), ("direction", "write")], |s| s.spill_write.ops.get()),
-    figure!("storage_ops_total", "", Counter, [("tier", "cache_file"), ("direction", "read")], |s| s
-        .cache_file_read
-        .ops
-        .get()),
-    figure!("storage_ops_total", "", Counter, [("tier", "cache_file"), ("direction", "write")], |s| s
-        .cache_file_write
-        .ops
-        .get()),
-    figure!("storage_ops_total", "", Counter, [("tier", "shared"), ("direction", "read")], |s| s.shared_read.ops.get()),
-    figure!("storage_ops_total", "", Counter, [("tier", "shared"), ("direction", "write")], |s| s
-        .shared_write
-        .ops
-        .get()),
-    figure!(
-        "storage_bytes_total",
-        "Bytes moved to and from storage, by tier.",
-        Counter,
-        [("tier", "golden"), ("direction", "read")],
-        |s| s.golden_read.bytes.get()
-    ),
-    figure!("storage_bytes_total", "", Counter, [("tier", "spill"), ("direction", "read")], |s| s
-        .spill_read
-        .bytes
-        .get()),
-    figure!("storage_bytes_total", "", Counter, [("tier", "spill"), ("direction", "write")], |s| s
-        .spill_write
-        .bytes
-        .get()),
-    figure!("storage_bytes_total", "", Counter, [("tier", "cache_file"), ("direction", "read")], |s| s
-        .cache_file_read
-        .bytes
-        .get()),
-    figure!("storage_bytes_total", "", Counter, [("tier", "cache_file"), ("direction", "write")], |s| s
-        .cache_file_write
-        .bytes
-        .get()),
-    figure!("storage_bytes_total", "", Counter, [("tier", "shared"), ("direction", "read")], |s| s
-        .shared_read
-        .bytes
-        .get()),
-    figure!("storage_bytes_total", "", Counter, [("tier", "shared"), ("direction", "write")], |s| s
-        .shared_write
-        .bytes
-        .get()),
-    figure!("spill_segments_written_total", "2 MiB segments written to spill files.", Counter, [], |s| s
-        .spill_segments_written
-        .get()),
-    figure!("spill_segments_punched_total", "Dead spill segments whose space was given back.", Counter, [], |s| s
-        .spill_segments_punched
-        .get()),
-    figure!(
-        "spill_compaction_moved_bytes_total",
-        "Live bytes compaction moved between spill segments.",
-        Counter,
-        [],
-        |s| s.compaction_bytes_moved.get()
-    ),
-    figure!("cache_memory_used_bytes", "Cache memory in use: RAM tier, open spill segment, index.", Gauge, [], |s| s
-        .cache_memory_used_bytes
-        .get()),
-    figure!("cache_memory_target_bytes", "Cache memory target now in force.", Gauge, [], |s| s
-        .cache_memory_target_bytes
-        .get()),
-    figure!("cache_memory_peak_bytes", "Highest cache memory used.", Gauge, [], |s| s.cache_memory_peak_bytes.get()),
-    figure!("cache_disk_used_bytes", "Bytes of cache files holding data.", Gauge, [], |s| s
-        .cache_disk_used_bytes
-        .get()),
-    figure!("cache_disk_size_bytes", "Size of the cache files (or the spill limit).", Gauge, [], |s| s
-        .cache_disk_size_bytes
-        .get()),
-    figure!("cache_disk_peak_bytes", "Highest cache disk used.", Gauge, [], |s| s.cache_disk_peak_bytes.get()),
-];
+/// Operations and bytes per storage tier and direction, one figure each.
+fn storage_figures() -> Vec<Figure> {
+    type Measure = fn(&OpCounter) -> u64;
+    let families: [(&'static str, &'static str, Measure); 2] = [
+        (
+            "storage_ops_total",
+            "Operations issued to storage: golden image, spill file, local cache file, shared differencing file.",
+            |c| c.ops.get(),
+        ),
+        ("storage_bytes_total", "Bytes moved to and from storage, by tier.", |c| c.bytes.get()),
+    ];
+    let mut figures = Vec::new();
+    for (family, help, measure) in families {
+        for tier in StorageTier::ALL {
+            let help = if figures.iter().any(|f: &Figure| f.family == family) { "" } else { help };
+            let figure = |direction, get: Getter| Figure {
+                family,
+                help,
+                kind: Kind::Counter,
+                labels: vec![("tier", tier.label()), ("direction", direction)],
+                get,
+            };
+            figures.push(figure("read", Box::new(move |s| measure(tier.reads(s)))));
+            if tier.is_written() {
+                figures.push(figure("write", Box::new(move |s| tier.writes(s).map_or(0, measure))));
+            }
+        }
+    }
+    figures
+}
+
+static FIGURES: std::sync::LazyLock<Vec<Figure>> = std::sync::LazyLock::new(|| {
+    let mut figures = fixed_figures();
+    let at = figures.iter().position(|f| f.family == "spill_segments_written_total").unwrap_or(figures.len());
+    figures.splice(at..at, storage_figures());
+    figures
+});
+
+fn fixed_figures() -> Vec<Figure> {
+    vec![
+        figure!("guest_requests_total", "Guest requests by command.", Counter, [("op", "read")], |s| s
+            .guest_read
+            .ops
+            .get()),
+        figure!("guest_requests_total", "", Counter, [("op", "write")], |s| s.guest_write.ops.get()),
+        figure!("guest_requests_total", "", Counter, [("op", "trim")], |s| s.guest_trim.ops.get()),
+        figure!("guest_requests_total", "", Counter, [("op", "write_zeroes")], |s| s.guest_zero.ops.get()),
+        figure!("guest_requests_total", "", Counter, [("op", "flush")], |s| s.guest_flush.ops.get()),
+        figure!("guest_bytes_total", "Bytes guest requests covered, by command.", Counter, [("op", "read")], |s| s
+            .guest_read
+            .bytes
+            .get()),
+        figure!("guest_bytes_total", "", Counter, [("op", "write")], |s| s.guest_write.bytes.get()),
+        figure!("guest_bytes_total", "", Counter, [("op", "trim")], |s| s.guest_trim.bytes.get()),
+        figure!("guest_bytes_total", "", Counter, [("op", "write_zeroes")], |s| s.guest_zero.bytes.get()),
+        figure!(
+            "guest_read_blocks_total",
+            "4 KiB blocks of guest reads by the tier that served them.",
+            Counter,
+            [("served_by", "ram")],
+            |s| s.read_blocks_ram.get()
+        ),
+        figure!("guest_read_blocks_total", "", Counter, [("served_by", "spill")], |s| s.read_blocks_spill.get()),
+        figure!("guest_read_blocks_total", "", Counter, [("served_by", "golden")], |s| s.read_blocks_golden.get()),
+        figure!("guest_read_blocks_total", "", Counter, [("served_by", "zero")], |s| s.read_blocks_zero.get()),
+        figure!("guest_read_blocks_total", "", Counter, [("served_by", "cache_file")], |s| s
+            .read_blocks_cache_file
+            .get()),
+        figure!(
+            "guest_write_blocks_total",
+            "4 KiB blocks of guest writes by the tier they landed in.",
+            Counter,
+            [("landed_in", "ram")],
+            |s| s.write_blocks_ram.get()
+        ),
+        figure!("guest_write_blocks_total", "", Counter, [("landed_in", "spill")], |s| s.write_blocks_spill.get()),
+        figure!("guest_write_blocks_total", "", Counter, [("landed_in", "cache_file")], |s| s
+            .write_blocks_cache_file
+            .get()),
+        figure!("guest_zeroed_blocks_total", "Whole 4 KiB blocks zeroed without storing data.", Counter, [], |s| s
+            .zero_blocks
+            .get()),
+        figure!(
+            "golden_requests_total",
+            "Reads asked of the golden image (its shared read cache, when there is one).",
+            Counter,
+            [],
+            |s| s.golden_request.ops.get()
+        ),
+        figure!("spill_segments_written_total", "2 MiB segments written to spill files.", Counter, [], |s| s
+            .spill_segments_written
+            .get()),
+        figure!("spill_segments_punched_total", "Dead spill segments whose space was given back.", Counter, [], |s| s
+            .spill_segments_punched
+            .get()),
+        figure!(
+            "spill_compaction_moved_bytes_total",
+            "Live bytes compaction moved between spill segments.",
+            Counter,
+            [],
+            |s| s.compaction_bytes_moved.get()
+        ),
+        figure!(
+            "cache_memory_used_bytes",
+            "Cache memory in use: RAM tier, open spill segment, index.",
+            Gauge,
+            [],
+            |s| s.cache_memory_used_bytes.get()
+        ),
+        figure!("cache_memory_target_bytes", "Cache memory target now in force.", Gauge, [], |s| s
+            .cache_memory_target_bytes
+            .get()),
+        figure!("cache_memory_peak_bytes", "Highest cache memory used.", Gauge, [], |s| s
+            .cache_memory_peak_bytes
+            .get()),
+        figure!("cache_disk_used_bytes", "Bytes of cache files holding data.", Gauge, [], |s| s
+            .cache_disk_used_bytes
+            .get()),
+        figure!("cache_disk_size_bytes", "Size of the cache files (or the spill limit).", Gauge, [], |s| s
+            .cache_disk_size_bytes
+            .get()),
+        figure!("cache_disk_peak_bytes", "Highest cache disk used.", Gauge, [], |s| s.cache_disk_peak_bytes.get()),
+    ]
+}
 
 struct Writer {
     out: String,
@@ -277,7 +272,7 @@ pub fn render(
     let mut w = Writer { out: String::new(), format, last_family: String::new() };
     let vm_labels = |export: &str, vm: &str| vec![("export", export.to_owned()), ("vm", vm.to_owned())];
 
-    for figure in FIGURES {
+    for figure in FIGURES.iter() {
         let kind = if figure.kind == Kind::Counter { "counter" } else { "gauge" };
         let extra: Vec<(&str, String)> = figure.labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
         let vm_family = format!("overspill_vm_{}", figure.family);
@@ -288,7 +283,7 @@ pub fn render(
             w.sample(&vm_family, &labels, (figure.get)(&handle.stats) as f64);
         }
     }
-    for figure in FIGURES {
+    for figure in FIGURES.iter() {
         let kind = if figure.kind == Kind::Counter { "counter" } else { "gauge" };
         let extra: Vec<(&str, String)> = figure.labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
         let family = format!("overspill_{}", figure.family);

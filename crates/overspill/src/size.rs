@@ -1,5 +1,7 @@
 //! Byte sizes on the command line: `4096`, `512K`, `256M`, `1.5G`, `2TiB` (binary units).
 
+pub use overspill_storm::report::format_bytes;
+
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
@@ -18,21 +20,6 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         return Err(format!("{s:?} is too large"));
     }
     Ok(bytes.round() as u64)
-}
-
-pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,466 @@
+//! The planner: replays recorded traces through the engine alone ([`crate::model`]) for several
+//! RAM sizes, and reports what the storage would see; optionally estimates boot times on a
+//! storage device model.
+//!
+//! The engine code is the same as `serve`'s, so for the same trace and RAM size the storage
+//! figures equal a live storm's counters (with no shared read cache; with one, a VM's share of
+//! the fetches depends on which VM got there first).
+//!
+//! The lower bound: a cache that may hold `C` blocks in RAM must, when `L` distinct blocks are
+//! live (written and neither trimmed nor zeroed), have at least `L - C` of them on disk, each
+//! written there once; in 2 MiB segments that is `ceil((L - C) / 512)` spill writes. No cache of
+//! that size can do with fewer, whatever its policy; the engine comes close to the extent that it
+//! spills only what the peak forces out.
+
+use std::collections::HashSet;
+
+use overspill_engine::{EngineError, StorageTier, WriteCacheMode};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::driver::{tier_index, RunPlan, VmResult};
+use crate::model::{simulate, ModelConfig};
+use crate::profile::OpKind;
+use crate::report::format_bytes;
+use crate::trace::Trace;
+
+/// What to plan for.
+#[derive(Debug, Clone)]
+pub struct PlanOptions {
+    /// RAM sizes per VM to compare.
+    pub ram: Vec<u64>,
+    pub mode: WriteCacheMode,
+    /// Shared read cache in front of the golden image, as `serve --read-cache`.
+    pub read_cache_bytes: u64,
+    /// Estimate boot times on this device.
+    pub device: Option<Device>,
+    /// VMs booting at once for the estimate (traces are reused round-robin).
+    pub vms: usize,
+}
+
+/// Storage figures of one VM after its whole trace.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct VmFigures {
+    pub golden_reads: u64,
+    pub golden_read_bytes: u64,
+    pub spill_writes: u64,
+    pub spill_reads: u64,
+    pub cache_file_writes: u64,
+    pub shared_writes: u64,
+    pub peak_spill_bytes: u64,
+    pub peak_ram_bytes: u64,
+    /// Storage ops of the trace's first phase (its boot, for boot-time estimates).
+    pub first_phase_storage_ops: u64,
+    pub first_phase_storage_bytes: u64,
+    /// The part of those that were golden-image reads (shared between VMs by the read cache).
+    pub first_phase_golden_ops: u64,
+    pub first_phase_golden_bytes: u64,
+    pub first_phase_duration_s: f64,
+    pub errors: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RamRow {
+    pub ram_bytes: u64,
+    pub vms: Vec<VmFigures>,
+    pub storage_ops_per_vm: f64,
+    pub spill_writes_per_vm: f64,
+    pub spill_writes_lower_bound_per_vm: f64,
+    /// Engine spill writes over the lower bound (1.0 is optimal); `None` when the bound is 0.
+    pub engine_over_bound: Option<f64>,
+    pub boot: Option<BootEstimate>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BootEstimate {
+    pub storage: String,
+    pub vms: usize,
+    pub min_s: f64,
+    pub avg_s: f64,
+    pub max_s: f64,
+    /// VMs done by the end of each minute.
+    pub done_per_minute: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    pub traces: Vec<String>,
+    pub mode: String,
+    pub read_cache_bytes: u64,
+    pub rows: Vec<RamRow>,
+    /// Boot times if every guest request went to the storage (no cache at all).
+    pub boot_without_cache: Option<BootEstimate>,
+}
+
+/// A storage device as the boot estimate sees it: random operations per second, streaming
+/// bandwidth and the latency of one operation. Each operation costs `1/iops + bytes/bandwidth`
+/// seconds of the device; a VM with at most [`VM_QUEUE_DEPTH`] requests in flight also waits at
+/// least `latency` per `VM_QUEUE_DEPTH` operations, however idle the device.
+#[derive(Debug, Clone, Copy)]
+pub struct Device {
+    pub name: &'static str,
+    pub iops: f64,
+    pub bytes_per_s: f64,
+    pub latency_s: f64,
+}
+
+/// Requests a booting guest keeps in flight (a modest figure for a desktop OS's boot).
+pub const VM_QUEUE_DEPTH: f64 = 4.0;
+
+/// Round figures for each class, of the order the seeds' storage showed (seed 003's FC SSD array
+/// peaked near 13k IOPS; one 7.2K SATA disk does about 80–100 random IOPS).
+pub const DEVICES: [Device; 4] = [
+    Device { name: "hdd7200", iops: 90.0, bytes_per_s: 150e6, latency_s: 0.011 },
+    Device { name: "sas15k", iops: 190.0, bytes_per_s: 200e6, latency_s: 0.005 },
+    Device { name: "ssd", iops: 40_000.0, bytes_per_s: 500e6, latency_s: 0.000_15 },
+    Device { name: "nvme", iops: 400_000.0, bytes_per_s: 3e9, latency_s: 0.000_03 },
+];
+
+/// Processor sharing: every booting VM gets an equal share of the device; a VM is done when its
+/// device time is served and its own (CPU-bound) boot duration has passed.
+pub fn estimate_boot(device: &Device, demands: &[(f64, f64, f64)], vms: usize) -> Option<BootEstimate> {
+    if demands.is_empty() || vms == 0 {
+        return None;
+    }
+    let mut work: Vec<(f64, f64)> = (0..vms)
+        .map(|i| {
+            let (ops, bytes, duration) = demands[i % demands.len()];
+            let latency_floor = ops * device.latency_s / VM_QUEUE_DEPTH;
+            (ops / device.iops + bytes / device.bytes_per_s, duration.max(latency_floor))
+        })
+        .collect();
+    work.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut done = Vec::with_capacity(vms);
+    let (mut now, mut served) = (0.0f64, 0.0f64);
+    for (i, (need, floor)) in work.iter().enumerate() {
+        let active = (vms - i) as f64;
+        now += (need - served) * active;
+        served = *need;
+        done.push(now.max(*floor));
+    }
+    done.sort_by(f64::total_cmp);
+    let max_s = done.last().copied().unwrap_or(0.0);
+    let minutes = (max_s / 60.0).ceil().max(1.0) as usize;
+    let done_per_minute = (1..=minutes).map(|m| done.iter().filter(|&&t| t <= m as f64 * 60.0).count()).collect();
+    Some(BootEstimate {
+        storage: device.name.into(),
+        vms,
+        min_s: done[0],
+        avg_s: done.iter().sum::<f64>() / vms as f64,
+        max_s,
+        done_per_minute,
+    })
+}
+
+/// Storage figures per VM of one simulation.
+fn figures(plan: &RunPlan, results: &[VmResult]) -> Vec<VmFigures> {
+    let golden = tier_index(StorageTier::Golden);
+    let storage: Vec<usize> = StorageTier::ALL.iter().map(|&t| tier_index(t)).collect();
+    results
+        .iter()
+        .enumerate()
+        .map(|(vm, r)| {
+            let total = |tier: usize| {
+                r.phases
+                    .iter()
+                    .fold((0, 0), |(reads, writes), p| (reads + p.tiers[tier].reads, writes + p.tiers[tier].writes))
+            };
+            let first = r.phases.first().map(|p| p.tiers).unwrap_or_default();
+            let first_ops = plan.ops[vm].first().map(Vec::as_slice).unwrap_or_default();
+            let (lo, hi) = first_ops.iter().fold((u64::MAX, 0), |(lo, hi), op| (lo.min(op.at_ms), hi.max(op.at_ms)));
+            VmFigures {
+                golden_reads: total(golden).0,
+                golden_read_bytes: r.phases.iter().map(|p| p.tiers[golden].read_bytes).sum(),
+                spill_writes: total(tier_index(StorageTier::Spill)).1,
+                spill_reads: total(tier_index(StorageTier::Spill)).0,
+                cache_file_writes: total(tier_index(StorageTier::CacheFile)).1,
+                shared_writes: total(tier_index(StorageTier::Shared)).1,
+                peak_spill_bytes: r.peak_cache_disk_bytes,
+                peak_ram_bytes: r.peak_cache_memory_bytes,
+                first_phase_storage_ops: storage.iter().map(|&t| first[t].total()).sum(),
+                first_phase_storage_bytes: storage.iter().map(|&t| first[t].read_bytes + first[t].write_bytes).sum(),
+                first_phase_golden_ops: first[golden].reads,
+                first_phase_golden_bytes: first[golden].read_bytes,
+                first_phase_duration_s: if hi >= lo { (hi - lo) as f64 / 1e3 } else { 0.0 },
+                errors: r.phases.iter().map(|p| p.errors).sum(),
+            }
+        })
+        .collect()
+}
+
+/// Every storage operation of one VM, all tiers (the planner's "storage ops").
+fn storage_ops(f: &VmFigures) -> u64 {
+    f.golden_reads + f.spill_writes + f.spill_reads + f.cache_file_writes + f.shared_writes
+}
+
+fn model(plan: &RunPlan, options: &PlanOptions, ram: u64) -> Result<Vec<VmFigures>, EngineError> {
+    let config =
+        ModelConfig { mode: options.mode, ram_bytes: ram, read_cache_bytes: options.read_cache_bytes, bucket_s: 10 };
+    Ok(figures(plan, &simulate(plan, &config)?))
+}
+
+/// Each of `vms` booting VMs' device demand (ops, bytes) and CPU-bound floor, from a simulation of
+/// the traces. Cache-file and spill traffic is each VM's own; golden-image fetches through a
+/// shared read cache are not: a second VM reading the same blocks costs nothing. Comparing the
+/// first trace alone with all `k` traces splits the fetches into a shared part `S` (paid once for
+/// the host) and a private part `p` per VM (`F_k = S + k·p`); with `vms` VMs each then carries
+/// `S / vms + p`. One trace alone counts all its fetches as shared.
+fn boot_demands(
+    options: &PlanOptions,
+    traces: &[Trace],
+    ram: u64,
+    figures: &[VmFigures],
+) -> Result<Vec<(f64, f64, f64)>, EngineError> {
+    let k = figures.len();
+    let (shared, private) = if options.read_cache_bytes == 0 {
+        ((0.0, 0.0), None)
+    } else {
+        let alone = model(&RunPlan::from_traces(&traces[..1]), options, ram)?;
+        let f1 = (alone[0].first_phase_golden_ops as f64, alone[0].first_phase_golden_bytes as f64);
+        let fk = (
+            figures.iter().map(|f| f.first_phase_golden_ops).sum::<u64>() as f64,
+            figures.iter().map(|f| f.first_phase_golden_bytes).sum::<u64>() as f64,
+        );
+        let p = if k > 1 {
+            (((fk.0 - f1.0) / (k - 1) as f64).max(0.0), ((fk.1 - f1.1) / (k - 1) as f64).max(0.0))
+        } else {
+            (0.0, 0.0)
+        };
+        (((f1.0 - p.0).max(0.0), (f1.1 - p.1).max(0.0)), Some(p))
+    };
+    let n = options.vms.max(1) as f64;
+    Ok((0..options.vms)
+        .map(|i| {
+            let f = &figures[i % k];
+            let (golden_ops, golden_bytes) = match private {
+                Some(p) => (shared.0 / n + p.0, shared.1 / n + p.1),
+                None => (f.first_phase_golden_ops as f64, f.first_phase_golden_bytes as f64),
+            };
+            let own_ops = (f.first_phase_storage_ops - f.first_phase_golden_ops) as f64;
+            let own_bytes = (f.first_phase_storage_bytes - f.first_phase_golden_bytes) as f64;
+            (own_ops + golden_ops, own_bytes + golden_bytes, f.first_phase_duration_s)
+        })
+        .collect())
+}
+
+/// The most 4 KiB blocks each trace ever has live (written, not trimmed or zeroed since).
+pub fn peak_live_blocks(trace: &Trace) -> u64 {
+    let mut live: HashSet<u64> = HashSet::new();
+    let mut peak = 0u64;
+    for r in &trace.records {
+        let first = r.offset / 4096;
+        let end = (r.offset + u64::from(r.length)).div_ceil(4096);
+        match r.kind {
+            OpKind::Write => {
+                live.extend(first..end);
+                peak = peak.max(live.len() as u64);
+            }
+            OpKind::Trim | OpKind::Zero => {
+                // Only whole blocks are released, as the engine does.
+                for b in r.offset.div_ceil(4096)..(r.offset + u64::from(r.length)) / 4096 {
+                    live.remove(&b);
+                }
+            }
+            OpKind::Read | OpKind::Flush => {}
+        }
+    }
+    peak
+}
+
+pub fn spill_write_lower_bound(peak_live: u64, ram_bytes: u64) -> u64 {
+    peak_live.saturating_sub(ram_bytes / 4096).div_ceil(512)
+}
+
+/// Plans `traces` (named `names` in the report) for every RAM size of `options`.
+pub fn plan(traces: &[Trace], names: Vec<String>, options: &PlanOptions) -> Result<PlanReport, EngineError> {
+    let run_plan = RunPlan::from_traces(traces);
+    let mut sizes = options.ram.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let peaks: Vec<u64> = traces.iter().map(peak_live_blocks).collect();
+    let mut rows = Vec::new();
+    for &ram in &sizes {
+        let vms = model(&run_plan, options, ram)?;
+        let n = vms.len().max(1) as f64;
+        let storage = vms.iter().map(storage_ops).sum::<u64>() as f64 / n;
+        let spill_writes = vms.iter().map(|f| f.spill_writes).sum::<u64>() as f64 / n;
+        let bound = if options.mode == WriteCacheMode::RamDisk {
+            peaks.iter().map(|&p| spill_write_lower_bound(p, ram)).sum::<u64>() as f64 / n
+        } else {
+            0.0
+        };
+        let boot = match &options.device {
+            Some(d) => estimate_boot(d, &boot_demands(options, traces, ram, &vms)?, options.vms),
+            None => None,
+        };
+        rows.push(RamRow {
+            ram_bytes: ram,
+            boot,
+            storage_ops_per_vm: storage,
+            spill_writes_per_vm: spill_writes,
+            spill_writes_lower_bound_per_vm: bound,
+            engine_over_bound: (bound > 0.0).then(|| spill_writes / bound),
+            vms,
+        });
+    }
+    let boot_without_cache = options.device.as_ref().and_then(|d| {
+        let demands: Vec<(f64, f64, f64)> = traces
+            .iter()
+            .map(|t| {
+                let first: Vec<_> = t
+                    .records
+                    .iter()
+                    .filter(|r| r.phase == 0 && matches!(r.kind, OpKind::Read | OpKind::Write))
+                    .collect();
+                let (lo, hi) = first.iter().fold((u64::MAX, 0), |(lo, hi), r| (lo.min(r.time_us), hi.max(r.time_us)));
+                let bytes: u64 = first.iter().map(|r| u64::from(r.length)).sum();
+                (first.len() as f64, bytes as f64, if hi >= lo { (hi - lo) as f64 / 1e6 } else { 0.0 })
+            })
+            .collect();
+        estimate_boot(d, &demands, options.vms)
+    });
+    Ok(PlanReport {
+        traces: names,
+        mode: options.mode.to_string(),
+        read_cache_bytes: options.read_cache_bytes,
+        rows,
+        boot_without_cache,
+    })
+}
+
+/// The plan page: the chart and the text tables.
+pub fn html(report: &PlanReport) -> Result<String, String> {
+    Ok(format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>overspill plan</title></head><body>\
+         <h1>overspill plan</h1>{}<pre>{}</pre></body></html>",
+        chart(report)?,
+        text(report).replace('&', "&amp;").replace('<', "&lt;")
+    ))
+}
+
+fn chart(report: &PlanReport) -> Result<String, String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (800, 320)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let xs: Vec<f64> = report.rows.iter().map(|r| (r.ram_bytes as f64 / 1048576.0).log2()).collect();
+        let y_max = report.rows.iter().map(|r| r.storage_ops_per_vm).fold(1.0, f64::max) * 1.1;
+        let (x_lo, x_hi) = (xs.iter().copied().fold(f64::MAX, f64::min), xs.iter().copied().fold(f64::MIN, f64::max));
+        let mut ctx = ChartBuilder::on(&root)
+            .caption("More memory, fewer IOPS: storage ops per VM by RAM per VM", ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x_lo..x_hi.max(x_lo + 1.0), 0f64..y_max)
+            .map_err(|e| e.to_string())?;
+        ctx.configure_mesh()
+            .x_desc("RAM per VM (MiB, log scale)")
+            .x_label_formatter(&|x| format!("{:.0}", 2f64.powf(*x)))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        let series = [
+            ("storage ops", report.rows.iter().map(|r| r.storage_ops_per_vm).collect::<Vec<_>>(), BLUE),
+            ("spill writes", report.rows.iter().map(|r| r.spill_writes_per_vm).collect(), RED),
+            (
+                "spill writes, lower bound",
+                report.rows.iter().map(|r| r.spill_writes_lower_bound_per_vm).collect(),
+                BLACK,
+            ),
+        ];
+        for (name, ys, color) in series {
+            let points: Vec<(f64, f64)> = xs.iter().copied().zip(ys).collect();
+            ctx.draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .map_err(|e| e.to_string())?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+        }
+        ctx.configure_series_labels().border_style(BLACK).background_style(WHITE).draw().map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+pub fn text(report: &PlanReport) -> String {
+    let mut out = format!(
+        "Plan for {} traces, mode {}, shared read cache {}; figures per VM over the whole trace.\n\n",
+        report.traces.len(),
+        report.mode,
+        format_bytes(report.read_cache_bytes)
+    );
+    out.push_str(&format!(
+        "{:>10} {:>12} {:>12} {:>12} {:>12} {:>14} {:>10} {:>12} {:>12}\n",
+        "RAM/VM",
+        "storage ops",
+        "golden rd",
+        "spill wr",
+        "spill rd",
+        "spill wr LB",
+        "engine/LB",
+        "peak spill",
+        "peak RAM"
+    ));
+    for row in &report.rows {
+        let n = row.vms.len().max(1) as f64;
+        let mean = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).sum::<u64>() as f64 / n;
+        let max = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).max().unwrap_or(0);
+        out.push_str(&format!(
+            "{:>10} {:>12.0} {:>12.0} {:>12.1} {:>12.1} {:>14.1} {:>10} {:>12} {:>12}\n",
+            format_bytes(row.ram_bytes),
+            row.storage_ops_per_vm,
+            mean(|f| f.golden_reads),
+            row.spill_writes_per_vm,
+            mean(|f| f.spill_reads),
+            row.spill_writes_lower_bound_per_vm,
+            row.engine_over_bound.map_or("-".into(), |r| format!("{r:.2}")),
+            format_bytes(max(|f| f.peak_spill_bytes)),
+            format_bytes(max(|f| f.peak_ram_bytes)),
+        ));
+    }
+    let boots: Vec<(String, &BootEstimate)> = report
+        .rows
+        .iter()
+        .filter_map(|r| r.boot.as_ref().map(|b| (format_bytes(r.ram_bytes), b)))
+        .chain(report.boot_without_cache.as_ref().map(|b| ("no cache".to_owned(), b)))
+        .collect();
+    if let Some((_, first)) = boots.first() {
+        out.push_str(&format!(
+            "\nBoot storm estimate: {} VMs booting at once on {} (first trace phase as the boot).\n",
+            first.vms, first.storage
+        ));
+        out.push_str(&format!(
+            "{:>10} {:>10} {:>10} {:>10}   VMs done by minute 1, 2, …\n",
+            "cache", "min", "avg", "max"
+        ));
+        for (label, b) in boots {
+            let clock = |s: f64| format!("{}:{:02}", (s / 60.0) as u64, (s % 60.0) as u64);
+            out.push_str(&format!(
+                "{:>10} {:>10} {:>10} {:>10}   {:?}\n",
+                label,
+                clock(b.min_s),
+                clock(b.avg_s),
+                clock(b.max_s),
+                b.done_per_minute.iter().take(12).collect::<Vec<_>>()
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn processor_sharing_spreads_a_storm() {
+        let disk = DEVICES[0];
+        // 10 VMs each needing 90 random reads: 10 s of device time in all.
+        let est = estimate_boot(&disk, &[(90.0, 0.0, 0.0)], 10).expect("estimate");
+        assert!((est.max_s - 10.0).abs() < 1e-9 && (est.min_s - 10.0).abs() < 1e-9, "{est:?}");
+        // A CPU-bound floor wins when storage is fast.
+        let est = estimate_boot(&DEVICES[3], &[(90.0, 0.0, 120.0)], 10).expect("estimate");
+        assert_eq!(est.min_s, 120.0);
+        assert_eq!(est.done_per_minute, vec![0, 10]);
+        assert_eq!(spill_write_lower_bound(1000, 0), 2);
+        assert_eq!(spill_write_lower_bound(1000, 1000 * 4096), 0);
+    }
+}
