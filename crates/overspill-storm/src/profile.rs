@@ -77,6 +77,12 @@ pub struct Phase {
     pub read_own: f64,
     /// Share of writes that overwrite an earlier write of the same area.
     pub write_overwrite: f64,
+    /// How strongly overwrites and re-reads favour recent writes (temp files and the page file
+    /// are rewritten and read back soon after they were written): the write picked is `h·u^skew`
+    /// writes back in the area's history of `h`, `u` uniform in [0, 1). 1 (the default) picks
+    /// uniformly; larger values favour recent writes.
+    #[serde(default = "uniform_skew")]
+    pub recency_skew: f64,
     /// Write areas with their weights.
     pub write_areas: Vec<(String, f64)>,
     /// TRIMs (file deletes) per write: each trims an earlier write.
@@ -153,6 +159,9 @@ impl Workload {
             if fractions.iter().any(|f| !(0.0..=1.0).contains(f)) || phase.read_shared + phase.read_own > 1.0 {
                 return Err(format!("phase {}: fractions must lie in 0..=1", phase.name));
             }
+            if !(phase.recency_skew >= 1.0 && phase.recency_skew.is_finite()) {
+                return Err(format!("phase {}: recency_skew must be 1 or more", phase.name));
+            }
             if phase.duration_s <= 0.0 || phase.ios == 0 {
                 return Err(format!("phase {}: needs a duration and IOs", phase.name));
             }
@@ -187,6 +196,20 @@ impl Workload {
             })
             .collect()
     }
+}
+
+fn uniform_skew() -> f64 {
+    1.0
+}
+
+/// An index into a history of `len` (> 0) entries, favouring the newest by `skew` (see
+/// [`Phase::recency_skew`]); uniform, with the generator's historical draw, when `skew` is 1.
+fn recent_index(rng: &mut SmallRng, len: usize, skew: f64) -> usize {
+    if skew == 1.0 {
+        return rng.gen_range(0..len);
+    }
+    let back = (len as f64 * rng.gen::<f64>().powf(skew)) as usize;
+    len - 1 - back.min(len - 1)
 }
 
 fn pick<'a, T>(rng: &mut SmallRng, weighted: &'a [(T, f64)]) -> &'a T {
@@ -278,7 +301,7 @@ impl VmState {
             let areas: Vec<&Vec<(u64, u32)>> = self.written.values().filter(|w| !w.is_empty()).collect();
             if !areas.is_empty() {
                 let writes = areas[rng.gen_range(0..areas.len())];
-                let (offset, len) = writes[rng.gen_range(0..writes.len())];
+                let (offset, len) = writes[recent_index(rng, writes.len(), p.recency_skew)];
                 return Op { at_ms, kind: OpKind::Read, offset, len };
             }
         }
@@ -292,7 +315,7 @@ impl VmState {
         let area = disk.areas.iter().find(|a| &a.name == area_name).expect("checked at load");
         let history = self.written.get_mut(area_name).expect("one per area");
         if !history.is_empty() && rng.gen::<f64>() < p.write_overwrite {
-            let (offset, len) = history[rng.gen_range(0..history.len())];
+            let (offset, len) = history[recent_index(rng, history.len(), p.recency_skew)];
             return Op { at_ms, kind: OpKind::Write, offset, len };
         }
         let len = *pick(rng, &p.write_sizes);
