@@ -26,6 +26,8 @@ const STORAGE_TIERS: [usize; 4] = [
 const TIER_COLORS: [RGBColor; 4] =
     [RGBColor(214, 39, 40), RGBColor(255, 127, 14), RGBColor(31, 119, 180), RGBColor(44, 160, 44)];
 const SEED_COLOR: RGBColor = RGBColor(190, 190, 190);
+const READ_COLOR: RGBColor = RGBColor(70, 130, 180);
+const WRITE_COLOR: RGBColor = RGBColor(230, 150, 60);
 /// The floor of the log axis: less than this per VM is drawn as nothing.
 const Y_FLOOR: f64 = 0.001;
 
@@ -199,6 +201,123 @@ fn phase_timeline(report: &StormReport, p: usize) -> Result<String, String> {
     Ok(svg)
 }
 
+/// The storage tiers of phase `p` that saw operations, per configuration, each as one bar of its
+/// read and write shares (100%): whether a tier is read or written matters more to its disks
+/// than a second log-scale picture of the totals.
+fn read_write_bars(report: &StormReport, p: usize) -> Result<String, String> {
+    let mut rows: Vec<(String, f64, f64)> = Vec::new();
+    for config in &report.configs {
+        let Some(phase) = config.phases.get(p) else { continue };
+        for &t in &STORAGE_TIERS {
+            if let Some(row) = phase.tiers.iter().find(|r| r.tier == TIERS[t] && r.total_ops_per_vm > 0.0) {
+                let label = format!("{} · {} ({} IOPS/VM)", config.label, row.tier, compact(row.iops_per_vm));
+                rows.push((label, row.read_iops_per_vm, row.write_iops_per_vm));
+            }
+        }
+    }
+    if rows.is_empty() {
+        return Ok(String::new());
+    }
+    let height = 70 + 26 * rows.len() as u32;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(330)
+            .margin_right(30)
+            .build_cartesian_2d(0f64..100f64, (0..rows.len()).into_segmented())
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(rows.len())
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => rows.get(*i).map_or_else(String::new, |r| r.0.clone()),
+                _ => String::new(),
+            })
+            .x_desc("% of the tier's operations: reads, then writes")
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .label_style(("sans-serif", 13))
+            .axis_desc_style(("sans-serif", 13))
+            .draw()
+            .map_err(error)?;
+        for (i, (_, reads, writes)) in rows.iter().enumerate() {
+            let total = reads + writes;
+            let read_pct = 100.0 * reads / total;
+            let bar = |a: f64, b: f64, color: RGBColor| {
+                Rectangle::new([(a, SegmentValue::Exact(i)), (b, SegmentValue::Exact(i + 1))], color.filled())
+            };
+            chart.draw_series([bar(0.0, read_pct, READ_COLOR), bar(read_pct, 100.0, WRITE_COLOR)]).map_err(error)?;
+        }
+        root.present().map_err(error)?;
+    }
+    Ok(svg)
+}
+
+fn compact(v: f64) -> String {
+    if v >= 10.0 {
+        format!("{v:.0}")
+    } else if v >= 0.1 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+/// What the seeds measured beside what reached the same kind of storage here, in both units:
+/// overspill's own operations, and its traffic in 4 KiB operations as the seeds' in-place
+/// caches would have issued it. For `shared` (MCS) every tier counts, golden-image reads
+/// included, as in the seeds' MCS figures; for the write caches only their own storage, since
+/// the seeds' PVS runs streamed the golden image from the PVS server's RAM.
+fn seeds_table(report: &StormReport) -> String {
+    let mut out = String::from(
+        "<table><tr><th>phase</th><th>configuration</th><th>tiers compared</th><th>operations per VM here</th>\
+         <th>in 4 KiB I/Os</th><th>seeds' I/Os per VM</th><th>IOPS/VM here</th><th>seeds' IOPS/VM</th>\
+         <th>seed row</th></tr>",
+    );
+    let mut any = false;
+    for (p, (phase, _)) in report.phase_sources.iter().enumerate() {
+        for config in &report.configs {
+            let (Some(seed), Some(ph)) = (seed_figure(report, config, p), config.phases.get(p)) else { continue };
+            let shared = config.mode.as_deref() == Some("shared");
+            let compared: Vec<&StorageTier> =
+                StorageTier::ALL.iter().filter(|t| shared || **t != StorageTier::Golden).collect();
+            let rows: Vec<_> = ph.tiers.iter().filter(|r| compared.iter().any(|t| t.title() == r.tier)).collect();
+            let ops: f64 = rows.iter().map(|r| r.total_ops_per_vm).sum();
+            let iops: f64 = rows.iter().map(|r| r.iops_per_vm).sum();
+            let ios_4k: f64 = rows.iter().map(|r| r.ios_4k_per_vm()).sum();
+            let names: Vec<&str> = compared.iter().map(|t| t.title()).collect();
+            any = true;
+            let _ = write!(
+                out,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+                 <td>{}</td></tr>",
+                html_escape(phase),
+                html_escape(&config.label),
+                names.join(", "),
+                compact(ops),
+                compact(ios_4k),
+                compact(seed.total_io_per_vm),
+                compact(iops),
+                compact(seed.iops_per_vm),
+                html_escape(&format!(
+                    "seed {}, {}, {}, {} MB, {} VMs",
+                    seed.source, seed.platform, seed.provisioning, seed.ram_cache_mb, seed.vms
+                )),
+            );
+        }
+    }
+    out.push_str("</table>");
+    if any {
+        out
+    } else {
+        String::new()
+    }
+}
+
 fn legend(items: &[(String, RGBColor, bool)]) -> String {
     let mut out = String::from("<div class=\"legend\">");
     for (name, color, outlined) in items {
@@ -370,6 +489,24 @@ pub fn html(report: &StormReport) -> Result<String, String> {
             phase_bars(report, p)?,
             legend(&tier_legend)
         );
+    }
+    let seeds = seeds_table(report);
+    if !seeds.is_empty() {
+        let _ = write!(
+            out,
+            "<h2>Against the seeds, in both units</h2><p>The seeds counted operations at caches that \
+             wrote in place, mostly 4 KiB at a time; overspill spills whole 2 MiB segments, so its \
+             own operation count is far lower for the same overflow. The 4 KiB column counts the \
+             same bytes as the seeds' caches would have issued them: it says whether the model \
+             overflows as the seeds' guests did; the operations and IOPS columns say what overspill \
+             asks of its disks. Totals per VM compare across runs; IOPS depend on each run's phase \
+             window (how many VMs log on, how far apart).</p>{seeds}"
+        );
+    }
+    out.push_str("<h2>Reads and writes at each storage tier</h2>");
+    let rw_legend = [("reads".to_owned(), READ_COLOR, false), ("writes".to_owned(), WRITE_COLOR, false)];
+    for (p, (phase, _)) in report.phase_sources.iter().enumerate() {
+        let _ = write!(out, "<h3>{}</h3>{}{}", html_escape(phase), read_write_bars(report, p)?, legend(&rw_legend));
     }
     let config_legend: Vec<(String, RGBColor, bool)> =
         report.configs.iter().enumerate().map(|(i, c)| (c.label.clone(), config_color(i), false)).collect();

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::driver::{BlockTally, Ops, RunPlan, StormConfig, VmResult, TIERS};
+use crate::driver::{BlockTally, Ops, RunPlan, StormConfig, VmResult, GUEST, READ_CACHE, TIERS};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TierRow {
@@ -73,6 +73,8 @@ pub struct ConfigReport {
     /// `None` for an outside one. What the seeds' figures are matched on.
     pub mode: Option<String>,
     pub ram_bytes: Option<u64>,
+    /// The shared read cache in front of the golden image of an in-process server (0: none).
+    pub read_cache_bytes: Option<u64>,
 }
 
 /// Where and how a report was made, printed at its top.
@@ -227,12 +229,18 @@ pub fn config_report(
         phase_windows_s: timeline.windows_ms.iter().map(|&(s, e)| (s as f64 / 1000.0, e as f64 / 1000.0)).collect(),
         mode: None,
         ram_bytes: None,
+        read_cache_bytes: None,
     }
 }
 
-/// The tier rows worth a line: the guest's always, storage tiers that saw operations.
+/// The tier rows worth a line: the guest's always, storage tiers that saw operations, and the
+/// read cache only where there is one (without, its requests are the golden image's reads).
 pub(crate) fn shown_rows<'a>(config: &'a ConfigReport, phase: &'a PhaseReport) -> impl Iterator<Item = &'a TierRow> {
-    phase.tiers.iter().filter(|row| row.tier == "guest" || (config.has_storage && row.total_ops_per_vm > 0.0))
+    let no_read_cache = config.read_cache_bytes == Some(0);
+    phase.tiers.iter().filter(move |row| {
+        row.tier == TIERS[GUEST]
+            || (config.has_storage && row.total_ops_per_vm > 0.0 && !(no_read_cache && row.tier == TIERS[READ_CACHE]))
+    })
 }
 
 /// "86%/14%", or "-" without operations.

@@ -14,6 +14,8 @@ pub struct SeedRow {
     pub ram_cache_mb: u64,
     pub phase: String,
     pub vms: u64,
+    /// Operations per VM over the phase.
+    pub total_io_per_vm: f64,
     pub iops_per_vm: f64,
     pub read_iops_per_vm: f64,
     pub write_iops_per_vm: f64,
@@ -41,6 +43,7 @@ fn parse() -> Vec<SeedRow> {
                 ram_cache_mb: number(3)? as u64,
                 phase: f.get(4)?.to_string(),
                 vms: number(5)? as u64,
+                total_io_per_vm: number(8)?,
                 iops_per_vm: number(9)?,
                 read_iops_per_vm: number(10)?,
                 write_iops_per_vm: number(11)?,

@@ -253,6 +253,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         if let Run::Local { mode, ram } = run {
             config_report.mode = Some(mode.to_string());
             config_report.ram_bytes = matches!(mode, WriteCacheMode::Ram | WriteCacheMode::RamDisk).then_some(*ram);
+            config_report.read_cache_bytes = Some(if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache });
         }
         configs.push(config_report);
     }

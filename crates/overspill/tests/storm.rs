@@ -208,7 +208,7 @@ fn screenshot_pixels(path: &Path) -> Vec<[u8; 3]> {
 /// The report page in a real browser: headless Chromium renders it, and the screenshot shows
 /// the bars (the shared-storage red, the golden-image green and the seeds' grey are all on it);
 /// every SVG chart on the page is well-formed XML; the page has the seeds' figures, the change
-/// against the MCS baseline, run metadata and real tables.
+/// against the MCS baseline, the seeds' comparison in both units, run metadata and real tables.
 #[test]
 fn the_report_page_renders_in_a_real_browser() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -239,9 +239,15 @@ fn the_report_page_renders_in_a_real_browser() {
         "<table class=\"meta\">",
         "<th>IOPS / VM</th>",
         "seed 000 figure",
+        "Against the seeds, in both units",
+        "<th>in 4 KiB I/Os</th>",
+        "Reads and writes at each storage tier",
+        "<tr><td>ram+disk 256M</td><td>read cache</td>",
     ] {
         assert!(html.contains(needle), "the page lacks {needle:?}");
     }
+    // `shared` has no read cache: its golden reads are not shown twice.
+    assert!(!html.contains("<tr><td>shared</td><td>read cache</td>"), "a read-cache row for shared");
     let mut svgs = 0;
     let mut rest = html.as_str();
     while let Some(start) = rest.find("<svg") {
@@ -257,7 +263,7 @@ fn the_report_page_renders_in_a_real_browser() {
         svgs += 1;
         rest = &rest[end..];
     }
-    assert_eq!(svgs, 6, "a bar chart and a timeline per phase");
+    assert_eq!(svgs, 9, "per phase a bar chart, a read/write chart and a timeline");
 
     let shot = dir.path().join("report.png");
     let browser = Command::new("chromium-headless-shell")
