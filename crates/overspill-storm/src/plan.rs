@@ -16,6 +16,7 @@ use std::collections::HashSet;
 
 use overspill_engine::{EngineError, StorageTier, WriteCacheMode};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 
 use crate::driver::{tier_index, RunPlan, VmResult};
@@ -328,56 +329,301 @@ pub fn plan(traces: &[Trace], names: Vec<String>, options: &PlanOptions) -> Resu
     })
 }
 
-/// The plan page: the chart and the text tables.
+/// The plan page: per RAM size what reaches storage, the engine's spill writes against the
+/// bound, and the boot estimates, each on its own axes (their scales differ by orders of
+/// magnitude), then the tables.
 pub fn html(report: &PlanReport) -> Result<String, String> {
-    Ok(format!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>overspill plan</title></head><body>\
-         <h1>overspill plan</h1>{}<pre>{}</pre></body></html>",
-        chart(report)?,
-        text(report).replace('&', "&amp;").replace('<', "&lt;")
-    ))
+    let mut out = format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>overspill plan</title><style>{PAGE_STYLE}</style>\
+         </head><body><h1>overspill plan</h1><p>{} traces, mode <code>{}</code>, shared read cache {}; figures \
+         per VM over the whole trace.</p><h2>Storage operations per VM</h2>{}{}<h2>Spill writes per VM, and \
+         the least any cache of that size could do</h2>{}{}",
+        report.traces.len(),
+        escape(&report.mode),
+        format_bytes(report.read_cache_bytes),
+        storage_chart(report)?,
+        swatches(&STORAGE_PARTS.map(|(name, color)| (name, color))),
+        spill_chart(report)?,
+        swatches(&[("engine", SPILL_COLOR), ("lower bound", BOUND_COLOR)]),
+    );
+    let boots = boot_rows(report);
+    if !boots.is_empty() {
+        let first = boots[0].1;
+        out.push_str(&format!(
+            "<h2>Boot storm estimate: {} VMs booting at once on {}</h2>{}{}<h3>VMs booted by each minute</h3>{}{}",
+            first.vms,
+            escape(&first.storage),
+            boot_chart(&boots)?,
+            swatches(&[("average", AVG_COLOR), ("min to max", WHISKER_COLOR)]),
+            booted_chart(&boots)?,
+            swatches(&boots.iter().enumerate().map(|(k, (l, _))| (l.as_str(), boot_color(k))).collect::<Vec<_>>()),
+        ));
+    }
+    out.push_str(&format!("<h2>Tables</h2>{}</body></html>", tables(report)));
+    Ok(out)
 }
 
-fn chart(report: &PlanReport) -> Result<String, String> {
+const PAGE_STYLE: &str = "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}\
+table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px}td,th{border:1px solid #ccc;padding:2px 8px;\
+text-align:right}th{background:#f2f2f2}.legend{font-size:13px;margin:.3em 0 1.5em}\
+.legend span{display:inline-block;width:12px;height:12px;margin:0 5px 0 16px;vertical-align:middle}svg{display:block}";
+
+/// The parts of "storage ops", stacked in this order.
+const STORAGE_PARTS: [(&str, RGBColor); 4] = [
+    ("golden-image reads", RGBColor(44, 160, 44)),
+    ("spill reads", RGBColor(31, 119, 180)),
+    ("spill writes", RGBColor(214, 39, 40)),
+    ("cache-file and shared writes", RGBColor(255, 127, 14)),
+];
+const SPILL_COLOR: RGBColor = RGBColor(214, 39, 40);
+const BOUND_COLOR: RGBColor = RGBColor(120, 120, 120);
+const WHISKER_COLOR: RGBColor = RGBColor(60, 60, 60);
+const AVG_COLOR: RGBColor = RGBColor(31, 119, 180);
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+fn swatches(items: &[(&str, RGBColor)]) -> String {
+    let mut out = String::from("<div class=\"legend\">");
+    for (name, c) in items {
+        out.push_str(&format!("<span style=\"background:#{:02x}{:02x}{:02x}\"></span>{}", c.0, c.1, c.2, escape(name)));
+    }
+    out + "</div>"
+}
+
+fn error(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// Mean per VM of the four parts of [`STORAGE_PARTS`].
+fn storage_parts(row: &RamRow) -> [f64; 4] {
+    let n = row.vms.len().max(1) as f64;
+    let mean = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).sum::<u64>() as f64 / n;
+    [
+        mean(|f| f.golden_reads),
+        mean(|f| f.spill_reads),
+        mean(|f| f.spill_writes),
+        mean(|f| f.cache_file_writes + f.shared_writes),
+    ]
+}
+
+/// One series of bars: its colour, its column within each RAM size's group (series sharing a
+/// column stack), and per RAM size the bar's bottom and top.
+type Bars = (RGBColor, usize, Vec<(f64, f64)>);
+
+/// Bars at the asked RAM sizes, one group and one tick each, whatever their spacing.
+fn ram_bars(report: &PlanReport, y_desc: &str, series: &[Bars]) -> Result<String, String> {
+    let n = report.rows.len().max(1);
+    let y_max = series.iter().flat_map(|(_, _, bars)| bars.iter().map(|b| b.1)).fold(1.0f64, f64::max) * 1.1;
+    let columns = series.iter().map(|(_, column, _)| column + 1).max().unwrap_or(1);
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (800, 320)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let xs: Vec<f64> = report.rows.iter().map(|r| (r.ram_bytes as f64 / 1048576.0).log2()).collect();
-        let y_max = report.rows.iter().map(|r| r.storage_ops_per_vm).fold(1.0, f64::max) * 1.1;
-        let (x_lo, x_hi) = (xs.iter().copied().fold(f64::MAX, f64::min), xs.iter().copied().fold(f64::MIN, f64::max));
-        let mut ctx = ChartBuilder::on(&root)
-            .caption("More memory, fewer IOPS: storage ops per VM by RAM per VM", ("sans-serif", 16))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(60)
-            .build_cartesian_2d(x_lo..x_hi.max(x_lo + 1.0), 0f64..y_max)
-            .map_err(|e| e.to_string())?;
-        ctx.configure_mesh()
-            .x_desc("RAM per VM (MiB, log scale)")
-            .x_label_formatter(&|x| format!("{:.0}", 2f64.powf(*x)))
+        let root = SVGBackend::with_string(&mut svg, (900, 300)).into_drawing_area();
+        root.fill(&WHITE).map_err(error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(45)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0f64..n as f64, 0f64..y_max)
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .x_desc("RAM per VM")
+            .y_desc(y_desc)
+            .label_style(("sans-serif", 13))
+            .axis_desc_style(("sans-serif", 13))
             .draw()
-            .map_err(|e| e.to_string())?;
-        let series = [
-            ("storage ops", report.rows.iter().map(|r| r.storage_ops_per_vm).collect::<Vec<_>>(), BLUE),
-            ("spill writes", report.rows.iter().map(|r| r.spill_writes_per_vm).collect(), RED),
-            (
-                "spill writes, lower bound",
-                report.rows.iter().map(|r| r.spill_writes_lower_bound_per_vm).collect(),
-                BLACK,
-            ),
-        ];
-        for (name, ys, color) in series {
-            let points: Vec<(f64, f64)> = xs.iter().copied().zip(ys).collect();
-            ctx.draw_series(LineSeries::new(points, color.stroke_width(2)))
-                .map_err(|e| e.to_string())?
-                .label(name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+            .map_err(error)?;
+        let width = 0.7 / columns as f64;
+        for (color, column, bars) in series {
+            let left = 0.15 + width * *column as f64;
+            for (i, &(low, high)) in bars.iter().enumerate() {
+                if high > low {
+                    let (a, b) = (i as f64 + left, i as f64 + left + width * 0.9);
+                    chart.draw_series([Rectangle::new([(a, low), (b, high)], color.filled())]).map_err(error)?;
+                }
+            }
         }
-        ctx.configure_series_labels().border_style(BLACK).background_style(WHITE).draw().map_err(|e| e.to_string())?;
-        root.present().map_err(|e| e.to_string())?;
+        for (i, row) in report.rows.iter().enumerate() {
+            let (x, y) = chart.backend_coord(&(i as f64 + 0.5, 0.0));
+            let style = ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
+            root.draw(&Text::new(format_bytes(row.ram_bytes).replace(".0 ", " "), (x, y + 6), style)).map_err(error)?;
+        }
+        root.present().map_err(error)?;
     }
     Ok(svg)
+}
+fn storage_chart(report: &PlanReport) -> Result<String, String> {
+    let parts: Vec<[f64; 4]> = report.rows.iter().map(storage_parts).collect();
+    let series: Vec<Bars> = STORAGE_PARTS
+        .iter()
+        .enumerate()
+        .map(|(k, (_, color))| {
+            let bars = parts.iter().map(|p| (p[..k].iter().sum::<f64>(), p[..=k].iter().sum::<f64>())).collect();
+            (*color, 0, bars)
+        })
+        .collect();
+    ram_bars(report, "storage operations per VM", &series)
+}
+
+fn spill_chart(report: &PlanReport) -> Result<String, String> {
+    let engine = report.rows.iter().map(|r| (0.0, r.spill_writes_per_vm)).collect();
+    let bound = report.rows.iter().map(|r| (0.0, r.spill_writes_lower_bound_per_vm)).collect();
+    ram_bars(report, "2 MiB spill writes per VM", &[(SPILL_COLOR, 0, engine), (BOUND_COLOR, 1, bound)])
+}
+
+/// The boot estimates to draw: per RAM size, then without any cache.
+fn boot_rows(report: &PlanReport) -> Vec<(String, &BootEstimate)> {
+    report
+        .rows
+        .iter()
+        .filter_map(|r| r.boot.as_ref().map(|b| (format_bytes(r.ram_bytes).replace(".0 ", " "), b)))
+        .chain(report.boot_without_cache.as_ref().map(|b| ("no cache".to_owned(), b)))
+        .collect()
+}
+
+/// Per configuration a bar at the average boot time with a whisker from min to max, each
+/// written out at its end.
+fn boot_chart(boots: &[(String, &BootEstimate)]) -> Result<String, String> {
+    let n = boots.len();
+    // Room on the right for the figures written after the longest bar.
+    let hi = boots.iter().map(|(_, b)| b.max_s / 60.0).fold(0.1f64, f64::max) * 1.5;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, 70 + 36 * n as u32)).into_drawing_area();
+        root.fill(&WHITE).map_err(error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(90)
+            .build_cartesian_2d(0f64..hi, 0f64..n as f64)
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(0)
+            .x_desc("boot time, minutes")
+            .label_style(("sans-serif", 13))
+            .axis_desc_style(("sans-serif", 13))
+            .draw()
+            .map_err(error)?;
+        for (i, (label, b)) in boots.iter().enumerate() {
+            // The first configuration on top.
+            let y = (n - 1 - i) as f64;
+            let (avg, min, max) = (b.avg_s / 60.0, b.min_s / 60.0, b.max_s / 60.0);
+            let bar = Rectangle::new([(0.0, y + 0.2), (avg, y + 0.8)], AVG_COLOR.mix(0.6).filled());
+            chart.draw_series([bar]).map_err(error)?;
+            let whisker = [(min, y + 0.5), (max, y + 0.5)];
+            chart.draw_series(LineSeries::new(whisker, WHISKER_COLOR.stroke_width(3))).map_err(error)?;
+            let text = format!("avg {}, min {}, max {}", clock(b.avg_s), clock(b.min_s), clock(b.max_s));
+            let style = ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center));
+            chart.draw_series([Text::new(text, (max.max(avg) + hi / 100.0, y + 0.5), style)]).map_err(error)?;
+            let (x0, y0) = chart.backend_coord(&(0.0, y + 0.5));
+            let name = ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center));
+            root.draw(&Text::new(label.clone(), (x0 - 8, y0), name)).map_err(error)?;
+        }
+        root.present().map_err(error)?;
+    }
+    Ok(svg)
+}
+
+/// VMs booted by the end of each minute, a step line per configuration.
+fn booted_chart(boots: &[(String, &BootEstimate)]) -> Result<String, String> {
+    let minutes = boots.iter().map(|(_, b)| b.done_per_minute.len()).max().unwrap_or(1).max(1);
+    let vms = boots.iter().map(|(_, b)| b.vms).max().unwrap_or(1).max(1);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, 300)).into_drawing_area();
+        root.fill(&WHITE).map_err(error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..minutes as f64, 0f64..vms as f64 * 1.05)
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .x_desc("minutes since the power-ons")
+            .y_desc("VMs booted")
+            .label_style(("sans-serif", 13))
+            .axis_desc_style(("sans-serif", 13))
+            .draw()
+            .map_err(error)?;
+        for (k, (_, b)) in boots.iter().enumerate() {
+            let mut points = vec![(0.0, 0.0)];
+            for (m, &done) in b.done_per_minute.iter().enumerate() {
+                let before = points.last().map_or(0.0, |p| p.1);
+                points.push((m as f64 + 1.0, before));
+                points.push((m as f64 + 1.0, done as f64));
+            }
+            chart.draw_series(LineSeries::new(points, boot_color(k).stroke_width(2))).map_err(error)?;
+        }
+        root.present().map_err(error)?;
+    }
+    Ok(svg)
+}
+
+fn boot_color(k: usize) -> RGBColor {
+    let (r, g, b) = Palette99::pick(k).rgb();
+    RGBColor(r, g, b)
+}
+
+/// The figures as HTML tables: per RAM size, then the boot estimates.
+fn tables(report: &PlanReport) -> String {
+    let mut out = String::from(
+        "<table><tr><th>RAM/VM</th><th>storage ops</th><th>golden reads</th><th>spill writes</th>\
+         <th>spill reads</th><th>spill writes, lower bound</th><th>engine/bound</th><th>peak spill</th>\
+         <th>peak RAM</th></tr>",
+    );
+    for row in &report.rows {
+        let p = storage_parts(row);
+        let max = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).max().unwrap_or(0);
+        out.push_str(&format!(
+            "<tr><td>{}</td><td>{:.0}</td><td>{:.0}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{}</td>\
+             <td>{}</td><td>{}</td></tr>",
+            format_bytes(row.ram_bytes),
+            row.storage_ops_per_vm,
+            p[0],
+            p[2],
+            p[1],
+            row.spill_writes_lower_bound_per_vm,
+            row.engine_over_bound.map_or("–".into(), |r| format!("{r:.2}")),
+            format_bytes(max(|f| f.peak_spill_bytes)),
+            format_bytes(max(|f| f.peak_ram_bytes)),
+        ));
+    }
+    out.push_str("</table>");
+    let boots = boot_rows(report);
+    if !boots.is_empty() {
+        out.push_str(
+            "<table><tr><th>cache</th><th>min</th><th>avg</th><th>max</th><th>half the VMs booted by</th>\
+             <th>all booted by</th></tr>",
+        );
+        for (label, b) in boots {
+            let by = |share: usize| {
+                let minute = b.done_per_minute.iter().position(|&d| d * 2 >= b.vms * share);
+                minute.map_or("–".to_owned(), |m| format!("minute {}", m + 1))
+            };
+            out.push_str(&format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&label),
+                clock(b.min_s),
+                clock(b.avg_s),
+                clock(b.max_s),
+                by(1),
+                by(2)
+            ));
+        }
+        out.push_str("</table>");
+    }
+    out
+}
+
+fn clock(s: f64) -> String {
+    format!("{}:{:02}", (s / 60.0) as u64, (s % 60.0) as u64)
 }
 
 pub fn text(report: &PlanReport) -> String {

@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+#[path = "common/page.rs"]
+mod page;
+
 fn overspill(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_overspill")).args(args).output().expect("run overspill");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -182,7 +185,7 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
     let mut args = vec!["plan".to_owned()];
     args.extend(files.iter().cloned());
     args.extend(
-        ["--ram", "256M", "--storage", "hdd7200", "--vms", "40", "--out", &s(&d.join("plan"))].map(str::to_owned),
+        ["--ram", "64M,256M", "--storage", "hdd7200", "--vms", "40", "--out", &s(&d.join("plan"))].map(str::to_owned),
     );
     let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
     let text = overspill(&args_ref);
@@ -191,6 +194,17 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
     let without = plan["boot_without_cache"]["avg_s"].as_f64().expect("estimate");
     assert!(with_cache < without, "the cache shortens the boot storm: {with_cache} vs {without}\n{text}");
     assert!(with_cache >= 19.0, "no VM boots faster than its own recorded boot");
+
+    // The page: storage, spill and the two boot charts, each its own SVG; a group per asked RAM
+    // size, named as asked; the boot estimates in a table; and a browser draws the bars.
+    let html = std::fs::read_to_string(d.join("plan/plan.html")).expect("plan.html");
+    assert_eq!(page::parsed_svgs(&html), 4, "storage, spill, boot times, VMs booted");
+    for needle in [">64 MiB<", ">256 MiB<", ">no cache<", "Boot storm estimate: 40 VMs", "<th>all booted by</th>"] {
+        assert!(html.contains(needle), "the plan page lacks {needle:?}");
+    }
+    let pixels = page::rendered_pixels(&d.join("plan/plan.html"), &d.join("plan.png"), 1100, 1800);
+    let golden_green = pixels.iter().filter(|&&p| p == [44, 160, 44]).count();
+    assert!(golden_green > 500, "the golden-image reads' bars are not on the screenshot ({golden_green} pixels)");
 }
 
 #[test]

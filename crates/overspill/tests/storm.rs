@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+#[path = "common/page.rs"]
+mod page;
+
 fn overspill() -> Command {
     Command::new(env!("CARGO_BIN_EXE_overspill"))
 }
@@ -194,17 +197,6 @@ fn the_storm_client_drives_nbdkit_and_qemu_nbd() {
     }
 }
 
-/// The pixels of a PNG screenshot as RGB triples.
-fn screenshot_pixels(path: &Path) -> Vec<[u8; 3]> {
-    let file = std::fs::File::open(path).expect("screenshot");
-    let mut reader = png::Decoder::new(std::io::BufReader::new(file)).read_info().expect("a PNG");
-    let mut buf = vec![0; reader.output_buffer_size()];
-    let frame = reader.next_frame(&mut buf).expect("a frame");
-    let channels = frame.line_size / frame.width as usize;
-    assert!(channels >= 3 && frame.bit_depth == png::BitDepth::Eight, "{:?} {:?}", frame.color_type, frame.bit_depth);
-    buf[..frame.buffer_size()].chunks_exact(channels).map(|p| [p[0], p[1], p[2]]).collect()
-}
-
 /// The report page in a real browser: headless Chromium renders it, and the screenshot shows
 /// the bars (the shared-storage red, the golden-image green and the seeds' grey are all on it);
 /// every SVG chart on the page is well-formed XML; the page has the seeds' figures, the change
@@ -248,36 +240,11 @@ fn the_report_page_renders_in_a_real_browser() {
     }
     // `shared` has no read cache: its golden reads are not shown twice.
     assert!(!html.contains("<tr><td>shared</td><td>read cache</td>"), "a read-cache row for shared");
-    let mut svgs = 0;
-    let mut rest = html.as_str();
-    while let Some(start) = rest.find("<svg") {
-        let end = rest[start..].find("</svg>").map(|e| start + e + 6).expect("an SVG ends");
-        let mut reader = quick_xml::Reader::from_str(&rest[start..end]);
-        loop {
-            match reader.read_event() {
-                Ok(quick_xml::events::Event::Eof) => break,
-                Ok(_) => {}
-                Err(error) => panic!("SVG {svgs} does not parse: {error}"),
-            }
-        }
-        svgs += 1;
-        rest = &rest[end..];
-    }
+    let svgs = page::parsed_svgs(&html);
     assert_eq!(svgs, 9, "per phase a bar chart, a read/write chart and a timeline");
 
-    let shot = dir.path().join("report.png");
-    let browser = Command::new("chromium-headless-shell")
-        .args(["--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1300,2400"])
-        .arg(format!("--screenshot={}", shot.display()))
-        .arg(format!("file://{}", out.join("report.html").display()))
-        .output()
-        .expect("chromium-headless-shell (scripts/test installs it)");
-    assert!(browser.status.success(), "chromium: {}", String::from_utf8_lossy(&browser.stderr));
-    let pixels = screenshot_pixels(&shot);
+    let pixels = page::rendered_pixels(&out.join("report.html"), &dir.path().join("report.png"), 1300, 2400);
     let count = |rgb: [u8; 3]| pixels.iter().filter(|&&p| p == rgb).count();
-    let inked = pixels.iter().filter(|p| p.iter().any(|&c| c < 240)).count();
-    eprintln!("screenshot: {} pixels, {inked} not white", pixels.len());
-    assert!(inked * 20 > pixels.len(), "the page rendered almost blank: {inked} of {} pixels", pixels.len());
     for (name, rgb) in
         [("shared storage", [214, 39, 40]), ("golden image", [44, 160, 44]), ("seeds' figure", [190, 190, 190])]
     {
