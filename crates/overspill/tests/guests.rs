@@ -1,5 +1,6 @@
-//! Real QEMU guests (Debian's cloud kernel and a busybox initramfs, under TCG) whose disk is an
-//! NBD export of `overspill serve`: what a VM sees, not what a client library sees.
+//! Real QEMU guests (Debian's cloud kernel and a busybox initramfs, under TCG, from
+//! `overspill::guests`) whose disk is an NBD export of `overspill serve`: what a VM sees, not
+//! what a client library sees.
 
 use std::path::Path;
 use std::time::Duration;
@@ -8,9 +9,7 @@ use tempfile::TempDir;
 
 mod common;
 use common::{metrics_url, sample, scrape, Serve};
-#[path = "common/guest.rs"]
-mod guest;
-use guest::{ext4_image, Extras, Guest, GuestKit};
+use overspill::guests::{ext4_image, Extras, Guest, GuestKit};
 
 const FILES: u32 = 24;
 
@@ -70,26 +69,26 @@ fn serve(dir: &Path, golden: &Path, socket: &Path) -> Serve {
 #[test]
 fn a_guest_writing_files_rides_through_a_killed_and_a_stopped_server() {
     let dir = TempDir::new().expect("tempdir");
-    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]);
+    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]).expect("golden image");
     let golden_before = std::fs::read(&golden).expect("golden image");
-    let kit = GuestKit::build(dir.path(), &writer_job());
+    let kit = GuestKit::build(dir.path(), &writer_job()).expect("guest kit");
     let socket = dir.path().join("nbd.sock");
     let server = serve(dir.path(), &golden, &socket);
-    let mut guest = Guest::boot(&kit, dir.path(), &socket, "@writer", 60);
+    let mut guest = Guest::boot(&kit, dir.path(), &socket, "@writer", 60).expect("guest");
 
-    guest.wait_for("WROTE 6\n", Duration::from_secs(180));
+    guest.wait_for("WROTE 6\n", Duration::from_secs(180)).expect("WROTE 6");
     server.kill();
     let mut server = serve(dir.path(), &golden, &socket);
     let log = server.log_text();
     assert!(log.contains("VM overlay recovered from the previous server"), "not recovered after SIGKILL:\n{log}");
 
-    guest.wait_for("WROTE 14\n", Duration::from_secs(180));
+    guest.wait_for("WROTE 14\n", Duration::from_secs(180)).expect("WROTE 14");
     server.stop();
     let server = serve(dir.path(), &golden, &socket);
     let log = server.log_text();
     assert!(log.contains("VM overlay recovered from the previous server"), "not handed over at SIGTERM:\n{log}");
 
-    let console = guest.wait_exit(Duration::from_secs(300));
+    let console = guest.wait_exit(Duration::from_secs(300)).expect("guest powers off");
     assert!(console.contains(&format!("CHECKSUMS OK {FILES}")), "checksums after two restarts:\n{console}");
     assert!(console.contains("JOB EXIT 0"), "{console}");
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
@@ -139,11 +138,11 @@ fn check_trim_run(server: &mut Serve, mut guest: Guest, vm: &str, dir: &Path) {
     let url = metrics_url(server);
     let memory = "overspill_vm_cache_memory_used_bytes";
     let trims = "overspill_vm_guest_requests_total";
-    guest.wait_for("WRITTEN\n", Duration::from_secs(300));
+    guest.wait_for("WRITTEN\n", Duration::from_secs(300)).expect("WRITTEN");
     let used_written = vm_figure(&url, memory, vm, &[]);
     let trims_written = vm_figure(&url, trims, vm, &[("op", "trim")]);
     assert!(used_written >= 16.0 * 1048576.0, "16 MiB written, {used_written} bytes of cache memory used");
-    guest.wait_for("TRIMMED\n", Duration::from_secs(300));
+    guest.wait_for("TRIMMED\n", Duration::from_secs(300)).expect("TRIMMED");
     let used_trimmed = vm_figure(&url, memory, vm, &[]);
     let trims_trimmed = vm_figure(&url, trims, vm, &[("op", "trim")]);
     let console = guest.console_text();
@@ -153,7 +152,7 @@ fn check_trim_run(server: &mut Serve, mut guest: Guest, vm: &str, dir: &Path) {
         used_trimmed <= used_written - 7.0 * 1048576.0,
         "8 MiB deleted and trimmed gave back too little RAM: {used_written} then {used_trimmed} bytes"
     );
-    let console = guest.wait_exit(Duration::from_secs(300));
+    let console = guest.wait_exit(Duration::from_secs(300)).expect("guest powers off");
     assert!(console.contains("CHECKSUMS OK 8"), "the kept files after TRIM:\n{console}");
     assert!(console.contains("JOB EXIT 0"), "{console}");
     // The clean end drops the overlay: its series leave the metrics, its files the disk.
@@ -187,15 +186,15 @@ fn check_trim_run(server: &mut Serve, mut guest: Guest, vm: &str, dir: &Path) {
 #[test]
 fn a_guest_trims_and_the_server_gives_its_ram_back() {
     let dir = TempDir::new().expect("tempdir");
-    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]);
+    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]).expect("golden image");
     let golden_before = std::fs::read(&golden).expect("golden image");
-    let kit = GuestKit::build(dir.path(), &trim_job("/dev/vda", "", ""));
+    let kit = GuestKit::build(dir.path(), &trim_job("/dev/vda", "", "")).expect("guest kit");
     let socket = dir.path().join("nbd.sock");
     let listen = format!("unix:{}", socket.display());
     let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "64M"];
     let ready = || std::os::unix::net::UnixStream::connect(&socket).is_ok();
     let mut server = Serve::start(dir.path(), &[&args[..], &["--metrics", "tcp:127.0.0.1:0"]].concat(), &[], ready);
-    let guest = Guest::boot(&kit, dir.path(), &socket, "@trimmer", 0);
+    let guest = Guest::boot(&kit, dir.path(), &socket, "@trimmer", 0).expect("guest");
     check_trim_run(&mut server, guest, "trimmer", dir.path());
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
 }
@@ -206,7 +205,7 @@ fn a_guest_trims_and_the_server_gives_its_ram_back() {
 #[test]
 fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
     let dir = TempDir::new().expect("tempdir");
-    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]);
+    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]).expect("golden image");
     let golden_before = std::fs::read(&golden).expect("golden image");
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
     let setup = format!(
@@ -216,7 +215,7 @@ fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
     let job = trim_job("/dev/nbd0", &setup, "nbd-client -d /dev/nbd0");
     let extras =
         Extras { modules: &["nbd", "virtio_net"], programs: &[("/usr/sbin/nbd-client", "nbd-client")], disk: false };
-    let kit = GuestKit::build_with(dir.path(), &job, &extras);
+    let kit = GuestKit::build_with(dir.path(), &job, &extras).expect("guest kit");
     let listen = format!("tcp:127.0.0.1:{port}");
     let args = [
         "--base",
@@ -230,7 +229,7 @@ fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
     ];
     let ready = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
     let mut server = Serve::start(dir.path(), &args, &[], ready);
-    let guest = Guest::boot_networked(&kit, dir.path());
+    let guest = Guest::boot_networked(&kit, dir.path()).expect("guest");
     check_trim_run(&mut server, guest, "kernel", dir.path());
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
 }
