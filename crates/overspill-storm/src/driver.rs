@@ -67,14 +67,14 @@ impl Ops {
         self.reads + self.writes
     }
 
-    fn add(&mut self, other: &Ops) {
+    pub(crate) fn add(&mut self, other: &Ops) {
         self.reads += other.reads;
         self.writes += other.writes;
         self.read_bytes += other.read_bytes;
         self.write_bytes += other.write_bytes;
     }
 
-    fn minus(&self, earlier: &Ops) -> Ops {
+    pub(crate) fn minus(&self, earlier: &Ops) -> Ops {
         Ops {
             reads: self.reads - earlier.reads,
             writes: self.writes - earlier.writes,
@@ -115,7 +115,7 @@ fn set_storage_since(delta: &mut TierOps, now: &TierOps, last: &TierOps) {
     }
 }
 
-fn add_tiers(into: &mut TierOps, from: &TierOps) {
+pub(crate) fn add_tiers(into: &mut TierOps, from: &TierOps) {
     for (a, b) in into.iter_mut().zip(from) {
         a.add(b);
     }
@@ -176,7 +176,7 @@ impl BlockTally {
         self.write_ram + self.write_spill + self.write_cache_file
     }
 
-    fn engine_side(&mut self, s: &VmStats) {
+    pub(crate) fn engine_side(&mut self, s: &VmStats) {
         self.read_ram = s.read_blocks_ram.get();
         self.read_spill = s.read_blocks_spill.get();
         self.read_golden = s.read_blocks_golden.get();

@@ -1,7 +1,8 @@
 //! Storms: many VMs booting, logging on and working at once over real NBD connections, with the
 //! workload models that say what each VM does ([`profile`]), the driver that runs them
 //! ([`driver`]), the same runs through the engine alone ([`model`]), the planner built on it
-//! ([`plan`]), traces ([`trace`]) and the reports in the seeds' table format ([`report`],
+//! ([`plan`]), the accounting of real guests that run by themselves ([`observed`]), traces
+//! ([`trace`]) and the reports in the seeds' table format ([`report`],
 //! [`page`]).
 //!
 //! This crate knows no server: it connects to an NBD URI, and reads the engine's per-VM counters
@@ -10,6 +11,7 @@
 
 pub mod driver;
 pub mod model;
+pub mod observed;
 pub mod page;
 pub mod plan;
 pub mod profile;

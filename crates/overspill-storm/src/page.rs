@@ -318,6 +318,58 @@ fn seeds_table(report: &StormReport) -> String {
     }
 }
 
+/// Real guests: how many VMs of each configuration had booted, over seconds since its storm
+/// started, as a step curve per configuration; `None` without boot times.
+fn boot_curve(report: &StormReport) -> Result<Option<String>, String> {
+    if report.configs.iter().all(|c| c.booted_at_s.is_none()) {
+        return Ok(None);
+    }
+    let curves: Vec<Vec<(f64, f64)>> = report
+        .configs
+        .iter()
+        .map(|c| {
+            let mut times: Vec<f64> = c.booted_at_s.iter().flatten().flatten().copied().collect();
+            times.sort_by(f64::total_cmp);
+            let mut points = vec![(0.0, 0.0)];
+            for (n, &t) in times.iter().enumerate() {
+                points.extend([(t, n as f64), (t, n as f64 + 1.0)]);
+            }
+            points
+        })
+        .collect();
+    let x_max = curves.iter().flatten().map(|p| p.0).fold(1.0f64, f64::max) * 1.1;
+    let vms = report.configs.iter().map(|c| c.vms).max().unwrap_or(1).max(1);
+    let y_max = vms as f64;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, 300)).into_drawing_area();
+        root.fill(&WHITE).map_err(error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..x_max, 0f64..y_max * 1.05)
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds since the storm started")
+            .y_desc("VMs booted")
+            .y_labels((vms + 1).min(11))
+            // VMs come whole: no label between two counts.
+            .y_label_formatter(&|v| if v.fract() == 0.0 { format!("{v:.0}") } else { String::new() })
+            .draw()
+            .map_err(error)?;
+        for (i, mut points) in curves.into_iter().enumerate() {
+            // The curve goes on flat to the right edge: no more VMs booted.
+            let last = points.last().map_or(0.0, |p| p.1);
+            points.push((x_max, last));
+            chart.draw_series(LineSeries::new(points, config_color(i).stroke_width(2))).map_err(error)?;
+        }
+        root.present().map_err(error)?;
+    }
+    Ok(Some(svg))
+}
+
 fn legend(items: &[(String, RGBColor, bool)]) -> String {
     let mut out = String::from("<div class=\"legend\">");
     for (name, color, outlined) in items {
@@ -435,6 +487,9 @@ fn config_table(report: &StormReport) -> String {
             c.peak_cache_memory_bytes_max_vm as f64 / (1 << 20) as f64,
             c.wall_s
         );
+        if let Some(boot) = c.boot_text() {
+            let _ = write!(out, "<tr><td>{}</td><td colspan=\"5\">{boot}</td></tr>", html_escape(&c.label));
+        }
         for failure in &c.failed_vms {
             let _ = write!(
                 out,
@@ -510,6 +565,14 @@ pub fn html(report: &StormReport) -> Result<String, String> {
     }
     let config_legend: Vec<(String, RGBColor, bool)> =
         report.configs.iter().enumerate().map(|(i, c)| (c.label.clone(), config_color(i), false)).collect();
+    if let Some(svg) = boot_curve(report)? {
+        let _ = write!(
+            out,
+            "<h2>VMs booted over time</h2><p>Real guests: each step is a VM printing its \"booted\" \
+             marker, in seconds since the configuration's storm started.</p>{svg}{}",
+            legend(&config_legend)
+        );
+    }
     out.push_str("<h2>Storage IOPS per VM over each phase</h2>");
     for (p, (phase, _)) in report.phase_sources.iter().enumerate() {
         let _ = write!(out, "<h3>{}</h3>{}{}", html_escape(phase), phase_timeline(report, p)?, legend(&config_legend));

@@ -75,6 +75,35 @@ pub struct ConfigReport {
     pub ram_bytes: Option<u64>,
     /// The shared read cache in front of the golden image of an in-process server (0: none).
     pub read_cache_bytes: Option<u64>,
+    /// Real guests: each VM's boot time, from QEMU's start to the guest's "booted" marker, and
+    /// when it booted in seconds since the configuration's storm started (in VM order; `None`
+    /// for a VM that did not boot). `None` for synthetic VMs.
+    pub boot_times_s: Option<Vec<Option<f64>>>,
+    pub booted_at_s: Option<Vec<Option<f64>>>,
+}
+
+impl ConfigReport {
+    /// Minimum, mean and maximum boot time of the VMs that booted, and how many did.
+    pub fn boot_summary(&self) -> Option<(f64, f64, f64, usize)> {
+        let times: Vec<f64> = self.boot_times_s.as_ref()?.iter().flatten().copied().collect();
+        let n = times.len();
+        (n > 0).then(|| {
+            let min = times.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = times.iter().copied().fold(0.0, f64::max);
+            (min, times.iter().sum::<f64>() / n as f64, max, n)
+        })
+    }
+
+    /// "boot: min 9.8 s, avg 11.2 s, max 12.9 s (3 of 3 VMs booted)", for real guests.
+    pub fn boot_text(&self) -> Option<String> {
+        let all = self.boot_times_s.as_ref()?.len();
+        Some(match self.boot_summary() {
+            Some((min, avg, max, n)) => {
+                format!("boot: min {min:.1} s, avg {avg:.1} s, max {max:.1} s ({n} of {all} VMs booted)")
+            }
+            None => format!("boot: none of {all} VMs booted"),
+        })
+    }
 }
 
 /// Where and how a report was made, printed at its top.
@@ -230,6 +259,8 @@ pub fn config_report(
         mode: None,
         ram_bytes: None,
         read_cache_bytes: None,
+        boot_times_s: None,
+        booted_at_s: None,
     }
 }
 
@@ -338,6 +369,9 @@ pub fn text_tables(report: &StormReport) -> String {
         );
         if let Some(served) = served_text(c) {
             let _ = writeln!(out, "  reads served by: {served}");
+        }
+        if let Some(boot) = c.boot_text() {
+            let _ = writeln!(out, "  {boot}");
         }
         for failure in &c.failed_vms {
             let _ = writeln!(out, "  failed: {failure}");
