@@ -3,6 +3,7 @@
 //! VM-lifecycle logic.
 
 pub mod config;
+pub mod guest_storm;
 pub mod guests;
 pub mod image;
 pub mod metrics;

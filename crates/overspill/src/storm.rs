@@ -17,6 +17,8 @@ use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};
 use overspill_storm::report::{self, StormReport};
 use overspill_storm::Workload;
 
+use crate::guest_storm::{self, GuestStorm};
+use crate::guests::{self, Flavour, GuestKit, Kernel};
 use crate::size::{format_bytes, parse_bytes};
 use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use overspill_server::vms::VmRegistry;
@@ -29,8 +31,9 @@ pub struct StormArgs {
     /// A workload file (TOML, as in crates/overspill-storm/workloads) instead of a built-in one.
     #[arg(long)]
     workload_file: Option<PathBuf>,
-    #[arg(long, default_value_t = 20)]
-    vms: usize,
+    /// VMs per configuration: 20 synthetic ones by default, 3 real guests with `--guests`.
+    #[arg(long)]
+    vms: Option<usize>,
     /// Write-cache modes to compare, side by side.
     #[arg(long, value_delimiter = ',', default_value = "shared,disk,ram,ram+disk")]
     modes: Vec<WriteCacheMode>,
@@ -54,9 +57,26 @@ pub struct StormArgs {
     /// Run against these NBD servers (nbd://…, nbd+unix://…) instead of in-process ones.
     #[arg(long)]
     target: Vec<String>,
-    /// Golden image to serve; by default a synthetic one is made in --work-dir.
+    /// Golden image to serve; by default a synthetic one is made in --work-dir. With `--guests`,
+    /// the root filesystem they boot (by default built by scripts/build-guest-image and kept in
+    /// `$XDG_CACHE_HOME/overspill`).
     #[arg(long)]
     golden: Option<PathBuf>,
+    /// Boot real guests instead of synthetic VMs: QEMU (TCG) VMs that boot Debian's cloud kernel
+    /// with their root filesystem on the in-process server's NBD export, log on (a user profile
+    /// of about 5 MiB) and work (`--guest-steady` seconds), all at once or `--boot-interval` apart.
+    #[arg(long, value_enum)]
+    guests: Option<GuestKind>,
+    /// The guests' root filesystem: a Debian minbase with systemd, or busybox alone (faster to
+    /// boot, fewer reads).
+    #[arg(long, value_enum, default_value = "systemd")]
+    guest_os: Flavour,
+    /// Seconds of the guests' steady phase.
+    #[arg(long, default_value_t = 30)]
+    guest_steady: u64,
+    /// A guest not done this many seconds after its start is stopped and reported failed.
+    #[arg(long, default_value_t = 1800)]
+    guest_timeout: u64,
     /// Scratch space: synthetic golden image, sockets, cache files.
     #[arg(long)]
     work_dir: Option<PathBuf>,
@@ -68,9 +88,15 @@ pub struct StormArgs {
     out: PathBuf,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Width of the IOPS-over-time buckets, in profile seconds.
-    #[arg(long, default_value_t = 10)]
-    bucket: u64,
+    /// Width of the IOPS-over-time buckets, in profile seconds (default 10; 2 for guests).
+    #[arg(long)]
+    bucket: Option<u64>,
+}
+
+/// What `--guests` boots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GuestKind {
+    Qemu,
 }
 
 /// One configuration to run: an in-process server with a mode and RAM size, or an outside URI.
@@ -90,6 +116,18 @@ impl Run {
                 Endpoint::Unix(path) => format!("unix:{}", path.display()),
                 Endpoint::Tcp(addr) => format!("tcp:{addr}"),
             },
+        }
+    }
+}
+
+impl Run {
+    /// An in-process server's mode, RAM size and read cache (`--read-cache`, none in mode
+    /// shared) in its report.
+    fn describe(&self, report: &mut report::ConfigReport, read_cache: u64) {
+        if let Run::Local { mode, ram } = self {
+            report.mode = Some(mode.to_string());
+            report.ram_bytes = matches!(mode, WriteCacheMode::Ram | WriteCacheMode::RamDisk).then_some(*ram);
+            report.read_cache_bytes = Some(if *mode == WriteCacheMode::Shared { 0 } else { read_cache });
         }
     }
 }
@@ -145,6 +183,7 @@ fn start_local_server(
     read_cache: u64,
     work: &Path,
     index: usize,
+    record: Option<&Path>,
 ) -> anyhow::Result<LocalTarget> {
     let settings = CacheSettings {
         mode,
@@ -158,7 +197,10 @@ fn start_local_server(
     };
     let images = BTreeMap::from([(String::new(), golden.clone())]);
     // No free-memory floor: a storm's figures must not depend on what else the host is doing.
-    let exports = OverlayExports::new(images, settings, HostMemory::new(u64::MAX, 0))?;
+    let mut exports = OverlayExports::new(images, settings, HostMemory::new(u64::MAX, 0))?;
+    if let Some(dir) = record {
+        exports.record_to(dir.to_owned()).with_context(|| format!("recording to {}", dir.display()))?;
+    }
     let registry = exports.registry();
     let socket = work.join(format!("storm-{}-{index}.sock", std::process::id()));
     let listener = Listener::bind(&ListenAddr::Unix(socket.clone()))?;
@@ -179,7 +221,8 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         }
         None => Workload::built_in(&args.workload)?,
     };
-    if args.vms == 0 {
+    let vms = args.vms.unwrap_or(if args.guests.is_some() { 3 } else { 20 });
+    if vms == 0 {
         bail!("--vms must be at least 1");
     }
     let work = args.work_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("overspill-storm"));
@@ -200,6 +243,9 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
             runs.push(Run::Remote(uri.parse().map_err(|e| anyhow::anyhow!("--target {uri}: {e}"))?));
         }
     }
+    if args.guests.is_some() {
+        return run_guests(&args, vms, &work, &runs);
+    }
     let golden: Option<Arc<dyn GoldenImage>> = if args.target.is_empty() {
         let path = match &args.golden {
             Some(path) => path.clone(),
@@ -219,12 +265,12 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
     };
 
     let config = StormConfig {
-        vms: args.vms,
+        vms,
         boot_interval_s: args.boot_interval,
         logon_interval_s: args.logon_interval,
         speed: args.speed,
         workload_seed: args.seed,
-        bucket_s: args.bucket.max(1),
+        bucket_s: args.bucket.unwrap_or(10).max(1),
     };
     let plan = RunPlan::from_workload(&workload, &config);
     if let Some(dir) = &args.record {
@@ -236,7 +282,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         let target: Box<dyn Target> = match (run, &golden) {
             (Run::Local { mode, ram }, Some(golden)) => {
                 let read_cache = if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache };
-                Box::new(start_local_server(golden, *mode, *ram, read_cache, &work, index)?)
+                Box::new(start_local_server(golden, *mode, *ram, read_cache, &work, index, None)?)
             }
             (Run::Remote(uri), _) => Box::new(RemoteTarget(uri.clone())),
             (Run::Local { .. }, None) => unreachable!("a golden image is opened for local runs"),
@@ -250,11 +296,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         bar.finish();
         let wall_s = started.elapsed().as_secs_f64();
         let mut config_report = report::config_report(&label, &plan, &config, &results, wall_s);
-        if let Run::Local { mode, ram } = run {
-            config_report.mode = Some(mode.to_string());
-            config_report.ram_bytes = matches!(mode, WriteCacheMode::Ram | WriteCacheMode::RamDisk).then_some(*ram);
-            config_report.read_cache_bytes = Some(if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache });
-        }
+        run.describe(&mut config_report, args.read_cache);
         configs.push(config_report);
     }
     let report = StormReport {
@@ -262,12 +304,113 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         workload: workload.name.clone(),
         description: workload.description.clone(),
         seed_platform: workload.seed_platform.clone(),
-        vms: args.vms,
+        vms,
         boot_interval_s: args.boot_interval,
         logon_interval_s: args.logon_interval,
         paced: args.speed,
         bucket_s: config.bucket_s,
         phase_sources: workload.phases.iter().map(|p| (p.name.clone(), p.source.clone())).collect(),
+        configs,
+    };
+    println!("{}", report::text_tables(&report));
+    report::write_files(&report, &args.out).with_context(|| format!("writing the report to {}", args.out.display()))?;
+    println!("Report: {} and {}", args.out.join("report.html").display(), args.out.join("report.json").display());
+    Ok(())
+}
+
+/// `--guests qemu`: each configuration's in-process server serves the guests' root filesystem,
+/// and the guests boot from it, log on and work (`crate::guest_storm`).
+fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow::Result<()> {
+    if !args.target.is_empty() {
+        bail!("--guests reads the engine's counters of in-process servers: it cannot run against --target");
+    }
+    if args.speed.is_some() {
+        bail!("--speed paces synthetic requests: real guests run in real time");
+    }
+    let kernel = Kernel::newest_cloud()?;
+    let image = match &args.golden {
+        Some(path) => path.clone(),
+        None => guests::root_image(&guests::cache_dir(), args.guest_os, &kernel)?,
+    };
+    let golden = open_image(&image).with_context(|| format!("opening {}", image.display()))?;
+    let kit = GuestKit::root_on_disk(&work.join("guest-kit"))?;
+    let bucket_s = args.bucket.unwrap_or(2).max(1);
+    let config = StormConfig {
+        vms,
+        boot_interval_s: args.boot_interval,
+        logon_interval_s: 0.0,
+        speed: Some(1.0),
+        workload_seed: args.seed,
+        bucket_s,
+    };
+    if let Some(dir) = &args.record {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let mut configs = Vec::new();
+    for (index, run) in runs.iter().enumerate() {
+        let Run::Local { mode, ram } = run else { bail!("--guests runs in-process servers only") };
+        let label = run.label();
+        // The first configuration's requests are recorded, as for synthetic VMs: the server
+        // writes a trace per connection, rewritten with the guests' phases once they are done.
+        let staging =
+            (index == 0 && args.record.is_some()).then(|| work.join(format!("record-{}", std::process::id())));
+        if let Some(dir) = &staging {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        let read_cache = if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache };
+        let target = start_local_server(&golden, *mode, *ram, read_cache, work, index, staging.as_deref())?;
+        let bar = guest_storm::progress_bar(vms);
+        bar.set_prefix(label.clone());
+        let storm = GuestStorm {
+            kit: &kit,
+            vms,
+            boot_interval_s: args.boot_interval,
+            steady_s: args.guest_steady,
+            timeout: std::time::Duration::from_secs(args.guest_timeout),
+            bucket_s,
+            dir: work.join(format!("guests-{index}")),
+            disk_bytes: golden.size(),
+        };
+        let started = Instant::now();
+        let outcome = guest_storm::run(&storm, &target, &bar)?;
+        bar.finish();
+        let wall_s = started.elapsed().as_secs_f64();
+        let mut config_report = report::config_report(&label, &outcome.plan, &config, &outcome.results, wall_s);
+        run.describe(&mut config_report, args.read_cache);
+        config_report.boot_times_s = Some(outcome.boot_times_s);
+        config_report.booted_at_s = Some(outcome.booted_at_s);
+        if let (Some(staging), Some(dir)) = (&staging, &args.record) {
+            let written = guest_storm::phase_traces(staging, dir, &outcome.observations)?;
+            if written < vms {
+                tracing::warn!(written, vms, "not every guest left a trace");
+            }
+            let _ = std::fs::remove_dir_all(staging);
+        }
+        configs.push(config_report);
+    }
+    let os = match args.guest_os {
+        Flavour::Systemd => "a Debian minbase with systemd and udev",
+        Flavour::Busybox => "busybox as init and every program",
+    };
+    let report = StormReport {
+        run: report::RunInfo::here(),
+        workload: format!("qemu-{}", args.guest_os.name()),
+        description: format!(
+            "real QEMU guests (TCG, 1 CPU, {} MiB): Debian's cloud kernel {} with its root filesystem, {os}, on the NBD disk",
+            guest_storm::GUEST_MIB,
+            kernel.version
+        ),
+        seed_platform: None,
+        vms,
+        boot_interval_s: args.boot_interval,
+        logon_interval_s: 0.0,
+        paced: Some(1.0),
+        bucket_s,
+        phase_sources: vec![
+            ("boot".into(), "measured: from QEMU's start to the guest's \"booted\" marker (kernel, initramfs, root filesystem and init from the NBD disk)".into()),
+            ("logon".into(), "measured: the guest reads 120 kernel modules and writes a user profile of about 5 MiB in 210 files".into()),
+            ("steady".into(), format!("measured: {} s of temporary files written, read back and deleted every second, synced; then fstrim and power off", args.guest_steady)),
+        ],
         configs,
     };
     println!("{}", report::text_tables(&report));

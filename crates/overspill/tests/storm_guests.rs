@@ -1,0 +1,172 @@
+//! `overspill storm --guests qemu` end to end: real QEMU guests (TCG) boot their root filesystem
+//! from the in-process servers' NBD exports, log on and work; the report counts them per phase
+//! and tier from the engine's counters, with boot times, and the first configuration's guests
+//! are recorded as traces.
+
+use std::path::Path;
+use std::process::Command;
+
+use overspill_storm::trace::Trace;
+use serde_json::Value;
+
+fn qemu_runs() -> bool {
+    Command::new("qemu-system-x86_64").arg("--version").output().is_ok_and(|out| out.status.success())
+}
+
+/// QEMU, installed the way CI installs it (scripts/test runs the same script) when missing.
+fn qemu_available() -> bool {
+    if qemu_runs() {
+        return true;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/install-guest-tools");
+    let _ = Command::new("bash").arg(script).status();
+    qemu_runs()
+}
+
+fn config<'a>(report: &'a Value, label: &str) -> &'a Value {
+    report["configs"]
+        .as_array()
+        .expect("configs")
+        .iter()
+        .find(|c| c["label"] == label)
+        .unwrap_or_else(|| panic!("no configuration {label} in {}", report["configs"]))
+}
+
+/// A tier's figure per VM summed over the phases.
+fn over_phases(config: &Value, tier: &str, figure: &str) -> f64 {
+    config["phases"]
+        .as_array()
+        .expect("phases")
+        .iter()
+        .flat_map(|p| p["tiers"].as_array().expect("tiers"))
+        .filter(|t| t["tier"] == tier)
+        .map(|t| t[figure].as_f64().expect("a number"))
+        .sum()
+}
+
+fn in_phase(config: &Value, phase: usize, tier: &str, figure: &str) -> f64 {
+    config["phases"][phase]["tiers"]
+        .as_array()
+        .expect("tiers")
+        .iter()
+        .find(|t| t["tier"] == tier)
+        .and_then(|t| t[figure].as_f64())
+        .unwrap_or_else(|| panic!("no {figure} of {tier} in phase {phase}"))
+}
+
+#[test]
+fn real_guests_boot_from_the_server_and_are_counted_per_tier() {
+    if !qemu_available() {
+        eprintln!(
+            "skipped: qemu-system-x86_64 is not installed and scripts/install-guest-tools could not install it \
+             (apt-get install qemu-system-x86)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (out, work, record) = (dir.path().join("out"), dir.path().join("work"), dir.path().join("traces"));
+    let started = std::time::Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["storm", "--guests", "qemu", "--vms", "2", "--modes", "shared,ram+disk", "--ram", "256M"])
+        .args(["--guest-steady", "8", "--guest-timeout", "600", "--record"])
+        .arg(&record)
+        .arg("--out")
+        .arg(&out)
+        .arg("--work-dir")
+        .arg(&work)
+        .output()
+        .expect("run overspill storm");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "storm failed:\n{stdout}\n{stderr}");
+    eprintln!("storm --guests qemu took {:.0} s:\n{stdout}", started.elapsed().as_secs_f64());
+    assert!(stdout.contains("boot: min"), "boot times in the tables:\n{stdout}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json")).expect("JSON");
+
+    for label in ["shared", "ram+disk 256M"] {
+        let c = config(&report, label);
+        assert_eq!(c["failed_vms"].as_array().map(Vec::len), Some(0), "{label}: {}", c["failed_vms"]);
+        let boots = c["boot_times_s"].as_array().expect("boot times");
+        assert_eq!(boots.len(), 2, "{label}: a boot time per VM");
+        for boot in boots {
+            assert!(boot.as_f64().is_some_and(|s| s > 0.0), "{label}: every guest booted: {boots:?}");
+        }
+        let booted_at = c["booted_at_s"].as_array().expect("boot completions");
+        assert!(booted_at.iter().all(|s| s.as_f64().is_some_and(|s| s > 0.0)), "{label}: {booted_at:?}");
+        for (p, phase) in ["boot", "logon", "steady"].iter().enumerate() {
+            assert_eq!(c["phases"][p]["phase"], *phase);
+            assert!(in_phase(c, p, "guest", "reads_per_vm") > 0.0, "{label}: the guests read in {phase}");
+        }
+        assert!(in_phase(c, 1, "guest", "write_bytes_per_vm") > 4.0 * 1048576.0, "{label}: a profile written at logon");
+        let b = &c["blocks"];
+        let served: u64 = ["read_ram", "read_spill", "read_golden", "read_zero", "read_cache_file"]
+            .iter()
+            .map(|k| b[k].as_u64().expect("count"))
+            .sum();
+        assert!(b["read_golden"].as_u64() > Some(1000), "{label}: the root filesystem came from the golden image");
+        assert_eq!(served, b["guest_read_blocks"].as_u64().expect("count"), "{label}");
+    }
+
+    let ram_disk = config(&report, "ram+disk 256M");
+    assert!(in_phase(ram_disk, 0, "golden image", "reads_per_vm") > 0.0, "the boot read the golden image");
+    assert_eq!(over_phases(ram_disk, "shared storage", "total_ops_per_vm"), 0.0, "nothing reaches shared storage");
+    assert_eq!(over_phases(ram_disk, "spill", "writes_per_vm"), 0.0, "256 MiB holds what the guests write");
+    let shared = config(&report, "shared");
+    let guest_writes = over_phases(shared, "guest", "write_bytes_per_vm");
+    let shared_writes = over_phases(shared, "shared storage", "write_bytes_per_vm");
+    assert!(in_phase(shared, 1, "shared storage", "writes_per_vm") > 0.0, "logon's writes reach shared storage");
+    assert!(
+        shared_writes >= 0.9 * guest_writes,
+        "the guests' writes go to shared storage in mode shared: {shared_writes} of {guest_writes} bytes per VM"
+    );
+
+    for vm in 0..2 {
+        let path = record.join(format!("vm-{vm}.trace"));
+        let trace = Trace::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(trace.header.phases, ["boot", "logon", "steady"], "{}", path.display());
+        assert_eq!(trace.truncated_bytes, 0);
+        for phase in 0..3u16 {
+            assert!(trace.records.iter().any(|r| r.phase == phase), "vm-{vm}'s trace has phase {phase}");
+        }
+        let times: Vec<u64> = trace.records.iter().map(|r| r.time_us).collect();
+        assert!(times.windows(2).all(|w| w[0] <= w[1]), "vm-{vm}'s records in time order");
+    }
+
+    let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
+    let at = html.find("<h2>VMs booted over time</h2>").expect("the booted-over-time chart");
+    let start = at + html[at..].find("<svg").expect("its SVG");
+    let end = start + html[start..].find("</svg>").expect("the SVG ends") + "</svg>".len();
+    let mut reader = quick_xml::Reader::from_str(&html[start..end]);
+    // The curves are the lines 2 pixels wide (the axes and ticks are 1); each climbs from none
+    // booted through one to both: three heights.
+    let mut curves = Vec::new();
+    loop {
+        match reader.read_event() {
+            Ok(quick_xml::events::Event::Eof) => break,
+            Ok(quick_xml::events::Event::Empty(e) | quick_xml::events::Event::Start(e))
+                if e.name().as_ref() == b"polyline" =>
+            {
+                let attribute = |name: &str| {
+                    e.try_get_attribute(name)
+                        .ok()
+                        .flatten()
+                        .map(|a| String::from_utf8_lossy(&a.value).into_owned())
+                        .unwrap_or_default()
+                };
+                if attribute("stroke-width") == "2" {
+                    let mut heights: Vec<String> = attribute("points")
+                        .split_whitespace()
+                        .filter_map(|point| point.split_once(',').map(|(_, y)| y.to_owned()))
+                        .collect();
+                    heights.sort();
+                    heights.dedup();
+                    curves.push(heights.len());
+                }
+            }
+            Ok(_) => {}
+            Err(error) => panic!("the booted-over-time SVG does not parse: {error}"),
+        }
+    }
+    assert_eq!(curves, [3, 3], "a step curve per configuration, each up to two VMs booted");
+}
