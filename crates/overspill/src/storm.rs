@@ -1,5 +1,6 @@
 //! `overspill storm`: runs a workload's phases on many VMs against an in-process server for each
-//! write-cache configuration (or against outside NBD servers), and prints the seeds' tables.
+//! write-cache configuration (or against outside NBD servers), or boots real guests from them
+//! (`--guests qemu`, [`crate::guest_storm`]), and prints the seeds' tables.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -326,6 +327,11 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
     }
     if args.speed.is_some() {
         bail!("--speed paces synthetic requests: real guests run in real time");
+    }
+    // Checked before anything is built, rather than found out once per guest.
+    let qemu = std::process::Command::new("qemu-system-x86_64").arg("--version").output();
+    if !qemu.is_ok_and(|out| out.status.success()) {
+        bail!("qemu-system-x86_64 does not run: install qemu-system-x86 (scripts/install-guest-tools does)");
     }
     let kernel = Kernel::newest_cloud()?;
     let image = match &args.golden {
