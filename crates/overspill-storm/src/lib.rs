@@ -1,7 +1,7 @@
 //! Storms: many VMs booting, logging on and working at once over real NBD connections, with the
 //! workload models that say what each VM does ([`profile`]), the driver that runs them
 //! ([`driver`]), the same runs through the engine alone ([`model`]), the planner built on it
-//! ([`plan`]), the accounting of real guests that run by themselves ([`observed`]), traces
+//! ([`plan`]) with its storage model ([`storage`]), the accounting of real guests that run by themselves ([`observed`]), traces
 //! ([`trace`]) and the reports in the seeds' table format ([`report`],
 //! [`page`]).
 //!
@@ -17,6 +17,7 @@ pub mod plan;
 pub mod profile;
 pub mod report;
 pub mod seeds;
+pub mod storage;
 pub mod trace;
 
 pub use driver::{StormConfig, Target};

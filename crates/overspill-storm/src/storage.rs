@@ -1,0 +1,921 @@
+//! The storage a fleet boots from, as a queueing model: devices with a latency curve, arrays of
+//! them with their RAID write penalties, a controller cache (read-only or write-back), the
+//! host's queue-depth limit, and VMs powered on a few at a time. A discrete-event simulation
+//! plays every VM's boot requests through it, so boot times spread the way queues spread them.
+//!
+//! What a VM asks of the storage comes from the caller ([`VmBoot`]): guest requests straight
+//! (no cache in front), or what the engine's overlay sent on (overspill in front). Golden-image
+//! reads may pass through overspill's own read cache ([`overspill_engine::CachedImage`], the
+//! code `serve` runs), in the order the simulated VMs ask, so whichever VM gets there first
+//! pays for the fetch.
+//!
+//! The model, and what it leaves out:
+//! - A device serves its queue in order; an operation takes `1/iops(q) + bytes/bandwidth`, with
+//!   `q` the operations queued at the device when it starts. `iops(q)` is the device's curve of
+//!   random IOPS by queue depth: a disk reorders a deeper queue into shorter seeks, an SSD works
+//!   on more of it in parallel.
+//! - Arrays stripe in 64 KiB units over every disk (parity rotates, so RAID 5/6 read from all);
+//!   a write smaller than a full stripe costs RAID 1/10 two device writes, RAID 5 two reads and
+//!   two writes, RAID 6 three and three. Full-stripe writes skip the reads.
+//! - The controller cache keeps 4 KiB blocks, least recently used out first. A read whose blocks
+//!   are all there completes in [`CACHE_HIT_S`]; a write-back cache acknowledges writes as soon
+//!   as they fit in its dirty half and writes them to the disks behind the guest's back.
+//! - The host keeps at most `queue_depth` requests at the array (the HBA's or LUN's queue
+//!   depth); the rest wait in order.
+//! - Two VMs missing the same read-cache chunk at once: the second is served as soon as the first
+//!   asked (a real cache makes it wait for the fetch), so concurrent first reads look a little
+//!   cheaper than they are.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
+
+use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
+use overspill_engine::{CachedImage, GoldenImage};
+use serde::{Deserialize, Serialize};
+
+/// A read served from the controller's cache (or acknowledged into it) takes this long.
+pub const CACHE_HIT_S: f64 = 0.000_2;
+/// Width of the intervals the seeds counted in (ESXTOP's, in seed 003) and the charts use.
+pub const INTERVAL_S: f64 = 15.0;
+const STRIPE_BYTES: u64 = 64 * 1024;
+const BLOCK: u64 = 4096;
+
+/// A device class: random IOPS by queue depth (its latency curve: latency at depth `q` is
+/// `q / iops(q)`) and streaming bandwidth.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    pub name: String,
+    /// `[queue depth, IOPS]` points, depths ascending; interpolated linearly, flat past the ends.
+    pub iops: Vec<(f64, f64)>,
+    pub mb_per_s: f64,
+}
+
+/// Round figures of each class (random 4 KiB IOPS at a few queue depths, as data sheets and
+/// fio runs commonly show them), not measurements of any one product.
+const BUILT_IN: [(&str, &[(f64, f64)], f64); 5] = [
+    ("hdd7200", &[(1.0, 80.0), (4.0, 110.0), (16.0, 150.0), (32.0, 165.0)], 150.0),
+    ("hdd10k", &[(1.0, 140.0), (4.0, 190.0), (16.0, 250.0), (32.0, 280.0)], 180.0),
+    ("hdd15k", &[(1.0, 190.0), (4.0, 260.0), (16.0, 340.0), (32.0, 380.0)], 200.0),
+    ("ssd", &[(1.0, 8_000.0), (4.0, 25_000.0), (32.0, 75_000.0)], 500.0),
+    ("nvme", &[(1.0, 12_000.0), (4.0, 45_000.0), (32.0, 400_000.0), (128.0, 600_000.0)], 3_000.0),
+];
+
+impl DeviceSpec {
+    pub fn built_in_names() -> Vec<&'static str> {
+        BUILT_IN.iter().map(|(name, _, _)| *name).collect()
+    }
+
+    /// A built-in class by name (`sas15k` is `hdd15k`'s older name).
+    pub fn built_in(name: &str) -> Option<Self> {
+        let name = if name == "sas15k" { "hdd15k" } else { name };
+        BUILT_IN.iter().find(|(n, _, _)| *n == name).map(|(name, iops, mb_per_s)| Self {
+            name: (*name).into(),
+            iops: iops.to_vec(),
+            mb_per_s: *mb_per_s,
+        })
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        if self.iops.is_empty() || self.mb_per_s <= 0.0 {
+            return Err(format!("device {}: needs at least one IOPS point and a bandwidth above 0", self.name));
+        }
+        let ascending = self.iops.windows(2).all(|w| w[0].0 < w[1].0);
+        if !ascending || self.iops.iter().any(|&(q, iops)| q < 1.0 || iops <= 0.0 || !iops.is_finite()) {
+            return Err(format!("device {}: IOPS points need depths ≥ 1, ascending, and IOPS above 0", self.name));
+        }
+        Ok(())
+    }
+
+    /// Random IOPS with `depth` operations queued.
+    pub fn iops_at(&self, depth: usize) -> f64 {
+        let q = depth.max(1) as f64;
+        let points = &self.iops;
+        match points.iter().position(|&(d, _)| d >= q) {
+            Some(0) => points[0].1,
+            Some(i) => {
+                let ((d0, i0), (d1, i1)) = (points[i - 1], points[i]);
+                i0 + (i1 - i0) * (q - d0) / (d1 - d0)
+            }
+            None => points[points.len() - 1].1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Raid {
+    #[serde(rename = "0")]
+    R0,
+    #[serde(rename = "1")]
+    R1,
+    #[serde(rename = "10")]
+    R10,
+    #[serde(rename = "5")]
+    R5,
+    #[serde(rename = "6")]
+    R6,
+}
+
+impl std::str::FromStr for Raid {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim_start_matches("raid") {
+            "0" => Ok(Self::R0),
+            "1" => Ok(Self::R1),
+            "10" => Ok(Self::R10),
+            "5" => Ok(Self::R5),
+            "6" => Ok(Self::R6),
+            _ => Err(format!("unknown RAID level {s}: use 0, 1, 10, 5 or 6")),
+        }
+    }
+}
+
+impl std::fmt::Display for Raid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let level = match self {
+            Self::R0 => "0",
+            Self::R1 => "1",
+            Self::R10 => "10",
+            Self::R5 => "5",
+            Self::R6 => "6",
+        };
+        write!(f, "RAID {level}")
+    }
+}
+
+impl Raid {
+    /// Disks a small write touches, and the fewest disks the level needs.
+    fn small_write_disks(self) -> usize {
+        match self {
+            Self::R0 => 1,
+            Self::R1 | Self::R10 | Self::R5 => 2,
+            Self::R6 => 3,
+        }
+    }
+
+    fn min_disks(self) -> usize {
+        match self {
+            Self::R0 => 1,
+            Self::R1 | Self::R10 => 2,
+            Self::R5 => 3,
+            Self::R6 => 4,
+        }
+    }
+
+    /// Disks holding data in one stripe (the rest hold copies or parity).
+    fn data_disks(self, disks: usize) -> usize {
+        match self {
+            Self::R0 => disks,
+            Self::R1 => 1,
+            Self::R10 => disks / 2,
+            Self::R5 => disks - 1,
+            Self::R6 => disks - 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheMode {
+    /// Reads are cached; writes go through to the disks before they are acknowledged.
+    ReadOnly,
+    /// Writes are acknowledged once in cache and written to the disks afterwards.
+    WriteBack,
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "read-only" | "read" => Ok(Self::ReadOnly),
+            "write-back" => Ok(Self::WriteBack),
+            _ => Err(format!("unknown cache mode {s}: use read-only or write-back")),
+        }
+    }
+}
+
+/// Everything between the VMs and the disks.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StorageSpec {
+    pub device: DeviceSpec,
+    pub disks: usize,
+    pub raid: Raid,
+    /// Controller cache bytes (0: none) and how it treats writes.
+    pub cache_bytes: u64,
+    pub cache_mode: CacheMode,
+    /// Requests the host keeps at the array at once (HBA or LUN queue depth); `None`: no limit.
+    pub queue_depth: Option<usize>,
+    /// VMs powered on together, and the least time between one group and the next.
+    pub power_on_group: usize,
+    pub power_on_interval_s: f64,
+    /// Storage reads each power-on waits for (a hypervisor reading the VM's configuration and
+    /// creating its swap file) before the next group may be powered on and the VM may boot: how
+    /// seed 003's hypervisor made slow storage slow to power VMs on.
+    pub power_on_ios: usize,
+    /// Requests one booting guest keeps in flight at most.
+    pub vm_queue_depth: usize,
+}
+
+impl StorageSpec {
+    /// One device, no cache, no queue limit, every VM powered on at once.
+    pub fn single(device: DeviceSpec) -> Self {
+        Self {
+            device,
+            disks: 1,
+            raid: Raid::R0,
+            cache_bytes: 0,
+            cache_mode: CacheMode::WriteBack,
+            queue_depth: None,
+            power_on_group: usize::MAX,
+            power_on_interval_s: 0.0,
+            power_on_ios: 0,
+            vm_queue_depth: 4,
+        }
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        self.device.check()?;
+        if self.disks < self.raid.min_disks() || (self.raid == Raid::R10 && self.disks % 2 != 0) {
+            return Err(format!(
+                "{} needs at least {} disks (an even number for RAID 10)",
+                self.raid,
+                self.raid.min_disks()
+            ));
+        }
+        if self.raid == Raid::R1 && self.disks != 2 {
+            return Err("RAID 1 mirrors two disks: use RAID 10 for more".into());
+        }
+        if self.queue_depth == Some(0) || self.power_on_group == 0 || self.vm_queue_depth == 0 {
+            return Err("queue depths and the power-on group need to be at least 1".into());
+        }
+        if !(self.power_on_interval_s >= 0.0 && self.power_on_interval_s.is_finite()) {
+            return Err("the power-on interval must be a time of 0 or more".into());
+        }
+        Ok(())
+    }
+
+    /// One line naming the configuration, as tables and charts show it.
+    pub fn describe(&self) -> String {
+        let mut out = if self.disks == 1 {
+            self.device.name.clone()
+        } else {
+            format!("{}× {} {}", self.disks, self.device.name, self.raid)
+        };
+        if self.cache_bytes > 0 {
+            let mode = match self.cache_mode {
+                CacheMode::ReadOnly => "read",
+                CacheMode::WriteBack => "write-back",
+            };
+            out.push_str(&format!(", {} MiB {mode} cache", self.cache_bytes >> 20));
+        }
+        if let Some(q) = self.queue_depth {
+            out.push_str(&format!(", queue depth {q}"));
+        }
+        if self.power_on_group != usize::MAX {
+            out.push_str(&format!(", {} VM per {:.2} s", self.power_on_group, self.power_on_interval_s));
+        }
+        out
+    }
+}
+
+/// One storage request of a VM: a golden-image read (shared by all VMs, through the host's read
+/// cache if there is one) or an operation on the VM's own space.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Request {
+    pub write: bool,
+    pub golden: bool,
+    pub offset: u64,
+    pub bytes: u32,
+}
+
+/// A VM's boot: guest operations in order, each at its time in the trace and with the storage
+/// requests it waits for (none when the overlay's RAM served it).
+#[derive(Debug, Clone, Default)]
+pub struct VmBoot {
+    /// `(seconds into the boot, requests[start..end])` per guest operation.
+    pub ops: Vec<(f64, usize, usize)>,
+    pub requests: Vec<Request>,
+}
+
+impl VmBoot {
+    pub fn push(&mut self, at_s: f64, requests: impl IntoIterator<Item = Request>) {
+        let start = self.requests.len();
+        self.requests.extend(requests);
+        self.ops.push((at_s, start, self.requests.len()));
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BootEstimate {
+    pub storage: String,
+    pub vms: usize,
+    /// From a VM's power-on command to the end of its boot.
+    pub min_s: f64,
+    pub avg_s: f64,
+    pub max_s: f64,
+    /// When the last power-on command was given.
+    pub power_on_s: f64,
+    /// Most requests the array served in one 15 s interval, per second.
+    pub peak_iops: f64,
+    /// VMs whose boot ended in each 15 s interval.
+    pub booted_per_interval: Vec<usize>,
+}
+
+/// Plays the boots of `vms` VMs (VM `i` boots `boots[i % boots.len()]`) on `storage`, with
+/// overspill's read cache of `read_cache_bytes` in front of golden-image reads (0: none).
+pub fn simulate_boots(
+    storage: &StorageSpec,
+    boots: &[VmBoot],
+    vms: usize,
+    read_cache_bytes: u64,
+) -> Option<BootEstimate> {
+    if boots.is_empty() || vms == 0 {
+        return None;
+    }
+    let mut sim = Sim::new(storage, boots, vms, read_cache_bytes);
+    sim.run();
+    Some(sim.estimate())
+}
+
+/// Simulation time, ordered (never NaN: sums of finite, non-negative figures).
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+struct Time(f64);
+impl Eq for Time {}
+impl Ord for Time {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    PowerOnGroup,
+    Wake(usize),
+    HostDone(usize),
+    DeviceDone(usize),
+}
+
+/// Who waits for an array request.
+#[derive(Debug, Clone, Copy)]
+enum Owner {
+    /// Guest operation `op` of VM `vm`.
+    Guest {
+        vm: usize,
+        op: usize,
+    },
+    PowerOn {
+        vm: usize,
+    },
+    /// A write-back cache writing `bytes` of dirty data to the disks.
+    Destage {
+        bytes: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ArrayRequest {
+    owner: Owner,
+    write: bool,
+    space: u64,
+    offset: u64,
+    bytes: u64,
+    /// Device operations still to finish.
+    pending: usize,
+    /// A read to cache once the disks answered it.
+    fill_cache: bool,
+}
+
+#[derive(Debug, Default, Clone)]
+struct VmState {
+    power_on_at: f64,
+    boot_start: Option<f64>,
+    next: usize,
+    last_issue: f64,
+    in_flight: usize,
+    /// Requests each issued guest operation still waits for (indexed by op).
+    waiting: Vec<u32>,
+    completed: usize,
+    done_at: Option<f64>,
+    wake_at: Option<f64>,
+    power_on_left: usize,
+}
+
+struct Sim<'a> {
+    storage: &'a StorageSpec,
+    boots: &'a [VmBoot],
+    now: f64,
+    seq: u64,
+    events: BinaryHeap<Reverse<(Time, u64, Event)>>,
+    vms: Vec<VmState>,
+    requests: Vec<ArrayRequest>,
+    free_requests: Vec<usize>,
+    at_array: usize,
+    host_queue: VecDeque<usize>,
+    devices: Vec<VecDeque<(usize, u64)>>,
+    cache: Option<lru::LruCache<u64, ()>>,
+    dirty_bytes: u64,
+    read_cache: Option<(CachedImage, Arc<Mutex<Vec<(u64, u64)>>>)>,
+    served_per_interval: Vec<u64>,
+    next_group: usize,
+    group_left: usize,
+    group_interval_over: bool,
+    last_power_on: f64,
+    buffer: Vec<u8>,
+}
+
+/// A golden image of zeroes that writes down what was read from it: the read cache's fetches.
+struct FetchLog {
+    size: u64,
+    fetches: Arc<Mutex<Vec<(u64, u64)>>>,
+}
+
+impl GoldenImage for FetchLog {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        buf.fill(0);
+        self.fetches.lock().unwrap_or_else(|p| p.into_inner()).push((offset, buf.len() as u64));
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        "fetch log".into()
+    }
+}
+
+impl<'a> Sim<'a> {
+    fn new(storage: &'a StorageSpec, boots: &'a [VmBoot], vms: usize, read_cache_bytes: u64) -> Self {
+        let golden_end = boots
+            .iter()
+            .flat_map(|b| b.requests.iter().filter(|r| r.golden).map(|r| r.offset + u64::from(r.bytes)))
+            .max()
+            .unwrap_or(0);
+        let read_cache = (read_cache_bytes > 0).then(|| {
+            let fetches = Arc::new(Mutex::new(Vec::new()));
+            let source = Arc::new(FetchLog { size: golden_end.max(1), fetches: fetches.clone() });
+            (CachedImage::new(source, read_cache_bytes, DEFAULT_CHUNK_BYTES), fetches)
+        });
+        let largest = boots.iter().flat_map(|b| b.requests.iter().map(|r| r.bytes)).max().unwrap_or(0);
+        let blocks = (storage.cache_bytes / BLOCK) as usize;
+        Self {
+            storage,
+            boots,
+            now: 0.0,
+            seq: 0,
+            events: BinaryHeap::new(),
+            vms: (0..vms)
+                .map(|vm| VmState { waiting: vec![0; boots[vm % boots.len()].ops.len()], ..VmState::default() })
+                .collect(),
+            requests: Vec::new(),
+            free_requests: Vec::new(),
+            at_array: 0,
+            host_queue: VecDeque::new(),
+            devices: vec![VecDeque::new(); storage.disks],
+            cache: NonZeroUsize::new(blocks).map(lru::LruCache::new),
+            dirty_bytes: 0,
+            read_cache,
+            served_per_interval: Vec::new(),
+            next_group: 0,
+            group_left: 0,
+            group_interval_over: false,
+            last_power_on: 0.0,
+            buffer: vec![0; largest as usize],
+        }
+    }
+
+    fn at(&mut self, time: f64, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse((Time(time), self.seq, event)));
+    }
+
+    fn run(&mut self) {
+        self.at(0.0, Event::PowerOnGroup);
+        while let Some(Reverse((Time(time), _, event))) = self.events.pop() {
+            self.now = time;
+            match event {
+                Event::PowerOnGroup => {
+                    self.group_interval_over = true;
+                    self.maybe_next_group();
+                }
+                Event::Wake(vm) => {
+                    if self.vms[vm].wake_at == Some(time) {
+                        self.vms[vm].wake_at = None;
+                        self.issue(vm);
+                    }
+                }
+                Event::HostDone(id) => self.host_done(id),
+                Event::DeviceDone(disk) => self.device_done(disk),
+            }
+        }
+    }
+
+    /// Powers on the next group once the interval has passed and the last group's power-on
+    /// reads are answered.
+    fn maybe_next_group(&mut self) {
+        let vms = self.vms.len();
+        if !self.group_interval_over || self.group_left > 0 || self.next_group >= vms {
+            return;
+        }
+        let group = self.storage.power_on_group.min(vms - self.next_group);
+        let first = self.next_group;
+        self.next_group += group;
+        self.group_interval_over = false;
+        self.last_power_on = self.now;
+        if self.next_group < vms {
+            self.at(self.now + self.storage.power_on_interval_s, Event::PowerOnGroup);
+        }
+        for vm in first..first + group {
+            self.vms[vm].power_on_at = self.now;
+            self.vms[vm].power_on_left = self.storage.power_on_ios;
+            if self.storage.power_on_ios == 0 {
+                self.start_boot(vm);
+            } else {
+                self.group_left += 1;
+                self.power_on_read(vm);
+            }
+        }
+    }
+
+    /// Power-on reads are the VM's own, beyond its disk, one at a time.
+    fn power_on_read(&mut self, vm: usize) {
+        let k = self.storage.power_on_ios - self.vms[vm].power_on_left;
+        let offset = (1u64 << 40) + k as u64 * BLOCK;
+        let id = self.new_request(Owner::PowerOn { vm }, false, vm as u64 + 1, offset, BLOCK);
+        self.submit(id);
+    }
+
+    fn start_boot(&mut self, vm: usize) {
+        let state = &mut self.vms[vm];
+        state.boot_start = Some(self.now);
+        state.last_issue = self.now;
+        if self.boots[vm % self.boots.len()].ops.is_empty() {
+            state.done_at = Some(self.now);
+        }
+        self.issue(vm);
+    }
+
+    /// Issues the VM's next operations as far as its queue depth and the trace's pace allow: an
+    /// operation comes its trace gap after the one before was issued, so a VM held up by the
+    /// storage stays behind (a boot is one program, not a timetable).
+    fn issue(&mut self, vm: usize) {
+        let boots = self.boots;
+        let boot = &boots[vm % boots.len()];
+        loop {
+            let state = &self.vms[vm];
+            if state.boot_start.is_none()
+                || state.next >= boot.ops.len()
+                || state.in_flight >= self.storage.vm_queue_depth
+            {
+                return;
+            }
+            let i = state.next;
+            let gap = if i == 0 { 0.0 } else { (boot.ops[i].0 - boot.ops[i - 1].0).max(0.0) };
+            let due = state.last_issue + gap;
+            if due > self.now {
+                if state.wake_at.is_none_or(|w| w > due) {
+                    self.vms[vm].wake_at = Some(due);
+                    self.at(due, Event::Wake(vm));
+                }
+                return;
+            }
+            let state = &mut self.vms[vm];
+            state.next += 1;
+            state.last_issue = due;
+            state.in_flight += 1;
+            let (_, start, end) = boot.ops[i];
+            let mut sent = 0u32;
+            for r in &boot.requests[start..end] {
+                sent += self.send(vm, i, r);
+            }
+            self.vms[vm].waiting[i] = sent;
+            if sent == 0 {
+                self.guest_op_done(vm);
+            }
+        }
+    }
+
+    /// Sends one guest request on to the array; returns how many array requests it became.
+    fn send(&mut self, vm: usize, op: usize, r: &Request) -> u32 {
+        let owner = Owner::Guest { vm, op };
+        if r.golden {
+            if let Some((cache, fetches)) = &self.read_cache {
+                let len = r.bytes as usize;
+                // A zero source cannot fail; a failure would only mean one fetch less modelled.
+                let _ = cache.read_at(&mut self.buffer[..len], r.offset);
+                let fetched: Vec<(u64, u64)> = std::mem::take(&mut *fetches.lock().unwrap_or_else(|p| p.into_inner()));
+                for &(offset, bytes) in &fetched {
+                    let id = self.new_request(owner, false, 0, offset, bytes);
+                    self.submit(id);
+                }
+                return fetched.len() as u32;
+            }
+        }
+        let space = if r.golden { 0 } else { vm as u64 + 1 };
+        let id = self.new_request(owner, r.write, space, r.offset, u64::from(r.bytes));
+        self.submit(id);
+        1
+    }
+
+    fn new_request(&mut self, owner: Owner, write: bool, space: u64, offset: u64, bytes: u64) -> usize {
+        let request = ArrayRequest { owner, write, space, offset, bytes, pending: 0, fill_cache: false };
+        match self.free_requests.pop() {
+            Some(id) => {
+                self.requests[id] = request;
+                id
+            }
+            None => {
+                self.requests.push(request);
+                self.requests.len() - 1
+            }
+        }
+    }
+
+    fn submit(&mut self, id: usize) {
+        if self.storage.queue_depth.is_some_and(|q| self.at_array >= q) {
+            self.host_queue.push_back(id);
+        } else {
+            self.dispatch(id);
+        }
+    }
+
+    fn blocks(space: u64, offset: u64, bytes: u64) -> impl Iterator<Item = u64> {
+        (offset / BLOCK..(offset + bytes).div_ceil(BLOCK)).map(move |b| (space << 40) ^ b)
+    }
+
+    /// The array controller takes a request from the host.
+    fn dispatch(&mut self, id: usize) {
+        self.at_array += 1;
+        let ArrayRequest { write, space, offset, bytes, .. } = self.requests[id];
+        if let Some(cache) = &mut self.cache {
+            if !write {
+                let hit = Self::blocks(space, offset, bytes).all(|b| cache.contains(&b));
+                if hit {
+                    for b in Self::blocks(space, offset, bytes) {
+                        cache.get(&b);
+                    }
+                    self.at(self.now + CACHE_HIT_S, Event::HostDone(id));
+                    return;
+                }
+                self.requests[id].fill_cache = true;
+            } else {
+                for b in Self::blocks(space, offset, bytes) {
+                    cache.put(b, ());
+                }
+                let dirty_limit = self.storage.cache_bytes / 2;
+                if self.storage.cache_mode == CacheMode::WriteBack && self.dirty_bytes + bytes <= dirty_limit {
+                    self.dirty_bytes += bytes;
+                    self.at(self.now + CACHE_HIT_S, Event::HostDone(id));
+                    let destage = self.new_request(Owner::Destage { bytes }, true, space, offset, bytes);
+                    self.to_disks(destage);
+                    return;
+                }
+            }
+        }
+        self.to_disks(id);
+    }
+
+    /// Splits a request into device operations by the array's layout.
+    fn to_disks(&mut self, id: usize) {
+        let ArrayRequest { write, space, offset, bytes, .. } = self.requests[id];
+        let disks = self.storage.disks;
+        let raid = self.storage.raid;
+        let data = raid.data_disks(disks);
+        // Each VM's space starts on a different disk, as separate files would.
+        let base = space.wrapping_mul(0x9e37_79b9);
+        let first = offset / STRIPE_BYTES;
+        let last = (offset + bytes.max(1) - 1) / STRIPE_BYTES;
+        let units = last - first + 1;
+        let mut ops: Vec<(usize, u64)> = Vec::new();
+        if write && units >= data as u64 && matches!(raid, Raid::R5 | Raid::R6) {
+            // Full stripes: every disk written once, parity computed from the new data.
+            let per_disk = bytes.div_ceil(data as u64);
+            ops.extend((0..disks).map(|d| (d, per_disk)));
+        } else {
+            for unit in first..=last {
+                let unit_bytes = (offset + bytes).min((unit + 1) * STRIPE_BYTES) - offset.max(unit * STRIPE_BYTES);
+                let stripe = base.wrapping_add(unit);
+                match raid {
+                    Raid::R0 => ops.push(((stripe % disks as u64) as usize, unit_bytes)),
+                    Raid::R1 | Raid::R10 => {
+                        let pair = (stripe % (disks as u64 / 2)) as usize * 2;
+                        if write {
+                            ops.push((pair, unit_bytes));
+                            ops.push((pair + 1, unit_bytes));
+                        } else {
+                            let shorter =
+                                if self.devices[pair + 1].len() < self.devices[pair].len() { pair + 1 } else { pair };
+                            ops.push((shorter, unit_bytes));
+                        }
+                    }
+                    Raid::R5 | Raid::R6 => {
+                        let disk = (stripe % disks as u64) as usize;
+                        if write {
+                            // Read old data and parity, write new data and parity.
+                            for k in 0..raid.small_write_disks() {
+                                let d = (disk + k) % disks;
+                                ops.push((d, unit_bytes));
+                                ops.push((d, unit_bytes));
+                            }
+                        } else {
+                            ops.push((disk, unit_bytes));
+                        }
+                    }
+                }
+            }
+        }
+        self.requests[id].pending = ops.len();
+        for (disk, op_bytes) in ops {
+            self.devices[disk].push_back((id, op_bytes));
+            if self.devices[disk].len() == 1 {
+                self.start_device(disk);
+            }
+        }
+    }
+
+    fn start_device(&mut self, disk: usize) {
+        if let Some(&(_, bytes)) = self.devices[disk].front() {
+            let depth = self.devices[disk].len();
+            let service =
+                1.0 / self.storage.device.iops_at(depth) + bytes as f64 / (self.storage.device.mb_per_s * 1e6);
+            self.at(self.now + service, Event::DeviceDone(disk));
+        }
+    }
+
+    fn device_done(&mut self, disk: usize) {
+        let Some((id, _)) = self.devices[disk].pop_front() else { return };
+        self.start_device(disk);
+        let request = &mut self.requests[id];
+        request.pending -= 1;
+        if request.pending > 0 {
+            return;
+        }
+        if let Owner::Destage { bytes } = request.owner {
+            self.dirty_bytes -= bytes;
+            self.free_requests.push(id);
+            return;
+        }
+        if request.fill_cache {
+            let ArrayRequest { space, offset, bytes, .. } = *request;
+            if let Some(cache) = &mut self.cache {
+                for b in Self::blocks(space, offset, bytes) {
+                    cache.put(b, ());
+                }
+            }
+        }
+        self.host_done(id);
+    }
+
+    /// The array answered request `id`.
+    fn host_done(&mut self, id: usize) {
+        self.at_array -= 1;
+        let interval = (self.now / INTERVAL_S) as usize;
+        if self.served_per_interval.len() <= interval {
+            self.served_per_interval.resize(interval + 1, 0);
+        }
+        self.served_per_interval[interval] += 1;
+        if let Some(next) = self.host_queue.pop_front() {
+            self.dispatch(next);
+        }
+        let owner = self.requests[id].owner;
+        self.free_requests.push(id);
+        match owner {
+            Owner::Guest { vm, op } => {
+                let waiting = &mut self.vms[vm].waiting[op];
+                *waiting -= 1;
+                if *waiting == 0 {
+                    self.guest_op_done(vm);
+                }
+            }
+            Owner::PowerOn { vm } => {
+                self.vms[vm].power_on_left -= 1;
+                if self.vms[vm].power_on_left > 0 {
+                    self.power_on_read(vm);
+                } else {
+                    self.group_left -= 1;
+                    self.start_boot(vm);
+                    self.maybe_next_group();
+                }
+            }
+            Owner::Destage { .. } => {}
+        }
+    }
+
+    fn guest_op_done(&mut self, vm: usize) {
+        let total = self.boots[vm % self.boots.len()].ops.len();
+        let state = &mut self.vms[vm];
+        state.in_flight -= 1;
+        state.completed += 1;
+        if state.completed == total {
+            state.done_at = Some(self.now);
+        }
+        self.issue(vm);
+    }
+
+    fn estimate(&self) -> BootEstimate {
+        let mut times: Vec<f64> = self.vms.iter().map(|v| v.done_at.unwrap_or(self.now) - v.power_on_at).collect();
+        times.sort_by(f64::total_cmp);
+        let n = times.len();
+        let intervals =
+            self.vms.iter().map(|v| (v.done_at.unwrap_or(self.now) / INTERVAL_S) as usize).max().unwrap_or(0) + 1;
+        let mut booted = vec![0; intervals];
+        for v in &self.vms {
+            booted[(v.done_at.unwrap_or(self.now) / INTERVAL_S) as usize] += 1;
+        }
+        BootEstimate {
+            storage: self.storage.describe(),
+            vms: n,
+            min_s: times[0],
+            avg_s: times.iter().sum::<f64>() / n as f64,
+            max_s: times[n - 1],
+            power_on_s: self.last_power_on,
+            peak_iops: self.served_per_interval.iter().copied().max().unwrap_or(0) as f64 / INTERVAL_S,
+            booted_per_interval: booted,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn disk(name: &str) -> DeviceSpec {
+        DeviceSpec::built_in(name).expect("built in")
+    }
+
+    /// `n` 4 KiB reads, `gap` seconds apart, at VM-private offsets.
+    fn reads(n: usize, gap: f64, golden: bool) -> VmBoot {
+        let mut boot = VmBoot::default();
+        for i in 0..n {
+            boot.push(i as f64 * gap, [Request { write: false, golden, offset: i as u64 * 1_048_576, bytes: 4096 }]);
+        }
+        boot
+    }
+
+    #[test]
+    fn the_latency_curve_interpolates_between_its_points() {
+        let d = disk("hdd7200");
+        assert_eq!(d.iops_at(1), 80.0);
+        assert_eq!(d.iops_at(10), 130.0);
+        assert_eq!(d.iops_at(100), 165.0);
+    }
+
+    #[test]
+    fn one_vm_on_an_idle_disk_waits_only_for_each_read() {
+        let spec = StorageSpec { vm_queue_depth: 1, ..StorageSpec::single(disk("hdd7200")) };
+        let e = simulate_boots(&spec, &[reads(100, 0.0, false)], 1, 0).expect("a boot");
+        let one = 1.0 / 80.0 + 4096.0 / 150e6;
+        assert!((e.avg_s - 100.0 * one).abs() < 1e-6, "{e:?}");
+        // A slow trace is paced by its own gaps, not the disk.
+        let e = simulate_boots(&spec, &[reads(100, 0.1, false)], 1, 0).expect("a boot");
+        assert!((e.avg_s - (9.9 + one)).abs() < 1e-6, "{e:?}");
+    }
+
+    #[test]
+    fn vms_sharing_a_disk_queue_and_their_boot_times_spread() {
+        let spec = StorageSpec { power_on_group: 1, power_on_interval_s: 1.0, ..StorageSpec::single(disk("hdd7200")) };
+        let e = simulate_boots(&spec, &[reads(200, 0.01, false)], 10, 0).expect("boots");
+        assert!(e.max_s > e.avg_s && e.avg_s > e.min_s, "{e:?}");
+        assert!((e.power_on_s - 9.0).abs() < 1e-9, "{e:?}");
+        assert_eq!(e.booted_per_interval.iter().sum::<usize>(), 10);
+    }
+
+    #[test]
+    fn a_queue_depth_limit_slows_a_wide_array() {
+        let array = StorageSpec { disks: 8, ..StorageSpec::single(disk("hdd15k")) };
+        let boots = [reads(300, 0.0, false)];
+        let open = simulate_boots(&array, &boots, 20, 0).expect("boots");
+        let narrow =
+            simulate_boots(&StorageSpec { queue_depth: Some(4), ..array.clone() }, &boots, 20, 0).expect("boots");
+        assert!(narrow.avg_s > open.avg_s * 1.5, "{narrow:?} against {open:?}");
+    }
+
+    #[test]
+    fn shared_reads_hit_the_controller_cache_and_the_read_cache() {
+        // One at a time, so that the first has read everything before the next asks.
+        let plain = StorageSpec { power_on_group: 1, power_on_interval_s: 5.0, ..StorageSpec::single(disk("hdd7200")) };
+        let spec = StorageSpec { cache_bytes: 64 << 20, ..plain.clone() };
+        let boots = [reads(200, 0.0, true)];
+        let cold = simulate_boots(&plain, &boots, 10, 0).expect("boots");
+        let cached = simulate_boots(&spec, &boots, 10, 0).expect("boots");
+        assert!(cached.avg_s < cold.avg_s / 3.0, "{cached:?} against {cold:?}");
+        let host_cached = simulate_boots(&plain, &boots, 10, 1 << 30).expect("boots");
+        assert!(host_cached.avg_s < cold.avg_s / 3.0, "{host_cached:?} against {cold:?}");
+    }
+
+    #[test]
+    fn raid5_small_writes_cost_more_than_raid10() {
+        let mut boot = VmBoot::default();
+        for i in 0..200u64 {
+            boot.push(0.0, [Request { write: true, golden: false, offset: i * 1_048_576, bytes: 4096 }]);
+        }
+        let r10 = StorageSpec { disks: 4, raid: Raid::R10, ..StorageSpec::single(disk("hdd10k")) };
+        let r5 = StorageSpec { raid: Raid::R5, ..r10.clone() };
+        let a = simulate_boots(&r10, std::slice::from_ref(&boot), 8, 0).expect("boots");
+        let b = simulate_boots(&r5, &[boot], 8, 0).expect("boots");
+        assert!(b.avg_s > a.avg_s * 1.5, "{b:?} against {a:?}");
+    }
+}
