@@ -14,7 +14,7 @@ use overspill_engine::{
 };
 
 use crate::driver::{fill_write, Outcome, RunPlan, VmResult, VmTally};
-use crate::profile::OpKind;
+use crate::profile::{Op, OpKind};
 
 /// One configuration to model: what `serve` would be started with.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +30,17 @@ pub struct ModelConfig {
 /// Runs `plan` through fresh overlays; one result per VM, in VM order, as [`crate::driver::run`]
 /// gives them.
 pub fn simulate(plan: &RunPlan, config: &ModelConfig) -> Result<Vec<VmResult>, EngineError> {
+    simulate_observed(plan, config, |_, _, _, _| {})
+}
+
+/// [`simulate`], calling `observe(vm, phase, op, stats)` after each request with the VM's
+/// counters as they stand then: what each request cost the storage is the change since the VM's
+/// request before.
+pub fn simulate_observed(
+    plan: &RunPlan,
+    config: &ModelConfig,
+    mut observe: impl FnMut(usize, usize, &Op, &VmStats),
+) -> Result<Vec<VmResult>, EngineError> {
     let zero: Arc<dyn GoldenImage> = Arc::new(ZeroImage { size: plan.disk_bytes });
     let golden: Arc<dyn GoldenImage> = if config.read_cache_bytes > 0 {
         Arc::new(CachedImage::new(zero, config.read_cache_bytes, DEFAULT_CHUNK_BYTES))
@@ -40,8 +51,10 @@ pub fn simulate(plan: &RunPlan, config: &ModelConfig) -> Result<Vec<VmResult>, E
     let host = HostMemory::new(u64::MAX, 0);
     let buckets = (plan.timeline.end_ms() / (config.bucket_s * 1000) + 1) as usize;
     let mut vms = Vec::with_capacity(plan.vms());
+    let mut all_stats = Vec::with_capacity(plan.vms());
     for vm in 0..plan.vms() {
         let stats = Arc::new(VmStats::default());
+        all_stats.push(stats.clone());
         let backing = config.mode.backing_file().map(|_| Box::new(MemFile::default()) as _);
         let overlay_config =
             OverlayConfig { mode: config.mode, ram_target_bytes: config.ram_bytes, spill_max_bytes: None };
@@ -81,6 +94,7 @@ pub fn simulate(plan: &RunPlan, config: &ModelConfig) -> Result<Vec<VmResult>, E
             Err(_) => Outcome::Refused { errno: EIO },
         };
         tally.issued(p, at_ms, op, outcome);
+        observe(vm, p, op, &all_stats[vm]);
     }
     Ok(vms
         .into_iter()

@@ -27,7 +27,7 @@
 //!   cheaper than they are.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
 
@@ -280,6 +280,79 @@ impl StorageSpec {
     }
 }
 
+/// A storage configuration as a TOML file gives it: every field but the device may be left out
+/// (one disk, no cache, no queue limit, all VMs at once).
+///
+/// ```toml
+/// device = "hdd10k"          # or a table: { name = "...", mb_per_s = 200.0, iops = [[1.0, 150.0], [32.0, 300.0]] }
+/// disks = 8
+/// raid = "5"
+/// cache_mib = 1024
+/// cache_mode = "write-back"  # or "read-only"
+/// queue_depth = 32
+/// power_on_group = 1
+/// power_on_interval_s = 1.3
+/// power_on_ios = 10
+/// vm_queue_depth = 4
+/// ```
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageFile {
+    pub device: DeviceChoice,
+    pub disks: Option<usize>,
+    pub raid: Option<Raid>,
+    pub cache_mib: Option<u64>,
+    pub cache_mode: Option<CacheMode>,
+    pub queue_depth: Option<usize>,
+    pub power_on_group: Option<usize>,
+    pub power_on_interval_s: Option<f64>,
+    pub power_on_ios: Option<usize>,
+    pub vm_queue_depth: Option<usize>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum DeviceChoice {
+    BuiltIn(String),
+    Custom(DeviceSpec),
+}
+
+impl DeviceChoice {
+    pub fn resolve(&self) -> Result<DeviceSpec, String> {
+        match self {
+            Self::BuiltIn(name) => DeviceSpec::built_in(name).ok_or_else(|| {
+                format!("unknown device {name}: use {} or describe it", DeviceSpec::built_in_names().join(", "))
+            }),
+            Self::Custom(spec) => spec.check().map(|()| spec.clone()),
+        }
+    }
+}
+
+impl StorageSpec {
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        let file: StorageFile = toml::from_str(text).map_err(|e| e.to_string())?;
+        let d = Self::single(file.device.resolve()?);
+        let spec = Self {
+            disks: file.disks.unwrap_or(d.disks),
+            raid: file.raid.unwrap_or(d.raid),
+            cache_bytes: file.cache_mib.map_or(0, |m| m << 20),
+            cache_mode: file.cache_mode.unwrap_or(d.cache_mode),
+            queue_depth: file.queue_depth,
+            power_on_group: file.power_on_group.unwrap_or(if file.power_on_interval_s.is_some() {
+                1
+            } else {
+                d.power_on_group
+            }),
+            power_on_interval_s: file.power_on_interval_s.unwrap_or(0.0),
+            power_on_ios: file.power_on_ios.unwrap_or(0),
+            vm_queue_depth: file.vm_queue_depth.unwrap_or(d.vm_queue_depth),
+            device: d.device,
+        };
+        spec.check()?;
+        Ok(spec)
+    }
+}
+
 /// One storage request of a VM: a golden-image read (shared by all VMs, through the host's read
 /// cache if there is one) or an operation on the VM's own space.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -413,8 +486,10 @@ struct Sim<'a> {
     free_requests: Vec<usize>,
     at_array: usize,
     host_queue: VecDeque<usize>,
-    devices: Vec<VecDeque<(usize, u64)>>,
+    devices: Vec<Device>,
     cache: Option<lru::LruCache<u64, ()>>,
+    /// Blocks the disks are reading into the cache, with the requests waiting for them.
+    filling: HashMap<u64, Vec<usize>>,
     dirty_bytes: u64,
     read_cache: Option<(CachedImage, Arc<Mutex<Vec<(u64, u64)>>>)>,
     served_per_interval: Vec<u64>,
@@ -423,6 +498,21 @@ struct Sim<'a> {
     group_interval_over: bool,
     last_power_on: f64,
     buffer: Vec<u8>,
+}
+
+/// One disk: the host's operations in order, then the cache's writes to disk when it has none
+/// (a write-back cache destages when the disk would otherwise idle, until it runs out of room).
+#[derive(Debug, Clone, Default)]
+struct Device {
+    host: VecDeque<(usize, u64)>,
+    background: VecDeque<(usize, u64)>,
+    busy: Option<(usize, u64)>,
+}
+
+impl Device {
+    fn depth(&self) -> usize {
+        self.host.len() + self.background.len() + usize::from(self.busy.is_some())
+    }
 }
 
 /// A golden image of zeroes that writes down what was read from it: the read cache's fetches.
@@ -474,7 +564,8 @@ impl<'a> Sim<'a> {
             free_requests: Vec::new(),
             at_array: 0,
             host_queue: VecDeque::new(),
-            devices: vec![VecDeque::new(); storage.disks],
+            devices: vec![Device::default(); storage.disks],
+            filling: HashMap::new(),
             cache: NonZeroUsize::new(blocks).map(lru::LruCache::new),
             dirty_bytes: 0,
             read_cache,
@@ -660,6 +751,20 @@ impl<'a> Sim<'a> {
                     self.at(self.now + CACHE_HIT_S, Event::HostDone(id));
                     return;
                 }
+                // Blocks on their way from the disks are not read twice: wait for them.
+                let filling = &self.filling;
+                let coming = Self::blocks(space, offset, bytes).find(|b| filling.contains_key(b));
+                let covered =
+                    Self::blocks(space, offset, bytes).all(|b| cache.contains(&b) || filling.contains_key(&b));
+                if let (Some(block), true) = (coming, covered) {
+                    self.filling.entry(block).or_default().push(id);
+                    return;
+                }
+                for b in Self::blocks(space, offset, bytes) {
+                    if !cache.contains(&b) {
+                        self.filling.entry(b).or_default();
+                    }
+                }
                 self.requests[id].fill_cache = true;
             } else {
                 for b in Self::blocks(space, offset, bytes) {
@@ -670,16 +775,16 @@ impl<'a> Sim<'a> {
                     self.dirty_bytes += bytes;
                     self.at(self.now + CACHE_HIT_S, Event::HostDone(id));
                     let destage = self.new_request(Owner::Destage { bytes }, true, space, offset, bytes);
-                    self.to_disks(destage);
+                    self.to_disks(destage, true);
                     return;
                 }
             }
         }
-        self.to_disks(id);
+        self.to_disks(id, false);
     }
 
     /// Splits a request into device operations by the array's layout.
-    fn to_disks(&mut self, id: usize) {
+    fn to_disks(&mut self, id: usize, background: bool) {
         let ArrayRequest { write, space, offset, bytes, .. } = self.requests[id];
         let disks = self.storage.disks;
         let raid = self.storage.raid;
@@ -706,8 +811,11 @@ impl<'a> Sim<'a> {
                             ops.push((pair, unit_bytes));
                             ops.push((pair + 1, unit_bytes));
                         } else {
-                            let shorter =
-                                if self.devices[pair + 1].len() < self.devices[pair].len() { pair + 1 } else { pair };
+                            let shorter = if self.devices[pair + 1].depth() < self.devices[pair].depth() {
+                                pair + 1
+                            } else {
+                                pair
+                            };
                             ops.push((shorter, unit_bytes));
                         }
                     }
@@ -729,16 +837,19 @@ impl<'a> Sim<'a> {
         }
         self.requests[id].pending = ops.len();
         for (disk, op_bytes) in ops {
-            self.devices[disk].push_back((id, op_bytes));
-            if self.devices[disk].len() == 1 {
+            let device = &mut self.devices[disk];
+            if background { &mut device.background } else { &mut device.host }.push_back((id, op_bytes));
+            if device.busy.is_none() {
                 self.start_device(disk);
             }
         }
     }
 
     fn start_device(&mut self, disk: usize) {
-        if let Some(&(_, bytes)) = self.devices[disk].front() {
-            let depth = self.devices[disk].len();
+        let device = &mut self.devices[disk];
+        let depth = device.depth();
+        device.busy = device.host.pop_front().or_else(|| device.background.pop_front());
+        if let Some((_, bytes)) = device.busy {
             let service =
                 1.0 / self.storage.device.iops_at(depth) + bytes as f64 / (self.storage.device.mb_per_s * 1e6);
             self.at(self.now + service, Event::DeviceDone(disk));
@@ -746,7 +857,7 @@ impl<'a> Sim<'a> {
     }
 
     fn device_done(&mut self, disk: usize) {
-        let Some((id, _)) = self.devices[disk].pop_front() else { return };
+        let Some((id, _)) = self.devices[disk].busy.take() else { return };
         self.start_device(disk);
         let request = &mut self.requests[id];
         request.pending -= 1;
@@ -763,6 +874,11 @@ impl<'a> Sim<'a> {
             if let Some(cache) = &mut self.cache {
                 for b in Self::blocks(space, offset, bytes) {
                     cache.put(b, ());
+                }
+            }
+            for b in Self::blocks(space, offset, bytes) {
+                for waiting in self.filling.remove(&b).unwrap_or_default() {
+                    self.at(self.now + CACHE_HIT_S, Event::HostDone(waiting));
                 }
             }
         }
@@ -853,6 +969,21 @@ mod tests {
             boot.push(i as f64 * gap, [Request { write: false, golden, offset: i as u64 * 1_048_576, bytes: 4096 }]);
         }
         boot
+    }
+
+    #[test]
+    fn a_storage_file_names_or_describes_its_device() {
+        let spec = StorageSpec::from_toml("device = \"hdd10k\"\ndisks = 8\nraid = \"5\"\ncache_mib = 512\nqueue_depth = 32\npower_on_interval_s = 1.5\n")
+            .expect("valid");
+        assert_eq!((spec.disks, spec.raid, spec.cache_bytes, spec.queue_depth), (8, Raid::R5, 512 << 20, Some(32)));
+        assert_eq!((spec.power_on_group, spec.power_on_interval_s), (1, 1.5));
+        let custom = "device = { name = \"mine\", mb_per_s = 250.0, iops = [[1.0, 200.0], [16.0, 400.0]] }\n";
+        assert_eq!(StorageSpec::from_toml(custom).expect("valid").device.iops_at(16), 400.0);
+        let err = StorageSpec::from_toml("device = \"floppy\"\n").expect_err("unknown device");
+        assert!(err.contains("hdd7200"), "{err}");
+        let err = StorageSpec::from_toml("device = \"ssd\"\nraid = \"5\"\n").expect_err("one disk");
+        assert!(err.contains("RAID 5 needs at least 3"), "{err}");
+        assert!(StorageSpec::from_toml("device = \"ssd\"\nbogus = 1\n").is_err());
     }
 
     #[test]

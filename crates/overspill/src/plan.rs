@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::WriteCacheMode;
-use overspill_storm::plan::{self, PlanOptions, DEVICES};
+use overspill_storm::plan::{self, PlanOptions};
+use overspill_storm::storage::{CacheMode, DeviceSpec, Raid, StorageSpec};
 use overspill_storm::trace::Trace;
 
 use crate::size::parse_bytes;
@@ -24,10 +25,36 @@ pub struct PlanArgs {
     /// Shared read cache in front of the golden image, as `serve --read-cache`.
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     read_cache: u64,
-    /// Estimate boot times on this storage: hdd7200, sas15k, ssd, nvme.
+    /// Estimate boot times on this storage: a device class (hdd7200, hdd10k, hdd15k, ssd, nvme)
+    /// or a TOML file describing the device, the array, its cache and the power-ons
+    /// (docs/planning.md); the flags below override the file.
     #[arg(long)]
     storage: Option<String>,
-    /// VMs booting at once for the estimate (traces are reused round-robin).
+    /// Disks in the array.
+    #[arg(long)]
+    disks: Option<usize>,
+    /// RAID level of the array: 0, 1, 10, 5 or 6.
+    #[arg(long)]
+    raid: Option<Raid>,
+    /// The array controller's cache (0 for none).
+    #[arg(long, value_parser = parse_bytes)]
+    controller_cache: Option<u64>,
+    /// read-only or write-back.
+    #[arg(long)]
+    cache_mode: Option<CacheMode>,
+    /// Requests the host keeps at the array at once (the HBA's or LUN's queue depth).
+    #[arg(long)]
+    queue_depth: Option<usize>,
+    /// Power VMs on K at a time, INTERVAL apart: `1/1.3s`, `5/10s`.
+    #[arg(long, value_parser = parse_power_on)]
+    power_on: Option<(usize, f64)>,
+    /// Storage reads each power-on waits for before the next group is powered on.
+    #[arg(long)]
+    power_on_ios: Option<usize>,
+    /// Requests a booting guest keeps in flight.
+    #[arg(long)]
+    vm_queue_depth: Option<usize>,
+    /// VMs booting for the estimate (traces are reused round-robin).
     #[arg(long, default_value_t = 90)]
     vms: usize,
     /// Where plan.json and plan.html go.
@@ -46,20 +73,15 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             tracing::warn!(trace = %path.display(), bytes = t.truncated_bytes, "ignored a partial last record");
         }
     }
-    let device = match &args.storage {
-        Some(name) => Some(
-            *DEVICES
-                .iter()
-                .find(|d| d.name == name)
-                .with_context(|| format!("unknown storage {name}: use {}", DEVICES.map(|d| d.name).join(", ")))?,
-        ),
+    let storage = match &args.storage {
+        Some(name) => Some(storage_spec(name, &args)?),
         None => None,
     };
     if args.ram.is_empty() {
         bail!("--ram needs at least one size");
     }
     let options =
-        PlanOptions { ram: args.ram, mode: args.mode, read_cache_bytes: args.read_cache, device, vms: args.vms };
+        PlanOptions { ram: args.ram, mode: args.mode, read_cache_bytes: args.read_cache, storage, vms: args.vms };
     let names = args.traces.iter().map(|p| p.display().to_string()).collect();
     let report = plan::plan(&traces, names, &options)?;
     print!("{}", plan::text(&report));
@@ -68,4 +90,35 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     std::fs::write(args.out.join("plan.html"), plan::html(&report).map_err(|e| anyhow::anyhow!("chart: {e}"))?)?;
     println!("\nReport: {} and {}", args.out.join("plan.html").display(), args.out.join("plan.json").display());
     Ok(())
+}
+
+/// A device class by name, or a storage file, with the flags laid over it.
+fn storage_spec(name: &str, args: &PlanArgs) -> anyhow::Result<StorageSpec> {
+    let mut spec = match DeviceSpec::built_in(name) {
+        Some(device) => StorageSpec::single(device),
+        None if std::path::Path::new(name).exists() => {
+            let text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
+            StorageSpec::from_toml(&text).map_err(|e| anyhow::anyhow!("{name}: {e}"))?
+        }
+        None => bail!("unknown storage {name}: use {} or a TOML file", DeviceSpec::built_in_names().join(", ")),
+    };
+    spec.disks = args.disks.unwrap_or(spec.disks);
+    spec.raid = args.raid.unwrap_or(spec.raid);
+    spec.cache_bytes = args.controller_cache.unwrap_or(spec.cache_bytes);
+    spec.cache_mode = args.cache_mode.unwrap_or(spec.cache_mode);
+    spec.queue_depth = args.queue_depth.or(spec.queue_depth);
+    if let Some((group, interval)) = args.power_on {
+        (spec.power_on_group, spec.power_on_interval_s) = (group, interval);
+    }
+    spec.power_on_ios = args.power_on_ios.unwrap_or(spec.power_on_ios);
+    spec.vm_queue_depth = args.vm_queue_depth.unwrap_or(spec.vm_queue_depth);
+    spec.check().map_err(|e| anyhow::anyhow!("--storage: {e}"))?;
+    Ok(spec)
+}
+
+fn parse_power_on(s: &str) -> Result<(usize, f64), String> {
+    let (group, interval) = s.split_once('/').ok_or("expected K/INTERVAL, such as 1/1.3s")?;
+    let group: usize = group.trim().parse().map_err(|_| format!("{group}: not a number of VMs"))?;
+    let interval = humantime::parse_duration(interval.trim()).map_err(|e| format!("{interval}: {e}"))?;
+    Ok((group, interval.as_secs_f64()))
 }
