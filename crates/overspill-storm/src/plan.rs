@@ -310,7 +310,7 @@ pub fn html(report: &PlanReport) -> Result<String, String> {
     if !boots.is_empty() {
         let first = boots[0].1;
         out.push_str(&format!(
-            "<h2>Boot storm estimate: {} VMs booting at once on {}</h2>{}{}<h3>VMs booted by each minute</h3>{}{}",
+            "<h2>Boot storm estimate: {} VMs on {}</h2>{}{}<h3>VMs booted per 15 s</h3>{}{}",
             first.vms,
             escape(&first.storage),
             boot_chart(&boots)?,

@@ -18,7 +18,8 @@
 //!   a write smaller than a full stripe costs RAID 1/10 two device writes, RAID 5 two reads and
 //!   two writes, RAID 6 three and three. Full-stripe writes skip the reads.
 //! - The controller cache keeps 4 KiB blocks, least recently used out first. A read whose blocks
-//!   are all there completes in [`CACHE_HIT_S`]; a write-back cache acknowledges writes as soon
+//!   are all there completes in the array's own latency (its fabric and controller, added to
+//!   every request); a write-back cache acknowledges writes as soon
 //!   as they fit in its dirty half and writes them to the disks behind the guest's back.
 //! - The host keeps at most `queue_depth` requests at the array (the HBA's or LUN's queue
 //!   depth); the rest wait in order.
@@ -35,8 +36,8 @@ use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::{CachedImage, GoldenImage};
 use serde::{Deserialize, Serialize};
 
-/// A read served from the controller's cache (or acknowledged into it) takes this long.
-pub const CACHE_HIT_S: f64 = 0.000_2;
+/// The array's own latency when nothing says otherwise: a cache hit over a short link.
+pub const ARRAY_LATENCY_S: f64 = 0.000_2;
 /// Width of the intervals the seeds counted in (ESXTOP's, in seed 003) and the charts use.
 pub const INTERVAL_S: f64 = 15.0;
 const STRIPE_BYTES: u64 = 64 * 1024;
@@ -55,7 +56,10 @@ pub struct DeviceSpec {
 
 /// Round figures of each class (random 4 KiB IOPS at a few queue depths, as data sheets and
 /// fio runs commonly show them), not measurements of any one product.
-const BUILT_IN: [(&str, &[(f64, f64)], f64); 5] = [
+/// `[queue depth, IOPS]` points.
+type Curve = &'static [(f64, f64)];
+
+const BUILT_IN: [(&str, Curve, f64); 5] = [
     ("hdd7200", &[(1.0, 80.0), (4.0, 110.0), (16.0, 150.0), (32.0, 165.0)], 150.0),
     ("hdd10k", &[(1.0, 140.0), (4.0, 190.0), (16.0, 250.0), (32.0, 280.0)], 180.0),
     ("hdd15k", &[(1.0, 190.0), (4.0, 260.0), (16.0, 340.0), (32.0, 380.0)], 200.0),
@@ -207,6 +211,12 @@ pub struct StorageSpec {
     pub cache_mode: CacheMode,
     /// Requests the host keeps at the array at once (HBA or LUN queue depth); `None`: no limit.
     pub queue_depth: Option<usize>,
+    /// Requests per second the array's controller can handle, cache hits included; `None`: no
+    /// limit.
+    pub controller_iops: Option<f64>,
+    /// The array's own time for every request, on top of the disks' (its fabric and controller):
+    /// what a cache hit takes.
+    pub array_latency_s: f64,
     /// VMs powered on together, and the least time between one group and the next.
     pub power_on_group: usize,
     pub power_on_interval_s: f64,
@@ -228,6 +238,8 @@ impl StorageSpec {
             cache_bytes: 0,
             cache_mode: CacheMode::WriteBack,
             queue_depth: None,
+            controller_iops: None,
+            array_latency_s: ARRAY_LATENCY_S,
             power_on_group: usize::MAX,
             power_on_interval_s: 0.0,
             power_on_ios: 0,
@@ -237,7 +249,7 @@ impl StorageSpec {
 
     pub fn check(&self) -> Result<(), String> {
         self.device.check()?;
-        if self.disks < self.raid.min_disks() || (self.raid == Raid::R10 && self.disks % 2 != 0) {
+        if self.disks < self.raid.min_disks() || (self.raid == Raid::R10 && !self.disks.is_multiple_of(2)) {
             return Err(format!(
                 "{} needs at least {} disks (an even number for RAID 10)",
                 self.raid,
@@ -249,6 +261,12 @@ impl StorageSpec {
         }
         if self.queue_depth == Some(0) || self.power_on_group == 0 || self.vm_queue_depth == 0 {
             return Err("queue depths and the power-on group need to be at least 1".into());
+        }
+        if self.controller_iops.is_some_and(|iops| !(iops > 0.0 && iops.is_finite())) {
+            return Err("the controller's IOPS must be above 0".into());
+        }
+        if !(self.array_latency_s >= 0.0 && self.array_latency_s.is_finite()) {
+            return Err("the array's latency must be a time of 0 or more".into());
         }
         if !(self.power_on_interval_s >= 0.0 && self.power_on_interval_s.is_finite()) {
             return Err("the power-on interval must be a time of 0 or more".into());
@@ -273,6 +291,9 @@ impl StorageSpec {
         if let Some(q) = self.queue_depth {
             out.push_str(&format!(", queue depth {q}"));
         }
+        if let Some(iops) = self.controller_iops {
+            out.push_str(&format!(", controller {iops:.0} IOPS"));
+        }
         if self.power_on_group != usize::MAX {
             out.push_str(&format!(", {} VM per {:.2} s", self.power_on_group, self.power_on_interval_s));
         }
@@ -290,6 +311,8 @@ impl StorageSpec {
 /// cache_mib = 1024
 /// cache_mode = "write-back"  # or "read-only"
 /// queue_depth = 32
+/// controller_iops = 20000
+/// array_latency_ms = 0.2
 /// power_on_group = 1
 /// power_on_interval_s = 1.3
 /// power_on_ios = 10
@@ -304,6 +327,8 @@ pub struct StorageFile {
     pub cache_mib: Option<u64>,
     pub cache_mode: Option<CacheMode>,
     pub queue_depth: Option<usize>,
+    pub controller_iops: Option<f64>,
+    pub array_latency_ms: Option<f64>,
     pub power_on_group: Option<usize>,
     pub power_on_interval_s: Option<f64>,
     pub power_on_ios: Option<usize>,
@@ -338,6 +363,8 @@ impl StorageSpec {
             cache_bytes: file.cache_mib.map_or(0, |m| m << 20),
             cache_mode: file.cache_mode.unwrap_or(d.cache_mode),
             queue_depth: file.queue_depth,
+            controller_iops: file.controller_iops,
+            array_latency_s: file.array_latency_ms.map_or(ARRAY_LATENCY_S, |ms| ms / 1e3),
             power_on_group: file.power_on_group.unwrap_or(if file.power_on_interval_s.is_some() {
                 1
             } else {
@@ -413,9 +440,14 @@ pub fn simulate_boots(
 }
 
 /// Simulation time, ordered (never NaN: sums of finite, non-negative figures).
-#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Time(f64);
 impl Eq for Time {}
+impl PartialOrd for Time {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
 impl Ord for Time {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&other.0)
@@ -426,6 +458,7 @@ impl Ord for Time {
 enum Event {
     PowerOnGroup,
     Wake(usize),
+    Controller(usize),
     HostDone(usize),
     DeviceDone(usize),
 }
@@ -491,7 +524,8 @@ struct Sim<'a> {
     /// Blocks the disks are reading into the cache, with the requests waiting for them.
     filling: HashMap<u64, Vec<usize>>,
     dirty_bytes: u64,
-    read_cache: Option<(CachedImage, Arc<Mutex<Vec<(u64, u64)>>>)>,
+    controller_free_at: f64,
+    read_cache: Option<FetchingCache>,
     served_per_interval: Vec<u64>,
     next_group: usize,
     group_left: usize,
@@ -499,6 +533,9 @@ struct Sim<'a> {
     last_power_on: f64,
     buffer: Vec<u8>,
 }
+
+/// overspill's read cache over a source that logs its fetches.
+type FetchingCache = (CachedImage, Arc<Mutex<Vec<(u64, u64)>>>);
 
 /// One disk: the host's operations in order, then the cache's writes to disk when it has none
 /// (a write-back cache destages when the disk would otherwise idle, until it runs out of room).
@@ -568,6 +605,7 @@ impl<'a> Sim<'a> {
             filling: HashMap::new(),
             cache: NonZeroUsize::new(blocks).map(lru::LruCache::new),
             dirty_bytes: 0,
+            controller_free_at: 0.0,
             read_cache,
             served_per_interval: Vec::new(),
             next_group: 0,
@@ -598,6 +636,7 @@ impl<'a> Sim<'a> {
                         self.issue(vm);
                     }
                 }
+                Event::Controller(id) => self.control(id),
                 Event::HostDone(id) => self.host_done(id),
                 Event::DeviceDone(disk) => self.device_done(disk),
             }
@@ -737,9 +776,22 @@ impl<'a> Sim<'a> {
         (offset / BLOCK..(offset + bytes).div_ceil(BLOCK)).map(move |b| (space << 40) ^ b)
     }
 
-    /// The array controller takes a request from the host.
+    /// The array takes a request from the host: its controller handles one request at a time,
+    /// each in `1/controller_iops` (none of that without a limit).
     fn dispatch(&mut self, id: usize) {
         self.at_array += 1;
+        match self.storage.controller_iops {
+            Some(iops) => {
+                let start = self.controller_free_at.max(self.now);
+                self.controller_free_at = start + 1.0 / iops;
+                self.at(self.controller_free_at, Event::Controller(id));
+            }
+            None => self.control(id),
+        }
+    }
+
+    /// The controller's part: the cache, or the disks.
+    fn control(&mut self, id: usize) {
         let ArrayRequest { write, space, offset, bytes, .. } = self.requests[id];
         if let Some(cache) = &mut self.cache {
             if !write {
@@ -748,7 +800,7 @@ impl<'a> Sim<'a> {
                     for b in Self::blocks(space, offset, bytes) {
                         cache.get(&b);
                     }
-                    self.at(self.now + CACHE_HIT_S, Event::HostDone(id));
+                    self.at(self.now + self.storage.array_latency_s, Event::HostDone(id));
                     return;
                 }
                 // Blocks on their way from the disks are not read twice: wait for them.
@@ -773,18 +825,18 @@ impl<'a> Sim<'a> {
                 let dirty_limit = self.storage.cache_bytes / 2;
                 if self.storage.cache_mode == CacheMode::WriteBack && self.dirty_bytes + bytes <= dirty_limit {
                     self.dirty_bytes += bytes;
-                    self.at(self.now + CACHE_HIT_S, Event::HostDone(id));
+                    self.at(self.now + self.storage.array_latency_s, Event::HostDone(id));
                     let destage = self.new_request(Owner::Destage { bytes }, true, space, offset, bytes);
-                    self.to_disks(destage, true);
+                    self.send_to_disks(destage, true);
                     return;
                 }
             }
         }
-        self.to_disks(id, false);
+        self.send_to_disks(id, false);
     }
 
     /// Splits a request into device operations by the array's layout.
-    fn to_disks(&mut self, id: usize, background: bool) {
+    fn send_to_disks(&mut self, id: usize, background: bool) {
         let ArrayRequest { write, space, offset, bytes, .. } = self.requests[id];
         let disks = self.storage.disks;
         let raid = self.storage.raid;
@@ -878,11 +930,11 @@ impl<'a> Sim<'a> {
             }
             for b in Self::blocks(space, offset, bytes) {
                 for waiting in self.filling.remove(&b).unwrap_or_default() {
-                    self.at(self.now + CACHE_HIT_S, Event::HostDone(waiting));
+                    self.at(self.now + self.storage.array_latency_s, Event::HostDone(waiting));
                 }
             }
         }
-        self.host_done(id);
+        self.at(self.now + self.storage.array_latency_s, Event::HostDone(id));
     }
 
     /// The array answered request `id`.
@@ -998,7 +1050,7 @@ mod tests {
     fn one_vm_on_an_idle_disk_waits_only_for_each_read() {
         let spec = StorageSpec { vm_queue_depth: 1, ..StorageSpec::single(disk("hdd7200")) };
         let e = simulate_boots(&spec, &[reads(100, 0.0, false)], 1, 0).expect("a boot");
-        let one = 1.0 / 80.0 + 4096.0 / 150e6;
+        let one = 1.0 / 80.0 + 4096.0 / 150e6 + ARRAY_LATENCY_S;
         assert!((e.avg_s - 100.0 * one).abs() < 1e-6, "{e:?}");
         // A slow trace is paced by its own gaps, not the disk.
         let e = simulate_boots(&spec, &[reads(100, 0.1, false)], 1, 0).expect("a boot");

@@ -39,6 +39,13 @@ pub struct PlanArgs {
     /// The array controller's cache (0 for none).
     #[arg(long, value_parser = parse_bytes)]
     controller_cache: Option<u64>,
+    /// Requests per second the array's controller handles, cache hits included.
+    #[arg(long)]
+    controller_iops: Option<f64>,
+    /// The array's own latency per request in milliseconds (fabric and controller; what a cache
+    /// hit takes).
+    #[arg(long)]
+    array_latency_ms: Option<f64>,
     /// read-only or write-back.
     #[arg(long)]
     cache_mode: Option<CacheMode>,
@@ -107,6 +114,8 @@ fn storage_spec(name: &str, args: &PlanArgs) -> anyhow::Result<StorageSpec> {
     spec.cache_bytes = args.controller_cache.unwrap_or(spec.cache_bytes);
     spec.cache_mode = args.cache_mode.unwrap_or(spec.cache_mode);
     spec.queue_depth = args.queue_depth.or(spec.queue_depth);
+    spec.controller_iops = args.controller_iops.or(spec.controller_iops);
+    spec.array_latency_s = args.array_latency_ms.map_or(spec.array_latency_s, |ms| ms / 1e3);
     if let Some((group, interval)) = args.power_on {
         (spec.power_on_group, spec.power_on_interval_s) = (group, interval);
     }
