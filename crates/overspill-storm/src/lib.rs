@@ -1,7 +1,7 @@
 //! Storms: many VMs booting, logging on and working at once over real NBD connections, with the
 //! workload models that say what each VM does ([`profile`]), the driver that runs them
 //! ([`driver`]), the same runs through the engine alone ([`model`]), the planner built on it
-//! ([`plan`]) with its storage model ([`storage`]), the accounting of real guests that run by themselves ([`observed`]), traces
+//! ([`plan`]) with its storage model ([`storage`]) and fleet plans ([`fleet`]), the accounting of real guests that run by themselves ([`observed`]), traces
 //! ([`trace`]) and the reports in the seeds' table format ([`report`],
 //! [`page`]).
 //!
@@ -10,6 +10,7 @@
 //! overlays from the engine.
 
 pub mod driver;
+pub mod fleet;
 pub mod model;
 pub mod observed;
 pub mod page;

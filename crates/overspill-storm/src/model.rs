@@ -39,7 +39,7 @@ pub fn simulate(plan: &RunPlan, config: &ModelConfig) -> Result<Vec<VmResult>, E
 pub fn simulate_observed(
     plan: &RunPlan,
     config: &ModelConfig,
-    mut observe: impl FnMut(usize, usize, &Op, &VmStats),
+    observe: impl FnMut(usize, usize, &Op, &VmStats),
 ) -> Result<Vec<VmResult>, EngineError> {
     let zero: Arc<dyn GoldenImage> = Arc::new(ZeroImage { size: plan.disk_bytes });
     let golden: Arc<dyn GoldenImage> = if config.read_cache_bytes > 0 {
@@ -47,6 +47,17 @@ pub fn simulate_observed(
     } else {
         zero
     };
+    simulate_on(plan, config, golden, observe)
+}
+
+/// [`simulate_observed`] over a golden image of the caller's (`config.read_cache_bytes` is not
+/// looked at: put a cache in `golden` to have one).
+pub fn simulate_on(
+    plan: &RunPlan,
+    config: &ModelConfig,
+    golden: Arc<dyn GoldenImage>,
+    mut observe: impl FnMut(usize, usize, &Op, &VmStats),
+) -> Result<Vec<VmResult>, EngineError> {
     // No free-memory floor, as in the storm: the figures must not depend on this host.
     let host = HostMemory::new(u64::MAX, 0);
     let buckets = (plan.timeline.end_ms() / (config.bucket_s * 1000) + 1) as usize;
