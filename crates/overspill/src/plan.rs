@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::WriteCacheMode;
+use overspill_storm::fleet::{self, FleetOptions, GoldenStore};
 use overspill_storm::plan::{self, PlanOptions};
 use overspill_storm::storage::{CacheMode, DeviceSpec, Raid, StorageSpec};
 use overspill_storm::trace::Trace;
@@ -64,6 +65,18 @@ pub struct PlanArgs {
     /// VMs booting for the estimate (traces are reused round-robin).
     #[arg(long, default_value_t = 90)]
     vms: usize,
+    /// Plan a fleet of this many hosts (each its own overspill), with the first --ram size.
+    #[arg(long, requires = "vms_per_host")]
+    hosts: Option<usize>,
+    /// VMs on each host of the fleet.
+    #[arg(long, requires = "hosts")]
+    vms_per_host: Option<usize>,
+    /// Where the fleet's golden images live: rbd, s3 or file.
+    #[arg(long, default_value = "rbd")]
+    golden: GoldenStore,
+    /// Time between power-ons on a host, for the fleet's staggered storm.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    stagger: std::time::Duration,
     /// Where plan.json and plan.html go.
     #[arg(long, default_value = "overspill-plan")]
     out: PathBuf,
@@ -96,6 +109,23 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     std::fs::write(args.out.join("plan.json"), serde_json::to_string_pretty(&report)?)?;
     std::fs::write(args.out.join("plan.html"), plan::html(&report).map_err(|e| anyhow::anyhow!("chart: {e}"))?)?;
     println!("\nReport: {} and {}", args.out.join("plan.html").display(), args.out.join("plan.json").display());
+    if let (Some(hosts), Some(vms_per_host)) = (args.hosts, args.vms_per_host) {
+        let fleet_options = FleetOptions {
+            hosts,
+            vms_per_host,
+            golden: args.golden,
+            mode: options.mode,
+            ram_bytes: options.ram[0],
+            read_cache_bytes: options.read_cache_bytes,
+            stagger_s: args.stagger.as_secs_f64(),
+            interval_s: 10,
+        };
+        let fleet = fleet::plan_fleet(&overspill_storm::driver::RunPlan::from_traces(&traces), &fleet_options)?;
+        let markdown = fleet::markdown(&fleet);
+        println!("\nFleet plan (each trace's first phase as the boot storm):\n\n{markdown}");
+        std::fs::write(args.out.join("fleet.md"), &markdown)?;
+        std::fs::write(args.out.join("fleet.json"), serde_json::to_string_pretty(&fleet)?)?;
+    }
     Ok(())
 }
 
