@@ -169,8 +169,12 @@ fn host_plan(boots: &RunPlan, vms: usize, stagger_s: f64) -> RunPlan {
 
 /// Plans the fleet from recorded (or generated) boots: `boots` holds one or more VMs' traces.
 pub fn plan_fleet(boots: &RunPlan, options: &FleetOptions) -> Result<FleetPlan, EngineError> {
-    let config =
-        ModelConfig { mode: options.mode, ram_bytes: options.ram_bytes, read_cache_bytes: 0, bucket_s: options.interval_s };
+    let config = ModelConfig {
+        mode: options.mode,
+        ram_bytes: options.ram_bytes,
+        read_cache_bytes: 0,
+        bucket_s: options.interval_s,
+    };
     let hosts = options.hosts as f64;
     let mut store = Vec::new();
     let mut host = None;
@@ -230,7 +234,8 @@ pub fn plan_fleet(boots: &RunPlan, options: &FleetOptions) -> Result<FleetPlan, 
                     .max()
                     .unwrap_or(0);
                 host = Some(HostNeeds {
-                    ram_bytes: results.iter().map(|r| r.peak_cache_memory_bytes).sum::<u64>() + options.read_cache_bytes,
+                    ram_bytes: results.iter().map(|r| r.peak_cache_memory_bytes).sum::<u64>()
+                        + options.read_cache_bytes,
                     read_cache_bytes: options.read_cache_bytes,
                     spill_bytes: results.iter().map(|r| r.peak_cache_disk_bytes).sum(),
                     spill_peak_iops: spill_peak as f64 / seconds,

@@ -7,8 +7,14 @@ use overspill_storm::{StormConfig, Workload};
 
 fn boots(k: usize) -> RunPlan {
     let w = Workload::built_in("win7-vdi").expect("built in");
-    let config =
-        StormConfig { vms: k, boot_interval_s: 0.0, logon_interval_s: 0.0, speed: None, workload_seed: 5, bucket_s: 10 };
+    let config = StormConfig {
+        vms: k,
+        boot_interval_s: 0.0,
+        logon_interval_s: 0.0,
+        speed: None,
+        workload_seed: 5,
+        bucket_s: 10,
+    };
     RunPlan::from_workload(&w, &config)
 }
 
