@@ -81,17 +81,76 @@ pub trait BackingFile: Send {
 /// segment when all are busy writes it itself, as if there were none). Memory beyond the VMs'
 /// own open segments is thus at most `max_in_flight` segments of 2 MiB being written (and as
 /// many aligned buffers for `O_DIRECT` writes), whatever the number of VMs.
-#[derive(Debug)]
+///
+/// The writes run on up to `max_in_flight` threads that live as long as this (started as they
+/// are first needed), each taking the next segment from a queue. A thread per segment cost its
+/// spawn and its end (`clone3`, the stack and signal stack mapped and unmapped) for every 2 MiB:
+/// 6 % of a spilling VM's server time on 1 MiB sequential writes (perf).
 pub struct SegmentWriters {
     max_in_flight: usize,
     in_flight: AtomicUsize,
     /// Page-aligned buffers that `O_DIRECT` writes gather segments into, kept for the next.
     aligned: Mutex<Vec<AlignedSegment>>,
+    /// The queue the writer threads take segments from, and how many threads there are.
+    jobs: Mutex<WriterQueue>,
+}
+
+type WriterJob = Box<dyn FnOnce() + Send>;
+
+struct WriterQueue {
+    send: mpsc::Sender<WriterJob>,
+    /// Taken by the threads, one at a time; they end when the sender goes with `SegmentWriters`.
+    receive: Arc<Mutex<mpsc::Receiver<WriterJob>>>,
+    threads: usize,
+}
+
+impl std::fmt::Debug for SegmentWriters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentWriters")
+            .field("max_in_flight", &self.max_in_flight)
+            .field("in_flight", &self.in_flight)
+            .finish_non_exhaustive()
+    }
 }
 
 impl SegmentWriters {
     pub fn new(max_in_flight: usize) -> Arc<Self> {
-        Arc::new(Self { max_in_flight, in_flight: Default::default(), aligned: Default::default() })
+        let (send, receive) = mpsc::channel();
+        let jobs = WriterQueue { send, receive: Arc::new(Mutex::new(receive)), threads: 0 };
+        Arc::new(Self {
+            max_in_flight,
+            in_flight: Default::default(),
+            aligned: Default::default(),
+            jobs: Mutex::new(jobs),
+        })
+    }
+
+    /// Hands `job` to a writer thread, starting one if fewer run than writes may be in flight.
+    /// Called with a permit from [`Self::try_start`]. On error (no thread could be started and
+    /// none runs) the job comes back, for the caller to run itself.
+    fn run(&self, job: WriterJob) -> Result<(), WriterJob> {
+        // A panic while holding the lock leaves a sender and a count: still usable.
+        let mut queue = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        if queue.threads < self.max_in_flight {
+            let receive = Arc::clone(&queue.receive);
+            let spawned =
+                std::thread::Builder::new().name("spill-writer".into()).stack_size(64 * 1024).spawn(move || loop {
+                    let job = receive.lock().unwrap_or_else(PoisonError::into_inner).recv();
+                    match job {
+                        Ok(job) => job(),
+                        Err(mpsc::RecvError) => return,
+                    }
+                });
+            match spawned {
+                Ok(_) => queue.threads += 1,
+                Err(error) if queue.threads == 0 => {
+                    tracing::debug!(%error, "no spill writer thread; writing in the request's thread");
+                    return Err(job);
+                }
+                Err(error) => tracing::debug!(%error, "no more spill writer threads; queueing for those there are"),
+            }
+        }
+        queue.send.send(job).map_err(|mpsc::SendError(job)| job)
     }
 
     fn try_start(&self) -> bool {
@@ -419,9 +478,7 @@ impl BackingFile for ScratchFile {
         let (done, result) = mpsc::sync_channel(1);
         let (direct, buffered, shared) = (self.direct.clone(), Arc::clone(&self.file), Arc::clone(pages));
         let (writer, shortages) = (Arc::clone(writers), Arc::clone(&self.shortages));
-        // A thread per segment rather than a pool of threads: a spawn costs tens of
-        // microseconds against a 2 MiB write, and the permit already bounds how many run.
-        let spawned = std::thread::Builder::new().name("spill-writer".into()).stack_size(64 * 1024).spawn(move || {
+        let job: WriterJob = Box::new(move || {
             let written = shortages.note(write_segment(
                 direct.as_deref().map(|file| (file, &*writer)),
                 &buffered,
@@ -434,11 +491,11 @@ impl BackingFile for ScratchFile {
             writer.finished();
             let _ = done.send(written);
         });
-        match spawned {
-            Ok(_) => SegmentWrite::running(result),
-            Err(error) => {
+        match writers.run(job) {
+            Ok(()) => SegmentWrite::running(result),
+            Err(job) => {
+                drop(job);
                 writers.finished();
-                tracing::debug!(%error, "no spill writer thread; writing in the request's thread");
                 SegmentWrite::finished(self.write_pages_at(pages, offset))
             }
         }
@@ -556,5 +613,39 @@ mod tests {
         }
         file.read_at(&mut back, 0).expect("first page read");
         assert_eq!(back, [0u8; BLOCK_SIZE], "nothing before the segment's offset");
+    }
+
+    #[test]
+    fn background_segment_writes_reuse_their_threads_and_each_lands_where_it_was_sent() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let writers = SegmentWriters::new(2);
+        let files: Vec<ScratchFile> = (0..3)
+            .map(|n| {
+                let file = ScratchFile::create(dir.path(), &format!("spill-{n}"), 8 * SEGMENT_BYTES as u64);
+                file.expect("spill file").with_background_segment_writes(Arc::clone(&writers), false)
+            })
+            .collect();
+        let mut files = files;
+        let pages = Arc::new(numbered_pages(SEGMENT_BYTES / BLOCK_SIZE));
+        // More writes than writers, several per file at once: the third of a round finds no
+        // permit and writes in line; the others queue for the two threads.
+        for round in 0..8u64 {
+            let writes: Vec<SegmentWrite> =
+                files.iter_mut().map(|file| file.start_segment_write(&pages, round * SEGMENT_BYTES as u64)).collect();
+            for write in writes {
+                write.wait().expect("segment written");
+            }
+        }
+        assert!(writers.jobs.lock().expect("queue").threads <= 2, "no more threads than writes at once");
+        let mut back = [0u8; BLOCK_SIZE];
+        for file in &mut files {
+            for round in 0..8u64 {
+                for n in [0, 300, 511] {
+                    file.read_at(&mut back, round * SEGMENT_BYTES as u64 + (n * BLOCK_SIZE) as u64).expect("read");
+                    assert!(back == *pages[n], "round {round} page {n} read back differs");
+                }
+            }
+        }
+        assert_eq!(writers.in_flight.load(Ordering::Acquire), 0, "every permit came back");
     }
 }
