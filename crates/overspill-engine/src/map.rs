@@ -76,7 +76,7 @@ const RUN_BITS: u32 = 3;
 
 impl Hasher for RunHasher {
     fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u32` is used (the keys are u32); anything else is folded in byte by byte.
+        // Only `write_u32` and `write_u64` are used; anything else is folded in byte by byte.
         for &byte in bytes {
             self.0 = self.0.rotate_left(8) ^ u64::from(byte);
         }
@@ -84,6 +84,11 @@ impl Hasher for RunHasher {
 
     fn write_u32(&mut self, block: u32) {
         self.0 = u64::from(block);
+    }
+
+    /// The read cache's chunk numbers: consecutive chunks of a sequential read stay together too.
+    fn write_u64(&mut self, number: u64) {
+        self.0 = number;
     }
 
     fn finish(&self) -> u64 {
