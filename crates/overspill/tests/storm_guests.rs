@@ -175,7 +175,11 @@ fn real_guests_boot_from_the_server_and_are_counted_per_tier() {
 /// `plan` over the recorded guests (the `ram+disk 8M` configuration, with the storm's 1 GiB read
 /// cache) runs the same requests through the same engine: the storage operations it predicts per
 /// VM are the ones the server counted. Golden-image reads are compared as a mean over the VMs:
-/// the shared read cache charges a fetch to whichever VM missed first.
+/// the shared read cache charges a fetch to whichever VM missed first. Their bytes (whole chunks,
+/// each fetched once) must be equal; their count may differ by 1%: when both guests miss
+/// overlapping ranges at once, how the misses group into fetches depends on whose request the
+/// server took first, which the traces' timestamps do not settle (CI once saw 459 planned
+/// against 458 counted).
 fn the_planner_counts_what_the_server_counted(traces: &Path, live: &Value, out: &Path) {
     let mut files: Vec<_> = std::fs::read_dir(traces).expect("traces").flatten().map(|e| e.path()).collect();
     files.sort();
@@ -192,15 +196,15 @@ fn the_planner_counts_what_the_server_counted(traces: &Path, live: &Value, out: 
     let vms = plan["rows"][0]["vms"].as_array().expect("the 8 MiB row's VMs");
     assert_eq!(vms.len(), 2, "one plan per recorded guest");
     let mean = |field: &str| vms.iter().map(|v| v[field].as_f64().expect("a number")).sum::<f64>() / vms.len() as f64;
-    for (field, tier, figure) in [
-        ("golden_reads", "golden image", "reads_per_vm"),
-        ("golden_read_bytes", "golden image", "read_bytes_per_vm"),
-        ("spill_writes", "spill", "writes_per_vm"),
-        ("spill_reads", "spill", "reads_per_vm"),
+    for (field, tier, figure, tolerance) in [
+        ("golden_reads", "golden image", "reads_per_vm", 0.01),
+        ("golden_read_bytes", "golden image", "read_bytes_per_vm", 1e-6),
+        ("spill_writes", "spill", "writes_per_vm", 1e-6),
+        ("spill_reads", "spill", "reads_per_vm", 1e-6),
     ] {
         let (planned, counted) = (mean(field), over_phases(live, tier, figure));
         assert!(
-            (planned - counted).abs() <= 1e-6 * counted.max(1.0),
+            (planned - counted).abs() <= tolerance * counted.max(1.0),
             "{tier} {figure}: the planner predicts {planned} per VM, the server counted {counted}"
         );
     }
