@@ -181,14 +181,14 @@ impl Shared {
         let mut lists = self.lists();
         lists.warm.push(index);
         if lists.warm.len() > 2 * WARM_FREE_PAGES {
-            self.cool(&mut lists);
+            self.cool(&mut lists, WARM_FREE_PAGES);
         }
     }
 
-    /// Punches the free pages beyond the warm few, the highest first in line, in runs.
-    fn cool(&self, lists: &mut FreeLists) {
+    /// Punches the free pages beyond `keep` warm ones, the highest first in line, in runs.
+    fn cool(&self, lists: &mut FreeLists, keep: usize) {
         lists.warm.sort_unstable_by(|a, b| b.cmp(a));
-        let excess = lists.warm.len() - WARM_FREE_PAGES;
+        let excess = lists.warm.len() - keep;
         let mut cooling: Vec<u32> = lists.warm.drain(..excess).collect();
         cooling.reverse();
         for run in cooling.chunk_by(|a, b| b == &(a + 1)) {
@@ -400,6 +400,22 @@ impl Arena {
         };
         drop(lists);
         Ok(Page { index, arena: Arc::clone(shared) })
+    }
+
+    /// Gives the memory of free pages beyond `keep` back (they stay the arena's, as holes): the
+    /// owner knows how many it will take again soon, and free pages it keeps are memory it holds.
+    pub fn cool_beyond(&self, keep: usize) {
+        let mut lists = self.0.lists();
+        if lists.warm.len() > keep {
+            self.0.cool(&mut lists, keep);
+        }
+    }
+
+    /// Pages in memory: handed out, or free and not punched (pages allocated ahead and never
+    /// handed out are not counted: nothing has touched them).
+    pub fn resident_pages(&self) -> u64 {
+        let lists = self.0.lists();
+        u64::from(lists.high_water) - lists.cold.len() as u64
     }
 
     /// A free page holding a copy of `data`.

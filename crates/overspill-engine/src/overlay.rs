@@ -491,6 +491,12 @@ impl Overlay {
         self.ram.data_bytes() + self.ram.index_bytes() + self.map.memory_bytes() + self.zeros.memory_bytes() + spill
     }
 
+    /// Memory the VM's pages really take: its blocks and the free pages its arena keeps for the
+    /// next ones (beside [`Self::memory_used_bytes`], which counts an open segment whole).
+    pub fn memory_resident_bytes(&self) -> u64 {
+        self.arena.resident_pages() * BLOCK_BYTES
+    }
+
     /// The target now in force: the VM's own, cut by host pressure.
     pub fn memory_target_bytes(&self) -> u64 {
         self.host.effective_target(self.config.ram_target_bytes)
@@ -1331,6 +1337,15 @@ impl Overlay {
         }
         self.map.shrink_if_empty();
         let used = self.memory_used_bytes();
+        // Free pages the arena keeps in memory are memory the VM holds, though no block is in
+        // them: keep no more than its unused target and what its spill log will take again soon,
+        // so that what is accounted is what is resident.
+        let unused = (self.memory_target_bytes().saturating_sub(used) / BLOCK_BYTES) as usize;
+        let soon = match &self.tier {
+            Tier::RamDisk(spill) => spill.pages_wanted_soon(),
+            _ => 0,
+        };
+        self.arena.cool_beyond(unused + soon);
         self.host.account(self.accounted_bytes, used);
         self.accounted_bytes = used;
         let stats = &self.stats;

@@ -103,6 +103,11 @@ pub struct SpillLog {
     owner_tables: u64,
     /// The file's [`BackingFile::space_shortages`] when this log last gave its kept segments back.
     shortages_heeded: u64,
+    /// Pages pushed since the segment being written was sealed, and that count for the last
+    /// segment written: how many pages the VM takes while a write is under way, so how many of
+    /// the written segment's pages it will want again at once (see [`Self::pages_wanted_soon`]).
+    pushed_while_writing: u32,
+    last_pushed_while_writing: u32,
 }
 
 impl SpillLog {
@@ -130,6 +135,8 @@ impl SpillLog {
             sealed_segments: 0,
             owner_tables: 0,
             shortages_heeded: file.space_shortages(),
+            pushed_while_writing: 0,
+            last_pushed_while_writing: 0,
             file,
             arena,
             summaries: None,
@@ -245,6 +252,16 @@ impl SpillLog {
             + (self.free.capacity() + self.kept.capacity()) * 4) as u64
     }
 
+    /// Free pages worth keeping in memory for the blocks about to come: the room left in the
+    /// open segment (counted whole in [`Self::memory_bytes`] already), and as many as the VM took
+    /// while its last segment was being written, when the pages of the one being written are
+    /// not free yet. A VM that fills segments slowly keeps few; one streaming writes keeps
+    /// about a segment, and does not wait for fresh pages to be cleared.
+    pub fn pages_wanted_soon(&self) -> usize {
+        let room = self.open.as_ref().map_or(0, |open| BLOCKS_PER_SEGMENT - open.pages.len());
+        room + self.last_pushed_while_writing as usize
+    }
+
     pub fn backing(&self) -> &dyn BackingFile {
         self.file.as_ref()
     }
@@ -347,6 +364,9 @@ impl SpillLog {
         let slot = open.pages.len();
         debug_assert!(slot < BLOCKS_PER_SEGMENT, "reserve sealed a full segment");
         open.pages.push(page);
+        if self.writing.is_some() {
+            self.pushed_while_writing += 1;
+        }
         segment.owners.push(owner);
         segment.live += 1;
         self.live_blocks += 1;
@@ -391,6 +411,7 @@ impl SpillLog {
     fn seal(&mut self, stats: &VmStats) -> Result<()> {
         self.settle_write(true, stats)?;
         let Some(open) = self.open.take() else { return Ok(()) };
+        self.pushed_while_writing = 0;
         let id = open.id;
         let pages = Arc::new(open.pages);
         let mut write = self.file.start_segment_write(&pages, id.byte_offset());
@@ -451,6 +472,7 @@ impl SpillLog {
 
     /// A segment is on disk: counted, and its pages (the caller's, dropped after) freed.
     fn written(&mut self, id: SegmentId, stats: &VmStats) {
+        self.last_pushed_while_writing = self.pushed_while_writing;
         stats.spill_write.add(SEGMENT_BYTES as u64);
         stats.spill_write_sizes.record(SEGMENT_BYTES as u64);
         stats.spill_segments_written.inc();
