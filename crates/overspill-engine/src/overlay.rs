@@ -219,6 +219,9 @@ pub struct Overlay {
     tier: Tier,
     host: Arc<HostMemory>,
     accounted_bytes: u64,
+    /// Blocks the last write covered: fresh pages the next one of its kind takes before any of
+    /// its blocks move to the spill log (see `after_mutation`).
+    last_write_blocks: usize,
     stats: Arc<VmStats>,
     /// The sequence number of the last copy of a block made (see `state`).
     seq: u64,
@@ -416,6 +419,7 @@ impl Overlay {
             tier,
             host,
             accounted_bytes: 0,
+            last_write_blocks: 0,
             stats,
             seq: 0,
             zero_log,
@@ -772,6 +776,7 @@ impl Overlay {
         let len = data.len() as u64;
         self.check_range(offset, len)?;
         self.stats.guest_write.add(len);
+        self.last_write_blocks = block_count(offset, len);
         self.shrink_to_target();
         let result = self.write_spans(offset, data);
         self.after_mutation();
@@ -823,6 +828,7 @@ impl Overlay {
             receive(&mut [IoSliceMut::new(&mut data)]).map_err(|e| EngineError::from_io("receiving data", e))?;
             return self.write(offset, &data);
         }
+        self.last_write_blocks = block_count(offset, len as u64);
         self.shrink_to_target();
         let mut landed = Landed::default();
         let mut received = false;
@@ -1338,11 +1344,14 @@ impl Overlay {
         self.map.shrink_if_empty();
         let used = self.memory_used_bytes();
         // Free pages the arena keeps in memory are memory the VM holds, though no block is in
-        // them: keep no more than its unused target and what its spill log will take again soon,
-        // so that what is accounted is what is resident.
+        // them: keep no more than its unused target and what it will take again soon (a write
+        // lands in fresh pages before its blocks push older ones into the open segment; the
+        // spill log wants the open segment's room and more while a segment is being written),
+        // so that what is resident stays close to what is accounted. Fewer would make a VM
+        // streaming large writes fault fresh pages in on every request.
         let unused = (self.memory_target_bytes().saturating_sub(used) / BLOCK_BYTES) as usize;
         let soon = match &self.tier {
-            Tier::RamDisk(spill) => spill.pages_wanted_soon(),
+            Tier::RamDisk(spill) => spill.pages_wanted_soon() + self.last_write_blocks,
             _ => 0,
         };
         self.arena.cool_beyond(unused + soon);
@@ -1395,4 +1404,12 @@ fn whole_blocks(offset: u64, len: u64) -> (u64, u64) {
     let first = offset.div_ceil(BLOCK_BYTES);
     let end = (offset + len) / BLOCK_BYTES;
     (first, end.max(first))
+}
+
+/// How many blocks `[offset, offset + len)` touches.
+fn block_count(offset: u64, len: u64) -> usize {
+    if len == 0 {
+        return 0;
+    }
+    ((offset + len).div_ceil(BLOCK_BYTES) - offset / BLOCK_BYTES) as usize
 }

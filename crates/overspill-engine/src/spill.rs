@@ -103,11 +103,12 @@ pub struct SpillLog {
     owner_tables: u64,
     /// The file's [`BackingFile::space_shortages`] when this log last gave its kept segments back.
     shortages_heeded: u64,
-    /// Pages pushed since the segment being written was sealed, and that count for the last
-    /// segment written: how many pages the VM takes while a write is under way, so how many of
-    /// the written segment's pages it will want again at once (see [`Self::pages_wanted_soon`]).
+    /// Pages pushed since the segment being written was sealed, and a recent peak of that count
+    /// (decaying by a quarter with each segment written): how many pages the VM takes while a write is under way,
+    /// so how many of the written segment's pages it will want again at once (see
+    /// [`Self::pages_wanted_soon`]).
     pushed_while_writing: u32,
-    last_pushed_while_writing: u32,
+    most_pushed_while_writing: u32,
 }
 
 impl SpillLog {
@@ -136,7 +137,7 @@ impl SpillLog {
             owner_tables: 0,
             shortages_heeded: file.space_shortages(),
             pushed_while_writing: 0,
-            last_pushed_while_writing: 0,
+            most_pushed_while_writing: 0,
             file,
             arena,
             summaries: None,
@@ -253,13 +254,13 @@ impl SpillLog {
     }
 
     /// Free pages worth keeping in memory for the blocks about to come: the room left in the
-    /// open segment (counted whole in [`Self::memory_bytes`] already), and as many as the VM took
-    /// while its last segment was being written, when the pages of the one being written are
+    /// open segment (counted whole in [`Self::memory_bytes`] already), and as many as the VM has
+    /// lately taken while a segment was being written, when the pages of the one being written are
     /// not free yet. A VM that fills segments slowly keeps few; one streaming writes keeps
     /// about a segment, and does not wait for fresh pages to be cleared.
     pub fn pages_wanted_soon(&self) -> usize {
         let room = self.open.as_ref().map_or(0, |open| BLOCKS_PER_SEGMENT - open.pages.len());
-        room + self.last_pushed_while_writing as usize
+        room + self.most_pushed_while_writing as usize
     }
 
     pub fn backing(&self) -> &dyn BackingFile {
@@ -472,7 +473,11 @@ impl SpillLog {
 
     /// A segment is on disk: counted, and its pages (the caller's, dropped after) freed.
     fn written(&mut self, id: SegmentId, stats: &VmStats) {
-        self.last_pushed_while_writing = self.pushed_while_writing;
+        // A recent peak, not the last count: a write that happened to finish quickly says little
+        // of the next one, while one slow write on a busy host should not hold pages for ever
+        // (a segment's worth at most: a VM never waits on more than one write).
+        let decayed = self.most_pushed_while_writing - self.most_pushed_while_writing / 4;
+        self.most_pushed_while_writing = decayed.max(self.pushed_while_writing.min(BLOCKS_PER_SEGMENT as u32));
         stats.spill_write.add(SEGMENT_BYTES as u64);
         stats.spill_write_sizes.record(SEGMENT_BYTES as u64);
         stats.spill_segments_written.inc();
