@@ -412,7 +412,8 @@ impl Arena {
     }
 
     /// Pages in memory: handed out, or free and not punched (pages allocated ahead and never
-    /// handed out are not counted: nothing has touched them).
+    /// handed out are not counted: nothing has touched them; nor are the free pages an arena
+    /// found when it was reopened, which may still hold the last process's bytes).
     pub fn resident_pages(&self) -> u64 {
         let lists = self.0.lists();
         u64::from(lists.high_water) - lists.cold.len() as u64

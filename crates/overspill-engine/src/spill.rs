@@ -104,9 +104,9 @@ pub struct SpillLog {
     /// The file's [`BackingFile::space_shortages`] when this log last gave its kept segments back.
     shortages_heeded: u64,
     /// Pages pushed since the segment being written was sealed, and a recent peak of that count
-    /// (decaying by a quarter with each segment written): how many pages the VM takes while a write is under way,
-    /// so how many of the written segment's pages it will want again at once (see
-    /// [`Self::pages_wanted_soon`]).
+    /// (decaying by a quarter with each segment written): how many pages the VM takes while a
+    /// write is under way, so how many of the written segment's pages it will want again at
+    /// once (see [`Self::pages_wanted_soon`]).
     pushed_while_writing: u32,
     most_pushed_while_writing: u32,
 }
@@ -255,8 +255,8 @@ impl SpillLog {
 
     /// Free pages worth keeping in memory for the blocks about to come: the room left in the
     /// open segment (counted whole in [`Self::memory_bytes`] already), and as many as the VM has
-    /// lately taken while a segment was being written, when the pages of the one being written are
-    /// not free yet. A VM that fills segments slowly keeps few; one streaming writes keeps
+    /// lately taken while a segment was being written, when the pages of the one being written
+    /// are not free yet. A VM that fills segments slowly keeps few; one streaming writes keeps
     /// about a segment, and does not wait for fresh pages to be cleared.
     pub fn pages_wanted_soon(&self) -> usize {
         let room = self.open.as_ref().map_or(0, |open| BLOCKS_PER_SEGMENT - open.pages.len());

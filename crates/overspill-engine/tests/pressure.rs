@@ -44,8 +44,8 @@ fn targets_shrink_below_the_free_floor_and_data_survives() {
         // The next write spills the VM down to its shrunken target before it lands.
         vm.write(40 * MIB, &block(v as u8, 9999)).expect("write under pressure");
         assert!(vm.memory_used_bytes() <= cap + 2 * MIB + 8192, "within one open segment of the cap");
-        // The pages it spilled are free once written: it keeps only as many in memory as its
-        // open segment has room for, not the megabytes it gave back.
+        // The pages it spilled are free once written: it keeps in memory no more than it
+        // accounts for (its open segment counts whole), not the megabytes it gave back.
         let (resident, used) = (vm.memory_resident_bytes(), vm.memory_used_bytes());
         assert!(resident <= used, "vm {v}: {resident} bytes of pages in memory, {used} accounted");
         assert!(vm.stats().spill_segments_written.get() > 0, "it spilled");
