@@ -200,6 +200,29 @@ impl std::str::FromStr for CacheMode {
     }
 }
 
+/// How the VMs' disks lie on the array when nothing caches in front of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Clones {
+    /// Every VM reads the blocks it never wrote from one shared golden image (Citrix MCS,
+    /// VMware linked clones): the controller cache serves the VMs that boot after the first.
+    Linked,
+    /// Every VM has a full copy of the golden image (VMware full clones, seed 003's VMs): the
+    /// same blocks at different places on the disks, which a cache cannot share.
+    Full,
+}
+
+impl std::str::FromStr for Clones {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "linked" => Ok(Self::Linked),
+            "full" => Ok(Self::Full),
+            _ => Err(format!("unknown clones {s}: use linked or full")),
+        }
+    }
+}
+
 /// Everything between the VMs and the disks.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StorageSpec {
@@ -226,6 +249,9 @@ pub struct StorageSpec {
     pub power_on_ios: usize,
     /// Requests one booting guest keeps in flight at most.
     pub vm_queue_depth: usize,
+    /// Where a VM's reads of golden blocks go when no read cache is in front (overspill's read
+    /// cache always reads the one golden image).
+    pub clones: Clones,
 }
 
 impl StorageSpec {
@@ -244,6 +270,7 @@ impl StorageSpec {
             power_on_interval_s: 0.0,
             power_on_ios: 0,
             vm_queue_depth: 4,
+            clones: Clones::Linked,
         }
     }
 
@@ -297,6 +324,9 @@ impl StorageSpec {
         if self.power_on_group != usize::MAX {
             out.push_str(&format!(", {} VM per {:.2} s", self.power_on_group, self.power_on_interval_s));
         }
+        if self.clones == Clones::Full {
+            out.push_str(", full clones");
+        }
         out
     }
 }
@@ -317,6 +347,7 @@ impl StorageSpec {
 /// power_on_interval_s = 1.3
 /// power_on_ios = 10
 /// vm_queue_depth = 4
+/// clones = "linked"          # or "full"
 /// ```
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -333,6 +364,7 @@ pub struct StorageFile {
     pub power_on_interval_s: Option<f64>,
     pub power_on_ios: Option<usize>,
     pub vm_queue_depth: Option<usize>,
+    pub clones: Option<Clones>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -373,6 +405,7 @@ impl StorageSpec {
             power_on_interval_s: file.power_on_interval_s.unwrap_or(0.0),
             power_on_ios: file.power_on_ios.unwrap_or(0),
             vm_queue_depth: file.vm_queue_depth.unwrap_or(d.vm_queue_depth),
+            clones: file.clones.unwrap_or(d.clones),
             device: d.device,
         };
         spec.check()?;
@@ -744,7 +777,7 @@ impl<'a> Sim<'a> {
                 return fetched.len() as u32;
             }
         }
-        let space = if r.golden { 0 } else { vm as u64 + 1 };
+        let space = if r.golden && self.storage.clones == Clones::Linked { 0 } else { vm as u64 + 1 };
         let id = self.new_request(owner, r.write, space, r.offset, u64::from(r.bytes));
         self.submit(id);
         1
@@ -1036,6 +1069,8 @@ mod tests {
         let err = StorageSpec::from_toml("device = \"ssd\"\nraid = \"5\"\n").expect_err("one disk");
         assert!(err.contains("RAID 5 needs at least 3"), "{err}");
         assert!(StorageSpec::from_toml("device = \"ssd\"\nbogus = 1\n").is_err());
+        let full = StorageSpec::from_toml("device = \"ssd\"\nclones = \"full\"\n").expect("valid");
+        assert_eq!((full.clones, spec.clones), (Clones::Full, Clones::Linked));
     }
 
     #[test]
@@ -1087,6 +1122,25 @@ mod tests {
         assert!(cached.avg_s < cold.avg_s / 3.0, "{cached:?} against {cold:?}");
         let host_cached = simulate_boots(&plain, &boots, 10, 1 << 30).expect("boots");
         assert!(host_cached.avg_s < cold.avg_s / 3.0, "{host_cached:?} against {cold:?}");
+    }
+
+    #[test]
+    fn full_clones_do_not_share_the_controller_cache() {
+        let linked = StorageSpec {
+            power_on_group: 1,
+            power_on_interval_s: 5.0,
+            cache_bytes: 64 << 20,
+            ..StorageSpec::single(disk("hdd7200"))
+        };
+        let full = StorageSpec { clones: Clones::Full, ..linked.clone() };
+        let boots = [reads(200, 0.0, true)];
+        let shared = simulate_boots(&linked, &boots, 10, 0).expect("boots");
+        let own = simulate_boots(&full, &boots, 10, 0).expect("boots");
+        assert!(own.avg_s > 3.0 * shared.avg_s, "{own:?} against {shared:?}");
+        // Behind overspill's read cache the VMs read the one golden image, whatever the clones.
+        let cached = simulate_boots(&full, &boots, 10, 1 << 30).expect("boots");
+        assert!(cached.avg_s < own.avg_s / 3.0, "{cached:?} against {own:?}");
+        assert!(full.describe().ends_with("full clones"), "{}", full.describe());
     }
 
     #[test]

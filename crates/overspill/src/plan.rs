@@ -8,7 +8,7 @@ use clap::Args;
 use overspill_engine::WriteCacheMode;
 use overspill_storm::fleet::{self, FleetOptions, GoldenStore};
 use overspill_storm::plan::{self, PlanOptions};
-use overspill_storm::storage::{CacheMode, DeviceSpec, Raid, StorageSpec};
+use overspill_storm::storage::{CacheMode, Clones, DeviceSpec, Raid, StorageSpec};
 use overspill_storm::trace::Trace;
 
 use crate::size::parse_bytes;
@@ -62,6 +62,10 @@ pub struct PlanArgs {
     /// Requests a booting guest keeps in flight.
     #[arg(long)]
     vm_queue_depth: Option<usize>,
+    /// Without overspill, the VMs are linked clones of one golden image (reads of blocks a VM
+    /// never wrote share the array's cache) or full clones (each VM's own copy).
+    #[arg(long)]
+    clones: Option<Clones>,
     /// VMs booting for the estimate (traces are reused round-robin).
     #[arg(long, default_value_t = 90)]
     vms: usize,
@@ -151,6 +155,7 @@ fn storage_spec(name: &str, args: &PlanArgs) -> anyhow::Result<StorageSpec> {
     }
     spec.power_on_ios = args.power_on_ios.unwrap_or(spec.power_on_ios);
     spec.vm_queue_depth = args.vm_queue_depth.unwrap_or(spec.vm_queue_depth);
+    spec.clones = args.clones.unwrap_or(spec.clones);
     spec.check().map_err(|e| anyhow::anyhow!("--storage: {e}"))?;
     Ok(spec)
 }
