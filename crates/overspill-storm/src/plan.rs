@@ -132,8 +132,8 @@ fn model(plan: &RunPlan, options: &PlanOptions, ram: u64) -> Result<Vec<VmFigure
 }
 
 /// Each trace's boot (its first phase) as the storage sees it with no cache in front: every
-/// guest read and write, as linked clones of one golden image would send them (a read of a block
-/// the VM never wrote goes to the golden image, shared by all VMs; the rest to the VM's own).
+/// guest read and write, a read of a block the VM never wrote marked golden (the storage model
+/// sends it to the one shared image for linked clones, to the VM's own copy for full clones).
 pub fn boots_without_cache(plan: &RunPlan) -> Vec<VmBoot> {
     plan.ops
         .iter()

@@ -213,6 +213,28 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
     let booted: u64 = boot["booted_per_interval"].as_array().expect("list").iter().filter_map(|n| n.as_u64()).sum();
     assert_eq!(booted, 40, "{boot}");
 
+    // Without overspill, linked clones share the golden image's blocks in the array's cache; full
+    // clones each read their own copy, which the cache cannot share.
+    let no_cache_avg = |clones: &str| {
+        let out = d.join(format!("plan-{clones}"));
+        let mut args = vec!["plan".to_owned()];
+        args.extend(files.iter().cloned());
+        args.extend(
+            ["--ram", "256M", "--storage", "hdd7200", "--controller-cache", "256M", "--clones", clones, "--vms", "20"]
+                .map(str::to_owned),
+        );
+        args.extend(["--out".to_owned(), s(&out)]);
+        let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
+        overspill(&args_ref);
+        let plan = json(&out.join("plan.json"));
+        assert!(plan["boot_without_cache"]["storage"]
+            .as_str()
+            .is_some_and(|d| d.contains("full") == (clones == "full")));
+        plan["boot_without_cache"]["avg_s"].as_f64().expect("estimate")
+    };
+    let (linked, full) = (no_cache_avg("linked"), no_cache_avg("full"));
+    assert!(full > linked, "full clones boot no slower than linked ones: {full} s against {linked} s");
+
     // The page: storage, spill and the two boot charts, each its own SVG; a group per asked RAM
     // size, named as asked; the boot estimates in a table; and a browser draws the bars.
     let html = std::fs::read_to_string(d.join("plan/plan.html")).expect("plan.html");
