@@ -321,10 +321,13 @@ impl Arena {
             let mut live = live.iter().map(|(index, _)| *index).peekable();
             for index in 0..found {
                 if live.next_if_eq(&index).is_none() {
-                    lists.cold.push(index);
+                    lists.warm.push(index);
                 }
             }
             lists.high_water = found;
+            // The last process's free pages still hold its dead bytes in memory: give them back
+            // now, not whenever this VM happens to reuse them.
+            arena.0.cool(&mut lists, 0);
         }
         let live = live
             .into_iter()
@@ -412,8 +415,7 @@ impl Arena {
     }
 
     /// Pages in memory: handed out, or free and not punched (pages allocated ahead and never
-    /// handed out are not counted: nothing has touched them; nor are the free pages an arena
-    /// found when it was reopened, which may still hold the last process's bytes).
+    /// handed out are not counted: nothing has touched them).
     pub fn resident_pages(&self) -> u64 {
         let lists = self.0.lists();
         u64::from(lists.high_water) - lists.cold.len() as u64
@@ -535,8 +537,10 @@ mod tests {
             page.set_owner(Owner { block: BlockIndex(i * 3), seq: i + 1 });
             pages.push(page);
         }
-        // A page freed before the end is free afterwards too.
-        pages.swap_remove(5);
+        // A page freed before the end is free afterwards too, and its bytes are given back.
+        let freed = pages.swap_remove(5);
+        let freed_at = u64::from(freed.index) * BLOCK_SIZE as u64;
+        drop(freed);
         arena.keep();
         drop(pages);
         drop(arena);
@@ -548,6 +552,11 @@ mod tests {
             assert!(page.iter().all(|&b| b == i as u8), "page of block {} kept its bytes", owner.block.0);
         }
         assert!(!live.iter().any(|live| live.owner.seq == 6));
+        let mut bytes = vec![1u8; BLOCK_SIZE];
+        let file = File::open(dir.path().join("vm.pages")).expect("page file");
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut bytes, freed_at).expect("read");
+        assert!(bytes.iter().all(|&b| b == 0), "the free page still holds the last process's bytes");
+        assert_eq!(arena.resident_pages(), 599);
         // Not kept this time: the files go with it.
         drop(live);
         drop(arena);
