@@ -139,16 +139,16 @@ fn seed_003s_boot_storms_keep_their_shape() {
 fn seed_003s_own_arrays_as_full_clones_last_as_long_as_its_storms() {
     let plan = win7_boots(10);
     let hdd15k = || DeviceSpec::built_in("hdd15k").expect("built in");
-    let own = |spec: StorageSpec, disks: usize| StorageSpec { disks, raid: Raid::R0, clones: Clones::Full, ..spec };
-    let internal_15k = |mib, issue_s| own(StorageSpec { device: hdd15k(), ..internal(mib, issue_s) }, 15);
+    let own = |spec: StorageSpec| StorageSpec { raid: Raid::R0, clones: Clones::Full, ..spec };
+    let internal_15k = |mib, issue_s| own(StorageSpec { device: hdd15k(), disks: 15, ..internal(mib, issue_s) });
     // (configuration, the seed's longest boot and peak IOPS)
     let storms = [
         (internal_15k(512, 119.0), 9 * 60 + 40, 5_382.0),
         (internal_15k(1024, 107.0), 8 * 60 + 20, 5_842.0),
-        (own(fibre_channel(hdd15k(), 12, CacheMode::ReadOnly, 32, 276.0), 12), 11 * 60 + 20, 3_278.0),
-        (own(fibre_channel(hdd15k(), 12, CacheMode::WriteBack, 254, 98.0), 12), 6 * 60 + 42, 5_669.0),
-        (own(fibre_channel(fc_ssd(), 24, CacheMode::WriteBack, 32, 61.0), 24), 2 * 60 + 17, 12_981.0),
-        (own(fibre_channel(fc_ssd(), 24, CacheMode::WriteBack, 254, 40.0), 24), 60 + 57, 12_489.0),
+        (own(fibre_channel(hdd15k(), 12, CacheMode::ReadOnly, 32, 276.0)), 11 * 60 + 20, 3_278.0),
+        (own(fibre_channel(hdd15k(), 12, CacheMode::WriteBack, 254, 98.0)), 6 * 60 + 42, 5_669.0),
+        (own(fibre_channel(fc_ssd(), 24, CacheMode::WriteBack, 32, 61.0)), 2 * 60 + 17, 12_981.0),
+        (own(fibre_channel(fc_ssd(), 24, CacheMode::WriteBack, 254, 40.0)), 60 + 57, 12_489.0),
     ];
     let estimates: Vec<(BootEstimate, f64, f64)> = storms
         .into_iter()
