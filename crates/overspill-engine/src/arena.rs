@@ -35,10 +35,13 @@ use crate::units::{Block, BlockIndex, BLOCKS_PER_SEGMENT, BLOCK_SIZE};
 
 const HEADER_BYTES: usize = 16;
 
-/// Free pages kept in memory for the next allocations: a segment's worth, which is what a
-/// spilling VM frees when a segment is written and allocates again as the next one fills.
-/// Beyond twice that, the rest are punched out of the file so that their memory goes back.
-const WARM_FREE_PAGES: usize = BLOCKS_PER_SEGMENT;
+/// Free pages kept in memory when pages are freed, before their owner says how many it wants
+/// ([`Arena::cool_beyond`]): two segments' worth, what a VM streaming writes has going round
+/// (the open segment and the one being written), so frees and takes again at once. Beyond
+/// twice that, the rest are punched out of the file so that their memory goes back. (One
+/// segment's worth was too few: each written segment's pages punched here were faulted back
+/// in by the next request.)
+const WARM_FREE_PAGES: usize = 2 * BLOCKS_PER_SEGMENT;
 
 /// The file grows this many pages at a time (pages past its end must never be touched).
 const GROWTH_PAGES: u32 = BLOCKS_PER_SEGMENT as u32;
@@ -405,13 +408,15 @@ impl Arena {
         Ok(Page { index, arena: Arc::clone(shared) })
     }
 
-    /// Gives the memory of free pages beyond `keep` back (they stay the arena's, as holes): the
-    /// owner knows how many it will take again soon, and free pages it keeps are memory it holds.
-    pub fn cool_beyond(&self, keep: usize) {
+    /// Gives the memory of free pages beyond `keep` back (they stay the arena's, as holes), once
+    /// more than `keep + slack` are free: the owner knows how many it will take again soon, and
+    /// free pages it keeps are memory it holds. Returns how many free pages stay in memory.
+    pub fn cool_beyond(&self, keep: usize, slack: usize) -> usize {
         let mut lists = self.0.lists();
-        if lists.warm.len() > keep {
+        if lists.warm.len() > keep + slack {
             self.0.cool(&mut lists, keep);
         }
+        lists.warm.len()
     }
 
     /// Pages in memory: handed out, or free and not punched (pages allocated ahead and never

@@ -38,7 +38,8 @@ use crate::state::{self, CopyAt, Found, SegmentSummaries, StateFiles, ZeroLog, Z
 use crate::stats::{OpCounter, VmStats};
 use crate::store::BackingFile;
 use crate::units::{
-    block_spans, Block, BlockIndex, BlockSpan, SegmentId, SpillAddr, BLOCK_BYTES, BLOCK_SIZE, SEGMENT_BYTES,
+    block_spans, Block, BlockIndex, BlockSpan, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, BLOCK_BYTES, BLOCK_SIZE,
+    SEGMENT_BYTES,
 };
 
 /// Where a VM's writes go; one per seed configuration, so they can be compared side by side.
@@ -116,6 +117,11 @@ pub struct OverlayConfig {
 /// (nor pay an eviction, two copies and an allocation per block: 1 MiB sequential writes went
 /// from 1.35-1.6 to 1.7-1.8 GB/s while spilling; the spill writer thread is then the limit).
 const STREAMING_WRITE_BYTES: usize = 256 * 1024;
+
+/// Free pages beyond what a VM wants that its arena leaves warm (counted for the host all the
+/// same): a VM whose wants move a little (a smaller write after a larger one) does not punch
+/// pages it takes again a moment later. None for a VM whose target host pressure cut.
+const COOLING_SLACK_PAGES: usize = BLOCKS_PER_SEGMENT / 4;
 
 /// Slots compaction reads at once (256 KiB).
 const COMPACTION_WINDOW_SLOTS: usize = 64;
@@ -219,9 +225,11 @@ pub struct Overlay {
     tier: Tier,
     host: Arc<HostMemory>,
     accounted_bytes: u64,
-    /// Blocks the last write covered: fresh pages the next one of its kind takes before any of
-    /// its blocks move to the spill log (see `after_mutation`).
-    last_write_blocks: usize,
+    /// Blocks of the largest write lately (a peak decaying by an eighth with each write): fresh
+    /// pages the next one of its kind takes before any of its blocks move to the spill log (see
+    /// `after_mutation`). A peak, so that a VM mixing large and small writes does not punch the
+    /// large one's pages after each small one.
+    recent_write_blocks: usize,
     stats: Arc<VmStats>,
     /// The sequence number of the last copy of a block made (see `state`).
     seq: u64,
@@ -419,7 +427,7 @@ impl Overlay {
             tier,
             host,
             accounted_bytes: 0,
-            last_write_blocks: 0,
+            recent_write_blocks: 0,
             stats,
             seq: 0,
             zero_log,
@@ -493,6 +501,13 @@ impl Overlay {
             _ => 0,
         };
         self.ram.data_bytes() + self.ram.index_bytes() + self.map.memory_bytes() + self.zeros.memory_bytes() + spill
+    }
+
+    /// What the host's budget counts for this VM: [`Self::memory_used_bytes`] and the free
+    /// pages its arena keeps beyond the open segment's room. Every page the VM has in memory is
+    /// in it, except those of a segment being written (the host's, see `SpillLog::memory_bytes`).
+    pub fn memory_accounted_bytes(&self) -> u64 {
+        self.accounted_bytes
     }
 
     /// Memory the VM's pages really take: its blocks and the free pages its arena keeps for the
@@ -776,11 +791,16 @@ impl Overlay {
         let len = data.len() as u64;
         self.check_range(offset, len)?;
         self.stats.guest_write.add(len);
-        self.last_write_blocks = block_count(offset, len);
+        self.note_write_size(block_count(offset, len));
         self.shrink_to_target();
         let result = self.write_spans(offset, data);
         self.after_mutation();
         result
+    }
+
+    fn note_write_size(&mut self, blocks: usize) {
+        let decayed = self.recent_write_blocks - self.recent_write_blocks.div_ceil(8);
+        self.recent_write_blocks = decayed.max(blocks);
     }
 
     fn write_spans(&mut self, offset: u64, data: &[u8]) -> Result<()> {
@@ -828,7 +848,7 @@ impl Overlay {
             receive(&mut [IoSliceMut::new(&mut data)]).map_err(|e| EngineError::from_io("receiving data", e))?;
             return self.write(offset, &data);
         }
-        self.last_write_blocks = block_count(offset, len as u64);
+        self.note_write_size(block_count(offset, len as u64));
         self.shrink_to_target();
         let mut landed = Landed::default();
         let mut received = false;
@@ -1346,17 +1366,24 @@ impl Overlay {
         // Free pages the arena keeps in memory are memory the VM holds, though no block is in
         // them: keep no more than its unused target and what it will take again soon (a write
         // lands in fresh pages before its blocks push older ones into the open segment; the
-        // spill log wants the open segment's room and more while a segment is being written),
-        // so that what is resident stays close to what is accounted. Fewer would make a VM
-        // streaming large writes fault fresh pages in on every request.
-        let unused = (self.memory_target_bytes().saturating_sub(used) / BLOCK_BYTES) as usize;
-        let soon = match &self.tier {
-            Tier::RamDisk(spill) => spill.pages_wanted_soon() + self.last_write_blocks,
-            _ => 0,
+        // spill log wants its round of pages), and count those beyond the open segment's room
+        // (which `used` counts whole) for the host, so that every page kept is a page seen. A
+        // VM whose target host pressure cut keeps only the open segment's room: it is to give
+        // memory back, not to go fast. Fewer would make a VM streaming large writes fault fresh
+        // pages in on every request.
+        let target = self.memory_target_bytes();
+        let unused = (target.saturating_sub(used) / BLOCK_BYTES) as usize;
+        let pressed = target < self.config.ram_target_bytes;
+        let (soon, covered) = match &self.tier {
+            Tier::RamDisk(spill) if pressed => (spill.open_room(), spill.open_room()),
+            Tier::RamDisk(spill) => (spill.pages_wanted_soon() + self.recent_write_blocks, spill.open_room()),
+            _ => (0, 0),
         };
-        self.arena.cool_beyond(unused + soon);
-        self.host.account(self.accounted_bytes, used);
-        self.accounted_bytes = used;
+        let slack = if pressed { 0 } else { COOLING_SLACK_PAGES };
+        let kept = self.arena.cool_beyond(unused + soon, slack);
+        let accounted = used + kept.saturating_sub(covered) as u64 * BLOCK_BYTES;
+        self.host.account(self.accounted_bytes, accounted);
+        self.accounted_bytes = accounted;
         let stats = &self.stats;
         stats.cache_memory_used_bytes.set(used);
         stats.cache_memory_target_bytes.set(self.memory_target_bytes());

@@ -103,12 +103,6 @@ pub struct SpillLog {
     owner_tables: u64,
     /// The file's [`BackingFile::space_shortages`] when this log last gave its kept segments back.
     shortages_heeded: u64,
-    /// Pages pushed since the segment being written was sealed, and a recent peak of that count
-    /// (decaying by a quarter with each segment written): how many pages the VM takes while a
-    /// write is under way, so how many of the written segment's pages it will want again at
-    /// once (see [`Self::pages_wanted_soon`]).
-    pushed_while_writing: u32,
-    most_pushed_while_writing: u32,
 }
 
 impl SpillLog {
@@ -136,8 +130,6 @@ impl SpillLog {
             sealed_segments: 0,
             owner_tables: 0,
             shortages_heeded: file.space_shortages(),
-            pushed_while_writing: 0,
-            most_pushed_while_writing: 0,
             file,
             arena,
             summaries: None,
@@ -253,14 +245,27 @@ impl SpillLog {
             + (self.free.capacity() + self.kept.capacity()) * 4) as u64
     }
 
-    /// Free pages worth keeping in memory for the blocks about to come: the room left in the
-    /// open segment (counted whole in [`Self::memory_bytes`] already), and as many as the VM has
-    /// lately taken while a segment was being written, when the pages of the one being written
-    /// are not free yet. A VM that fills segments slowly keeps few; one streaming writes keeps
-    /// about a segment, and does not wait for fresh pages to be cleared.
+    /// Free pages worth keeping in memory for the blocks about to come. A spilling VM's pages
+    /// go round: free, in the open segment, in the segment being written, free again; two
+    /// segments' worth at most, since a VM never waits on more than one write. The free pages
+    /// worth keeping are what that round holds beyond the pages the open and the writing
+    /// segment have now, a figure that stays put while a segment fills, is sealed and is
+    /// written. It is a ceiling, not a stock: a VM that fills segments slowly has each written
+    /// segment's pages back long before it has filled the next, so it never takes the second
+    /// segment's worth from the arena. (Keeping the open segment's room and a decaying peak of
+    /// what the VM took while a segment was written rose and fell by hundreds of pages as
+    /// writes finished early or late; each fall punched pages the next request faulted back
+    /// in: 6 punches and 14 page faults per 1 MiB write.)
     pub fn pages_wanted_soon(&self) -> usize {
-        let room = self.open.as_ref().map_or(0, |open| BLOCKS_PER_SEGMENT - open.pages.len());
-        room + self.most_pushed_while_writing as usize
+        let open = self.open.as_ref().map_or(0, |open| open.pages.len());
+        let writing = self.writing.as_ref().map_or(0, |writing| writing.pages.len());
+        (2 * BLOCKS_PER_SEGMENT).saturating_sub(open + writing)
+    }
+
+    /// Room left in the open segment: free pages up to it are counted in
+    /// [`Self::memory_bytes`], which counts the open segment whole.
+    pub fn open_room(&self) -> usize {
+        self.open.as_ref().map_or(0, |open| BLOCKS_PER_SEGMENT - open.pages.len())
     }
 
     pub fn backing(&self) -> &dyn BackingFile {
@@ -365,9 +370,6 @@ impl SpillLog {
         let slot = open.pages.len();
         debug_assert!(slot < BLOCKS_PER_SEGMENT, "reserve sealed a full segment");
         open.pages.push(page);
-        if self.writing.is_some() {
-            self.pushed_while_writing += 1;
-        }
         segment.owners.push(owner);
         segment.live += 1;
         self.live_blocks += 1;
@@ -412,7 +414,6 @@ impl SpillLog {
     fn seal(&mut self, stats: &VmStats) -> Result<()> {
         self.settle_write(true, stats)?;
         let Some(open) = self.open.take() else { return Ok(()) };
-        self.pushed_while_writing = 0;
         let id = open.id;
         let pages = Arc::new(open.pages);
         let mut write = self.file.start_segment_write(&pages, id.byte_offset());
@@ -473,11 +474,6 @@ impl SpillLog {
 
     /// A segment is on disk: counted, and its pages (the caller's, dropped after) freed.
     fn written(&mut self, id: SegmentId, stats: &VmStats) {
-        // A recent peak, not the last count: a write that happened to finish quickly says little
-        // of the next one, while one slow write on a busy host should not hold pages for ever
-        // (a segment's worth at most: a VM never waits on more than one write).
-        let decayed = self.most_pushed_while_writing - self.most_pushed_while_writing / 4;
-        self.most_pushed_while_writing = decayed.max(self.pushed_while_writing.min(BLOCKS_PER_SEGMENT as u32));
         stats.spill_write.add(SEGMENT_BYTES as u64);
         stats.spill_write_sizes.record(SEGMENT_BYTES as u64);
         stats.spill_segments_written.inc();

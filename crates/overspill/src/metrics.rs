@@ -360,7 +360,11 @@ pub fn render(
         "gauge",
     );
     w.sample("overspill_connected_vms", &[], vms.len() as f64);
-    w.header("overspill_host_cache_memory_used_bytes", "Cache memory of all VMs together.", "gauge");
+    w.header(
+        "overspill_host_cache_memory_used_bytes",
+        "Cache memory of all VMs together, with the free pages they keep for their next writes.",
+        "gauge",
+    );
     w.sample("overspill_host_cache_memory_used_bytes", &[], host.used_bytes() as f64);
     w.header("overspill_host_cache_memory_cap_bytes", "The host cap on cache memory (--ram-total).", "gauge");
     w.sample("overspill_host_cache_memory_cap_bytes", &[], host.cap_bytes() as f64);
