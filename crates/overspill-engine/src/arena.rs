@@ -103,6 +103,8 @@ struct FreeLists {
     high_water: u32,
     /// Pages the files are sized for.
     file_pages: u32,
+    /// Free pages punched so far: memory given back, which the next allocations fault in again.
+    punched: u64,
 }
 
 struct Shared {
@@ -203,6 +205,7 @@ impl Shared {
                 tracing::debug!(%error, "could not punch free arena pages");
             }
         }
+        lists.punched += cooling.len() as u64;
         lists.cold.extend(cooling);
     }
 }
@@ -417,6 +420,11 @@ impl Arena {
             self.0.cool(&mut lists, keep);
         }
         lists.warm.len()
+    }
+
+    /// Free pages punched out of the file since the arena was made.
+    pub fn pages_punched(&self) -> u64 {
+        self.0.lists().punched
     }
 
     /// Pages in memory: handed out, or free and not punched (pages allocated ahead and never

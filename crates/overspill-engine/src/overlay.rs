@@ -510,6 +510,12 @@ impl Overlay {
         self.accounted_bytes
     }
 
+    /// Free pages the VM has given back to the host so far (each one faulted in again when it
+    /// is next taken).
+    pub fn memory_pages_punched(&self) -> u64 {
+        self.arena.pages_punched()
+    }
+
     /// Memory the VM's pages really take: its blocks and the free pages its arena keeps for the
     /// next ones (beside [`Self::memory_used_bytes`], which counts an open segment whole).
     pub fn memory_resident_bytes(&self) -> u64 {

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use overspill_engine::{HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode};
+use overspill_engine::{
+    HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, SegmentWriters, VmStats, WriteCacheMode,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -58,4 +60,51 @@ fn targets_shrink_below_the_free_floor_and_data_survives() {
     // Pressure gone: the cap lifts again.
     host.rebalance(8 << 30);
     assert!(host.per_vm_cap_bytes() > 32 * MIB);
+}
+
+/// A VM streaming 1 MiB writes past its RAM target, its segments written by background
+/// writers as in a server: the free pages it keeps stay put while segments fill and are
+/// written (the keep once rose and fell by hundreds of pages with the writers' timing, and
+/// every fall punched pages the next write faulted back in), and the host counts every page
+/// it keeps.
+#[test]
+fn a_vm_streaming_large_writes_keeps_its_round_of_pages_and_the_host_sees_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let host = HostMemory::new(u64::MAX, 0);
+    let golden = Arc::new(MemImage::new(vec![0x11; (64 * MIB) as usize]));
+    let spill = ScratchFile::create(dir.path(), "vm", 0)
+        .expect("spill file")
+        .with_background_segment_writes(SegmentWriters::new(2), false);
+    let mut vm = Overlay::new(
+        golden,
+        OverlayConfig { mode: WriteCacheMode::RamDisk, ram_target_bytes: 4 * MIB, spill_max_bytes: None },
+        Some(Box::new(spill)),
+        host.clone(),
+        Arc::new(VmStats::default()),
+    )
+    .expect("overlay");
+    let write_pass = |vm: &mut Overlay, pass: u8| {
+        for mib in 0..48 {
+            let data: Vec<u8> = (0..MIB).map(|i| (i / 4096) as u8 ^ mib as u8 ^ pass).collect();
+            vm.write(mib * MIB, &data).expect("write");
+        }
+    };
+    write_pass(&mut vm, 0);
+    let punched_warming_up = vm.memory_pages_punched();
+    for pass in 1..=4 {
+        write_pass(&mut vm, pass);
+    }
+    let punched = vm.memory_pages_punched() - punched_warming_up;
+    // 192 MiB is 49,152 pages; a page punched per write would be 192.
+    assert!(punched < 128, "{punched} pages punched while streaming");
+    assert!(vm.stats().spill_segments_written.get() >= 96, "it spilled");
+    let segment = overspill_engine::SEGMENT_BYTES as u64;
+    let (resident, accounted) = (vm.memory_resident_bytes(), vm.memory_accounted_bytes());
+    assert!(resident <= accounted + segment, "{resident} bytes in memory, {accounted} accounted");
+    assert_eq!(host.used_bytes(), accounted);
+    let mut buf = vec![0u8; MIB as usize];
+    for mib in 0..48 {
+        vm.read(mib * MIB, &mut buf).expect("read");
+        assert!(buf.iter().enumerate().all(|(i, &b)| b == (i / 4096) as u8 ^ mib as u8 ^ 4), "MiB {mib}");
+    }
 }
