@@ -185,14 +185,15 @@ impl Contents<'_> {
 enum Landing {
     /// The block's own RAM page, taken out of the tier while it is filled.
     Lent(RamSlot, Page),
-    /// A new page: the block is placed once it is filled.
-    Fresh(Page),
+    /// A new page: the block is placed once it is filled. With where the block was when the
+    /// write began (see [`Overlay::put_block_from`]).
+    Fresh(Page, Option<Slot>),
 }
 
 impl Landing {
     fn page(&mut self) -> &mut Block {
         match self {
-            Self::Lent(_, page) | Self::Fresh(page) => page,
+            Self::Lent(_, page) | Self::Fresh(page, _) => page,
         }
     }
 }
@@ -880,13 +881,22 @@ impl Overlay {
         receive: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<()>,
         landed: &mut Landed,
     ) -> Result<()> {
-        // All lookups first: they are independent, so their cache misses overlap.
-        let mut landings: Vec<(BlockSpan, Landing)> = block_spans(offset, len as u64)
-            .map(|span| match self.map.get(span.block) {
-                Some(Slot::Ram(slot)) if span.is_whole() => Ok((span, Landing::Lent(slot, self.ram.lend(slot)))),
-                _ => self.arena.alloc().map(|page| (span, Landing::Fresh(page))),
+        // All lookups first: they are independent, so their cache misses overlap. Each is made
+        // once: receiving the payload pushes the map's lines out of the cache, so a second
+        // lookup when the block is placed missed again (4.8 % of the samples of 1 MiB writes
+        // while spilling, two lookups a block).
+        let spans: Vec<(BlockSpan, Option<Slot>)> =
+            block_spans(offset, len as u64).map(|span| (span, self.map.get(span.block))).collect();
+        let lent = |&(span, old): &(BlockSpan, Option<Slot>)| span.is_whole() && matches!(old, Some(Slot::Ram(_)));
+        let mut fresh_pages = self.arena.alloc_many(spans.iter().filter(|span| !lent(span)).count())?.into_iter();
+        let mut landings: Vec<(BlockSpan, Landing)> = spans
+            .into_iter()
+            .map(|(span, old)| match old {
+                Some(Slot::Ram(slot)) if span.is_whole() => (span, Landing::Lent(slot, self.ram.lend(slot))),
+                // One page was allocated for each span that is not lent.
+                _ => (span, Landing::Fresh(fresh_pages.next().expect("a page per span"), old)),
             })
-            .collect::<Result<_>>()?;
+            .collect();
         let received = {
             let mut buffers: Vec<IoSliceMut<'_>> =
                 landings.iter_mut().map(|(span, landing)| IoSliceMut::new(&mut landing.page()[..span.len])).collect();
@@ -900,14 +910,14 @@ impl Overlay {
                     self.ram.give_back(slot, page);
                     landed.add(LandedIn::Ram);
                 }
-                Landing::Fresh(page) => fresh.push((span, page)),
+                Landing::Fresh(page, old) => fresh.push((span, page, old)),
             }
         }
         received.map_err(|e| EngineError::from_io("receiving data", e))?;
         let placement = if len >= STREAMING_WRITE_BYTES { Placement::Streaming } else { Placement::Hot };
-        for (span, page) in fresh {
+        for (span, page, old) in fresh {
             let tier = if span.is_whole() {
-                self.put_block(span.block, Contents::Page(page), placement)?
+                self.put_block_from(span.block, old, Contents::Page(page), placement)?
             } else {
                 self.patch_block(span, &page[..span.len])?
             };
@@ -1116,7 +1126,26 @@ impl Overlay {
     /// Modes `ram` and `ram+disk`: overwrite in memory where the block already is in memory,
     /// otherwise place it anew and release its old copy.
     fn put_block(&mut self, block: BlockIndex, data: Contents<'_>, placement: Placement) -> Result<LandedIn> {
-        let old = self.map.get(block);
+        self.put_block_from(block, self.map.get(block), data, placement)
+    }
+
+    /// [`Self::put_block`], `old` being where the map said the block was earlier in the same
+    /// write. Placing the blocks before it may have moved it since (an eviction seals segments,
+    /// compaction moves blocks out of sealed ones), but nothing moves a block into RAM but its
+    /// own write, and a block placed anew releases whatever the map holds by then; only a block
+    /// said to be in the segment open now is looked up again, since a segment sealed meanwhile,
+    /// emptied by compaction and reused could be open again under the same number.
+    fn put_block_from(
+        &mut self,
+        block: BlockIndex,
+        old: Option<Slot>,
+        data: Contents<'_>,
+        placement: Placement,
+    ) -> Result<LandedIn> {
+        let old = match old {
+            Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment) => self.map.get(block),
+            other => other,
+        };
         match old {
             Some(Slot::Ram(slot)) => {
                 crate::crash::point();
