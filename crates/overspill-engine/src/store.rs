@@ -71,9 +71,7 @@ pub trait BackingFile: Send {
 
     /// Starts writing a whole spill segment at `offset`. The default writes it before returning;
     /// a file may instead finish in the background, keeping its own reference to the pages
-    /// until it has sent the result, and dropping it then (the spill log takes a reference
-    /// still held for a write still running). The caller must not write to the range again
-    /// before the write has finished.
+    /// until then. The caller must not write to the range again before the write has finished.
     fn start_segment_write(&mut self, pages: &Arc<SegmentPages>, offset: u64) -> SegmentWrite {
         SegmentWrite::finished(self.write_pages_at(pages, offset))
     }
