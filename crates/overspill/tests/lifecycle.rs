@@ -276,9 +276,17 @@ fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     writer.disconnect().expect("disconnect");
     host.assert_reads_golden("reader", 1 << 20, "the reader, which never wrote");
     host.wait_for_states(&[]);
+    // A VM leaves the list before its overlay is dropped and its files removed: wait for
+    // them (on a busy machine the server was once killed in between).
+    let memory = || -> Vec<_> {
+        std::fs::read_dir(host.dir.path().join("memory")).expect("memory dir").flatten().map(|e| e.path()).collect()
+    };
+    let deadline = Instant::now() + WAIT;
+    while !memory().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     drop(server);
-    let memory: Vec<_> = std::fs::read_dir(host.dir.path().join("memory")).expect("memory dir").flatten().collect();
-    assert!(memory.is_empty(), "state files left after every VM ended: {memory:?}");
+    assert!(memory().is_empty(), "state files left after every VM ended: {:?}", memory());
     host.assert_golden_untouched();
 }
 
