@@ -35,12 +35,13 @@ use crate::units::{Block, BlockIndex, BLOCKS_PER_SEGMENT, BLOCK_SIZE};
 
 const HEADER_BYTES: usize = 16;
 
-/// Free pages kept in memory when pages are freed, before their owner says how many it wants
-/// ([`Arena::cool_beyond`]): two segments' worth, what a VM streaming writes has going round
-/// (the open segment and the one being written), so frees and takes again at once. Beyond
-/// twice that, the rest are punched out of the file so that their memory goes back. (One
-/// segment's worth was too few: each written segment's pages punched here were faulted back
-/// in by the next request.)
+/// A backstop beside what the owner asks for ([`Arena::cool_beyond`]): when a page is freed
+/// and more than twice this many are free, all but this many are punched out of the file so
+/// that their memory goes back, whatever the owner wants. Two segments' worth, what a VM
+/// streaming writes has going round (the open segment and the one being written), so frees
+/// and takes again at once; one segment's worth was too few (each written segment's pages
+/// punched here were faulted back in by the next request). A VM writing requests of 3.5 MiB
+/// and more wants more than twice this and still meets it.
 const WARM_FREE_PAGES: usize = 2 * BLOCKS_PER_SEGMENT;
 
 /// The file grows this many pages at a time (pages past its end must never be touched).
@@ -388,8 +389,9 @@ impl Arena {
     /// `count` free pages, the lists locked once (a 1 MiB write takes 256). On error none is
     /// taken.
     pub fn alloc_many(&self, count: usize) -> Result<Vec<Page>> {
-        let mut lists = self.0.lists();
+        // Before the lock, so that a panic drops the lock first: a page dropped takes it.
         let mut pages = Vec::with_capacity(count);
+        let mut lists = self.0.lists();
         for _ in 0..count {
             match self.alloc_locked(&mut lists) {
                 Ok(page) => pages.push(page),

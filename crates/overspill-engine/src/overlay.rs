@@ -229,7 +229,8 @@ pub struct Overlay {
     /// Blocks of the largest write lately (a peak decaying by an eighth with each write): fresh
     /// pages the next one of its kind takes before any of its blocks move to the spill log (see
     /// `after_mutation`). A peak, so that a VM mixing large and small writes does not punch the
-    /// large one's pages after each small one.
+    /// large one's pages after each small one; after more than about five small writes in a
+    /// row it does.
     recent_write_blocks: usize,
     stats: Arc<VmStats>,
     /// The sequence number of the last copy of a block made (see `state`).
@@ -505,8 +506,10 @@ impl Overlay {
     }
 
     /// What the host's budget counts for this VM: [`Self::memory_used_bytes`] and the free
-    /// pages its arena keeps beyond the open segment's room. Every page the VM has in memory is
-    /// in it, except those of a segment being written (the host's, see `SpillLog::memory_bytes`).
+    /// pages its arena keeps beyond the open segment's room, as of the end of its last write,
+    /// zeroing or trim. Then every page the VM has in memory is in it, except those of a
+    /// segment being written (the host's, see `SpillLog::memory_bytes`); pages a background
+    /// writer frees after that are counted at the next one.
     pub fn memory_accounted_bytes(&self) -> u64 {
         self.accounted_bytes
     }
@@ -1131,10 +1134,11 @@ impl Overlay {
 
     /// [`Self::put_block`], `old` being where the map said the block was earlier in the same
     /// write. Placing the blocks before it may have moved it since (an eviction seals segments,
-    /// compaction moves blocks out of sealed ones), but nothing moves a block into RAM but its
-    /// own write, and a block placed anew releases whatever the map holds by then; only a block
-    /// said to be in the segment open now is looked up again, since a segment sealed meanwhile,
-    /// emptied by compaction and reused could be open again under the same number.
+    /// compaction moves blocks out of sealed ones); what makes an out-of-date `old` safe: it is
+    /// never RAM (a whole block in RAM is received into its own page, never placed), and a block
+    /// placed anew releases whatever the map holds by then, not `old`. Only a block said to be
+    /// in the segment open now is looked up again: a segment sealed meanwhile, emptied by
+    /// compaction and reused can be open again under the same number.
     fn put_block_from(
         &mut self,
         block: BlockIndex,
@@ -1402,13 +1406,14 @@ impl Overlay {
         // them: keep no more than its unused target and what it will take again soon (a write
         // lands in fresh pages before its blocks push older ones into the open segment; the
         // spill log wants its round of pages), and count those beyond the open segment's room
-        // (which `used` counts whole) for the host, so that every page kept is a page seen. A
-        // VM whose target host pressure cut keeps only the open segment's room: it is to give
-        // memory back, not to go fast. Fewer would make a VM streaming large writes fault fresh
-        // pages in on every request.
+        // (which `used` counts whole) for the host, so that every page kept is a page seen.
+        // Fewer would make a VM streaming large writes fault fresh pages in on every request. A
+        // VM under pressure (its target cut, or the host at its cap, which these kept pages are
+        // not checked against when taken) keeps only its unused target and the open segment's
+        // room, exactly: it is to give memory back, not to go fast.
         let target = self.memory_target_bytes();
         let unused = (target.saturating_sub(used) / BLOCK_BYTES) as usize;
-        let pressed = target < self.config.ram_target_bytes;
+        let pressed = target < self.config.ram_target_bytes || !self.host.has_room(0);
         let (soon, covered) = match &self.tier {
             Tier::RamDisk(spill) if pressed => (spill.open_room(), spill.open_room()),
             Tier::RamDisk(spill) => (spill.pages_wanted_soon() + self.recent_write_blocks, spill.open_room()),

@@ -252,11 +252,13 @@ impl SpillLog {
     /// segment have now, a figure that stays put while a segment fills, is sealed and is
     /// written. It is a ceiling, not a stock: a VM that fills segments slowly has each written
     /// segment's pages back long before it has filled the next, so it never takes the second
-    /// segment's worth from the arena. (Keeping the open segment's room and a decaying peak of
-    /// what the VM took while a segment was written rose and fell by hundreds of pages as
-    /// writes finished early or late; each fall punched pages the next request faulted back
-    /// in: 6 punches and 14 page faults per 1 MiB write.)
+    /// segment's worth from the arena. A figure that moved with the writers' timing instead
+    /// would punch pages on each fall that the next request faulted back in (docs/performance.md).
+    /// None for a VM not spilling now: nothing open, nothing being written.
     pub fn pages_wanted_soon(&self) -> usize {
+        if self.open.is_none() && self.writing.is_none() {
+            return 0;
+        }
         let open = self.open.as_ref().map_or(0, |open| open.pages.len());
         let writing = self.writing.as_ref().map_or(0, |writing| writing.pages.len());
         (2 * BLOCKS_PER_SEGMENT).saturating_sub(open + writing)
