@@ -120,7 +120,7 @@ const STREAMING_WRITE_BYTES: usize = 256 * 1024;
 
 /// Free pages beyond what a VM wants that its arena leaves warm (counted for the host all the
 /// same): a VM whose wants move a little (a smaller write after a larger one) does not punch
-/// pages it takes again a moment later. None for a VM whose target host pressure cut.
+/// pages it takes again a moment later. None for a VM under pressure (see `after_mutation`).
 const COOLING_SLACK_PAGES: usize = BLOCKS_PER_SEGMENT / 4;
 
 /// Slots compaction reads at once (256 KiB).
@@ -1415,8 +1415,10 @@ impl Overlay {
         let unused = (target.saturating_sub(used) / BLOCK_BYTES) as usize;
         let pressed = target < self.config.ram_target_bytes || !self.host.has_room(0);
         let (soon, covered) = match &self.tier {
-            Tier::RamDisk(spill) if pressed => (spill.open_room(), spill.open_room()),
-            Tier::RamDisk(spill) => (spill.pages_wanted_soon() + self.recent_write_blocks, spill.open_room()),
+            Tier::RamDisk(spill) => {
+                let room = spill.open_room();
+                (if pressed { room } else { spill.pages_wanted_soon() + self.recent_write_blocks }, room)
+            }
             _ => (0, 0),
         };
         let slack = if pressed { 0 } else { COOLING_SLACK_PAGES };
@@ -1426,7 +1428,7 @@ impl Overlay {
         self.accounted_bytes = accounted;
         let stats = &self.stats;
         stats.cache_memory_used_bytes.set(used);
-        stats.cache_memory_target_bytes.set(self.memory_target_bytes());
+        stats.cache_memory_target_bytes.set(target);
         if used > stats.cache_memory_peak_bytes.get() {
             stats.cache_memory_peak_bytes.set(used);
         }

@@ -244,6 +244,15 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     host.assert_golden_untouched();
 }
 
+/// Waits (at most [`WAIT`]) until `left` lists no file: a VM leaves the VM list before its
+/// overlay is dropped and its files removed, just after.
+fn wait_for_files_to_go(left: impl Fn() -> Vec<PathBuf>) {
+    let deadline = Instant::now() + WAIT;
+    while !left().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     let host = Host::new();
@@ -276,15 +285,11 @@ fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     writer.disconnect().expect("disconnect");
     host.assert_reads_golden("reader", 1 << 20, "the reader, which never wrote");
     host.wait_for_states(&[]);
-    // A VM leaves the list before its overlay is dropped and its files removed: wait for
-    // them (on a busy machine the server was once killed in between).
-    let memory = || -> Vec<_> {
+    // (On a busy machine the server was once killed before the files went.)
+    let memory = || -> Vec<PathBuf> {
         std::fs::read_dir(host.dir.path().join("memory")).expect("memory dir").flatten().map(|e| e.path()).collect()
     };
-    let deadline = Instant::now() + WAIT;
-    while !memory().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_files_to_go(memory);
     drop(server);
     assert!(memory().is_empty(), "state files left after every VM ended: {:?}", memory());
     host.assert_golden_untouched();
@@ -327,10 +332,7 @@ fn a_vm_in_every_mode_survives_a_killed_server() {
                 .filter(|p| p.to_string_lossy().contains("vm-writer"))
                 .collect()
         };
-        let deadline = Instant::now() + WAIT;
-        while !left().is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_files_to_go(left);
         drop(server);
         assert!(left().is_empty(), "mode {mode}: the VM's files are left after its clean end: {:?}", left());
         host.assert_golden_untouched();
