@@ -766,6 +766,71 @@ mod tests {
         assert_eq!(cache_file_pid("golden.img"), None);
     }
 
+    /// Files named `vm-NAME.*` in the memory and spill directories of a test.
+    fn files_of(vm: &str, dirs: &[&Path]) -> Vec<PathBuf> {
+        let prefix = format!("{}.", state_file_stem(vm));
+        let mut files: Vec<PathBuf> = dirs
+            .iter()
+            .flat_map(|dir| std::fs::read_dir(dir).expect("read dir").flatten())
+            .filter(|f| f.file_name().to_string_lossy().starts_with(&prefix))
+            .map(|f| f.path())
+            .collect();
+        files.sort();
+        files
+    }
+
+    #[test]
+    fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_that_name() {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        let (state_dir, memory_dir, spill_dir) =
+            (dirs.path().join("state"), dirs.path().join("memory"), dirs.path().join("spill"));
+        std::fs::create_dir_all(&spill_dir).expect("spill dir");
+        let settings = CacheSettings {
+            mode: WriteCacheMode::RamDisk,
+            ram_target_bytes: 8 << 20,
+            spill_max_bytes: None,
+            spill_direct: false,
+            spill_writers: 0,
+            spill_dir: spill_dir.clone(),
+            shared_dir: spill_dir.clone(),
+            read_cache_bytes: 0,
+        };
+        let golden: Arc<dyn GoldenImage> = Arc::new(overspill_engine::golden::ZeroImage { size: 64 << 20 });
+        let images = BTreeMap::from([("golden".to_owned(), golden)]);
+        let mut exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
+        exports
+            .with_lifecycle(Lifecycle {
+                reconnect_grace: Duration::from_secs(60),
+                state_dir: Some(state_dir.clone()),
+                memory_dir: Some(memory_dir.clone()),
+            })
+            .expect("lifecycle");
+        let fresh = |exports: &OverlayExports| match exports.registry.claim(Some("x"), "golden").expect("claim") {
+            Claim::Fresh { number, .. } => (number, exports.new_overlay("golden@x", number).expect("overlay")),
+            Claim::Resume { .. } => panic!("no overlay of x waits"),
+        };
+        let dirs = [memory_dir.as_path(), spill_dir.as_path()];
+        let ledger_file = state_dir.join("vm-x.json");
+
+        let (number, first) = fresh(&exports);
+        let made = files_of("x", &dirs);
+        assert!(made.len() >= 5 && ledger_file.exists(), "state files and ledger file made: {made:?}");
+        // The overlay ends deliberately; its drop comes later (it may wait for a segment write).
+        let ended = exports.registry.end(number, Ending::Deliberate, first).expect("ended overlays are handed back");
+        assert_eq!(files_of("x", &dirs), Vec::<PathBuf>::new(), "state files outlive the end of the VM");
+        assert!(!ledger_file.exists());
+
+        let (number, second) = fresh(&exports);
+        assert_eq!(files_of("x", &dirs), made, "the next VM of the name makes the same files");
+        drop(ended);
+        assert_eq!(files_of("x", &dirs), made, "the first overlay's drop removed the next VM's files");
+        assert!(ledger_file.exists());
+
+        drop(exports.registry.end(number, Ending::Deliberate, second));
+        assert_eq!(files_of("x", &dirs), Vec::<PathBuf>::new());
+        assert!(!ledger_file.exists());
+    }
+
     #[test]
     fn stale_files_of_dead_servers_go_and_live_ones_stay() {
         let dir = tempfile::tempdir().expect("tempdir");

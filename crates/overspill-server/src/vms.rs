@@ -161,8 +161,8 @@ struct Entry {
     reset: Arc<AtomicBool>,
     /// The ledger has this VM's file.
     marked: bool,
-    /// The overlay's state outlives the process.
-    persistent: bool,
+    /// Where the overlay keeps state that outlives the process, if it does.
+    state: Option<StateRecord>,
     grace: Option<Grace>,
 }
 
@@ -328,7 +328,7 @@ impl VmRegistry {
         entry.handle.export = image_label.to_owned();
         entry.handle.stats = stats;
         entry.marked = true;
-        entry.persistent = true;
+        entry.state = Some(recovered.state.clone());
         entry.grace = Some(Grace { until: Instant::now() + self.lifecycle.reconnect_grace, parked });
         inner.names.insert(recovered.vm.clone(), number);
         inner.vms.insert(number, entry);
@@ -359,9 +359,9 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
-        ledger.mark_with(&entry.handle.vm, &entry.image, Some(state))?;
+        ledger.mark_with(&entry.handle.vm, &entry.image, Some(state.clone()))?;
         entry.marked = true;
-        entry.persistent = true;
+        entry.state = Some(state);
         Ok(())
     }
 
@@ -398,14 +398,13 @@ impl VmRegistry {
             entry.grace = Some(Grace { until: Instant::now() + grace, parked });
             return None;
         }
-        self.forget(&mut inner, number);
-        Some(parked)
+        self.forget(&mut inner, number, Some(parked))
     }
 
     /// A VM claimed whose overlay could not be made.
     pub fn forget_failed(&self, number: u64) {
         let mut inner = lock(&self.inner);
-        let parked = self.forget(&mut inner, number);
+        let parked = self.forget(&mut inner, number, None);
         drop(inner);
         drop(parked);
     }
@@ -443,7 +442,7 @@ impl VmRegistry {
             tracing::info!(vm, "VM reset by the operator: its connection closes at its next request");
             return Ok(format!("{vm}: reset; its connection closes at its next request and it starts over"));
         }
-        let parked = self.forget(&mut inner, number);
+        let parked = self.forget(&mut inner, number, None);
         drop(inner);
         drop(parked);
         tracing::info!(vm, "VM overlay dropped by the operator");
@@ -460,7 +459,7 @@ impl VmRegistry {
         let mut parked = Vec::new();
         for number in numbers {
             let Some(entry) = inner.vms.get_mut(&number) else { continue };
-            if entry.persistent {
+            if entry.state.is_some() {
                 if let Some(grace) = &mut entry.grace {
                     grace.parked.keep_state();
                 }
@@ -470,7 +469,7 @@ impl VmRegistry {
             }
             // The ledger entry stays either way.
             entry.marked = false;
-            parked.extend(self.forget(&mut inner, number));
+            parked.extend(self.forget(&mut inner, number, None));
         }
         drop(inner);
         drop(parked);
@@ -490,25 +489,42 @@ impl VmRegistry {
             .filter_map(|n| {
                 let vm = inner.vms.get(&n).map(|e| e.handle.vm.clone()).unwrap_or_default();
                 tracing::info!(vm, "VM did not reconnect within its grace: its overlay is dropped");
-                self.forget(&mut inner, n)
+                self.forget(&mut inner, n, None)
             })
             .collect()
     }
 
-    /// Removes a VM: its counters go to the departed, its ledger file goes. Returns its parked
-    /// overlay, if it had one.
-    fn forget(&self, inner: &mut Registered, number: u64) -> Option<VmOverlay> {
-        let entry = inner.vms.remove(&number)?;
+    /// Removes a VM: its counters go to the departed, its ledger file and state files go.
+    /// Returns its overlay (`overlay`, or the one parked in grace), for the caller to drop
+    /// outside the lock.
+    ///
+    /// The state files go here, by name, while the name is still this VM's: once the lock is
+    /// released a next VM of the same name may make files of the same names, which the old
+    /// overlay's drop (it may wait for a segment write first) would remove by name, and a crash
+    /// before that drop would leave files that no ledger file names. The overlay is told to
+    /// leave its files alone; it keeps using them, unlinked, until it is dropped.
+    fn forget(&self, inner: &mut Registered, number: u64, overlay: Option<VmOverlay>) -> Option<VmOverlay> {
+        let Some(entry) = inner.vms.remove(&number) else { return overlay };
         inner.departed.absorb(&entry.handle.stats);
         if entry.named {
             inner.names.remove(&entry.handle.vm);
         }
+        let mut overlay = overlay.or(entry.grace.map(|g| g.parked));
         if entry.marked {
             if let Some(ledger) = &self.ledger {
+                // Ledger first: a crash between the two leaves files of a name the next server
+                // does not know (removed when the name is used again), never a ledger entry
+                // whose files are gone (a name refused until reset).
                 ledger.unmark(&entry.handle.vm);
+                if let Some(state) = &entry.state {
+                    remove_state_files(&entry.handle.vm, state);
+                    if let Some(overlay) = &mut overlay {
+                        overlay.keep_state();
+                    }
+                }
             }
         }
-        entry.grace.map(|g| g.parked)
+        overlay
     }
 }
 
@@ -521,7 +537,7 @@ impl Entry {
             created: Instant::now(),
             reset,
             marked: false,
-            persistent: false,
+            state: None,
             grace: None,
         }
     }
