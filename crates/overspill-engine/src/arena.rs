@@ -177,15 +177,17 @@ impl Shared {
         Ok(())
     }
 
-    fn release(&self, index: u32) {
+    fn release(&self, indexes: &[u32]) {
         if self.keep.load(Ordering::Relaxed) {
-            // The page is state for the next process, not free: its header and bytes stay.
+            // The pages are state for the next process, not free: their headers and bytes stay.
             return;
         }
-        crash::point();
-        self.header(index, 1).store(0, Ordering::Release);
+        for &index in indexes {
+            crash::point();
+            self.header(index, 1).store(0, Ordering::Release);
+        }
         let mut lists = self.lists();
-        lists.warm.push(index);
+        lists.warm.extend_from_slice(indexes);
         if lists.warm.len() > 2 * WARM_FREE_PAGES {
             self.cool(&mut lists, WARM_FREE_PAGES);
         }
@@ -386,6 +388,19 @@ impl Arena {
         self.alloc_locked(&mut lists)
     }
 
+    /// Frees pages with the lists locked once: a written segment's 512 (dropped, each page
+    /// locks them once). A page of another arena is freed as dropped.
+    pub fn free_all(&self, pages: Vec<Page>) {
+        let mut indexes = Vec::with_capacity(pages.len());
+        for mut page in pages {
+            if Arc::ptr_eq(&page.arena, &self.0) {
+                indexes.push(page.index);
+                page.index = FREED;
+            }
+        }
+        self.0.release(&indexes);
+    }
+
     /// `count` free pages, the lists locked once (a 1 MiB write takes 256). On error none is
     /// taken.
     pub fn alloc_many(&self, count: usize) -> Result<Vec<Page>> {
@@ -547,9 +562,14 @@ impl DerefMut for Page {
     }
 }
 
+/// The index of a page handle whose page [`Arena::free_all`] freed: its drop frees nothing.
+const FREED: u32 = u32::MAX;
+
 impl Drop for Page {
     fn drop(&mut self) {
-        self.arena.release(self.index);
+        if self.index != FREED {
+            self.arena.release(&[self.index]);
+        }
     }
 }
 
@@ -614,5 +634,21 @@ mod tests {
         assert!(matches!(full.alloc_many(3), Err(EngineError::NoSpace(_))), "three pages of two");
         let _two = full.alloc_many(2).expect("the two pages, none kept by the refused three");
         assert!(matches!(full.alloc(), Err(EngineError::NoSpace(_))));
+    }
+
+    #[test]
+    fn pages_freed_together_come_back_each_to_its_own_arena_and_lose_their_owners() {
+        let (one, other) = (Arena::in_memory(4).expect("arena"), Arena::in_memory(1).expect("arena"));
+        let mut pages = one.alloc_many(4).expect("four pages");
+        for (i, page) in pages.iter().enumerate() {
+            page.set_owner(Owner { block: BlockIndex(i as u64), seq: i as u64 + 1 });
+        }
+        pages.push(other.alloc().expect("the other arena's page"));
+        assert!(matches!(one.alloc(), Err(EngineError::NoSpace(_))), "full before");
+        one.free_all(pages);
+        let again = one.alloc_many(4).expect("all four pages free again");
+        assert!(again.iter().all(|page| page.owner().is_none()), "freed pages have no owner");
+        assert!(matches!(one.alloc(), Err(EngineError::NoSpace(_))), "the other arena's page did not join this one");
+        let _back = other.alloc().expect("the other arena's page is free in its own arena");
     }
 }

@@ -424,7 +424,10 @@ impl SpillLog {
         if write.is_finished() {
             let done = write.wait().map_err(|e| EngineError::from_io("writing spill segment", e));
             match done.and_then(|()| self.summarize(id, &pages)) {
-                Ok(()) => self.written(id, stats),
+                Ok(()) => {
+                    self.written(id, stats);
+                    self.free_pages(pages);
+                }
                 Err(error) => {
                     self.writing = Some(Writing { id, pages, write: None });
                     return Err(error);
@@ -465,6 +468,7 @@ impl SpillLog {
         match result {
             Ok(()) => {
                 self.written(writing.id, stats);
+                self.free_pages(writing.pages);
                 Ok(())
             }
             Err(error) => {
@@ -474,7 +478,15 @@ impl SpillLog {
         }
     }
 
-    /// A segment is on disk: counted, and its pages (the caller's, dropped after) freed.
+    /// A written segment's pages, back to the arena at once; if a writer still holds them,
+    /// they are freed one by one when the last holder lets go.
+    fn free_pages(&self, pages: Arc<SegmentPages>) {
+        if let Ok(pages) = Arc::try_unwrap(pages) {
+            self.arena.free_all(pages);
+        }
+    }
+
+    /// A segment is on disk: counted (its pages are the caller's to free).
     fn written(&mut self, id: SegmentId, stats: &VmStats) {
         stats.spill_write.add(SEGMENT_BYTES as u64);
         stats.spill_write_sizes.record(SEGMENT_BYTES as u64);
