@@ -123,7 +123,8 @@ struct Shared {
 }
 
 // SAFETY: the mappings are plain shared memory. Each page index is owned by one `Page` at a
-// time (handed out once by `alloc`, returned by its drop), so no two threads write one page;
+// time (handed out once by `alloc`, returned by its drop or by `free_all`, which consumes it),
+// so no two threads write one page;
 // headers are written with atomic stores; the free lists are behind a mutex.
 unsafe impl Send for Shared {}
 // SAFETY: as for Send: shared access goes through `&Page` (reads) or atomics and the mutex.

@@ -149,7 +149,8 @@ impl Landed {
     }
 }
 
-/// How a written block that is not in memory is placed when RAM is full.
+/// How a written block is placed when RAM is full: a block not in memory, or any whole block
+/// of a streaming write (see `receive_spans`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Placement {
     /// Kept in RAM; the coldest block is spilled to make room.
@@ -186,7 +187,7 @@ enum Landing {
     /// The block's own RAM page, taken out of the tier while it is filled.
     Lent(RamSlot, Page),
     /// A new page: the block is placed once it is filled. With where the block was when the
-    /// write began (see [`Overlay::put_block_from`]).
+    /// write began, or `None` if it was not looked up (see [`Overlay::put_block_from`]).
     Fresh(Page, Option<Slot>),
 }
 
@@ -844,7 +845,8 @@ impl Overlay {
 
     /// Writes `len` bytes at `offset` that are still on their way (in a socket): `receive` fills
     /// the buffers it is handed, in order, with them. Blocks already in RAM are received straight
-    /// into their pages, and new ones into fresh pages the RAM tier then keeps, so a RAM-tier
+    /// into their pages (but for a large write while RAM is full, which goes to the spill log
+    /// whole), and new ones into fresh pages the RAM tier then keeps, so a RAM-tier
     /// write costs one copy where going through a request buffer cost two (the second was 30 %
     /// of the server's time on 1 MiB writes). If `receive` fails, its error is returned and the
     /// range holds unspecified data, as after any failed write.
@@ -944,8 +946,8 @@ impl Overlay {
     /// a loop of its own, so that its cache misses overlap. [`Self::put_block_from`] does the
     /// same block by block; its reservation, room check and bookkeeping per block were most of
     /// the server's own time on 1 MiB writes while spilling. Returns the blocks it leaves to
-    /// that path: partial ones, those looked up and found in RAM or in the open segment
-    /// (written over in place there), and what is left of the write once RAM has room.
+    /// that path: partial ones, those found in the open segment (written over in place there),
+    /// and what is left of the write once RAM has room or once the log takes no more.
     ///
     /// A block's old copy is whatever the map holds when the run is mapped, not `old` (`None`
     /// for a block not looked up): reserving can compact, which moves blocks (into the open
@@ -971,7 +973,16 @@ impl Overlay {
                     rest.extend(blocks);
                     break;
                 }
-                self.reserve_spill()?;
+                if self.reserve_spill().is_err() {
+                    // The log takes no more (full, or its last write failed): blocks with a copy
+                    // in RAM or in the open segment can still be written over there, as the
+                    // per-block path does, which reports the error for the others. Looked up
+                    // now, as this path may not have.
+                    let relooked = |(span, page, _): FreshBlock| (span, page, self.map.get(span.block));
+                    rest.push(relooked((span, page, old)));
+                    rest.extend(blocks.map(relooked));
+                    break;
+                }
                 room = self.spill_mut().open_room();
             }
             let page = self.owned_page(span.block, Contents::Page(page))?;

@@ -424,10 +424,12 @@ impl VmRegistry {
         let mut inner = lock(&self.inner);
         if inner.lost.remove(vm).is_some() {
             if let Some(ledger) = &self.ledger {
-                if let Some(state) = ledger.state_of(vm) {
+                // Ledger first, as in `forget`.
+                let state = ledger.state_of(vm);
+                ledger.unmark(vm);
+                if let Some(state) = state {
                     remove_state_files(vm, &state);
                 }
-                ledger.unmark(vm);
             }
             tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
             return Ok(format!("{vm}: its lost writes are forgotten; it starts from the golden image"));
@@ -513,8 +515,9 @@ impl VmRegistry {
         if entry.marked {
             if let Some(ledger) = &self.ledger {
                 // Ledger first: a crash between the two leaves files of a name the next server
-                // does not know (removed when the name is used again), never a ledger entry
-                // whose files are gone (a name refused until reset).
+                // does not know (removed when a VM of that name is made again; nothing else
+                // sweeps them), never a ledger entry whose files are gone (a name refused until
+                // reset).
                 ledger.unmark(&entry.handle.vm);
                 if let Some(state) = &entry.state {
                     remove_state_files(&entry.handle.vm, state);
