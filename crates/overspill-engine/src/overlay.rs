@@ -961,8 +961,9 @@ impl Overlay {
         let mut room = 0;
         let mut blocks = fresh.into_iter();
         while let Some((span, page, old)) = blocks.next() {
+            // (A whole block found in RAM was received into its own page: it is not here.)
             let in_open = matches!(old, Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment));
-            if !span.is_whole() || matches!(old, Some(Slot::Ram(_))) || in_open {
+            if !span.is_whole() || in_open {
                 rest.push((span, page, old));
                 continue;
             }
@@ -1213,9 +1214,9 @@ impl Overlay {
     /// before it may have moved it since (an eviction seals segments, compaction moves blocks
     /// out of sealed ones); what makes an out-of-date `old` safe: it is never RAM (a whole
     /// block found in RAM is received into its own page, never placed), and a block placed
-    /// anew releases whatever the map holds by then, not `old`: a copy in RAM too. Only a block said to be
-    /// in the segment open now is looked up again: a segment sealed meanwhile, emptied by
-    /// compaction and reused can be open again under the same number.
+    /// anew releases whatever the map holds by then, not `old`: a copy in RAM too. Only a
+    /// block said to be in the segment open now is looked up again: a segment sealed
+    /// meanwhile, emptied by compaction and reused can be open again under the same number.
     fn put_block_from(
         &mut self,
         block: BlockIndex,

@@ -244,8 +244,8 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     host.assert_golden_untouched();
 }
 
-/// Waits (at most [`WAIT`]) until `left` lists no file: a VM leaves the VM list before its
-/// overlay is dropped and its files removed, just after.
+/// Waits (at most [`WAIT`]) until `left` lists no file: a VM's files go as it leaves the VM
+/// list, a moment after its client has gone.
 fn wait_for_files_to_go(left: impl Fn() -> Vec<PathBuf>) {
     let deadline = Instant::now() + WAIT;
     while !left().is_empty() && Instant::now() < deadline {
