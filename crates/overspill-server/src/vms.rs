@@ -424,11 +424,9 @@ impl VmRegistry {
         let mut inner = lock(&self.inner);
         if inner.lost.remove(vm).is_some() {
             if let Some(ledger) = &self.ledger {
-                // Ledger first, as in `forget`.
-                let state = ledger.state_of(vm);
-                ledger.unmark(vm);
-                if let Some(state) = state {
-                    remove_state_files(vm, &state);
+                match ledger.state_of(vm) {
+                    Some(state) => ledger.retire(vm, &state),
+                    None => ledger.unmark(vm),
                 }
             }
             tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
@@ -514,16 +512,14 @@ impl VmRegistry {
         let mut overlay = overlay.or(entry.grace.map(|g| g.parked));
         if entry.marked {
             if let Some(ledger) = &self.ledger {
-                // Ledger first: a crash between the two leaves files of a name the next server
-                // does not know (removed when a VM of that name is made again; nothing else
-                // sweeps them), never a ledger entry whose files are gone (a name refused until
-                // reset).
-                ledger.unmark(&entry.handle.vm);
-                if let Some(state) = &entry.state {
-                    remove_state_files(&entry.handle.vm, state);
-                    if let Some(overlay) = &mut overlay {
-                        overlay.keep_state();
+                match &entry.state {
+                    Some(state) => {
+                        ledger.retire(&entry.handle.vm, state);
+                        if let Some(overlay) = &mut overlay {
+                            overlay.keep_state();
+                        }
                     }
+                    None => ledger.unmark(&entry.handle.vm),
                 }
             }
         }
@@ -648,6 +644,30 @@ impl Ledger {
         serde_json::from_slice::<LedgerEntry>(&bytes).ok()?.state
     }
 
+    /// Where a VM's ledger entry waits while its state files are removed.
+    fn retiring_path(&self, vm: &str) -> PathBuf {
+        self.dir.join(format!(".vm-{vm}.json.retiring"))
+    }
+
+    /// Ends a persistent VM's entry and removes its state files. The entry is first renamed
+    /// out of the ledger (the name is free from then on) to a file that still says where the
+    /// state is, removed last: a crash in between leaves neither a ledger entry whose files are
+    /// gone (a name refused until reset) nor files that nothing names (the next server removes
+    /// what a retiring file names, in [`Self::left_behind`]).
+    fn retire(&self, vm: &str, state: &StateRecord) {
+        let retiring = self.retiring_path(vm);
+        match std::fs::rename(self.path(vm), &retiring) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => {
+                tracing::warn!(vm, %error, "could not move the VM's ledger file aside");
+                self.unmark(vm);
+            }
+        }
+        remove_state_files(vm, state);
+        remove_unless_gone(&retiring, "could not remove the VM's retiring ledger file");
+    }
+
     fn unmark(&self, vm: &str) {
         if let Err(error) = std::fs::remove_file(self.path(vm)) {
             if error.kind() != std::io::ErrorKind::NotFound {
@@ -665,6 +685,10 @@ impl Ledger {
         let Ok(entries) = std::fs::read_dir(&self.dir) else { return (lost, recoverable) };
         for file in entries.flatten() {
             let name = file.file_name();
+            if let Some(vm) = name.to_str().and_then(|n| n.strip_prefix(".vm-")?.strip_suffix(".json.retiring")) {
+                self.finish_retiring(vm, &file.path());
+                continue;
+            }
             let Some(vm) = name.to_str().and_then(|n| n.strip_prefix("vm-")?.strip_suffix(".json")) else { continue };
             if check_name("VM", vm).is_err() {
                 continue;
@@ -695,6 +719,40 @@ impl Ledger {
             }
         }
         (lost, recoverable)
+    }
+}
+
+impl Ledger {
+    /// A retirement a dead server did not finish: its state files go, unless the name has a
+    /// ledger entry again (then the files are that VM's, and only the retiring file goes).
+    fn finish_retiring(&self, vm: &str, retiring: &Path) {
+        if check_name("VM", vm).is_err() {
+            return;
+        }
+        let entry = std::fs::read(retiring).ok().and_then(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes).ok());
+        if let Some(e) = &entry {
+            if e.pid != std::process::id()
+                && Path::new(&format!("/proc/{}", e.pid)).exists()
+                && e.boot_id == self.boot_id
+            {
+                return;
+            }
+        }
+        if !self.path(vm).exists() {
+            if let Some(state) = entry.and_then(|e| e.state) {
+                tracing::info!(vm, "state files of a VM ended by an earlier server removed");
+                remove_state_files(vm, &state);
+            }
+        }
+        remove_unless_gone(retiring, "could not remove a retiring ledger file");
+    }
+}
+
+fn remove_unless_gone(path: &Path, what: &str) {
+    if let Err(error) = std::fs::remove_file(path) {
+        if error.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %path.display(), %error, "{what}");
+        }
     }
 }
 
@@ -756,5 +814,50 @@ mod tests {
         assert_eq!(lost.keys().map(String::as_str).collect::<Vec<_>>(), ["crashed", "garbled", "same-pid"]);
         assert!(!ledger.path("old-boot").exists(), "the earlier boot's file is removed");
         assert!(lost["crashed"].contains("4294967"), "{}", lost["crashed"]);
+    }
+
+    #[test]
+    fn a_retirement_cut_short_by_a_crash_is_finished_by_the_next_server_unless_the_name_is_in_use_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ledger = Ledger::open(&dir.path().join("state")).expect("ledger");
+        let memory_dir = dir.path().join("memory");
+        std::fs::create_dir_all(&memory_dir).expect("mkdir");
+        let state = StateRecord {
+            image_label: "golden".into(),
+            image_identity: None,
+            mode: "ram".into(),
+            disk_bytes: 1 << 20,
+            memory_dir: memory_dir.clone(),
+            spill_dir: None,
+        };
+        let files_of = |vm: &str| -> Vec<PathBuf> {
+            ["pages", "slots"].iter().map(|ext| memory_dir.join(format!("{}.{ext}", state_file_stem(vm)))).collect()
+        };
+        let stranger = memory_dir.join("not-ours.pages");
+        for path in files_of("ended").iter().chain(&files_of("reused")).chain([&stranger]) {
+            std::fs::write(path, b"x").expect("write");
+        }
+        // A dead server of this boot, stopped between moving each entry aside and removing its
+        // files; "reused" then got a ledger entry again (its files are the new VM's).
+        for vm in ["ended", "reused"] {
+            ledger.mark_with(vm, "golden", Some(state.clone())).expect("mark");
+            std::fs::rename(ledger.path(vm), ledger.retiring_path(vm)).expect("rename");
+            let mut entry: LedgerEntry =
+                serde_json::from_slice(&std::fs::read(ledger.retiring_path(vm)).expect("read")).expect("json");
+            entry.pid = 4_294_967;
+            std::fs::write(ledger.retiring_path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
+        }
+        ledger.mark_with("reused", "golden", Some(state.clone())).expect("mark");
+
+        let (_, recoverable) = ledger.left_behind();
+        assert!(files_of("ended").iter().all(|f| !f.exists()), "the ended VM's files are removed");
+        assert!(!ledger.retiring_path("ended").exists() && !ledger.retiring_path("reused").exists());
+        assert!(files_of("reused").iter().all(|f| f.exists()), "the files of a name in use again stay");
+        assert_eq!(recoverable.iter().map(|r| r.vm.as_str()).collect::<Vec<_>>(), ["reused"]);
+        assert!(stranger.exists(), "a file overspill did not name is left alone");
+
+        ledger.retire("reused", &state);
+        assert!(files_of("reused").iter().all(|f| !f.exists()));
+        assert!(!ledger.path("reused").exists() && !ledger.retiring_path("reused").exists());
     }
 }
