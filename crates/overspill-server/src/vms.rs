@@ -668,6 +668,32 @@ impl Ledger {
         remove_unless_gone(&retiring, "could not remove the VM's retiring ledger file");
     }
 
+    /// A retirement a dead server did not finish: its state files go, unless the name has a
+    /// ledger entry again (then the files are that VM's, and only the retiring file goes).
+    fn finish_retiring(&self, vm: &str, retiring: &Path) {
+        if check_name("VM", vm).is_err() {
+            return;
+        }
+        let entry = std::fs::read(retiring).ok().and_then(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes).ok());
+        if entry.as_ref().is_some_and(|e| self.held_by_a_live_server(e)) {
+            return;
+        }
+        if !self.path(vm).exists() {
+            if let Some(state) = entry.and_then(|e| e.state) {
+                tracing::info!(vm, "state files of a VM ended by an earlier server removed");
+                remove_state_files(vm, &state);
+            }
+        }
+        remove_unless_gone(retiring, "could not remove a retiring ledger file");
+    }
+
+    /// An entry another server of this boot still runs with (one sharing the directory).
+    fn held_by_a_live_server(&self, entry: &LedgerEntry) -> bool {
+        entry.boot_id == self.boot_id
+            && entry.pid != std::process::id()
+            && Path::new(&format!("/proc/{}", entry.pid)).exists()
+    }
+
     fn unmark(&self, vm: &str) {
         if let Err(error) = std::fs::remove_file(self.path(vm)) {
             if error.kind() != std::io::ErrorKind::NotFound {
@@ -703,7 +729,7 @@ impl Ledger {
                     }
                     self.unmark(vm);
                 }
-                Some(e) if e.pid != std::process::id() && Path::new(&format!("/proc/{}", e.pid)).exists() => {}
+                Some(e) if self.held_by_a_live_server(&e) => {}
                 Some(LedgerEntry { state: Some(state), image, .. }) => {
                     recoverable.push(Recoverable { vm: vm.to_owned(), image, state });
                 }
@@ -719,32 +745,6 @@ impl Ledger {
             }
         }
         (lost, recoverable)
-    }
-}
-
-impl Ledger {
-    /// A retirement a dead server did not finish: its state files go, unless the name has a
-    /// ledger entry again (then the files are that VM's, and only the retiring file goes).
-    fn finish_retiring(&self, vm: &str, retiring: &Path) {
-        if check_name("VM", vm).is_err() {
-            return;
-        }
-        let entry = std::fs::read(retiring).ok().and_then(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes).ok());
-        if let Some(e) = &entry {
-            if e.pid != std::process::id()
-                && Path::new(&format!("/proc/{}", e.pid)).exists()
-                && e.boot_id == self.boot_id
-            {
-                return;
-            }
-        }
-        if !self.path(vm).exists() {
-            if let Some(state) = entry.and_then(|e| e.state) {
-                tracing::info!(vm, "state files of a VM ended by an earlier server removed");
-                remove_state_files(vm, &state);
-            }
-        }
-        remove_unless_gone(retiring, "could not remove a retiring ledger file");
     }
 }
 
