@@ -23,7 +23,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rustix::fs::{FallocateFlags, MemfdFlags};
@@ -120,6 +120,8 @@ struct Shared {
     keep: AtomicBool,
     /// The files, if this arena created them (a memfd has none).
     paths: Option<[PathBuf; 2]>,
+    /// `FreeLists::high_water`, for the prefault helper to read without the lock.
+    handed_out: Arc<AtomicU32>,
 }
 
 // SAFETY: the mappings are plain shared memory. Each page index is owned by one `Page` at a
@@ -240,7 +242,7 @@ impl Drop for Shared {
 fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
     // The job holds its own descriptor of the file, not the arena: an arena that goes while its
     // job waits must go at once, its files with it (a VM's clean end removes them).
-    type Job = (File, u32, u32);
+    type Job = (File, Arc<AtomicU32>, u32, u32);
     static HELPER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<Job>>>> = std::sync::OnceLock::new();
     if from >= to {
         return;
@@ -251,20 +253,35 @@ fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
             // As the read cache's helper: at normal priority it would take the core a VM's
             // request is waiting for.
             let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19);
-            for (file, from, to) in receive {
-                let offset = u64::from(from) * BLOCK_SIZE as u64;
-                let len = u64::from(to - from) * BLOCK_SIZE as u64;
-                // Pages past the file's end are allocated without growing it: the VM grows the
-                // file when it gets there, and finds them.
-                if let Err(error) = rustix::fs::fallocate(&file, FallocateFlags::KEEP_SIZE, offset, len) {
-                    tracing::debug!(%error, "could not allocate arena pages ahead");
-                }
+            for (file, handed_out, from, to) in receive {
+                allocate_ahead(&file, &handed_out, from, to);
             }
         });
         spawned.ok().map(|_| Mutex::new(send))
     });
     if let (Some(sender), Ok(file)) = (helper, shared.page_file.try_clone()) {
-        let _ = sender.lock().unwrap_or_else(PoisonError::into_inner).send((file, from, to));
+        let job = (file, Arc::clone(&shared.handed_out), from, to);
+        let _ = sender.lock().unwrap_or_else(PoisonError::into_inner).send(job);
+    }
+}
+
+/// The helper's part of [`prefault`]: allocates the pages of `from..to` the VM has not been
+/// handed yet. The helper runs at the lowest priority, so a busy VM may have taken some of the
+/// range, freed them and had them punched out (memory given back) before it gets there; an
+/// allocation of those would put memory back that the arena counts as given back. Pages the
+/// VM takes between the load below and the call are still allocated: a window of microseconds,
+/// where it was the helper's whole wait.
+fn allocate_ahead(file: &File, handed_out: &AtomicU32, from: u32, to: u32) {
+    let from = from.max(handed_out.load(Ordering::Relaxed));
+    if from >= to {
+        return;
+    }
+    let offset = u64::from(from) * BLOCK_SIZE as u64;
+    let len = u64::from(to - from) * BLOCK_SIZE as u64;
+    // Pages past the file's end are allocated without growing it: the VM grows the file when it
+    // gets there, and finds them.
+    if let Err(error) = rustix::fs::fallocate(file, FallocateFlags::KEEP_SIZE, offset, len) {
+        tracing::debug!(%error, "could not allocate arena pages ahead");
     }
 }
 
@@ -335,6 +352,7 @@ impl Arena {
                 }
             }
             lists.high_water = found;
+            arena.0.handed_out.store(found, Ordering::Relaxed);
             // The last process's free pages still hold its dead bytes in memory: give them back
             // now, not whenever this VM happens to reuse them.
             arena.0.cool(&mut lists, 0);
@@ -379,6 +397,7 @@ impl Arena {
             free: Mutex::new(FreeLists { file_pages: found, ..FreeLists::default() }),
             keep: AtomicBool::new(false),
             paths,
+            handed_out: Arc::new(AtomicU32::new(0)),
         };
         Ok(Self(Arc::new(shared)))
     }
@@ -439,6 +458,7 @@ impl Arena {
                     shared.grow_to(lists, pages).map_err(|e| EngineError::from_io("growing a memory arena", e))?;
                 }
                 lists.high_water += 1;
+                shared.handed_out.store(lists.high_water, Ordering::Relaxed);
                 if index.is_multiple_of(GROWTH_PAGES) {
                     // Entering a fresh step: have the one after it made ready (the first time,
                     // this one too).
@@ -651,5 +671,18 @@ mod tests {
         assert!(again.iter().all(|page| page.owner().is_none()), "freed pages have no owner");
         assert!(matches!(one.alloc(), Err(EngineError::NoSpace(_))), "the other arena's page did not join this one");
         let _back = other.alloc().expect("the other arena's page is free in its own arena");
+    }
+
+    #[test]
+    fn pages_allocated_ahead_skip_those_the_vm_was_handed_already() {
+        let file: File = rustix::fs::memfd_create("ahead", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd").into();
+        file.set_len(200 * BLOCK_SIZE as u64).expect("size");
+        // The VM took pages 0..120 (then freed them, and they were punched) before the helper
+        // came to a job for 0..200.
+        allocate_ahead(&file, &AtomicU32::new(120), 0, 200);
+        let sectors = rustix::fs::fstat(&file).expect("fstat").st_blocks as u64;
+        assert_eq!(sectors * 512, 80 * BLOCK_SIZE as u64, "only the 80 pages not handed out are allocated");
+        allocate_ahead(&file, &AtomicU32::new(250), 0, 200);
+        assert_eq!(rustix::fs::fstat(&file).expect("fstat").st_blocks as u64, sectors, "nothing left to allocate");
     }
 }
