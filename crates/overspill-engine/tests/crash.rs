@@ -30,6 +30,9 @@ use overspill_engine::{
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+mod common;
+use common::receive_into;
+
 const DISK_BLOCKS: u64 = 2048;
 const MIB: u64 = 1 << 20;
 /// The version golden blocks carry in their first 16 bytes.
@@ -511,15 +514,7 @@ impl Workload {
             Self::Write { received: true, .. } => {
                 let data: Vec<u8> = range.flat_map(|block| block_bytes(block, version)).collect();
                 // As a server receives it: straight from the "socket" into the pages.
-                vm.write_received(offset, len as usize, |buffers| {
-                    let mut from = 0;
-                    for buffer in buffers {
-                        let n = buffer.len();
-                        buffer.copy_from_slice(&data[from..from + n]);
-                        from += n;
-                    }
-                    Ok(())
-                })
+                vm.write_received(offset, len as usize, |buffers| receive_into(buffers, &data, None))
             }
             Self::Zero { .. } => vm.write_zeroes(offset, len),
             Self::Trim { .. } => vm.trim(offset, len),

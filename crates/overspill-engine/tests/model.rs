@@ -4,7 +4,6 @@
 //! proptest explores (and shrinks) short scripts; the seeded long runs push past a million
 //! operations per CI run, and print the seed that replays a failure.
 
-use std::io::{self, IoSliceMut};
 use std::sync::Arc;
 
 use overspill_engine::{
@@ -14,6 +13,9 @@ use overspill_engine::{
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+
+mod common;
+use common::receive_into;
 
 /// Not a multiple of 4 KiB, so the last block is partial.
 const DISK_BYTES: u64 = (6 << 20) + 1536;
@@ -59,22 +61,6 @@ struct Model {
 fn golden_bytes() -> Vec<u8> {
     // Distinct per position, so a block read from the wrong place shows.
     (0..DISK_BYTES).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect()
-}
-
-/// Fills `buffers` in order from `data`, as reading a socket would; fails after `cut` bytes.
-fn receive_into(buffers: &mut [IoSliceMut<'_>], data: &[u8], cut: Option<usize>) -> io::Result<()> {
-    let total: usize = buffers.iter().map(|buffer| buffer.len()).sum();
-    assert_eq!(total, data.len(), "the buffers cover exactly the write");
-    let mut pos = 0;
-    for buffer in buffers.iter_mut() {
-        let n = buffer.len().min(cut.unwrap_or(usize::MAX).saturating_sub(pos));
-        buffer[..n].copy_from_slice(&data[pos..pos + n]);
-        pos += n;
-        if n < buffer.len() {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "client went away"));
-        }
-    }
-    Ok(())
 }
 
 fn pattern(offset: u64, len: u64, seed: u8) -> Vec<u8> {

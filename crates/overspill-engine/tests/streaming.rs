@@ -1,12 +1,14 @@
 //! Large writes while RAM is full go straight to the spill log: the VM's hot blocks stay in RAM,
 //! and the large write's data reads back from the spill log.
 
-use std::io::{self, IoSliceMut};
 use std::sync::Arc;
 
 use overspill_engine::{
     EngineError, HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode,
 };
+
+mod common;
+use common::receive_into;
 
 const MIB: u64 = 1 << 20;
 const HOT_BLOCKS: u64 = 256;
@@ -89,17 +91,6 @@ fn spilled_neighbours_read_back_in_one_read_per_segment() {
     assert!(reads(&vm) - before <= 3, "took {} spill reads", reads(&vm) - before);
 }
 
-/// Hands `data` to the buffers of a received write, in order.
-fn receive_into(buffers: &mut [IoSliceMut<'_>], data: &[u8]) -> io::Result<()> {
-    let mut rest = data;
-    for buffer in buffers.iter_mut() {
-        let (now, later) = rest.split_at(buffer.len());
-        buffer.copy_from_slice(now);
-        rest = later;
-    }
-    Ok(())
-}
-
 /// A large write that lands where RAM already holds its blocks needs no spill space: with RAM
 /// and the spill log full, it is written over the blocks in RAM, and reads back, as a small one
 /// is.
@@ -123,14 +114,14 @@ fn a_large_rewrite_of_blocks_in_ram_needs_no_room_in_a_full_spill_log() {
     // Large writes elsewhere fill the log (they bypass the full RAM tier) until it refuses one.
     let filler = vec![0x5a; MIB as usize];
     let full = (0..48u64)
-        .find_map(|n| vm.write_received(32 * MIB + n * MIB, filler.len(), |b| receive_into(b, &filler)).err());
+        .find_map(|n| vm.write_received(32 * MIB + n * MIB, filler.len(), |b| receive_into(b, &filler, None)).err());
     assert!(matches!(full, Some(EngineError::NoSpace(_))), "the spill log fills up: {full:?}");
 
     // Small writes of new blocks fill what RAM has left, until one would need the log too.
     let refused = (0..1024u64).find_map(|i| vm.write(48 * MIB + i * 4096, &[0x99; 4096]).err());
     assert!(matches!(refused, Some(EngineError::NoSpace(_))), "RAM fills up: {refused:?}");
     let rewrite: Vec<u8> = (0..HOT_BLOCKS * 4096).map(|i| (i / 4096) as u8 ^ 0x3c).collect();
-    vm.write_received(0, rewrite.len(), |b| receive_into(b, &rewrite)).expect("the rewrite of blocks in RAM");
+    vm.write_received(0, rewrite.len(), |b| receive_into(b, &rewrite, None)).expect("the rewrite of blocks in RAM");
     let mut back = vec![0u8; rewrite.len()];
     vm.read(0, &mut back).expect("read");
     assert!(back == rewrite, "the rewrite reads back");
