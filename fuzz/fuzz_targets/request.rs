@@ -58,7 +58,8 @@ fuzz_target!(|data: &[u8]| {
             writable && caps.can_zero && (!fast || caps.can_fast_zero),
         ),
         CMD_FLUSH => (CMD_FLAG_FUA, caps.can_flush),
-        CMD_DISC => (CMD_FLAG_FUA, true),
+        // DISC has no reply to refuse with: the client leaves whatever it sent.
+        CMD_DISC => (u16::MAX, true),
         CMD_CACHE => (CMD_FLAG_FUA, true),
         // Whether a context was selected is the connection's to check; a zero length asks
         // about nothing.
@@ -70,7 +71,7 @@ fuzz_target!(|data: &[u8]| {
     let in_range = end.is_some_and(|end| end <= size);
     let servable = supported
         && h.flags & !allowed_flags == 0
-        && (!fua || caps.can_fua)
+        && (!fua || caps.can_fua || h.kind == CMD_DISC)
         && (!ranged || in_range)
         && (h.kind != CMD_READ || h.length <= max);
 

@@ -151,10 +151,11 @@ impl Transport for std::net::TcpStream {
     }
 }
 
-/// A stream whose reads share one deadline until the first read timeout is set: the handshake's.
+/// A stream whose reads and writes share one deadline until a timeout is set: the handshake's.
 /// Each read may wait only for what is left of it, so a client dribbling a byte a second cannot
 /// hold a connection slot past the deadline (a plain per-read timeout starts afresh with every
-/// byte). Setting a read timeout, as the transmission phase does, ends the deadline.
+/// byte); each write too, so a client that does not read its replies cannot either. Setting a
+/// read or write timeout, as the transmission phase does, ends the deadline.
 struct Deadlined<T> {
     inner: T,
     deadline: Instant,
@@ -168,24 +169,45 @@ impl<T: Transport> Deadlined<T> {
 
     /// Before a read: the time left, as the socket's read timeout.
     fn arm(&self) -> io::Result<()> {
+        match self.left()? {
+            Some(left) => self.inner.set_read_timeout(Some(left)),
+            None => Ok(()),
+        }
+    }
+
+    /// Before a write: the time left, as the socket's write timeout. A client that sends
+    /// options and never reads the replies fills both socket buffers; without this the write
+    /// would block past the deadline, for good (the kernel keeps answering its zero window).
+    fn arm_write(&self) -> io::Result<()> {
+        match self.left()? {
+            Some(left) => self.inner.set_write_timeout(Some(left)),
+            None => Ok(()),
+        }
+    }
+
+    /// What is left of the deadline while it holds.
+    fn left(&self) -> io::Result<Option<Duration>> {
         if !self.active.load(Ordering::Relaxed) {
-            return Ok(());
+            return Ok(None);
         }
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(Self::expired());
         }
-        self.inner.set_read_timeout(Some(left))
+        Ok(Some(left))
     }
 
     fn expired() -> io::Error {
         io::Error::new(io::ErrorKind::TimedOut, "the handshake took longer than its deadline")
     }
 
-    /// A read that timed out while the deadline holds says so.
+    /// A read or write that timed out while the deadline holds says so.
     fn explain<R>(&self, result: io::Result<R>) -> io::Result<R> {
         match result {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock && self.active.load(Ordering::Relaxed) => {
+            Err(e)
+                if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+                    && self.active.load(Ordering::Relaxed) =>
+            {
                 Err(Self::expired())
             }
             other => other,
@@ -209,11 +231,15 @@ impl<T: Transport> Read for Deadlined<T> {
 
 impl<T: Transport> Write for Deadlined<T> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.inner.write(buf)
+        self.arm_write()?;
+        let result = self.inner.write(buf);
+        self.explain(result)
     }
 
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
-        self.inner.write_vectored(bufs)
+        self.arm_write()?;
+        let result = self.inner.write_vectored(bufs);
+        self.explain(result)
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -228,6 +254,9 @@ impl<T: Transport> Transport for Deadlined<T> {
     }
 
     fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        // As for reads: a timeout of its own (transmission's, or the goodbye's once the
+        // deadline has passed) takes over from the deadline.
+        self.active.store(false, Ordering::Relaxed);
         self.inner.set_write_timeout(timeout)
     }
 
@@ -342,6 +371,8 @@ enum Wait {
     Idle(Duration),
     /// The rest of a request whose first bytes came.
     Request(Duration),
+    /// The client to take replies the socket cannot hold.
+    Reply(Duration),
 }
 
 impl Wait {
@@ -349,6 +380,7 @@ impl Wait {
         match self {
             Wait::Idle(limit) => format!("no request for {limit:?} (the idle timeout)"),
             Wait::Request(limit) => format!("a request took longer than {limit:?} to arrive whole"),
+            Wait::Reply(limit) => format!("the client took longer than {limit:?} to take its replies"),
         }
     }
 }
@@ -454,38 +486,47 @@ impl<T: Transport> Wire<T> {
         }
     }
 
+    /// Sends the output. In transmission, the client has the request timeout to take it: a
+    /// client that sends requests and stops reading replies would otherwise hold this thread
+    /// (and the VM's export) in a write for good; the socket's write timeout bounds each write,
+    /// the clock here the whole of it.
     fn flush(&mut self) -> io::Result<()> {
-        if self.lent.is_empty() {
-            if self.output.is_empty() {
-                return Ok(());
-            }
-            self.stream.write_all(&self.output)?;
-        } else {
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * self.lent.len() + 1);
-            let mut from = 0;
-            for (at, piece) in &self.lent {
-                if *at > from {
-                    slices.push(IoSlice::new(&self.output[from..*at]));
-                    from = *at;
-                }
-                slices.push(IoSlice::new(piece));
-            }
-            if from < self.output.len() {
-                slices.push(IoSlice::new(&self.output[from..]));
-            }
-            let mut rest = slices.as_mut_slice();
-            while !rest.is_empty() {
-                let batch = rest.len().min(MAX_IOVECS);
-                match self.stream.write_vectored(&rest[..batch]) {
-                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                    Ok(n) => IoSlice::advance_slices(&mut rest, n),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            self.lent.clear();
-            self.lent_bytes = 0;
+        if self.lent.is_empty() && self.output.is_empty() {
+            return Ok(());
         }
+        let reply_limit = self.deadlines.map(|d| d.request);
+        let stalled = |limit| io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(Wait::Reply(limit)));
+        let began = Instant::now();
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * self.lent.len() + 1);
+        let mut from = 0;
+        for (at, piece) in &self.lent {
+            if *at > from {
+                slices.push(IoSlice::new(&self.output[from..*at]));
+                from = *at;
+            }
+            slices.push(IoSlice::new(piece));
+        }
+        if from < self.output.len() {
+            slices.push(IoSlice::new(&self.output[from..]));
+        }
+        let mut rest = slices.as_mut_slice();
+        while !rest.is_empty() {
+            let batch = rest.len().min(MAX_IOVECS);
+            match self.stream.write_vectored(&rest[..batch]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => IoSlice::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    return Err(reply_limit.map_or(e, stalled));
+                }
+                Err(e) => return Err(e),
+            }
+            if let Some(limit) = reply_limit.filter(|&limit| !rest.is_empty() && began.elapsed() >= limit) {
+                return Err(stalled(limit));
+            }
+        }
+        self.lent.clear();
+        self.lent_bytes = 0;
         self.output.clear();
         // A socket sends on write; a TLS stream may hold the last record until flushed.
         self.stream.flush()
@@ -673,7 +714,7 @@ pub(crate) fn serve_tracked<T: Transport>(
         Err(ConnectionError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => {
             match e.get_ref().and_then(|inner| inner.downcast_ref::<DeadlinePassed>()) {
                 Some(DeadlinePassed(Wait::Idle(_))) => Some(Refusal::IdleTimeout),
-                Some(DeadlinePassed(Wait::Request(_))) => Some(Refusal::RequestTimeout),
+                Some(DeadlinePassed(Wait::Request(_) | Wait::Reply(_))) => Some(Refusal::RequestTimeout),
                 None => Some(Refusal::HandshakeTimeout),
             }
         }
@@ -786,6 +827,7 @@ fn negotiate<T: Transport>(
                 wire.flush()?;
                 return Ok(Negotiation::StartTls);
             }
+            Progress::SendFirst => wire.flush()?,
             Progress::Transmission(negotiated) => return Ok(Negotiation::Done(Some(negotiated))),
         }
     }
@@ -803,6 +845,7 @@ fn start_transmission<T: Transport>(
     handshake_over();
     let deadlines = Deadlines { idle: limits.idle_timeout, request: limits.request_timeout };
     wire.stream.set_read_timeout(Some(deadlines.tick()))?;
+    wire.stream.set_write_timeout(Some(deadlines.request))?;
     wire.deadlines = Some(deadlines);
     wire.poll = limits.poll_before_sleep;
     tracing::debug!(export = %negotiated.export, structured = negotiated.structured_replies, "transmission");

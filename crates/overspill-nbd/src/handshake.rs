@@ -31,6 +31,10 @@ pub const ALLOCATION_CONTEXT_ID: u32 = 1;
 
 /// Error messages in option replies are cut to this, well within the spec's 4096-byte strings.
 const MAX_MESSAGE_BYTES: usize = 1024;
+/// Replies the handshake builds up before the caller must send them: a client may pipeline
+/// thousands of options in one read (each LIST answered with every export), and what it is
+/// owed should not grow with what it sent.
+pub const OUTPUT_HIGH_WATER: usize = 256 * 1024;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum HandshakeError {
@@ -79,6 +83,9 @@ pub enum Progress {
     /// STARTTLS was acknowledged: send the output, run the TLS handshake, then call
     /// [`Handshake::tls_started`] and go on with options over TLS.
     StartTls,
+    /// The output has passed [`OUTPUT_HIGH_WATER`]: send it, then call again with the input
+    /// not consumed.
+    SendFirst,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,6 +292,9 @@ impl Handshake {
                 Phase::Options => {
                     if rest.len() < 16 {
                         return Ok((consumed, Progress::NeedMore));
+                    }
+                    if output.len() >= OUTPUT_HIGH_WATER {
+                        return Ok((consumed, Progress::SendFirst));
                     }
                     let magic = be_u64(rest);
                     if magic != IHAVEOPT {
@@ -646,6 +656,36 @@ mod tests {
             out = &out[20 + len..];
         }
         all
+    }
+
+    /// Thousands of pipelined LISTs in one read are answered a high-water mark at a time: the
+    /// caller sends what is owed before more is built, and every option is answered once.
+    #[test]
+    fn pipelined_options_are_answered_a_bounded_batch_at_a_time() {
+        let exports = OneExport::new("golden", 1 << 20);
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+        const LISTS: usize = 20_000;
+        for _ in 0..LISTS {
+            put_option(&mut input, OPT_LIST, &[]);
+        }
+        let mut hs = Handshake::new();
+        let (mut fed, mut answered, mut batches) = (0, 0, 0);
+        loop {
+            let mut out = Vec::new();
+            let (used, progress) = hs.advance(&input[fed..], &mut out, &exports).expect("valid");
+            fed += used;
+            assert!(out.len() < OUTPUT_HIGH_WATER + 64, "{} bytes of replies built up", out.len());
+            answered += replies(&out).iter().filter(|r| r.1 == REP_ACK).count();
+            batches += 1;
+            match progress {
+                Progress::SendFirst => assert!(fed < input.len()),
+                Progress::NeedMore => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!((fed, answered), (input.len(), LISTS));
+        assert!(batches > 2, "answered in {batches} batches");
     }
 
     #[test]

@@ -89,12 +89,17 @@ pub fn errno_of(kind: DeviceErrorKind) -> Errno {
 
 /// Checks a request against the export; `Err` is the errno to reply with.
 pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u32) -> Result<Command, Errno> {
+    if h.kind == CMD_DISC {
+        // DISC has no reply to carry an error: whatever its flags, offset and length, the
+        // client is leaving, cleanly.
+        return Ok(Command::Disconnect);
+    }
     // FUA is valid on every command once negotiated ("the server MUST accept all commands with
     // this flag set, even if the flag has no effect"), as nbdkit and qemu-nbd do; checked below.
     let allowed_flags = CMD_FLAG_FUA
         | match h.kind {
             CMD_READ => CMD_FLAG_DF,
-            CMD_WRITE | CMD_TRIM | CMD_FLUSH | CMD_DISC | CMD_CACHE => 0,
+            CMD_WRITE | CMD_TRIM | CMD_FLUSH | CMD_CACHE => 0,
             CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
             CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
             _ => return Err(Errno::Inval),
@@ -124,7 +129,7 @@ pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u
         return Err(Errno::Inval);
     }
     let in_range = h.offset.checked_add(u64::from(h.length)).is_some_and(|end| end <= size);
-    if !in_range && h.kind != CMD_FLUSH && h.kind != CMD_DISC {
+    if !in_range && h.kind != CMD_FLUSH {
         // The spec asks for ENOSPC when a write reaches past the end, EINVAL for the rest.
         return Err(if matches!(h.kind, CMD_WRITE | CMD_WRITE_ZEROES) { Errno::NoSpc } else { Errno::Inval });
     }
@@ -143,7 +148,8 @@ pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u
             fast_only: h.flags & CMD_FLAG_FAST_ZERO != 0,
             fua,
         },
-        _ => Command::Disconnect,
+        // Unknown commands were refused above.
+        _ => return Err(Errno::Inval),
     })
 }
 

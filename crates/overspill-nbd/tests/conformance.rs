@@ -1301,8 +1301,15 @@ fn disc_answers_what_came_before_it_and_closes_without_a_reply() {
         assert_eq!(conn.status(4), 0);
         assert!(conn.closed(), "DISC got a reply, or the connection stayed open");
     }
+    // No reply could carry an error: a DISC with flags it does not take, or a range past the
+    // end, still ends the connection cleanly, unanswered.
+    for flags in [CMD_FLAG_NO_HOLE, CMD_FLAG_DF | CMD_FLAG_REQ_ONE, 0x8000] {
+        let (mut conn, _) = Conn::transmission(&server, true);
+        conn.send(&request(CMD_DISC, flags, 6, SIZE as u64, 4096, &[]));
+        assert!(conn.closed(), "DISC with flags {flags:#x} got a reply, or the connection stayed open");
+    }
     let calls = disk.calls();
-    assert_eq!(calls.iter().filter(|c| **c == Call::Disconnect).count(), 2);
+    assert_eq!(calls.iter().filter(|c| **c == Call::Disconnect).count(), 5);
     assert_eq!(calls.last(), Some(&Call::Disconnect), "DISC was handled after the requests before it");
 }
 

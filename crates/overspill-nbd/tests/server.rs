@@ -456,6 +456,65 @@ fn a_request_dribbled_byte_by_byte_is_cut_at_its_deadline() {
     }
 }
 
+/// Waits until the server has no connection left; whether it got there within `limit`.
+fn all_connections_end(server: &Server, limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while server.active_connections() > 0 {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}
+
+/// Sends `message` over and over on a clone of `stream` until the server stops taking it.
+fn flood(stream: &UnixStream, message: Vec<u8>) -> std::thread::JoinHandle<()> {
+    let mut writer = stream.try_clone().expect("clone");
+    std::thread::spawn(move || {
+        let burst: Vec<u8> = message.iter().copied().cycle().take(message.len() * 1024).collect();
+        while writer.write_all(&burst).is_ok() {}
+    })
+}
+
+/// A client that pipelines requests and never reads the replies fills both socket buffers;
+/// the server's write then waits on it. The connection is cut at the request timeout, counted,
+/// and the server goes on: its thread does not hang in the write for good.
+#[test]
+fn a_client_that_never_takes_its_replies_is_cut_at_the_request_timeout() {
+    let server = with_request_timeout(Duration::from_millis(600));
+    let counters = server.counters();
+    let stream = after_handshake(&server);
+    let sender = flood(&stream, request(CMD_READ, 1, 0, 1 << 16, &[]));
+    assert!(all_connections_end(&server, Duration::from_secs(10)), "the server still waits on the client");
+    assert!(counters.refusals().contains(&(Refusal::RequestTimeout, 1)), "{:?}", counters.refusals());
+    drop(stream);
+    sender.join().expect("sender");
+    assert_healthy(&server);
+}
+
+/// The same during the handshake: options sent and their replies never read. The handshake's
+/// deadline covers the server's writes too.
+#[test]
+fn a_handshake_whose_replies_are_never_read_ends_at_its_deadline() {
+    let (server, _) = server();
+    let counters = server.counters();
+    let mut stream = raw(&server);
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).expect("greeting");
+    stream.write_all(&(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes()).expect("flags");
+    let mut list = Vec::new();
+    put_u64(&mut list, IHAVEOPT);
+    put_u32(&mut list, OPT_LIST);
+    put_u32(&mut list, 0);
+    let sender = flood(&stream, list);
+    assert!(all_connections_end(&server, Duration::from_secs(8)), "the handshake outlived its deadline");
+    assert!(counters.refusals().contains(&(Refusal::HandshakeTimeout, 1)), "{:?}", counters.refusals());
+    drop(stream);
+    sender.join().expect("sender");
+    assert_healthy(&server);
+}
+
 /// Slow handshakes cannot hold the door shut: with every handshake slot and all but the
 /// established VMs' connections held by clients that never finish theirs, a real client waits
 /// in the backlog while the oldest slow handshakes are cut off, and gets in long before their
