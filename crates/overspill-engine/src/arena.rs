@@ -122,6 +122,9 @@ struct Shared {
     paths: Option<[PathBuf; 2]>,
     /// `FreeLists::high_water`, for the prefault helper to read without the lock.
     handed_out: Arc<AtomicU32>,
+    /// Pages below this are allocated in the page file (handed out, or allocated ahead by the
+    /// prefault helper); pages at or above it are holes until someone allocates them.
+    backed: Arc<AtomicU32>,
 }
 
 // SAFETY: the mappings are plain shared memory. Each page index is owned by one `Page` at a
@@ -175,9 +178,33 @@ impl Shared {
     fn grow_to(&self, lists: &mut FreeLists, pages: u32) -> io::Result<()> {
         let pages = pages.min(self.capacity);
         self.page_file.set_len(u64::from(pages) * BLOCK_SIZE as u64)?;
-        self.header_file.set_len((pages as usize * HEADER_BYTES) as u64)?;
+        let (old, new) = ((lists.file_pages as usize * HEADER_BYTES) as u64, (pages as usize * HEADER_BYTES) as u64);
+        self.header_file.set_len(new)?;
+        // The headers are stored through the mapping: allocated here, where a full filesystem
+        // is an error, not on the store, where it is SIGBUS for the whole process.
+        if new > old {
+            rustix::fs::fallocate(&self.header_file, FallocateFlags::empty(), old, new - old)?;
+        }
         lists.file_pages = pages;
         Ok(())
+    }
+
+    /// Allocates pages `from..to` of the page file, unless already done. A store through the
+    /// mapping into a page the filesystem has no room for kills the process with SIGBUS (a
+    /// tmpfs at its size, every VM of the server with it); allocated first, the page is an
+    /// error for the one VM that wanted it.
+    fn allocate(&self, from: u32, to: u32) -> Result<()> {
+        let offset = u64::from(from) * BLOCK_SIZE as u64;
+        let len = u64::from(to - from) * BLOCK_SIZE as u64;
+        rustix::fs::fallocate(&self.page_file, FallocateFlags::KEEP_SIZE, offset, len).map_err(|e| {
+            let error = io::Error::from(e);
+            match error.kind() {
+                io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
+                    EngineError::NoSpace(format!("the memory directory has no room for this VM's pages: {error}"))
+                }
+                _ => EngineError::from_io("allocating memory arena pages", error),
+            }
+        })
     }
 
     fn release(&self, indexes: &[u32]) {
@@ -242,7 +269,7 @@ impl Drop for Shared {
 fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
     // The job holds its own descriptor of the file, not the arena: an arena that goes while its
     // job waits must go at once, its files with it (a VM's clean end removes them).
-    type Job = (File, Arc<AtomicU32>, u32, u32);
+    type Job = (File, Arc<AtomicU32>, Arc<AtomicU32>, u32, u32);
     static HELPER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<Job>>>> = std::sync::OnceLock::new();
     if from >= to {
         return;
@@ -253,14 +280,14 @@ fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
             // As the read cache's helper: at normal priority it would take the core a VM's
             // request is waiting for.
             let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19);
-            for (file, handed_out, from, to) in receive {
-                allocate_ahead(&file, &handed_out, from, to);
+            for (file, handed_out, backed, from, to) in receive {
+                allocate_ahead(&file, &handed_out, &backed, from, to);
             }
         });
         spawned.ok().map(|_| Mutex::new(send))
     });
     if let (Some(sender), Ok(file)) = (helper, shared.page_file.try_clone()) {
-        let job = (file, Arc::clone(&shared.handed_out), from, to);
+        let job = (file, Arc::clone(&shared.handed_out), Arc::clone(&shared.backed), from, to);
         let _ = sender.lock().unwrap_or_else(PoisonError::into_inner).send(job);
     }
 }
@@ -270,8 +297,9 @@ fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
 /// range, freed them and had them punched out (memory given back) before it gets there; an
 /// allocation of those would put memory back that the arena counts as given back. Pages the
 /// VM takes between the load below and the call are still allocated: a window of microseconds,
-/// where it was the helper's whole wait.
-fn allocate_ahead(file: &File, handed_out: &AtomicU32, from: u32, to: u32) {
+/// where it was the helper's whole wait. Once they are allocated, `backed` covers them if it
+/// reached `from` (the pages below were handed out, hence allocated): the VM need not.
+fn allocate_ahead(file: &File, handed_out: &AtomicU32, backed: &AtomicU32, from: u32, to: u32) {
     let from = from.max(handed_out.load(Ordering::Relaxed));
     if from >= to {
         return;
@@ -280,8 +308,11 @@ fn allocate_ahead(file: &File, handed_out: &AtomicU32, from: u32, to: u32) {
     let len = u64::from(to - from) * BLOCK_SIZE as u64;
     // Pages past the file's end are allocated without growing it: the VM grows the file when it
     // gets there, and finds them.
-    if let Err(error) = rustix::fs::fallocate(file, FallocateFlags::KEEP_SIZE, offset, len) {
-        tracing::debug!(%error, "could not allocate arena pages ahead");
+    match rustix::fs::fallocate(file, FallocateFlags::KEEP_SIZE, offset, len) {
+        Ok(()) => {
+            let _ = backed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| (b >= from && b < to).then_some(to));
+        }
+        Err(error) => tracing::debug!(%error, "could not allocate arena pages ahead"),
     }
 }
 
@@ -333,15 +364,22 @@ impl Arena {
     }
 
     /// Opens the arena a previous process left in `dir` under `name`, with the pages its
-    /// headers say are in use. Files made by an earlier process are this VM's state: they are
-    /// removed with the arena unless it is kept again.
+    /// headers say are in use. Files made by an earlier process are this VM's state: the arena
+    /// is kept (pages dropped keep their headers, the files stay) until [`Self::own`], so that a
+    /// recovery that fails part-way leaves the state as it found it.
     pub fn open(dir: &Path, name: &str, capacity_pages: u32) -> Result<(Self, Vec<LivePage>)> {
         let paths = Self::paths(dir, name);
         let open = |path: &Path| OpenOptions::new().read(true).write(true).open(path);
         let files = open(&paths[0]).and_then(|pages| Ok((pages, open(&paths[1])?)));
         let (pages, headers) = files.map_err(|e| EngineError::from_io("opening an arena file", e))?;
         let found = pages_in(&pages, &headers)?;
+        // Headers of pages never handed out may be holes: allocated now, as `grow_to` does.
+        if found > 0 {
+            rustix::fs::fallocate(&headers, FallocateFlags::empty(), 0, (found as usize * HEADER_BYTES) as u64)
+                .map_err(|e| EngineError::from_io("allocating an arena's headers", e.into()))?;
+        }
         let arena = Self::map(pages, headers, capacity_pages.max(found), Some(paths), found)?;
+        arena.keep();
         let live = arena.0.owners(found);
         {
             let mut lists = arena.0.lists();
@@ -398,6 +436,7 @@ impl Arena {
             keep: AtomicBool::new(false),
             paths,
             handed_out: Arc::new(AtomicU32::new(0)),
+            backed: Arc::new(AtomicU32::new(found)),
         };
         Ok(Self(Arc::new(shared)))
     }
@@ -443,8 +482,15 @@ impl Arena {
 
     fn alloc_locked(&self, lists: &mut FreeLists) -> Result<Page> {
         let shared = &self.0;
-        let index = match lists.warm.pop().or_else(|| lists.cold.pop()) {
+        let index = match lists.warm.pop() {
             Some(index) => index,
+            // Punched: a hole again.
+            None if !lists.cold.is_empty() => {
+                let index = lists.cold[lists.cold.len() - 1];
+                shared.allocate(index, index + 1)?;
+                lists.cold.pop();
+                index
+            }
             None => {
                 let index = lists.high_water;
                 if index >= shared.capacity {
@@ -455,7 +501,18 @@ impl Arena {
                 }
                 if index >= lists.file_pages {
                     let pages = lists.file_pages.saturating_add(GROWTH_PAGES.max(lists.file_pages / 4));
-                    shared.grow_to(lists, pages).map_err(|e| EngineError::from_io("growing a memory arena", e))?;
+                    shared.grow_to(lists, pages).map_err(|e| match e.kind() {
+                        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
+                            EngineError::NoSpace(format!("the memory directory has no room for this VM's pages: {e}"))
+                        }
+                        _ => EngineError::from_io("growing a memory arena", e),
+                    })?;
+                }
+                if index >= shared.backed.load(Ordering::Relaxed) {
+                    // The helper has not got here (or could not): this step, now.
+                    let to = (index + GROWTH_PAGES).min(shared.capacity);
+                    shared.allocate(index, to)?;
+                    shared.backed.fetch_max(to, Ordering::Relaxed);
                 }
                 lists.high_water += 1;
                 shared.handed_out.store(lists.high_water, Ordering::Relaxed);
@@ -505,6 +562,12 @@ impl Arena {
     /// files stay when the arena goes.
     pub fn keep(&self) {
         self.0.keep.store(true, Ordering::Relaxed);
+    }
+
+    /// Undoes [`Self::keep`]: pages dropped from now on are free, and the files go with the
+    /// arena.
+    pub fn own(&self) {
+        self.0.keep.store(false, Ordering::Relaxed);
     }
 
     /// Whether the arena is kept past its end (see [`Self::keep`]).
@@ -635,7 +698,9 @@ mod tests {
         std::os::unix::fs::FileExt::read_exact_at(&file, &mut bytes, freed_at).expect("read");
         assert!(bytes.iter().all(|&b| b == 0), "the free page still holds the last process's bytes");
         assert_eq!(arena.resident_pages(), 599);
-        // Not kept this time: the files go with it.
+        // Opened, it is kept until owned: dropping it now would leave everything.
+        assert!(arena.is_kept());
+        arena.own();
         drop(live);
         drop(arena);
         assert!(!Arena::exists(dir.path(), "vm"));
@@ -679,10 +744,47 @@ mod tests {
         file.set_len(200 * BLOCK_SIZE as u64).expect("size");
         // The VM took pages 0..120 (then freed them, and they were punched) before the helper
         // came to a job for 0..200.
-        allocate_ahead(&file, &AtomicU32::new(120), 0, 200);
+        let backed = AtomicU32::new(120);
+        allocate_ahead(&file, &AtomicU32::new(120), &backed, 0, 200);
         let sectors = rustix::fs::fstat(&file).expect("fstat").st_blocks as u64;
         assert_eq!(sectors * 512, 80 * BLOCK_SIZE as u64, "only the 80 pages not handed out are allocated");
-        allocate_ahead(&file, &AtomicU32::new(250), 0, 200);
+        assert_eq!(backed.load(Ordering::Relaxed), 200, "the VM need not allocate them itself");
+        allocate_ahead(&file, &AtomicU32::new(250), &backed, 0, 200);
         assert_eq!(rustix::fs::fstat(&file).expect("fstat").st_blocks as u64, sectors, "nothing left to allocate");
+        // A job beyond pages nobody allocated does not vouch for them.
+        let short = AtomicU32::new(50);
+        allocate_ahead(&file, &AtomicU32::new(50), &short, 100, 150);
+        assert_eq!(short.load(Ordering::Relaxed), 50);
+    }
+
+    /// Every page handed out is allocated in the file first (a store into a hole of a full tmpfs
+    /// is SIGBUS for the process): fresh pages whether or not the helper got there, and pages
+    /// punched out and handed out again.
+    #[test]
+    fn pages_are_allocated_in_the_file_before_they_are_handed_out() {
+        let arena = Arena::in_memory(4 * GROWTH_PAGES).expect("arena");
+        // Pages the memfd has (its blocks), once the prefault helper is done with its jobs.
+        let settled = || {
+            let blocks = || rustix::fs::fstat(&arena.0.page_file).expect("fstat").st_blocks as u64 * 512;
+            let mut last = blocks();
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                let now = blocks();
+                if now == last {
+                    return now / BLOCK_SIZE as u64;
+                }
+                last = now;
+            }
+        };
+        let pages = arena.alloc_many(GROWTH_PAGES as usize + 1).expect("pages");
+        assert!(settled() > u64::from(GROWTH_PAGES));
+        // Freed and punched, then handed out again: allocated one by one as they go.
+        drop(pages);
+        arena.cool_beyond(0, 0);
+        assert_eq!(arena.pages_punched(), u64::from(GROWTH_PAGES) + 1);
+        let punched = settled();
+        let again = arena.alloc_many(10).expect("pages");
+        assert_eq!(settled(), punched + 10, "punched pages handed out again as holes");
+        drop(again);
     }
 }

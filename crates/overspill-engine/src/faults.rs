@@ -505,6 +505,10 @@ impl BackingFile for FaultyFile {
         self.inner.keep();
     }
 
+    fn own(&mut self) {
+        self.inner.own();
+    }
+
     fn path(&self) -> Option<&Path> {
         self.inner.path()
     }

@@ -292,7 +292,9 @@ impl Overlay {
     /// Rebuilds the overlay a previous process left: `live` are the pages its arena holds (see
     /// [`Arena::open`]), `spill_segments` the length of its spill file in segments. The copy of
     /// each block with the highest sequence number wins, unless a later zeroing covers it;
-    /// pages that lose are freed, spill segments with nothing live are punched.
+    /// pages that lose are freed, spill segments with nothing live are punched. The state it
+    /// is given stays kept until the overlay stands: an error leaves the files and their pages
+    /// as they were (the opened files and arena come kept, see [`Arena::open`]).
     #[allow(clippy::too_many_arguments)]
     pub fn recover(
         golden: Arc<dyn GoldenImage>,
@@ -329,8 +331,8 @@ impl Overlay {
             };
             overlay.map.insert(block, slot);
         }
-        // Copies that lost: freed, their headers cleared.
-        drop(pages);
+        // Copies that lost: freed, their headers cleared, once the recovery stands (below).
+        let lost_copies = pages;
         for (first, end) in resolution.zeros {
             overlay.zeros.insert(first, end);
         }
@@ -378,6 +380,8 @@ impl Overlay {
             }
         }
         overlay.stats.recovered_blocks.add(recovered);
+        overlay.own_state();
+        drop(lost_copies);
         overlay.after_mutation();
         Ok(overlay)
     }
@@ -460,6 +464,24 @@ impl Overlay {
         }
         if let Some(summaries) = &mut self.unused_summaries {
             summaries.keep();
+        }
+    }
+
+    /// Undoes [`Self::keep_state`]: the state goes with the overlay again. A recovery ends
+    /// with this once the overlay stands; until then the files it opened are kept.
+    fn own_state(&mut self) {
+        self.arena.own();
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            spill.own();
+        }
+        if let Tier::InPlace { file, .. } = &mut self.tier {
+            file.own();
+        }
+        if let Some(zero_log) = &mut self.zero_log {
+            zero_log.own();
+        }
+        if let Some(summaries) = &mut self.unused_summaries {
+            summaries.own();
         }
     }
 
@@ -1224,8 +1246,12 @@ impl Overlay {
         data: Contents<'_>,
         placement: Placement,
     ) -> Result<LandedIn> {
+        // A copy to write over in place may have moved since it was looked up: placing an
+        // earlier block of the same write can compact the log (moving blocks into the open
+        // segment) or evict this one from RAM, and its page go to another block. Looked up again.
         let old = match old {
             Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment) => self.map.get(block),
+            Some(Slot::Ram(_)) => self.map.get(block),
             other => other,
         };
         match old {

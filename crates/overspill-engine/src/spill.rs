@@ -181,6 +181,14 @@ impl SpillLog {
         }
     }
 
+    /// Undoes [`Self::keep`].
+    pub fn own(&mut self) {
+        self.file.own();
+        if let Some(summaries) = &mut self.summaries {
+            summaries.own();
+        }
+    }
+
     fn summarize(&mut self, id: SegmentId, pages: &[Page]) -> Result<()> {
         match &mut self.summaries {
             Some(summaries) => {

@@ -172,6 +172,10 @@ impl ZeroLog {
     pub fn keep(&mut self) {
         self.file.keep();
     }
+
+    pub fn own(&mut self) {
+        self.file.own();
+    }
 }
 
 /// The summaries of a VM's spill segments.
@@ -229,6 +233,10 @@ impl SegmentSummaries {
 
     pub fn keep(&mut self) {
         self.file.keep();
+    }
+
+    pub fn own(&mut self) {
+        self.file.own();
     }
 }
 

@@ -44,6 +44,9 @@ pub trait BackingFile: Send {
     /// the handle leaves it where it is.
     fn keep(&mut self) {}
 
+    /// Undoes [`Self::keep`]: the file is this handle's again, and goes with it.
+    fn own(&mut self) {}
+
     /// The byte ranges that hold data, as `[start, end)`, in order; holes (never written, or
     /// punched) are left out. What rebuilds an in-place cache file's block map after a restart.
     fn data_ranges(&mut self) -> io::Result<Vec<(u64, u64)>> {
@@ -310,12 +313,15 @@ impl ScratchFile {
         Ok(scratch)
     }
 
-    /// Opens `dir/name`, which an earlier overlay of the same VM created and kept: it is removed
-    /// with this handle unless kept again.
+    /// Opens `dir/name`, which an earlier overlay of the same VM created and kept. It stays
+    /// kept until [`BackingFile::own`]: a recovery that fails part-way leaves the VM's state
+    /// where it was, for the operator to look at (only `vm reset` removes it).
     pub fn open(dir: &Path, name: &str) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).open(&path)?;
-        Ok(Self::from_file(file, path))
+        let mut opened = Self::from_file(file, path);
+        opened.kept = true;
+        Ok(opened)
     }
 
     fn from_file(file: File, path: PathBuf) -> Self {
@@ -441,6 +447,10 @@ impl BackingFile for ScratchFile {
 
     fn keep(&mut self) {
         self.kept = true;
+    }
+
+    fn own(&mut self) {
+        self.kept = false;
     }
 
     fn data_ranges(&mut self) -> io::Result<Vec<(u64, u64)>> {

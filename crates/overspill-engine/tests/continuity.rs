@@ -236,6 +236,11 @@ fn an_in_place_cache_file_whose_holes_cannot_be_told_is_refused() {
         Err(other) => panic!("wrong error: {other}"),
         Ok(_) => panic!("recovered a cache file whose holes it cannot see"),
     }
+    // The refusal left the state as it found it: a filesystem that can tell recovers it.
+    let mut vm = recover_in(dir.path(), WriteCacheMode::Disk).expect("the same state, recovered");
+    let mut back = vec![0; 4096];
+    vm.read(0, &mut back).expect("read");
+    assert_eq!(back, vec![7; 4096]);
 }
 
 #[test]
@@ -251,4 +256,11 @@ fn state_that_does_not_check_out_is_refused() {
         Err(other) => panic!("wrong error: {other}"),
         Ok(_) => panic!("recovered from a corrupt zero log"),
     }
+    // Refused, not removed: the files (and the written page) stay for a look, until a reset.
+    for name in ["vm.spill", "vm.segments", "vm.zeros", "vm.pages", "vm.slots"] {
+        assert!(dir.path().join(name).exists(), "{name} went with the failed recovery");
+    }
+    let (_arena, live) = Arena::open(dir.path(), "vm", 1024).expect("the arena, again");
+    assert_eq!(live.len(), 1, "the written page lost its header in the failed recovery");
+    assert!(live[0].page.iter().all(|&b| b == 7), "the written page lost its bytes in the failed recovery");
 }

@@ -3,8 +3,10 @@
 
 use std::sync::Arc;
 
+use overspill_engine::faults::{Fault, FaultPlan, FaultyFile, Op, Trigger};
+use overspill_engine::store::MemFile;
 use overspill_engine::{
-    EngineError, HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode,
+    EngineError, HostMemory, MemImage, Overlay, OverlayConfig, ScratchFile, VmStats, WriteCacheMode, SEGMENT_BYTES,
 };
 
 mod common;
@@ -125,4 +127,75 @@ fn a_large_rewrite_of_blocks_in_ram_needs_no_room_in_a_full_spill_log() {
     let mut back = vec![0u8; rewrite.len()];
     vm.read(0, &mut back).expect("read");
     assert!(back == rewrite, "the rewrite reads back");
+}
+
+/// Bytes that differ from block to block and from one `seed` to another: a block's bytes found
+/// in another block, or an old copy of a block, do not pass for the expected ones.
+fn pattern(seed: u64, offset: u64, len: u64) -> Vec<u8> {
+    (offset..offset + len)
+        .map(|x| ((x / 8 + (seed << 40)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (x % 8 * 8)) as u8)
+        .collect()
+}
+
+/// A large write while RAM is full goes to the spill log without looking its blocks up; if the
+/// log refuses it midway (a segment write failed), the rest is looked up and placed block by
+/// block, and some of its blocks are found in RAM. Its partial head block, placed first, pushes
+/// the coldest RAM block, one of the write's own, out to the log (the failed segment write is
+/// tried again and works) and takes that block's page. The evicted block must be written where
+/// it is now, not into the page it was found in: that was acknowledged with the head block
+/// reading the other block's bytes, and that block its old ones.
+#[test]
+fn a_large_write_that_evicts_its_own_block_from_ram_lands_every_block_where_it_belongs() {
+    const BLOCK: u64 = 4096;
+    let segment_blocks = SEGMENT_BYTES as u64 / BLOCK;
+    let golden = pattern(0, 0, 16 * MIB);
+    let plan = FaultPlan::new(0).on(Op::Write, Fault::Io, Trigger::Nth(1));
+    let spill = FaultyFile::new(Box::<MemFile>::default(), plan);
+    let faults = spill.handle();
+    faults.disarm();
+    // Under 200 blocks of RAM tier beside the open segment and the index.
+    let target = SEGMENT_BYTES as u64 + 768 * 1024;
+    let config = OverlayConfig { mode: WriteCacheMode::RamDisk, ram_target_bytes: target, spill_max_bytes: None };
+    let golden_image = Arc::new(MemImage::new(golden.clone()));
+    let stats = Arc::new(VmStats::default());
+    let mut vm =
+        Overlay::new(golden_image, config, Some(Box::new(spill)), HostMemory::unlimited(), stats).expect("overlay");
+    // 4 KiB writes of new blocks from `first_hot` on, until the VM spills and its RAM is full:
+    // the last write pushed a block out (RAM did not grow by its page), and the VM is within its
+    // target (the next write spills nothing before it starts). RAM holds only these blocks.
+    let first_hot = 1024;
+    let mut hot = 0;
+    loop {
+        let before = vm.memory_used_bytes();
+        let offset = (first_hot + hot) * BLOCK;
+        vm.write(offset, &pattern(1, offset, BLOCK)).expect("small write");
+        hot += 1;
+        let used = vm.memory_used_bytes();
+        let full = before <= target && used <= target && used < before + BLOCK;
+        if hot >= 2 * segment_blocks && vm.stats().spill_segments_written.get() > 0 && full {
+            break;
+        }
+        assert!(hot < 4 * segment_blocks, "RAM never settled full within the target ({used} bytes used)");
+    }
+    // From inside the block before a segment's worth of new blocks, which fill the open segment
+    // whatever room it has (the failed write seals it), through the hot blocks, to inside the
+    // block after them.
+    let start = (first_hot - segment_blocks - 1) * BLOCK + 1000;
+    let end = (first_hot + hot) * BLOCK + 3000;
+    let data = pattern(2, start, end - start);
+    faults.arm();
+    vm.write_received(start, data.len(), |b| receive_into(b, &data, None))
+        .expect("the failed segment write is tried again and works: the write is acknowledged");
+    assert_eq!(faults.injected().io, 1, "the segment write failed once");
+
+    // The write, and a block either side of it, read back.
+    let (from, to) = (start / BLOCK * BLOCK - BLOCK, end.div_ceil(BLOCK) * BLOCK + BLOCK);
+    let mut expected = golden[from as usize..to as usize].to_vec();
+    expected[(start - from) as usize..(end - from) as usize].copy_from_slice(&data);
+    let mut back = vec![0u8; (to - from) as usize];
+    vm.read(from, &mut back).expect("read");
+    if let Some(i) = back.iter().zip(&expected).position(|(a, b)| a != b) {
+        let at = from + i as u64;
+        panic!("byte {at} (block {}) reads wrong; the write covers {start}..{end}", at / BLOCK);
+    }
 }

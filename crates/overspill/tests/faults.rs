@@ -74,6 +74,10 @@ impl Server {
         let socket = dir.join(format!("{name}.sock"));
         let log = dir.join(format!("{name}.log"));
         let log_file = std::fs::File::create(&log).expect("creating server log");
+        // These tests count per-process spill files and their removal at SIGTERM: VMs here
+        // end with their connections (handing over across restarts is tests/lifecycle.rs),
+        // unless a test asks for a grace (its state then lives in a memory directory).
+        let grace: &[&str] = if extra.contains(&"--reconnect-grace") { &[] } else { &["--reconnect-grace", "0"] };
         let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("--log-json")
             .arg("serve")
@@ -89,9 +93,7 @@ impl Server {
             // control socket are one server's).
             .arg("--state-dir")
             .arg(dir.join(format!("{name}-state")))
-            // These tests count per-process spill files and their removal at SIGTERM: VMs here
-            // end with their connections (handing over across restarts is tests/lifecycle.rs).
-            .args(["--reconnect-grace", "0"])
+            .args(grace)
             // No host-memory pressure from whatever else runs on the machine: targets stay put.
             .args(["--ram-floor", "0"])
             .args(extra)
@@ -291,6 +293,45 @@ fn write_until_refused(
         }
         between(acked.len());
     }
+}
+
+/// The memory directory (a tmpfs holding the RAM tier's pages of VMs that outlive the process)
+/// fills up: a store into a page the filesystem has no room for would kill the whole server
+/// (SIGBUS). The VM writing gets ENOSPC instead and keeps what it was told it wrote; the server
+/// and the other VMs go on, and the room comes back when the writer leaves.
+#[test]
+fn a_full_memory_directory_gives_enospc_to_the_writer_and_the_server_lives() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, golden_bytes) = golden_file(tmp.path(), 33);
+    let fs = SmallFs::mount(&tmp.path().join("memory"), 16);
+    let memory = fs.dir.to_str().expect("utf-8").to_owned();
+    let spill = tmp.path().join("spill");
+    std::fs::create_dir_all(&spill).expect("spill dir");
+    let args = ["--mode", "ram", "--ram", "64M", "--reconnect-grace", "1m", "--memory-dir", &memory];
+    let mut server = Server::start(tmp.path(), "s", &golden, &spill, &args);
+    let mut a = server.client("a");
+    let mut b = server.client("b");
+    let (acked, enospc) = write_until_refused(&mut a, 0, &server, |_| {});
+    assert_eq!(enospc.errno(), Some(ENOSPC), "A's write failed with {enospc}, not ENOSPC:\n{}", server.log_text());
+    eprintln!("A: {} KiB acknowledged, then {enospc}", acked.len() * CHUNK / 1024);
+    assert!(acked.len() * CHUNK >= 4 * MIB as usize, "A got {} KiB in before ENOSPC", acked.len() * CHUNK / 1024);
+    assert!(server.child.try_wait().expect("try_wait").is_none(), "the server died:\n{}", server.log_text());
+    for (offset, data) in &acked {
+        read_back(&mut a, *offset, data, "A's acknowledged data after ENOSPC");
+    }
+    let golden_at = 40 * MIB as usize / 4 + 4321;
+    read_back(&mut b, golden_at as u64, &golden_bytes[golden_at..golden_at + 100_000], "golden through B");
+
+    // A leaves (its pages go), and B has the room.
+    a.disconnect().expect("A disconnects");
+    let data = pseudo_random(4 * MIB as usize, 78);
+    let deadline = Instant::now() + WAIT;
+    while let Err(error) = b.write(0, &data, false) {
+        assert!(Instant::now() < deadline, "B never got A's room back: {error}\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    read_back(&mut b, 0, &data, "B's data");
+    b.disconnect().expect("B disconnects");
 }
 
 /// The spill filesystem fills up: the VM writing gets ENOSPC and keeps what it was told it
