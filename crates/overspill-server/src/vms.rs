@@ -130,6 +130,8 @@ pub struct VmRegistry {
     inner: Mutex<Registered>,
     lifecycle: Lifecycle,
     ledger: Option<Ledger>,
+    /// The server is ending: connections it closes are not VMs leaving.
+    stopping: AtomicBool,
 }
 
 #[derive(Default)]
@@ -192,6 +194,7 @@ impl VmRegistry {
             inner: Mutex::new(Registered { lost, recoverable, next_number: 1, ..Registered::default() }),
             lifecycle,
             ledger,
+            stopping: AtomicBool::new(false),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
             spawn_grace_keeper(Arc::downgrade(&registry));
@@ -377,6 +380,14 @@ impl VmRegistry {
         Ok(())
     }
 
+    /// The server is about to close its connections (SIGTERM, a restart): called before it
+    /// does. A named VM whose connection it closes without a grace to wait in (`--reconnect-grace
+    /// 0`) loses its writes with the overlay, and its ledger entry stays: the next server
+    /// refuses the name until `vm reset`, as after a crash, rather than serve it golden data.
+    pub fn server_stopping(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
     /// A connection of VM `number` ended. A named VM that lost its connection keeps `parked` for
     /// the grace period; otherwise it is returned, for the caller to drop outside the lock.
     pub fn end(&self, number: u64, ending: Ending, parked: VmOverlay) -> Option<VmOverlay> {
@@ -397,6 +408,13 @@ impl VmRegistry {
             );
             entry.grace = Some(Grace { until: Instant::now() + grace, parked });
             return None;
+        }
+        if ending == Ending::Lost && self.stopping.load(Ordering::SeqCst) {
+            if let Some(entry) = inner.vms.get_mut(&number).filter(|e| e.named && e.marked && e.state.is_none()) {
+                tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
+                // The ledger entry stays (see `server_stopping`).
+                entry.marked = false;
+            }
         }
         self.forget(&mut inner, number, Some(parked))
     }
@@ -575,6 +593,11 @@ struct LedgerEntry {
     vm: String,
     image: String,
     pid: u32,
+    /// When that process started (clock ticks since boot, `/proc/PID/stat`): a pid alive now
+    /// is the same server only if it started then too; a dead server's pid may be another
+    /// process's by the time a next server looks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pid_start: Option<u64>,
     boot_id: String,
     since_unix_s: u64,
     /// Where the VM's overlay keeps its state, when it outlives the process.
@@ -628,6 +651,7 @@ impl Ledger {
             vm: vm.to_owned(),
             image: image.to_owned(),
             pid: std::process::id(),
+            pid_start: process_start(std::process::id()),
             boot_id: self.boot_id.clone(),
             since_unix_s: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             state,
@@ -691,7 +715,11 @@ impl Ledger {
     fn held_by_a_live_server(&self, entry: &LedgerEntry) -> bool {
         entry.boot_id == self.boot_id
             && entry.pid != std::process::id()
-            && Path::new(&format!("/proc/{}", entry.pid)).exists()
+            && match entry.pid_start {
+                Some(start) => process_start(entry.pid) == Some(start),
+                // Written by a server that did not record it: alive is all there is to go by.
+                None => Path::new(&format!("/proc/{}", entry.pid)).exists(),
+            }
     }
 
     fn unmark(&self, vm: &str) {
@@ -781,6 +809,14 @@ pub fn remove_state_files(vm: &str, state: &StateRecord) {
     }
 }
 
+/// When process `pid` started, in clock ticks since boot (field 22 of `/proc/PID/stat`, counted
+/// after the command name, which may hold spaces and parentheses); `None` if it is not running.
+fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// This boot of the host; a ledger file from another boot speaks of VMs that no longer run.
 fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()).unwrap_or_default()
@@ -800,6 +836,7 @@ mod tests {
                 vm: vm.into(),
                 image: "golden".into(),
                 pid,
+                pid_start: None,
                 boot_id: boot.into(),
                 since_unix_s: 0,
                 state: None,
@@ -814,6 +851,34 @@ mod tests {
         assert_eq!(lost.keys().map(String::as_str).collect::<Vec<_>>(), ["crashed", "garbled", "same-pid"]);
         assert!(!ledger.path("old-boot").exists(), "the earlier boot's file is removed");
         assert!(lost["crashed"].contains("4294967"), "{}", lost["crashed"]);
+    }
+
+    /// A live process with a dead server's pid is not that server: its entries are handled as
+    /// the dead server's. One that is (same pid, same start) keeps them.
+    #[test]
+    fn a_dead_servers_pid_taken_by_another_process_does_not_hold_its_entries() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ledger = Ledger::open(dir.path()).expect("ledger");
+        // pid 1 is alive here, and not this process.
+        let init_start = process_start(1).expect("pid 1 runs");
+        assert!(process_start(std::process::id()).is_some_and(|start| start > 0));
+        for (vm, start) in
+            [("reused-pid", Some(init_start + 1)), ("live-server", Some(init_start)), ("old-entry", None)]
+        {
+            let entry = LedgerEntry {
+                vm: vm.into(),
+                image: "golden".into(),
+                pid: 1,
+                pid_start: start,
+                boot_id: ledger.boot_id.clone(),
+                since_unix_s: 0,
+                state: None,
+            };
+            std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
+        }
+        let (lost, _) = ledger.left_behind();
+        assert_eq!(lost.keys().map(String::as_str).collect::<Vec<_>>(), ["reused-pid"]);
+        assert!(ledger.path("live-server").exists() && ledger.path("old-entry").exists());
     }
 
     #[test]

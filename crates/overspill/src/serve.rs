@@ -25,6 +25,7 @@ use overspill_server::control;
 use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use overspill_server::images::ImageStore;
 use overspill_server::vms::Lifecycle;
+use overspill_server::vms::VmRegistry;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -151,7 +152,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "0", value_parser = parse_duration)]
     idle_timeout: Duration,
     /// Time a request has to arrive whole (header and payload) once its first byte has, however
-    /// the client spreads its bytes; a VM that takes longer is disconnected (e.g. 60s).
+    /// the client spreads its bytes, and time a client has to take replies the socket cannot
+    /// hold; a VM that takes longer is disconnected (e.g. 60s).
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     request_timeout: Duration,
     #[command(flatten)]
@@ -297,7 +299,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let server = Server::new(Arc::new(exports), config);
     // Before the socket exists: a signal once clients can connect always drains.
-    spawn_signal_handler(server.shutdown_handle())?;
+    spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
     let listener = match inherited_listener()? {
         Some(listener) => {
             // The socket unit says who may connect (SocketMode=, SocketGroup=).
@@ -503,7 +505,7 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// SIGTERM or SIGINT drains the server, SIGHUP drains it and restarts it in place; a second
 /// signal exits at once.
-fn spawn_signal_handler(shutdown: ShutdownHandle) -> anyhow::Result<()> {
+fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
@@ -521,6 +523,7 @@ fn spawn_signal_handler(shutdown: ShutdownHandle) -> anyhow::Result<()> {
                 } else {
                     tracing::info!(signal, "signal received: draining connections");
                 }
+                registry.server_stopping();
                 shutdown.shutdown();
             }
             if let Some(signal) = signals.next() {

@@ -206,6 +206,39 @@ fn without_grace_or_without_a_name_a_lost_connection_starts_over_and_grace_runs_
     host.assert_golden_untouched();
 }
 
+/// Without a grace a VM's writes live only as long as its overlay, and a server that ends
+/// while it is connected, stopped (SIGTERM: the drain closes its connection) or killed, takes
+/// them along: the next server refuses the name until `vm reset`, never serving it the golden
+/// image in place of what it wrote. A VM that only read reconnects freely.
+#[test]
+fn without_grace_a_writer_connected_when_the_server_ends_is_refused_until_reset() {
+    for stop in ["SIGTERM", "SIGKILL"] {
+        let host = Host::new();
+        let mut server = host.serve(&["--reconnect-grace", "0"]);
+        let mut writer = host.connect("writer");
+        write_pattern(&mut writer, 60);
+        let mut reader = host.connect("reader");
+        read_start(&mut reader, 1 << 20);
+        if stop == "SIGTERM" {
+            server.stop();
+        } else {
+            server.kill();
+        }
+        drop((writer, reader));
+
+        let server = host.serve(&["--reconnect-grace", "0"]);
+        let refused = Client::connect(&host.uri("writer"));
+        assert!(refused.is_err(), "{stop}: the writer was served after its writes were lost");
+        assert_eq!(host.states(), [("writer".to_owned(), "lost".to_owned())], "{stop}");
+        host.assert_reads_golden("reader", 1 << 20, "the reader, which never wrote");
+        let (ok, text) = host.vm_command(&["reset", "writer"]);
+        assert!(ok, "{text}");
+        host.assert_reads_golden("writer", 1 << 20, "after reset");
+        drop(server);
+        host.assert_golden_untouched();
+    }
+}
+
 #[test]
 fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     let host = Host::new();
