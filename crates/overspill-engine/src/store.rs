@@ -417,6 +417,35 @@ fn write_segment(
     write_pages(buffered, pages, offset)
 }
 
+/// Whether the filesystem of `dir` reports data and holes at exactly 4 KiB: a block written
+/// (zeroes too) is data, a block never written a hole. An in-place cache file is rebuilt after a
+/// restart from what its filesystem reports: one that allocates in larger units (ZFS records, a
+/// tmpfs with huge pages, ext4 bigalloc) would make the neighbours of a written block read as
+/// zeroes instead of golden data, and one that drops written zeroes (ZFS with compression) would
+/// show golden data where the VM wrote zeroes. Probed with a file of its own, then removed.
+pub fn reports_blocks_exactly(dir: &Path) -> io::Result<bool> {
+    use rustix::fs::{seek, SeekFrom};
+    const MIB: u64 = 1 << 20;
+    let path = dir.join(format!(".overspill-hole-probe-{}", std::process::id()));
+    let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+    let probe = || -> io::Result<bool> {
+        file.set_len(4 * MIB)?;
+        // In different 2 MiB units, so that huge pages show.
+        file.write_all_at(&[0x5a; BLOCK_SIZE], MIB)?;
+        file.write_all_at(&[0; BLOCK_SIZE], 3 * MIB)?;
+        // Some filesystems settle what is data only once it is written out.
+        file.sync_data()?;
+        let block = BLOCK_SIZE as u64;
+        Ok(seek(&file, SeekFrom::Data(0))? == MIB
+            && seek(&file, SeekFrom::Hole(MIB))? == MIB + block
+            && seek(&file, SeekFrom::Data(MIB + block))? == 3 * MIB
+            && seek(&file, SeekFrom::Hole(3 * MIB))? == 3 * MIB + block)
+    };
+    let exact = probe();
+    std::fs::remove_file(&path)?;
+    exact
+}
+
 impl BackingFile for ScratchFile {
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
         self.shortages.note(self.file.write_all_at(data, offset))
@@ -455,6 +484,18 @@ impl BackingFile for ScratchFile {
 
     fn data_ranges(&mut self) -> io::Result<Vec<(u64, u64)>> {
         use rustix::fs::SeekFrom;
+        if let Some(dir) = self.path.parent() {
+            if !reports_blocks_exactly(dir)? {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!(
+                        "{} reports data in units larger than 4 KiB, or drops written zeroes: \
+                         the blocks a VM wrote cannot be told from those it did not",
+                        dir.display()
+                    ),
+                ));
+            }
+        }
         let len = self.logical_size()?;
         let mut ranges = Vec::new();
         let mut at = 0;
@@ -606,6 +647,15 @@ mod tests {
                 page
             })
             .collect()
+    }
+
+    /// The filesystems the tests run on (ext4, tmpfs) report 4 KiB blocks as they are, and
+    /// the probe leaves nothing behind.
+    #[test]
+    fn the_probe_finds_blocks_reported_exactly_and_cleans_up() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        assert!(reports_blocks_exactly(dir.path()).expect("probe"));
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "the probe's file is left");
     }
 
     #[test]

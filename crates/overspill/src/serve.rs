@@ -264,6 +264,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     if let Some(dir) = &args.memory_dir {
         warn_unless_in_memory(dir);
     }
+    if !args.reconnect_grace.is_zero() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
+        if let Some(dir) = cache_dirs.first() {
+            warn_unless_blocks_are_told_apart(dir, args.mode);
+        }
+    }
     let registry = exports.registry();
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
@@ -446,6 +451,23 @@ fn warn_unless_in_memory(dir: &Path) {
             "--memory-dir is not on tmpfs: the RAM tier's pages will be written back to its disk"
         ),
         Err(error) => tracing::warn!(dir = %dir.display(), %error, "cannot tell what filesystem --memory-dir is on"),
+    }
+}
+
+/// An in-place cache file is rebuilt after a restart from the blocks its filesystem reports as
+/// data; said now rather than at the first restart, when the VMs are refused.
+fn warn_unless_blocks_are_told_apart(dir: &Path, mode: WriteCacheMode) {
+    match overspill_engine::store::reports_blocks_exactly(dir) {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!(
+            dir = %dir.display(),
+            %mode,
+            "this filesystem reports data in units larger than 4 KiB, or drops written zeroes: VMs in \
+             this mode cannot be rebuilt after a restart, and are refused until `overspill vm reset`"
+        ),
+        Err(error) => {
+            tracing::warn!(dir = %dir.display(), %error, "cannot tell how this filesystem reports its blocks")
+        }
     }
 }
 

@@ -250,6 +250,17 @@ impl SmallFs {
     }
 }
 
+impl SmallFs {
+    /// A tmpfs of `mib` MiB at `dir` that keeps files in 2 MiB huge pages where the kernel can.
+    fn mount_huge(dir: &Path, mib: u64) -> Self {
+        std::fs::create_dir_all(dir).expect("mount point");
+        let target = dir.to_str().expect("utf-8 path");
+        run("mount", &["-t", "tmpfs", "-o", &format!("size={mib}m,huge=always"), "tmpfs", target])
+            .unwrap_or_else(|e| panic!("this test mounts a tmpfs (run it as root): {e}"));
+        Self { dir: dir.to_path_buf(), image: None }
+    }
+}
+
 impl Drop for SmallFs {
     fn drop(&mut self) {
         let target = self.dir.to_str().unwrap_or_default();
@@ -332,6 +343,43 @@ fn a_full_memory_directory_gives_enospc_to_the_writer_and_the_server_lives() {
     }
     read_back(&mut b, 0, &data, "B's data");
     b.disconnect().expect("B disconnects");
+}
+
+/// An in-place cache file (`--mode disk`) is rebuilt after a crash from the blocks its
+/// filesystem reports as data. One that reports data in larger units (here a tmpfs in 2 MiB huge
+/// pages) cannot say which blocks the VM wrote: the VM is refused, its files kept, rather than
+/// served zeroes where it wrote nothing. Where the kernel keeps that tmpfs in 4 KiB pages after
+/// all, the VM is recovered, and every block reads as it should.
+#[test]
+fn a_cache_file_whose_filesystem_cannot_tell_its_blocks_is_not_rebuilt_wrongly() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, golden_bytes) = golden_file(tmp.path(), 34);
+    let fs = SmallFs::mount_huge(&tmp.path().join("spill"), 64);
+    let exact = overspill_engine::store::reports_blocks_exactly(&fs.dir).expect("probe");
+    eprintln!("the huge-page tmpfs reports 4 KiB blocks exactly: {exact}");
+    let args = ["--mode", "disk", "--ram", "1M", "--reconnect-grace", "1m"];
+    let server = Server::start(tmp.path(), "s", &golden, &fs.dir, &args);
+    let mut vm = server.client("vm");
+    let written = pseudo_random(4096, 35);
+    vm.write(MIB, &written, false).expect("write");
+    drop(vm);
+    drop(server);
+
+    let server = Server::start(tmp.path(), "s", &golden, &fs.dir, &args);
+    let uri: NbdUri = format!("nbd+unix:///@vm?socket={}", server.socket.display()).parse().expect("uri");
+    match Client::connect(&uri) {
+        Ok(mut vm) => {
+            assert!(exact, "recovered from a filesystem that cannot tell its blocks:\n{}", server.log_text());
+            read_back(&mut vm, MIB, &written, "the written block");
+            let next = (MIB + 4096) as usize;
+            read_back(&mut vm, next as u64, &golden_bytes[next..next + 8192], "golden blocks beside it");
+        }
+        Err(error) => {
+            assert!(!exact, "refused on a filesystem that tells its blocks: {error}\n{}", server.log_text());
+            assert!(fs.dir.join("vm-vm.cache").exists(), "the refused VM's cache file is gone");
+            assert!(server.log_text().contains("4 KiB"), "the refusal says why:\n{}", server.log_text());
+        }
+    }
 }
 
 /// The spill filesystem fills up: the VM writing gets ENOSPC and keeps what it was told it
