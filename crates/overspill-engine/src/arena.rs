@@ -351,7 +351,11 @@ impl Arena {
     /// belong to a live VM).
     pub fn create(dir: &Path, name: &str, capacity_pages: u32) -> Result<Self> {
         let paths = Self::paths(dir, name);
-        let create = |path: &Path| OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path);
+        let create = |path: &Path| {
+            let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)?;
+            crate::store::hold(&file, path)?;
+            Ok::<_, io::Error>(file)
+        };
         let pages = create(&paths[0]).map_err(|e| EngineError::from_io("creating an arena file", e))?;
         let headers = match create(&paths[1]) {
             Ok(file) => file,
@@ -369,7 +373,11 @@ impl Arena {
     /// recovery that fails part-way leaves the state as it found it.
     pub fn open(dir: &Path, name: &str, capacity_pages: u32) -> Result<(Self, Vec<LivePage>)> {
         let paths = Self::paths(dir, name);
-        let open = |path: &Path| OpenOptions::new().read(true).write(true).open(path);
+        let open = |path: &Path| {
+            let file = OpenOptions::new().read(true).write(true).open(path)?;
+            crate::store::hold(&file, path)?;
+            Ok::<_, io::Error>(file)
+        };
         let files = open(&paths[0]).and_then(|pages| Ok((pages, open(&paths[1])?)));
         let (pages, headers) = files.map_err(|e| EngineError::from_io("opening an arena file", e))?;
         let found = pages_in(&pages, &headers)?;

@@ -303,11 +303,40 @@ pub struct ScratchFile {
     kept: bool,
 }
 
+/// Marks `file` as held by this process for as long as it has the file open (an exclusive
+/// `flock`, which the kernel drops when the process ends, however it ends): a VM's state files
+/// are named after the VM, and two servers sharing a directory may each have a VM of one name.
+/// An error if another process holds it. Where the filesystem has no locks, nothing is held.
+pub fn hold(file: &File, path: &Path) -> io::Result<()> {
+    use rustix::fs::{flock, FlockOperation};
+    match flock(file, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(io::Error::new(
+            io::ErrorKind::ResourceBusy,
+            format!("{} is held by another process (a server sharing this directory?)", path.display()),
+        )),
+        Err(rustix::io::Errno::NOLCK | rustix::io::Errno::OPNOTSUPP) => Ok(()),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Whether another process holds `path` (see [`hold`]); a file this process holds counts too,
+/// since the check opens it anew.
+pub fn held_elsewhere(path: &Path) -> bool {
+    File::open(path).is_ok_and(|file| {
+        let held = hold(&file, path).is_err_and(|e| e.kind() == io::ErrorKind::ResourceBusy);
+        // Closing the probe's descriptor drops a lock it took.
+        drop(file);
+        held
+    })
+}
+
 impl ScratchFile {
     /// Creates `dir/name`, refusing to reuse an existing file (it could belong to a live VM).
     pub fn create(dir: &Path, name: &str, logical_size: u64) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+        hold(&file, &path)?;
         let scratch = Self::from_file(file, path);
         scratch.file.set_len(logical_size)?;
         Ok(scratch)
@@ -319,6 +348,7 @@ impl ScratchFile {
     pub fn open(dir: &Path, name: &str) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).open(&path)?;
+        hold(&file, &path)?;
         let mut opened = Self::from_file(file, path);
         opened.kept = true;
         Ok(opened)

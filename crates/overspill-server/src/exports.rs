@@ -448,8 +448,17 @@ impl OverlayExports {
             spill_dir: spill_dir.clone(),
         };
         // Files of this name with no ledger entry are left from a server that died before it
-        // recorded them: this VM's, holding nothing acknowledged.
-        crate::vms::remove_state_files(vm, &record);
+        // recorded them: this VM's, holding nothing acknowledged. Unless another process holds
+        // them: a server sharing the spill directory, with a VM of the same name, whose files
+        // they are.
+        let held = crate::vms::remove_leftover_state_files(vm, &record);
+        if let Some(path) = held.first() {
+            return Err(device_error(EngineError::Config(format!(
+                "{} is another process's (a server sharing this directory with a VM of the same name?): \
+                 this VM cannot keep its state under that name",
+                path.display()
+            ))));
+        }
         let io = |what: &'static str| move |e| device_error(EngineError::from_io(what, e));
         self.registry.mark_persistent(number, record).map_err(io("recording the VM in the ledger"))?;
         let stem = state_file_stem(vm);

@@ -705,7 +705,7 @@ impl Ledger {
         if !self.path(vm).exists() {
             if let Some(state) = entry.and_then(|e| e.state) {
                 tracing::info!(vm, "state files of a VM ended by an earlier server removed");
-                remove_state_files(vm, &state);
+                remove_leftover_state_files(vm, &state);
             }
         }
         remove_unless_gone(retiring, "could not remove a retiring ledger file");
@@ -753,7 +753,7 @@ impl Ledger {
                 Some(e) if e.boot_id != self.boot_id => {
                     tracing::info!(vm, "ledger file of an earlier boot removed (its VM ended with the host)");
                     if let Some(state) = &e.state {
-                        remove_state_files(vm, state);
+                        remove_leftover_state_files(vm, state);
                     }
                     self.unmark(vm);
                 }
@@ -792,6 +792,28 @@ pub fn state_file_stem(vm: &str) -> String {
 /// Removes the state files the ledger says a VM had (they are named after it, in directories
 /// overspill keeps them in).
 pub fn remove_state_files(vm: &str, state: &StateRecord) {
+    for path in state_file_paths(vm, state) {
+        remove_unless_gone(&path, "could not remove a VM's state file");
+    }
+}
+
+/// Removes VM `vm`'s state files that no live process holds (a server sharing the directory
+/// with a VM of the same name holds its own; see [`overspill_engine::store::hold`]); the paths
+/// of those it left.
+pub fn remove_leftover_state_files(vm: &str, state: &StateRecord) -> Vec<PathBuf> {
+    let mut held = Vec::new();
+    for path in state_file_paths(vm, state) {
+        if overspill_engine::store::held_elsewhere(&path) {
+            tracing::warn!(vm, path = %path.display(), "a file named for this VM is held by another process: left alone");
+            held.push(path);
+        } else {
+            remove_unless_gone(&path, "could not remove a VM's state file");
+        }
+    }
+    held
+}
+
+fn state_file_paths(vm: &str, state: &StateRecord) -> Vec<PathBuf> {
     let stem = state_file_stem(vm);
     let mut paths: Vec<PathBuf> =
         ["pages", "slots", "segments", "zeros"].iter().map(|s| state.memory_dir.join(format!("{stem}.{s}"))).collect();
@@ -799,14 +821,7 @@ pub fn remove_state_files(vm: &str, state: &StateRecord) {
         // The VM's spill or in-place cache file: whichever its mode made, all named after it.
         paths.extend(["spill", "cache", "diff"].iter().map(|s| dir.join(format!("{stem}.{s}"))));
     }
-    for path in paths {
-        match std::fs::remove_file(&path) {
-            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-                tracing::warn!(path = %path.display(), %error, "could not remove a VM's state file")
-            }
-            _ => {}
-        }
-    }
+    paths
 }
 
 /// When process `pid` started, in clock ticks since boot (field 22 of `/proc/PID/stat`, counted

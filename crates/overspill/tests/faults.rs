@@ -382,6 +382,45 @@ fn a_cache_file_whose_filesystem_cannot_tell_its_blocks_is_not_rebuilt_wrongly()
     }
 }
 
+/// Servers may share a spill directory, and VM names are each server's own: a VM of the same
+/// name on two of them must not take the other's files (they are named after the VM). The
+/// second is refused while the first holds them, and the first's data is its own after a crash.
+#[test]
+fn servers_sharing_a_spill_directory_never_take_each_others_files() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, _) = golden_file(tmp.path(), 36);
+    let spill = tmp.path().join("spill");
+    std::fs::create_dir_all(&spill).expect("spill dir");
+    let start = |name: &str| {
+        let memory = tmp.path().join(format!("{name}-memory"));
+        let memory = memory.to_str().expect("utf-8");
+        let args = ["--ram", "1M", "--reconnect-grace", "1m", "--memory-dir", memory];
+        Server::start(tmp.path(), name, &golden, &spill, &args)
+    };
+    let a = start("a");
+    let b = start("b");
+    let mut on_a = a.client("vm1");
+    let data = pseudo_random(4 * MIB as usize, 37);
+    on_a.write(0, &data, false).expect("A's vm1 writes, spilling");
+    let spill_file = spill.join("vm-vm1.spill");
+    let inode = std::fs::metadata(&spill_file).expect("A's spill file").ino();
+
+    let uri: NbdUri = format!("nbd+unix:///@vm1?socket={}", b.socket.display()).parse().expect("uri");
+    if let Ok(mut on_b) = Client::connect(&uri) {
+        assert!(on_b.write(0, &[1; 4096], false).is_err(), "B's vm1 was given state files under A's names");
+    }
+    assert!(b.log_text().contains("another process"), "B's refusal says why:\n{}", b.log_text());
+    assert_eq!(std::fs::metadata(&spill_file).expect("A's spill file").ino(), inode, "B took A's spill file");
+
+    // A crashes and comes back: its vm1's data is its own.
+    drop(on_a);
+    drop(a);
+    let a = start("a");
+    let mut on_a = a.client("vm1");
+    read_back(&mut on_a, 0, &data, "A's vm1 after a crash");
+    on_a.disconnect().expect("disconnect");
+}
+
 /// The spill filesystem fills up: the VM writing gets ENOSPC and keeps what it was told it
 /// wrote; another VM on the same server goes on reading and writing in its RAM.
 #[test]
