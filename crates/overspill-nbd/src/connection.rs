@@ -845,7 +845,8 @@ fn start_transmission<T: Transport>(
     handshake_over();
     let deadlines = Deadlines { idle: limits.idle_timeout, request: limits.request_timeout };
     wire.stream.set_read_timeout(Some(deadlines.tick()))?;
-    wire.stream.set_write_timeout(Some(deadlines.request))?;
+    // (A zero timeout is not one a socket takes: no bound then, as for reads.)
+    wire.stream.set_write_timeout(Some(deadlines.request).filter(|limit| !limit.is_zero()))?;
     wire.deadlines = Some(deadlines);
     wire.poll = limits.poll_before_sleep;
     tracing::debug!(export = %negotiated.export, structured = negotiated.structured_replies, "transmission");

@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -218,7 +219,27 @@ impl ListenerWaker {
     }
 }
 
+/// How long the accept loop waits for a client before it looks at the shutdown flag again. The
+/// waker cannot always reach a socket systemd holds: it may not shut it, and its path may refuse
+/// this service's user (the shipped unit's socket is root's and libvirt's, mode 0660), so an idle
+/// server would otherwise stop or restart only when the next client came.
+const ACCEPT_LOOK_AGAIN: Duration = Duration::from_millis(200);
+
 impl Listener {
+    /// Whether a client is waiting to be accepted, after waiting up to `patience` for one (or
+    /// the socket to fail: accept then says how).
+    fn client_waiting(&self, patience: Duration) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags};
+        let fd: std::os::fd::BorrowedFd<'_> = match self {
+            Self::Unix(l, ..) => l.as_fd(),
+            Self::Tcp(l, _) => l.as_fd(),
+        };
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        let timeout = rustix::event::Timespec::try_from(patience).ok();
+        // An error (EINTR) is looked at again by the caller's loop, which checks the flag.
+        poll(&mut fds, timeout.as_ref()).is_ok_and(|ready| ready > 0)
+    }
+
     fn waker(&self) -> std::io::Result<ListenerWaker> {
         let socket = match self {
             Self::Unix(l, ..) => l.try_clone()?.into(),
@@ -524,6 +545,9 @@ impl Server {
                 if !self.shed_oldest_handshake() {
                     std::thread::sleep(Duration::from_millis(5));
                 }
+            }
+            if !listener.client_waiting(ACCEPT_LOOK_AGAIN) {
+                continue;
             }
             next_id += 1;
             let accepted = match listener {

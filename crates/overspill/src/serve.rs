@@ -216,6 +216,13 @@ pub enum ServeEnd {
 static RESTART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
+    // Unlike --idle-timeout, these cannot be off: 0 would cut every client at once.
+    for (flag, limit) in [("--handshake-timeout", args.handshake_timeout), ("--request-timeout", args.request_timeout)]
+    {
+        if limit.is_zero() {
+            bail!("{flag} must be above 0 (it bounds how long a client may take; there is no \"off\")");
+        }
+    }
     if args.ram > args.ram_total {
         bail!(
             "--ram {} is above --ram-total {}: no VM could reach its target",

@@ -160,7 +160,7 @@ fn what_cannot_work_is_refused_at_start_in_one_line() {
     let golden_arg = golden.to_str().expect("utf-8");
     let under_a_file = format!("{golden_arg}/spill");
     let missing = tmp.path().join("missing.img");
-    let cases: [(Vec<&str>, &[&str]); 5] = [
+    let cases: [(Vec<&str>, &[&str]); 7] = [
         (vec!["--base", golden_arg, "--spill-dir", &under_a_file], &["--spill-dir", "golden.img/spill"]),
         (
             vec!["--base", golden_arg, "--mode", "shared", "--shared-dir", &under_a_file],
@@ -169,6 +169,9 @@ fn what_cannot_work_is_refused_at_start_in_one_line() {
         (vec!["--base", missing.to_str().expect("utf-8")], &["missing.img", "No such file"]),
         (vec!["--base", golden_arg, "--ram", "2G", "--ram-total", "1G"], &["--ram", "--ram-total"]),
         (vec!["--images", golden_arg], &["--images", "golden.img"]),
+        // 0 is "off" for --idle-timeout; for these it would cut every client at once.
+        (vec!["--base", golden_arg, "--request-timeout", "0"], &["--request-timeout", "above 0"]),
+        (vec!["--base", golden_arg, "--handshake-timeout", "0s"], &["--handshake-timeout", "above 0"]),
     ];
     for (args, expected) in cases {
         let stderr = serve_must_fail(tmp.path(), &args);
@@ -491,15 +494,29 @@ fn socket_activation_and_readiness_the_systemd_way() {
     assert_eq!(back, data, "the restarted server served @kept its own writes");
     kept.disconnect().expect("disconnect");
 
+    // Stopped while idle, with no way to reach its socket by its path (the shipped unit's socket
+    // refuses the service's own user; here the path is moved aside): it still stops at once.
+    let aside = tmp.path().join("aside.sock");
+    std::fs::rename(&socket, &aside).expect("move the socket aside");
     nix_kill(activator.id(), "TERM");
     let n = notify.recv(&mut message).expect("a notification at stop");
     let text = String::from_utf8_lossy(&message[..n]).into_owned();
     assert!(text.lines().any(|l| l == "STOPPING=1"), "{text}");
-    let status = activator.wait().expect("wait");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = activator.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = activator.kill();
+            panic!("an idle server told to stop was still waiting for a client after 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let log_text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.success(), "{status}:\n{log_text}");
     assert!(log_text.contains("serving the socket systemd passed"), "{log_text}");
-    assert!(socket.exists(), "the server removed the socket the service manager owns");
+    assert!(aside.exists(), "the server removed the socket the service manager owns");
 }
 
 /// A memory cgroup for one test (v1 `memory` controller or v2), removed when dropped.
