@@ -20,7 +20,7 @@ use crate::metrics::SCRAPE_TIMEOUT;
 #[derive(Debug, Args)]
 pub struct StatArgs {
     /// The server's metrics endpoint (serve --metrics).
-    #[arg(long, default_value = "http://127.0.0.1:9100/metrics")]
+    #[arg(long, default_value = "http://127.0.0.1:10810/metrics")]
     url: String,
     /// Seconds between refreshes.
     #[arg(long, default_value_t = 1.0)]
@@ -683,7 +683,7 @@ mod tests {
     fn every_line_fits_80_columns_whatever_the_names_and_figures() {
         let long = "x".repeat(64);
         let (before, after) = two_vms(&long);
-        let view = View::between("http://127.0.0.1:9100/metrics", &before, &after, 1.0);
+        let view = View::between("http://127.0.0.1:10810/metrics", &before, &after, 1.0);
         let layout = Layout { width: 80, height: Some(24), sort: SortKey::Write, reversed: false, footer: true };
         let lines = render(&view, &layout, "12:00:00 UTC");
         for line in &lines {
