@@ -385,6 +385,25 @@ impl Wait {
     }
 }
 
+/// A client that took no reply for `limit`.
+fn stalled(limit: Duration) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(Wait::Reply(limit)))
+}
+
+/// What one write of replies came to: the bytes sent (none if interrupted), or its error; in
+/// transmission (`reply_limit`), a write that timed out is the client's stall.
+fn written(result: io::Result<usize>, reply_limit: Option<Duration>) -> io::Result<usize> {
+    match result {
+        Ok(0) => Err(io::ErrorKind::WriteZero.into()),
+        Ok(n) => Ok(n),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(reply_limit.map_or(e, stalled))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Deadlines {
     idle: Option<Duration>,
@@ -495,34 +514,37 @@ impl<T: Transport> Wire<T> {
             return Ok(());
         }
         let reply_limit = self.deadlines.map(|d| d.request);
-        let stalled = |limit| io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(Wait::Reply(limit)));
         let began = Instant::now();
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * self.lent.len() + 1);
-        let mut from = 0;
-        for (at, piece) in &self.lent {
-            if *at > from {
-                slices.push(IoSlice::new(&self.output[from..*at]));
-                from = *at;
+        let over_time = |left: bool| match reply_limit {
+            Some(limit) if left && began.elapsed() >= limit => Err(stalled(limit)),
+            _ => Ok(()),
+        };
+        if self.lent.is_empty() {
+            // The common case, one buffer of replies: no slices to build.
+            let mut sent = 0;
+            while sent < self.output.len() {
+                sent += written(self.stream.write(&self.output[sent..]), reply_limit)?;
+                over_time(sent < self.output.len())?;
             }
-            slices.push(IoSlice::new(piece));
-        }
-        if from < self.output.len() {
-            slices.push(IoSlice::new(&self.output[from..]));
-        }
-        let mut rest = slices.as_mut_slice();
-        while !rest.is_empty() {
-            let batch = rest.len().min(MAX_IOVECS);
-            match self.stream.write_vectored(&rest[..batch]) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => IoSlice::advance_slices(&mut rest, n),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    return Err(reply_limit.map_or(e, stalled));
+        } else {
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * self.lent.len() + 1);
+            let mut from = 0;
+            for (at, piece) in &self.lent {
+                if *at > from {
+                    slices.push(IoSlice::new(&self.output[from..*at]));
+                    from = *at;
                 }
-                Err(e) => return Err(e),
+                slices.push(IoSlice::new(piece));
             }
-            if let Some(limit) = reply_limit.filter(|&limit| !rest.is_empty() && began.elapsed() >= limit) {
-                return Err(stalled(limit));
+            if from < self.output.len() {
+                slices.push(IoSlice::new(&self.output[from..]));
+            }
+            let mut rest = slices.as_mut_slice();
+            while !rest.is_empty() {
+                let batch = rest.len().min(MAX_IOVECS);
+                let n = written(self.stream.write_vectored(&rest[..batch]), reply_limit)?;
+                IoSlice::advance_slices(&mut rest, n);
+                over_time(!rest.is_empty())?;
             }
         }
         self.lent.clear();
