@@ -196,15 +196,8 @@ impl Shared {
     fn allocate(&self, from: u32, to: u32) -> Result<()> {
         let offset = u64::from(from) * BLOCK_SIZE as u64;
         let len = u64::from(to - from) * BLOCK_SIZE as u64;
-        rustix::fs::fallocate(&self.page_file, FallocateFlags::KEEP_SIZE, offset, len).map_err(|e| {
-            let error = io::Error::from(e);
-            match error.kind() {
-                io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
-                    EngineError::NoSpace(format!("the memory directory has no room for this VM's pages: {error}"))
-                }
-                _ => EngineError::from_io("allocating memory arena pages", error),
-            }
-        })
+        rustix::fs::fallocate(&self.page_file, FallocateFlags::KEEP_SIZE, offset, len)
+            .map_err(|e| out_of_room("allocating memory arena pages", e.into()))
     }
 
     fn release(&self, indexes: &[u32]) {
@@ -313,6 +306,16 @@ fn allocate_ahead(file: &File, handed_out: &AtomicU32, backed: &AtomicU32, from:
             let _ = backed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| (b >= from && b < to).then_some(to));
         }
         Err(error) => tracing::debug!(%error, "could not allocate arena pages ahead"),
+    }
+}
+
+/// An arena's file operation that failed: a full memory directory is the VM's ENOSPC.
+fn out_of_room(what: &'static str, error: io::Error) -> EngineError {
+    match error.kind() {
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
+            EngineError::NoSpace(format!("the memory directory has no room for this VM's pages: {error}"))
+        }
+        _ => EngineError::from_io(what, error),
     }
 }
 
@@ -509,12 +512,7 @@ impl Arena {
                 }
                 if index >= lists.file_pages {
                     let pages = lists.file_pages.saturating_add(GROWTH_PAGES.max(lists.file_pages / 4));
-                    shared.grow_to(lists, pages).map_err(|e| match e.kind() {
-                        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
-                            EngineError::NoSpace(format!("the memory directory has no room for this VM's pages: {e}"))
-                        }
-                        _ => EngineError::from_io("growing a memory arena", e),
-                    })?;
+                    shared.grow_to(lists, pages).map_err(|e| out_of_room("growing a memory arena", e))?;
                 }
                 if index >= shared.backed.load(Ordering::Relaxed) {
                     // The helper has not got here (or could not): this step, now.

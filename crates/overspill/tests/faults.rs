@@ -409,7 +409,12 @@ fn servers_sharing_a_spill_directory_never_take_each_others_files() {
     if let Ok(mut on_b) = Client::connect(&uri) {
         assert!(on_b.write(0, &[1; 4096], false).is_err(), "B's vm1 was given state files under A's names");
     }
-    assert!(b.log_text().contains("another process"), "B's refusal says why:\n{}", b.log_text());
+    // (Logged as the refusal goes out: the client may hear it first.)
+    let deadline = Instant::now() + WAIT;
+    while !b.log_text().contains("another process") {
+        assert!(Instant::now() < deadline, "B's refusal says why:\n{}", b.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(std::fs::metadata(&spill_file).expect("A's spill file").ino(), inode, "B took A's spill file");
 
     // A crashes and comes back: its vm1's data is its own.
