@@ -77,14 +77,15 @@ pub fn open_image(path: &Path) -> Result<Arc<dyn GoldenImage>> {
 
 /// Opens a golden image file as `format`, whatever its first bytes say.
 pub fn open_image_as(path: &Path, format: Format) -> Result<Arc<dyn GoldenImage>> {
-    open_layer(path, format, 0)
+    open_layer(path, format, &[])
 }
 
 /// Opens one layer of a chain, `depth` layers below the image a VM sees.
-pub(crate) fn open_layer(path: &Path, format: Format, depth: usize) -> Result<Arc<dyn GoldenImage>> {
+/// `above`: the (device, inode) of the layers above, for a layer that opens its own backing.
+pub(crate) fn open_layer(path: &Path, format: Format, above: &[(u64, u64)]) -> Result<Arc<dyn GoldenImage>> {
     Ok(match format {
         Format::Raw => Arc::new(RawImage::open(path)?),
-        Format::Qcow2 => Arc::new(qcow2::Qcow2Image::open_layer(path, depth)?),
+        Format::Qcow2 => Arc::new(qcow2::Qcow2Image::open_layer(path, above)?),
         Format::Vhdx => Arc::new(vhdx::VhdxImage::open(path)?),
     })
 }

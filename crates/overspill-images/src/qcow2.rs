@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -128,7 +128,7 @@ fn read_extensions(file: &File, path: &Path, mut at: u64, cluster: u64, file_len
 impl Qcow2Image {
     /// Opens an image and the chain of backing files under it.
     pub fn open(path: &Path) -> Result<Self> {
-        Self::open_layer(path, 0)
+        Self::open_layer(path, &[])
     }
 
     /// Whether this image reads through a backing file.
@@ -136,10 +136,13 @@ impl Qcow2Image {
         self.backing.is_some()
     }
 
-    pub(crate) fn open_layer(path: &Path, depth: usize) -> Result<Self> {
+    /// `above`: the (device, inode) of every layer above this one, to refuse a chain that loops
+    /// (each layer holds its L1 table while the layers under it open).
+    pub(crate) fn open_layer(path: &Path, above: &[(u64, u64)]) -> Result<Self> {
         let file = File::open(path).map_err(|source| EngineError::Io { what: "opening golden image", source })?;
         let mut header = [0u8; 112];
         let metadata = file.metadata().map_err(|source| EngineError::Io { what: "stat golden image", source })?;
+        let chain: Vec<(u64, u64)> = above.iter().copied().chain([(metadata.dev(), metadata.ino())]).collect();
         let file_len = metadata.len();
         if file_len < 72 {
             return Err(refuse(path, "too short for a qcow2 header"));
@@ -217,7 +220,8 @@ impl Qcow2Image {
         file.read_exact_at(&mut raw, l1_offset)
             .map_err(|source| EngineError::Io { what: "reading qcow2 L1 table", source })?;
         let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
-        let backing = Self::open_backing(&file, path, &header, extensions.backing_format.as_deref(), depth)?;
+        drop(raw);
+        let backing = Self::open_backing(&file, path, &header, extensions.backing_format.as_deref(), &chain)?;
         let mut identity = overspill_engine::golden::file_identity(&metadata);
         if let Some(below) = &backing {
             identity = format!("{identity} on {}", below.identity().unwrap_or_default());
@@ -245,7 +249,7 @@ impl Qcow2Image {
         path: &Path,
         header: &[u8],
         format: Option<&str>,
-        depth: usize,
+        chain: &[(u64, u64)],
     ) -> Result<Option<Arc<dyn GoldenImage>>> {
         let (offset, len) = (be64(header, 8), u64::from(be32(header, 16)));
         if offset == 0 {
@@ -254,7 +258,7 @@ impl Qcow2Image {
         if len == 0 || len > 1023 {
             return Err(refuse(path, format!("backing file name of {len} bytes")));
         }
-        if depth + 1 >= MAX_CHAIN_DEPTH {
+        if chain.len() >= MAX_CHAIN_DEPTH {
             return Err(refuse(path, format!("the backing chain is deeper than {MAX_CHAIN_DEPTH} layers (a loop?)")));
         }
         let mut name = vec![0u8; len as usize];
@@ -271,6 +275,9 @@ impl Qcow2Image {
         // Only a regular file can be a layer: opening a FIFO or a device would block or read
         // something that is not an image.
         match std::fs::metadata(&backing_path) {
+            Ok(meta) if chain.contains(&(meta.dev(), meta.ino())) => {
+                return Err(refuse(path, format!("backing file {name:?} is a layer above it: the chain loops")));
+            }
             Ok(meta) if meta.is_file() => {}
             Ok(_) => return Err(refuse(path, format!("backing file {name:?} is not a regular file"))),
             Err(e) => return Err(refuse(path, format!("backing file {name:?} ({}): {e}", backing_path.display()))),
@@ -284,7 +291,7 @@ impl Qcow2Image {
             })?,
             None => Format::probe(&backing_path).map_err(|e| refuse(path, format!("backing file {name:?}: {e}")))?,
         };
-        let below = crate::open_layer(&backing_path, format, depth + 1)
+        let below = crate::open_layer(&backing_path, format, chain)
             .map_err(|e| refuse(path, format!("backing file {name:?}: {e}")))?;
         tracing::info!(image = %path.display(), backing = %below.describe(), "qcow2 layer opened on its backing file");
         Ok(Some(below))
@@ -309,6 +316,11 @@ impl Qcow2Image {
         let l2_offset = self.l1.get(l1_index).copied().unwrap_or(0) & OFFSET_MASK;
         if l2_offset == 0 {
             return Ok(0);
+        }
+        // As qemu: a table starts a cluster. (Tables a few bytes apart would each be read and
+        // kept, a cluster apiece, for what a handful of clusters hold.)
+        if !l2_offset.is_multiple_of(cluster) || l2_offset + cluster > self.file_len {
+            return Err(corrupt(&self.path, format!("L1 entry {l1_index} points at {l2_offset}, not an L2 table")));
         }
         Ok(self.l2_table(l2_offset)?[((offset / cluster) % entries) as usize])
     }

@@ -159,7 +159,13 @@ fn a_loop_or_a_missing_layer_is_refused_at_open() {
     // Unsafe rebase: b now names a as its backing file, and a names b.
     run("qemu-img", &["rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", s(&a), s(&b)]);
     let err = open_image(&a).err().expect("a loop is refused").to_string();
-    assert!(err.contains("deeper than"), "{err}");
+    // Found where it closes, not 64 layers down (each holding its L1 table meanwhile).
+    assert!(err.contains("the chain loops"), "{err}");
+    let own = d.join("own.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&own), "8M"]);
+    run("qemu-img", &["rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", s(&own), s(&own)]);
+    let err = open_image(&own).err().expect("an image that is its own backing file is refused").to_string();
+    assert!(err.contains("the chain loops"), "{err}");
     let c = d.join("c.qcow2");
     let orphan = d.join("orphan.qcow2");
     run("qemu-img", &["create", "-q", "-f", "qcow2", s(&c), "8M"]);
@@ -167,6 +173,30 @@ fn a_loop_or_a_missing_layer_is_refused_at_open() {
     std::fs::remove_file(&c).expect("remove the backing file");
     let err = open_image(&orphan).err().expect("a missing layer is refused").to_string();
     assert!(err.contains("c.qcow2"), "names the missing file: {err}");
+}
+
+/// An L1 entry that does not point at the start of a cluster inside the file is corruption, as
+/// qemu says: reading through it is an error, not a table read from wherever it points.
+#[test]
+fn an_l1_entry_off_a_cluster_boundary_is_refused_when_read() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("bad.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&image), "8M"]);
+    run("qemu-io", &["-f", "qcow2", "-c", "write -P 0x33 0 4k", s(&image)]);
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&image).expect("open");
+    let mut header = [0u8; 48];
+    file.read_exact_at(&mut header, 0).expect("header");
+    let l1_offset = u64::from_be_bytes(header[40..48].try_into().expect("8 bytes"));
+    let mut entry = [0u8; 8];
+    file.read_exact_at(&mut entry, l1_offset).expect("L1 entry");
+    let moved = u64::from_be_bytes(entry) + 512;
+    file.write_all_at(&moved.to_be_bytes(), l1_offset).expect("patch");
+    drop(file);
+    let opened = open_image(&image).expect("the header is fine");
+    let mut buf = vec![0u8; 4096];
+    let err = opened.read_at(&mut buf, 0).expect_err("a read through a misplaced L2 table");
+    assert!(err.to_string().contains("not an L2 table"), "{err}");
 }
 
 #[test]
