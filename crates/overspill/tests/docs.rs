@@ -265,7 +265,9 @@ impl Qmp {
 
     /// Runs one command; its "return" value (events in between are skipped).
     fn execute(&mut self, command: Value) -> Value {
-        writeln!(self.input, "{command}").expect("writing to QMP");
+        // One write: QEMU acts on a command at its closing brace, and after `quit` it is gone
+        // before a separate write of the newline could reach it (EPIPE, seen in CI).
+        self.input.write_all(format!("{command}\n").as_bytes()).expect("writing to QMP");
         loop {
             let line = self.next_line();
             if !line.starts_with('{') {
