@@ -354,11 +354,7 @@ impl Arena {
     /// belong to a live VM).
     pub fn create(dir: &Path, name: &str, capacity_pages: u32) -> Result<Self> {
         let paths = Self::paths(dir, name);
-        let create = |path: &Path| {
-            let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)?;
-            crate::store::hold(&file, path)?;
-            Ok::<_, io::Error>(file)
-        };
+        let create = |path: &Path| OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path);
         let pages = create(&paths[0]).map_err(|e| EngineError::from_io("creating an arena file", e))?;
         let headers = match create(&paths[1]) {
             Ok(file) => file,
@@ -376,11 +372,7 @@ impl Arena {
     /// recovery that fails part-way leaves the state as it found it.
     pub fn open(dir: &Path, name: &str, capacity_pages: u32) -> Result<(Self, Vec<LivePage>)> {
         let paths = Self::paths(dir, name);
-        let open = |path: &Path| {
-            let file = OpenOptions::new().read(true).write(true).open(path)?;
-            crate::store::hold(&file, path)?;
-            Ok::<_, io::Error>(file)
-        };
+        let open = |path: &Path| OpenOptions::new().read(true).write(true).open(path);
         let files = open(&paths[0]).and_then(|pages| Ok((pages, open(&paths[1])?)));
         let (pages, headers) = files.map_err(|e| EngineError::from_io("opening an arena file", e))?;
         let found = pages_in(&pages, &headers)?;
@@ -568,6 +560,14 @@ impl Arena {
     /// files stay when the arena goes.
     pub fn keep(&self) {
         self.0.keep.store(true, Ordering::Relaxed);
+    }
+
+    /// Holds the arena's files for this process while they are open (see
+    /// [`crate::store::hold`]); nothing for an arena without files.
+    pub fn hold(&self) -> io::Result<()> {
+        let Some([pages, headers]) = &self.0.paths else { return Ok(()) };
+        crate::store::hold(&self.0.page_file, pages)?;
+        crate::store::hold(&self.0.header_file, headers)
     }
 
     /// Undoes [`Self::keep`]: pages dropped from now on are free, and the files go with the

@@ -336,7 +336,6 @@ impl ScratchFile {
     pub fn create(dir: &Path, name: &str, logical_size: u64) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-        hold(&file, &path)?;
         let scratch = Self::from_file(file, path);
         scratch.file.set_len(logical_size)?;
         Ok(scratch)
@@ -348,10 +347,14 @@ impl ScratchFile {
     pub fn open(dir: &Path, name: &str) -> io::Result<Self> {
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).open(&path)?;
-        hold(&file, &path)?;
         let mut opened = Self::from_file(file, path);
         opened.kept = true;
         Ok(opened)
+    }
+
+    /// Holds the file for this process while it is open (see [`hold`]).
+    pub fn hold(&self) -> io::Result<()> {
+        hold(&self.file, &self.path)
     }
 
     fn from_file(file: File, path: PathBuf) -> Self {

@@ -178,7 +178,9 @@ impl OverlayExports {
         }
         let stem = state_file_stem(&recoverable.vm);
         let open = |dir: &Path, suffix: &str| -> Result<Box<ScratchFile>, String> {
+            // Held, as the files of a VM that outlives the process are (see persistent_overlay).
             ScratchFile::open(dir, &format!("{stem}.{suffix}"))
+                .and_then(|file| file.hold().map(|()| file))
                 .map(Box::new)
                 .map_err(|e| format!("{}/{stem}.{suffix}: {e}", dir.display()))
         };
@@ -203,6 +205,7 @@ impl OverlayExports {
         };
         let config = self.overlay_config();
         let arena = Arena::open(&state.memory_dir, &stem, Overlay::arena_pages(&config)).map_err(|e| e.to_string())?;
+        arena.0.hold().map_err(|e| e.to_string())?;
         let stats = Arc::new(VmStats::default());
         let overlay =
             Overlay::recover(image, config, backing, self.host.clone(), stats.clone(), arena, files, segments)
@@ -462,7 +465,10 @@ impl OverlayExports {
         let io = |what: &'static str| move |e| device_error(EngineError::from_io(what, e));
         self.registry.mark_persistent(number, record).map_err(io("recording the VM in the ledger"))?;
         let stem = state_file_stem(vm);
-        let create = |dir: &Path, suffix: &str| ScratchFile::create(dir, &format!("{stem}.{suffix}"), 0);
+        // Each file held while open: a server sharing the directory leaves it alone (above).
+        let create = |dir: &Path, suffix: &str| {
+            ScratchFile::create(dir, &format!("{stem}.{suffix}"), 0).and_then(|file| file.hold().map(|()| file))
+        };
         let files = StateFiles {
             segments: Box::new(create(&memory_dir, "segments").map_err(io("creating state file"))?),
             zeros: Box::new(create(&memory_dir, "zeros").map_err(io("creating state file"))?),
@@ -473,12 +479,15 @@ impl OverlayExports {
             }
             (Some(dir), Some(kind)) => {
                 let name = format!("{stem}.{}", backing_suffix(kind));
-                let file = ScratchFile::create(dir, &name, image.size()).map_err(io("creating cache file"))?;
+                let file = ScratchFile::create(dir, &name, image.size())
+                    .and_then(|file| file.hold().map(|()| file))
+                    .map_err(io("creating cache file"))?;
                 Some(Box::new(file.with_space_shortages(self.space_shortages.clone())))
             }
             _ => None,
         };
         let arena = Arena::create(&memory_dir, &stem, Overlay::arena_pages(&config)).map_err(device_error)?;
+        arena.hold().map_err(io("holding the memory arena"))?;
         Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files).map_err(device_error)
     }
 }
