@@ -194,10 +194,8 @@ impl Shared {
     /// tmpfs at its size, every VM of the server with it); allocated first, the page is an
     /// error for the one VM that wanted it.
     fn allocate(&self, from: u32, to: u32) -> Result<()> {
-        let offset = u64::from(from) * BLOCK_SIZE as u64;
-        let len = u64::from(to - from) * BLOCK_SIZE as u64;
-        rustix::fs::fallocate(&self.page_file, FallocateFlags::KEEP_SIZE, offset, len)
-            .map_err(|e| out_of_room("allocating memory arena pages", e.into()))
+        allocate_pages(&self.page_file, from, to)
+            .map_err(|e| EngineError::from_io("allocating pages in the memory directory", e.into()))
     }
 
     fn release(&self, indexes: &[u32]) {
@@ -297,11 +295,7 @@ fn allocate_ahead(file: &File, handed_out: &AtomicU32, backed: &AtomicU32, from:
     if from >= to {
         return;
     }
-    let offset = u64::from(from) * BLOCK_SIZE as u64;
-    let len = u64::from(to - from) * BLOCK_SIZE as u64;
-    // Pages past the file's end are allocated without growing it: the VM grows the file when it
-    // gets there, and finds them.
-    match rustix::fs::fallocate(file, FallocateFlags::KEEP_SIZE, offset, len) {
+    match allocate_pages(file, from, to) {
         Ok(()) => {
             let _ = backed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| (b >= from && b < to).then_some(to));
         }
@@ -309,14 +303,12 @@ fn allocate_ahead(file: &File, handed_out: &AtomicU32, backed: &AtomicU32, from:
     }
 }
 
-/// An arena's file operation that failed: a full memory directory is the VM's ENOSPC.
-fn out_of_room(what: &'static str, error: io::Error) -> EngineError {
-    match error.kind() {
-        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
-            EngineError::NoSpace(format!("the memory directory has no room for this VM's pages: {error}"))
-        }
-        _ => EngineError::from_io(what, error),
-    }
+/// Allocates pages `from..to` of a page file (keeping what is there). Pages past the file's end
+/// are allocated without growing it: the VM grows the file when it gets there, and finds them.
+fn allocate_pages(file: &File, from: u32, to: u32) -> rustix::io::Result<()> {
+    let offset = u64::from(from) * BLOCK_SIZE as u64;
+    let len = u64::from(to - from) * BLOCK_SIZE as u64;
+    rustix::fs::fallocate(file, FallocateFlags::KEEP_SIZE, offset, len)
 }
 
 /// How many pages a pair of arena files holds whole: as many as both are long enough for (a
@@ -504,7 +496,7 @@ impl Arena {
                 }
                 if index >= lists.file_pages {
                     let pages = lists.file_pages.saturating_add(GROWTH_PAGES.max(lists.file_pages / 4));
-                    shared.grow_to(lists, pages).map_err(|e| out_of_room("growing a memory arena", e))?;
+                    shared.grow_to(lists, pages).map_err(|e| EngineError::from_io("growing a memory arena", e))?;
                 }
                 if index >= shared.backed.load(Ordering::Relaxed) {
                     // The helper has not got here (or could not): this step, now.

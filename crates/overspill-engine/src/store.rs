@@ -323,12 +323,8 @@ pub fn hold(file: &File, path: &Path) -> io::Result<()> {
 /// Whether another process holds `path` (see [`hold`]); a file this process holds counts too,
 /// since the check opens it anew.
 pub fn held_elsewhere(path: &Path) -> bool {
-    File::open(path).is_ok_and(|file| {
-        let held = hold(&file, path).is_err_and(|e| e.kind() == io::ErrorKind::ResourceBusy);
-        // Closing the probe's descriptor drops a lock it took.
-        drop(file);
-        held
-    })
+    // A lock the probe takes goes with its descriptor, at the end of the closure.
+    File::open(path).is_ok_and(|file| hold(&file, path).is_err_and(|e| e.kind() == io::ErrorKind::ResourceBusy))
 }
 
 impl ScratchFile {
@@ -352,9 +348,10 @@ impl ScratchFile {
         Ok(opened)
     }
 
-    /// Holds the file for this process while it is open (see [`hold`]).
-    pub fn hold(&self) -> io::Result<()> {
-        hold(&self.file, &self.path)
+    /// The file, held for this process while it is open (see [`hold`]).
+    pub fn held(self) -> io::Result<Self> {
+        hold(&self.file, &self.path)?;
+        Ok(self)
     }
 
     fn from_file(file: File, path: PathBuf) -> Self {
@@ -455,8 +452,21 @@ fn write_segment(
 /// restart from what its filesystem reports: one that allocates in larger units (ZFS records, a
 /// tmpfs with huge pages, ext4 bigalloc) would make the neighbours of a written block read as
 /// zeroes instead of golden data, and one that drops written zeroes (ZFS with compression) would
-/// show golden data where the VM wrote zeroes. Probed with a file of its own, then removed.
+/// show golden data where the VM wrote zeroes. Probed with a file of its own, then removed; once
+/// per directory and process (a restart rebuilds every in-place VM of the directory, and each
+/// probe waits for a sync).
 pub fn reports_blocks_exactly(dir: &Path) -> io::Result<bool> {
+    static PROBED: Mutex<Vec<(PathBuf, bool)>> = Mutex::new(Vec::new());
+    let known = |probed: &[(PathBuf, bool)]| probed.iter().find(|(d, _)| d == dir).map(|&(_, exact)| exact);
+    if let Some(exact) = known(&PROBED.lock().unwrap_or_else(PoisonError::into_inner)) {
+        return Ok(exact);
+    }
+    let exact = probe_blocks(dir)?;
+    PROBED.lock().unwrap_or_else(PoisonError::into_inner).push((dir.to_owned(), exact));
+    Ok(exact)
+}
+
+fn probe_blocks(dir: &Path) -> io::Result<bool> {
     use rustix::fs::{seek, SeekFrom};
     const MIB: u64 = 1 << 20;
     let path = dir.join(format!(".overspill-hole-probe-{}", std::process::id()));

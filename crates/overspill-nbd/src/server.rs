@@ -195,34 +195,28 @@ fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
     }
 }
 
-/// Wakes an accept loop blocked in accept(), which has no timeout.
+/// Wakes the accept loop at once, where it may: a socket of this server's own is shut for
+/// reading, which makes a waiting poll or accept return on Linux, even when its Unix socket
+/// file is gone. One the service manager holds must stay open (shut, it would refuse the next
+/// server's clients too): the loop sees the flag within [`ACCEPT_LOOK_AGAIN`].
 #[derive(Debug)]
 struct ListenerWaker {
     socket: std::os::fd::OwnedFd,
-    addr: ListenAddr,
-    /// Not for a socket the service manager holds: shut, it would refuse the next server's
-    /// clients too.
     may_shut: bool,
 }
 
 impl ListenerWaker {
     fn wake(&self) {
-        // Shutting a listening socket for reading makes a blocked accept() fail at once on Linux,
-        // even when its Unix socket file is gone. Should that not work, a connection of our own
-        // wakes it, if the address can still be reached.
-        if self.may_shut && rustix::net::shutdown(&self.socket, rustix::net::Shutdown::Read).is_ok() {
-            return;
-        }
-        if let Err(error) = connect(&self.addr) {
-            tracing::warn!(addr = %self.addr, %error, "could not wake the accept loop");
+        if self.may_shut {
+            let _ = rustix::net::shutdown(&self.socket, rustix::net::Shutdown::Read);
         }
     }
 }
 
-/// How long the accept loop waits for a client before it looks at the shutdown flag again. The
-/// waker cannot always reach a socket systemd holds: it may not shut it, and its path may refuse
-/// this service's user (the shipped unit's socket is root's and libvirt's, mode 0660), so an idle
-/// server would otherwise stop or restart only when the next client came.
+/// How long the accept loop waits for a client before it looks at the shutdown flag again: the
+/// waker may not shut a socket systemd holds, and a connection of our own to its path may be
+/// refused to this service's user (the shipped unit's socket is root's and libvirt's, mode
+/// 0660), so an idle server would otherwise stop or restart only when the next client came.
 const ACCEPT_LOOK_AGAIN: Duration = Duration::from_millis(200);
 
 impl Listener {
@@ -245,7 +239,7 @@ impl Listener {
             Self::Unix(l, ..) => l.try_clone()?.into(),
             Self::Tcp(l, _) => l.try_clone()?.into(),
         };
-        Ok(ListenerWaker { socket, addr: self.local_addr(), may_shut: !self.is_inherited() })
+        Ok(ListenerWaker { socket, may_shut: !self.is_inherited() })
     }
 }
 

@@ -456,18 +456,6 @@ fn a_request_dribbled_byte_by_byte_is_cut_at_its_deadline() {
     }
 }
 
-/// Waits until the server has no connection left; whether it got there within `limit`.
-fn all_connections_end(server: &Server, limit: Duration) -> bool {
-    let deadline = std::time::Instant::now() + limit;
-    while server.active_connections() > 0 {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    true
-}
-
 /// Sends `message` over and over on a clone of `stream` until the server stops taking it.
 fn flood(stream: &UnixStream, message: Vec<u8>) -> std::thread::JoinHandle<()> {
     let mut writer = stream.try_clone().expect("clone");
@@ -486,7 +474,7 @@ fn a_client_that_never_takes_its_replies_is_cut_at_the_request_timeout() {
     let counters = server.counters();
     let stream = after_handshake(&server);
     let sender = flood(&stream, request(CMD_READ, 1, 0, 1 << 16, &[]));
-    assert!(all_connections_end(&server, Duration::from_secs(10)), "the server still waits on the client");
+    assert!(server.wait_idle(Duration::from_secs(10)), "the server still waits on the client");
     assert!(counters.refusals().contains(&(Refusal::RequestTimeout, 1)), "{:?}", counters.refusals());
     drop(stream);
     sender.join().expect("sender");
@@ -508,7 +496,7 @@ fn a_handshake_whose_replies_are_never_read_ends_at_its_deadline() {
     put_u32(&mut list, OPT_LIST);
     put_u32(&mut list, 0);
     let sender = flood(&stream, list);
-    assert!(all_connections_end(&server, Duration::from_secs(8)), "the handshake outlived its deadline");
+    assert!(server.wait_idle(Duration::from_secs(8)), "the handshake outlived its deadline");
     assert!(counters.refusals().contains(&(Refusal::HandshakeTimeout, 1)), "{:?}", counters.refusals());
     drop(stream);
     sender.join().expect("sender");

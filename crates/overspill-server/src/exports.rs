@@ -180,7 +180,7 @@ impl OverlayExports {
         let open = |dir: &Path, suffix: &str| -> Result<Box<ScratchFile>, String> {
             // Held, as the files of a VM that outlives the process are (see persistent_overlay).
             ScratchFile::open(dir, &format!("{stem}.{suffix}"))
-                .and_then(|file| file.hold().map(|()| file))
+                .and_then(ScratchFile::held)
                 .map(Box::new)
                 .map_err(|e| format!("{}/{stem}.{suffix}: {e}", dir.display()))
         };
@@ -467,7 +467,7 @@ impl OverlayExports {
         let stem = state_file_stem(vm);
         // Each file held while open: a server sharing the directory leaves it alone (above).
         let create = |dir: &Path, suffix: &str| {
-            ScratchFile::create(dir, &format!("{stem}.{suffix}"), 0).and_then(|file| file.hold().map(|()| file))
+            ScratchFile::create(dir, &format!("{stem}.{suffix}"), 0).and_then(ScratchFile::held)
         };
         let files = StateFiles {
             segments: Box::new(create(&memory_dir, "segments").map_err(io("creating state file"))?),
@@ -480,7 +480,7 @@ impl OverlayExports {
             (Some(dir), Some(kind)) => {
                 let name = format!("{stem}.{}", backing_suffix(kind));
                 let file = ScratchFile::create(dir, &name, image.size())
-                    .and_then(|file| file.hold().map(|()| file))
+                    .and_then(ScratchFile::held)
                     .map_err(io("creating cache file"))?;
                 Some(Box::new(file.with_space_shortages(self.space_shortages.clone())))
             }
