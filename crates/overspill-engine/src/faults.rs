@@ -583,6 +583,10 @@ impl GoldenImage for FaultyImage {
         self.inner.identity()
     }
 
+    fn matches_identity(&self, recorded: &str) -> bool {
+        self.inner.matches_identity(recorded)
+    }
+
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::Extent>> {
         self.inner.extents(offset, len)
     }

@@ -58,9 +58,16 @@ pub trait GoldenImage: Send + Sync {
     fn describe(&self) -> String;
     /// What tells these exact contents from other contents under the same name, for state that
     /// outlives the process: a file's device, inode, size and modification time; an S3 object's
-    /// ETag; an RBD snapshot's name (snapshots never change). `None`: nothing to compare.
+    /// ETag; an RBD snapshot's image and snapshot ids (a snapshot never changes, but one deleted
+    /// and made again under its name is another). `None`: nothing to compare.
     fn identity(&self) -> Option<String> {
         None
+    }
+    /// Whether `recorded`, an [`identity`](Self::identity) an earlier server wrote down, names
+    /// these contents. Equality, unless a source's identity has grown since (it then still
+    /// knows its older, shorter form).
+    fn matches_identity(&self, recorded: &str) -> bool {
+        self.identity().as_deref() == Some(recorded)
     }
     /// The chunk a read cache in front should fetch at a time, if not the default: remote
     /// stores, where every request costs a round trip, want large ones.

@@ -448,6 +448,10 @@ impl GoldenImage for CachedImage {
         self.source.identity()
     }
 
+    fn matches_identity(&self, recorded: &str) -> bool {
+        self.source.matches_identity(recorded)
+    }
+
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::Extent>> {
         self.source.extents(offset, len)
     }

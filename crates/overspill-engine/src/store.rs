@@ -323,8 +323,20 @@ pub fn hold(file: &File, path: &Path) -> io::Result<()> {
 /// Whether another process holds `path` (see [`hold`]); a file this process holds counts too,
 /// since the check opens it anew.
 pub fn held_elsewhere(path: &Path) -> bool {
-    // A lock the probe takes goes with its descriptor, at the end of the closure.
-    File::open(path).is_ok_and(|file| hold(&file, path).is_err_and(|e| e.kind() == io::ErrorKind::ResourceBusy))
+    held(path) == Some(true)
+}
+
+/// Whether anyone holds `path` (see [`hold`]; this process too, since the check opens it anew):
+/// `None` when that cannot be told (a filesystem without locks, a file that cannot be opened).
+pub fn held(path: &Path) -> Option<bool> {
+    use rustix::fs::{flock, FlockOperation};
+    let file = File::open(path).ok()?;
+    // A lock the probe takes goes with its descriptor, dropped on return.
+    match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Some(false),
+        Err(rustix::io::Errno::WOULDBLOCK) => Some(true),
+        Err(_) => None,
+    }
 }
 
 impl ScratchFile {

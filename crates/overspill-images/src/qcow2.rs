@@ -9,12 +9,13 @@
 //! encryption, an external data file, extended L2 entries (subclusters), the corrupt bit,
 //! unknown incompatible features, an unknown compression type.
 //!
-//! Lookups: the L1 table is read at open; L2 tables are read on first use and kept (one 64 KiB
-//! table maps 512 MiB of disk with 64 KiB clusters, so even a large image's tables are small).
+//! Lookups: the L1 table is read at open; L2 tables are read on first use and the most recently
+//! used [`L2_CACHE_BYTES`] of them kept (one 64 KiB table maps 512 MiB of disk with 64 KiB
+//! clusters: 32 MiB of tables cover 256 GiB; with 4 KiB clusters a table maps 2 MiB, and keeping
+//! every table of a 1 TiB image would take 2 GiB).
 //! The last few decompressed clusters are kept too: a read cache in front fetches in chunks that
 //! may be smaller than a cluster, and each would otherwise inflate the whole cluster again.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -42,6 +43,13 @@ const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 const EXT_DATA_FILE: u32 = 0x4441_5441;
 /// A chain deeper than this is a loop or a mistake; qemu's limit is of the same order.
 pub const MAX_CHAIN_DEPTH: usize = 64;
+
+/// L2 tables an open layer keeps, in bytes: what qemu keeps at most by default (32 MiB).
+pub const L2_CACHE_BYTES: u64 = 32 << 20;
+
+fn l2_tables_kept(cluster_bits: u32) -> std::num::NonZeroUsize {
+    std::num::NonZeroUsize::new((L2_CACHE_BYTES >> cluster_bits).max(1) as usize).unwrap_or(std::num::NonZeroUsize::MIN)
+}
 /// Decompressed clusters kept: enough for a few VMs reading neighbouring clusters at once.
 const DECOMPRESSED_KEPT: usize = 16;
 
@@ -59,7 +67,8 @@ pub struct Qcow2Image {
     cluster_bits: u32,
     compression: Compression,
     l1: Vec<u64>,
-    l2_cache: Mutex<HashMap<u64, Arc<[u64]>>>,
+    /// L2 tables by host offset, the least recently used out first.
+    l2_cache: Mutex<lru::LruCache<u64, Arc<[u64]>>>,
     /// Host offset of a compressed cluster → its bytes, the newest last.
     decompressed: Mutex<Vec<(u64, Arc<[u8]>)>>,
     backing: Option<Arc<dyn GoldenImage>>,
@@ -234,7 +243,7 @@ impl Qcow2Image {
             cluster_bits,
             compression,
             l1,
-            l2_cache: Mutex::default(),
+            l2_cache: Mutex::new(lru::LruCache::new(l2_tables_kept(cluster_bits))),
             decompressed: Mutex::default(),
             backing,
             identity,
@@ -304,8 +313,13 @@ impl Qcow2Image {
         let mut raw = vec![0u8; 1 << self.cluster_bits];
         self.file.read_exact_at(&mut raw, offset)?;
         let table: Arc<[u64]> = raw.chunks_exact(8).map(|c| be64(c, 0)).collect::<Vec<_>>().into();
-        self.l2_cache.lock().unwrap_or_else(|p| p.into_inner()).insert(offset, table.clone());
+        self.l2_cache.lock().unwrap_or_else(|p| p.into_inner()).put(offset, table.clone());
         Ok(table)
+    }
+
+    /// Bytes of L2 tables kept now (at most [`L2_CACHE_BYTES`], or one table).
+    pub fn l2_cache_bytes(&self) -> u64 {
+        (self.l2_cache.lock().unwrap_or_else(|p| p.into_inner()).len() as u64) << self.cluster_bits
     }
 
     /// The L2 entry of the cluster holding guest `offset`; 0 when no L2 table maps it.

@@ -233,3 +233,43 @@ fn a_sparse_raw_file_reports_its_holes() {
     let image = open_image(&raw).expect("raw");
     assert_extents_truthful(image.as_ref(), &expected, &WRITTEN);
 }
+
+/// With 4 KiB clusters one L2 table maps 2 MiB: a reader walking a large image keeps only the
+/// most recent 32 MiB of tables (a 1 TiB image's would be 2 GiB), and reads right all along.
+#[test]
+fn l2_tables_kept_stay_within_their_bound_on_a_full_walk() {
+    use overspill_images::qcow2::L2_CACHE_BYTES;
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("walk.qcow2");
+    // 4 KiB tables, 8 KiB past the bound: one written cluster in each table's 2 MiB.
+    let tables = (L2_CACHE_BYTES / 4096 + 2) as usize;
+    let size = format!("{}M", tables * 2);
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096", s(&image), &size]);
+    let mut qemu_io = Command::new("qemu-io")
+        .args(["-f", "qcow2", s(&image)])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    let mut commands = String::new();
+    for table in 0..tables {
+        commands.push_str(&format!("write -P {} {}M 512\n", table % 251, table * 2));
+    }
+    commands.push_str("quit\n");
+    qemu_io.stdin.take().expect("stdin").write_all(commands.as_bytes()).expect("commands");
+    assert!(qemu_io.wait().expect("qemu-io").success(), "qemu-io failed");
+
+    let qcow = Qcow2Image::open(&image).expect("open");
+    let mut block = [0u8; 512];
+    for table in 0..tables {
+        qcow.read_at(&mut block, table as u64 * (2 << 20)).expect("read");
+        assert!(block.iter().all(|&b| b == (table % 251) as u8), "table {table}'s cluster");
+        assert!(qcow.l2_cache_bytes() <= L2_CACHE_BYTES, "{} bytes of tables kept", qcow.l2_cache_bytes());
+    }
+    assert_eq!(qcow.l2_cache_bytes(), L2_CACHE_BYTES, "a walk fills the cache to its bound");
+    // The first tables were let go; read again, they come back from the file.
+    qcow.read_at(&mut block, 0).expect("read");
+    assert!(block.iter().all(|&b| b == 0), "table 0's cluster after its table was let go");
+}

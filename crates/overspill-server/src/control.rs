@@ -46,7 +46,7 @@ pub struct Answer {
 pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, ServerError> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
+        crate::files::own_directory(dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
     }
     let listener = Arc::new(Listener::bind(&ListenAddr::Unix(path.to_owned())).map_err(|e| {
         ServerError::io(format!("control socket {} (each server needs a --state-dir of its own)", path.display()), e)
@@ -59,7 +59,16 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, Se
         .name("control".into())
         .spawn(move || {
             for stream in socket.incoming() {
-                let Ok(stream) = stream else { continue };
+                let stream = match stream {
+                    Ok(stream) => stream,
+                    // Out of file descriptors, most likely: the client waits in the backlog,
+                    // and this thread must not spin a core until one is free.
+                    Err(error) => {
+                        tracing::debug!(%error, "control socket: accept failed");
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                        continue;
+                    }
+                };
                 let registry = registry.clone();
                 let _ = std::thread::Builder::new().name("control-client".into()).spawn(move || {
                     if let Err(error) = answer(stream, &registry) {

@@ -95,9 +95,13 @@ impl OverlayExports {
         if let Some((flag, dir)) = settings.cache_dir() {
             writable_directory(dir).map_err(|e| ServerError::io(format!("{flag} {}", dir.display()), e))?;
         }
+        // (Later calls would race the creation of this program's own files, between their
+        // making and their holding.)
+        static FIRST_IN_THIS_PROGRAM: AtomicBool = AtomicBool::new(true);
+        let first_in_program = FIRST_IN_THIS_PROGRAM.swap(false, Ordering::Relaxed);
         for dir in [&settings.spill_dir, &settings.shared_dir] {
             if dir.is_dir() {
-                remove_stale_cache_files(dir);
+                remove_stale_cache_files(dir, first_in_program);
             }
         }
         let read_caches = Arc::new(ReadCacheList::default());
@@ -136,7 +140,7 @@ impl OverlayExports {
     /// are forgotten.
     pub fn with_lifecycle(&mut self, lifecycle: Lifecycle) -> std::io::Result<()> {
         if let Some(dir) = lifecycle.memory_dir.as_ref().filter(|_| lifecycle.persistent()) {
-            std::fs::create_dir_all(dir)
+            crate::files::own_directory(dir)
                 .map_err(|e| std::io::Error::new(e.kind(), format!("memory directory {}: {e}", dir.display())))?;
             std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         }
@@ -163,7 +167,7 @@ impl OverlayExports {
         let (label, image) = self.image_made_over(&recoverable.image, &state.image_label)?;
         // A record without an identity comes from a server that did not keep one: nothing to
         // compare, as before.
-        if state.image_identity.is_some() && image.identity() != state.image_identity {
+        if state.image_identity.as_deref().is_some_and(|recorded| !image.matches_identity(recorded)) {
             return Err(format!(
                 "{label} is no longer the image its writes were made over (then: {}, now: {})",
                 state.image_identity.as_deref().unwrap_or("unknown"),
@@ -292,10 +296,19 @@ impl OverlayExports {
         // provider on one spill directory, and a departing VM's file may outlive the next start
         // by the time its last segment write takes.
         static NEXT_FILE: AtomicU64 = AtomicU64::new(1);
-        let number = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let (dir, logical) = self.backing_place(kind, size);
-        let file = ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{}", backing_suffix(kind)), logical)?;
+        // Held while open, so that a server sharing the directory (in another PID namespace,
+        // where our pid means nothing) leaves it alone. A name still taken was left by this
+        // process before a restart in place (same pid, the count begun again) and not yet
+        // removed: the next number does.
+        let file = loop {
+            let number = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+            match ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{}", backing_suffix(kind)), logical) {
+                Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                created => break created?.held()?,
+            }
+        };
         Ok(match kind {
             BackingKind::SpillLog => self.spill_backing(file),
             BackingKind::LocalCache | BackingKind::SharedDifferencing => {
@@ -450,15 +463,19 @@ impl OverlayExports {
             memory_dir: memory_dir.clone(),
             spill_dir: spill_dir.clone(),
         };
-        // Files of this name with no ledger entry are left from a server that died before it
-        // recorded them: this VM's, holding nothing acknowledged. Unless another process holds
-        // them: a server sharing the spill directory, with a VM of the same name, whose files
-        // they are.
-        let held = crate::vms::remove_leftover_state_files(vm, &record);
-        if let Some(path) = held.first() {
+        // Files of this name that the ledger does not name (a fresh VM has no entry, and an
+        // entry is written before its files are made) are not this server's: another server's
+        // sharing the directory, holding them while its VM runs or keeping them for its next
+        // start to rebuild that VM, or files left by hand. Never removed here.
+        if let Some(path) = crate::vms::state_file_paths(vm, &record).into_iter().find(|path| path.exists()) {
+            let whose = if overspill_engine::store::held_elsewhere(&path) {
+                "another process holds it (a server sharing this directory, with a VM of the same name?)"
+            } else {
+                "no ledger entry of this server names it: another server's (sharing this directory, with a VM \
+                 of the same name, to rebuild at its next start), or left by hand; remove it if no server needs it"
+            };
             return Err(device_error(EngineError::Config(format!(
-                "{} is another process's (a server sharing this directory with a VM of the same name?): \
-                 this VM cannot keep its state under that name",
+                "{} exists and {whose}: this VM cannot keep its state under that name",
                 path.display()
             ))));
         }
@@ -736,20 +753,29 @@ impl BlockDevice for EngineDevice {
 
 /// Makes `dir` if it is missing and checks that files can be made in it.
 fn writable_directory(dir: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
+    crate::files::own_directory(dir)?;
     let probe = dir.join(format!(".overspill-probe-{}", std::process::id()));
     std::fs::File::create(&probe)?;
     std::fs::remove_file(&probe)
 }
 
 /// Removes cache files left by servers that are no longer running. Files of live servers (another
-/// overspill sharing the directory) are left alone.
-fn remove_stale_cache_files(dir: &Path) {
+/// overspill sharing the directory) are left alone: they hold them (see
+/// [`overspill_engine::store::hold`]), or, where the filesystem keeps no locks, their pid runs.
+/// Files under this process's own pid were left by its program before a restart in place (the
+/// same pid, a new program): removed by the program's first call, if no one holds them.
+fn remove_stale_cache_files(dir: &Path, first_in_program: bool) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(pid) = name.to_str().and_then(cache_file_pid) else { continue };
-        if pid != std::process::id() && !process_alive(pid) {
+        let held = overspill_engine::store::held(&entry.path());
+        let stale = match held {
+            Some(true) => false,
+            Some(false) if pid == std::process::id() => first_in_program,
+            _ => pid != std::process::id() && !process_alive(pid),
+        };
+        if stale {
             match std::fs::remove_file(entry.path()) {
                 Ok(()) => tracing::info!(file = %entry.path().display(), pid, "removed cache file of a dead server"),
                 Err(error) => {
@@ -852,15 +878,31 @@ mod tests {
     #[test]
     fn stale_files_of_dead_servers_go_and_live_ones_stay() {
         let dir = tempfile::tempdir().expect("tempdir");
-        // A pid above the kernel's maximum (4194304) is never alive.
-        let dead = dir.path().join("overspill-4294967-1.spill");
-        let live = dir.path().join(format!("overspill-{}-1.spill", std::process::id()));
-        let other = dir.path().join("keep.img");
-        for f in [&dead, &live, &other] {
+        let path = |name: &str| dir.path().join(name);
+        // A pid above the kernel's maximum (4194304) is never alive here; held, it is a live
+        // server's in another PID namespace.
+        let (dead, elsewhere) = (path("overspill-4294967-1.spill"), path("overspill-4294967-2.spill"));
+        let pid = std::process::id();
+        let (ours, left_by_our_program) =
+            (path(&format!("overspill-{pid}-1.spill")), path(&format!("overspill-{pid}-2.spill")));
+        let other = path("keep.img");
+        for f in [&dead, &elsewhere, &ours, &left_by_our_program, &other] {
             std::fs::write(f, b"x").expect("write");
         }
-        remove_stale_cache_files(dir.path());
+        let holders: Vec<std::fs::File> = [&elsewhere, &ours]
+            .iter()
+            .map(|f| {
+                let file = std::fs::File::open(f).expect("open");
+                overspill_engine::store::hold(&file, f).expect("hold");
+                file
+            })
+            .collect();
+        remove_stale_cache_files(dir.path(), false);
         assert!(!dead.exists());
-        assert!(live.exists() && other.exists());
+        assert!(elsewhere.exists() && ours.exists() && left_by_our_program.exists() && other.exists());
+        remove_stale_cache_files(dir.path(), true);
+        assert!(!left_by_our_program.exists(), "a file our pid's earlier program left");
+        assert!(elsewhere.exists() && ours.exists() && other.exists());
+        drop(holders);
     }
 }

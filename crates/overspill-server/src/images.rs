@@ -110,6 +110,16 @@ impl ImageStore {
         check_name("image", name)?;
         let dir = self.root.join(name);
         std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
+        // One publisher at a time per image: two would pick the same next number, and the
+        // second's copy would land on the first's (a version mixing both files).
+        let lock_path = dir.join(".publish.lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .and_then(|lock| crate::files::lock_exclusive(&lock).map(|()| lock))
+            .map_err(|e| ServerError::io(format!("locking {}", lock_path.display()), e))?;
         let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
         let version = format!("v{next}");
         // A version is one immutable file: a layer whose backing file or parent lies elsewhere
@@ -127,12 +137,15 @@ impl ImageStore {
         let target = dir.join(format!("{version}.{ext}"));
         let partial = dir.join(format!(".{version}.{ext}.partial"));
         let io = |e| ServerError::io(format!("publishing {} as {}", file.display(), target.display()), e);
+        // A copy a crashed publisher left (under the lock, no one else's).
+        let _ = std::fs::remove_file(&partial);
         std::fs::copy(file, &partial).map_err(io)?;
         // Published versions are read-only, for people as for the server.
         let mut perms = std::fs::metadata(&partial).map_err(io)?.permissions();
         perms.set_readonly(true);
         std::fs::set_permissions(&partial, perms).map_err(io)?;
         std::fs::rename(&partial, &target).map_err(io)?;
+        drop(lock);
         if activate {
             self.activate(name, &version)?;
         }
@@ -149,8 +162,8 @@ impl ImageStore {
         let dir = self.root.join(name);
         let partial = dir.join(".current.partial");
         let io = |e| ServerError::io(format!("making {version} current in {}", dir.display()), e);
-        std::fs::write(&partial, format!("{version}\n")).map_err(io)?;
-        std::fs::rename(&partial, dir.join("current")).map_err(io)?;
+        crate::files::replace_whole(&dir.join("current"), &partial, format!("{version}\n").as_bytes(), 0o644)
+            .map_err(io)?;
         Ok(())
     }
 }
@@ -224,6 +237,10 @@ impl GoldenImage for HeldVersion {
 
     fn identity(&self) -> Option<String> {
         self.inner.identity()
+    }
+
+    fn matches_identity(&self, recorded: &str) -> bool {
+        self.inner.matches_identity(recorded)
     }
 
     fn extents(&self, offset: u64, len: u64) -> std::io::Result<Vec<overspill_engine::Extent>> {
@@ -321,6 +338,40 @@ mod tests {
         assert_eq!(caches.live().len(), 2);
         drop((first, again));
         assert_eq!(caches.live().len(), 1, "v1's cache goes when its last user does");
+    }
+
+    /// Two operators (or two scripts) publishing at once: every publish gets a version of its
+    /// own, holding exactly the file it published.
+    #[test]
+    fn concurrent_publishes_never_share_a_version() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = ImageStore::new(&dir.path().join("images"));
+        let publishers: Vec<_> = (1..=2u8)
+            .map(|publisher| {
+                let store = store.clone();
+                let dir = dir.path().to_owned();
+                std::thread::spawn(move || {
+                    (0..6u8)
+                        .map(|round| {
+                            let fill = publisher * 16 + round;
+                            let file = dir.join(format!("p{publisher}.img"));
+                            std::fs::write(&file, vec![fill; 4 << 20]).expect("write");
+                            (store.publish("win7", &file, false).expect("publish"), fill)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let published: Vec<(String, u8)> = publishers.into_iter().flat_map(|p| p.join().expect("publisher")).collect();
+        let mut names: Vec<&str> = published.iter().map(|(name, _)| name.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), 12, "each publish its own version: {published:?}");
+        assert_eq!(store.image("win7").expect("image").versions.len(), 12);
+        for (name, fill) in &published {
+            let bytes = std::fs::read(store.version("win7", name).expect("version").path).expect("read");
+            assert!(bytes.len() == 4 << 20 && bytes.iter().all(|b| b == fill), "{name} is not the file published");
+        }
     }
 
     /// A VHDX version keeps its format's name; a layer whose backing file lies elsewhere is

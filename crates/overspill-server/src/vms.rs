@@ -443,7 +443,9 @@ impl VmRegistry {
         if inner.lost.remove(vm).is_some() {
             if let Some(ledger) = &self.ledger {
                 match ledger.state_of(vm) {
-                    Some(state) => ledger.retire(vm, &state),
+                    // Not open here: a server sharing the spill directory may hold files of
+                    // this name (see `remove_leftover_state_files`).
+                    Some(state) => ledger.retire(vm, &state, remove_leftover_state_files),
                     None => ledger.unmark(vm),
                 }
             }
@@ -532,7 +534,7 @@ impl VmRegistry {
             if let Some(ledger) = &self.ledger {
                 match &entry.state {
                     Some(state) => {
-                        ledger.retire(&entry.handle.vm, state);
+                        ledger.retire(&entry.handle.vm, state, remove_state_files);
                         if let Some(overlay) = &mut overlay {
                             overlay.keep_state();
                         }
@@ -633,7 +635,7 @@ pub struct Recoverable {
 
 impl Ledger {
     fn open(dir: &Path) -> std::io::Result<Self> {
-        std::fs::create_dir_all(dir)
+        crate::files::own_directory(dir)
             .map_err(|e| std::io::Error::new(e.kind(), format!("state directory {}: {e}", dir.display())))?;
         Ok(Self { dir: dir.to_owned(), boot_id: boot_id() })
     }
@@ -658,8 +660,7 @@ impl Ledger {
         };
         let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
         let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
-        std::fs::write(&partial, text)?;
-        std::fs::rename(&partial, self.path(vm))
+        crate::files::replace_whole(&self.path(vm), &partial, &text, 0o600)
     }
 
     /// Where the VM's ledger file says its state is, if it says so.
@@ -678,7 +679,7 @@ impl Ledger {
     /// state is, removed last: a crash in between leaves neither a ledger entry whose files are
     /// gone (a name refused until reset) nor files that nothing names (the next server removes
     /// what a retiring file names, in [`Self::left_behind`]).
-    fn retire(&self, vm: &str, state: &StateRecord) {
+    fn retire<T>(&self, vm: &str, state: &StateRecord, remove_files: impl FnOnce(&str, &StateRecord) -> T) {
         let retiring = self.retiring_path(vm);
         match std::fs::rename(self.path(vm), &retiring) {
             Ok(()) => {}
@@ -688,7 +689,7 @@ impl Ledger {
                 self.unmark(vm);
             }
         }
-        remove_state_files(vm, state);
+        remove_files(vm, state);
         remove_unless_gone(&retiring, "could not remove the VM's retiring ledger file");
     }
 
@@ -813,7 +814,7 @@ pub fn remove_leftover_state_files(vm: &str, state: &StateRecord) -> Vec<PathBuf
     held
 }
 
-fn state_file_paths(vm: &str, state: &StateRecord) -> Vec<PathBuf> {
+pub(crate) fn state_file_paths(vm: &str, state: &StateRecord) -> Vec<PathBuf> {
     let stem = state_file_stem(vm);
     let mut paths: Vec<PathBuf> =
         ["pages", "slots", "segments", "zeros"].iter().map(|s| state.memory_dir.join(format!("{stem}.{s}"))).collect();
@@ -936,7 +937,7 @@ mod tests {
         assert_eq!(recoverable.iter().map(|r| r.vm.as_str()).collect::<Vec<_>>(), ["reused"]);
         assert!(stranger.exists(), "a file overspill did not name is left alone");
 
-        ledger.retire("reused", &state);
+        ledger.retire("reused", &state, remove_state_files);
         assert!(files_of("reused").iter().all(|f| !f.exists()));
         assert!(!ledger.path("reused").exists() && !ledger.retiring_path("reused").exists());
     }

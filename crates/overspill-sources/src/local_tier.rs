@@ -10,7 +10,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,15 +41,22 @@ impl LocalTier {
         let io_error = |what: String| move |source| SourceError::Io { what, source };
         std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        // Named like the spill files, so a restarted server removes those of a dead one.
-        let path = dir.join(format!("overspill-{}-tier{n}.golden", std::process::id()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(io_error(format!("creating {}", path.display())))?;
+        // Named like the spill files, so a restarted server removes those of a dead one, and held
+        // like them, so a server sharing the directory leaves it alone. A name still taken was
+        // left by this pid's program before a restart in place: the next number does.
+        let (path, file) = loop {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let path = dir.join(format!("overspill-{}-tier{n}.golden", std::process::id()));
+            match OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path) {
+                Err(error) if error.kind() == io::ErrorKind::AlreadyExists => continue,
+                opened => {
+                    let file = opened
+                        .and_then(|file| overspill_engine::store::hold(&file, &path).map(|()| file))
+                        .map_err(io_error(format!("creating {}", path.display())))?;
+                    break (path, file);
+                }
+            }
+        };
         file.set_len(remote.size()).map_err(io_error(format!("sizing {}", path.display())))?;
         let chunks = remote.size().div_ceil(chunk_bytes);
         let present = (0..chunks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
@@ -149,6 +156,10 @@ impl GoldenImage for LocalTier {
 
     fn identity(&self) -> Option<String> {
         self.remote.identity()
+    }
+
+    fn matches_identity(&self, recorded: &str) -> bool {
+        self.remote.matches_identity(recorded)
     }
 
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<overspill_engine::Extent>> {

@@ -45,6 +45,8 @@ extern "C" {
     ) -> c_int;
     fn rbd_close(image: RbdImageHandle) -> c_int;
     fn rbd_get_size(image: RbdImageHandle, size: *mut u64) -> c_int;
+    fn rbd_get_id(image: RbdImageHandle, id: *mut c_char, id_len: usize) -> c_int;
+    fn rbd_snap_get_id(image: RbdImageHandle, snap_name: *const c_char, snap_id: *mut u64) -> c_int;
     fn rbd_read(image: RbdImageHandle, offset: u64, len: usize, buf: *mut c_char) -> isize;
     fn rbd_diff_iterate2(
         image: RbdImageHandle,
@@ -94,6 +96,8 @@ pub struct RbdImage {
     image: RbdImageHandle,
     size: u64,
     name: String,
+    /// The image's id and the snapshot's (see [`GoldenImage::identity`]).
+    ids: String,
     fetch_bytes: u64,
     /// The ranges holding data in each [`EXTENT_WINDOW`] asked about so far, sorted; about 50
     /// bytes a window (13 MB for a 1 TiB image asked about everywhere).
@@ -125,6 +129,7 @@ impl RbdImage {
             image: ptr::null_mut(),
             size: 0,
             name,
+            ids: String::new(),
             fetch_bytes,
             allocated: Mutex::default(),
         };
@@ -160,9 +165,31 @@ impl RbdImage {
         // SAFETY: an open image handle and a valid out-pointer.
         check(&format!("sizing {}", this.name), unsafe { rbd_get_size(this.image, &mut size) })?;
         this.size = size;
-        tracing::info!(image = %this.name, size, "RBD golden image opened");
+        // Ids are made once, at creation: a snapshot deleted and made again under its name (or
+        // an image under its name) gets new ones, and must not pass for the old.
+        let mut image_id = [0u8; 64];
+        // SAFETY: an open image handle; `image_id` is a writable buffer of the length given,
+        // which librbd fills with a NUL-terminated id (ERANGE if it does not fit).
+        check(&format!("the id of {}", this.name), unsafe {
+            rbd_get_id(this.image, image_id.as_mut_ptr().cast::<c_char>(), image_id.len())
+        })?;
+        let image_id = std::ffi::CStr::from_bytes_until_nul(&image_id)
+            .map_or_else(|_| String::from_utf8_lossy(&image_id).into_owned(), |id| id.to_string_lossy().into_owned());
+        let mut snapshot_id = 0u64;
+        // SAFETY: an open image handle, a NUL-terminated name alive for the call, a valid out-pointer.
+        check(&format!("the snapshot id of {}", this.name), unsafe {
+            rbd_snap_get_id(this.image, snapshot_c.as_ptr(), &mut snapshot_id)
+        })?;
+        this.ids = format!("image id {image_id} snap id {snapshot_id}");
+        tracing::info!(image = %this.name, size, ids = %this.ids, "RBD golden image opened");
         Ok(this)
     }
+}
+
+/// Whether `recorded` names snapshot `name` with `ids`: servers before the ids recorded the
+/// name alone, which is still taken for what it promised then (the snapshot of that name).
+fn identity_matches(name: &str, ids: &str, recorded: &str) -> bool {
+    recorded == name || recorded.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')) == Some(ids)
 }
 
 impl RbdImage {
@@ -240,7 +267,11 @@ impl GoldenImage for RbdImage {
     }
 
     fn identity(&self) -> Option<String> {
-        Some(self.name.clone())
+        Some(format!("{} {}", self.name, self.ids))
+    }
+
+    fn matches_identity(&self, recorded: &str) -> bool {
+        identity_matches(&self.name, &self.ids, recorded)
     }
 
     fn preferred_fetch_bytes(&self) -> Option<u64> {
@@ -287,5 +318,22 @@ impl Drop for RbdImage {
                 rados_shutdown(self.cluster);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_made_again_under_its_name_is_another() {
+        let name = "rbd:rbd/golden@v1";
+        let ids = "image id 10a2b3c4d5e6 snap id 4";
+        assert!(identity_matches(name, ids, &format!("{name} {ids}")));
+        assert!(identity_matches(name, ids, name), "recorded by a server before the ids");
+        assert!(!identity_matches(name, ids, &format!("{name} image id 10a2b3c4d5e6 snap id 5")));
+        assert!(!identity_matches(name, ids, &format!("{name} image id 99 snap id 4")));
+        assert!(!identity_matches(name, ids, "rbd:rbd/golden@v2"));
+        assert!(!identity_matches(name, ids, &format!("{name}x {ids}")));
     }
 }

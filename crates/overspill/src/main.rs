@@ -204,6 +204,13 @@ fn restart_in_place(executable: &std::path::Path, listener: Option<std::os::fd::
             });
         }
     }
+    // Blocked until the new program handles them (see `serve::stop_signals`). If exec fails,
+    // the caller exits.
+    if let Err(error) =
+        nix::sys::signal::pthread_sigmask(nix::sys::signal::SigmaskHow::SIG_BLOCK, Some(&serve::stop_signals()), None)
+    {
+        eprintln!("overspill: could not block the stop signals across the restart: {error}");
+    }
     command.exec()
 }
 

@@ -402,7 +402,11 @@ fn raise_open_file_limit() {
 /// process), if any. Only the first is served.
 fn inherited_listener() -> anyhow::Result<Option<Listener>> {
     use std::os::fd::FromRawFd;
-    let Ok(mut fds) = sd_notify::listen_fds() else { return Ok(None) };
+    // The variables stay: unsetting them while other threads run (the memory sampler, the
+    // signal thread) races their reads of the environment. They name this pid, which no child
+    // has, and a restart in place sets them anew.
+    let Ok(fds) = sd_notify::listen_fds_with_names(false) else { return Ok(None) };
+    let mut fds = fds.map(|(fd, _name)| fd);
     let Some(fd) = fds.next() else { return Ok(None) };
     if fds.next().is_some() {
         tracing::warn!("systemd passed more than one socket: only the first is served");
@@ -429,8 +433,8 @@ struct PidFile(PathBuf);
 impl PidFile {
     fn write(path: &Path) -> anyhow::Result<Self> {
         let partial = path.with_extension("partial");
-        std::fs::write(&partial, format!("{}\n", std::process::id()))
-            .and_then(|()| std::fs::rename(&partial, path))
+        let text = format!("{}\n", std::process::id());
+        overspill_server::files::replace_whole(path, &partial, text.as_bytes(), 0o644)
             .with_context(|| format!("--pidfile {}", path.display()))?;
         Ok(Self(path.to_owned()))
     }
@@ -491,12 +495,20 @@ fn default_memory_dir(state_dir: &Path) -> PathBuf {
     PathBuf::from(format!("/dev/shm/overspill-{hash:016x}"))
 }
 
+/// Longest duration a flag takes: deadlines are `Instant::now() + duration`, which panics when
+/// the sum leaves the clock's range (`--request-timeout 18446744073709551615` did).
+const LONGEST_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// A duration with its unit (`30s`, `5m`, `1h`); a bare number is seconds.
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    if let Ok(seconds) = text.parse::<u64>() {
-        return Ok(Duration::from_secs(seconds));
+    let duration = match text.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => humantime::parse_duration(text).map_err(|e| format!("{text:?}: {e} (for example 30s, 5m, 1h)"))?,
+    };
+    if duration > LONGEST_DURATION {
+        return Err(format!("{text:?}: at most 100 years"));
     }
-    humantime::parse_duration(text).map_err(|e| format!("{text:?}: {e} (for example 30s, 5m, 1h)"))
+    Ok(duration)
 }
 
 fn parse_socket_mode(text: &str) -> Result<u32, String> {
@@ -532,12 +544,23 @@ fn set_socket_access(path: &Path, mode: Option<u32>, group: Option<&str>) -> any
 /// How long SIGTERM waits for connections to finish the request in hand.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The signals that stop or reload a server. Blocked from a restart in place until the new
+/// program handles them (the mask outlives exec): a reload asked for in between would otherwise
+/// end the process (SIGHUP's default), and waits instead.
+pub fn stop_signals() -> nix::sys::signal::SigSet {
+    use nix::sys::signal::Signal;
+    [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP].into_iter().collect()
+}
+
 /// SIGTERM or SIGINT drains the server, SIGHUP drains it and restarts it in place; a second
-/// signal exits at once.
+/// SIGTERM or SIGINT exits at once, a second SIGHUP is already under way.
 fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
+    // Handled from here on, including one that came while a restart in place began this program.
+    nix::sys::signal::pthread_sigmask(nix::sys::signal::SigmaskHow::SIG_UNBLOCK, Some(&stop_signals()), None)
+        .context("unblocking the stop signals")?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
@@ -555,7 +578,11 @@ fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> 
                 registry.server_stopping();
                 shutdown.shutdown();
             }
-            if let Some(signal) = signals.next() {
+            for signal in signals {
+                if signal == SIGHUP {
+                    tracing::info!("SIGHUP while stopping: the drain under way goes on");
+                    continue;
+                }
                 tracing::warn!(signal, "second signal: exiting without waiting for connections");
                 std::process::exit(1);
             }
@@ -612,5 +639,8 @@ mod tests {
         assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
         assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
         assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("18446744073709551615").is_err());
+        assert!(parse_duration("200years").is_err());
+        assert!(parse_duration("50years").is_ok());
     }
 }

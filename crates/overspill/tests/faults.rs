@@ -426,6 +426,76 @@ fn servers_sharing_a_spill_directory_never_take_each_others_files() {
     on_a.disconnect().expect("disconnect");
 }
 
+/// The other way round: B's VM crashed with it and waits in B's files for B's next start. A's
+/// VM of the same name is refused those files (no ledger of A's names them), never given them
+/// as leftovers to remove; and a reset of a VM B lost leaves the files A holds.
+#[test]
+fn a_crashed_servers_files_wait_for_it_and_a_reset_there_spares_another_servers() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, _) = golden_file(tmp.path(), 38);
+    let spill = tmp.path().join("spill");
+    std::fs::create_dir_all(&spill).expect("spill dir");
+    let start = |name: &str| {
+        let memory = tmp.path().join(format!("{name}-memory"));
+        let memory = memory.to_str().expect("utf-8");
+        let args = ["--ram", "1M", "--reconnect-grace", "1m", "--memory-dir", memory];
+        Server::start(tmp.path(), name, &golden, &spill, &args)
+    };
+    let vm_command = |server: &str, args: &[&str]| {
+        let control = tmp.path().join(format!("{server}-state/control.sock"));
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("vm")
+            .arg("--control")
+            .arg(control)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("overspill vm");
+        assert!(out.status.success(), "vm {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let spill_file = spill.join("vm-vm1.spill");
+
+    let mut b = start("b");
+    let b_data = pseudo_random(4 * MIB as usize, 39);
+    b.client("vm1").write(0, &b_data, false).expect("B's vm1 writes, spilling");
+    b.kill9();
+    let inode = std::fs::metadata(&spill_file).expect("B's spill file").ino();
+
+    let a = start("a");
+    let uri: NbdUri = format!("nbd+unix:///@vm1?socket={}", a.socket.display()).parse().expect("uri");
+    if let Ok(mut on_a) = Client::connect(&uri) {
+        assert!(on_a.write(0, &[1; 4096], false).is_err(), "A's vm1 was given B's state files");
+    }
+    let deadline = Instant::now() + WAIT;
+    while !a.log_text().contains("no ledger entry of this server names it") {
+        assert!(Instant::now() < deadline, "A's refusal says why:\n{}", a.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(std::fs::metadata(&spill_file).expect("B's spill file").ino(), inode, "A took B's spill file");
+    let mut b = start("b");
+    let mut on_b = b.client("vm1");
+    read_back(&mut on_b, 0, &b_data, "B's vm1 after B's crash, A having asked for the name");
+    drop(on_b);
+    b.kill9();
+
+    // B's vm1 loses its spill file (an operator's hand): B's next start cannot rebuild it. A's
+    // vm1 then makes files of that name, and B's reset of its lost vm1 leaves them to A.
+    std::fs::remove_file(&spill_file).expect("remove B's spill file");
+    let mut on_a = a.client("vm1");
+    let a_data = pseudo_random(4 * MIB as usize, 40);
+    on_a.write(0, &a_data, false).expect("A's vm1 writes, spilling");
+    let inode = std::fs::metadata(&spill_file).expect("A's spill file").ino();
+    let b = start("b");
+    assert!(vm_command("b", &["list"]).contains("lost"), "B's vm1 is lost:\n{}", b.log_text());
+    vm_command("b", &["reset", "vm1"]);
+    assert_eq!(std::fs::metadata(&spill_file).expect("A's spill file").ino(), inode, "B's reset took A's file");
+    drop(on_a);
+    drop(a);
+    let a = start("a");
+    read_back(&mut a.client("vm1"), 0, &a_data, "A's vm1 after B's reset and A's crash");
+}
+
 /// The spill filesystem fills up: the VM writing gets ENOSPC and keeps what it was told it
 /// wrote; another VM on the same server goes on reading and writing in its RAM.
 #[test]

@@ -76,6 +76,49 @@ fn an_image_on_a_web_server_serves_its_exact_bytes_through_the_local_tier() {
     server.stop();
 }
 
+/// A restart in place (SIGHUP) keeps the pid and begins its file numbers again: files the old
+/// program left under that pid (a connection still draining when it ended) are the new one's
+/// to remove, and never stop its local tier or a VM from making files of their own.
+#[test]
+fn a_restart_in_place_removes_the_files_its_old_program_left_and_makes_its_own() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = golden(dir.path());
+    let web = WebServer::ranges(dir.path(), &[]);
+    let url = format!("http://127.0.0.1:{}/golden.img", web.port);
+    let (mut server, uri) = serve(dir.path(), &["--base", &url, "--local-tier", "--ram", "1M"], &[]);
+    let pid = server.child.id();
+    let spill = dir.path().join("spill");
+    let ours = |name: &str| spill.join(format!("overspill-{pid}-{name}"));
+    let left = [ours("1.spill"), ours("2.spill"), ours("tier1.golden")];
+    for file in &left {
+        std::fs::write(file, b"left by the old program").expect("plant");
+    }
+    let hup = Command::new("kill").args(["-HUP", &pid.to_string()]).status().expect("kill");
+    assert!(hup.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while server.log_text().matches("serving").count() < 2 {
+        server.assert_running();
+        assert!(std::time::Instant::now() < deadline, "no second serving line after SIGHUP:\n{}", server.log_text());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for file in &left {
+        assert!(!file.exists(), "{} outlived the restart", file.display());
+    }
+    // An anonymous VM spills (1 MiB of RAM) into a file numbered from 1 again.
+    run_ok(dir.path(), "qemu-io", &["-f", "raw", "-c", "write -P 0x5a 0 4M", "-c", "read -P 0x5a 0 4M", &uri]);
+    let golden = golden.to_str().expect("utf-8");
+    run_ok(dir.path(), "qemu-img", &["compare", "-f", "raw", "-F", "raw", golden, &uri]);
+    let tiers: Vec<_> = std::fs::read_dir(&spill)
+        .expect("spill dir")
+        .flatten()
+        .filter(|f| f.file_name().to_string_lossy().ends_with(".golden"))
+        .collect();
+    assert_eq!(tiers.len(), 1, "one local tier file after the restart: {tiers:?}");
+    server.assert_running();
+    assert_eq!(server.child.id(), pid);
+    server.stop();
+}
+
 #[test]
 fn a_web_server_without_range_support_is_refused_at_start() {
     let dir = TempDir::new().expect("tempdir");

@@ -605,3 +605,46 @@ fn sighup_restarts_the_server_in_place_and_vms_resume() {
     drop(server);
     host.assert_golden_untouched();
 }
+
+/// Reloads asked for faster than the server restarts (a script, an impatient operator): one
+/// during a drain joins it, one while the new program starts waits for it (SIGHUP's default
+/// action would end the process there); none ends the server or a VM's writes.
+#[test]
+fn a_burst_of_reloads_never_ends_the_server() {
+    const RELOAD_BEGUN: &str = "SIGHUP: draining connections";
+    let host = Host::new();
+    let server = host.serve(&[]);
+    let pid = server.child.id();
+    let mut writer = host.connect("writer");
+    let written = write_pattern(&mut writer, 51);
+    drop(writer);
+    let burst_end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < burst_end {
+        let hup = Command::new("kill").args(["-HUP", &pid.to_string()]).status().expect("kill");
+        assert!(hup.success(), "the server ended during the burst:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    let mut server = server;
+    let restarts = server.log_text().matches(RELOAD_BEGUN).count();
+    assert!(restarts >= 2, "{restarts} restarts:\n{}", server.log_text());
+    // The last reload done: one program serving more than restarts begun, and still so a
+    // moment later (a reload that waited for the program's start is logged as it begins).
+    let deadline = Instant::now() + WAIT;
+    let settled = |log: &str| log.matches("serving").count() > log.matches(RELOAD_BEGUN).count();
+    loop {
+        server.assert_running();
+        if settled(&server.log_text()) {
+            std::thread::sleep(Duration::from_millis(500));
+            if settled(&server.log_text()) {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "not serving after the burst:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut writer = host.connect("writer");
+    assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, "after a burst of reloads");
+    writer.disconnect().expect("disconnect");
+    server.assert_running();
+    assert_eq!(server.child.id(), pid);
+}

@@ -1,0 +1,115 @@
+//! Small files the server writes whole (ledger entries, `current` markers, the pidfile) and the
+//! directories it keeps state in. Their defaults sit in places every user may write to
+//! (`/var/tmp`, `/dev/shm`), so nothing here follows a link or trusts a directory another user
+//! made: as root, a planted symlink would turn a ledger write into a write of any file.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+/// Replaces `target` with `bytes` in one step: written to `partial` (a name of our own beside
+/// it), then renamed over it, so a reader sees the old text or the new, never half. A `partial`
+/// left by a crash, or planted, is removed first (unlinking never follows a link), and the new
+/// one is created exclusively, so the write lands in a file this call made.
+pub fn replace_whole(target: &Path, partial: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    match std::fs::remove_file(partial) {
+        Ok(()) => {}
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(partial)?;
+    file.write_all(bytes)?;
+    drop(file);
+    std::fs::rename(partial, target)
+}
+
+/// Makes `dir` (and its parents) if missing, then refuses it unless this user or root owns it,
+/// the directory and a link standing in its place alike: another user's directory in `/var/tmp`
+/// could be filled with links to files this server must not touch.
+pub fn own_directory(dir: &Path) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let me = rustix::process::geteuid().as_raw();
+    let trusted = |uid: u32| uid == me || uid == 0;
+    let link = std::fs::symlink_metadata(dir)?;
+    let target = std::fs::metadata(dir)?;
+    for (what, uid) in [("a link owned by", link.uid()), ("owned by", target.uid())] {
+        if !trusted(uid) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} is {what} user {uid}, not by this user ({me}) or root: another user could \
+                     plant links in it; remove it or give it to this user",
+                    dir.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Takes `lock` (a file made for this) exclusively, waiting for whoever holds it.
+pub fn lock_exclusive(lock: &File) -> io::Result<()> {
+    loop {
+        match rustix::fs::flock(lock, rustix::fs::FlockOperation::LockExclusive) {
+            Ok(()) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::NOLCK | rustix::io::Errno::OPNOTSUPP) => return Ok(()),
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_planted_link_at_the_partial_name_is_replaced_not_followed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"untouched").expect("victim");
+        let partial = dir.path().join(".entry.partial");
+        std::os::unix::fs::symlink(&victim, &partial).expect("symlink");
+        let target = dir.path().join("entry");
+        replace_whole(&target, &partial, b"new text", 0o600).expect("replace");
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"untouched");
+        assert_eq!(std::fs::read(&target).expect("target"), b"new text");
+        assert!(!partial.exists());
+        replace_whole(&target, &partial, b"newer", 0o600).expect("replace again");
+        assert_eq!(std::fs::read(&target).expect("target"), b"newer");
+    }
+
+    #[test]
+    fn a_directory_of_this_user_is_taken_and_made_when_missing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        own_directory(&dir.path().join("a/b")).expect("made and ours");
+        assert!(dir.path().join("a/b").is_dir());
+    }
+
+    /// Needs root, to give a directory and a link away (the tests run as root in CI).
+    #[test]
+    fn a_directory_or_link_another_user_owns_is_refused() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: not root, cannot give files to another user");
+            return;
+        }
+        let nobody = Some(rustix::process::Uid::from_raw(65534));
+        let dir = tempfile::tempdir().expect("tempdir");
+        let theirs = dir.path().join("theirs");
+        std::fs::create_dir(&theirs).expect("dir");
+        rustix::fs::chown(&theirs, nobody, None).expect("chown");
+        let error = own_directory(&theirs).expect_err("another user's directory");
+        assert!(error.to_string().contains("owned by user 65534"), "{error}");
+
+        let mine = dir.path().join("mine");
+        std::fs::create_dir(&mine).expect("dir");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&mine, &link).expect("symlink");
+        own_directory(&link).expect("a link of our own to a directory of our own");
+        rustix::fs::chownat(rustix::fs::CWD, &link, nobody, None, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+            .expect("lchown");
+        let error = own_directory(&link).expect_err("another user's link");
+        assert!(error.to_string().contains("a link owned by user 65534"), "{error}");
+    }
+}
