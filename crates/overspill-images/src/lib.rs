@@ -31,13 +31,18 @@ impl Format {
             std::fs::File::open(path).map_err(|source| EngineError::Io { what: "opening golden image", source })?;
         let have = std::os::unix::fs::FileExt::read_at(&file, &mut magic, 0)
             .map_err(|source| EngineError::Io { what: "reading golden image header", source })?;
-        Ok(if have >= 4 && qcow2::has_magic(&magic) {
+        Ok(Self::of_header(&magic[..have]))
+    }
+
+    /// The format an image's first bytes (eight are enough) say it is: raw when they name none.
+    pub fn of_header(first: &[u8]) -> Self {
+        if qcow2::has_magic(first) {
             Self::Qcow2
-        } else if have >= 8 && vhdx::has_magic(&magic) {
+        } else if vhdx::has_magic(first) {
             Self::Vhdx
         } else {
             Self::Raw
-        })
+        }
     }
 
     /// The name qemu-img gives the format (and qcow2's backing format extension holds).

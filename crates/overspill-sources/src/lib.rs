@@ -189,9 +189,31 @@ pub fn open_source(source: &Source, settings: &SourceSettings) -> Result<Arc<dyn
         Source::Http { url } => open_http(url, fetch_bytes)?,
         Source::Rbd { pool, image, snapshot } => open_rbd(pool, image, snapshot, settings, fetch_bytes)?,
     };
+    refuse_a_container(remote.as_ref())?;
     match &settings.local_tier_dir {
         None => Ok(remote),
         Some(dir) => Ok(Arc::new(local_tier::LocalTier::new(remote, dir)?)),
+    }
+}
+
+/// Remote images are served as raw disks: a qcow2 or VHDX object served so would give every VM
+/// the container's bytes (headers, tables) as its disk. Refused at start, with what to do.
+fn refuse_a_container(remote: &dyn GoldenImage) -> Result<(), SourceError> {
+    let mut first = [0u8; 8];
+    let have = first.len().min(remote.size() as usize);
+    remote
+        .read_at(&mut first[..have], 0)
+        .map_err(|source| SourceError::Io { what: format!("reading the start of {}", remote.describe()), source })?;
+    match overspill_images::Format::of_header(&first[..have]) {
+        overspill_images::Format::Raw => Ok(()),
+        format => Err(SourceError::Remote {
+            what: remote.describe(),
+            message: format!(
+                "this is a {} image, and remote images are served as raw disks: convert it first \
+                 (qemu-img convert -O raw), or keep it as a local file",
+                format.name()
+            ),
+        }),
     }
 }
 

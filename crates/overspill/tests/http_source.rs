@@ -119,6 +119,19 @@ fn a_restart_in_place_removes_the_files_its_old_program_left_and_makes_its_own()
     server.stop();
 }
 
+/// A qcow2 image on a web server would be served as its container's bytes (remote images are
+/// raw disks): refused at start, saying what it is and what to do.
+#[test]
+fn a_qcow2_image_on_a_web_server_is_refused_at_start() {
+    let dir = TempDir::new().expect("tempdir");
+    let qcow2 = dir.path().join("golden.qcow2");
+    run_ok(dir.path(), "qemu-img", &["create", "-q", "-f", "qcow2", qcow2.to_str().expect("utf-8"), "16M"]);
+    let web = WebServer::ranges(dir.path(), &[]);
+    let url = format!("http://127.0.0.1:{}/golden.qcow2", web.port);
+    let error = serve_must_fail(dir.path(), &["--base", &url], &[]);
+    assert!(error.contains("this is a qcow2 image") && error.contains("qemu-img convert -O raw"), "{error}");
+}
+
 #[test]
 fn a_web_server_without_range_support_is_refused_at_start() {
     let dir = TempDir::new().expect("tempdir");
