@@ -108,6 +108,14 @@ impl Server {
         server
     }
 
+    /// Server `name` in `dir`, spilling to `spill` (which other servers share) with named VMs
+    /// that outlive it (a grace, its own memory directory).
+    fn sharing(dir: &Path, name: &str, golden: &Path, spill: &Path) -> Self {
+        let memory = dir.join(format!("{name}-memory"));
+        let memory = memory.to_str().expect("utf-8");
+        Self::start(dir, name, golden, spill, &["--ram", "1M", "--reconnect-grace", "1m", "--memory-dir", memory])
+    }
+
     fn wait_ready(&mut self) {
         let deadline = Instant::now() + WAIT;
         loop {
@@ -391,12 +399,7 @@ fn servers_sharing_a_spill_directory_never_take_each_others_files() {
     let (golden, _) = golden_file(tmp.path(), 36);
     let spill = tmp.path().join("spill");
     std::fs::create_dir_all(&spill).expect("spill dir");
-    let start = |name: &str| {
-        let memory = tmp.path().join(format!("{name}-memory"));
-        let memory = memory.to_str().expect("utf-8");
-        let args = ["--ram", "1M", "--reconnect-grace", "1m", "--memory-dir", memory];
-        Server::start(tmp.path(), name, &golden, &spill, &args)
-    };
+    let start = |name: &str| Server::sharing(tmp.path(), name, &golden, &spill);
     let a = start("a");
     let b = start("b");
     let mut on_a = a.client("vm1");
@@ -435,12 +438,7 @@ fn a_crashed_servers_files_wait_for_it_and_a_reset_there_spares_another_servers(
     let (golden, _) = golden_file(tmp.path(), 38);
     let spill = tmp.path().join("spill");
     std::fs::create_dir_all(&spill).expect("spill dir");
-    let start = |name: &str| {
-        let memory = tmp.path().join(format!("{name}-memory"));
-        let memory = memory.to_str().expect("utf-8");
-        let args = ["--ram", "1M", "--reconnect-grace", "1m", "--memory-dir", memory];
-        Server::start(tmp.path(), name, &golden, &spill, &args)
-    };
+    let start = |name: &str| Server::sharing(tmp.path(), name, &golden, &spill);
     let vm_command = |server: &str, args: &[&str]| {
         let control = tmp.path().join(format!("{server}-state/control.sock"));
         let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
