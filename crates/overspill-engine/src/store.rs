@@ -330,7 +330,12 @@ pub fn held_elsewhere(path: &Path) -> bool {
 /// `None` when that cannot be told (a filesystem without locks, a file that cannot be opened).
 pub fn held(path: &Path) -> Option<bool> {
     use rustix::fs::{flock, FlockOperation};
-    let file = File::open(path).ok()?;
+    // Not through a link, and never waiting on a FIFO someone named like a cache file.
+    let flags = (OFlags::NOFOLLOW | OFlags::NONBLOCK).bits() as i32;
+    let file = OpenOptions::new().read(true).custom_flags(flags).open(path).ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
     // A lock the probe takes goes with its descriptor, dropped on return.
     match flock(&file, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => Some(false),

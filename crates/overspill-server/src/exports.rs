@@ -145,6 +145,17 @@ impl OverlayExports {
             std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         }
         self.registry = VmRegistry::new(lifecycle.clone())?;
+        if let Some(memory_dir) = lifecycle.memory_dir.clone().filter(|_| lifecycle.persistent()) {
+            let kind = self.settings.mode.backing_file();
+            self.registry.set_state_places(StateRecord {
+                image_label: String::new(),
+                image_identity: None,
+                mode: self.settings.mode.to_string(),
+                disk_bytes: 0,
+                memory_dir,
+                spill_dir: kind.map(|kind| self.backing_place(kind, 0).0.clone()),
+            });
+        }
         self.lifecycle = lifecycle;
         for recoverable in self.registry.take_recoverable() {
             let started = Instant::now();
@@ -769,11 +780,17 @@ fn remove_stale_cache_files(dir: &Path, first_in_program: bool) {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(pid) = name.to_str().and_then(cache_file_pid) else { continue };
-        let held = overspill_engine::store::held(&entry.path());
-        let stale = match held {
+        let ours = pid == std::process::id();
+        // Only candidates are probed: the probe's lock, brief as it is, would make a live
+        // server's hold of a file it has just made fail.
+        if (ours && !first_in_program) || (!ours && process_alive(pid)) {
+            continue;
+        }
+        let stale = match overspill_engine::store::held(&entry.path()) {
             Some(true) => false,
-            Some(false) if pid == std::process::id() => first_in_program,
-            _ => pid != std::process::id() && !process_alive(pid),
+            Some(false) => true,
+            // No locks to tell by: the pid alone (never our own, which may be this program's).
+            None => !ours,
         };
         if stale {
             match std::fs::remove_file(entry.path()) {

@@ -24,25 +24,56 @@ pub fn replace_whole(target: &Path, partial: &Path, bytes: &[u8], mode: u32) -> 
     std::fs::rename(partial, target)
 }
 
-/// Makes `dir` (and its parents) if missing, then refuses it unless this user or root owns it,
-/// the directory and a link standing in its place alike: another user's directory in `/var/tmp`
-/// could be filled with links to files this server must not touch.
+/// Makes `dir` (and its parents) if missing, then refuses it where another user could plant
+/// links in it or swap it for one: a link in its place, or any directory on its way, owned by
+/// someone other than this user or root; a directory on its way that others may write to
+/// without the sticky bit (`/tmp` and `/var/tmp` have it), the directory itself included; the
+/// directory itself owned by another user (unless this call made it: on NFS with root squashed,
+/// ours belongs to `nobody`). Group-writable is trusted: a group shared with the operator is
+/// common.
 pub fn own_directory(dir: &Path) -> io::Result<()> {
+    let existed = std::fs::symlink_metadata(dir).is_ok();
     std::fs::create_dir_all(dir)?;
     let me = rustix::process::geteuid().as_raw();
     let trusted = |uid: u32| uid == me || uid == 0;
-    let link = std::fs::symlink_metadata(dir)?;
-    let target = std::fs::metadata(dir)?;
-    for (what, uid) in [("a link owned by", link.uid()), ("owned by", target.uid())] {
-        if !trusted(uid) {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "{} is {what} user {uid}, not by this user ({me}) or root: another user could \
-                     plant links in it; remove it or give it to this user",
-                    dir.display()
-                ),
-            ));
+    let refuse = |path: &Path, why: String| {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{}: {why}, so another user could plant links there that turn this server's writes \
+                 onto other files; give it to this user ({me}) or root, or pick another directory",
+                path.display()
+            ),
+        ))
+    };
+    // Links on the way as given (the path resolved below no longer shows them).
+    let absolute = std::path::absolute(dir)?;
+    for path in absolute.ancestors() {
+        let meta = std::fs::symlink_metadata(path)?;
+        if meta.file_type().is_symlink() && !trusted(meta.uid()) {
+            return refuse(path, format!("a link owned by user {}", meta.uid()));
+        }
+    }
+    let resolved = std::fs::canonicalize(dir)?;
+    let meta = std::fs::metadata(&resolved)?;
+    if existed && !trusted(meta.uid()) {
+        return refuse(&resolved, format!("owned by user {}", meta.uid()));
+    }
+    // Sticky (a tmpfs mount point's default), others may add names but not replace ours, and
+    // every file here is made exclusively.
+    if meta.mode() & 0o002 != 0 && meta.mode() & 0o1000 == 0 {
+        return refuse(&resolved, "writable by every user (no sticky bit)".to_owned());
+    }
+    for path in resolved.ancestors().skip(1) {
+        let meta = std::fs::metadata(path)?;
+        if !trusted(meta.uid()) {
+            return refuse(path, format!("on the way to {}, owned by user {}", resolved.display(), meta.uid()));
+        }
+        if meta.mode() & 0o002 != 0 && meta.mode() & 0o1000 == 0 {
+            return refuse(
+                path,
+                format!("on the way to {}, writable by every user (no sticky bit)", resolved.display()),
+            );
         }
     }
     Ok(())
@@ -101,6 +132,19 @@ mod tests {
         rustix::fs::chown(&theirs, nobody, None).expect("chown");
         let error = own_directory(&theirs).expect_err("another user's directory");
         assert!(error.to_string().contains("owned by user 65534"), "{error}");
+        // Made by this call, it is ours whoever the filesystem says owns it; below another
+        // user's directory, nothing is.
+        let below = theirs.join("below");
+        let error = own_directory(&below).expect_err("below another user's directory");
+        assert!(error.to_string().contains("on the way to"), "{error}");
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).expect("dir");
+        std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).expect("chmod");
+        let error = own_directory(&open).expect_err("a directory every user may write");
+        assert!(error.to_string().contains("writable by every user"), "{error}");
+        std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o1777)).expect("chmod");
+        own_directory(&open).expect("a sticky directory, as a tmpfs mount point");
+        own_directory(&open.join("mine")).expect("below a sticky directory, as /var/tmp");
 
         let mine = dir.path().join("mine");
         std::fs::create_dir(&mine).expect("dir");

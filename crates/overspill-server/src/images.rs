@@ -110,16 +110,7 @@ impl ImageStore {
         check_name("image", name)?;
         let dir = self.root.join(name);
         std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
-        // One publisher at a time per image: two would pick the same next number, and the
-        // second's copy would land on the first's (a version mixing both files).
-        let lock_path = dir.join(".publish.lock");
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .and_then(|lock| crate::files::lock_exclusive(&lock).map(|()| lock))
-            .map_err(|e| ServerError::io(format!("locking {}", lock_path.display()), e))?;
+        let lock = lock_image(&dir)?;
         let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
         let version = format!("v{next}");
         // A version is one immutable file: a layer whose backing file or parent lies elsewhere
@@ -145,15 +136,23 @@ impl ImageStore {
         perms.set_readonly(true);
         std::fs::set_permissions(&partial, perms).map_err(io)?;
         std::fs::rename(&partial, &target).map_err(io)?;
-        drop(lock);
         if activate {
-            self.activate(name, &version)?;
+            self.activate_locked(name, &version)?;
         }
+        drop(lock);
         Ok(version)
     }
 
     /// Marks `version` as the one new connections get.
     pub fn activate(&self, name: &str, version: &str) -> Result<(), ServerError> {
+        check_name("image", name)?;
+        let lock = lock_image(&self.root.join(name))?;
+        self.activate_locked(name, version)?;
+        drop(lock);
+        Ok(())
+    }
+
+    fn activate_locked(&self, name: &str, version: &str) -> Result<(), ServerError> {
         check_name("version", version)?;
         let image = self.image(name)?;
         if !image.versions.iter().any(|v| v.name == version) {
@@ -166,6 +165,16 @@ impl ImageStore {
             .map_err(io)?;
         Ok(())
     }
+}
+
+/// One publisher or activation at a time per image, across processes: two publishers would pick
+/// the same next number and copy into one file (a version mixing both), two activations share
+/// the `current` marker's temporary name. The image's directory itself is locked (`flock`), so
+/// no lock file needs a mode every publisher may open.
+fn lock_image(dir: &Path) -> Result<std::fs::File, ServerError> {
+    std::fs::File::open(dir)
+        .and_then(|lock| crate::files::lock_exclusive(&lock).map(|()| lock))
+        .map_err(|e| ServerError::io(format!("locking {}", dir.display()), e))
 }
 
 /// The versions a server has open: one copy (and one read cache) per version in use.

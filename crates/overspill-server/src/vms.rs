@@ -132,6 +132,9 @@ pub struct VmRegistry {
     ledger: Option<Ledger>,
     /// The server is ending: connections it closes are not VMs leaving.
     stopping: AtomicBool,
+    /// Where this server makes VMs' state files (set by the exports): a lost VM whose ledger file
+    /// cannot be read says nowhere, and its reset looks here.
+    state_places: std::sync::OnceLock<StateRecord>,
 }
 
 #[derive(Default)]
@@ -195,11 +198,17 @@ impl VmRegistry {
             lifecycle,
             ledger,
             stopping: AtomicBool::new(false),
+            state_places: std::sync::OnceLock::new(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
             spawn_grace_keeper(Arc::downgrade(&registry));
         }
         Ok(registry)
+    }
+
+    /// Where this server makes VMs' state files (`memory_dir` and `spill_dir` of `places`).
+    pub fn set_state_places(&self, places: StateRecord) {
+        let _ = self.state_places.set(places);
     }
 
     pub fn reconnect_grace(&self) -> Duration {
@@ -422,7 +431,9 @@ impl VmRegistry {
     /// A VM claimed whose overlay could not be made.
     pub fn forget_failed(&self, number: u64) {
         let mut inner = lock(&self.inner);
-        let parked = self.forget(&mut inner, number, None);
+        // The overlay never stood, and the files it made went with it: any of its names still
+        // there, held, is another server's (made between the check and the making).
+        let parked = self.forget_with(&mut inner, number, None, remove_leftover_state_files);
         drop(inner);
         drop(parked);
     }
@@ -446,7 +457,15 @@ impl VmRegistry {
                     // Not open here: a server sharing the spill directory may hold files of
                     // this name (see `remove_leftover_state_files`).
                     Some(state) => ledger.retire(vm, &state, remove_leftover_state_files),
-                    None => ledger.unmark(vm),
+                    // An unreadable ledger file: its VM's files, where this server makes them,
+                    // would otherwise refuse the name for good (a new VM never takes files
+                    // that no ledger file names).
+                    None => {
+                        ledger.unmark(vm);
+                        if let Some(places) = self.state_places.get() {
+                            remove_leftover_state_files(vm, places);
+                        }
+                    }
                 }
             }
             tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
@@ -524,6 +543,16 @@ impl VmRegistry {
     /// before that drop would leave files that no ledger file names. The overlay is told to
     /// leave its files alone; it keeps using them, unlinked, until it is dropped.
     fn forget(&self, inner: &mut Registered, number: u64, overlay: Option<VmOverlay>) -> Option<VmOverlay> {
+        self.forget_with(inner, number, overlay, remove_state_files)
+    }
+
+    fn forget_with<T>(
+        &self,
+        inner: &mut Registered,
+        number: u64,
+        overlay: Option<VmOverlay>,
+        remove_files: impl FnOnce(&str, &StateRecord) -> T,
+    ) -> Option<VmOverlay> {
         let Some(entry) = inner.vms.remove(&number) else { return overlay };
         inner.departed.absorb(&entry.handle.stats);
         if entry.named {
@@ -534,7 +563,7 @@ impl VmRegistry {
             if let Some(ledger) = &self.ledger {
                 match &entry.state {
                     Some(state) => {
-                        ledger.retire(&entry.handle.vm, state, remove_state_files);
+                        ledger.retire(&entry.handle.vm, state, remove_files);
                         if let Some(overlay) = &mut overlay {
                             overlay.keep_state();
                         }

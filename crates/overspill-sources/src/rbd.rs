@@ -76,6 +76,9 @@ extern "C" fn collect_data(offset: u64, len: usize, exists: c_int, arg: *mut c_v
     0
 }
 
+/// Linux's EINVAL, which librbd returns negated.
+const EINVAL: c_int = 22;
+
 /// librados/librbd return negative errno values.
 fn check(what: &str, code: c_int) -> Result<(), SourceError> {
     if code < 0 {
@@ -170,11 +173,17 @@ impl RbdImage {
         let mut image_id = [0u8; 64];
         // SAFETY: an open image handle; `image_id` is a writable buffer of the length given,
         // which librbd fills with a NUL-terminated id (ERANGE if it does not fit).
-        check(&format!("the id of {}", this.name), unsafe {
-            rbd_get_id(this.image, image_id.as_mut_ptr().cast::<c_char>(), image_id.len())
-        })?;
-        let image_id = std::ffi::CStr::from_bytes_until_nul(&image_id)
-            .map_or_else(|_| String::from_utf8_lossy(&image_id).into_owned(), |id| id.to_string_lossy().into_owned());
+        let code = unsafe { rbd_get_id(this.image, image_id.as_mut_ptr().cast::<c_char>(), image_id.len()) };
+        let image_id = if code == -EINVAL {
+            // A format 1 image has no id; its snapshot's id still tells a remade snapshot apart.
+            "none".to_owned()
+        } else {
+            check(&format!("the id of {}", this.name), code)?;
+            std::ffi::CStr::from_bytes_until_nul(&image_id).map_or_else(
+                |_| String::from_utf8_lossy(&image_id).into_owned(),
+                |id| id.to_string_lossy().into_owned(),
+            )
+        };
         let mut snapshot_id = 0u64;
         // SAFETY: an open image handle, a NUL-terminated name alive for the call, a valid out-pointer.
         check(&format!("the snapshot id of {}", this.name), unsafe {

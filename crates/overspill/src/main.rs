@@ -204,12 +204,16 @@ fn restart_in_place(executable: &std::path::Path, listener: Option<std::os::fd::
             });
         }
     }
-    // Blocked until the new program handles them (see `serve::stop_signals`). If exec fails,
-    // the caller exits.
-    if let Err(error) =
-        nix::sys::signal::pthread_sigmask(nix::sys::signal::SigmaskHow::SIG_BLOCK, Some(&serve::stop_signals()), None)
-    {
-        eprintln!("overspill: could not block the stop signals across the restart: {error}");
+    // A reload asked for while the new program starts would end the process (SIGHUP's default
+    // action): ignored instead, which exec keeps, until the new program's handler takes over (any
+    // version's: a blocked mask would stay blocked under a binary that never unblocks it). A
+    // SIGTERM in that moment ends the process, as the stop it asks for: every VM is handed over.
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: SIG_IGN installs no handler code, so nothing can run in a signal context; the old
+    // handler's state (signal-hook's) is no longer used, since this thread's next step is exec.
+    let ignored = unsafe { signal(Signal::SIGHUP, SigHandler::SigIgn) };
+    if let Err(error) = ignored {
+        eprintln!("overspill: could not ignore SIGHUP across the restart: {error}");
     }
     command.exec()
 }

@@ -544,23 +544,12 @@ fn set_socket_access(path: &Path, mode: Option<u32>, group: Option<&str>) -> any
 /// How long SIGTERM waits for connections to finish the request in hand.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The signals that stop or reload a server. Blocked from a restart in place until the new
-/// program handles them (the mask outlives exec): a reload asked for in between would otherwise
-/// end the process (SIGHUP's default), and waits instead.
-pub fn stop_signals() -> nix::sys::signal::SigSet {
-    use nix::sys::signal::Signal;
-    [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP].into_iter().collect()
-}
-
 /// SIGTERM or SIGINT drains the server, SIGHUP drains it and restarts it in place; a second
 /// SIGTERM or SIGINT exits at once, a second SIGHUP is already under way.
 fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
-    // Handled from here on, including one that came while a restart in place began this program.
-    nix::sys::signal::pthread_sigmask(nix::sys::signal::SigmaskHow::SIG_UNBLOCK, Some(&stop_signals()), None)
-        .context("unblocking the stop signals")?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
