@@ -146,14 +146,13 @@ impl OverlayExports {
         }
         self.registry = VmRegistry::new(lifecycle.clone())?;
         if let Some(memory_dir) = lifecycle.memory_dir.clone().filter(|_| lifecycle.persistent()) {
-            let kind = self.settings.mode.backing_file();
             self.registry.set_state_places(StateRecord {
                 image_label: String::new(),
                 image_identity: None,
                 mode: self.settings.mode.to_string(),
                 disk_bytes: 0,
                 memory_dir,
-                spill_dir: kind.map(|kind| self.backing_place(kind, 0).0.clone()),
+                spill_dir: self.state_file_dir(),
             });
         }
         self.lifecycle = lifecycle;
@@ -328,6 +327,11 @@ impl OverlayExports {
         })
     }
 
+    /// The directory of a named VM's spill or in-place cache file in this mode (none in `ram`).
+    fn state_file_dir(&self) -> Option<PathBuf> {
+        self.settings.mode.backing_file().map(|kind| self.backing_place(kind, 0).0.clone())
+    }
+
     /// The directory a VM's backing file of `kind` goes in, and its size at creation.
     fn backing_place(&self, kind: BackingKind, disk_bytes: u64) -> (&PathBuf, u64) {
         let dir = match kind {
@@ -465,7 +469,7 @@ impl OverlayExports {
     ) -> Result<Overlay, DeviceError> {
         let memory_dir = self.lifecycle.memory_dir.clone().expect("persistent lifecycles have one");
         let kind = self.settings.mode.backing_file();
-        let spill_dir = kind.map(|kind| self.backing_place(kind, 0).0.clone());
+        let spill_dir = self.state_file_dir();
         let record = StateRecord {
             image_label: image_label.to_owned(),
             image_identity: image.identity(),
