@@ -136,6 +136,21 @@ unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
+    /// The page file for the prefault helper, opened anew: a copy of the arena's own
+    /// descriptor would share its open file and with it the `flock` of [`Arena::hold`], so a
+    /// job still waiting when the VM goes would keep the VM's files held, and the next server
+    /// (after a restart in place, or the same name again after a reset) would find them taken.
+    /// `None` (no allocation ahead, a slower fill) when it cannot be opened.
+    fn helper_descriptor(&self) -> Option<File> {
+        if self.paths.is_none() {
+            // A memfd: nobody holds it, so a copy holds nothing either.
+            return self.page_file.try_clone().ok();
+        }
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.page_file);
+        // The descriptor's own link reopens this very file, even once renamed or removed.
+        OpenOptions::new().write(true).open(format!("/proc/self/fd/{fd}")).ok()
+    }
+
     fn lists(&self) -> std::sync::MutexGuard<'_, FreeLists> {
         // A panic while holding the lock leaves the lists consistent (each update is one push
         // or pop).
@@ -277,7 +292,7 @@ fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
         });
         spawned.ok().map(|_| Mutex::new(send))
     });
-    if let (Some(sender), Ok(file)) = (helper, shared.page_file.try_clone()) {
+    if let (Some(sender), Some(file)) = (helper, shared.helper_descriptor()) {
         let job = (file, Arc::clone(&shared.handed_out), Arc::clone(&shared.backed), from, to);
         let _ = sender.lock().unwrap_or_else(PoisonError::into_inner).send(job);
     }
@@ -664,6 +679,22 @@ impl std::fmt::Debug for Page {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefault_job_still_waiting_does_not_hold_the_files_of_an_arena_gone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let arena = Arena::create(dir.path(), "vm", 1024).expect("arena");
+        arena.hold().expect("holding the arena");
+        let waiting_job = arena.0.helper_descriptor().expect("the helper's descriptor");
+        arena.keep();
+        drop(arena);
+        let pages = dir.path().join("vm.pages");
+        assert_eq!(crate::store::held(&pages), Some(false), "the helper's descriptor holds the page file");
+        // It is the same file all the same: an allocation ahead lands in the VM's pages.
+        allocate_pages(&waiting_job, 0, 1).expect("allocating through the helper's descriptor");
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(waiting_job.metadata().expect("metadata").ino(), pages.metadata().expect("metadata").ino());
+    }
 
     #[test]
     fn pages_and_their_owners_outlive_the_arena_that_kept_them() {

@@ -597,8 +597,9 @@ impl BackingFile for ScratchFile {
                 offset,
             ));
             // The pages go back to their owner before the result does: the VM's reference is
-            // then the last, and its thread frees them as soon as it hears.
-            drop(shared);
+            // then the last, and its thread frees them as soon as it hears. The file too: a copy
+            // of it still here once the VM has gone would keep its `flock` (see [`hold`]).
+            drop((shared, direct, buffered));
             writer.finished();
             let _ = done.send(written);
         });
