@@ -405,7 +405,11 @@ fn inherited_listener() -> anyhow::Result<Option<Listener>> {
     // The variables stay: unsetting them while other threads run (the memory sampler, the
     // signal thread) races their reads of the environment. They name this pid, which no child
     // has, and a restart in place sets them anew.
-    let Ok(fds) = sd_notify::listen_fds_with_names(false) else { return Ok(None) };
+    // Variables for this process that do not parse (or name more or fewer sockets than they
+    // pass) are the service manager's setup gone wrong: serving a socket of our own instead
+    // would leave the manager's unanswered.
+    let fds = sd_notify::listen_fds_with_names(false)
+        .context("the sockets the service manager passed (LISTEN_FDS, LISTEN_FDNAMES) do not add up")?;
     let mut fds = fds.map(|(fd, _name)| fd);
     let Some(fd) = fds.next() else { return Ok(None) };
     if fds.next().is_some() {

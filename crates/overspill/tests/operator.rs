@@ -519,6 +519,54 @@ fn socket_activation_and_readiness_the_systemd_way() {
     assert!(aside.exists(), "the server removed the socket the service manager owns");
 }
 
+/// The service manager's variables naming two sockets where it passed one: the server says so
+/// and stops, where it used to bind a socket of its own nobody would connect to.
+#[test]
+fn socket_activation_variables_that_do_not_add_up_stop_the_server_with_the_reason() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let own = tmp.path().join("own.sock");
+    let log = tmp.path().join("server.log");
+    let mut activator = Command::new("systemd-socket-activate")
+        .arg("--listen")
+        .arg(&socket)
+        .arg("--fdname=nbd:control")
+        .arg(env!("CARGO_BIN_EXE_overspill"))
+        .args(["serve", "--base", golden.to_str().expect("utf-8"), "--ram-floor", "0"])
+        .args(["--listen", &format!("unix:{}", own.display())])
+        .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
+        .args(["--memory-dir", tmp.path().join("memory").to_str().expect("utf-8")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("systemd-socket-activate (package systemd)");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "systemd-socket-activate never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The first client starts the server, which stops before it answers.
+    let client = std::os::unix::net::UnixStream::connect(&socket).expect("the activator's socket");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = activator.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = activator.kill();
+            panic!("the server went on with socket variables that do not add up");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    drop(client);
+    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!status.success(), "{log_text}");
+    assert!(log_text.contains("LISTEN_FDNAMES") && log_text.contains("do not add up"), "{log_text}");
+    assert!(!own.exists(), "the server bound a socket of its own");
+}
+
 /// A memory cgroup for one test (v1 `memory` controller or v2), removed when dropped.
 struct MemoryCgroup {
     dir: PathBuf,
