@@ -148,7 +148,16 @@ impl Shared {
         }
         let fd = std::os::fd::AsRawFd::as_raw_fd(&self.page_file);
         // The descriptor's own link reopens this very file, even once renamed or removed.
-        OpenOptions::new().write(true).open(format!("/proc/self/fd/{fd}")).ok()
+        match OpenOptions::new().write(true).open(format!("/proc/self/fd/{fd}")) {
+            Ok(file) => Some(file),
+            Err(error) => {
+                static SAID: AtomicBool = AtomicBool::new(false);
+                if !SAID.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(%error, "no allocation ahead for RAM tiers (/proc/self/fd cannot be opened): fills are slower");
+                }
+                None
+            }
+        }
     }
 
     fn lists(&self) -> std::sync::MutexGuard<'_, FreeLists> {

@@ -405,9 +405,15 @@ fn inherited_listener() -> anyhow::Result<Option<Listener>> {
     // The variables stay: unsetting them while other threads run (the memory sampler, the
     // signal thread) races their reads of the environment. They name this pid, which no child
     // has, and a restart in place sets them anew.
-    // Variables for this process that do not parse (or name more or fewer sockets than they
-    // pass) are the service manager's setup gone wrong: serving a socket of our own instead
-    // would leave the manager's unanswered.
+    // Variables for another process (a wrapper that started this one as its child) are not
+    // ours to judge; sd_notify would still hold their names against no sockets.
+    let ours = std::env::var("LISTEN_PID").ok().and_then(|pid| pid.trim().parse::<u32>().ok());
+    if ours != Some(std::process::id()) {
+        return Ok(None);
+    }
+    // Variables for this process that do not parse, or name sockets it was not passed, are the
+    // service manager's setup gone wrong: serving a socket of our own instead would leave the
+    // manager's unanswered.
     let fds = sd_notify::listen_fds_with_names(false)
         .context("the sockets the service manager passed (LISTEN_FDS, LISTEN_FDNAMES) do not add up")?;
     let mut fds = fds.map(|(fd, _name)| fd);

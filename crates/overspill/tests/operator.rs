@@ -520,7 +520,9 @@ fn socket_activation_and_readiness_the_systemd_way() {
 }
 
 /// The service manager's variables naming two sockets where it passed one: the server says so
-/// and stops, where it used to bind a socket of its own nobody would connect to.
+/// and stops, where it used to bind a socket of its own nobody would connect to. The same
+/// variables set for another process (a wrapper that started the server as its child) are not
+/// the server's: it serves its own socket.
 #[test]
 fn socket_activation_variables_that_do_not_add_up_stop_the_server_with_the_reason() {
     let tmp = TempDir::new().expect("tempdir");
@@ -528,7 +530,7 @@ fn socket_activation_variables_that_do_not_add_up_stop_the_server_with_the_reaso
     let socket = tmp.path().join("nbd.sock");
     let own = tmp.path().join("own.sock");
     let log = tmp.path().join("server.log");
-    let mut activator = Command::new("systemd-socket-activate")
+    let child = Command::new("systemd-socket-activate")
         .arg("--listen")
         .arg(&socket)
         .arg("--fdname=nbd:control")
@@ -542,29 +544,45 @@ fn socket_activation_variables_that_do_not_add_up_stop_the_server_with_the_reaso
         .stderr(std::fs::File::create(&log).expect("log"))
         .spawn()
         .expect("systemd-socket-activate (package systemd)");
+    // Killed and reaped however the test ends.
+    let mut activator = Serve { child, log };
+    // The first client starts the server, which stops before it answers (the path appears
+    // when the activator binds, a moment before it listens).
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !socket.exists() {
-        assert!(Instant::now() < deadline, "systemd-socket-activate never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // The first client starts the server, which stops before it answers.
-    let client = std::os::unix::net::UnixStream::connect(&socket).expect("the activator's socket");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = activator.try_wait().expect("try_wait") {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = activator.kill();
-            panic!("the server went on with socket variables that do not add up");
+    let client = loop {
+        match std::os::unix::net::UnixStream::connect(&socket) {
+            Ok(client) => break client,
+            Err(error) => assert!(Instant::now() < deadline, "systemd-socket-activate never listened: {error}"),
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = activator.child.try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the server went on with socket variables that do not add up");
+        std::thread::sleep(Duration::from_millis(20));
+    };
     drop(client);
-    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    let log_text = activator.log_text();
     assert!(!status.success(), "{log_text}");
     assert!(log_text.contains("LISTEN_FDNAMES") && log_text.contains("do not add up"), "{log_text}");
     assert!(!own.exists(), "the server bound a socket of its own");
+
+    let wrapped = TempDir::new().expect("tempdir");
+    let other_pid = std::process::id().to_string();
+    let foreign = [("LISTEN_PID", other_pid.as_str()), ("LISTEN_FDS", "1"), ("LISTEN_FDNAMES", "nbd:control")];
+    let base = ["--base", golden.to_str().expect("utf-8"), "--listen", &format!("unix:{}", own.display())];
+    let mut server = Serve::start(wrapped.path(), &base, &foreign, || own.exists());
+    let mut vm = Client::connect(&socket_uri(&own, "@wrapped")).expect("a VM connects to the server's own socket");
+    let data = pseudo_random(4096, 5);
+    vm.write(0, &data, false).expect("write");
+    let mut back = vec![0; data.len()];
+    vm.read(0, &mut back).expect("read");
+    assert_eq!(back, data);
+    vm.disconnect().expect("disconnect");
+    server.stop();
 }
 
 /// A memory cgroup for one test (v1 `memory` controller or v2), removed when dropped.
