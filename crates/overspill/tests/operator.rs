@@ -19,6 +19,18 @@ fn golden(dir: &Path) -> PathBuf {
     path
 }
 
+/// `serve` with the test's golden image, its spill and memory directories in `dir` and no
+/// free-memory floor, for a wrapper (prlimit, systemd-socket-activate) to run.
+fn serve_args(dir: &Path, golden: &Path) -> Vec<String> {
+    let path = |p: &Path| p.to_str().expect("utf-8 temp path").to_owned();
+    let mut args =
+        vec!["serve".to_owned(), "--base".to_owned(), path(golden), "--ram-floor".to_owned(), "0".to_owned()];
+    for (flag, sub) in [("--spill-dir", "spill"), ("--memory-dir", "memory")] {
+        args.extend([flag.to_owned(), path(&dir.join(sub))]);
+    }
+    args
+}
+
 fn socket_uri(socket: &Path, export: &str) -> NbdUri {
     format!("nbd+unix:///{export}?socket={}", socket.display()).parse().expect("uri")
 }
@@ -265,10 +277,8 @@ fn serve_raises_its_open_file_limit_to_the_hard_limit() {
     let mut child = Command::new("prlimit")
         .args(["--nofile=256:4096", "--"])
         .arg(env!("CARGO_BIN_EXE_overspill"))
-        .args(["serve", "--base", golden.to_str().expect("utf-8"), "--ram-floor", "0"])
+        .args(serve_args(tmp.path(), &golden))
         .args(["--listen", &format!("unix:{}", socket.display())])
-        .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
-        .args(["--memory-dir", tmp.path().join("memory").to_str().expect("utf-8")])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -442,9 +452,7 @@ fn socket_activation_and_readiness_the_systemd_way() {
         .arg("-E")
         .arg("RUST_LOG=info")
         .arg(env!("CARGO_BIN_EXE_overspill"))
-        .args(["serve", "--base", golden.to_str().expect("utf-8"), "--ram-floor", "0"])
-        .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
-        .args(["--memory-dir", tmp.path().join("memory").to_str().expect("utf-8")])
+        .args(serve_args(tmp.path(), &golden))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).expect("log"))
@@ -535,10 +543,8 @@ fn socket_activation_variables_that_do_not_add_up_stop_the_server_with_the_reaso
         .arg(&socket)
         .arg("--fdname=nbd:control")
         .arg(env!("CARGO_BIN_EXE_overspill"))
-        .args(["serve", "--base", golden.to_str().expect("utf-8"), "--ram-floor", "0"])
+        .args(serve_args(tmp.path(), &golden))
         .args(["--listen", &format!("unix:{}", own.display())])
-        .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
-        .args(["--memory-dir", tmp.path().join("memory").to_str().expect("utf-8")])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).expect("log"))
