@@ -232,6 +232,9 @@ pub struct StorageSpec {
     /// Controller cache bytes (0: none) and how it treats writes.
     pub cache_bytes: u64,
     pub cache_mode: CacheMode,
+    /// The part of a write-back cache that may hold writes not yet on the disks (arrays commonly
+    /// split their cache into read and write parts); `None`: half of it.
+    pub write_cache_bytes: Option<u64>,
     /// Requests the host keeps at the array at once (HBA or LUN queue depth); `None`: no limit.
     pub queue_depth: Option<usize>,
     /// Requests per second the array's controller can handle, cache hits included; `None`: no
@@ -263,6 +266,7 @@ impl StorageSpec {
             raid: Raid::R0,
             cache_bytes: 0,
             cache_mode: CacheMode::WriteBack,
+            write_cache_bytes: None,
             queue_depth: None,
             controller_iops: None,
             array_latency_s: ARRAY_LATENCY_S,
@@ -285,6 +289,9 @@ impl StorageSpec {
         }
         if self.raid == Raid::R1 && self.disks != 2 {
             return Err("RAID 1 mirrors two disks: use RAID 10 for more".into());
+        }
+        if self.write_cache_bytes.is_some_and(|w| w > self.cache_bytes) {
+            return Err("the write part of the controller cache cannot be larger than the cache".into());
         }
         if self.queue_depth == Some(0) || self.power_on_group == 0 || self.vm_queue_depth == 0 {
             return Err("queue depths and the power-on group need to be at least 1".into());
@@ -314,6 +321,9 @@ impl StorageSpec {
                 CacheMode::WriteBack => "write-back",
             };
             out.push_str(&format!(", {} MiB {mode} cache", self.cache_bytes >> 20));
+            if let (CacheMode::WriteBack, Some(write)) = (self.cache_mode, self.write_cache_bytes) {
+                out.push_str(&format!(" ({} MiB for writes)", write >> 20));
+            }
         }
         if let Some(q) = self.queue_depth {
             out.push_str(&format!(", queue depth {q}"));
@@ -340,6 +350,7 @@ impl StorageSpec {
 /// raid = "5"
 /// cache_mib = 1024
 /// cache_mode = "write-back"  # or "read-only"
+/// write_cache_mib = 256      # the part that may hold writes (default: half the cache)
 /// queue_depth = 32
 /// controller_iops = 20000
 /// array_latency_ms = 0.2
@@ -357,6 +368,7 @@ pub struct StorageFile {
     pub raid: Option<Raid>,
     pub cache_mib: Option<u64>,
     pub cache_mode: Option<CacheMode>,
+    pub write_cache_mib: Option<u64>,
     pub queue_depth: Option<usize>,
     pub controller_iops: Option<f64>,
     pub array_latency_ms: Option<f64>,
@@ -394,6 +406,7 @@ impl StorageSpec {
             raid: file.raid.unwrap_or(d.raid),
             cache_bytes: file.cache_mib.map_or(0, |m| m << 20),
             cache_mode: file.cache_mode.unwrap_or(d.cache_mode),
+            write_cache_bytes: file.write_cache_mib.map(|m| m << 20),
             queue_depth: file.queue_depth,
             controller_iops: file.controller_iops,
             array_latency_s: file.array_latency_ms.map_or(ARRAY_LATENCY_S, |ms| ms / 1e3),
@@ -855,7 +868,7 @@ impl<'a> Sim<'a> {
                 for b in Self::blocks(space, offset, bytes) {
                     cache.put(b, ());
                 }
-                let dirty_limit = self.storage.cache_bytes / 2;
+                let dirty_limit = self.storage.write_cache_bytes.unwrap_or(self.storage.cache_bytes / 2);
                 if self.storage.cache_mode == CacheMode::WriteBack && self.dirty_bytes + bytes <= dirty_limit {
                     self.dirty_bytes += bytes;
                     self.at(self.now + self.storage.array_latency_s, Event::HostDone(id));
@@ -1141,6 +1154,25 @@ mod tests {
         let cached = simulate_boots(&full, &boots, 10, 1 << 30).expect("boots");
         assert!(cached.avg_s < own.avg_s / 3.0, "{cached:?} against {own:?}");
         assert!(full.describe().ends_with("full clones"), "{}", full.describe());
+    }
+
+    #[test]
+    fn a_smaller_write_part_of_the_cache_holds_fewer_writes_back() {
+        let mut boot = VmBoot::default();
+        for i in 0..2_000u64 {
+            boot.push(0.0, [Request { write: true, golden: false, offset: i * 1_048_576, bytes: 4096 }]);
+        }
+        let half = StorageSpec { cache_bytes: 64 << 20, ..StorageSpec::single(disk("hdd10k")) };
+        let small = StorageSpec { write_cache_bytes: Some(1 << 20), ..half.clone() };
+        let roomy = simulate_boots(&half, std::slice::from_ref(&boot), 4, 0).expect("boots");
+        let tight = simulate_boots(&small, &[boot], 4, 0).expect("boots");
+        // 8,000 writes of 4 KiB fit half of 64 MiB, and are answered at once; 1 MiB holds 256.
+        assert!(tight.avg_s > 10.0 * roomy.avg_s, "{tight:?} against {roomy:?}");
+        assert!(small.describe().ends_with("(1 MiB for writes)"), "{}", small.describe());
+        let too_big = StorageSpec { write_cache_bytes: Some(128 << 20), ..half };
+        assert!(too_big.check().is_err());
+        let file = "device = \"hdd10k\"\ncache_mib = 64\nwrite_cache_mib = 16\n";
+        assert_eq!(StorageSpec::from_toml(file).expect("parses").write_cache_bytes, Some(16 << 20));
     }
 
     #[test]

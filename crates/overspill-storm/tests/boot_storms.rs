@@ -8,8 +8,10 @@
 //! played that way, every boot's reads miss the controller cache, the storms are disk-bound and
 //! last about as long as the seed's, but every VM shares the disks evenly and finishes near the
 //! storm's end, so averages sit near the maxima and cache size does nothing (docs/planning.md).
-//! The shape of the seed's changes comes out closer on linked clones and the arrays of the first
-//! test, which are this test's choice, stated in full.
+//! The shape of the seed's changes comes out on linked clones and the arrays of the first test,
+//! which are this test's choice, stated in full, fitted by a search (docs/planning.md): the
+//! seed's changes in average boot time within ±10 points, SSD against HDD within ±10 % of the
+//! seed's 2.3× to 4.2×.
 
 use overspill_engine::WriteCacheMode;
 use overspill_storm::driver::RunPlan;
@@ -41,16 +43,16 @@ fn fc_ssd() -> DeviceSpec {
     DeviceSpec { name: "fc-ssd".into(), iops: vec![(1.0, 3000.0), (8.0, 8000.0), (64.0, 15000.0)], mb_per_s: 250.0 }
 }
 
-/// The internal RAID controller: 10 × 10K disks in RAID 5, a write-back cache, no queue limit.
+/// The internal RAID controller: 7 × 7.2K disks in RAID 0, a write-back cache, no queue limit.
 fn internal(cache_mib: u64, issue_s: f64) -> StorageSpec {
     StorageSpec {
-        disks: 10,
-        raid: Raid::R5,
+        disks: 7,
+        raid: Raid::R0,
         cache_bytes: cache_mib << 20,
         cache_mode: CacheMode::WriteBack,
         power_on_group: 1,
         power_on_interval_s: issue_s / (VMS - 1) as f64,
-        ..StorageSpec::single(DeviceSpec::built_in("hdd10k").expect("built in"))
+        ..StorageSpec::single(DeviceSpec::built_in("hdd7200").expect("built in"))
     }
 }
 
@@ -101,29 +103,37 @@ fn change(before: &BootEstimate, after: &BootEstimate) -> f64 {
 fn seed_003s_boot_storms_keep_their_shape() {
     let plan = win7_boots(10);
     let hdd15k = || DeviceSpec::built_in("hdd15k").expect("built in");
+    // The seed's FC array with 384 MB of its 1744 MB cache for writes, 2.1 ms of fabric and
+    // controller per request and a controller good for 18,500 IOPS; 9 HDDs or 22 SSDs.
+    let fc = |device, disks, mode, queue_depth, issue_s| StorageSpec {
+        write_cache_bytes: Some(384 << 20),
+        controller_iops: Some(18_500.0),
+        array_latency_s: 0.002_1,
+        ..fibre_channel(device, disks, mode, queue_depth, issue_s)
+    };
     let int512 = estimate(&plan, internal(512, 119.0), None);
     let int1g = estimate(&plan, internal(1024, 107.0), None);
-    let fc32 = estimate(&plan, fibre_channel(hdd15k(), 8, CacheMode::ReadOnly, 32, 276.0), None);
-    let fc254 = estimate(&plan, fibre_channel(hdd15k(), 8, CacheMode::WriteBack, 254, 98.0), None);
-    let ssd32 = estimate(&plan, fibre_channel(fc_ssd(), 8, CacheMode::WriteBack, 32, 61.0), None);
-    let ssd254 = estimate(&plan, fibre_channel(fc_ssd(), 8, CacheMode::WriteBack, 254, 40.0), None);
+    let fc32 = estimate(&plan, fc(hdd15k(), 9, CacheMode::ReadOnly, 32, 276.0), None);
+    let fc254 = estimate(&plan, fc(hdd15k(), 9, CacheMode::WriteBack, 254, 98.0), None);
+    let ssd32 = estimate(&plan, fc(fc_ssd(), 22, CacheMode::WriteBack, 32, 61.0), None);
+    let ssd254 = estimate(&plan, fc(fc_ssd(), 22, CacheMode::WriteBack, 254, 40.0), None);
     let (cache, hdd_qd, ssd_qd) = (change(&int512, &int1g), change(&fc32, &fc254), change(&ssd32, &ssd254));
     let hdds = [&int512, &int1g, &fc32, &fc254];
     let ratios: Vec<f64> = hdds.iter().flat_map(|h| [&ssd32, &ssd254].map(|s| h.avg_s / s.avg_s)).collect();
     let (lo, hi) = (ratios.iter().copied().fold(f64::MAX, f64::min), ratios.iter().copied().fold(0.0, f64::max));
-    println!("controller cache 512 MB → 1 GB: {cache:+.0}% (seed −18%); queue depth 32 → 254: HDD {hdd_qd:+.0}% (seed −33%), SSD {ssd_qd:+.0}% (seed −18%); SSD faster than HDD by {lo:.1}× to {hi:.1}× (seed 2.3× to 4.2×)");
+    println!("controller cache 512 MB → 1 GB: {cache:+.0}% (seed −18%); queue depth 32 → 254: HDD {hdd_qd:+.0}% (seed −33%), SSD {ssd_qd:+.0}% (seed −18%); SSD faster than HDD by {lo:.2}× to {hi:.2}× (seed 2.3× to 4.2×)");
 
     // Queues spread boot times: the first VMs boot before the storm builds, the last wait.
     for e in [&int512, &int1g, &fc32, &fc254, &ssd32, &ssd254] {
         assert!(e.max_s > 1.5 * e.min_s, "{e:?}");
         assert_eq!(e.booted_per_interval.iter().sum::<usize>(), VMS);
     }
-    // Each change shortens the average boot, as in the seed; the queue depth's effect on SSDs
-    // within ±10 points of the seed's.
-    assert!(cache < 0.0 && hdd_qd < 0.0, "cache {cache:.0}%, HDD queue depth {hdd_qd:.0}%");
+    // Each change shortens the average boot within ±10 points of the seed's change.
+    assert!((cache + 18.0).abs() <= 10.0, "controller cache: {cache:.0}% against the seed's −18%");
+    assert!((hdd_qd + 33.0).abs() <= 10.0, "HDD queue depth: {hdd_qd:.0}% against the seed's −33%");
     assert!((ssd_qd + 18.0).abs() <= 10.0, "SSD queue depth: {ssd_qd:.0}% against the seed's −18%");
-    // SSDs boot faster than any HDD configuration, by at most the seed's 4.2× (+10%).
-    assert!(lo > 1.0 && hi <= 4.2 * 1.1, "SSD against HDD: {lo:.1}× to {hi:.1}×");
+    // SSDs boot faster than every HDD configuration by the seed's 2.3× to 4.2× (±10 %).
+    assert!(lo >= 2.3 * 0.9 && hi <= 4.2 * 1.1, "SSD against HDD: {lo:.2}× to {hi:.2}×");
 
     // The same 90 VMs with overspill in front of the internal 512 MB array (ram+disk at 256 MB
     // per VM, a 1 GiB shared read cache): the array sees the spill and the read cache's misses.

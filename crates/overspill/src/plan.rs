@@ -50,6 +50,10 @@ pub struct PlanArgs {
     /// read-only or write-back.
     #[arg(long)]
     cache_mode: Option<CacheMode>,
+    /// The part of a write-back controller cache that may hold writes not yet on the disks
+    /// (default: half of it).
+    #[arg(long, value_parser = parse_bytes)]
+    write_cache: Option<u64>,
     /// Requests the host keeps at the array at once (the HBA's or LUN's queue depth).
     #[arg(long)]
     queue_depth: Option<usize>,
@@ -147,6 +151,7 @@ fn storage_spec(name: &str, args: &PlanArgs) -> anyhow::Result<StorageSpec> {
     spec.raid = args.raid.unwrap_or(spec.raid);
     spec.cache_bytes = args.controller_cache.unwrap_or(spec.cache_bytes);
     spec.cache_mode = args.cache_mode.unwrap_or(spec.cache_mode);
+    spec.write_cache_bytes = args.write_cache.or(spec.write_cache_bytes);
     spec.queue_depth = args.queue_depth.or(spec.queue_depth);
     spec.controller_iops = args.controller_iops.or(spec.controller_iops);
     spec.array_latency_s = args.array_latency_ms.map_or(spec.array_latency_s, |ms| ms / 1e3);
