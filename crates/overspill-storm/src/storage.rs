@@ -19,8 +19,8 @@
 //!   two writes, RAID 6 three and three. Full-stripe writes skip the reads.
 //! - The controller cache keeps 4 KiB blocks, least recently used out first. A read whose blocks
 //!   are all there completes in the array's own latency (its fabric and controller, added to
-//!   every request); a write-back cache acknowledges writes as soon
-//!   as they fit in its dirty half and writes them to the disks behind the guest's back.
+//!   every request); a write-back cache acknowledges writes as soon as they fit in its write
+//!   part (by default half of it) and writes them to the disks behind the guest's back.
 //! - The host keeps at most `queue_depth` requests at the array (the HBA's or LUN's queue
 //!   depth); the rest wait in order.
 //! - Two VMs missing the same read-cache chunk at once: the second is served as soon as the first
@@ -232,8 +232,9 @@ pub struct StorageSpec {
     /// Controller cache bytes (0: none) and how it treats writes.
     pub cache_bytes: u64,
     pub cache_mode: CacheMode,
-    /// The part of a write-back cache that may hold writes not yet on the disks (arrays commonly
-    /// split their cache into read and write parts); `None`: half of it.
+    /// How much of a write-back cache may hold writes not yet on the disks (arrays commonly set
+    /// a write part); reads still use the whole cache. `None`: half of it; a read-only cache
+    /// holds no writes and ignores it.
     pub write_cache_bytes: Option<u64>,
     /// Requests the host keeps at the array at once (HBA or LUN queue depth); `None`: no limit.
     pub queue_depth: Option<usize>,

@@ -50,8 +50,8 @@ pub struct PlanArgs {
     /// read-only or write-back.
     #[arg(long)]
     cache_mode: Option<CacheMode>,
-    /// The part of a write-back controller cache that may hold writes not yet on the disks
-    /// (default: half of it).
+    /// How much of a write-back controller cache may hold writes not yet on the disks (default:
+    /// half of it; reads still use the whole cache).
     #[arg(long, value_parser = parse_bytes)]
     write_cache: Option<u64>,
     /// Requests the host keeps at the array at once (the HBA's or LUN's queue depth).

@@ -220,8 +220,21 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
         let mut args = vec!["plan".to_owned()];
         args.extend(files.iter().cloned());
         args.extend(
-            ["--ram", "256M", "--storage", "hdd7200", "--controller-cache", "256M", "--clones", clones, "--vms", "20"]
-                .map(str::to_owned),
+            [
+                "--ram",
+                "256M",
+                "--storage",
+                "hdd7200",
+                "--controller-cache",
+                "256M",
+                "--write-cache",
+                "64M",
+                "--clones",
+                clones,
+                "--vms",
+                "20",
+            ]
+            .map(str::to_owned),
         );
         args.extend(["--out".to_owned(), s(&out)]);
         let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -229,7 +242,7 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
         let plan = json(&out.join("plan.json"));
         assert!(plan["boot_without_cache"]["storage"]
             .as_str()
-            .is_some_and(|d| d.contains("full") == (clones == "full")));
+            .is_some_and(|d| d.contains("full") == (clones == "full") && d.contains("(64 MiB for writes)")));
         plan["boot_without_cache"]["avg_s"].as_f64().expect("estimate")
     };
     let (linked, full) = (no_cache_avg("linked"), no_cache_avg("full"));
