@@ -1044,10 +1044,15 @@ impl<T: Transport> Payload for WirePayload<'_, T> {
 
 /// A request the server's own shutdown cut off half-read (the stop shuts the socket for reading
 /// while the client may be sending) was never taken, so the connection ends as a disconnect,
-/// not as bad input.
+/// not as bad input. Over TLS with certificates (rustls) that shut socket reads as an end with
+/// no close_notify before it, an error: it is the same stop, and the session is still shut
+/// down properly (close_notify) as the connection ends.
 fn cut_short_by_stop(needed: Result<bool, ConnectionError>, stop: &AtomicBool) -> Result<bool, ConnectionError> {
     match needed {
         Err(ConnectionError::Truncated) if stop.load(Ordering::Relaxed) => Ok(false),
+        Err(ConnectionError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof && stop.load(Ordering::Relaxed) => {
+            Ok(false)
+        }
         other => other,
     }
 }

@@ -355,8 +355,11 @@ impl Handshake {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(data).into_owned();
                 // This option has no error reply: the spec's answer to a bad name is to close.
-                let info = self.visible(exports, &name).ok_or_else(|| HandshakeError::ExportRefused(name.clone()))?;
+                let mut info =
+                    self.visible(exports, &name).ok_or_else(|| HandshakeError::ExportRefused(name.clone()))?;
                 let device = exports.open(&name).map_err(|_| HandshakeError::ExportRefused(name.clone()))?;
+                // The opened device's size, as for GO (see `info_or_go`).
+                info.size = device.size();
                 put_u64(out, info.size);
                 put_u16(out, transmission_flags(info.capabilities));
                 if !self.no_zeroes {
@@ -511,7 +514,7 @@ impl Handshake {
             option_reply(out, option, REP_ERR_INVALID, b"malformed INFO/GO request");
             return Progress::NeedMore;
         };
-        let Some(info) = self.visible(exports, &name) else {
+        let Some(mut info) = self.visible(exports, &name) else {
             // Asking is how clients look for exports (INFO); connecting to one that is not there
             // (GO) is a misconfigured VM the operator wants to hear about.
             if option == OPT_GO {
@@ -553,6 +556,12 @@ impl Handshake {
         } else {
             None
         };
+        // The size is the opened device's: a name may open something else than it describes
+        // (a VM that resumes keeps the image version it booted, whatever version is current),
+        // and every request of the session is held to the size sent here.
+        if let Some(device) = &device {
+            info.size = device.size();
+        }
         let mut payload = Vec::with_capacity(32);
         put_u16(&mut payload, INFO_EXPORT);
         put_u64(&mut payload, info.size);

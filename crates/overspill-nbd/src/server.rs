@@ -534,9 +534,10 @@ impl Server {
                 return Ok(());
             }
             // Slow handshakes fill their slots: new clients wait in the backlog meanwhile, and
-            // the oldest handshake goes once it has had its time.
+            // the oldest handshake goes once it has had its time, if a client is waiting: a
+            // handshake that only is slow (a client pausing between options) harms nobody.
             while self.must_wait() && !self.shutdown.is_requested() {
-                if !self.shed_oldest_handshake() {
+                if !(listener.client_waiting(Duration::ZERO) && self.shed_oldest_handshake()) {
                     std::thread::sleep(Duration::from_millis(5));
                 }
             }

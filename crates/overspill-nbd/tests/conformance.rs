@@ -946,6 +946,29 @@ fn every_end_of_a_tls_session_sends_close_notify() {
     }
 }
 
+/// A server that stops closes an idle TLS session as it closes any other: close_notify first,
+/// then the connection, with either kind of credentials (rustls reports the shut socket under
+/// it as a truncated session, which is still the server's own stop).
+#[test]
+fn a_stopping_server_ends_idle_tls_sessions_with_close_notify() {
+    for psk in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = serve_with(&Disk::new(Capabilities::ALL), limits(1 << 20), required_tls(dir.path(), psk));
+        let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
+        assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
+        let mut conn = upgrade_with(conn, psk, None);
+        conn.negotiate(false);
+        conn.request(CMD_WRITE, 0, 1, 0, 4, b"abcd");
+        assert_eq!(conn.simple(1), 0, "the write is answered");
+        server.shutdown_handle().shutdown();
+        let mut buf = [0u8; 16];
+        let end = conn.s.read(&mut buf);
+        let received = conn.s.get_shutdown().contains(ShutdownState::RECEIVED);
+        assert!(matches!(end, Ok(0)) && received, "psk {psk}: {end:?}, close_notify received: {received}");
+        assert!(server.wait_idle(Duration::from_secs(10)), "psk {psk}: the connection ended");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Transmission flags.
 

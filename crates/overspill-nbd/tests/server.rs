@@ -546,3 +546,33 @@ fn slow_handshakes_are_shed_before_anyone_else_is_refused() {
     assert!(shed >= 4, "slow handshakes shed: {shed}");
     drop(slow);
 }
+
+/// A slow handshake is cut off only to let a waiting client in: with every handshake slot taken
+/// and nobody in the backlog, a client that pauses past the shedding age (libnbd's option mode
+/// between options, a TLS handshake on a loaded host) still finishes its handshake.
+#[test]
+fn a_slow_handshake_is_left_alone_while_nobody_waits() {
+    use overspill_nbd::server::{ListenAddr, Listener};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("nbd.sock");
+    let listener = Arc::new(Listener::bind(&ListenAddr::Unix(socket.clone())).expect("bind"));
+    // Shedding age: half the handshake timeout, at most 1 s.
+    let config = ServerConfig {
+        limits: Limits { handshake_timeout: Duration::from_secs(20), ..Limits::default() },
+        max_handshakes: 1,
+        ..ServerConfig::default()
+    };
+    let server = Arc::new(Server::new(Arc::new(OneExport::new("disk", SIZE)), config));
+    let counters = server.counters();
+    {
+        let (server, listener) = (server.clone(), listener.clone());
+        std::thread::spawn(move || server.run(&listener));
+    }
+    let stream = UnixStream::connect(&socket).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    std::thread::sleep(Duration::from_millis(1600));
+    let mut client = Client::handshake(Box::new(stream), "disk", true).expect("the slow handshake finishes");
+    client.write(0, &[1; 4096], false).expect("write");
+    let shed = counters.refusals().into_iter().find(|(r, _)| *r == Refusal::HandshakeShed).map_or(0, |(_, n)| n);
+    assert_eq!(shed, 0, "a handshake was shed with nobody waiting");
+}
