@@ -459,9 +459,9 @@ fn a_recovered_vm_keeps_its_image_version_and_a_changed_image_refuses_it() {
     server.kill();
     drop((desk, writer));
 
-    // v2 becomes current, and the file under --base is rewritten with the same bytes (a new
-    // modification time: `cp` over it would keep its inode and size too).
-    let v2 = pseudo_random(GOLDEN_BYTES, 42);
+    // v2, half the size, becomes current, and the file under --base is rewritten with the same
+    // bytes (a new modification time: `cp` over it would keep its inode and size too).
+    let v2 = pseudo_random(GOLDEN_BYTES / 2, 42);
     let v2_file = host.dir.path().join("v2.img");
     std::fs::write(&v2_file, &v2).expect("v2");
     image(&["publish", "win", v2_file.to_str().expect("utf-8"), "--activate"]);
@@ -474,8 +474,14 @@ fn a_recovered_vm_keeps_its_image_version_and_a_changed_image_refuses_it() {
     let seen = read_start(&mut desk, len);
     assert_same(&seen[..WRITTEN_BYTES], &written, "desk's writes after the restart");
     assert_same(&seen[WRITTEN_BYTES..], &host.golden_bytes[WRITTEN_BYTES..len], "desk's unwritten blocks: still v1");
+    // The size told at the handshake is v1's too, or the end of desk's disk is out of reach.
+    assert_eq!(desk.size(), GOLDEN_BYTES as u64, "desk's disk keeps v1's size");
+    let mut tail = vec![0; 1 << 20];
+    desk.read((GOLDEN_BYTES - tail.len()) as u64, &mut tail).expect("desk reads the end of its disk");
+    assert_same(&tail, &host.golden_bytes[GOLDEN_BYTES - tail.len()..], "the end of desk's disk: v1");
     desk.disconnect().expect("disconnect");
     let mut fresh = connect("win@fresh");
+    assert_eq!(fresh.size(), v2.len() as u64, "a new VM's disk has v2's size");
     assert_same(&read_start(&mut fresh, 1 << 20), &v2[..1 << 20], "a new VM gets v2");
     fresh.disconnect().expect("disconnect");
 
