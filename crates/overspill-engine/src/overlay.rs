@@ -215,7 +215,14 @@ enum Source {
 enum Tier {
     Ram,
     RamDisk(SpillLog),
-    InPlace { file: Box<dyn BackingFile>, shared: bool, blocks: u64 },
+    /// `stray`: a write to the file failed, and may have left bytes in blocks the map does not
+    /// have (see [`Overlay::punch_in_place`]).
+    InPlace {
+        file: Box<dyn BackingFile>,
+        shared: bool,
+        blocks: u64,
+        stray: bool,
+    },
 }
 
 pub struct Overlay {
@@ -415,7 +422,7 @@ impl Overlay {
                 Tier::RamDisk(spill)
             }
             (Some(kind @ (BackingKind::LocalCache | BackingKind::SharedDifferencing)), Some(file)) => {
-                Tier::InPlace { file, shared: kind == BackingKind::SharedDifferencing, blocks: 0 }
+                Tier::InPlace { file, shared: kind == BackingKind::SharedDifferencing, blocks: 0, stray: false }
             }
             (wanted, given) => {
                 return Err(EngineError::Config(format!(
@@ -1378,7 +1385,7 @@ impl Overlay {
         };
         mapped.sort_unstable();
         if let Tier::InPlace { .. } = self.tier {
-            return self.punch_in_place(&mapped);
+            return self.punch_in_place(first, end, &mapped);
         }
         for block in mapped {
             if let Some(old) = self.map.remove(block) {
@@ -1391,21 +1398,33 @@ impl Overlay {
         Ok(())
     }
 
-    fn punch_in_place(&mut self, sorted: &[BlockIndex]) -> Result<()> {
-        let Tier::InPlace { file, blocks, .. } = &mut self.tier else { unreachable!("checked by caller") };
+    /// Punches the mapped blocks of `[first, end)`, in runs; all of the range once a write has
+    /// failed: that write may have left bytes in blocks it never mapped, and a recovery takes
+    /// whatever the file holds for data written after any zeroing, so such bytes would come back
+    /// in place of the zeroes this zeroing promises. (Only then: a filesystem that cannot punch
+    /// would otherwise fail every trim of blocks never written.)
+    fn punch_in_place(&mut self, first: u64, end: u64, sorted: &[BlockIndex]) -> Result<()> {
+        let Tier::InPlace { file, blocks, stray, .. } = &mut self.tier else { unreachable!("checked by caller") };
+        let punch = |file: &mut Box<dyn BackingFile>, first: u64, end: u64| {
+            file.punch_hole(first * BLOCK_BYTES, (end - first) * BLOCK_BYTES)
+                .map_err(|e| EngineError::from_io("punching cache file", e))
+        };
+        if *stray {
+            punch(file, first, end)?;
+        }
         let mut i = 0;
         while i < sorted.len() {
             let mut j = i + 1;
             while j < sorted.len() && sorted[j].0 == sorted[j - 1].0 + 1 {
                 j += 1;
             }
-            let run = (j - i) as u64;
-            file.punch_hole(sorted[i].byte_offset(), run * BLOCK_BYTES)
-                .map_err(|e| EngineError::from_io("punching cache file", e))?;
+            if !*stray {
+                punch(file, sorted[i].0, sorted[j - 1].0 + 1)?;
+            }
             for block in &sorted[i..j] {
                 self.map.remove(*block);
             }
-            *blocks -= run;
+            *blocks -= (j - i) as u64;
             i = j;
         }
         Ok(())
@@ -1434,8 +1453,11 @@ impl Overlay {
     }
 
     fn write_file(&mut self, offset: u64, data: &[u8], first: u64, end: u64) -> Result<()> {
-        let Tier::InPlace { file, shared, blocks } = &mut self.tier else { unreachable!("in-place mode") };
-        file.write_at(data, offset).map_err(|e| EngineError::from_io("writing cache file", e))?;
+        let Tier::InPlace { file, shared, blocks, stray } = &mut self.tier else { unreachable!("in-place mode") };
+        if let Err(e) = file.write_at(data, offset) {
+            *stray = true;
+            return Err(EngineError::from_io("writing cache file", e));
+        }
         let shared = *shared;
         for block in (first..end).map(BlockIndex) {
             if self.map.insert(block, Slot::File).is_none() {

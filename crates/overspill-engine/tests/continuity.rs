@@ -193,27 +193,40 @@ fn an_in_place_cache_file_is_rebuilt_from_its_data_and_its_zero_log() {
     }
 }
 
-/// A cache file on a filesystem that cannot report holes: all of it is "data".
-struct NoHoles(Box<ScratchFile>);
+/// A cache file with a flaw: on a filesystem that cannot report holes (`no_holes`: all of it is
+/// "data"), or whose next write stops half way with ENOSPC (`fills_up_once`: the filesystem
+/// filled up mid-write).
+struct Flawed {
+    file: Box<ScratchFile>,
+    no_holes: bool,
+    fills_up_once: bool,
+}
 
-impl overspill_engine::BackingFile for NoHoles {
+impl overspill_engine::BackingFile for Flawed {
     fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
-        self.0.write_at(data, offset)
+        if std::mem::take(&mut self.fills_up_once) {
+            self.file.write_at(&data[..data.len() / 2], offset)?;
+            return Err(std::io::ErrorKind::StorageFull.into());
+        }
+        self.file.write_at(data, offset)
     }
     fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.0.read_at(buf, offset)
+        self.file.read_at(buf, offset)
     }
     fn punch_hole(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.0.punch_hole(offset, len)
+        self.file.punch_hole(offset, len)
     }
     fn allocated_bytes(&self) -> std::io::Result<u64> {
-        self.0.allocated_bytes()
+        self.file.allocated_bytes()
     }
     fn path(&self) -> Option<&Path> {
-        self.0.path()
+        self.file.path()
     }
     fn data_ranges(&mut self) -> std::io::Result<Vec<(u64, u64)>> {
-        Ok(vec![(0, self.0.logical_size()?)])
+        if self.no_holes {
+            return Ok(vec![(0, self.file.logical_size()?)]);
+        }
+        self.file.data_ranges()
     }
 }
 
@@ -230,7 +243,8 @@ fn an_in_place_cache_file_whose_holes_cannot_be_told_is_refused() {
     let config = config_in(WriteCacheMode::Disk);
     let arena = Arena::open(dir.path(), "vm", Overlay::arena_pages(&config)).expect("arena");
     let stats = Arc::new(VmStats::default());
-    let backing = Some(Box::new(NoHoles(cache)) as Box<dyn overspill_engine::BackingFile>);
+    let flawed = Flawed { file: cache, no_holes: true, fills_up_once: false };
+    let backing = Some(Box::new(flawed) as Box<dyn overspill_engine::BackingFile>);
     match Overlay::recover(golden(), config, backing, HostMemory::unlimited(), stats, arena, state, 0) {
         Err(EngineError::Corrupt(message)) => assert!(message.contains("holes"), "{message}"),
         Err(other) => panic!("wrong error: {other}"),
@@ -241,6 +255,39 @@ fn an_in_place_cache_file_whose_holes_cannot_be_told_is_refused() {
     let mut back = vec![0; 4096];
     vm.read(0, &mut back).expect("read");
     assert_eq!(back, vec![7; 4096]);
+}
+
+/// A write that failed part way leaves bytes in blocks it never mapped; a zeroing acknowledged
+/// after it must still read as zeroes once the cache file is recovered (a recovery takes what
+/// the file holds for data written after the zeroing).
+#[test]
+fn a_zeroing_after_a_failed_write_reads_as_zeroes_after_a_crash() {
+    for mode in [WriteCacheMode::Disk, WriteCacheMode::Shared] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (cache, state) = files(dir.path(), true);
+        std::fs::File::options()
+            .write(true)
+            .open(dir.path().join("vm.spill"))
+            .expect("file")
+            .set_len(DISK_BLOCKS * BLOCK_BYTES)
+            .expect("size");
+        let config = config_in(mode);
+        let arena = Arena::create(dir.path(), "vm", Overlay::arena_pages(&config)).expect("arena");
+        let flawed = Flawed { file: cache, no_holes: false, fills_up_once: true };
+        let backing = Some(Box::new(flawed) as Box<dyn overspill_engine::BackingFile>);
+        let mut vm =
+            Overlay::persistent(golden(), config, backing, HostMemory::unlimited(), Arc::default(), arena, state)
+                .expect("overlay");
+        assert!(vm.write(0, &[9; 4 * 4096]).is_err(), "{mode}: the write fails");
+        vm.write_zeroes(0, 4 * 4096).expect("the zeroing");
+        let mut back = vec![1; 4 * 4096];
+        vm.read(0, &mut back).expect("read");
+        assert!(back.iter().all(|&b| b == 0), "{mode}: zeroes before the crash");
+        std::mem::forget(vm);
+        let mut vm = recover_in(dir.path(), mode).expect("recovered after a crash");
+        vm.read(0, &mut back).expect("read");
+        assert!(back.iter().all(|&b| b == 0), "{mode}: block 0 reads {} after the crash, not zeroes", back[0]);
+    }
 }
 
 #[test]
