@@ -844,11 +844,10 @@ mod tests {
         files
     }
 
-    #[test]
-    fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_that_name() {
-        let dirs = tempfile::tempdir().expect("tempdir");
-        let (state_dir, memory_dir, spill_dir) =
-            (dirs.path().join("state"), dirs.path().join("memory"), dirs.path().join("spill"));
+    /// Exports of one 64 MiB image, `golden`, whose named VMs keep their state in `dir` and wait
+    /// a minute for a reconnect.
+    fn exports_in(dir: &Path) -> OverlayExports {
+        let (state_dir, memory_dir, spill_dir) = (dir.join("state"), dir.join("memory"), dir.join("spill"));
         std::fs::create_dir_all(&spill_dir).expect("spill dir");
         let settings = CacheSettings {
             mode: WriteCacheMode::RamDisk,
@@ -866,10 +865,19 @@ mod tests {
         exports
             .with_lifecycle(Lifecycle {
                 reconnect_grace: Duration::from_secs(60),
-                state_dir: Some(state_dir.clone()),
-                memory_dir: Some(memory_dir.clone()),
+                state_dir: Some(state_dir),
+                memory_dir: Some(memory_dir),
             })
             .expect("lifecycle");
+        exports
+    }
+
+    #[test]
+    fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_that_name() {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        let (state_dir, memory_dir, spill_dir) =
+            (dirs.path().join("state"), dirs.path().join("memory"), dirs.path().join("spill"));
+        let exports = exports_in(dirs.path());
         let fresh = |exports: &OverlayExports| match exports.registry.claim(Some("x"), "golden").expect("claim") {
             Claim::Fresh { number, .. } => (number, exports.new_overlay("golden@x", number).expect("overlay")),
             Claim::Resume { .. } => panic!("no overlay of x waits"),
@@ -894,6 +902,25 @@ mod tests {
         drop(exports.registry.end(number, Ending::Deliberate, second));
         assert_eq!(files_of("x", &dirs), Vec::<PathBuf>::new());
         assert!(!ledger_file.exists());
+    }
+
+    /// A connection the stopping server's drain gave up on may end after the hand-over of the
+    /// VMs in grace: its VM is handed over then, not parked in a registry about to go, which
+    /// would take its files with it and leave the next server a ledger entry and no writes.
+    #[test]
+    fn a_vm_whose_connection_ends_after_the_hand_over_is_kept_for_the_next_server() {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        let exports = exports_in(dirs.path());
+        let mut device = exports.open("golden@x").expect("open");
+        device.write(0, &[7; 4096], false).expect("write");
+        exports.registry.hand_over_all_in_grace();
+        drop(device);
+        drop(exports);
+        let exports = exports_in(dirs.path());
+        let mut device = exports.open("golden@x").expect("the next server rebuilds the VM");
+        let mut back = vec![0; 4096];
+        device.read(0, &mut back).expect("read");
+        assert_eq!(back, vec![7; 4096], "the VM's write after the next server's start");
     }
 
     #[test]

@@ -132,6 +132,9 @@ pub struct VmRegistry {
     ledger: Option<Ledger>,
     /// The server is ending: connections it closes are not VMs leaving.
     stopping: AtomicBool,
+    /// [`Self::hand_over_all_in_grace`] has run: a connection that ends after it (one the drain
+    /// gave up on) is handed over at once, since nobody would later.
+    handed_over: AtomicBool,
     /// Where this server makes VMs' state files (set by the exports): a lost VM whose ledger file
     /// cannot be read says nowhere, and its reset looks here.
     state_places: std::sync::OnceLock<StateRecord>,
@@ -176,6 +179,19 @@ struct Grace {
     parked: VmOverlay,
 }
 
+/// A stopping server's part for one VM whose connection is gone: its state, if it outlives the
+/// process, is kept for the next server; either way its ledger entry stays (a VM without such
+/// state is then refused by the next server rather than served golden data).
+fn hand_over(entry: &mut Entry, parked: &mut VmOverlay) {
+    if entry.state.is_some() {
+        parked.keep_state();
+        tracing::info!(vm = %entry.handle.vm, "server stopping: this VM's overlay is kept for the next server");
+    } else if entry.marked {
+        tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
+    }
+    entry.marked = false;
+}
+
 /// Registry locks guard plain bookkeeping: a panic elsewhere leaves it usable.
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -198,6 +214,7 @@ impl VmRegistry {
             lifecycle,
             ledger,
             stopping: AtomicBool::new(false),
+            handed_over: AtomicBool::new(false),
             state_places: std::sync::OnceLock::new(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
@@ -399,7 +416,7 @@ impl VmRegistry {
 
     /// A connection of VM `number` ended. A named VM that lost its connection keeps `parked` for
     /// the grace period; otherwise it is returned, for the caller to drop outside the lock.
-    pub fn end(&self, number: u64, ending: Ending, parked: VmOverlay) -> Option<VmOverlay> {
+    pub fn end(&self, number: u64, ending: Ending, mut parked: VmOverlay) -> Option<VmOverlay> {
         let mut inner = lock(&self.inner);
         let grace = self.lifecycle.reconnect_grace;
         let keep = match inner.vms.get(&number) {
@@ -408,6 +425,13 @@ impl VmRegistry {
             }
             None => false,
         };
+        if keep && self.handed_over.load(Ordering::SeqCst) {
+            // Parked now, it would go with the registry as the process ends, its files with it,
+            // while its ledger entry stays: the next server would find the VM's writes lost.
+            let entry = inner.vms.get_mut(&number).expect("checked");
+            hand_over(entry, &mut parked);
+            return self.forget(&mut inner, number, Some(parked));
+        }
         if keep {
             let entry = inner.vms.get_mut(&number).expect("checked");
             tracing::info!(
@@ -494,21 +518,15 @@ impl VmRegistry {
     /// than serve them golden data.
     pub fn hand_over_all_in_grace(&self) {
         let mut inner = lock(&self.inner);
+        self.handed_over.store(true, Ordering::SeqCst);
         let numbers: Vec<u64> = inner.vms.iter().filter(|(_, e)| e.grace.is_some()).map(|(n, _)| *n).collect();
         let mut parked = Vec::new();
         for number in numbers {
             let Some(entry) = inner.vms.get_mut(&number) else { continue };
-            if entry.state.is_some() {
-                if let Some(grace) = &mut entry.grace {
-                    grace.parked.keep_state();
-                }
-                tracing::info!(vm = %entry.handle.vm, "server stopping: this VM's overlay is kept for the next server");
-            } else if entry.marked {
-                tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
+            if let Some(mut grace) = entry.grace.take() {
+                hand_over(entry, &mut grace.parked);
+                parked.extend(self.forget(&mut inner, number, Some(grace.parked)));
             }
-            // The ledger entry stays either way.
-            entry.marked = false;
-            parked.extend(self.forget(&mut inner, number, None));
         }
         drop(inner);
         drop(parked);
