@@ -225,7 +225,9 @@ impl Qcow2Image {
         if l1_offset.checked_add(l1_size as u64 * 8).is_none_or(|end| end > file_len) {
             return Err(refuse(path, "the L1 table lies past the end of the file"));
         }
-        let mut raw = vec![0u8; l1_size * 8];
+        // Only the entries the disk's size reaches: a small disk whose header claims a huge L1
+        // table would otherwise cost memory in proportion to the claim.
+        let mut raw = vec![0u8; needed as usize * 8];
         file.read_exact_at(&mut raw, l1_offset)
             .map_err(|source| EngineError::Io { what: "reading qcow2 L1 table", source })?;
         let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
@@ -442,6 +444,14 @@ impl GoldenImage for Qcow2Image {
             let n = ((cluster - pos % cluster) as usize).min(buf.len() - done).min((self.size - pos) as usize);
             let part = &mut buf[done..done + n];
             match self.cluster_of(self.l2_entry(pos)?) {
+                // The spec wants data clusters aligned (qemu calls anything else corruption):
+                // read at face value, it would serve bytes shifted into the next cluster.
+                Cluster::Data(host) if host % cluster != 0 => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("qcow2 data cluster at unaligned offset {host}: the image is corrupt"),
+                    ));
+                }
                 Cluster::Data(host) => self.file.read_exact_at(part, host + pos % cluster)?,
                 Cluster::Zero { .. } => part.fill(0),
                 Cluster::Unallocated => self.read_below(part, pos)?,

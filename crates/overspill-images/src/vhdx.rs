@@ -22,9 +22,9 @@
 //! what the file held before).
 //!
 //! The BAT is read whole at open (8 bytes per block: 32 KiB for a 127 GiB disk in 32 MiB blocks);
-//! the sector bitmap of a partially present block is read on first use and kept.
+//! the sector bitmap of a partially present block is read on first use and kept, the most recently
+//! used up to 16 MiB of them.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -54,6 +54,10 @@ pub const MAX_CHAIN_DEPTH: usize = 64;
 /// Extents one call reports at most: a heavily fragmented differencing disk asked about its
 /// whole length answers in parts, as the trait allows, rather than build a huge list.
 const MAX_EXTENTS: usize = 4096;
+/// Bytes of sector bitmaps kept in memory per layer, the most recently used: every partially
+/// present block read would otherwise keep its bitmap for good (512 MiB for a 2 TiB disk of
+/// 512-byte sectors read end to end).
+const BITMAP_CACHE_BYTES: u64 = 16 << 20;
 /// Blocks one extents call looks at at most, for the same reason on a large empty disk.
 const MAX_EXTENT_STEPS: usize = 1 << 20;
 
@@ -261,7 +265,7 @@ pub struct VhdxImage {
     /// Per chunk, the file offset of its sector bitmap block: 0 where no block of the chunk is
     /// partially present (and the bitmap is never read).
     bitmaps: Vec<u64>,
-    bitmap_cache: Mutex<HashMap<u64, Arc<[u8]>>>,
+    bitmap_cache: Mutex<lru::LruCache<u64, Arc<[u8]>>>,
     parent: Option<Box<VhdxImage>>,
     data_write_guid: Guid,
     disk_id: Guid,
@@ -317,6 +321,20 @@ impl VhdxImage {
             layers = image.depth(),
             "VHDX golden image opened"
         );
+        if image.logical_sector != 512 {
+            // NBD has no word for a disk's sector size: the VM's virtual disk sets it, at 512
+            // unless told, and a disk made with 4 KiB sectors counts its partitions in them (its
+            // GPT header at byte 4096), which a 512-byte reading of it does not find.
+            tracing::warn!(
+                image = %image.path.display(),
+                logical_sector = image.logical_sector,
+                "this VHDX has {}-byte logical sectors: give the VM's disk the same \
+                 (QEMU: logical_block_size={}; libvirt: <blockio logical_block_size='{}'/>)",
+                image.logical_sector,
+                image.logical_sector,
+                image.logical_sector
+            );
+        }
         Ok(image)
     }
 
@@ -504,7 +522,7 @@ impl VhdxImage {
             chunk_ratio,
             blocks,
             bitmaps,
-            bitmap_cache: Mutex::default(),
+            bitmap_cache: Mutex::new(lru::LruCache::new(bitmaps_kept(block_size, logical_sector))),
             parent,
             data_write_guid: header.data_write_guid,
             disk_id,
@@ -816,7 +834,7 @@ impl VhdxImage {
         let mut bits = vec![0u8; bytes as usize];
         self.file.read_exact_at(&mut bits, base + (block % self.chunk_ratio) * bytes)?;
         let bits: Arc<[u8]> = bits.into();
-        cache().insert(block, bits.clone());
+        cache().put(block, bits.clone());
         Ok(bits)
     }
 
@@ -879,6 +897,12 @@ fn locate(child: &Path, key: &str, text: &str) -> Option<PathBuf> {
     }
 }
 
+/// How many blocks' sector bitmaps [`BITMAP_CACHE_BYTES`] holds (at least one).
+fn bitmaps_kept(block_size: u64, logical_sector: u64) -> std::num::NonZeroUsize {
+    let bitmap_bytes = (block_size / logical_sector / 8).max(1);
+    std::num::NonZeroUsize::new((BITMAP_CACHE_BYTES / bitmap_bytes) as usize).unwrap_or(std::num::NonZeroUsize::MIN)
+}
+
 /// The parent locator's key-value pairs (UTF-16LE strings at offsets within the item).
 fn parse_parent_locator(item: &[u8]) -> std::result::Result<Vec<(String, String)>, Why> {
     let why = |e: Why| format!("parent locator: {e}");
@@ -891,15 +915,26 @@ fn parse_parent_locator(item: &[u8]) -> std::result::Result<Vec<(String, String)
     }
     let count = le16(item, 18).map_err(why)?;
     let mut pairs: Vec<(String, String)> = Vec::with_capacity(usize::from(count));
+    let mut keys = std::collections::HashSet::new();
+    // The strings are stored in the item, one after another: together they cannot be longer
+    // than it. Strings that overlap could make a 1 MiB item decode to gigabytes.
+    let mut decoded = 0usize;
     for i in 0..usize::from(count) {
         let at = 20 + i * 12;
         let key_offset = le32(item, at).map_err(why)? as usize;
         let value_offset = le32(item, at + 4).map_err(why)? as usize;
         let key_len = usize::from(le16(item, at + 8).map_err(why)?);
         let value_len = usize::from(le16(item, at + 10).map_err(why)?);
+        decoded += key_len + value_len;
+        if decoded > item.len() {
+            return Err(format!(
+                "the parent locator's strings add up to more than its {} bytes (they overlap)",
+                item.len()
+            ));
+        }
         let key = utf16(item, key_offset, key_len).map_err(why)?;
         let value = utf16(item, value_offset, value_len).map_err(why)?;
-        if pairs.iter().any(|(k, _)| *k == key) {
+        if !keys.insert(key.clone()) {
             return Err(format!("the parent locator has the key {key:?} twice"));
         }
         pairs.push((key, value));
@@ -967,7 +1002,10 @@ impl GoldenImage for VhdxImage {
     }
 
     fn describe(&self) -> String {
-        let own = format!("{} (vhdx)", self.path.display());
+        let own = match self.logical_sector {
+            512 => format!("{} (vhdx)", self.path.display()),
+            sector => format!("{} (vhdx, {sector}-byte logical sectors)", self.path.display()),
+        };
         match &self.parent {
             Some(parent) => format!("{own} on {}", parent.describe()),
             None => own,
@@ -1078,6 +1116,55 @@ mod tests {
             assert_eq!(parse_guid(bad), None, "{bad}");
         }
         assert_eq!(guid_string(&BAT_REGION), "{2dc27766-f623-4200-9d64-115e9bfd4a08}");
+    }
+
+    /// A parent locator item: the VHDX type, then `entries` as (key offset, value offset, key
+    /// length, value length), then `strings` at offset 20 + 12 × entries.
+    fn locator_item(entries: &[(u32, u32, u16, u16)], strings: &[u8]) -> Vec<u8> {
+        let mut item = VHDX_PARENT_TYPE.to_vec();
+        item.extend_from_slice(&[0, 0]);
+        item.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+        for &(key_offset, value_offset, key_len, value_len) in entries {
+            item.extend_from_slice(&key_offset.to_le_bytes());
+            item.extend_from_slice(&value_offset.to_le_bytes());
+            item.extend_from_slice(&key_len.to_le_bytes());
+            item.extend_from_slice(&value_len.to_le_bytes());
+        }
+        item.extend_from_slice(strings);
+        item
+    }
+
+    fn utf16le(text: &str) -> Vec<u8> {
+        text.encode_utf16().flat_map(u16::to_le_bytes).collect()
+    }
+
+    /// Honest strings parse; strings that overlap (so that a small item would decode to far more
+    /// than it holds) and a key given twice are refused.
+    #[test]
+    fn parent_locator_strings_must_fit_the_item_once() {
+        let (key, value) = (utf16le("relative_path"), utf16le("..\\base.vhdx"));
+        let base = 20 + 12;
+        let strings = [key.clone(), value.clone()].concat();
+        let honest = locator_item(&[(base, base + key.len() as u32, key.len() as u16, value.len() as u16)], &strings);
+        let pairs = parse_parent_locator(&honest).expect("an honest locator");
+        assert_eq!(pairs, vec![("relative_path".to_owned(), "..\\base.vhdx".to_owned())]);
+
+        // 200 entries whose keys are windows, 2 bytes apart, into one 600-byte run of text: each
+        // key is distinct, together they are 200 times what the item holds.
+        let text: Vec<u8> = (0..300u16).flat_map(|i| (0x4e00 + i).to_le_bytes()).collect();
+        let base = 20 + 12 * 200;
+        let entries: Vec<_> = (0..200u32).map(|i| (base + 2 * i, base + 2 * i, 200, 200)).collect();
+        let error = parse_parent_locator(&locator_item(&entries, &text)).expect_err("overlapping strings");
+        assert!(error.contains("overlap"), "{error}");
+
+        let strings = [key.clone(), value.clone(), key.clone(), value.clone()].concat();
+        let (k, v) = (key.len() as u32, value.len() as u32);
+        let twice = locator_item(
+            &[(44, 44 + k, k as u16, v as u16), (44 + k + v, 44 + 2 * k + v, k as u16, v as u16)],
+            &strings,
+        );
+        let error = parse_parent_locator(&twice).expect_err("a key twice");
+        assert!(error.contains("twice"), "{error}");
     }
 
     #[test]

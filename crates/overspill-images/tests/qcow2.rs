@@ -177,8 +177,10 @@ fn a_loop_or_a_missing_layer_is_refused_at_open() {
 
 /// An L1 entry that does not point at the start of a cluster inside the file is corruption, as
 /// qemu says: reading through it is an error, not a table read from wherever it points.
-#[test]
-fn an_l1_entry_off_a_cluster_boundary_is_refused_when_read() {
+/// A qcow2 image of 8 MiB with its first 4 KiB written by qemu-io, whose table entry `at`
+/// returns (given the file and the L1 table's offset) is moved 512 bytes on; the error of a
+/// read of its first 4 KiB.
+fn read_with_an_entry_moved(at: impl FnOnce(&std::fs::File, u64) -> u64) -> std::io::Error {
     use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().expect("tempdir");
     let image = dir.path().join("bad.qcow2");
@@ -187,16 +189,33 @@ fn an_l1_entry_off_a_cluster_boundary_is_refused_when_read() {
     let file = std::fs::OpenOptions::new().read(true).write(true).open(&image).expect("open");
     let mut header = [0u8; 48];
     file.read_exact_at(&mut header, 0).expect("header");
-    let l1_offset = u64::from_be_bytes(header[40..48].try_into().expect("8 bytes"));
+    let entry_at = at(&file, u64::from_be_bytes(header[40..48].try_into().expect("8 bytes")));
     let mut entry = [0u8; 8];
-    file.read_exact_at(&mut entry, l1_offset).expect("L1 entry");
+    file.read_exact_at(&mut entry, entry_at).expect("table entry");
     let moved = u64::from_be_bytes(entry) + 512;
-    file.write_all_at(&moved.to_be_bytes(), l1_offset).expect("patch");
+    file.write_all_at(&moved.to_be_bytes(), entry_at).expect("patch");
     drop(file);
     let opened = open_image(&image).expect("the header is fine");
-    let mut buf = vec![0u8; 4096];
-    let err = opened.read_at(&mut buf, 0).expect_err("a read through a misplaced L2 table");
+    opened.read_at(&mut vec![0u8; 4096], 0).expect_err("a read through a misplaced table entry")
+}
+
+#[test]
+fn an_l1_entry_off_a_cluster_boundary_is_refused_when_read() {
+    let err = read_with_an_entry_moved(|_, l1_offset| l1_offset);
     assert!(err.to_string().contains("not an L2 table"), "{err}");
+}
+
+/// The same for a data cluster: an L2 entry that points off a cluster boundary would serve bytes
+/// shifted into the next cluster; the read fails instead, as qemu calls it corruption.
+#[test]
+fn a_data_cluster_off_a_cluster_boundary_is_refused_when_read() {
+    let err = read_with_an_entry_moved(|file, l1_offset| {
+        use std::os::unix::fs::FileExt;
+        let mut entry = [0u8; 8];
+        file.read_exact_at(&mut entry, l1_offset).expect("L1 entry");
+        u64::from_be_bytes(entry) & 0x00ff_ffff_ffff_fe00
+    });
+    assert!(err.to_string().contains("unaligned"), "{err}");
 }
 
 #[test]

@@ -294,6 +294,8 @@ fn chunks_interleave_with_sector_bitmaps_and_4k_sectors_work() {
 
         let image = VhdxImage::open(&child_path).expect("opens");
         assert_eq!((image.size(), image.logical_sector_size()), (size, sector as u32));
+        // The operator is told (the export's description): the VM's disk must use the same.
+        assert_eq!(image.describe().contains("4096-byte logical sectors"), sector == 4096, "{}", image.describe());
         for at in [0, 15 * block - 10_000, 16 * block - 100, 17 * block - 5000, size - block, size - 9000] {
             let len = 70_000.min((size - at) as usize);
             let mut buf = vec![0xee; len];

@@ -120,9 +120,10 @@ impl ImageStore {
         if layered {
             return Err(ServerError::Layered(file.display().to_string()));
         }
-        let ext = match overspill_images::Format::probe(file) {
-            Ok(overspill_images::Format::Qcow2) => "qcow2",
-            Ok(overspill_images::Format::Vhdx) => "vhdx",
+        let format = overspill_images::Format::probe(file).ok();
+        let ext = match format {
+            Some(overspill_images::Format::Qcow2) => "qcow2",
+            Some(overspill_images::Format::Vhdx) => "vhdx",
             _ => "img",
         };
         let target = dir.join(format!("{version}.{ext}"));
@@ -135,6 +136,16 @@ impl ImageStore {
         let mut perms = std::fs::metadata(&partial).map_err(io)?.permissions();
         perms.set_readonly(true);
         std::fs::set_permissions(&partial, perms).map_err(io)?;
+        // The copy is what is served, and `file` may have changed since it was checked (an
+        // uploader still writing it could turn it into a layer over any file the server reads):
+        // the copy is checked again, as it is, before it becomes a version.
+        if !matches!(overspill_images::has_backing(&partial), Ok(false))
+            || overspill_images::Format::probe(&partial).ok() != format
+        {
+            let _ = std::fs::remove_file(&partial);
+            let changed = std::io::Error::other("it changed while it was copied: publish a file nothing writes");
+            return Err(ServerError::io(format!("publishing {}", file.display()), changed));
+        }
         std::fs::rename(&partial, &target).map_err(io)?;
         if activate {
             self.activate_locked(name, &version)?;
@@ -182,6 +193,12 @@ pub struct OpenVersions {
     store: ImageStore,
     read_cache_bytes: u64,
     open: Mutex<HashMap<(String, String), Weak<dyn GoldenImage>>>,
+    /// What [`Self::describe`] found for versions no VM held: a version never changes, and
+    /// NBD_OPT_LIST and NBD_OPT_INFO (which any client may send, again and again) would
+    /// otherwise open it, tables and all, each time.
+    /// Kept with the file's inode and modification time, in case a version was removed by hand
+    /// and its name published again.
+    described: Mutex<HashMap<(String, String), Description>>,
     caches: Arc<ReadCacheList>,
 }
 
@@ -257,9 +274,21 @@ impl GoldenImage for HeldVersion {
     }
 }
 
+/// A file's inode and modification time (any write changes it): `None` if it cannot be read.
+type FileStamp = Option<(u64, std::time::SystemTime)>;
+
+/// What NBD_OPT_INFO tells of a version (size, description), and of which file.
+type Description = (FileStamp, u64, String);
+
+fn file_stamp(path: &Path) -> FileStamp {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(path).ok()?;
+    Some((metadata.ino(), metadata.modified().ok()?))
+}
+
 impl OpenVersions {
     pub fn new(store: ImageStore, read_cache_bytes: u64, caches: Arc<ReadCacheList>) -> Self {
-        Self { store, read_cache_bytes, open: Mutex::default(), caches }
+        Self { store, read_cache_bytes, open: Mutex::default(), described: Mutex::default(), caches }
     }
 
     pub fn names(&self) -> Vec<String> {
@@ -276,9 +305,16 @@ impl OpenVersions {
             return Ok((image.size(), image.describe()));
         }
         drop(open);
+        let stamp = file_stamp(&version.path);
+        let mut described = self.described.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, size, description)) = described.get(&key).filter(|(was, ..)| stamp.is_some() && *was == stamp) {
+            return Ok((*size, description.clone()));
+        }
         let image = open_image(&version.path)
             .map_err(|source| ServerError::Engine { context: format!("opening {name}:{}", version.name), source })?;
-        Ok((image.size(), format!("{name}:{} ({})", version.name, image.describe())))
+        let description = format!("{name}:{} ({})", version.name, image.describe());
+        described.insert(key, (stamp, image.size(), description.clone()));
+        Ok((image.size(), description))
     }
 
     /// The current version of `name`, shared with the VMs already on it.
@@ -317,6 +353,36 @@ impl OpenVersions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// INFO and LIST describe a version once, not at every request: the description is kept
+    /// while the file stays the same one (inode and modification time), and found again when
+    /// the file under the version's name changes.
+    #[test]
+    fn a_version_is_described_once_until_its_file_changes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = ImageStore::new(&dir.path().join("images"));
+        let file = dir.path().join("a.img");
+        std::fs::write(&file, vec![1u8; 8192]).expect("write");
+        store.publish("win7", &file, true).expect("publish");
+        let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default());
+        assert_eq!(open.describe("win7").expect("describe").0, 8192);
+        // Rewritten in place with its old modification time: still the file described.
+        let path = store.current("win7").expect("current").path;
+        let modified = std::fs::metadata(&path).expect("metadata").modified().expect("mtime");
+        let mut perms = std::fs::metadata(&path).expect("metadata").permissions();
+        #[allow(clippy::permissions_set_readonly_false)]
+        perms.set_readonly(false);
+        std::fs::set_permissions(&path, perms).expect("writable");
+        let rewrite = |len: usize| {
+            let f = std::fs::OpenOptions::new().write(true).open(&path).expect("open");
+            f.set_len(len as u64).expect("resize");
+            f
+        };
+        rewrite(16384).set_modified(modified).expect("set mtime");
+        assert_eq!(open.describe("win7").expect("describe").0, 8192, "described again at each request");
+        rewrite(32768).set_modified(modified + std::time::Duration::from_secs(1)).expect("set mtime");
+        assert_eq!(open.describe("win7").expect("describe").0, 32768, "a changed file is described anew");
+    }
 
     #[test]
     fn publish_activate_and_share_open_versions() {
