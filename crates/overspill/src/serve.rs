@@ -237,6 +237,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
             format_bytes(SPILLING_VM_MINIMUM_BYTES)
         );
     }
+    // First of all the work of starting: a service manager's setup gone wrong is reported at
+    // once, not after the images are opened and every VM of the last server is rebuilt.
+    let inherited = inherited_listener()?;
     raise_open_file_limit();
     let images = open_images(&args)?;
     let security = args.security.security().context("TLS and access settings")?;
@@ -312,7 +315,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let server = Server::new(Arc::new(exports), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
-    let listener = match inherited_listener()? {
+    let listener = match inherited {
         Some(listener) => {
             // The socket unit says who may connect (SocketMode=, SocketGroup=).
             if args.socket_mode.is_some() || args.socket_group.is_some() {

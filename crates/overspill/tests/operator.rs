@@ -581,6 +581,8 @@ fn socket_activation_variables_that_do_not_add_up_stop_the_server_with_the_reaso
     assert!(!status.success(), "{log_text}");
     assert!(log_text.contains("LISTEN_FDNAMES") && log_text.contains("do not add up"), "{log_text}");
     assert!(!own.exists(), "the server bound a socket of its own");
+    // Told before any work of starting: no state made, no VM of a last server rebuilt.
+    assert!(!tmp.path().join("spill").exists(), "the server made its state before it checked the sockets");
 
     let wrapped = TempDir::new().expect("tempdir");
     let other_pid = std::process::id().to_string();
