@@ -507,24 +507,25 @@ fn a_handshake_whose_replies_are_never_read_ends_at_its_deadline() {
 /// established VMs' connections held by clients that never finish theirs, a real client waits
 /// in the backlog while the oldest slow handshakes are cut off, and gets in long before their
 /// deadline; the established VMs keep their connections throughout.
+/// A server of one `disk` accepting on a real Unix listener (in `dir`) on a thread of its own, with
+/// a 20 s handshake timeout (so a handshake may be shed after 1 s); its socket's path.
+fn accepting(dir: &std::path::Path, config: ServerConfig) -> (Arc<Server>, std::path::PathBuf) {
+    use overspill_nbd::server::{ListenAddr, Listener};
+    let socket = dir.join("nbd.sock");
+    let listener = Listener::bind(&ListenAddr::Unix(socket.clone())).expect("bind");
+    let limits = Limits { handshake_timeout: Duration::from_secs(20), ..Limits::default() };
+    let server = Arc::new(Server::new(Arc::new(OneExport::new("disk", SIZE)), ServerConfig { limits, ..config }));
+    let running = server.clone();
+    std::thread::spawn(move || running.run(&listener));
+    (server, socket)
+}
+
 #[test]
 fn slow_handshakes_are_shed_before_anyone_else_is_refused() {
-    use overspill_nbd::server::{ListenAddr, Listener};
     let dir = tempfile::tempdir().expect("tempdir");
-    let socket = dir.path().join("nbd.sock");
-    let listener = Arc::new(Listener::bind(&ListenAddr::Unix(socket.clone())).expect("bind"));
-    let config = ServerConfig {
-        limits: Limits { handshake_timeout: Duration::from_secs(20), ..Limits::default() },
-        max_connections: 6,
-        max_handshakes: 3,
-        ..ServerConfig::default()
-    };
-    let server = Arc::new(Server::new(Arc::new(OneExport::new("disk", SIZE)), config));
+    let config = ServerConfig { max_connections: 6, max_handshakes: 3, ..ServerConfig::default() };
+    let (server, socket) = accepting(dir.path(), config);
     let counters = server.counters();
-    {
-        let (server, listener) = (server.clone(), listener.clone());
-        std::thread::spawn(move || server.run(&listener));
-    }
     let connect = || {
         let stream = UnixStream::connect(&socket).expect("connect");
         stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
@@ -552,22 +553,9 @@ fn slow_handshakes_are_shed_before_anyone_else_is_refused() {
 /// between options, a TLS handshake on a loaded host) still finishes its handshake.
 #[test]
 fn a_slow_handshake_is_left_alone_while_nobody_waits() {
-    use overspill_nbd::server::{ListenAddr, Listener};
     let dir = tempfile::tempdir().expect("tempdir");
-    let socket = dir.path().join("nbd.sock");
-    let listener = Arc::new(Listener::bind(&ListenAddr::Unix(socket.clone())).expect("bind"));
-    // Shedding age: half the handshake timeout, at most 1 s.
-    let config = ServerConfig {
-        limits: Limits { handshake_timeout: Duration::from_secs(20), ..Limits::default() },
-        max_handshakes: 1,
-        ..ServerConfig::default()
-    };
-    let server = Arc::new(Server::new(Arc::new(OneExport::new("disk", SIZE)), config));
+    let (server, socket) = accepting(dir.path(), ServerConfig { max_handshakes: 1, ..ServerConfig::default() });
     let counters = server.counters();
-    {
-        let (server, listener) = (server.clone(), listener.clone());
-        std::thread::spawn(move || server.run(&listener));
-    }
     let stream = UnixStream::connect(&socket).expect("connect");
     stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
     std::thread::sleep(Duration::from_millis(1600));
