@@ -916,8 +916,8 @@ fn parse_parent_locator(item: &[u8]) -> std::result::Result<Vec<(String, String)
     let count = le16(item, 18).map_err(why)?;
     let mut pairs: Vec<(String, String)> = Vec::with_capacity(usize::from(count));
     let mut keys = std::collections::HashSet::new();
-    // The strings are stored in the item, one after another: together they cannot be longer
-    // than it. Strings that overlap could make a 1 MiB item decode to gigabytes.
+    // The strings are stored in the item: unless they overlap, together they cannot be longer
+    // than it, and strings that overlap could make a 1 MiB item decode to gigabytes.
     let mut decoded = 0usize;
     for i in 0..usize::from(count) {
         let at = 20 + i * 12;
