@@ -195,9 +195,8 @@ pub struct OpenVersions {
     open: Mutex<HashMap<(String, String), Weak<dyn GoldenImage>>>,
     /// What [`Self::describe`] found for versions no VM held: a version never changes, and
     /// NBD_OPT_LIST and NBD_OPT_INFO (which any client may send, again and again) would
-    /// otherwise open it, tables and all, each time.
-    /// Kept with the file's inode and modification time, in case a version was removed by hand
-    /// and its name published again.
+    /// otherwise open it, tables and all, each time. Kept with the file's inode and
+    /// modification time, in case a version was removed by hand and its name published again.
     described: Mutex<HashMap<(String, String), Description>>,
     caches: Arc<ReadCacheList>,
 }
