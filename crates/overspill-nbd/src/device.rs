@@ -189,8 +189,10 @@ pub trait ExportProvider: Send + Sync + 'static {
     /// The empty name means the default export.
     fn info(&self, name: &str) -> Option<ExportInfo>;
     /// Opens a fresh device for one connection (NBD_OPT_GO / NBD_OPT_EXPORT_NAME). Dropping the
-    /// device ends that connection's state.
-    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError>;
+    /// device ends that connection's state. `identity` is who TLS proved the client to be (see
+    /// [`ExportAccess`]), `None` without one: a provider may keep what a client made for that
+    /// identity alone.
+    fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError>;
 }
 
 /// Which exports a client may list and open, by the identity TLS proved: its certificate's

@@ -357,7 +357,9 @@ impl Handshake {
                 // This option has no error reply: the spec's answer to a bad name is to close.
                 let mut info =
                     self.visible(exports, &name).ok_or_else(|| HandshakeError::ExportRefused(name.clone()))?;
-                let device = exports.open(&name).map_err(|_| HandshakeError::ExportRefused(name.clone()))?;
+                let device = exports
+                    .open(&name, self.identity.as_deref())
+                    .map_err(|_| HandshakeError::ExportRefused(name.clone()))?;
                 // The opened device's size, as for GO (see `info_or_go`).
                 info.size = device.size();
                 put_u64(out, info.size);
@@ -536,7 +538,7 @@ impl Handshake {
             return Progress::NeedMore;
         };
         let device = if option == OPT_GO {
-            match exports.open(&name) {
+            match exports.open(&name, self.identity.as_deref()) {
                 Ok(device) => Some(device),
                 Err(error) => {
                     tracing::warn!(export = ?name, %error, "could not open export");
@@ -782,8 +784,8 @@ mod tests {
         fn info(&self, name: &str) -> Option<ExportInfo> {
             self.0.info(name).or_else(|| self.1.info(name))
         }
-        fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
-            self.0.open(name).or_else(|_| self.1.open(name))
+        fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
+            self.0.open(name, identity).or_else(|_| self.1.open(name, identity))
         }
     }
 
@@ -1003,7 +1005,7 @@ mod tests {
                     block_sizes: BlockSizes { minimum: 1, preferred: 4096, maximum: 4096 },
                 })
             }
-            fn open(&self, _: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+            fn open(&self, _: &str, _: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
                 Err(DeviceError::new(DeviceErrorKind::NoSpace, "spill dir full"))
             }
         }

@@ -108,7 +108,7 @@ impl ExportProvider for OneExport {
         })
     }
 
-    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+    fn open(&self, name: &str, _identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
         if name != self.name {
             return Err(DeviceError::new(DeviceErrorKind::Invalid, format!("no export {name:?}")));
         }

@@ -186,7 +186,7 @@ impl ExportProvider for Disk {
             block_sizes: DEFAULT_BLOCK_SIZES,
         })
     }
-    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+    fn open(&self, name: &str, _identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
         if let Some(error) = &self.open_error {
             return Err(error.clone());
         }

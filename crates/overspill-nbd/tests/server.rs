@@ -359,8 +359,8 @@ impl ExportProvider for FailsFrom {
     fn info(&self, name: &str) -> Option<ExportInfo> {
         self.inner.info(name)
     }
-    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
-        Ok(Box::new(FailingDevice { inner: self.inner.open(name)?, bad: self.bad }))
+    fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        Ok(Box::new(FailingDevice { inner: self.inner.open(name, identity)?, bad: self.bad }))
     }
 }
 

@@ -86,8 +86,8 @@ impl ExportProvider for Exports {
     fn info(&self, name: &str) -> Option<ExportInfo> {
         self.inner.info(name)
     }
-    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
-        self.inner.open(name)?;
+    fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        self.inner.open(name, identity)?;
         self.opened.fetch_add(1, Ordering::SeqCst);
         let slow_started = self.slow_started.lock().expect("sender lock").clone();
         Ok(Box::new(Device { inner: self.inner.device().clone(), dropped: self.dropped.clone(), slow_started }))

@@ -374,7 +374,7 @@ impl ExportProvider for OverlayExports {
         })
     }
 
-    fn open(&self, name: &str) -> Result<Box<dyn BlockDevice>, DeviceError> {
+    fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
         let vm_name = match name.split_once('@') {
             Some((_, vm)) => {
                 check_name("VM", vm).map_err(|e| DeviceError::new(DeviceErrorKind::Refused, e.to_string()))?;
@@ -383,7 +383,7 @@ impl ExportProvider for OverlayExports {
             None => None,
         };
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
-        let (number, reset, vm) = match self.registry.claim(vm_name, Self::image_name(name))? {
+        let (number, reset, vm) = match self.registry.claim(vm_name, Self::image_name(name), identity)? {
             Claim::Resume { number, reset, parked } => (number, reset, *parked),
             Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
                 Ok(vm) => (number, reset, vm),
@@ -822,6 +822,7 @@ fn process_alive(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vms::VmState;
 
     #[test]
     fn only_cache_file_names_carry_a_pid() {
@@ -878,7 +879,7 @@ mod tests {
         let (state_dir, memory_dir, spill_dir) =
             (dirs.path().join("state"), dirs.path().join("memory"), dirs.path().join("spill"));
         let exports = exports_in(dirs.path());
-        let fresh = |exports: &OverlayExports| match exports.registry.claim(Some("x"), "golden").expect("claim") {
+        let fresh = |exports: &OverlayExports| match exports.registry.claim(Some("x"), "golden", None).expect("claim") {
             Claim::Fresh { number, .. } => (number, exports.new_overlay("golden@x", number).expect("overlay")),
             Claim::Resume { .. } => panic!("no overlay of x waits"),
         };
@@ -911,16 +912,59 @@ mod tests {
     fn a_vm_whose_connection_ends_after_the_hand_over_is_kept_for_the_next_server() {
         let dirs = tempfile::tempdir().expect("tempdir");
         let exports = exports_in(dirs.path());
-        let mut device = exports.open("golden@x").expect("open");
+        let mut device = exports.open("golden@x", None).expect("open");
         device.write(0, &[7; 4096], false).expect("write");
         exports.registry.hand_over_all_in_grace();
         drop(device);
         drop(exports);
         let exports = exports_in(dirs.path());
-        let mut device = exports.open("golden@x").expect("the next server rebuilds the VM");
+        let mut device = exports.open("golden@x", None).expect("the next server rebuilds the VM");
         let mut back = vec![0; 4096];
         device.read(0, &mut back).expect("read");
         assert_eq!(back, vec![7; 4096], "the VM's write after the next server's start");
+    }
+
+    /// A named VM is the TLS identity's that made it: another identity, or a client without one,
+    /// cannot open it, connected or in grace, nor once a next server has rebuilt it. A VM made
+    /// without an identity (no TLS) has no one to be told apart from.
+    #[test]
+    fn a_vm_is_opened_only_by_the_identity_that_made_it() {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        let refused = |exports: &OverlayExports, identity: Option<&str>| {
+            let Err(error) = exports.open("golden@desk", identity) else {
+                panic!("{identity:?} opened alice's VM");
+            };
+            assert_eq!(error.kind, DeviceErrorKind::Refused);
+            assert!(error.message.contains("another client identity"), "{error}");
+        };
+        let read_back = |device: &mut Box<dyn BlockDevice>| {
+            let mut back = vec![0; 4096];
+            device.read(0, &mut back).expect("read");
+            assert_eq!(back, vec![7; 4096], "alice's write");
+        };
+        let exports = exports_in(dirs.path());
+        let mut device = exports.open("golden@desk", Some("alice")).expect("open");
+        device.write(0, &[7; 4096], false).expect("write");
+        refused(&exports, Some("bob"));
+        drop(device);
+        assert_eq!(exports.registry.list()[0].state, VmState::InGrace);
+        refused(&exports, Some("bob"));
+        refused(&exports, None);
+        let mut device = exports.open("golden@desk", Some("alice")).expect("alice resumes her VM");
+        read_back(&mut device);
+
+        exports.registry.hand_over_all_in_grace();
+        drop(device);
+        drop(exports);
+        let exports = exports_in(dirs.path());
+        refused(&exports, Some("bob"));
+        let mut device = exports.open("golden@desk", Some("alice")).expect("the next server rebuilds it for alice");
+        read_back(&mut device);
+
+        let mut open = exports.open("golden@open", None).expect("open");
+        open.write(0, &[1; 4096], false).expect("write");
+        drop(open);
+        exports.open("golden@open", Some("bob")).expect("a VM made without an identity is anyone's");
     }
 
     #[test]

@@ -164,6 +164,8 @@ struct Entry {
     handle: VmHandle,
     /// The image name the VM asked for: a reconnect must ask for the same.
     image: String,
+    /// The TLS identity of the client that made the overlay: only that identity may resume it.
+    owner: Option<String>,
     named: bool,
     created: Instant,
     reset: Arc<AtomicBool>,
@@ -299,10 +301,12 @@ impl VmRegistry {
             .collect()
     }
 
-    /// Admits a connection: anonymous (`vm` is `None`) or named. A named VM resumes its overlay
-    /// if it has one in grace over the same image; it is refused while another connection has
-    /// it, or when its writes were lost.
-    pub fn claim(&self, vm: Option<&str>, export: &str) -> Result<Claim, DeviceError> {
+    /// Admits a connection of a client with TLS identity `identity`: anonymous (`vm` is `None`)
+    /// or named. A named VM resumes its overlay if it has one in grace over the same image; it is
+    /// refused while another connection has it, when its writes were lost, or when the client
+    /// is not the identity that made it (a name is no secret: without this, any client allowed
+    /// the image could read and write another's disk by naming its VM).
+    pub fn claim(&self, vm: Option<&str>, export: &str, identity: Option<&str>) -> Result<Claim, DeviceError> {
         let refuse = |message: String| {
             tracing::warn!(vm = ?vm.unwrap_or_default(), export, "VM refused: {message}");
             Err(DeviceError::new(DeviceErrorKind::Refused, message))
@@ -322,6 +326,10 @@ impl VmRegistry {
         }
         if let Some(&existing) = inner.names.get(vm) {
             let entry = inner.vms.get_mut(&existing).expect("names point at entries");
+            if entry.owner.as_deref().is_some_and(|owner| identity != Some(owner)) {
+                // Neither its state nor its image is told: they are the other client's.
+                return refuse(format!("VM {vm} belongs to another client identity"));
+            }
             if entry.grace.is_none() {
                 return refuse(format!("VM {vm} is already connected; one connection per VM"));
             }
@@ -338,7 +346,9 @@ impl VmRegistry {
         }
         inner.next_number += 1;
         let reset = Arc::new(AtomicBool::new(false));
-        inner.vms.insert(number, Entry::new(export, vm, true, reset.clone()));
+        let mut entry = Entry::new(export, vm, true, reset.clone());
+        entry.owner = identity.map(str::to_owned);
+        inner.vms.insert(number, entry);
         inner.names.insert(vm.to_owned(), number);
         Ok(Claim::Fresh { number, reset })
     }
@@ -357,6 +367,7 @@ impl VmRegistry {
         entry.handle.export = image_label.to_owned();
         entry.handle.stats = stats;
         entry.marked = true;
+        entry.owner = recovered.owner.clone();
         entry.state = Some(recovered.state.clone());
         entry.grace = Some(Grace { until: Instant::now() + self.lifecycle.reconnect_grace, parked });
         inner.names.insert(recovered.vm.clone(), number);
@@ -388,7 +399,7 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
-        ledger.mark_with(&entry.handle.vm, &entry.image, Some(state.clone()))?;
+        ledger.mark_with(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()))?;
         entry.marked = true;
         entry.state = Some(state);
         Ok(())
@@ -400,7 +411,7 @@ impl VmRegistry {
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
         if entry.named && !entry.marked {
-            ledger.mark(&entry.handle.vm, &entry.handle.export)?;
+            ledger.mark_with(&entry.handle.vm, &entry.handle.export, entry.owner.as_deref(), None)?;
             entry.marked = true;
         }
         Ok(())
@@ -599,6 +610,7 @@ impl Entry {
         Self {
             handle: VmHandle { export: export.to_owned(), vm: vm.to_owned(), stats: Arc::default() },
             image: export.to_owned(),
+            owner: None,
             named,
             created: Instant::now(),
             reset,
@@ -641,6 +653,9 @@ struct Ledger {
 struct LedgerEntry {
     vm: String,
     image: String,
+    /// The TLS identity of the client that made the VM (see [`VmRegistry::claim`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    owner: Option<String>,
     pid: u32,
     /// When that process started (clock ticks since boot, `/proc/PID/stat`): a pid alive now
     /// is the same server only if it started then too; a dead server's pid may be another
@@ -677,6 +692,8 @@ pub struct Recoverable {
     pub vm: String,
     /// The image name the VM asked for.
     pub image: String,
+    /// The TLS identity that made it, the only one that may resume it.
+    pub owner: Option<String>,
     pub state: StateRecord,
 }
 
@@ -691,14 +708,16 @@ impl Ledger {
         self.dir.join(format!("vm-{vm}.json"))
     }
 
+    #[cfg(test)]
     fn mark(&self, vm: &str, image: &str) -> std::io::Result<()> {
-        self.mark_with(vm, image, None)
+        self.mark_with(vm, image, None, None)
     }
 
-    fn mark_with(&self, vm: &str, image: &str, state: Option<StateRecord>) -> std::io::Result<()> {
+    fn mark_with(&self, vm: &str, image: &str, owner: Option<&str>, state: Option<StateRecord>) -> std::io::Result<()> {
         let entry = LedgerEntry {
             vm: vm.to_owned(),
             image: image.to_owned(),
+            owner: owner.map(str::to_owned),
             pid: std::process::id(),
             pid_start: process_start(std::process::id()),
             boot_id: self.boot_id.clone(),
@@ -806,8 +825,8 @@ impl Ledger {
                     self.unmark(vm);
                 }
                 Some(e) if self.held_by_a_live_server(&e) => {}
-                Some(LedgerEntry { state: Some(state), image, .. }) => {
-                    recoverable.push(Recoverable { vm: vm.to_owned(), image, state });
+                Some(LedgerEntry { state: Some(state), image, owner, .. }) => {
+                    recoverable.push(Recoverable { vm: vm.to_owned(), image, owner, state });
                 }
                 Some(e) => {
                     lost.insert(
@@ -898,6 +917,7 @@ mod tests {
             let entry = LedgerEntry {
                 vm: vm.into(),
                 image: "golden".into(),
+                owner: None,
                 pid,
                 pid_start: None,
                 boot_id: boot.into(),
@@ -931,6 +951,7 @@ mod tests {
             let entry = LedgerEntry {
                 vm: vm.into(),
                 image: "golden".into(),
+                owner: None,
                 pid: 1,
                 pid_start: start,
                 boot_id: ledger.boot_id.clone(),
@@ -968,14 +989,14 @@ mod tests {
         // A dead server of this boot, stopped between moving each entry aside and removing its
         // files; "reused" then got a ledger entry again (its files are the new VM's).
         for vm in ["ended", "reused"] {
-            ledger.mark_with(vm, "golden", Some(state.clone())).expect("mark");
+            ledger.mark_with(vm, "golden", None, Some(state.clone())).expect("mark");
             std::fs::rename(ledger.path(vm), ledger.retiring_path(vm)).expect("rename");
             let mut entry: LedgerEntry =
                 serde_json::from_slice(&std::fs::read(ledger.retiring_path(vm)).expect("read")).expect("json");
             entry.pid = 4_294_967;
             std::fs::write(ledger.retiring_path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         }
-        ledger.mark_with("reused", "golden", Some(state.clone())).expect("mark");
+        ledger.mark_with("reused", "golden", None, Some(state.clone())).expect("mark");
 
         let (_, recoverable) = ledger.left_behind();
         assert!(files_of("ended").iter().all(|f| !f.exists()), "the ended VM's files are removed");

@@ -3,8 +3,10 @@
 //!
 //! An allow-list rule is `IDENTITY=IMAGE[,IMAGE…]`: a client that proved IDENTITY over TLS (its
 //! certificate's common name, or its PSK identity) may see and open those images, under any VM
-//! name (`IMAGE@VM`). `*` as the identity applies to every client, including one without TLS;
-//! `*` as an image allows every image. With no rule, every client may open every image.
+//! name (`IMAGE@VM`), except a VM another identity made while it lives (the server's VM
+//! registry keeps it for its maker). `*` as the identity applies to every client, including one
+//! without TLS; `*` as an image allows every image. With no rule, every client may open every
+//! image.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;

@@ -313,3 +313,57 @@ fn each_identity_sees_and_opens_only_the_images_allowed_it() {
     assert_eq!(nbdinfo_size(&server.uri(Some("bob"), "other@vm-1", &psk)), GOLDEN_BYTES as u64);
     server.assert_running();
 }
+
+/// A VM is its maker's: alice's QEMU dies mid-session (no NBD_CMD_DISC, its overlay waits), and
+/// bob, whose key the server knows and who may open the same image, cannot open her VM by its
+/// name, neither while it waits nor once a restarted server has rebuilt it; alice's next QEMU
+/// reads back what she wrote.
+#[test]
+fn a_vm_is_opened_only_by_the_identity_that_made_it() {
+    let dir = TempDir::new().expect("tempdir");
+    let image = golden(dir.path(), "golden.img");
+    let keys = dir.path().join("keys.psk");
+    let (alice_key, bob_key) = ("alice:aa11aa11aa11aa11aa11aa11aa11aa11\n", "bob:bb22bb22bb22bb22bb22bb22bb22bb22\n");
+    std::fs::write(&keys, [alice_key, bob_key].concat()).expect("keys");
+    let credentials = |who: &str, key: &str| {
+        let client_dir = dir.path().join(who);
+        std::fs::create_dir_all(&client_dir).expect("dir");
+        std::fs::write(client_dir.join("keys.psk"), key).expect("keys.psk");
+        format!("tls-creds-psk,id=tls0,endpoint=client,dir={},username={who}", path(&client_dir))
+    };
+    let (alice, bob) = (credentials("alice", alice_key), credentials("bob", bob_key));
+    let export = format!("golden={}", path(&image));
+    let args = ["--export", &export, "--tls-psk", path(&keys), "--reconnect-grace", "1m"];
+    let qemu_io = |server: &Server, object: &str, commands: &[&str]| {
+        let opts = server.qemu_opts("golden@desk");
+        let mut args = vec!["--object", object, "--image-opts", &opts];
+        args.extend(commands.iter().flat_map(|c| ["-c", c]));
+        common::run_tool(Path::new("."), "qemu-io", &args)
+    };
+    let bob_is_refused = |server: &mut Server| {
+        let out = qemu_io(server, &bob, &["read 0 4k"]);
+        assert!(!out.status.success(), "bob opened alice's VM:\n{}", out.all());
+        assert!(server.log_text().contains("VM desk belongs to another client identity"), "{}", server.log_text());
+        server.assert_running();
+    };
+
+    let mut server = Server::start(dir.path(), &args);
+    let out = qemu_io(&server, &alice, &["write -P 0xa1 0 64k", "sigraise 9"]);
+    assert!(out.stdout.contains("wrote 65536/65536"), "{}", out.all());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !server.log_text().contains("its overlay waits for it to reconnect") {
+        assert!(std::time::Instant::now() < deadline, "the VM is not in grace:\n{}", server.log_text());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    bob_is_refused(&mut server);
+    let out = qemu_io(&server, &alice, &["read -P 0xa1 0 64k", "sigraise 9"]);
+    assert!(out.stdout.contains("read 65536/65536") && !out.stdout.contains("failed"), "{}", out.all());
+
+    // SIGTERM hands the VM over; the next server learns its owner from the ledger.
+    server.process.stop();
+    let mut server = Server::start(dir.path(), &args);
+    bob_is_refused(&mut server);
+    let out = qemu_io(&server, &alice, &["read -P 0xa1 0 64k"]);
+    assert!(out.status.success() && !out.stdout.contains("failed"), "{}", out.all());
+    server.assert_running();
+}
