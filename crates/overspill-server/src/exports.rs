@@ -947,7 +947,8 @@ mod tests {
         device.write(0, &[7; 4096], false).expect("write");
         refused(&exports, Some("bob"));
         drop(device);
-        assert_eq!(exports.registry.list()[0].state, VmState::InGrace);
+        let listed = exports.registry.list();
+        assert_eq!((listed[0].state, listed[0].owner.as_deref()), (VmState::InGrace, Some("alice")));
         refused(&exports, Some("bob"));
         refused(&exports, None);
         let mut device = exports.open("golden@desk", Some("alice")).expect("alice resumes her VM");

@@ -100,6 +100,9 @@ pub struct VmHandle {
 pub struct VmStatus {
     pub vm: String,
     pub image: String,
+    /// The TLS identity that made it, the only one that may open it (none: made without TLS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     pub state: VmState,
     pub memory_bytes: u64,
     pub spill_bytes: u64,
@@ -265,6 +268,7 @@ impl VmRegistry {
                 VmStatus {
                     vm: e.handle.vm.clone(),
                     image: e.handle.export.clone(),
+                    owner: e.owner.clone(),
                     state,
                     memory_bytes: e.handle.stats.cache_memory_used_bytes.get(),
                     spill_bytes: e.handle.stats.cache_disk_used_bytes.get(),
@@ -276,6 +280,7 @@ impl VmRegistry {
         out.extend(inner.lost.iter().map(|(vm, why)| VmStatus {
             vm: vm.clone(),
             image: String::new(),
+            owner: None,
             state: VmState::Lost,
             memory_bytes: 0,
             spill_bytes: 0,

@@ -52,13 +52,16 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
 }
 
 fn table(vms: &[VmStatus]) -> String {
-    let mut out =
-        format!("{:<24} {:<16} {:<10} {:>10} {:>10} {:>8}  {}\n", "VM", "IMAGE", "STATE", "MEMORY", "SPILL", "AGE", "");
+    let mut out = format!(
+        "{:<24} {:<16} {:<16} {:<10} {:>10} {:>10} {:>8}  {}\n",
+        "VM", "IMAGE", "OWNER", "STATE", "MEMORY", "SPILL", "AGE", ""
+    );
     for vm in vms {
         out += &format!(
-            "{:<24} {:<16} {:<10} {:>10} {:>10} {:>7}s  {}\n",
+            "{:<24} {:<16} {:<16} {:<10} {:>10} {:>10} {:>7}s  {}\n",
             vm.vm,
             vm.image,
+            vm.owner.as_deref().unwrap_or("-"),
             vm.state.as_str(),
             format_bytes(vm.memory_bytes),
             format_bytes(vm.spill_bytes),
