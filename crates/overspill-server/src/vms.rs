@@ -324,9 +324,11 @@ impl VmRegistry {
             inner.vms.insert(number, Entry::new(export, &format!("vm-{number}"), false, reset.clone()));
             return Ok(Claim::Fresh { number, reset });
         };
-        if let Some(why) = inner.lost.get(vm) {
+        if inner.lost.contains_key(vm) {
+            // Why (the image, the server that ended) is in the log and `vm list`, not told to a
+            // client that may not be the VM's.
             return refuse(format!(
-                "VM {vm} had writes that were lost ({why}); run `overspill vm reset {vm}` to start it from the golden image"
+                "VM {vm} had writes that were lost; run `overspill vm reset {vm}` to start it from the golden image"
             ));
         }
         if let Some(&existing) = inner.names.get(vm) {
