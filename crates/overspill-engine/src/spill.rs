@@ -2,7 +2,7 @@
 //!
 //! A segment is in one of three states:
 //! - **free**: no data; its range of the file is a hole (never written, or punched), or, for
-//!   the few segments that died last, still allocated, to be written over by the next segments
+//!   the segments that died last, still allocated, to be written over by the next segments
 //!   (see [`KEPT_FREE_SEGMENTS`]);
 //! - **open**: at most one at a time, the pages of the blocks appended to it so far (evicted RAM
 //!   pages move in without a copy). Blocks in it are read and overwritten in memory. It is
@@ -12,8 +12,9 @@
 //!
 //! Every slot remembers the block it was written for; a slot is live while the overlay's map
 //! still points at it. Overwrites and TRIMs make slots dead ([`SpillLog::release`]); a sealed
-//! segment whose last slot dies becomes free and, beyond the few kept for reuse, is punched out
-//! of the file, so the file's allocated size follows the live data. A TRIM gives the kept ones
+//! segment whose last slot dies becomes free and, beyond those kept for reuse, is punched out
+//! of the file, so the file's allocated size follows the live data (at most twice it, the most
+//! garbage compaction lets stand, or a few segments more). A TRIM gives the kept ones
 //! back too ([`SpillLog::give_back_kept`]), and so does the next write of every VM once any file
 //! on the filesystem was refused space ([`SpillLog::heed_space_shortages`]), so that space kept
 //! for reuse does not keep another VM refused. Segments with few live slots are compacted by the
@@ -39,13 +40,14 @@ use crate::stats::VmStats;
 use crate::store::{BackingFile, SegmentPages, SegmentWrite};
 use crate::units::{Block, BlockIndex, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, BLOCK_SIZE, SEGMENT_BYTES};
 
-/// Free segments kept allocated, the most recently dead first in line for the next segment.
-/// Writing over a segment whose pages the page cache still holds (often still dirty, so never
-/// written back at all) skips what a hole costs twice: punching it (invalidating its pages, with
-/// the file's lock taken against the writer threads) and filling it again (new pages, new
-/// blocks from the filesystem). Sequential 1 MiB writes to a spilling VM overwrite whole
-/// segments, and perf showed the punches at 13 % of its connection thread. Four is 8 MiB of
-/// disk per VM at most, counted as used.
+/// Free segments kept allocated whatever the live data, the most recently dead first in line for
+/// the next segment. Writing over a segment whose pages the page cache still holds (often still
+/// dirty, so never written back at all) skips what a hole costs twice: punching it (invalidating
+/// its pages, with the file's lock taken against the writer threads) and filling it again (new
+/// pages, new blocks from the filesystem). Sequential 1 MiB writes to a spilling VM overwrite
+/// whole segments, and perf showed the punches at 13 % of its connection thread. Four is 8 MiB
+/// of disk, counted as used. More are kept while the file stays within twice its live data
+/// ([`SpillLog::kept_limit`]).
 pub const KEPT_FREE_SEGMENTS: usize = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -597,10 +599,26 @@ impl SpillLog {
         self.owner_tables -= 1;
         self.sealed_segments -= 1;
         self.kept.push(id.0);
-        if self.kept.len() > KEPT_FREE_SEGMENTS {
-            let oldest = self.kept.remove(0);
-            self.punch(oldest, stats);
+        let limit = self.kept_limit();
+        if self.kept.len() > limit {
+            for oldest in self.kept.drain(..self.kept.len() - limit).collect::<Vec<_>>() {
+                self.punch(oldest, stats);
+            }
         }
+    }
+
+    /// How many free segments stay allocated: [`KEPT_FREE_SEGMENTS`], or as many as leave the
+    /// file (sealed and kept segments) within twice its live data, which is as much garbage as
+    /// compaction lets stand (it starts once dead slots outnumber live ones): the log grows back
+    /// into that space before compaction would run again, so a punch there is paid twice for
+    /// nothing. Random 4 KiB overwrites of a 512 MiB disk with a 16 MiB RAM target freed segments
+    /// in bursts of up to 248 at a time; with four kept, 973 of 1,425 segments written were
+    /// punched and refilled, at 164-183k IOPS; with all kept, 0 punched, 197-202k
+    /// (docs/performance.md).
+    fn kept_limit(&self) -> usize {
+        let live_segments = self.live_blocks.div_ceil(BLOCKS_PER_SEGMENT as u64);
+        let room = (2 * live_segments).saturating_sub(u64::from(self.sealed_segments));
+        KEPT_FREE_SEGMENTS.max(usize::try_from(room).unwrap_or(usize::MAX))
     }
 
     /// Gives the kept free segments back if some file on the filesystem was refused space since
@@ -830,6 +848,41 @@ mod tests {
         log.give_back_kept(&stats);
         assert_eq!(stats.spill_segments_punched.get(), died - 1, "all but the reused one punched");
         assert_eq!(log.disk_used_bytes(), 2 * SEGMENT_BYTES as u64, "the live sealed segment and the reused one");
+    }
+
+    /// Segments freed while the file is within twice its live data stay allocated for the log
+    /// to grow back into; past that, all but a few are punched.
+    #[test]
+    fn free_segments_are_kept_within_twice_the_live_data_and_punched_beyond() {
+        let stats = VmStats::default();
+        let mut log = SpillLog::new(Box::new(MemFile::default()), None, test_arena()).expect("log");
+        let segments = 10;
+        let mut addrs = Vec::new();
+        // One block past ten segments seals the tenth.
+        for i in 0..=(segments * BLOCKS_PER_SEGMENT) as u64 {
+            addrs.push(
+                log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats).expect("append"),
+            );
+        }
+        let segment_of = |n: usize| &addrs[n * BLOCKS_PER_SEGMENT..(n + 1) * BLOCKS_PER_SEGMENT];
+        for n in 0..6 {
+            for addr in segment_of(n) {
+                log.release(*addr, &stats);
+            }
+        }
+        // 4 sealed segments and a block live: 5 segments' worth, so 10 may be allocated.
+        assert_eq!(stats.spill_segments_punched.get(), 0, "within twice the live data nothing is punched");
+        assert_eq!(log.disk_used_bytes(), 10 * SEGMENT_BYTES as u64, "4 sealed and 6 kept");
+        for n in 6..9 {
+            for addr in segment_of(n) {
+                log.release(*addr, &stats);
+            }
+        }
+        // 1 sealed segment and a block live: the 9 free ones are cut to the few always kept.
+        assert_eq!(stats.spill_segments_punched.get(), 9 - KEPT_FREE_SEGMENTS as u64);
+        assert_eq!(log.disk_used_bytes(), (1 + KEPT_FREE_SEGMENTS as u64) * SEGMENT_BYTES as u64);
+        let last = 9 * BLOCKS_PER_SEGMENT;
+        assert!(read(&mut log, addrs[last], &stats) == block(last as u64), "the live segment reads back");
     }
 
     #[test]

@@ -972,6 +972,40 @@ mod tests {
         assert!(ledger.path("live-server").exists() && ledger.path("old-entry").exists());
     }
 
+    /// The owner a VM's ledger file names comes back with it; a file an earlier version wrote,
+    /// without one, still reads, as a VM of no one's.
+    #[test]
+    fn the_owner_comes_back_from_the_ledger_and_older_files_without_one_still_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ledger = Ledger::open(dir.path()).expect("ledger");
+        let state = StateRecord {
+            image_label: "golden".into(),
+            image_identity: None,
+            mode: "ram".into(),
+            disk_bytes: 1 << 20,
+            memory_dir: dir.path().join("memory"),
+            spill_dir: None,
+        };
+        for vm in ["owned", "older"] {
+            ledger.mark_with(vm, "golden", Some("alice"), Some(state.clone())).expect("mark");
+            let mut entry: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(ledger.path(vm)).expect("read")).expect("json");
+            assert_eq!(entry["owner"], "alice");
+            // A dead server's entry (pid above the kernel's maximum).
+            entry["pid"] = 4_294_967.into();
+            if vm == "older" {
+                entry.as_object_mut().expect("object").remove("owner");
+            }
+            std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
+        }
+        let (lost, recoverable) = ledger.left_behind();
+        assert!(lost.is_empty(), "{lost:?}");
+        let owners: Vec<(&str, Option<&str>)> =
+            recoverable.iter().map(|r| (r.vm.as_str(), r.owner.as_deref())).collect();
+        assert_eq!(owners.len(), 2);
+        assert!(owners.contains(&("owned", Some("alice"))) && owners.contains(&("older", None)), "{owners:?}");
+    }
+
     #[test]
     fn a_retirement_cut_short_by_a_crash_is_finished_by_the_next_server_unless_the_name_is_in_use_again() {
         let dir = tempfile::tempdir().expect("tempdir");
