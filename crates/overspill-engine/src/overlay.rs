@@ -549,6 +549,16 @@ impl Overlay {
 
     /// Free pages the VM has given back to the host so far (each one faulted in again when it
     /// is next taken).
+    /// The VM is about to wait for its client (its connection lost, its overlay in grace): the
+    /// free spill segments kept for its next writes, beyond the few always kept, go back to the
+    /// filesystem, where another VM may need them while this one writes nothing.
+    pub fn give_back_spare_disk(&mut self) {
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            spill.give_back_spare_kept(&self.stats);
+            self.stats.cache_disk_used_bytes.set(self.disk_used_bytes());
+        }
+    }
+
     pub fn memory_pages_punched(&self) -> u64 {
         self.arena.pages_punched()
     }

@@ -50,6 +50,10 @@ use crate::units::{Block, BlockIndex, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, 
 /// ([`SpillLog::kept_limit`]).
 pub const KEPT_FREE_SEGMENTS: usize = 4;
 
+/// Segments a log opens after hearing of a space shortage before it keeps more than
+/// [`KEPT_FREE_SEGMENTS`] again: 512 MiB spilled, time for the refused VM to take its room.
+pub const LEAN_OPENS_AFTER_SHORTAGE: u64 = 256;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SegmentState {
     Free,
@@ -105,6 +109,10 @@ pub struct SpillLog {
     owner_tables: u64,
     /// The file's [`BackingFile::space_shortages`] when this log last gave its kept segments back.
     shortages_heeded: u64,
+    /// Segments opened so far, and until how many only [`KEPT_FREE_SEGMENTS`] are kept (after a
+    /// space shortage).
+    segments_opened: u64,
+    lean_until_opened: u64,
 }
 
 impl SpillLog {
@@ -132,6 +140,8 @@ impl SpillLog {
             sealed_segments: 0,
             owner_tables: 0,
             shortages_heeded: file.space_shortages(),
+            segments_opened: 0,
+            lean_until_opened: 0,
             file,
             arena,
             summaries: None,
@@ -412,6 +422,7 @@ impl SpillLog {
                 (self.segments.len() - 1) as u32
             }
         };
+        self.segments_opened += 1;
         let segment = &mut self.segments[id as usize];
         debug_assert_eq!(segment.state, SegmentState::Free);
         segment.state = SegmentState::Open;
@@ -587,8 +598,8 @@ impl SpillLog {
         }
     }
 
-    /// A sealed segment with no live slot: kept for reuse, and the oldest kept one punched
-    /// when there are more than [`KEPT_FREE_SEGMENTS`].
+    /// A sealed segment with no live slot: kept for reuse, and the oldest kept ones punched
+    /// when there are more than [`Self::kept_limit`].
     fn free_segment(&mut self, id: SegmentId, stats: &VmStats) {
         if let Some(summaries) = &mut self.summaries {
             summaries.clear(id.0);
@@ -599,12 +610,24 @@ impl SpillLog {
         self.owner_tables -= 1;
         self.sealed_segments -= 1;
         self.kept.push(id.0);
-        let limit = self.kept_limit();
+        self.punch_kept_beyond(self.kept_limit(), stats);
+    }
+
+    /// Punches the oldest kept segments until at most `limit` are left.
+    fn punch_kept_beyond(&mut self, limit: usize, stats: &VmStats) {
         if self.kept.len() > limit {
             for oldest in self.kept.drain(..self.kept.len() - limit).collect::<Vec<_>>() {
                 self.punch(oldest, stats);
             }
         }
+    }
+
+    /// Gives back the kept segments beyond the few always kept: the VM is about to wait (its
+    /// connection lost, its overlay in grace), and space held for writes that are not coming
+    /// may be wanted by another VM, which an idle VM would not hear of (see
+    /// [`Self::heed_space_shortages`]).
+    pub fn give_back_spare_kept(&mut self, stats: &VmStats) {
+        self.punch_kept_beyond(KEPT_FREE_SEGMENTS, stats);
     }
 
     /// How many free segments stay allocated: [`KEPT_FREE_SEGMENTS`], or as many as leave the
@@ -613,9 +636,13 @@ impl SpillLog {
     /// into that space before compaction would run again, so a punch there is paid twice for
     /// nothing. Random 4 KiB overwrites of a 512 MiB disk with a 16 MiB RAM target freed segments
     /// in bursts of up to 248 at a time; with four kept, 973 of 1,425 segments written were
-    /// punched and refilled, at 164-183k IOPS; with all kept, 0 punched, 197-202k
-    /// (docs/performance.md).
+    /// punched and refilled, at 184-187k IOPS; with this limit none, at 204-205k
+    /// (docs/performance.md). For a while after a file on the filesystem was refused space,
+    /// only the few: the space is wanted elsewhere.
     fn kept_limit(&self) -> usize {
+        if self.segments_opened < self.lean_until_opened {
+            return KEPT_FREE_SEGMENTS;
+        }
         let live_segments = self.live_blocks.div_ceil(BLOCKS_PER_SEGMENT as u64);
         let room = (2 * live_segments).saturating_sub(u64::from(self.sealed_segments));
         KEPT_FREE_SEGMENTS.max(usize::try_from(room).unwrap_or(usize::MAX))
@@ -623,12 +650,15 @@ impl SpillLog {
 
     /// Gives the kept free segments back if some file on the filesystem was refused space since
     /// this log last did: another VM may need the space more than this one needs to skip a
-    /// punch. Called on every write, so a VM that goes on writing hears of it at once; a VM that
-    /// stays idle keeps its few segments until it writes, trims or disconnects.
+    /// punch; and keeps only the few for its next [`LEAN_OPENS_AFTER_SHORTAGE`] segments. Called
+    /// on every write, so a VM that goes on writing hears of it at once; a connected VM that
+    /// stays idle keeps its segments until it writes, trims or disconnects (one whose connection
+    /// is lost gives back all but the few, [`Self::give_back_spare_kept`]).
     pub fn heed_space_shortages(&mut self, stats: &VmStats) {
         let shortages = self.file.space_shortages();
         if shortages != self.shortages_heeded {
             self.shortages_heeded = shortages;
+            self.lean_until_opened = self.segments_opened + LEAN_OPENS_AFTER_SHORTAGE;
             if !self.kept.is_empty() {
                 tracing::debug!(kept = self.kept.len(), "spill filesystem full somewhere: kept segments given back");
                 self.give_back_kept(stats);
@@ -850,39 +880,92 @@ mod tests {
         assert_eq!(log.disk_used_bytes(), 2 * SEGMENT_BYTES as u64, "the live sealed segment and the reused one");
     }
 
+    /// Appends `segments` full segments and one block more (which seals the last), from block 0.
+    fn filled(log: &mut SpillLog, segments: usize, stats: &VmStats) -> Result<Vec<SpillAddr>> {
+        (0..=(segments * BLOCKS_PER_SEGMENT) as u64)
+            .map(|i| log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, stats))
+            .collect()
+    }
+
     /// Segments freed while the file is within twice its live data stay allocated for the log
-    /// to grow back into; past that, all but a few are punched.
+    /// to grow back into; past that, the oldest are punched down to what that allows, or to the
+    /// few always kept. A VM about to wait keeps only the few.
     #[test]
     fn free_segments_are_kept_within_twice_the_live_data_and_punched_beyond() {
+        let segment = SEGMENT_BYTES as u64;
+        let with_ten_dead = |stats: &VmStats| {
+            let mut log = SpillLog::new(Box::new(MemFile::default()), None, test_arena()).expect("log");
+            let addrs = filled(&mut log, 20, stats).expect("append");
+            for addr in &addrs[..10 * BLOCKS_PER_SEGMENT] {
+                log.release(*addr, stats);
+            }
+            (log, addrs)
+        };
+        let slots = |addrs: &[SpillAddr], n: usize, range: std::ops::Range<usize>| -> Vec<SpillAddr> {
+            range.map(|slot| addrs[n * BLOCKS_PER_SEGMENT + slot]).collect()
+        };
+
         let stats = VmStats::default();
-        let mut log = SpillLog::new(Box::new(MemFile::default()), None, test_arena()).expect("log");
-        let segments = 10;
-        let mut addrs = Vec::new();
-        // One block past ten segments seals the tenth.
-        for i in 0..=(segments * BLOCKS_PER_SEGMENT) as u64 {
-            addrs.push(
-                log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats).expect("append"),
-            );
-        }
-        let segment_of = |n: usize| &addrs[n * BLOCKS_PER_SEGMENT..(n + 1) * BLOCKS_PER_SEGMENT];
-        for n in 0..6 {
-            for addr in segment_of(n) {
-                log.release(*addr, &stats);
-            }
-        }
-        // 4 sealed segments and a block live: 5 segments' worth, so 10 may be allocated.
+        let (mut log, addrs) = with_ten_dead(&stats);
+        // 10 sealed segments and a block live: 11 segments' worth allow 22 on disk.
         assert_eq!(stats.spill_segments_punched.get(), 0, "within twice the live data nothing is punched");
-        assert_eq!(log.disk_used_bytes(), 10 * SEGMENT_BYTES as u64, "4 sealed and 6 kept");
-        for n in 6..9 {
-            for addr in segment_of(n) {
-                log.release(*addr, &stats);
+        assert_eq!(log.disk_used_bytes(), 20 * segment, "10 sealed and 10 kept");
+        // Half of segments 10-17 dies (garbage, no segment freed), then the rest of segment 10.
+        for n in 10..18 {
+            for addr in slots(&addrs, n, 0..BLOCKS_PER_SEGMENT / 2) {
+                log.release(addr, &stats);
             }
         }
-        // 1 sealed segment and a block live: the 9 free ones are cut to the few always kept.
-        assert_eq!(stats.spill_segments_punched.get(), 9 - KEPT_FREE_SEGMENTS as u64);
-        assert_eq!(log.disk_used_bytes(), (1 + KEPT_FREE_SEGMENTS as u64) * SEGMENT_BYTES as u64);
-        let last = 9 * BLOCKS_PER_SEGMENT;
-        assert!(read(&mut log, addrs[last], &stats) == block(last as u64), "the live segment reads back");
+        assert_eq!(stats.spill_segments_punched.get(), 0, "nothing punched until a segment is freed");
+        for addr in slots(&addrs, 10, BLOCKS_PER_SEGMENT / 2..BLOCKS_PER_SEGMENT) {
+            log.release(addr, &stats);
+        }
+        // 9 sealed, 5.5 segments' worth live (6 rounded up): 12 on disk at most, so 3 kept, and
+        // the floor of 4 holds: 7 of the 11 kept are punched.
+        assert_eq!(stats.spill_segments_punched.get(), 7);
+        assert_eq!(log.disk_used_bytes(), (9 + KEPT_FREE_SEGMENTS as u64) * segment);
+        let last = 19 * BLOCKS_PER_SEGMENT + 7;
+        assert!(read(&mut log, addrs[last], &stats) == block(last as u64), "live data reads back");
+
+        let stats = VmStats::default();
+        let (mut log, _) = with_ten_dead(&stats);
+        log.give_back_spare_kept(&stats);
+        assert_eq!(stats.spill_segments_punched.get(), 10 - KEPT_FREE_SEGMENTS as u64);
+        assert_eq!(log.disk_used_bytes(), (10 + KEPT_FREE_SEGMENTS as u64) * segment);
+    }
+
+    /// After hearing of a shortage, a VM keeps only the few free segments for a while, however
+    /// many its live data would allow.
+    #[test]
+    fn after_a_shortage_only_the_few_are_kept() {
+        use crate::faults::{FaultPlan, FaultyFile, SpaceLimit};
+        let disk = SpaceLimit::new(18 * SEGMENT_BYTES as u64);
+        let on_disk = |seed| {
+            let file = FaultyFile::new(Box::new(MemFile::default()), FaultPlan::new(seed));
+            Box::new(file.with_space_limit(Arc::clone(&disk)))
+        };
+        let (stats_a, stats_b) = (VmStats::default(), VmStats::default());
+        let mut b = SpillLog::new(on_disk(1), None, test_arena()).expect("log");
+        let addrs = filled(&mut b, 16, &stats_b).expect("room for B");
+        let free_segments = |b: &mut SpillLog, segments: std::ops::Range<usize>| {
+            for addr in &addrs[segments.start * BLOCKS_PER_SEGMENT..segments.end * BLOCKS_PER_SEGMENT] {
+                b.release(*addr, &stats_b);
+            }
+        };
+        free_segments(&mut b, 0..6);
+        assert_eq!(stats_b.spill_segments_punched.get(), 0, "6 kept: 10 sealed, 22 allowed");
+        let mut a = SpillLog::new(on_disk(2), None, test_arena()).expect("log");
+        filled(&mut a, 2, &stats_a).expect("room for two segments");
+        let refused = (0..BLOCKS_PER_SEGMENT as u64).try_for_each(|i| {
+            a.append(Owner { block: BlockIndex(1 << 20 | i), seq: 1 }, &block(i), Purpose::Guest, &stats_a).map(|_| ())
+        });
+        assert!(matches!(refused, Err(EngineError::NoSpace(_))), "the disk is full: {refused:?}");
+        b.heed_space_shortages(&stats_b);
+        assert_eq!(stats_b.spill_segments_punched.get(), 6, "all kept given back");
+        // Six more die: their live data would allow 8 kept, the shortage allows the few.
+        free_segments(&mut b, 6..12);
+        assert_eq!(stats_b.spill_segments_punched.get(), 6 + 6 - KEPT_FREE_SEGMENTS as u64);
+        assert_eq!(b.disk_used_bytes(), (4 + KEPT_FREE_SEGMENTS as u64) * SEGMENT_BYTES as u64);
     }
 
     #[test]

@@ -625,7 +625,10 @@ impl Drop for EngineDevice {
     fn drop(&mut self) {
         let ending = if self.clean || self.reset.load(Ordering::SeqCst) { Ending::Deliberate } else { Ending::Lost };
         // Dropped here, outside the registry's lock, unless the registry keeps it for a reconnect.
-        if let Some(vm) = self.vm.take() {
+        if let Some(mut vm) = self.vm.take() {
+            if ending == Ending::Lost {
+                vm.overlay.give_back_spare_disk();
+            }
             drop(self.registry.end(self.number, ending, vm));
         }
     }

@@ -560,7 +560,7 @@ fn a_full_spill_filesystem_gives_enospc_to_the_writer_and_others_go_on() {
     read_back(&mut c, 0, &data, "C's data");
 }
 
-/// A VM keeps a few dead segments of its spill file allocated, to write its next segments over
+/// A VM keeps dead segments of its spill file allocated, to write its next segments over
 /// them; once another VM is refused space, it gives them back at its next write, and the VM
 /// that was refused can write again.
 #[test]
