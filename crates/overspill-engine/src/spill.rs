@@ -52,7 +52,7 @@ pub const KEPT_FREE_SEGMENTS: usize = 4;
 
 /// Segments a log opens after hearing of a space shortage before it keeps more than
 /// [`KEPT_FREE_SEGMENTS`] again: 512 MiB spilled, time for the refused VM to take its room.
-pub const LEAN_OPENS_AFTER_SHORTAGE: u64 = 256;
+pub const LEAN_OPENS_AFTER_SHORTAGE: u32 = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SegmentState {
@@ -109,10 +109,9 @@ pub struct SpillLog {
     owner_tables: u64,
     /// The file's [`BackingFile::space_shortages`] when this log last gave its kept segments back.
     shortages_heeded: u64,
-    /// Segments opened so far, and until how many only [`KEPT_FREE_SEGMENTS`] are kept (after a
-    /// space shortage).
-    segments_opened: u64,
-    lean_until_opened: u64,
+    /// Segments still to open, after a space shortage, before more than [`KEPT_FREE_SEGMENTS`]
+    /// are kept again.
+    lean_opens_left: u32,
 }
 
 impl SpillLog {
@@ -140,8 +139,7 @@ impl SpillLog {
             sealed_segments: 0,
             owner_tables: 0,
             shortages_heeded: file.space_shortages(),
-            segments_opened: 0,
-            lean_until_opened: 0,
+            lean_opens_left: 0,
             file,
             arena,
             summaries: None,
@@ -422,7 +420,7 @@ impl SpillLog {
                 (self.segments.len() - 1) as u32
             }
         };
-        self.segments_opened += 1;
+        self.lean_opens_left = self.lean_opens_left.saturating_sub(1);
         let segment = &mut self.segments[id as usize];
         debug_assert_eq!(segment.state, SegmentState::Free);
         segment.state = SegmentState::Open;
@@ -640,7 +638,7 @@ impl SpillLog {
     /// (docs/performance.md). For a while after a file on the filesystem was refused space,
     /// only the few: the space is wanted elsewhere.
     fn kept_limit(&self) -> usize {
-        if self.segments_opened < self.lean_until_opened {
+        if self.lean_opens_left > 0 {
             return KEPT_FREE_SEGMENTS;
         }
         let live_segments = self.live_blocks.div_ceil(BLOCKS_PER_SEGMENT as u64);
@@ -658,7 +656,7 @@ impl SpillLog {
         let shortages = self.file.space_shortages();
         if shortages != self.shortages_heeded {
             self.shortages_heeded = shortages;
-            self.lean_until_opened = self.segments_opened + LEAN_OPENS_AFTER_SHORTAGE;
+            self.lean_opens_left = LEAN_OPENS_AFTER_SHORTAGE;
             if !self.kept.is_empty() {
                 tracing::debug!(kept = self.kept.len(), "spill filesystem full somewhere: kept segments given back");
                 self.give_back_kept(stats);
