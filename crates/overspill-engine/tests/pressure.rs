@@ -108,3 +108,44 @@ fn a_vm_streaming_large_writes_keeps_its_round_of_pages_and_the_host_sees_them()
         assert!(buf.iter().enumerate().all(|(i, &b)| b == (i / 4096) as u8 ^ mib as u8 ^ 4), "MiB {mib}");
     }
 }
+
+/// A VM about to wait for its client keeps only a few of the dead segments its spill file holds
+/// for its next writes: dead segments beside live spilled data stay allocated while the VM
+/// writes, and go back to the filesystem when it stops (`Overlay::give_back_spare_disk`).
+#[test]
+fn a_vm_about_to_wait_gives_back_its_spare_spill_segments() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let host = HostMemory::unlimited();
+    let mut vm = overlay(&host, dir.path(), "waits");
+    // 128 KiB writes: below the streaming size, so RAM keeps the newest blocks and spills the
+    // coldest.
+    let fill = |vm: &mut Overlay, from: u64, to: u64, seed: u8| {
+        for piece in from * 8..to * 8 {
+            let data: Vec<u8> = (0..32).flat_map(|i| block(seed, piece * 32 + i)).collect();
+            vm.write(piece * MIB / 8, &data).expect("write");
+        }
+    };
+    // 20 MiB that stay spilled and live, 20 MiB that die, 24 MiB that push them out of RAM.
+    fill(&mut vm, 0, 20, 1);
+    fill(&mut vm, 20, 40, 2);
+    fill(&mut vm, 40, 64, 3);
+    vm.trim(40 * MIB, 24 * MIB).expect("trim");
+    let punched_before = vm.stats().spill_segments_punched.get();
+    // The 20 MiB written again fit in RAM: their spilled copies die, no segment opens.
+    fill(&mut vm, 20, 40, 4);
+    let kept_dead = vm.stats().spill_segments_punched.get() == punched_before;
+    assert!(kept_dead, "dead segments beside 20 MiB of live spilled data are kept, not punched");
+    let before = vm.disk_used_bytes();
+    vm.give_back_spare_disk();
+    let given = vm.stats().spill_segments_punched.get() - punched_before;
+    assert!(given > 0, "nothing given back ({before} bytes used)");
+    assert_eq!(before - vm.disk_used_bytes(), given * 2 * MIB, "each segment given back is 2 MiB less used");
+    assert_eq!(vm.stats().cache_disk_used_bytes.get(), vm.disk_used_bytes());
+    vm.give_back_spare_disk();
+    assert_eq!(vm.stats().spill_segments_punched.get() - punched_before, given, "only the few are left");
+    for (from, seed) in [(0, 1), (20, 4)] {
+        let mut back = vec![0; 4096];
+        vm.read((from + 5) * MIB, &mut back).expect("read");
+        assert_eq!(back, block(seed, (from + 5) * 256), "data at {} MiB", from + 5);
+    }
+}
