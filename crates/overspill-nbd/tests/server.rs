@@ -503,10 +503,6 @@ fn a_handshake_whose_replies_are_never_read_ends_at_its_deadline() {
     assert_healthy(&server);
 }
 
-/// Slow handshakes cannot hold the door shut: with every handshake slot and all but the
-/// established VMs' connections held by clients that never finish theirs, a real client waits
-/// in the backlog while the oldest slow handshakes are cut off, and gets in long before their
-/// deadline; the established VMs keep their connections throughout.
 /// A server of one `disk` accepting on a real Unix listener (in `dir`) on a thread of its own, with
 /// a 20 s handshake timeout (so a handshake may be shed after 1 s); its socket's path.
 fn accepting(dir: &std::path::Path, config: ServerConfig) -> (Arc<Server>, std::path::PathBuf) {
@@ -520,6 +516,10 @@ fn accepting(dir: &std::path::Path, config: ServerConfig) -> (Arc<Server>, std::
     (server, socket)
 }
 
+/// Slow handshakes cannot hold the door shut: with every handshake slot and all but the
+/// established VMs' connections held by clients that never finish theirs, a real client waits
+/// in the backlog while the oldest slow handshakes are cut off, and gets in long before their
+/// deadline; the established VMs keep their connections throughout.
 #[test]
 fn slow_handshakes_are_shed_before_anyone_else_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");

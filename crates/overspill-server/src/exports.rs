@@ -626,7 +626,9 @@ impl Drop for EngineDevice {
         let ending = if self.clean || self.reset.load(Ordering::SeqCst) { Ending::Deliberate } else { Ending::Lost };
         // Dropped here, outside the registry's lock, unless the registry keeps it for a reconnect.
         if let Some(mut vm) = self.vm.take() {
-            if ending == Ending::Lost {
+            // An overlay about to wait gives back the spill space it kept for writes; one about
+            // to be dropped would only punch a file about to be removed.
+            if self.registry.would_keep(self.number, ending) {
                 vm.overlay.give_back_spare_disk();
             }
             drop(self.registry.end(self.number, ending, vm));

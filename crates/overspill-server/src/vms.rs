@@ -432,17 +432,28 @@ impl VmRegistry {
         self.stopping.store(true, Ordering::SeqCst);
     }
 
+    /// Whether [`Self::end`] would keep VM `number`'s overlay, for its client to come back to or
+    /// for the next server, rather than drop it. An answer for work worth doing before the end
+    /// (outside the lock), not a promise: a reset may come in between.
+    pub fn would_keep(&self, number: u64, ending: Ending) -> bool {
+        self.keeps(&lock(&self.inner), number, ending)
+    }
+
+    fn keeps(&self, inner: &Registered, number: u64, ending: Ending) -> bool {
+        inner.vms.get(&number).is_some_and(|entry| {
+            entry.named
+                && ending == Ending::Lost
+                && !self.lifecycle.reconnect_grace.is_zero()
+                && !entry.reset.load(Ordering::SeqCst)
+        })
+    }
+
     /// A connection of VM `number` ended. A named VM that lost its connection keeps `parked` for
     /// the grace period; otherwise it is returned, for the caller to drop outside the lock.
     pub fn end(&self, number: u64, ending: Ending, mut parked: VmOverlay) -> Option<VmOverlay> {
         let mut inner = lock(&self.inner);
         let grace = self.lifecycle.reconnect_grace;
-        let keep = match inner.vms.get(&number) {
-            Some(entry) => {
-                entry.named && ending == Ending::Lost && !grace.is_zero() && !entry.reset.load(Ordering::SeqCst)
-            }
-            None => false,
-        };
+        let keep = self.keeps(&inner, number, ending);
         if keep && self.handed_over.load(Ordering::SeqCst) {
             // Parked now, it would go with the registry as the process ends, its files with it,
             // while its ledger entry stays: the next server would find the VM's writes lost.
@@ -715,11 +726,6 @@ impl Ledger {
         self.dir.join(format!("vm-{vm}.json"))
     }
 
-    #[cfg(test)]
-    fn mark(&self, vm: &str, image: &str) -> std::io::Result<()> {
-        self.mark_with(vm, image, None, None)
-    }
-
     fn mark_with(&self, vm: &str, image: &str, owner: Option<&str>, state: Option<StateRecord>) -> std::io::Result<()> {
         let entry = LedgerEntry {
             vm: vm.to_owned(),
@@ -919,7 +925,7 @@ mod tests {
     fn the_ledger_names_what_a_dead_server_of_this_boot_left_and_forgets_other_boots() {
         let dir = tempfile::tempdir().expect("tempdir");
         let ledger = Ledger::open(dir.path()).expect("ledger");
-        ledger.mark("same-pid", "golden").expect("mark");
+        ledger.mark_with("same-pid", "golden", None, None).expect("mark");
         let write = |vm: &str, pid: u32, boot: &str| {
             let entry = LedgerEntry {
                 vm: vm.into(),
