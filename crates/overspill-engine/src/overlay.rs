@@ -559,6 +559,16 @@ impl Overlay {
         }
     }
 
+    /// The VM's client has sent nothing for a while (while connected): every free spill
+    /// segment kept for its next writes goes back to the filesystem, the few always kept too.
+    /// Another VM may need the space, and would not be heard of until this one writes.
+    pub fn give_back_idle_disk(&mut self) {
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            spill.give_back_kept(&self.stats);
+            self.stats.cache_disk_used_bytes.set(self.disk_used_bytes());
+        }
+    }
+
     pub fn memory_pages_punched(&self) -> u64 {
         self.arena.pages_punched()
     }

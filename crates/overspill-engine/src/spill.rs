@@ -15,9 +15,10 @@
 //! segment whose last slot dies becomes free and, beyond those kept for reuse, is punched out
 //! of the file, so the file's allocated size follows the live data (at most twice it, the most
 //! garbage compaction lets stand, or a few segments more). A TRIM gives the kept ones
-//! back too ([`SpillLog::give_back_kept`]), and so does the next write of every VM once any file
-//! on the filesystem was refused space ([`SpillLog::heed_space_shortages`]), so that space kept
-//! for reuse does not keep another VM refused. Segments with few live slots are compacted by the
+//! back too ([`SpillLog::give_back_kept`]), as does a VM whose client is quiet for a while, and
+//! so does the next write of every VM once any file on the filesystem was refused space
+//! ([`SpillLog::heed_space_shortages`]), so that space kept for reuse does not keep another VM
+//! refused. Segments with few live slots are compacted by the
 //! overlay (which owns the map) when free space runs low or garbage outweighs live data.
 //!
 //! With a byte limit, one free segment is held back for compaction so that compaction can always
@@ -649,9 +650,10 @@ impl SpillLog {
     /// Gives the kept free segments back if some file on the filesystem was refused space since
     /// this log last did: another VM may need the space more than this one needs to skip a
     /// punch; and keeps only the few for its next [`LEAN_OPENS_AFTER_SHORTAGE`] segments. Called
-    /// on every write, so a VM that goes on writing hears of it at once; a connected VM that
-    /// stays idle keeps its segments until it writes, trims or disconnects (one whose connection
-    /// is lost gives back all but the few, [`Self::give_back_spare_kept`]).
+    /// on every write, so a VM that goes on writing hears of it at once; one that writes nothing
+    /// gives its kept segments back anyway once its client is quiet for a while
+    /// ([`Self::give_back_kept`]) or its connection is lost (all but the few,
+    /// [`Self::give_back_spare_kept`]).
     pub fn heed_space_shortages(&mut self, stats: &VmStats) {
         let shortages = self.file.space_shortages();
         if shortages != self.shortages_heeded {
@@ -664,8 +666,9 @@ impl SpillLog {
         }
     }
 
-    /// Punches every kept free segment: the guest gave blocks back (TRIM), so the host gets
-    /// the disk space back now rather than when the VM next spills.
+    /// Punches every kept free segment: the guest gave blocks back (TRIM), or has been quiet
+    /// for a while, so the host gets the disk space back now rather than when the VM next
+    /// spills.
     pub fn give_back_kept(&mut self, stats: &VmStats) {
         for id in std::mem::take(&mut self.kept) {
             self.punch(id, stats);

@@ -362,6 +362,9 @@ struct Wire<T> {
     waiting: Option<(Wait, Instant)>,
     /// The request's header has been read: more bytes are part of it.
     mid_request: bool,
+    /// A blocked wait for the next request that wakes with nothing read returns an [`IdleTick`]
+    /// error, so that the device hears of the quiet; otherwise it waits on.
+    report_idle: bool,
 }
 
 /// What a connection waits for when it blocks reading.
@@ -383,6 +386,23 @@ impl Wait {
             Wait::Reply(limit) => format!("the client took longer than {limit:?} to take its replies"),
         }
     }
+}
+
+/// Inside the `WouldBlock` error of a connection's wait for its next request that woke with
+/// nothing read (see [`Wire::report_idle`]): the waiting goes on once the device has heard.
+#[derive(Debug)]
+struct IdleTick;
+
+impl std::fmt::Display for IdleTick {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("no request yet")
+    }
+}
+
+impl std::error::Error for IdleTick {}
+
+fn is_idle_tick(error: &ConnectionError) -> bool {
+    matches!(error, ConnectionError::Io(e) if e.get_ref().is_some_and(|inner| inner.is::<IdleTick>()))
 }
 
 /// A client that took no reply for `limit`.
@@ -436,6 +456,7 @@ impl<T: Transport> Wire<T> {
             deadlines: None,
             waiting: None,
             mid_request: false,
+            report_idle: false,
         }
     }
 
@@ -634,9 +655,28 @@ impl<T: Transport> Wire<T> {
                     return Ok(n > 0);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => self.check_deadline(e)?,
+                Err(e) => {
+                    self.check_deadline(e)?;
+                    if self.report_idle && !self.mid_request && self.buffered().is_empty() {
+                        return Err(io::Error::new(io::ErrorKind::WouldBlock, IdleTick));
+                    }
+                }
             }
         }
+    }
+
+    /// Waits for the next request's header, telling `device` each time the wait wakes with
+    /// nothing read. `Ok(false)` if the stream ended before it began.
+    fn need_request(&mut self, device: &mut dyn BlockDevice) -> Result<bool, ConnectionError> {
+        self.report_idle = true;
+        let needed = loop {
+            match self.need(REQUEST_HEADER_BYTES) {
+                Err(error) if is_idle_tick(&error) => device.idle(),
+                other => break other,
+            }
+        };
+        self.report_idle = false;
+        needed
     }
 
     /// Reads the middle of a payload into `bufs`, polling as [`Self::poll_for_input`] does before
@@ -892,7 +932,7 @@ fn transmit<T: Transport>(
             break;
         }
         wire.next_request();
-        if !cut_short_by_stop(wire.need(REQUEST_HEADER_BYTES), stop)? {
+        if !cut_short_by_stop(wire.need_request(session.device.as_mut()), stop)? {
             break;
         }
         wire.mid_request = true;

@@ -164,6 +164,11 @@ pub trait BlockDevice: Send {
     /// quit). Any other end of a connection (reset, EOF, error, timeout) comes without this call,
     /// so a device can tell a deliberate end from a lost connection when it is dropped.
     fn disconnect(&mut self) {}
+    /// The client has sent nothing for a while: its connection woke from waiting for the next
+    /// request (every third of the shortest deadline, at most 20 s) and goes on waiting. A device
+    /// may give back what it keeps only to serve the next requests faster. Doing nothing is the
+    /// default.
+    fn idle(&mut self) {}
     /// Whether the connection should end now, before serving the request it has just read: the
     /// device was taken away (an operator reset it). The request stays unanswered, so a client
     /// that reconnects sends it again.

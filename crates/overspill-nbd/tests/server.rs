@@ -3,6 +3,7 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -314,18 +315,27 @@ fn a_handshake_dribbled_byte_by_byte_is_cut_at_its_deadline() {
     }
 }
 
-/// An in-memory export whose reads fail from `bad` on, to see how a large read's reply ends.
-struct FailsFrom {
+/// An in-memory export whose reads fail from `bad` on, to see how a large read's reply ends,
+/// and whose devices count the times they hear their connection is idle.
+struct Instrumented {
     inner: OneExport,
     bad: u64,
+    idles: Arc<AtomicUsize>,
 }
 
-struct FailingDevice {
+impl Instrumented {
+    fn new(size: usize, bad: u64) -> Self {
+        Self { inner: OneExport::new("disk", size), bad, idles: Arc::default() }
+    }
+}
+
+struct InstrumentedDevice {
     inner: Box<dyn BlockDevice>,
     bad: u64,
+    idles: Arc<AtomicUsize>,
 }
 
-impl BlockDevice for FailingDevice {
+impl BlockDevice for InstrumentedDevice {
     fn size(&self) -> u64 {
         self.inner.size()
     }
@@ -350,9 +360,12 @@ impl BlockDevice for FailingDevice {
     fn flush(&mut self) -> Result<(), DeviceError> {
         self.inner.flush()
     }
+    fn idle(&mut self) {
+        self.idles.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
-impl ExportProvider for FailsFrom {
+impl ExportProvider for Instrumented {
     fn list(&self) -> Vec<ExportInfo> {
         self.inner.list()
     }
@@ -360,8 +373,34 @@ impl ExportProvider for FailsFrom {
         self.inner.info(name)
     }
     fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
-        Ok(Box::new(FailingDevice { inner: self.inner.open(name, identity)?, bad: self.bad }))
+        let inner = self.inner.open(name, identity)?;
+        Ok(Box::new(InstrumentedDevice { inner, bad: self.bad, idles: self.idles.clone() }))
     }
+}
+
+/// A connection waiting for its next request tells its device each time the wait wakes with
+/// nothing read (every third of the request timeout, here 1 s), and goes on serving; a
+/// connection whose requests keep coming does not.
+#[test]
+fn a_quiet_connection_tells_its_device_while_it_waits() {
+    let limits = Limits { request_timeout: Duration::from_secs(3), ..Limits::default() };
+    let exports = Instrumented::new(SIZE, u64::MAX);
+    let idles = exports.idles.clone();
+    let server = Server::new(Arc::new(exports), ServerConfig { limits, ..ServerConfig::default() });
+    let mut c = client(&server, true);
+    let mut buf = vec![0u8; 4096];
+    c.write(0, &[9; 4096], false).expect("write");
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(10));
+        c.read(0, &mut buf).expect("read");
+    }
+    assert_eq!(idles.load(Ordering::SeqCst), 0, "requests every 10 ms are no quiet");
+    std::thread::sleep(Duration::from_millis(2500));
+    let heard = idles.load(Ordering::SeqCst);
+    assert!((1..=3).contains(&heard), "2.5 s of quiet with a 1 s tick: {heard}");
+    c.read(0, &mut buf).expect("served after the quiet");
+    assert_eq!(buf, [9; 4096]);
+    c.disconnect().expect("disc");
 }
 
 /// A read larger than a reply slice (1 MiB) that fails part way: with structured replies the
@@ -374,7 +413,7 @@ fn a_large_read_failing_part_way_ends_its_reply_as_nbd_requires() {
     let bad = (5 << 20) + 4096;
     let config =
         ServerConfig { limits: Limits { max_payload_bytes: 8 << 20, ..Limits::default() }, ..ServerConfig::default() };
-    let server = Server::new(Arc::new(FailsFrom { inner: OneExport::new("disk", DISK), bad }), config);
+    let server = Server::new(Arc::new(Instrumented::new(DISK, bad)), config);
     let mut buf = vec![0u8; 4 << 20];
 
     let mut c = client(&server, true);

@@ -766,6 +766,12 @@ impl BlockDevice for EngineDevice {
         self.clean = true;
     }
 
+    /// A VM that sends nothing has no use for the dead spill segments it kept for its next
+    /// writes; another VM on the filesystem may.
+    fn idle(&mut self) {
+        self.vm().overlay.give_back_idle_disk();
+    }
+
     fn closing(&self) -> bool {
         self.reset.load(Ordering::Relaxed)
     }

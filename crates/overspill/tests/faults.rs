@@ -570,25 +570,8 @@ fn a_vm_refused_space_gets_back_the_dead_segments_another_vm_keeps() {
     let fs = SmallFs::mount(&tmp.path().join("spill"), 16);
     let server = Server::start(tmp.path(), "s", &golden, &fs.dir, &["--ram", "8M"]);
 
-    // B fills its RAM and spills four segments; then it trims what is in RAM and overwrites
-    // three spilled segments' worth, which now fits in RAM: those segments die with nothing
-    // to take their place, and stay allocated, kept. One spilled segment stays live (a log
-    // with nothing live gives its kept segments back by itself).
     let mut b = server.client("b");
-    let (b_ram, b_spilled) = (6 * MIB, 8 * MIB);
-    let write_all = |b: &mut Client, offset: u64, data: &[u8]| {
-        for (i, piece) in data.chunks(CHUNK).enumerate() {
-            b.write(offset + (i * CHUNK) as u64, piece, false).expect("B's writes fit");
-        }
-    };
-    let first = pseudo_random((b_ram + b_spilled) as usize, 500);
-    write_all(&mut b, 0, &first);
-    b.trim(0, b_ram as u32).expect("B trims what it holds in RAM");
-    let overwrite = pseudo_random(6 * MIB as usize, 501);
-    write_all(&mut b, b_ram, &overwrite);
-    // Segments are written in the background: a flush waits for the last one to land, so the
-    // allocation measured here is not overtaken by it later.
-    b.flush().expect("B flushes");
+    let (first, overwrite) = spill_and_keep_dead_segments(&mut b);
     let b_file = server.spill_files().into_iter().next().expect("B's spill file");
     let b_before = allocated_bytes(&b_file);
     eprintln!("B's spill file: {} KiB allocated", b_before / 1024);
@@ -601,7 +584,7 @@ fn a_vm_refused_space_gets_back_the_dead_segments_another_vm_keeps() {
     assert_eq!(allocated_bytes(&b_file), b_before, "B kept its space while it did nothing");
 
     // B's next write (one block, into its RAM) hears of it and punches its dead segments.
-    b.write(b_ram, &overwrite[..4096], false).expect("B writes into RAM");
+    b.write(KEPT_RAM, &overwrite[..4096], false).expect("B writes into RAM");
     let b_after = allocated_bytes(&b_file);
     eprintln!("B's spill file: {} KiB allocated after A was refused", b_after / 1024);
     assert!(b_before - b_after >= 4 * MIB, "B gave back only {} KiB", (b_before - b_after) / 1024);
@@ -614,9 +597,65 @@ fn a_vm_refused_space_gets_back_the_dead_segments_another_vm_keeps() {
     for (offset, data) in &acked {
         read_back(&mut a, *offset, data, "A's acknowledged data");
     }
-    read_back(&mut b, b_ram, &overwrite, "B's overwritten blocks");
-    let live = (b_ram + 6 * MIB) as usize;
-    read_back(&mut b, live as u64, &first[live..], "B's blocks still in its spill log");
+    read_back_kept(&mut b, &first, &overwrite);
+}
+
+/// What [`spill_and_keep_dead_segments`] keeps in RAM, and spills.
+const KEPT_RAM: u64 = 6 * MIB;
+const KEPT_SPILLED: u64 = 8 * MIB;
+
+/// A VM with an 8 MiB RAM target fills its RAM and spills four segments; then it trims what is
+/// in RAM and overwrites three spilled segments' worth, which now fits in RAM: those segments
+/// die with nothing to take their place, and stay allocated, kept. One spilled segment stays
+/// live (a log with nothing live gives its kept segments back by itself). Returns what it wrote
+/// first, and the overwrite.
+fn spill_and_keep_dead_segments(vm: &mut Client) -> (Vec<u8>, Vec<u8>) {
+    let write_all = |vm: &mut Client, offset: u64, data: &[u8]| {
+        for (i, piece) in data.chunks(CHUNK).enumerate() {
+            vm.write(offset + (i * CHUNK) as u64, piece, false).expect("the VM's writes fit");
+        }
+    };
+    let first = pseudo_random((KEPT_RAM + KEPT_SPILLED) as usize, 500);
+    write_all(vm, 0, &first);
+    vm.trim(0, KEPT_RAM as u32).expect("the VM trims what it holds in RAM");
+    let overwrite = pseudo_random(6 * MIB as usize, 501);
+    write_all(vm, KEPT_RAM, &overwrite);
+    // Segments are written in the background: a flush waits for the last one to land, so the
+    // allocation measured after it is not overtaken by it later.
+    vm.flush().expect("the VM flushes");
+    (first, overwrite)
+}
+
+/// Reads back what [`spill_and_keep_dead_segments`] left live.
+fn read_back_kept(vm: &mut Client, first: &[u8], overwrite: &[u8]) {
+    read_back(vm, KEPT_RAM, overwrite, "the overwritten blocks");
+    let live = (KEPT_RAM + 6 * MIB) as usize;
+    read_back(vm, live as u64, &first[live..], "the blocks still in the spill log");
+}
+
+/// A connected VM that sends nothing gives back the dead spill segments it kept for its next
+/// writes, the few always kept too, when its connection's wait for a request wakes (every third
+/// of `--request-timeout`, here 2 s), with no other VM short of space; its data reads back.
+#[test]
+fn a_quiet_vm_gives_back_the_dead_segments_it_kept() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, _) = golden_file(tmp.path(), 41);
+    let server =
+        Server::start(tmp.path(), "s", &golden, &tmp.path().join("spill"), &["--ram", "8M", "--request-timeout", "6"]);
+    let mut vm = server.client("quiet");
+    let (first, overwrite) = spill_and_keep_dead_segments(&mut vm);
+    let file = server.spill_files().into_iter().next().expect("the VM's spill file");
+    let before = allocated_bytes(&file);
+    assert!(before >= 6 * MIB, "the dead segments are not kept: {} KiB", before / 1024);
+    let deadline = Instant::now() + WAIT;
+    let mut now = before;
+    while before - now < 6 * MIB {
+        assert!(Instant::now() < deadline, "the quiet VM kept {} of {} KiB", now / 1024, before / 1024);
+        std::thread::sleep(Duration::from_millis(50));
+        now = allocated_bytes(&file);
+    }
+    eprintln!("the quiet VM's spill file: {} KiB allocated, then {} KiB", before / 1024, now / 1024);
+    read_back_kept(&mut vm, &first, &overwrite);
 }
 
 /// A server killed with SIGKILL leaves its spill file behind; the next server on the directory
