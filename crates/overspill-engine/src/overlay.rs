@@ -547,8 +547,6 @@ impl Overlay {
         self.accounted_bytes
     }
 
-    /// Free pages the VM has given back to the host so far (each one faulted in again when it
-    /// is next taken).
     /// The VM is about to wait for its client (its connection lost, its overlay in grace): the
     /// free spill segments kept for its next writes, beyond the few always kept, go back to the
     /// filesystem, where another VM may need them while this one writes nothing.
@@ -569,6 +567,8 @@ impl Overlay {
         }
     }
 
+    /// Free pages the VM has given back to the host so far (each one faulted in again when it
+    /// is next taken).
     pub fn memory_pages_punched(&self) -> u64 {
         self.arena.pages_punched()
     }
