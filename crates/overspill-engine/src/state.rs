@@ -18,7 +18,7 @@
 //!   segment's present with entries of its past; those name copies that were all outranked
 //!   before the segment was reused.
 //! - **Zero log**: 32-byte records (first block, end block, sequence number, check) appended
-//!   before a WRITE_ZEROES takes effect. It is rewritten whole, as the zeroed ranges less the
+//!   before a WRITE_ZEROES takes effect, each with an end marker after it. It is rewritten whole, as the zeroed ranges less the
 //!   blocks written since, when it grows long: into the other of two regions, then the header
 //!   (one 32-byte write, which a crash cannot tear) switches to it.
 
@@ -130,11 +130,15 @@ impl ZeroLog {
         self.file.write_at(&header, 0).map_err(|e| EngineError::from_io("writing the zero log", e))
     }
 
+    /// Appends `record`, and after it, in the same write, a record that cannot check out: the
+    /// region may hold, beyond the log's end, records of this generation that a rewrite killed
+    /// before its header switch left (a later process rewrites into the same region with the
+    /// same generation), which must never read as part of the log.
     pub fn append(&mut self, record: ZeroRecord) -> Result<()> {
         let offset = REGION_OFFSETS[self.region] + self.records * RECORD_BYTES;
-        self.file
-            .write_at(&record_bytes(record, self.generation), offset)
-            .map_err(|e| EngineError::from_io("writing the zero log", e))?;
+        let mut bytes = [0u8; 2 * RECORD_BYTES as usize];
+        bytes[..RECORD_BYTES as usize].copy_from_slice(&record_bytes(record, self.generation));
+        self.file.write_at(&bytes, offset).map_err(|e| EngineError::from_io("writing the zero log", e))?;
         self.records += 1;
         Ok(())
     }
@@ -392,26 +396,29 @@ mod tests {
         assert_eq!(tie.expect("resolved").current[&4].1, CopyAt::Spill { segment: 1, slot: 4 });
     }
 
+    /// One file that each process of a test opens anew.
+    struct Shared(std::sync::Arc<std::sync::Mutex<MemFile>>);
+
+    impl BackingFile for Shared {
+        fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
+            self.0.lock().expect("lock").write_at(data, offset)
+        }
+        fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+            self.0.lock().expect("lock").read_at(buf, offset)
+        }
+        fn punch_hole(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
+            self.0.lock().expect("lock").punch_hole(offset, len)
+        }
+        fn allocated_bytes(&self) -> std::io::Result<u64> {
+            self.0.lock().expect("lock").allocated_bytes()
+        }
+        fn path(&self) -> Option<&std::path::Path> {
+            None
+        }
+    }
+
     #[test]
     fn the_zero_log_reads_back_what_was_appended_and_what_a_rewrite_left() {
-        struct Shared(std::sync::Arc<std::sync::Mutex<MemFile>>);
-        impl BackingFile for Shared {
-            fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
-                self.0.lock().expect("lock").write_at(data, offset)
-            }
-            fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-                self.0.lock().expect("lock").read_at(buf, offset)
-            }
-            fn punch_hole(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
-                self.0.lock().expect("lock").punch_hole(offset, len)
-            }
-            fn allocated_bytes(&self) -> std::io::Result<u64> {
-                self.0.lock().expect("lock").allocated_bytes()
-            }
-            fn path(&self) -> Option<&std::path::Path> {
-                None
-            }
-        }
         let memory = std::sync::Arc::new(std::sync::Mutex::new(MemFile::default()));
         let file = || Box::new(Shared(memory.clone()));
         let mut log = ZeroLog::create(file()).expect("log");
@@ -432,6 +439,31 @@ mod tests {
         log.rewrite(&records[..1]).expect("rewrite");
         let (_, read) = ZeroLog::open(file()).expect("open");
         assert_eq!(read, records[..1]);
+    }
+
+    /// A process killed in a rewrite, after the records and before the header switch, leaves
+    /// them in the other region under the next generation. The next process rewrites into that
+    /// region under that same generation, fewer records, then appends over its end marker:
+    /// the killed rewrite's records beyond must not come back with the appended one (their
+    /// zeroes would outrank the first write after the recovery, which reuses their number).
+    #[test]
+    fn a_rewrite_killed_before_its_switch_leaves_nothing_a_later_log_reads() {
+        let memory = std::sync::Arc::new(std::sync::Mutex::new(MemFile::default()));
+        let file = || Box::new(Shared(memory.clone()));
+        let mut first = ZeroLog::create(file()).expect("log");
+        first.append(ZeroRecord { first: 0, end: 8, seq: 1 }).expect("append");
+        // The killed rewrite: its records written, the header never switched.
+        let killed: Vec<u8> = (0..6)
+            .flat_map(|i| record_bytes(ZeroRecord { first: 100 + 10 * i, end: 105 + 10 * i, seq: 2 }, 2))
+            .collect();
+        memory.lock().expect("lock").write_at(&killed, REGION_OFFSETS[1]).expect("killed rewrite");
+
+        let (mut second, read) = ZeroLog::open(file()).expect("open after the kill");
+        assert_eq!(read, [ZeroRecord { first: 0, end: 8, seq: 1 }]);
+        second.rewrite(&[ZeroRecord { first: 0, end: 4, seq: 2 }]).expect("rewrite");
+        second.append(ZeroRecord { first: 50, end: 60, seq: 3 }).expect("append");
+        let (_, read) = ZeroLog::open(file()).expect("open after a second kill");
+        assert_eq!(read, [ZeroRecord { first: 0, end: 4, seq: 2 }, ZeroRecord { first: 50, end: 60, seq: 3 }]);
     }
 }
 
