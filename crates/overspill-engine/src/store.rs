@@ -483,11 +483,37 @@ pub fn reports_blocks_exactly(dir: &Path) -> io::Result<bool> {
     Ok(exact)
 }
 
+/// How `open` says a filesystem has no `O_TMPFILE`.
+const NO_TMPFILE: [rustix::io::Errno; 3] =
+    [rustix::io::Errno::OPNOTSUPP, rustix::io::Errno::ISDIR, rustix::io::Errno::INVAL];
+
+/// A file of the probe's own in `dir`: unnamed where the filesystem can (`O_TMPFILE`), so that a
+/// process killed in the middle of a probe leaves nothing; elsewhere named for this process and
+/// moment (a name of a killed probe's, its pid taken again by a restarted server in a container,
+/// must not make every later probe fail), and removed after.
+fn probe_file(dir: &Path) -> io::Result<(File, Option<PathBuf>)> {
+    let unnamed = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags((OFlags::TMPFILE | OFlags::CLOEXEC).bits() as i32)
+        .open(dir);
+    match unnamed {
+        Ok(file) => return Ok((file, None)),
+        // No O_TMPFILE here (an older filesystem, NFS, FUSE).
+        Err(e) if NO_TMPFILE.iter().any(|errno| e.raw_os_error() == Some(errno.raw_os_error())) => {}
+        Err(e) => return Err(e),
+    }
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let path = dir.join(format!(".overspill-hole-probe-{}-{nanos}", std::process::id()));
+    let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+    Ok((file, Some(path)))
+}
+
 fn probe_blocks(dir: &Path) -> io::Result<bool> {
     use rustix::fs::{seek, SeekFrom};
     const MIB: u64 = 1 << 20;
-    let path = dir.join(format!(".overspill-hole-probe-{}", std::process::id()));
-    let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+    let (file, path) = probe_file(dir)?;
     let probe = || -> io::Result<bool> {
         file.set_len(4 * MIB)?;
         // In different 2 MiB units, so that huge pages show.
@@ -502,7 +528,9 @@ fn probe_blocks(dir: &Path) -> io::Result<bool> {
             && seek(&file, SeekFrom::Hole(3 * MIB))? == 3 * MIB + block)
     };
     let exact = probe();
-    std::fs::remove_file(&path)?;
+    if let Some(path) = path {
+        std::fs::remove_file(&path)?;
+    }
     exact
 }
 
@@ -711,12 +739,18 @@ mod tests {
     }
 
     /// The filesystems the tests run on (ext4, tmpfs) report 4 KiB blocks as they are, and
-    /// the probe leaves nothing behind.
+    /// the probe leaves nothing behind; nor does a file an earlier probe of this pid left (a
+    /// server killed in its probe, restarted in a container under the same pid) stop it, and
+    /// that file, not this probe's, is left alone.
     #[test]
     fn the_probe_finds_blocks_reported_exactly_and_cleans_up() {
         let dir = tempfile::tempdir().expect("temporary directory");
+        let left = dir.path().join(format!(".overspill-hole-probe-{}", std::process::id()));
+        std::fs::write(&left, b"left by a killed probe").expect("leftover");
+        assert!(probe_blocks(dir.path()).expect("probe"));
         assert!(reports_blocks_exactly(dir.path()).expect("probe"));
-        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "the probe's file is left");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").flatten().map(|e| e.path()).collect();
+        assert_eq!(names, [left], "the probe's file is left, or the leftover gone");
     }
 
     #[test]
