@@ -31,6 +31,10 @@ pub const DEFAULT_POLL_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 /// The default of [`Limits::request_timeout`]: a 32 MiB write at 10 Mbit/s takes 27 s.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The default of [`Limits::quiet_after`]: far longer than any pause inside a guest's burst of
+/// writes, so a device gives back what it keeps for them only once they are over.
+pub const DEFAULT_QUIET_AFTER: Duration = Duration::from_secs(10);
+
 /// Limits that bound what one client can make the server do.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -47,6 +51,10 @@ pub struct Limits {
     /// Between requests, how long to poll the socket before sleeping until the client sends
     /// (zero: sleep at once).
     pub poll_before_sleep: Duration,
+    /// A client that has sent nothing for this long is quiet: its device hears of it
+    /// ([`BlockDevice::idle`]), once per quiet spell, at the first wake-up of its wait after this
+    /// (the waits wake every third of the shortest deadline, at most every 20 s).
+    pub quiet_after: Duration,
 }
 
 impl Default for Limits {
@@ -57,6 +65,7 @@ impl Default for Limits {
             idle_timeout: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             poll_before_sleep: DEFAULT_POLL_BEFORE_SLEEP,
+            quiet_after: DEFAULT_QUIET_AFTER,
         }
     }
 }
@@ -665,13 +674,29 @@ impl<T: Transport> Wire<T> {
         }
     }
 
-    /// Waits for the next request's header, telling `device` each time the wait wakes with
-    /// nothing read. `Ok(false)` if the stream ended before it began.
-    fn need_request(&mut self, device: &mut dyn BlockDevice) -> Result<bool, ConnectionError> {
+    /// Waits for the next request's header, telling `device` once the client has been quiet for
+    /// `quiet_after`. `Ok(false)` if the stream ended before it began, or if the device was
+    /// taken away while the client sent nothing ([`BlockDevice::closing`]): a quiet VM's
+    /// connection closes within a wake-up, not at a next request that may be long coming.
+    fn need_request(&mut self, device: &mut dyn BlockDevice, quiet_after: Duration) -> Result<bool, ConnectionError> {
+        // Counted in wake-ups, each a tick of waiting with nothing read: no clock read per request.
+        let tick = self.deadlines.map_or(Duration::ZERO, |deadlines| deadlines.tick());
+        let mut quiet = Duration::ZERO;
+        let mut told = false;
         self.report_idle = true;
         let needed = loop {
             match self.need(REQUEST_HEADER_BYTES) {
-                Err(error) if is_idle_tick(&error) => device.idle(),
+                Err(error) if is_idle_tick(&error) => {
+                    if device.closing() {
+                        tracing::info!("device taken away: closing the quiet connection");
+                        break Ok(false);
+                    }
+                    quiet += tick;
+                    if !told && quiet >= quiet_after {
+                        device.idle();
+                        told = true;
+                    }
+                }
                 other => break other,
             }
         };
@@ -932,7 +957,7 @@ fn transmit<T: Transport>(
             break;
         }
         wire.next_request();
-        if !cut_short_by_stop(wire.need_request(session.device.as_mut()), stop)? {
+        if !cut_short_by_stop(wire.need_request(session.device.as_mut(), limits.quiet_after), stop)? {
             break;
         }
         wire.mid_request = true;

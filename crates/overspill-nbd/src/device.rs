@@ -164,14 +164,14 @@ pub trait BlockDevice: Send {
     /// quit). Any other end of a connection (reset, EOF, error, timeout) comes without this call,
     /// so a device can tell a deliberate end from a lost connection when it is dropped.
     fn disconnect(&mut self) {}
-    /// The client has sent nothing for a while: its connection woke from waiting for the next
-    /// request (every third of the shortest deadline, at most 20 s) and goes on waiting. A device
-    /// may give back what it keeps only to serve the next requests faster. Doing nothing is the
-    /// default.
+    /// The client has sent nothing for a while ([`crate::Limits::quiet_after`]; called once per
+    /// quiet spell) and its connection goes on waiting for the next request. A device may give
+    /// back what it keeps only to serve the next requests faster. Doing nothing is the default.
     fn idle(&mut self) {}
-    /// Whether the connection should end now, before serving the request it has just read: the
-    /// device was taken away (an operator reset it). The request stays unanswered, so a client
-    /// that reconnects sends it again.
+    /// Whether the connection should end now, before serving the request it has just read (or,
+    /// while its client sends nothing, at the next wake-up of its wait): the device was taken
+    /// away (an operator reset it). The request stays unanswered, so a client that reconnects
+    /// sends it again.
     fn closing(&self) -> bool {
         false
     }

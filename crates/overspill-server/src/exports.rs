@@ -575,7 +575,8 @@ struct EngineDevice {
     /// Taken out only when the connection ends.
     vm: Option<VmOverlay>,
     number: u64,
-    /// Set by an operator's reset: the connection closes at its next request.
+    /// Set by an operator's reset: the connection closes at its next request, or at the next
+    /// wake-up of its wait if the client sends none.
     reset: Arc<AtomicBool>,
     /// The client sent NBD_CMD_DISC.
     clean: bool,

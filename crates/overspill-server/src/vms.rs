@@ -62,7 +62,8 @@ impl Lifecycle {
 #[serde(rename_all = "kebab-case")]
 pub enum VmState {
     Connected,
-    /// Reset asked while connected: the connection closes at its next request.
+    /// Reset asked while connected: the connection closes at its next request (or, if its
+    /// client sends none, at the next wake-up of its wait, at most 20 s).
     Resetting,
     InGrace,
     Lost,
@@ -368,6 +369,14 @@ impl VmRegistry {
     /// A VM rebuilt from an earlier server's state: in grace from now, waiting for its client.
     pub fn adopt_recovered(&self, recovered: &Recoverable, image_label: &str, stats: Arc<VmStats>, parked: VmOverlay) {
         let mut inner = lock(&self.inner);
+        // The ledger file named the server that left the state: it names this one from now on,
+        // which holds the files, so that no other process takes them for a dead server's.
+        if let Some(ledger) = &self.ledger {
+            let (vm, owner) = (&recovered.vm, recovered.owner.as_deref());
+            if let Err(error) = ledger.mark_with(vm, &recovered.image, owner, Some(recovered.state.clone())) {
+                tracing::warn!(vm, %error, "could not name this server in the VM's ledger file");
+            }
+        }
         let number = inner.next_number;
         inner.next_number += 1;
         let mut entry = Entry::new(&recovered.image, &recovered.vm, true, Arc::new(AtomicBool::new(false)));
@@ -531,8 +540,8 @@ impl VmRegistry {
                 return Err(ServerError::VmConnected(vm.to_owned()));
             }
             entry.reset.store(true, Ordering::SeqCst);
-            tracing::info!(vm, "VM reset by the operator: its connection closes at its next request");
-            return Ok(format!("{vm}: reset; its connection closes at its next request and it starts over"));
+            tracing::info!(vm, "VM reset by the operator: its connection closes at its next request or within 20 s");
+            return Ok(format!("{vm}: reset; its connection closes at its next request (within 20 s if it sends none) and it starts over"));
         }
         let parked = self.forget(&mut inner, number, None);
         drop(inner);

@@ -27,7 +27,8 @@ enum VmAction {
         json: bool,
     },
     /// Throw a VM's overlay away now, whatever its state (a connected VM is disconnected at its
-    /// next request); its next connection starts from the golden image. Also clears a lost VM.
+    /// next request, or within 20 s if it sends none); its next connection starts from the golden
+    /// image. Also clears a lost VM.
     Reset { vm: String },
     /// Throw away the overlay of a VM that is not connected (in grace, or lost).
     Drop { vm: String },

@@ -242,7 +242,7 @@ fn without_grace_a_writer_connected_when_the_server_ends_is_refused_until_reset(
 #[test]
 fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     let host = Host::new();
-    let server = host.serve(&["--reconnect-grace", "1m"]);
+    let server = host.serve(&["--reconnect-grace", "1m", "--request-timeout", "3"]);
     for vm in ["a", "b"] {
         let mut client = host.connect(vm);
         write_pattern(&mut client, 20);
@@ -254,7 +254,7 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     let (ok, table) = host.vm_command(&["list"]);
     assert!(ok && table.contains("in-grace") && table.contains("connected"), "{table}");
 
-    // drop refuses a connected VM; reset takes it away at its next request.
+    // drop refuses a connected VM; reset takes it away at its next request, or sooner.
     let (ok, text) = host.vm_command(&["drop", "c"]);
     assert!(!ok && text.contains("connected"), "{text}");
     let (ok, text) = host.vm_command(&["drop", "a"]);
@@ -263,13 +263,14 @@ fn vm_reset_and_drop_end_overlays_and_the_next_connection_sees_golden_data() {
     assert!(ok, "{text}");
     let (ok, text) = host.vm_command(&["reset", "c"]);
     assert!(ok, "{text}");
-    let mut buf = vec![0; 4096];
-    let error = connected.read(0, &mut buf).expect_err("a reset VM's connection closes unanswered");
-    eprintln!("the reset VM's read ended with: {error}");
     let (ok, text) = host.vm_command(&["reset", "nobody"]);
     assert!(!ok && text.contains("no VM named"), "{text}");
-
+    // c sends nothing: its connection closes at the next wake-up of its wait (a third of the
+    // request timeout), and a request after that finds it closed.
     host.wait_for_states(&[]);
+    let mut buf = vec![0; 4096];
+    let error = connected.read(0, &mut buf).expect_err("a reset VM's connection is closed");
+    eprintln!("the reset VM's read ended with: {error}");
     for vm in ["a", "b", "c"] {
         host.assert_reads_golden(vm, 1 << 20, vm);
     }
@@ -300,6 +301,10 @@ fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     // A crash: the next server rebuilds both overlays and waits for their clients.
     let mut server = host.serve(&[]);
     host.wait_for_states(&[("reader", "in-grace"), ("writer", "in-grace")]);
+    // The ledger names the server that holds the rebuilt VM now, not the one that crashed.
+    let ledger = std::fs::read(host.dir.path().join("spill/state/vm-writer.json")).expect("the writer's ledger file");
+    let ledger: Value = serde_json::from_slice(&ledger).expect("JSON");
+    assert_eq!(ledger["pid"].as_u64(), Some(u64::from(server.child.id())), "{ledger}");
     let mut writer = host.connect("writer");
     assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, "the writer's data after a crash");
     // More writes, half over the old ones, then a planned stop (SIGTERM) with the VM connected.
