@@ -559,7 +559,7 @@ impl Overlay {
 
     /// The VM's client has sent nothing for a while (while connected): every free spill
     /// segment kept for its next writes goes back to the filesystem, the few always kept too.
-    /// Another VM may need the space, and would not be heard of until this one writes.
+    /// Another VM may need the space, and this one would not hear of it until it writes.
     pub fn give_back_idle_disk(&mut self) {
         if let Tier::RamDisk(spill) = &mut self.tier {
             spill.give_back_kept(&self.stats);

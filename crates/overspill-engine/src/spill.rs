@@ -18,8 +18,8 @@
 //! back too ([`SpillLog::give_back_kept`]), as does a VM whose client is quiet for a while, and
 //! so does the next write of every VM once any file on the filesystem was refused space
 //! ([`SpillLog::heed_space_shortages`]), so that space kept for reuse does not keep another VM
-//! refused. Segments with few live slots are compacted by the
-//! overlay (which owns the map) when free space runs low or garbage outweighs live data.
+//! refused. Segments with few live slots are compacted by the overlay (which owns the map) when
+//! free space runs low or garbage outweighs live data.
 //!
 //! With a byte limit, one free segment is held back for compaction so that compaction can always
 //! make progress; guest data gets `NoSpace` before that reserve is touched.
@@ -623,7 +623,7 @@ impl SpillLog {
 
     /// Gives back the kept segments beyond the few always kept: the VM is about to wait (its
     /// connection lost, its overlay in grace), and space held for writes that are not coming
-    /// may be wanted by another VM, which an idle VM would not hear of (see
+    /// may be wanted by another VM, which a VM without a connection would not hear of (see
     /// [`Self::heed_space_shortages`]).
     pub fn give_back_spare_kept(&mut self, stats: &VmStats) {
         self.punch_kept_beyond(KEPT_FREE_SEGMENTS, stats);

@@ -18,9 +18,10 @@
 //!   segment's present with entries of its past; those name copies that were all outranked
 //!   before the segment was reused.
 //! - **Zero log**: 32-byte records (first block, end block, sequence number, check) appended
-//!   before a WRITE_ZEROES takes effect, each with an end marker after it. It is rewritten whole, as the zeroed ranges less the
-//!   blocks written since, when it grows long: into the other of two regions, then the header
-//!   (one 32-byte write, which a crash cannot tear) switches to it.
+//!   before a WRITE_ZEROES takes effect, each once an end marker is behind it. It is rewritten
+//!   whole, as the zeroed ranges less the blocks written since, when it grows long: into the
+//!   other of two regions, then the header (one 32-byte write, which a crash cannot tear)
+//!   switches to it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -130,15 +131,17 @@ impl ZeroLog {
         self.file.write_at(&header, 0).map_err(|e| EngineError::from_io("writing the zero log", e))
     }
 
-    /// Appends `record`, and after it, in the same write, a record that cannot check out: the
+    /// Appends `record`, with a record that cannot check out after it, written first: the
     /// region may hold, beyond the log's end, records of this generation that a rewrite killed
     /// before its header switch left (a later process rewrites into the same region with the
-    /// same generation), which must never read as part of the log.
+    /// same generation), which must never read as part of the log. Two writes of 32 bytes, each
+    /// within a page, so that a kill cannot land the record and not the marker (a kill between
+    /// the pages of one write can).
     pub fn append(&mut self, record: ZeroRecord) -> Result<()> {
         let offset = REGION_OFFSETS[self.region] + self.records * RECORD_BYTES;
-        let mut bytes = [0u8; 2 * RECORD_BYTES as usize];
-        bytes[..RECORD_BYTES as usize].copy_from_slice(&record_bytes(record, self.generation));
-        self.file.write_at(&bytes, offset).map_err(|e| EngineError::from_io("writing the zero log", e))?;
+        let io = |e| EngineError::from_io("writing the zero log", e);
+        self.file.write_at(&[0u8; RECORD_BYTES as usize], offset + RECORD_BYTES).map_err(io)?;
+        self.file.write_at(&record_bytes(record, self.generation), offset).map_err(io)?;
         self.records += 1;
         Ok(())
     }

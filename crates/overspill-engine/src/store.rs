@@ -469,8 +469,8 @@ fn write_segment(
 /// restart from what its filesystem reports: one that allocates in larger units (ZFS records, a
 /// tmpfs with huge pages, ext4 bigalloc) would make the neighbours of a written block read as
 /// zeroes instead of golden data, and one that drops written zeroes (ZFS with compression) would
-/// show golden data where the VM wrote zeroes. Probed with a file of its own, then removed; once
-/// per directory and process (a restart rebuilds every in-place VM of the directory, and each
+/// show golden data where the VM wrote zeroes. Probed with a file of its own (unnamed where the
+/// filesystem can, removed after where not); once per directory and process (a restart rebuilds every in-place VM of the directory, and each
 /// probe waits for a sync).
 pub fn reports_blocks_exactly(dir: &Path) -> io::Result<bool> {
     static PROBED: Mutex<Vec<(PathBuf, bool)>> = Mutex::new(Vec::new());
@@ -488,9 +488,8 @@ const NO_TMPFILE: [rustix::io::Errno; 3] =
     [rustix::io::Errno::OPNOTSUPP, rustix::io::Errno::ISDIR, rustix::io::Errno::INVAL];
 
 /// A file of the probe's own in `dir`: unnamed where the filesystem can (`O_TMPFILE`), so that a
-/// process killed in the middle of a probe leaves nothing; elsewhere named for this process and
-/// moment (a name of a killed probe's, its pid taken again by a restarted server in a container,
-/// must not make every later probe fail), and removed after.
+/// process killed in the middle of a probe leaves nothing; elsewhere a named one
+/// ([`named_probe_file`]), removed after.
 fn probe_file(dir: &Path) -> io::Result<(File, Option<PathBuf>)> {
     let unnamed = OpenOptions::new()
         .read(true)
@@ -504,10 +503,20 @@ fn probe_file(dir: &Path) -> io::Result<(File, Option<PathBuf>)> {
         Err(e) if NO_TMPFILE.iter().any(|errno| e.raw_os_error() == Some(errno.raw_os_error())) => {}
         Err(e) => return Err(e),
     }
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let path = dir.join(format!(".overspill-hole-probe-{}-{nanos}", std::process::id()));
-    let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+    let (file, path) = named_probe_file(dir)?;
     Ok((file, Some(path)))
+}
+
+/// A probe file named for this process, moment and call: a name a killed probe left (its pid
+/// taken again by a server restarted in a container) must not make every later probe fail. A
+/// killed probe's file stays (8 KiB of data), only where the filesystem has no `O_TMPFILE`.
+fn named_probe_file(dir: &Path) -> io::Result<(File, PathBuf)> {
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let path = dir.join(format!(".overspill-hole-probe-{}-{nanos}-{call}", std::process::id()));
+    let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+    Ok((file, path))
 }
 
 fn probe_blocks(dir: &Path) -> io::Result<bool> {
@@ -751,6 +760,10 @@ mod tests {
         assert!(reports_blocks_exactly(dir.path()).expect("probe"));
         let names: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").flatten().map(|e| e.path()).collect();
         assert_eq!(names, [left], "the probe's file is left, or the leftover gone");
+        // Where there is no O_TMPFILE: a name of its own each time.
+        let (_, first) = named_probe_file(dir.path()).expect("named");
+        let (_, second) = named_probe_file(dir.path()).expect("named again");
+        assert_ne!(first, second);
     }
 
     #[test]

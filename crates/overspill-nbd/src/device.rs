@@ -166,7 +166,9 @@ pub trait BlockDevice: Send {
     fn disconnect(&mut self) {}
     /// The client has sent nothing for a while ([`crate::Limits::quiet_after`]; called once per
     /// quiet spell) and its connection goes on waiting for the next request. A device may give
-    /// back what it keeps only to serve the next requests faster. Doing nothing is the default.
+    /// back what it keeps only to serve the next requests faster; briefly, since the call runs on
+    /// the connection's thread and a request arriving meanwhile waits. Doing nothing is the
+    /// default.
     fn idle(&mut self) {}
     /// Whether the connection should end now, before serving the request it has just read (or,
     /// while its client sends nothing, at the next wake-up of its wait): the device was taken
