@@ -107,10 +107,15 @@ impl FileIdentity {
 impl Listener {
     /// Binds the address. At a Unix path, only a stale socket (a socket file nobody accepts on)
     /// is replaced: a live socket, or anything that is not a socket (a golden image given by
-    /// mistake), is an error that names the path, and nothing is removed.
+    /// mistake), is an error that names the path, and nothing is removed. The path's directory
+    /// is locked meanwhile, so that two servers starting at once cannot both take it for stale.
     pub fn bind(addr: &ListenAddr) -> std::io::Result<Self> {
         match addr {
             ListenAddr::Unix(path) => {
+                // Two servers starting at once on one path would both find its socket stale, and
+                // the later removal could take the socket the other had just made: the check,
+                // the removal and the bind happen under a lock on the directory.
+                let _directory = lock_directory_of(path)?;
                 remove_stale_socket(path)?;
                 let listener = UnixListener::bind(path)
                     .map_err(|e| std::io::Error::new(e.kind(), format!("binding {}: {e}", path.display())))?;
@@ -166,6 +171,26 @@ impl Listener {
             Self::Tcp(listener, _) => {
                 ListenAddr::Tcp(listener.local_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_else(|_| "?".into()))
             }
+        }
+    }
+}
+
+/// The directory `path` is in, locked (`flock`, exclusive) until the returned file is dropped;
+/// `None` where the filesystem keeps no such locks.
+fn lock_directory_of(path: &std::path::Path) -> std::io::Result<Option<std::fs::File>> {
+    use rustix::fs::{flock, FlockOperation};
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => std::path::Path::new("."),
+    };
+    let directory = std::fs::File::open(dir)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("opening {} to lock it: {e}", dir.display())))?;
+    loop {
+        match flock(&directory, FlockOperation::LockExclusive) {
+            Ok(()) => return Ok(Some(directory)),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::NOLCK | rustix::io::Errno::OPNOTSUPP) => return Ok(None),
+            Err(e) => return Err(std::io::Error::new(e.kind(), format!("locking {}: {e}", dir.display()))),
         }
     }
 }
@@ -744,6 +769,37 @@ mod tests {
         let second = Listener::bind(&unix(&path)).expect("stale socket replaced");
         drop(second);
         assert!(!path.exists(), "the listener removes the socket it made");
+    }
+
+    /// Servers starting at once on one path with a dead server's socket there: one binds, the
+    /// others are told someone listens, and the path is the socket of the one that bound (an
+    /// unlocked check-then-remove let a later one remove it and bind its own).
+    #[test]
+    fn servers_starting_at_once_on_a_stale_socket_leave_one_listening_where_clients_find_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("nbd.sock");
+        for round in 0..50 {
+            drop(UnixListener::bind(&path).expect("a dead server's socket"));
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+            let racers: Vec<_> = (0..4)
+                .map(|_| {
+                    let (path, barrier) = (path.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        Listener::bind(&unix(&path))
+                    })
+                })
+                .collect();
+            let bound: Vec<Listener> =
+                racers.into_iter().filter_map(|racer| racer.join().expect("racer").ok()).collect();
+            assert_eq!(bound.len(), 1, "round {round}: {} listeners bound", bound.len());
+            let Some(Listener::Unix(listener, ..)) = bound.first() else { panic!("a Unix listener") };
+            listener.set_nonblocking(true).expect("nonblocking");
+            UnixStream::connect(&path).expect("clients reach the path");
+            assert!(listener.accept().is_ok(), "round {round}: the path is not the bound listener's socket");
+            drop(bound);
+            assert!(!path.exists(), "the listener removes the socket it made");
+        }
     }
 
     #[test]
