@@ -176,15 +176,16 @@ impl Listener {
 }
 
 /// The directory `path` is in, locked (`flock`, exclusive) until the returned file is dropped;
-/// `None` where the filesystem keeps no such locks.
+/// `None` where the filesystem keeps no such locks, or the directory cannot be opened for
+/// reading (one this user may only write to and pass through): binding goes on unlocked then,
+/// as a lock no server can take guards nothing.
 fn lock_directory_of(path: &std::path::Path) -> std::io::Result<Option<std::fs::File>> {
     use rustix::fs::{flock, FlockOperation};
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => std::path::Path::new("."),
     };
-    let directory = std::fs::File::open(dir)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("opening {} to lock it: {e}", dir.display())))?;
+    let Ok(directory) = std::fs::File::open(dir) else { return Ok(None) };
     loop {
         match flock(&directory, FlockOperation::LockExclusive) {
             Ok(()) => return Ok(Some(directory)),
