@@ -343,7 +343,12 @@ fn a_vm_is_opened_only_by_the_identity_that_made_it() {
     let bob_is_refused = |server: &mut Server| {
         let out = qemu_io(server, &bob, &["read 0 4k"]);
         assert!(!out.status.success(), "bob opened alice's VM:\n{}", out.all());
-        assert!(server.log_text().contains("VM desk belongs to another client identity"), "{}", server.log_text());
+        // Logged as the refusal goes out: the client may hear it first.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !server.log_text().contains("VM desk belongs to another client identity") {
+            assert!(std::time::Instant::now() < deadline, "{}", server.log_text());
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         server.assert_running();
     };
 
