@@ -551,18 +551,20 @@ impl Overlay {
     /// free spill segments kept for its next writes, beyond the few always kept, go back to the
     /// filesystem, where another VM may need them while this one writes nothing.
     pub fn give_back_spare_disk(&mut self) {
-        if let Tier::RamDisk(spill) = &mut self.tier {
-            spill.give_back_spare_kept(&self.stats);
-            self.stats.cache_disk_used_bytes.set(self.disk_used_bytes());
-        }
+        self.give_back_disk(SpillLog::give_back_spare_kept);
     }
 
     /// The VM's client has sent nothing for a while (while connected): every free spill
     /// segment kept for its next writes goes back to the filesystem, the few always kept too.
     /// Another VM may need the space, and this one would not hear of it until it writes.
     pub fn give_back_idle_disk(&mut self) {
+        self.give_back_disk(SpillLog::give_back_kept);
+    }
+
+    /// Has the spill log give kept segments back, and counts the disk it holds then.
+    fn give_back_disk(&mut self, give_back: impl FnOnce(&mut SpillLog, &VmStats)) {
         if let Tier::RamDisk(spill) = &mut self.tier {
-            spill.give_back_kept(&self.stats);
+            give_back(spill, &self.stats);
             self.stats.cache_disk_used_bytes.set(self.disk_used_bytes());
         }
     }

@@ -670,9 +670,7 @@ impl SpillLog {
     /// for a while, so the host gets the disk space back now rather than when the VM next
     /// spills.
     pub fn give_back_kept(&mut self, stats: &VmStats) {
-        for id in std::mem::take(&mut self.kept) {
-            self.punch(id, stats);
-        }
+        self.punch_kept_beyond(0, stats);
     }
 
     fn punch(&mut self, id: u32, stats: &VmStats) {

@@ -470,8 +470,8 @@ fn write_segment(
 /// tmpfs with huge pages, ext4 bigalloc) would make the neighbours of a written block read as
 /// zeroes instead of golden data, and one that drops written zeroes (ZFS with compression) would
 /// show golden data where the VM wrote zeroes. Probed with a file of its own (unnamed where the
-/// filesystem can, removed after where not); once per directory and process (a restart rebuilds every in-place VM of the directory, and each
-/// probe waits for a sync).
+/// filesystem can, removed after where not); once per directory and process (a restart rebuilds
+/// every in-place VM of the directory, and each probe waits for a sync).
 pub fn reports_blocks_exactly(dir: &Path) -> io::Result<bool> {
     static PROBED: Mutex<Vec<(PathBuf, bool)>> = Mutex::new(Vec::new());
     let known = |probed: &[(PathBuf, bool)]| probed.iter().find(|(d, _)| d == dir).map(|&(_, exact)| exact);
