@@ -520,7 +520,10 @@ impl OverlayExports {
         };
         let arena = Arena::create(&memory_dir, &stem, Overlay::arena_pages(&config)).map_err(device_error)?;
         arena.hold().map_err(io("holding the memory arena"))?;
-        Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files).map_err(device_error)
+        let overlay = Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files)
+            .map_err(device_error)?;
+        self.registry.mark_made(number).map_err(io("recording the VM in the ledger"))?;
+        Ok(overlay)
     }
 }
 

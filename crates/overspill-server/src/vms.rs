@@ -410,15 +410,25 @@ impl VmRegistry {
     }
 
     /// Records in the ledger that a named VM's overlay keeps its state in files named after it,
-    /// before the files are made: a next server then rebuilds it, or removes the files.
+    /// before the files are made: a next server then removes the files, until
+    /// [`Self::mark_made`] says the overlay stands, and rebuilds it from them after that.
     pub fn mark_persistent(&self, number: u64, state: StateRecord) -> std::io::Result<()> {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
-        ledger.mark_with(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()))?;
+        ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()), true)?;
         entry.marked = true;
         entry.state = Some(state);
         Ok(())
+    }
+
+    /// Records in the ledger that a persistent VM's overlay stands, before it serves anything:
+    /// from now on a next server rebuilds it.
+    pub fn mark_made(&self, number: u64) -> std::io::Result<()> {
+        let Some(ledger) = &self.ledger else { return Ok(()) };
+        let inner = lock(&self.inner);
+        let Some(entry) = inner.vms.get(&number) else { return Ok(()) };
+        ledger.mark_with(&entry.handle.vm, &entry.image, entry.owner.as_deref(), entry.state.clone())
     }
 
     /// Records in the ledger that a named VM has writes, before the first is acknowledged.
@@ -694,6 +704,15 @@ struct LedgerEntry {
     /// Where the VM's overlay keeps its state, when it outlives the process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     state: Option<StateRecord>,
+    /// The state files were being made and the overlay had not stood yet: it had served
+    /// nothing, so a next server removes them rather than refuse a VM that has nothing to lose
+    /// (files cut short there, a zero log without its header, do not read as a state).
+    #[serde(default, skip_serializing_if = "is_false")]
+    making: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !value
 }
 
 /// Where a VM's overlay keeps the state a next server rebuilds it from.
@@ -736,6 +755,17 @@ impl Ledger {
     }
 
     fn mark_with(&self, vm: &str, image: &str, owner: Option<&str>, state: Option<StateRecord>) -> std::io::Result<()> {
+        self.write_entry(vm, image, owner, state, false)
+    }
+
+    fn write_entry(
+        &self,
+        vm: &str,
+        image: &str,
+        owner: Option<&str>,
+        state: Option<StateRecord>,
+        making: bool,
+    ) -> std::io::Result<()> {
         let entry = LedgerEntry {
             vm: vm.to_owned(),
             image: image.to_owned(),
@@ -745,6 +775,7 @@ impl Ledger {
             boot_id: self.boot_id.clone(),
             since_unix_s: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             state,
+            making,
         };
         let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
         let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
@@ -847,6 +878,14 @@ impl Ledger {
                     self.unmark(vm);
                 }
                 Some(e) if self.held_by_a_live_server(&e) => {}
+                Some(LedgerEntry { state: Some(state), making: true, .. }) => {
+                    tracing::info!(
+                        vm,
+                        "state files of a VM an earlier server was making removed (it had served nothing)"
+                    );
+                    remove_leftover_state_files(vm, &state);
+                    self.unmark(vm);
+                }
                 Some(LedgerEntry { state: Some(state), image, owner, .. }) => {
                     recoverable.push(Recoverable { vm: vm.to_owned(), image, owner, state });
                 }
@@ -945,6 +984,7 @@ mod tests {
                 boot_id: boot.into(),
                 since_unix_s: 0,
                 state: None,
+                making: false,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         };
@@ -979,6 +1019,7 @@ mod tests {
                 boot_id: ledger.boot_id.clone(),
                 since_unix_s: 0,
                 state: None,
+                making: false,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         }

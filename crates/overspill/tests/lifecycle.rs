@@ -406,6 +406,41 @@ fn state_a_server_cannot_recover_refuses_the_name_until_reset() {
     host.assert_golden_untouched();
 }
 
+/// A server killed while it made a VM's state files (the ledger names them first, then they
+/// are made, the zero log's header last) leaves a VM that served nothing: the next server
+/// removes what was made and serves the name afresh, rather than refuse it as lost. The kill
+/// is set back by hand into that window: the ledger file says "making", the zero log has no
+/// header yet. A VM whose overlay stood is rebuilt beside it.
+#[test]
+fn a_vm_whose_state_a_killed_server_was_still_making_starts_afresh() {
+    let host = Host::new();
+    let server = host.serve(&[]);
+    let mut made = host.connect("made");
+    read_start(&mut made, 1 << 20);
+    let mut writer = host.connect("writer");
+    let written = write_pattern(&mut writer, 32);
+    let ledger_path = host.dir.path().join("spill/state/vm-made.json");
+    let ledger: Value = serde_json::from_slice(&std::fs::read(&ledger_path).expect("ledger file")).expect("JSON");
+    assert!(ledger.get("making").is_none(), "a VM that is served is made: {ledger}");
+    server.kill();
+    drop((made, writer));
+    let mut ledger = ledger;
+    ledger["making"] = Value::Bool(true);
+    std::fs::write(&ledger_path, serde_json::to_vec(&ledger).expect("JSON")).expect("ledger file");
+    let zeros = host.dir.path().join("memory/vm-made.zeros");
+    std::fs::File::options().write(true).open(&zeros).and_then(|f| f.set_len(0)).expect("cut the zero log");
+
+    let server = host.serve(&[]);
+    host.wait_for_states(&[("writer", "in-grace")]);
+    assert!(!zeros.exists() && !ledger_path.exists(), "what was made is removed, the ledger file too");
+    host.assert_reads_golden("made", 1 << 20, "a VM started afresh");
+    let mut writer = host.connect("writer");
+    assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, "the VM that was made, rebuilt");
+    assert!(!server.log_text().contains("cannot be recovered"), "{}", server.log_text());
+    drop((writer, server));
+    host.assert_golden_untouched();
+}
+
 /// A ledger file that cannot be read (torn by a host crash, edited by hand) says nothing of its
 /// VM's files: the name is refused until reset, and the reset removes the files this server
 /// makes for that name (a new VM never takes over files no ledger file names).
