@@ -7,7 +7,9 @@
 //! what the VM was told is written reads back; a block of the request in flight reads as before
 //! or as after it (a trimmed block may read as anything). At a seeded sample of points the state
 //! is copied and recovered for real ([`Overlay::recover`]); the rebuilt overlay is read whole,
-//! written some more, handed over and recovered again, and read whole once more.
+//! written some more, handed over and recovered again, and read whole once more. Ten such
+//! states per run are recovered once more after the run, killed in turn at every crash point of
+//! that recovery, and what each kill leaves is recovered and read whole.
 //!
 //! `CRASH_SEEDS=1,2 CRASH_OPS=20000 cargo test --release -p overspill-engine --features
 //! crash-points --test crash` replays seeds; a failure names its seed, operation and point.
@@ -45,6 +47,8 @@ const DEFAULT_RUNS: [(u64, usize, Profile); 4] =
     [(1, 400, MIXED), (2, 400, MIXED), (3, 400, MIXED), (4, 2500, ZEROING)];
 /// What every run together must reach.
 const MIN_POINTS: u64 = 100_000;
+/// States per run recovered again with a crash at each point of the recovery.
+const LEFT_PER_RUN: usize = 10;
 
 fn config() -> OverlayConfig {
     // 512 KiB of RAM tier beside the open segment, and a spill log of twice the disk: the VM
@@ -270,6 +274,8 @@ struct Checker {
     /// Crash points by the operation in flight and what was about to change.
     tally: BTreeMap<(&'static str, &'static str), u64>,
     failure: Option<String>,
+    /// States recovered for real, kept to be recovered again with crashes in the recovery.
+    left: Vec<Left>,
 }
 
 impl Checker {
@@ -337,13 +343,9 @@ impl Checker {
     /// hands it over and recovers it again.
     fn check_full_recovery(&mut self, profile: Profile) -> Result<(), String> {
         self.full_recoveries += 1;
-        let copy =
-            tempfile::Builder::new().tempdir_in(self.dir.parent().expect("parent")).map_err(|e| e.to_string())?;
-        for suffix in ["pages", "slots"] {
-            let name = format!("vm.{suffix}");
-            std::fs::copy(self.dir.join(&name), copy.path().join(&name)).map_err(|e| e.to_string())?;
-        }
+        let copy = copy_arena(&self.dir)?;
         let files = [self.spill.snapshot(), self.segments.snapshot(), self.zeros.snapshot()];
+        let left = if self.left.len() < LEFT_PER_RUN { Some((copy_arena(&self.dir)?, snapshot(&files))) } else { None };
         let mut vm = recover(&self.golden, copy.path(), &files).map_err(|e| format!("recovery refused: {e}"))?;
         let mut model = self.model.clone();
         let mut failure = None;
@@ -365,6 +367,9 @@ impl Checker {
             return Err(failure);
         }
         model.settle(|block| Content::from_prefix(block, &found[block as usize]).unwrap_or(Content::Any));
+        if let Some((arena, files)) = left {
+            self.left.push(Left { arena, files, model: model.clone() });
+        }
         // Numbers above anything the crashed process used: a recovery must continue past them.
         let mut rng = SmallRng::seed_from_u64(self.points);
         let mut version = 1 << 40 | self.points << 12;
@@ -379,14 +384,9 @@ impl Checker {
         // Killed in turn, between requests: what a recovered process made of the state it found
         // recovers too (a zero log it rewrote into the region a killed rewrite had written must
         // not bring that rewrite's records back).
-        let killed =
-            tempfile::Builder::new().tempdir_in(self.dir.parent().expect("parent")).map_err(|e| e.to_string())?;
-        for suffix in ["pages", "slots"] {
-            let name = format!("vm.{suffix}");
-            std::fs::copy(copy.path().join(&name), killed.path().join(&name)).map_err(|e| e.to_string())?;
-        }
-        let left = [files[0].snapshot(), files[1].snapshot(), files[2].snapshot()];
-        let mut next = recover(&self.golden, killed.path(), &left).map_err(|e| format!("recovery refused: {e}"))?;
+        let killed = copy_arena(copy.path())?;
+        let mut next =
+            recover(&self.golden, killed.path(), &snapshot(&files)).map_err(|e| format!("recovery refused: {e}"))?;
         check_reads(&mut next, &model).map_err(|e| format!("a recovered process killed: {e}"))?;
         drop(next);
         vm.keep_state();
@@ -403,6 +403,65 @@ impl Model {
         let (range, content) = self.pending.take().expect("a request in flight");
         self.acked[range.start as usize..range.end as usize].fill(if ok { content } else { Content::Any });
     }
+}
+
+/// A copy of the arena files in `dir` (its stores are in them: the mapping is shared), in a new
+/// directory beside it.
+fn copy_arena(dir: &Path) -> Result<tempfile::TempDir, String> {
+    let copy = tempfile::Builder::new().tempdir_in(dir.parent().expect("parent")).map_err(|e| e.to_string())?;
+    for suffix in ["pages", "slots"] {
+        let name = format!("vm.{suffix}");
+        std::fs::copy(dir.join(&name), copy.path().join(&name)).map_err(|e| e.to_string())?;
+    }
+    Ok(copy)
+}
+
+fn snapshot(files: &[SimFile; 3]) -> [SimFile; 3] {
+    [files[0].snapshot(), files[1].snapshot(), files[2].snapshot()]
+}
+
+/// A state a crash point left, and what its recovery read there: recovered again after the run
+/// with a crash at the points of that recovery (the hook cannot be set from inside itself).
+struct Left {
+    arena: tempfile::TempDir,
+    files: [SimFile; 3],
+    model: Model,
+}
+
+/// Recovers `left` and, at each crash point of that recovery (freeing the copies that lost,
+/// punching segments with nothing live, what the overlay does once it stands), recovers what a
+/// process killed there would leave, which must read what the VM was told; as must the
+/// recovery that ran on. The number of points crashed at.
+fn check_killed_recoveries(golden: &Arc<dyn GoldenImage>, left: &Left) -> Result<u64, String> {
+    let work = copy_arena(left.arena.path())?;
+    let files = snapshot(&left.files);
+    let found: Rc<RefCell<(u64, Option<String>)>> = Rc::default();
+    let hook = {
+        let (found, dir, files, golden, model) =
+            (found.clone(), work.path().to_owned(), files.clone(), golden.clone(), left.model.clone());
+        move || {
+            let mut found = found.borrow_mut();
+            found.0 += 1;
+            if found.1.is_some() {
+                return;
+            }
+            // Inside the hook: this recovery's own points are skipped.
+            let result = copy_arena(&dir).and_then(|copy| {
+                let mut vm = recover(&golden, copy.path(), &snapshot(&files)).map_err(|e| format!("refused: {e}"))?;
+                check_reads(&mut vm, &model)
+            });
+            if let Err(message) = result {
+                found.1 = Some(format!("killed at point {} of a recovery, then recovered: {message}", found.0));
+            }
+        }
+    };
+    crash::set(hook);
+    let recovered = recover(golden, work.path(), &files);
+    crash::clear();
+    let mut vm = recovered.map_err(|e| format!("recovery refused: {e}"))?;
+    check_reads(&mut vm, &left.model).map_err(|e| format!("recovered: {e}"))?;
+    let (points, failure) = found.take();
+    failure.map_or(Ok(points), Err)
 }
 
 fn recover(golden: &Arc<dyn GoldenImage>, dir: &Path, files: &[SimFile; 3]) -> overspill_engine::Result<Overlay> {
@@ -544,6 +603,8 @@ struct RunSummary {
     points: u64,
     full_recoveries: u64,
     compaction_points: u64,
+    /// Crash points inside recoveries.
+    recovery_points: u64,
     tally: BTreeMap<(&'static str, &'static str), u64>,
 }
 
@@ -582,6 +643,7 @@ fn run(seed: u64, ops: usize, profile: Profile) -> RunSummary {
         full_recoveries: 0,
         tally: BTreeMap::new(),
         failure: None,
+        left: Vec::new(),
     }));
     let hook = Rc::clone(&checker);
     crash::set(move || hook.borrow_mut().crash_here());
@@ -623,10 +685,16 @@ fn run(seed: u64, ops: usize, profile: Profile) -> RunSummary {
     checker.op_kind = "end";
     checker.check_full_recovery(MIXED).unwrap_or_else(|e| panic!("seed {seed} at the end: {e}"));
     assert!(stats.spill_segments_written.get() > 0, "seed {seed}: the VM spilled");
+    let mut recovery_points = 0;
+    for (i, left) in checker.left.iter().enumerate() {
+        recovery_points += check_killed_recoveries(&checker.golden, left)
+            .unwrap_or_else(|e| panic!("seed {seed}, state {i} recovered for real: {e}"));
+    }
     RunSummary {
         points: checker.points,
         full_recoveries: checker.full_recoveries,
         compaction_points,
+        recovery_points,
         tally: checker.tally,
     }
 }
@@ -648,14 +716,16 @@ fn runs() -> Vec<(u64, usize, Profile)> {
 
 #[test]
 fn every_crash_point_recovers_what_the_vm_was_told() {
-    let mut total = RunSummary { points: 0, full_recoveries: 0, compaction_points: 0, tally: BTreeMap::new() };
+    let mut total =
+        RunSummary { points: 0, full_recoveries: 0, compaction_points: 0, recovery_points: 0, tally: BTreeMap::new() };
     for (seed, ops, profile) in runs() {
         let summary = run(seed, ops, profile);
         eprintln!(
-            "seed {seed}: {} crash points, {} recovered for real, {} in requests that compacted",
-            summary.points, summary.full_recoveries, summary.compaction_points
+            "seed {seed}: {} crash points, {} recovered for real, {} in requests that compacted, {} in recoveries",
+            summary.points, summary.full_recoveries, summary.compaction_points, summary.recovery_points
         );
         total.points += summary.points;
+        total.recovery_points += summary.recovery_points;
         total.full_recoveries += summary.full_recoveries;
         total.compaction_points += summary.compaction_points;
         for (key, count) in summary.tally {
@@ -678,5 +748,6 @@ fn every_crash_point_recovers_what_the_vm_was_told() {
         let segment_writes: u64 = ["write", "1 MiB write"].iter().map(|op| at(op, "spill segment")).sum();
         assert!(segment_writes > 10_000, "crash points during segment writes: {segment_writes}");
         assert!(total.full_recoveries > 50, "full recoveries: {}", total.full_recoveries);
+        assert!(total.recovery_points > 300, "crash points inside recoveries: {}", total.recovery_points);
     }
 }
