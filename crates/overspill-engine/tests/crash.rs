@@ -1,7 +1,8 @@
 //! The crash simulation: one persistent VM's overlay runs a seeded mix of small and large writes,
-//! overwrites, zeroings, trims and flushes over a small disk, spilling and compacting, and is
-//! "killed" at every crash point it reaches: before each page-header store, each in-place
-//! overwrite of a page, each 4 KiB of every file write (spill segments, their summaries, the
+//! overwrites, zeroings, trims and flushes over a small disk, spilling and compacting (or, in
+//! mode `disk`, writing a cache file in place; in mode `ram`, in RAM alone), and is "killed" at
+//! every crash point it reaches: before each page-header store, each in-place overwrite of a
+//! page, each 4 KiB of every file write (spill segments, their summaries, the cache file, the
 //! zero log and its rewrites) and each punch. At every point the state a recovery would find is
 //! resolved by the engine's own [`state::scan`] and every block is checked against the model:
 //! what the VM was told is written reads back; a block of the request in flight reads as before
@@ -41,22 +42,47 @@ const MIB: u64 = 1 << 20;
 const GOLDEN: u64 = u64::MAX;
 /// About one crash point in this many is recovered for real, besides the end of each run.
 const FULL_RECOVERY_EVERY: u32 = 400;
-/// Seeds and their requests: three mixed runs, and one that zeroes a lot (its zero log is
-/// rewritten several times, with crashes in between).
-const DEFAULT_RUNS: [(u64, usize, Profile); 4] =
-    [(1, 400, MIXED), (2, 400, MIXED), (3, 400, MIXED), (4, 2500, ZEROING)];
+/// Seeds and their requests: three mixed runs, one that zeroes a lot (its zero log is rewritten
+/// several times, with crashes in between), and one each in the modes without a spill log: a
+/// cache file written in place, and RAM alone.
+const DEFAULT_RUNS: [(u64, usize, Profile, WriteCacheMode); 6] = [
+    (1, 400, MIXED, WriteCacheMode::RamDisk),
+    (2, 400, MIXED, WriteCacheMode::RamDisk),
+    (3, 400, MIXED, WriteCacheMode::RamDisk),
+    (4, 2500, ZEROING, WriteCacheMode::RamDisk),
+    (5, 600, MIXED, WriteCacheMode::Disk),
+    (6, 400, MIXED, WriteCacheMode::Ram),
+];
 /// What every run together must reach.
 const MIN_POINTS: u64 = 100_000;
 /// States per run recovered again with a crash at each point of the recovery.
 const LEFT_PER_RUN: usize = 10;
 
-fn config() -> OverlayConfig {
-    // 512 KiB of RAM tier beside the open segment, and a spill log of twice the disk: the VM
-    // spills, and overwrites make garbage that compaction moves.
-    OverlayConfig {
-        mode: WriteCacheMode::RamDisk,
-        ram_target_bytes: 2 * MIB + 512 * 1024,
-        spill_max_bytes: Some(DISK_BLOCKS * BLOCK_BYTES * 2),
+fn config(mode: WriteCacheMode) -> OverlayConfig {
+    match mode {
+        // 512 KiB of RAM tier beside the open segment, and a spill log of twice the disk: the
+        // VM spills, and overwrites make garbage that compaction moves.
+        WriteCacheMode::RamDisk => OverlayConfig {
+            mode,
+            ram_target_bytes: 2 * MIB + 512 * 1024,
+            spill_max_bytes: Some(DISK_BLOCKS * BLOCK_BYTES * 2),
+        },
+        // RAM alone holds the whole disk: nothing is refused.
+        _ => OverlayConfig { mode, ram_target_bytes: DISK_BLOCKS * BLOCK_BYTES + MIB, spill_max_bytes: None },
+    }
+}
+
+/// The file beside the arena that `mode` writes its blocks to, if any: a spill log, or a cache
+/// file of the disk's size written in place.
+fn backing_file(mode: WriteCacheMode) -> Option<SimFile> {
+    match mode {
+        WriteCacheMode::RamDisk => Some(SimFile::new("spill segment")),
+        WriteCacheMode::Ram => None,
+        _ => {
+            let file = SimFile::new("cache file");
+            file.data().len = DISK_BLOCKS * BLOCK_BYTES;
+            Some(file)
+        }
     }
 }
 
@@ -251,6 +277,21 @@ impl BackingFile for SimFile {
         Ok(self.data().pages.len() as u64 * BLOCK_BYTES)
     }
 
+    fn data_ranges(&mut self) -> io::Result<Vec<(u64, u64)>> {
+        let file = self.data();
+        let mut pages: Vec<u64> = file.pages.keys().copied().collect();
+        pages.sort_unstable();
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for page in pages {
+            let (start, end) = (page * BLOCK_BYTES, ((page + 1) * BLOCK_BYTES).min(file.len));
+            match ranges.last_mut() {
+                Some(last) if last.1 == start => last.1 = end,
+                _ => ranges.push((start, end)),
+            }
+        }
+        Ok(ranges)
+    }
+
     fn path(&self) -> Option<&Path> {
         None
     }
@@ -259,9 +300,11 @@ impl BackingFile for SimFile {
 /// The VM's state as the crash points see it, and what they found.
 struct Checker {
     seed: u64,
+    mode: WriteCacheMode,
     golden: Arc<dyn GoldenImage>,
     dir: PathBuf,
     arena: Arena,
+    /// The spill log or the in-place cache file (a file that stays empty in mode `ram`).
     spill: SimFile,
     segments: SimFile,
     zeros: SimFile,
@@ -309,13 +352,21 @@ impl Checker {
         let image = self.arena.crash_image().map_err(|e| format!("arena: {e}"))?;
         let owners: Vec<Owner> = image.iter().map(|(owner, _)| *owner).collect();
         let files = StateFiles { segments: Box::new(self.segments.clone()), zeros: Box::new(self.zeros.clone()) };
-        let segments = (self.spill.len() / SEGMENT_BYTES as u64) as u32;
-        let found = state::scan(&owners, files, Some(segments), DISK_BLOCKS).map_err(|e| format!("refused: {e}"))?;
+        let spilling = self.mode == WriteCacheMode::RamDisk;
+        let segments = spilling.then_some((self.spill.len() / SEGMENT_BYTES as u64) as u32);
+        let found = state::scan(&owners, files, segments, DISK_BLOCKS).map_err(|e| format!("refused: {e}"))?;
         let zeros = &found.resolution.zeros;
         let spill = self.spill.data();
+        let in_place = !spilling && self.mode != WriteCacheMode::Ram;
         let mut prefix = [0u8; 16];
         for block in 0..DISK_BLOCKS {
+            // In place, a block that holds data in the file was written after any zeroing of it.
+            let in_file = in_place && spill.pages.contains_key(&block);
             let content = match found.resolution.current.get(&block) {
+                _ if in_file => spill
+                    .read(&mut prefix, block * BLOCK_BYTES)
+                    .map_err(|_| "past the cache file's end".to_string())
+                    .and_then(|()| Content::from_prefix(block, &prefix)),
                 Some((_, CopyAt::Page(i))) => Content::from_prefix(block, &image[*i].1),
                 Some((_, CopyAt::Spill { segment, slot })) => {
                     let at = u64::from(*segment) * SEGMENT_BYTES as u64 + u64::from(*slot) * BLOCK_BYTES;
@@ -346,7 +397,8 @@ impl Checker {
         let copy = copy_arena(&self.dir)?;
         let files = [self.spill.snapshot(), self.segments.snapshot(), self.zeros.snapshot()];
         let left = if self.left.len() < LEFT_PER_RUN { Some((copy_arena(&self.dir)?, snapshot(&files))) } else { None };
-        let mut vm = recover(&self.golden, copy.path(), &files).map_err(|e| format!("recovery refused: {e}"))?;
+        let mode = self.mode;
+        let mut vm = recover(&self.golden, mode, copy.path(), &files).map_err(|e| format!("recovery refused: {e}"))?;
         let mut model = self.model.clone();
         let mut failure = None;
         let found = read_all(&mut vm);
@@ -368,7 +420,7 @@ impl Checker {
         }
         model.settle(|block| Content::from_prefix(block, &found[block as usize]).unwrap_or(Content::Any));
         if let Some((arena, files)) = left {
-            self.left.push(Left { arena, files, model: model.clone() });
+            self.left.push(Left { mode, arena, files, model: model.clone() });
         }
         // Numbers above anything the crashed process used: a recovery must continue past them.
         let mut rng = SmallRng::seed_from_u64(self.points);
@@ -385,13 +437,14 @@ impl Checker {
         // recovers too (a zero log it rewrote into the region a killed rewrite had written must
         // not bring that rewrite's records back).
         let killed = copy_arena(copy.path())?;
-        let mut next =
-            recover(&self.golden, killed.path(), &snapshot(&files)).map_err(|e| format!("recovery refused: {e}"))?;
+        let mut next = recover(&self.golden, mode, killed.path(), &snapshot(&files))
+            .map_err(|e| format!("recovery refused: {e}"))?;
         check_reads(&mut next, &model).map_err(|e| format!("a recovered process killed: {e}"))?;
         drop(next);
         vm.keep_state();
         drop(vm);
-        let mut vm = recover(&self.golden, copy.path(), &files).map_err(|e| format!("second recovery refused: {e}"))?;
+        let mut vm =
+            recover(&self.golden, mode, copy.path(), &files).map_err(|e| format!("second recovery refused: {e}"))?;
         check_reads(&mut vm, &model).map_err(|e| format!("recovered twice: {e}"))
     }
 }
@@ -423,6 +476,7 @@ fn snapshot(files: &[SimFile; 3]) -> [SimFile; 3] {
 /// A state a crash point left, and what its recovery read there: recovered again after the run
 /// with a crash at the points of that recovery (the hook cannot be set from inside itself).
 struct Left {
+    mode: WriteCacheMode,
     arena: tempfile::TempDir,
     files: [SimFile; 3],
     model: Model,
@@ -437,8 +491,8 @@ fn check_killed_recoveries(golden: &Arc<dyn GoldenImage>, left: &Left) -> Result
     let files = snapshot(&left.files);
     let found: Rc<RefCell<(u64, Option<String>)>> = Rc::default();
     let hook = {
-        let (found, dir, files, golden, model) =
-            (found.clone(), work.path().to_owned(), files.clone(), golden.clone(), left.model.clone());
+        let (found, dir, files, golden, model, mode) =
+            (found.clone(), work.path().to_owned(), files.clone(), golden.clone(), left.model.clone(), left.mode);
         move || {
             let mut found = found.borrow_mut();
             found.0 += 1;
@@ -447,7 +501,8 @@ fn check_killed_recoveries(golden: &Arc<dyn GoldenImage>, left: &Left) -> Result
             }
             // Inside the hook: this recovery's own points are skipped.
             let result = copy_arena(&dir).and_then(|copy| {
-                let mut vm = recover(&golden, copy.path(), &snapshot(&files)).map_err(|e| format!("refused: {e}"))?;
+                let mut vm =
+                    recover(&golden, mode, copy.path(), &snapshot(&files)).map_err(|e| format!("refused: {e}"))?;
                 check_reads(&mut vm, &model)
             });
             if let Err(message) = result {
@@ -456,7 +511,7 @@ fn check_killed_recoveries(golden: &Arc<dyn GoldenImage>, left: &Left) -> Result
         }
     };
     crash::set(hook);
-    let recovered = recover(golden, work.path(), &files);
+    let recovered = recover(golden, left.mode, work.path(), &files);
     crash::clear();
     let mut vm = recovered.map_err(|e| format!("recovery refused: {e}"))?;
     check_reads(&mut vm, &left.model).map_err(|e| format!("recovered: {e}"))?;
@@ -464,14 +519,20 @@ fn check_killed_recoveries(golden: &Arc<dyn GoldenImage>, left: &Left) -> Result
     failure.map_or(Ok(points), Err)
 }
 
-fn recover(golden: &Arc<dyn GoldenImage>, dir: &Path, files: &[SimFile; 3]) -> overspill_engine::Result<Overlay> {
+fn recover(
+    golden: &Arc<dyn GoldenImage>,
+    mode: WriteCacheMode,
+    dir: &Path,
+    files: &[SimFile; 3],
+) -> overspill_engine::Result<Overlay> {
     let [spill, segments, zeros] = files.clone();
     let spill_segments = (spill.len() / SEGMENT_BYTES as u64) as u32;
-    let arena = Arena::open(dir, "vm", Overlay::arena_pages(&config()))?;
+    let arena = Arena::open(dir, "vm", Overlay::arena_pages(&config(mode)))?;
+    let backing: Option<Box<dyn BackingFile>> = (mode != WriteCacheMode::Ram).then(|| Box::new(spill) as _);
     Overlay::recover(
         golden.clone(),
-        config(),
-        Some(Box::new(spill)),
+        config(mode),
+        backing,
         HostMemory::unlimited(),
         Arc::new(VmStats::default()),
         arena,
@@ -608,19 +669,21 @@ struct RunSummary {
     tally: BTreeMap<(&'static str, &'static str), u64>,
 }
 
-fn run(seed: u64, ops: usize, profile: Profile) -> RunSummary {
+fn run(seed: u64, ops: usize, profile: Profile, mode: WriteCacheMode) -> RunSummary {
     let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
     let root = tempfile::Builder::new().prefix("overspill-crash").tempdir_in(base).expect("tempdir");
     let dir = root.path().join("vm");
     std::fs::create_dir(&dir).expect("vm dir");
     let golden = golden();
-    let arena = Arena::create(&dir, "vm", Overlay::arena_pages(&config())).expect("arena");
-    let (spill, segments, zeros) = (SimFile::new("spill segment"), SimFile::new("summary"), SimFile::new("zero log"));
+    let arena = Arena::create(&dir, "vm", Overlay::arena_pages(&config(mode))).expect("arena");
+    let backing = backing_file(mode);
+    let spill = backing.clone().unwrap_or_else(|| SimFile::new("nothing"));
+    let (segments, zeros) = (SimFile::new("summary"), SimFile::new("zero log"));
     let stats = Arc::new(VmStats::default());
     let mut vm = Overlay::persistent(
         golden.clone(),
-        config(),
-        Some(Box::new(spill.clone())),
+        config(mode),
+        backing.map(|file| Box::new(file) as Box<dyn BackingFile>),
         HostMemory::unlimited(),
         stats.clone(),
         arena.clone(),
@@ -629,6 +692,7 @@ fn run(seed: u64, ops: usize, profile: Profile) -> RunSummary {
     .expect("overlay");
     let checker = Rc::new(RefCell::new(Checker {
         seed,
+        mode,
         golden,
         dir,
         arena,
@@ -684,7 +748,9 @@ fn run(seed: u64, ops: usize, profile: Profile) -> RunSummary {
     // The end of the run is a crash point too.
     checker.op_kind = "end";
     checker.check_full_recovery(MIXED).unwrap_or_else(|e| panic!("seed {seed} at the end: {e}"));
-    assert!(stats.spill_segments_written.get() > 0, "seed {seed}: the VM spilled");
+    if mode == WriteCacheMode::RamDisk {
+        assert!(stats.spill_segments_written.get() > 0, "seed {seed}: the VM spilled");
+    }
     let mut recovery_points = 0;
     for (i, left) in checker.left.iter().enumerate() {
         recovery_points += check_killed_recoveries(&checker.golden, left)
@@ -699,9 +765,10 @@ fn run(seed: u64, ops: usize, profile: Profile) -> RunSummary {
     }
 }
 
-/// `(seed, requests, profile)` of each run: `CRASH_SEEDS` and `CRASH_OPS` replace the defaults
-/// (seeds divisible by 4 zero a lot).
-fn runs() -> Vec<(u64, usize, Profile)> {
+/// `(seed, requests, profile, mode)` of each run: `CRASH_SEEDS` and `CRASH_OPS` replace the
+/// defaults (seeds divisible by 4 zero a lot; seed 5, 11, 17… writes a cache file in place,
+/// seed 6, 12, 18… keeps RAM alone, the others spill).
+fn runs() -> Vec<(u64, usize, Profile, WriteCacheMode)> {
     let seeds = std::env::var("CRASH_SEEDS").ok();
     let ops = std::env::var("CRASH_OPS").ok().map(|n| n.parse().expect("CRASH_OPS: a number"));
     if seeds.is_none() && ops.is_none() {
@@ -711,17 +778,27 @@ fn runs() -> Vec<(u64, usize, Profile)> {
         Some(list) => list.split(',').map(|s| s.trim().parse().expect("CRASH_SEEDS: numbers")).collect(),
         None => DEFAULT_RUNS.iter().map(|run| run.0).collect(),
     };
-    seeds.into_iter().map(|seed| (seed, ops.unwrap_or(1000), if seed % 4 == 0 { ZEROING } else { MIXED })).collect()
+    let mode = |seed: u64| match seed % 6 {
+        5 => WriteCacheMode::Disk,
+        0 => WriteCacheMode::Ram,
+        _ => WriteCacheMode::RamDisk,
+    };
+    seeds
+        .into_iter()
+        .map(|seed| (seed, ops.unwrap_or(1000), if seed % 4 == 0 { ZEROING } else { MIXED }, mode(seed)))
+        .collect()
 }
 
 #[test]
 fn every_crash_point_recovers_what_the_vm_was_told() {
     let mut total =
         RunSummary { points: 0, full_recoveries: 0, compaction_points: 0, recovery_points: 0, tally: BTreeMap::new() };
-    for (seed, ops, profile) in runs() {
-        let summary = run(seed, ops, profile);
+    let defaults = std::env::var("CRASH_SEEDS").is_err() && std::env::var("CRASH_OPS").is_err();
+    for (seed, ops, profile, mode) in runs() {
+        let summary = run(seed, ops, profile, mode);
+        assert!(!defaults || summary.points > 5000, "seed {seed} (mode {mode}): {} crash points", summary.points);
         eprintln!(
-            "seed {seed}: {} crash points, {} recovered for real, {} in requests that compacted, {} in recoveries",
+            "seed {seed} (mode {mode}): {} crash points, {} recovered for real, {} in requests that compacted, {} in recoveries",
             summary.points, summary.full_recoveries, summary.compaction_points, summary.recovery_points
         );
         total.points += summary.points;
@@ -736,7 +813,7 @@ fn every_crash_point_recovers_what_the_vm_was_told() {
         eprintln!("  {count:>8} points in {op}, before a change to the {writing}");
     }
     let at = |op: &str, writing: &str| total.tally.get(&(op, writing)).copied().unwrap_or(0);
-    if std::env::var("CRASH_SEEDS").is_err() && std::env::var("CRASH_OPS").is_err() {
+    if defaults {
         assert!(total.points >= MIN_POINTS, "{} crash points, fewer than {MIN_POINTS}", total.points);
         assert!(total.compaction_points > 1000, "crash points during compaction: {}", total.compaction_points);
         assert!(at("trim", "arena") > 1000, "crash points during trims");
@@ -749,5 +826,8 @@ fn every_crash_point_recovers_what_the_vm_was_told() {
         assert!(segment_writes > 10_000, "crash points during segment writes: {segment_writes}");
         assert!(total.full_recoveries > 50, "full recoveries: {}", total.full_recoveries);
         assert!(total.recovery_points > 300, "crash points inside recoveries: {}", total.recovery_points);
+        let in_place: u64 = ["write", "1 MiB write"].iter().map(|op| at(op, "cache file")).sum();
+        assert!(in_place > 1000, "crash points during writes in place: {in_place}");
+        assert!(at("zero", "cache file") > 20, "crash points during punches in place");
     }
 }
