@@ -150,6 +150,25 @@ impl RawImage {
     }
 }
 
+impl RawImage {
+    /// The file ended at `at`: past the size it had when opened (a read of the last block,
+    /// rounded up) that is zeroes; before, the file was cut short under the server (a `cp` over
+    /// it truncates first), and its bytes there are not known.
+    fn ended_at(&self, at: u64) -> io::Result<()> {
+        if at < self.size {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{} ends at byte {at}, but had {} bytes when opened: it was cut short",
+                    self.path.display(),
+                    self.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl GoldenImage for RawImage {
     fn size(&self) -> u64 {
         self.size
@@ -164,6 +183,7 @@ impl GoldenImage for RawImage {
                 Err(e) => return Err(e),
             };
             if n == 0 {
+                self.ended_at(offset + done as u64)?;
                 buf[done..].fill(0);
                 break;
             }
@@ -182,6 +202,7 @@ impl GoldenImage for RawImage {
             match rustix::io::preadv(&self.file, rest, at) {
                 Ok(0) => {
                     // The end of the file: the rest reads as zero, as in `read_at`.
+                    self.ended_at(at)?;
                     rest.iter_mut().for_each(|slice| slice.fill(0));
                     break;
                 }
@@ -318,6 +339,27 @@ mod tests {
             image.read_at(&mut one, offset).expect("read");
             assert_eq!(one, expected, "read_at agrees");
         }
+    }
+
+    /// A golden file cut short under the server (`cp new.img golden.img` truncates it first)
+    /// fails reads inside the size it was opened with: its bytes there are not known, and
+    /// zeroes served for them would be taken for the image's (and kept by the read cache).
+    #[test]
+    fn a_file_cut_short_under_the_server_fails_reads_rather_than_read_zeroes() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("golden.raw");
+        std::fs::write(&path, vec![0x5a; 5 * 4096 + 100]).expect("written");
+        let image = RawImage::open(&path).expect("opened");
+        let mut tail = vec![0xee; 8192];
+        image.read_at(&mut tail, 4 * 4096).expect("the last block, rounded up past the end");
+        assert!(tail[..4196].iter().all(|&b| b == 0x5a) && tail[4196..].iter().all(|&b| b == 0));
+        std::fs::File::options().write(true).open(&path).and_then(|f| f.set_len(2 * 4096)).expect("truncated");
+        let mut buf = vec![0u8; 4096];
+        image.read_at(&mut buf, 4096).expect("still there");
+        let error = image.read_at(&mut buf, 3 * 4096).expect_err("cut short");
+        assert!(error.to_string().contains("cut short"), "{error}");
+        let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
+        image.read_vectored_counted(&mut [&mut a, &mut b], 4096).expect_err("cut short, vectored");
     }
 
     #[test]

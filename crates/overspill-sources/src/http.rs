@@ -77,6 +77,11 @@ impl Validator {
             (Some(was), Some(now)) if was != now => {
                 Some(format!("its Last-Modified is now {}, it was {}", text(now), text(was)))
             }
+            // The only validator: a reply without it cannot show it is of the same image (a
+            // 206 need not carry Last-Modified, and a server may ignore If-Unmodified-Since).
+            (Some(was), None) if self.etag.is_none() => {
+                Some(format!("the reply carries no Last-Modified, the image had {}", text(was)))
+            }
             _ => None,
         }
     }
@@ -236,15 +241,26 @@ impl HttpImage {
         // validator's round trip before a VM depends on them.
         let mut last = [0u8; 1];
         let expect = Expect::Image { size, validator: &image.validator };
-        image.retrying(|image| image.runtime.block_on(image.get(size - 1, &mut last, expect))).map_err(&remote)?;
-        match image.validator.describe() {
-            Some(validator) => tracing::info!(url = %name, size, %validator, "HTTP golden image opened"),
-            None => tracing::warn!(
-                url = %name,
-                size,
-                "HTTP golden image opened, but the server sends no ETag or Last-Modified: a replaced image cannot be noticed"
-            ),
+        let (_, got) =
+            image.retrying(|image| image.runtime.block_on(image.get(size - 1, &mut last, expect))).map_err(&remote)?;
+        if image.validator == Validator::default() {
+            // A HEAD without validators where GETs carry them (some servers and gateways):
+            // the GET's, proven by the next read like any other.
+            image.validator = got;
+            let expect = Expect::Image { size, validator: &image.validator };
+            image.retrying(|image| image.runtime.block_on(image.get(size - 1, &mut last, expect))).map_err(&remote)?;
         }
+        // Without a validator a replaced image cannot be told from the one opened: its blocks
+        // would mix with the old ones in every VM, and a restarted server would rebuild the
+        // VMs' writes over other contents.
+        let Some(validator) = image.validator.describe() else {
+            return Err(remote(
+                "the server sends no ETag or Last-Modified, so a replaced image could not be noticed: serve it \
+                 from a server that does (nginx, Apache, S3), or copy it here and serve the file"
+                    .into(),
+            ));
+        };
+        tracing::info!(url = %name, size, %validator, "HTTP golden image opened");
         Ok(image)
     }
 

@@ -7,8 +7,10 @@
 //! for a plain-HTTP endpoint. Requests are path-style, which every S3-compatible store accepts.
 //!
 //! The object is read-only here by construction (only HEAD and GET are ever sent), and its size
-//! and ETag are taken once at open: if the object is replaced while VMs run, a read notices the
-//! changed ETag and fails with EIO rather than mixing two images' blocks.
+//! and ETag are taken once at open: every GET is conditional on that ETag and every reply is
+//! checked against both (a store may ignore `If-Match`), so if the object is replaced while VMs
+//! run, a read fails with EIO rather than mixing two images' blocks. A store that gives no ETag
+//! is refused at open: a replaced object could not be told from the one opened.
 
 use std::io;
 use std::sync::Arc;
@@ -24,7 +26,7 @@ pub struct S3Image {
     store: Arc<dyn ObjectStore>,
     path: ObjectPath,
     size: u64,
-    etag: Option<String>,
+    etag: String,
     /// object_store is async; each VM thread blocks on this runtime for its fetch. A few worker
     /// threads are enough: fetches are network waits, and the read cache coalesces them.
     runtime: tokio::runtime::Runtime,
@@ -53,8 +55,11 @@ impl S3Image {
             .map_err(|source| SourceError::Io { what: "starting the S3 client runtime".into(), source })?;
         let path = ObjectPath::from(key);
         let meta = runtime.block_on(store.head(&path)).map_err(|e| remote(e.to_string()))?;
-        tracing::info!(object = %name, size = meta.size, "S3 golden image opened");
-        Ok(Self { store, path, size: meta.size, etag: meta.e_tag, runtime, name, fetch_bytes })
+        let etag = meta.e_tag.ok_or_else(|| {
+            remote("the store gives the object no ETag, so a replaced object could not be noticed".into())
+        })?;
+        tracing::info!(object = %name, size = meta.size, %etag, "S3 golden image opened");
+        Ok(Self { store, path, size: meta.size, etag, runtime, name, fetch_bytes })
     }
 }
 
@@ -71,16 +76,27 @@ impl GoldenImage for S3Image {
         let end = offset + len as u64;
         let options = GetOptions {
             range: Some(GetRange::Bounded(offset..end)),
-            if_match: self.etag.clone(),
+            if_match: Some(self.etag.clone()),
             ..GetOptions::default()
         };
+        let failed = |e: &dyn std::fmt::Display| io::Error::other(format!("{}: GET {offset}..{end}: {e}", self.name));
         let bytes = self
             .runtime
             .block_on(async {
                 let result = self.store.get_opts(&self.path, options).await?;
-                result.bytes().await
+                let (etag, size) = (result.meta.e_tag.clone(), result.meta.size);
+                Ok::<_, object_store::Error>((etag, size, result.bytes().await?))
             })
-            .map_err(|e| io::Error::other(format!("{}: GET {offset}..{end}: {e}", self.name)))?;
+            .map_err(|e| failed(&e))
+            .and_then(|(etag, size, bytes)| match (etag, size) {
+                (Some(etag), size) if etag == self.etag && size == self.size => Ok(bytes),
+                (etag, size) => Err(failed(&format!(
+                    "the object was replaced in the store: it is now {size} bytes with ETag {}, it was {} with {}",
+                    etag.as_deref().unwrap_or("none"),
+                    self.size,
+                    self.etag
+                ))),
+            })?;
         let got = bytes.len();
         if got as u64 != end - offset {
             return Err(io::Error::new(
@@ -97,7 +113,7 @@ impl GoldenImage for S3Image {
     }
 
     fn identity(&self) -> Option<String> {
-        self.etag.as_ref().map(|etag| format!("{} etag {etag}", self.name))
+        Some(format!("{} etag {}", self.name, self.etag))
     }
 
     fn preferred_fetch_bytes(&self) -> Option<u64> {

@@ -66,8 +66,8 @@ fn random_reads_equal_the_file_and_past_the_end_reads_zero() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (_, bytes) = golden(dir.path(), 1);
     // Every way of learning the image: HEAD with an ETag, HEAD refused (a URL presigned for
-    // GET), and no ETag (Last-Modified only).
-    for options in [&[][..], &["--no-head"], &["--no-etag"]] {
+    // GET), no ETag (Last-Modified only), and validators only on GET replies.
+    for options in [&[][..], &["--no-head"], &["--no-etag"], &["--validators-on-get-only"]] {
         let server = WebServer::ranges(dir.path(), options);
         let source = Source::parse(&server.url("golden.img")).expect("parse");
         let image = open_source(&source, &SourceSettings::default()).expect("open");
@@ -110,13 +110,30 @@ fn a_server_without_range_support_is_refused_at_open() {
 #[test]
 fn a_replaced_image_fails_reads_rather_than_mixing_images() {
     // By If-Match, by the reply's ETag (a server that ignores preconditions), by
-    // If-Unmodified-Since and by the reply's Last-Modified.
-    let cases: [&[&str]; 4] = [&[], &["--ignore-conditions"], &["--no-etag"], &["--no-etag", "--ignore-conditions"]];
+    // If-Unmodified-Since, by the reply's Last-Modified, by its absence where it is the only
+    // validator, and by validators that only GET replies carry.
+    let cases: [&[&str]; 7] = [
+        &[],
+        &["--ignore-conditions"],
+        &["--no-etag"],
+        &["--no-etag", "--ignore-conditions"],
+        &["--no-etag", "--ignore-conditions", "--no-last-modified-on-206"],
+        &["--validators-on-get-only"],
+        &["--validators-on-get-only", "--ignore-conditions"],
+    ];
     for options in cases {
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, bytes) = golden(dir.path(), 3);
         let server = WebServer::ranges(dir.path(), options);
-        let image = open(&server.url("golden.img")).expect("open");
+        let opened = open(&server.url("golden.img"));
+        if options.contains(&"--no-last-modified-on-206") {
+            // Nothing in such a reply shows which image it is from: refused at open, where the
+            // last byte is read as every read will be.
+            let error = opened.err().expect("replies without their only validator");
+            assert!(error.contains("no Last-Modified"), "{error}");
+            continue;
+        }
+        let image = opened.expect("open");
         let mut buf = vec![0u8; 4096];
         image.read_at(&mut buf, 8192).expect("read before");
         assert!(buf[..] == bytes[8192..8192 + 4096]);
@@ -124,6 +141,17 @@ fn a_replaced_image_fails_reads_rather_than_mixing_images() {
         let error = image.read_at(&mut buf, 8192).expect_err("a read of the replaced image").to_string();
         assert!(error.contains("replaced"), "{options:?}: {error}");
     }
+}
+
+/// A server that sends neither ETag nor Last-Modified cannot show that it still serves the
+/// image opened: refused at open, rather than mix a replaced image's blocks into VMs.
+#[test]
+fn a_server_without_validators_is_refused_at_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    golden(dir.path(), 4);
+    let server = WebServer::ranges(dir.path(), &["--no-validators"]);
+    let error = open(&server.url("golden.img")).err().expect("refused");
+    assert!(error.contains("no ETag or Last-Modified"), "{error}");
 }
 
 #[test]

@@ -5,10 +5,15 @@ If-Unmodified-Since, as nginx, Apache and S3 do. Python's http.server has none o
 
 Prints "listening on PORT" once it listens (PORT 0 picks a free one). Options:
   --no-etag            send no ETag (the client falls back to Last-Modified)
+  --no-validators      send neither ETag nor Last-Modified
+  --validators-on-get-only  send them on GET replies, not on HEAD
+  --no-last-modified-on-206  send no Last-Modified with a range (RFC 9110 asks only for the ETag)
   --ignore-conditions  answer as if If-Match and If-Unmodified-Since were not sent
   --no-head            refuse HEAD with 403, as a URL presigned for GET does
   --fail-every N       answer every Nth GET with 503 (a flaky server)
   --tls CERT KEY       serve HTTPS
+  --s3 BUCKET          answer path-style S3 requests, /BUCKET/NAME, as an S3 store would
+                       (authentication is not checked)
 Standard library only.
 """
 
@@ -49,6 +54,10 @@ def make_handler(root, options):
         def file(self):
             # The query (a presigned URL's signature) is not part of the file's name.
             name = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
+            if options.s3:
+                bucket, _, name = name.partition("/")
+                if bucket != options.s3:
+                    return None
             if not name or "/" in name or name.startswith("."):
                 return None
             path = os.path.join(root, name)
@@ -84,6 +93,8 @@ def make_handler(root, options):
                 validators = [("Last-Modified", modified)]
                 if not options.no_etag:
                     validators.append(("ETag", etag))
+                if options.no_validators or (options.validators_on_get_only and self.command == "HEAD"):
+                    validators = []
                 if not options.ignore_conditions and not self.preconditions_hold(etag, st.st_mtime):
                     self.reply(412, validators)
                     return
@@ -108,6 +119,8 @@ def make_handler(root, options):
                     self.reply(416, validators + [("Content-Range", "bytes */%d" % size)])
                     return
                 f.seek(first)
+                if options.no_last_modified_on_206:
+                    headers = [h for h in headers if h[0] != "Last-Modified"]
                 headers.append(("Content-Range", "bytes %d-%d/%d" % (first, last, size)))
                 if self.command == "HEAD":
                     self.reply(206, headers, length=last - first + 1)
@@ -142,10 +155,14 @@ def main():
     parser.add_argument("--dir", required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--no-etag", action="store_true")
+    parser.add_argument("--no-validators", action="store_true")
+    parser.add_argument("--validators-on-get-only", action="store_true")
+    parser.add_argument("--no-last-modified-on-206", action="store_true")
     parser.add_argument("--ignore-conditions", action="store_true")
     parser.add_argument("--no-head", action="store_true")
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
+    parser.add_argument("--s3", metavar="BUCKET")
     options = parser.parse_args()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", options.port), make_handler(options.dir, options))
     server.daemon_threads = True
