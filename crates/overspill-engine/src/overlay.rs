@@ -1102,8 +1102,11 @@ impl Overlay {
                 let record = ZeroRecord { first: whole_first, end: whole_end, seq };
                 self.zero_log.as_mut().expect("checked").append(record)?;
             }
-            self.drop_blocks(whole_first, whole_end)?;
+            // Zeroed before the copies go (the map wins over zeroed ranges): in place, blocks
+            // are punched run by run, and a run punched before a later one failed must read
+            // zeroes, not the golden image.
             self.zeros.insert(whole_first, whole_end);
+            self.drop_blocks(whole_first, whole_end)?;
             self.stats.zero_blocks.add(whole_end - whole_first);
             self.rewrite_zero_log_if_long();
         }

@@ -105,6 +105,9 @@ pub struct SpillLog {
     max_segments: Option<u32>,
     live_blocks: u64,
     sealed_segments: u32,
+    /// Places in the file given up after a failed write (see `drop_failed_write`): never used
+    /// again, and not counted against the spill limit (they hold nothing, punched).
+    given_up: u64,
     /// Segments whose owner table is allocated (open or sealed): kept as a count so that the
     /// memory figure, asked for on every write, does not walk every segment.
     owner_tables: u64,
@@ -138,6 +141,7 @@ impl SpillLog {
             max_segments,
             live_blocks: 0,
             sealed_segments: 0,
+            given_up: 0,
             owner_tables: 0,
             shortages_heeded: file.space_shortages(),
             lean_opens_left: 0,
@@ -306,7 +310,7 @@ impl SpillLog {
 
     fn free_segments_left(&self) -> Option<u64> {
         self.max_segments.map(|max| {
-            let in_use = (self.segments.len() - self.free.len() - self.kept.len()) as u64;
+            let in_use = (self.segments.len() - self.free.len() - self.kept.len()) as u64 - self.given_up;
             u64::from(max) - in_use
         })
     }
@@ -473,6 +477,10 @@ impl SpillLog {
             self.writing = Some(writing);
             return Ok(());
         }
+        if writing.write.is_none() && self.segments[writing.id.0 as usize].live == 0 {
+            self.drop_failed_write(writing);
+            return Ok(());
+        }
         // `None`: it failed before; try again.
         let written = writing.write.take().is_some_and(|write| match write.wait() {
             Ok(()) => true,
@@ -495,6 +503,32 @@ impl SpillLog {
                 self.writing = Some(writing);
                 Err(error)
             }
+        }
+    }
+
+    /// A segment whose write failed and whose blocks have all died since (overwritten,
+    /// trimmed): nothing in it is wanted, so it is not written at all. Its place in the file is
+    /// punched and never used again by this log: an error that stays on that part of the file
+    /// (a bad stretch of the disk) would otherwise fail every segment put there, and a failed
+    /// write holds up every segment after it.
+    fn drop_failed_write(&mut self, writing: Writing) {
+        let id = writing.id;
+        tracing::warn!(
+            segment = id.0,
+            "a spill segment that could not be written holds nothing live: its place is given up"
+        );
+        self.free_pages(writing.pages);
+        if let Some(summaries) = &mut self.summaries {
+            summaries.clear(id.0);
+        }
+        let segment = &mut self.segments[id.0 as usize];
+        segment.state = SegmentState::Free;
+        segment.owners = Vec::new();
+        self.owner_tables -= 1;
+        self.sealed_segments -= 1;
+        self.given_up += 1;
+        if let Err(error) = self.file.punch_hole(id.byte_offset(), SEGMENT_BYTES as u64) {
+            tracing::debug!(%error, segment = id.0, "could not punch a spill segment given up");
         }
     }
 
@@ -834,9 +868,10 @@ mod tests {
         // Before, the overlay's compaction loop picked this segment, moved nothing, and spun.
         assert_eq!(log.compaction_victim(), None);
         full.store(false, Ordering::Relaxed);
-        log.finish_writes(&stats).expect("the retry succeeds once there is space");
+        log.finish_writes(&stats).expect("nothing left to write");
         assert!(!log.wants_compaction());
-        assert_eq!(log.disk_used_bytes(), SEGMENT_BYTES as u64, "freed once written, kept for reuse");
+        assert_eq!(log.disk_used_bytes(), 0, "nothing in it lives: given up, never written");
+        assert_eq!(stats.spill_segments_written.get(), 0);
     }
 
     #[test]

@@ -1,0 +1,75 @@
+//! What a request that fails leaves behind: its own blocks may read as before or as after it,
+//! never as the golden image in place of the VM's data; every other block reads what the VM was
+//! told; and the overlay goes on serving once the fault has passed, or has moved elsewhere.
+
+use std::sync::Arc;
+
+use overspill_engine::faults::{Fault, FaultPlan, FaultyFile, Op, Rule, Trigger};
+use overspill_engine::store::MemFile;
+use overspill_engine::{HostMemory, MemImage, Overlay, OverlayConfig, VmStats, WriteCacheMode, SEGMENT_BYTES};
+
+const BLOCK: u64 = 4096;
+const DISK: usize = 64 << 20;
+const GOLDEN: u8 = 0x11;
+
+fn overlay(mode: WriteCacheMode, ram_target_bytes: u64, file: FaultyFile) -> Overlay {
+    Overlay::new(
+        Arc::new(MemImage::new(vec![GOLDEN; DISK])),
+        OverlayConfig { mode, ram_target_bytes, spill_max_bytes: None },
+        Some(Box::new(file)),
+        HostMemory::unlimited(),
+        Arc::new(VmStats::default()),
+    )
+    .expect("overlay")
+}
+
+fn block(vm: &mut Overlay, index: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; BLOCK as usize];
+    vm.read(index * BLOCK, &mut buf).expect("read");
+    buf
+}
+
+/// A zeroing in place punches the blocks it maps run by run: one that fails part way leaves the
+/// runs already punched reading zeroes (what was asked), not the golden image.
+#[test]
+fn an_in_place_zeroing_failing_part_way_never_shows_the_golden_image() {
+    for mode in [WriteCacheMode::Disk, WriteCacheMode::Shared] {
+        let file =
+            FaultyFile::new(Box::<MemFile>::default(), FaultPlan::new(0).on(Op::Punch, Fault::Io, Trigger::Nth(2)));
+        let mut vm = overlay(mode, 0, file);
+        vm.write(0, &[0xaa; BLOCK as usize]).expect("write block 0");
+        vm.write(2 * BLOCK, &[0xbb; BLOCK as usize]).expect("write block 2");
+        vm.write_zeroes(0, 3 * BLOCK).expect_err("the second run's punch fails");
+        assert!(block(&mut vm, 0).iter().all(|&b| b == 0), "{mode}: block 0 was punched: it reads zeroes");
+        assert!(block(&mut vm, 2).iter().all(|&b| b == 0xbb || b == 0), "{mode}: block 2 as before or after");
+        assert!(block(&mut vm, 1).iter().all(|&b| b == GOLDEN || b == 0), "{mode}: block 1 as before or after");
+        vm.write_zeroes(0, 3 * BLOCK).expect("the fault has passed");
+        for index in 0..3 {
+            assert!(block(&mut vm, index).iter().all(|&b| b == 0), "{mode}: block {index}");
+        }
+    }
+}
+
+/// A stretch of the spill file that fails every write: the segment there is kept in memory and
+/// tried again while any of its blocks live (its data is the VM's), so spilling waits on it;
+/// once they have all died its place is given up, and the log goes on elsewhere.
+#[test]
+fn a_segment_that_cannot_be_written_is_given_up_once_nothing_in_it_lives() {
+    let bad_stretch = Rule::new(Op::Write, Fault::Io, Trigger::From(1)).within(0..SEGMENT_BYTES as u64);
+    let file = FaultyFile::new(Box::<MemFile>::default(), FaultPlan::new(0).rule(bad_stretch));
+    let mut vm = overlay(WriteCacheMode::RamDisk, 0, file);
+    let per_segment = SEGMENT_BYTES as u64 / BLOCK;
+    for index in 0..per_segment {
+        vm.write(index * BLOCK, &[index as u8 | 1; BLOCK as usize]).expect("into the open segment");
+    }
+    // The next block seals the first segment, whose write fails, and is refused with it.
+    vm.write(per_segment * BLOCK, &[0xcc; BLOCK as usize]).expect_err("the segment cannot be written");
+    vm.write(per_segment * BLOCK, &[0xcc; BLOCK as usize]).expect_err("nor on a second try");
+    assert!(block(&mut vm, 7).iter().all(|&b| b == 7), "its blocks read from memory meanwhile");
+    vm.trim(0, per_segment * BLOCK).expect("trim them all");
+    for index in 0..2 * per_segment {
+        vm.write(index * BLOCK, &[0xdd; BLOCK as usize]).expect("the log goes on past the bad stretch");
+    }
+    assert!(block(&mut vm, 3).iter().all(|&b| b == 0xdd) && block(&mut vm, per_segment + 3).iter().all(|&b| b == 0xdd));
+    assert!(vm.stats().spill_segments_written.get() >= 1, "segments were written elsewhere");
+}
