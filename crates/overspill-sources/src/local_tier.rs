@@ -6,13 +6,17 @@
 //! The file lives as long as the server (it is removed when the image is dropped): a restarted
 //! server starts cold rather than trust a copy it cannot prove matches the source. If the local
 //! disk fails or fills, reads are served from what was fetched and the tier stops growing: a
-//! full local disk must never cost a VM a read.
+//! full local disk must never cost a VM a read. Nor may it serve other bytes than the source's:
+//! the page cache takes a write at once and the disk may fail it later (a thin pool out of
+//! space, a failing disk), after which the file reads as whatever the disk holds, zeroes most
+//! likely. So each chunk's CRC-32C is kept in memory from its fetch and checked on every local
+//! read; a chunk that fails is fetched again.
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use overspill_engine::golden::SourceReads;
@@ -30,6 +34,8 @@ pub struct LocalTier {
     chunk_bytes: u64,
     /// One bit per chunk: written to the local file.
     present: Vec<AtomicU64>,
+    /// Each present chunk's CRC-32C, stored before its present bit is set.
+    sums: Vec<AtomicU32>,
     stripes: Vec<Mutex<()>>,
     /// Set after a local write fails: the tier stops growing, reads go on.
     broken: AtomicBool,
@@ -60,9 +66,18 @@ impl LocalTier {
         file.set_len(remote.size()).map_err(io_error(format!("sizing {}", path.display())))?;
         let chunks = remote.size().div_ceil(chunk_bytes);
         let present = (0..chunks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        let sums = (0..chunks).map(|_| AtomicU32::new(0)).collect();
         let stripes = (0..STRIPES).map(|_| Mutex::new(())).collect();
         tracing::info!(source = %remote.describe(), file = %path.display(), "local disk tier for a remote golden image");
-        Ok(Self { remote, file, path, chunk_bytes, present, stripes, broken: AtomicBool::new(false) })
+        Ok(Self { remote, file, path, chunk_bytes, present, sums, stripes, broken: AtomicBool::new(false) })
+    }
+
+    fn chunk_len(&self, chunk: u64) -> usize {
+        self.chunk_bytes.min(self.remote.size() - chunk * self.chunk_bytes) as usize
+    }
+
+    fn stripe(&self, chunk: u64) -> std::sync::MutexGuard<'_, ()> {
+        self.stripes[(chunk % STRIPES as u64) as usize].lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn is_present(&self, chunk: u64) -> bool {
@@ -74,23 +89,65 @@ impl LocalTier {
         self.present.iter().map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum()
     }
 
+    /// Fills `part` with `chunk`'s bytes from `within` on: from the local file, checked against
+    /// the chunk's sum (read whole for that), else fetched.
+    fn read_chunk_part(&self, chunk: u64, within: usize, part: &mut [u8], reads: &mut SourceReads) -> io::Result<()> {
+        let (start, len) = (chunk * self.chunk_bytes, self.chunk_len(chunk));
+        let whole = within == 0 && part.len() == len;
+        let mut scratch = Vec::new();
+        // Once more after a copy that failed its check: fetched again in between.
+        for _ in 0..2 {
+            if !self.is_present(chunk) {
+                if let Some(data) = self.fetch(chunk, reads)? {
+                    // Not kept locally: straight from what was fetched.
+                    part.copy_from_slice(&data[within..within + part.len()]);
+                    return Ok(());
+                }
+            }
+            let local: &mut [u8] = if whole {
+                part
+            } else {
+                scratch.resize(len, 0);
+                &mut scratch
+            };
+            self.file.read_exact_at(local, start)?;
+            if crc32c::crc32c(local) == self.sums[chunk as usize].load(Ordering::Relaxed) {
+                if !whole {
+                    part.copy_from_slice(&scratch[within..within + part.len()]);
+                }
+                return Ok(());
+            }
+            tracing::warn!(
+                file = %self.path.display(),
+                offset = start,
+                "the local disk tier's copy of a chunk is not what was fetched (a write the disk lost?): fetching it again"
+            );
+            let _one_fetch = self.stripe(chunk);
+            self.present[(chunk / 64) as usize].fetch_and(!(1 << (chunk % 64)), Ordering::AcqRel);
+        }
+        Err(io::Error::other(format!(
+            "{}: the local copy of the chunk at byte {start} is not what was fetched, twice",
+            self.path.display()
+        )))
+    }
+
     /// Makes `chunk` local, or returns its bytes when the local file cannot take them.
     fn fetch(&self, chunk: u64, reads: &mut SourceReads) -> io::Result<Option<Vec<u8>>> {
-        let _one_fetch = self.stripes[(chunk % STRIPES as u64) as usize].lock().unwrap_or_else(|p| p.into_inner());
+        let _one_fetch = self.stripe(chunk);
         if self.is_present(chunk) {
             return Ok(None);
         }
         let start = chunk * self.chunk_bytes;
-        let len = self.chunk_bytes.min(self.remote.size() - start) as usize;
-        let mut data = vec![0u8; len];
+        let mut data = vec![0u8; self.chunk_len(chunk)];
         self.remote.read_at(&mut data, start)?;
         reads.ops += 1;
-        reads.bytes += len as u64;
+        reads.bytes += data.len() as u64;
         if self.broken.load(Ordering::Relaxed) {
             return Ok(Some(data));
         }
         match self.file.write_all_at(&data, start) {
             Ok(()) => {
+                self.sums[chunk as usize].store(crc32c::crc32c(&data), Ordering::Relaxed);
                 self.present[(chunk / 64) as usize].fetch_or(1 << (chunk % 64), Ordering::Release);
                 Ok(None)
             }
@@ -122,30 +179,11 @@ impl GoldenImage for LocalTier {
             return Ok(reads);
         }
         let c = self.chunk_bytes;
-        let mut local_from = offset;
         for chunk in offset / c..=(end - 1) / c {
-            if self.is_present(chunk) {
-                continue;
-            }
-            if let Some(data) = self.fetch(chunk, &mut reads)? {
-                // Not kept locally: copy this chunk's part straight from what was fetched, after
-                // reading the local part before it.
-                let chunk_start = chunk * c;
-                let from = offset.max(chunk_start);
-                let to = end.min(chunk_start + data.len() as u64);
-                if local_from < from {
-                    self.file.read_exact_at(
-                        &mut buf[(local_from - offset) as usize..(from - offset) as usize],
-                        local_from,
-                    )?;
-                }
-                buf[(from - offset) as usize..(to - offset) as usize]
-                    .copy_from_slice(&data[(from - chunk_start) as usize..(to - chunk_start) as usize]);
-                local_from = to;
-            }
-        }
-        if local_from < end {
-            self.file.read_exact_at(&mut buf[(local_from - offset) as usize..(end - offset) as usize], local_from)?;
+            let chunk_start = chunk * c;
+            let (from, to) = (offset.max(chunk_start), end.min(chunk_start + c));
+            let part = &mut buf[(from - offset) as usize..(to - offset) as usize];
+            self.read_chunk_part(chunk, (from - chunk_start) as usize, part, &mut reads)?;
         }
         Ok(reads)
     }
@@ -222,6 +260,31 @@ mod tests {
         let path = tier.path.clone();
         drop(tier);
         assert!(!path.exists(), "the local copy goes with the image");
+    }
+
+    /// The disk lost what the page cache took (or something else wrote the file): the chunk's
+    /// local copy no longer matches its sum, and is fetched again rather than served.
+    #[test]
+    fn a_local_copy_that_changed_under_the_tier_is_fetched_again() {
+        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let remote = Arc::new(Counting { inner: MemImage::new(bytes.clone()), reads: AtomicU64::new(0) });
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tier = LocalTier::new(remote.clone(), dir.path()).expect("tier");
+        let mut whole = vec![0u8; 1 << 20];
+        tier.read_at(&mut whole, 1 << 20).expect("read chunk 1");
+        tier.read_at(&mut whole[..5000], 2 << 20).expect("read part of chunk 2");
+        assert_eq!(remote.reads.load(Ordering::Relaxed), 2);
+        // Zeroes where chunks 1 and 2 were, as a disk that failed the writes would read.
+        let other = OpenOptions::new().write(true).open(&tier.path).expect("second handle");
+        other.write_all_at(&vec![0u8; 4096], (1 << 20) + 8192).expect("overwrite");
+        other.write_all_at(&vec![0u8; 4096], (2 << 20) + 100_000).expect("overwrite");
+        for (offset, len) in [(1u64 << 20, 1usize << 20), ((1 << 20) + 8000, 300), ((2 << 20) + 99_000, 2000)] {
+            let mut buf = vec![0xeeu8; len];
+            tier.read_at(&mut buf, offset).expect("read");
+            assert!(buf[..] == bytes[offset as usize..offset as usize + len], "{offset}+{len}: the source's bytes");
+        }
+        assert_eq!(remote.reads.load(Ordering::Relaxed), 4, "chunks 1 and 2 fetched again, once each");
+        assert_eq!(tier.chunks_held(), 2);
     }
 
     #[test]
