@@ -73,3 +73,65 @@ fn a_segment_that_cannot_be_written_is_given_up_once_nothing_in_it_lives() {
     assert!(block(&mut vm, 3).iter().all(|&b| b == 0xdd) && block(&mut vm, per_segment + 3).iter().all(|&b| b == 0xdd));
     assert!(vm.stats().spill_segments_written.get() >= 1, "segments were written elsewhere");
 }
+
+/// A persistent overlay's zeroing is logged before it takes effect: an append that fails fails
+/// the zeroing with nothing changed (the old data reads back), and the next zeroing works.
+#[test]
+fn a_zero_log_append_that_fails_fails_its_zeroing_and_changes_nothing() {
+    use overspill_engine::arena::Arena;
+    use overspill_engine::state::StateFiles;
+    // Write 1 is the log's header; an append is two: the end marker behind, then the record.
+    let zeros = FaultyFile::new(Box::<MemFile>::default(), FaultPlan::new(0).on(Op::Write, Fault::Io, Trigger::Nth(3)));
+    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes: 8 << 20, spill_max_bytes: None };
+    let arena = Arena::in_memory(Overlay::arena_pages(&config)).expect("arena");
+    let mut vm = Overlay::persistent(
+        Arc::new(MemImage::new(vec![GOLDEN; DISK])),
+        config,
+        None,
+        HostMemory::unlimited(),
+        Arc::new(VmStats::default()),
+        arena,
+        StateFiles { segments: Box::<MemFile>::default(), zeros: Box::new(zeros) },
+    )
+    .expect("overlay");
+    vm.write(0, &[0xaa; 2 * BLOCK as usize]).expect("write");
+    vm.write_zeroes(0, BLOCK).expect_err("its record could not be logged");
+    assert!(block(&mut vm, 0).iter().all(|&b| b == 0xaa), "the zeroing took no effect");
+    vm.write_zeroes(BLOCK, BLOCK).expect("the next zeroing is logged");
+    assert!(block(&mut vm, 0).iter().all(|&b| b == 0xaa) && block(&mut vm, 1).iter().all(|&b| b == 0));
+}
+
+/// A write that needs more pages than the arena has left is refused before anything is
+/// received or changed, and the overlay goes on.
+#[test]
+fn a_write_the_arena_has_no_pages_for_changes_nothing() {
+    use overspill_engine::arena::Arena;
+    use overspill_engine::state::StateFiles;
+    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes: 64 << 20, spill_max_bytes: None };
+    // Room for 256 pages, whatever the target says.
+    let mut vm = Overlay::persistent(
+        Arc::new(MemImage::new(vec![GOLDEN; DISK])),
+        config,
+        None,
+        HostMemory::unlimited(),
+        Arc::new(VmStats::default()),
+        Arena::in_memory(256).expect("arena"),
+        StateFiles { segments: Box::<MemFile>::default(), zeros: Box::<MemFile>::default() },
+    )
+    .expect("overlay");
+    vm.write(0, &[0xaa; BLOCK as usize]).expect("a small write");
+    let mut received = false;
+    let len = 2 << 20;
+    let result = vm.write_received(0, len, |buffers| {
+        received = true;
+        for buffer in buffers.iter_mut() {
+            buffer.fill(0xbb);
+        }
+        Ok(())
+    });
+    result.expect_err("512 pages wanted, fewer left");
+    assert!(!received, "refused before the payload was taken");
+    assert!(block(&mut vm, 0).iter().all(|&b| b == 0xaa) && block(&mut vm, 1).iter().all(|&b| b == GOLDEN));
+    vm.write(BLOCK, &[0xcc; BLOCK as usize]).expect("a small write after");
+    assert!(block(&mut vm, 1).iter().all(|&b| b == 0xcc));
+}
