@@ -226,6 +226,12 @@ impl GoldenImage for RawImage {
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
         use rustix::fs::{seek, SeekFrom};
         let end = offset + len;
+        // A file cut short under the server would report a hole, which a client takes for
+        // zeroes without reading (as `read_at` refuses to serve them).
+        let file_len = self.file.metadata()?.len();
+        if end.min(self.size) > file_len {
+            self.ended_at(file_len)?;
+        }
         let mut extents = Vec::new();
         let mut at = offset;
         while at < end {
@@ -360,6 +366,7 @@ mod tests {
         assert!(error.to_string().contains("cut short"), "{error}");
         let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
         image.read_vectored_counted(&mut [&mut a, &mut b], 4096).expect_err("cut short, vectored");
+        image.extents(3 * 4096, 4096).expect_err("no hole told where the file was cut");
     }
 
     #[test]

@@ -477,10 +477,6 @@ impl SpillLog {
             self.writing = Some(writing);
             return Ok(());
         }
-        if writing.write.is_none() && self.segments[writing.id.0 as usize].live == 0 {
-            self.drop_failed_write(writing);
-            return Ok(());
-        }
         // `None`: it failed before; try again.
         let written = writing.write.take().is_some_and(|write| match write.wait() {
             Ok(()) => true,
@@ -489,6 +485,10 @@ impl SpillLog {
                 false
             }
         });
+        if !written && self.segments[writing.id.0 as usize].live == 0 {
+            self.drop_failed_write(writing);
+            return Ok(());
+        }
         let result = if written { Ok(()) } else { self.file.write_pages_at(&writing.pages, writing.id.byte_offset()) };
         let result = result
             .map_err(|e| EngineError::from_io("writing spill segment", e))
@@ -506,11 +506,11 @@ impl SpillLog {
         }
     }
 
-    /// A segment whose write failed and whose blocks have all died since (overwritten,
-    /// trimmed): nothing in it is wanted, so it is not written at all. Its place in the file is
-    /// punched and never used again by this log: an error that stays on that part of the file
-    /// (a bad stretch of the disk) would otherwise fail every segment put there, and a failed
-    /// write holds up every segment after it.
+    /// A segment whose write failed and whose blocks have all died (overwritten, trimmed):
+    /// nothing in it is wanted, so it is not written again. Its place in the file is punched
+    /// and never used again by this log (a recovery in a next process finds it free): an error
+    /// that stays on that part of the file (a bad stretch of the disk) would otherwise fail every
+    /// segment put there, and a failed write holds up every segment after it.
     fn drop_failed_write(&mut self, writing: Writing) {
         let id = writing.id;
         tracing::warn!(
@@ -803,6 +803,29 @@ mod tests {
         (log, held, full, stats, addrs)
     }
 
+    /// A segment whose blocks all died while it was open is still sealed and written; if that
+    /// write fails, it is not tried again (on a full disk the retry failed the next append).
+    #[test]
+    fn a_segment_dead_before_its_background_write_failed_is_not_tried_again() {
+        let held: Held = Arc::default();
+        let full = Arc::new(AtomicBool::new(true));
+        let file = HeldWrites { file: MemFile::default(), held: held.clone(), full };
+        let stats = VmStats::default();
+        let mut log = SpillLog::new(Box::new(file), None, test_arena()).expect("log");
+        let append = |log: &mut SpillLog, i: u64| {
+            log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats)
+        };
+        for i in 0..BLOCKS_PER_SEGMENT as u64 {
+            let addr = append(&mut log, i).expect("append");
+            log.release(addr, &stats);
+        }
+        append(&mut log, 9000).expect("seals the dead segment; its write runs");
+        let (_, _, done) = held.lock().expect("lock").pop().expect("held write");
+        done.send(Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))).expect("send");
+        append(&mut log, 9001).expect("nothing in the failed segment lives: not written again");
+        assert_eq!(stats.spill_segments_written.get(), 0);
+    }
+
     #[test]
     fn a_segment_being_written_is_read_from_memory_and_a_failed_write_keeps_it_until_a_retry_succeeds() {
         let (mut log, held, full, stats, addrs) = one_segment_being_written(false);
@@ -860,16 +883,16 @@ mod tests {
         let (mut log, held, full, stats, addrs) = one_segment_being_written(true);
         let (_, _, done) = held.lock().expect("lock").pop().expect("held write");
         done.send(Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))).expect("send");
-        // The guest trims everything while the disk is still full: the retry fails again.
+        // The guest trims everything while the disk is still full: the failed segment holds
+        // nothing live and is given up at once, not kept as garbage (an overlay's compaction
+        // loop once picked such a segment, moved nothing, and spun).
         for addr in &addrs {
             log.release(*addr, &stats);
         }
-        assert!(log.wants_compaction(), "a whole segment of garbage, nothing live");
-        // Before, the overlay's compaction loop picked this segment, moved nothing, and spun.
+        assert!(!log.wants_compaction(), "no garbage left");
         assert_eq!(log.compaction_victim(), None);
         full.store(false, Ordering::Relaxed);
         log.finish_writes(&stats).expect("nothing left to write");
-        assert!(!log.wants_compaction());
         assert_eq!(log.disk_used_bytes(), 0, "nothing in it lives: given up, never written");
         assert_eq!(stats.spill_segments_written.get(), 0);
     }

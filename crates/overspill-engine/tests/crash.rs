@@ -55,7 +55,8 @@ const DEFAULT_RUNS: [(u64, usize, Profile, WriteCacheMode); 6] = [
 ];
 /// What every run together must reach.
 const MIN_POINTS: u64 = 100_000;
-/// States per run recovered again with a crash at each point of the recovery.
+/// States per run (a uniform sample of those recovered for real, the end of the run among them)
+/// recovered again with a crash at each point of the recovery.
 const LEFT_PER_RUN: usize = 10;
 
 fn config(mode: WriteCacheMode) -> OverlayConfig {
@@ -319,6 +320,7 @@ struct Checker {
     failure: Option<String>,
     /// States recovered for real, kept to be recovered again with crashes in the recovery.
     left: Vec<Left>,
+    left_rng: SmallRng,
 }
 
 impl Checker {
@@ -396,7 +398,16 @@ impl Checker {
         self.full_recoveries += 1;
         let copy = copy_arena(&self.dir)?;
         let files = [self.spill.snapshot(), self.segments.snapshot(), self.zeros.snapshot()];
-        let left = if self.left.len() < LEFT_PER_RUN { Some((copy_arena(&self.dir)?, snapshot(&files))) } else { None };
+        // Which of the states recovered so far are kept: a uniform sample of the run (reservoir).
+        let keep = if self.left.len() < LEFT_PER_RUN {
+            Some(self.left.len())
+        } else {
+            Some(self.left_rng.gen_range(0..self.full_recoveries) as usize).filter(|&i| i < LEFT_PER_RUN)
+        };
+        let left = match keep {
+            Some(i) => Some((i, copy_arena(&self.dir)?, snapshot(&files))),
+            None => None,
+        };
         let mode = self.mode;
         let mut vm = recover(&self.golden, mode, copy.path(), &files).map_err(|e| format!("recovery refused: {e}"))?;
         let mut model = self.model.clone();
@@ -419,8 +430,13 @@ impl Checker {
             return Err(failure);
         }
         model.settle(|block| Content::from_prefix(block, &found[block as usize]).unwrap_or(Content::Any));
-        if let Some((arena, files)) = left {
-            self.left.push(Left { mode, arena, files, model: model.clone() });
+        if let Some((i, arena, files)) = left {
+            let left = Left { mode, arena, files, model: model.clone() };
+            if i < self.left.len() {
+                self.left[i] = left;
+            } else {
+                self.left.push(left);
+            }
         }
         // Numbers above anything the crashed process used: a recovery must continue past them.
         let mut rng = SmallRng::seed_from_u64(self.points);
@@ -708,6 +724,7 @@ fn run(seed: u64, ops: usize, profile: Profile, mode: WriteCacheMode) -> RunSumm
         tally: BTreeMap::new(),
         failure: None,
         left: Vec::new(),
+        left_rng: SmallRng::seed_from_u64(seed ^ 0x1e57),
     }));
     let hook = Rc::clone(&checker);
     crash::set(move || hook.borrow_mut().crash_here());

@@ -451,13 +451,19 @@ impl OverlayExports {
                 })?),
                 None => None,
             };
+        if persistent {
+            // The last step that can fail is behind: from here the VM is served.
+            let recorded = self.registry.mark_made(number);
+            recorded.map_err(|e| device_error(EngineError::from_io("recording the VM in the ledger", e)))?;
+        }
         Ok(VmOverlay { overlay, vm, recorder })
     }
 }
 
 impl OverlayExports {
     /// A named VM's overlay whose state outlives the process, in files named after the VM; the
-    /// ledger knows of them before they exist.
+    /// ledger knows of them before they exist (as being made, until the caller has the VM ready
+    /// to serve and calls [`VmRegistry::mark_made`]).
     fn persistent_overlay(
         &self,
         vm: &str,
@@ -520,10 +526,7 @@ impl OverlayExports {
         };
         let arena = Arena::create(&memory_dir, &stem, Overlay::arena_pages(&config)).map_err(device_error)?;
         arena.hold().map_err(io("holding the memory arena"))?;
-        let overlay = Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files)
-            .map_err(device_error)?;
-        self.registry.mark_made(number).map_err(io("recording the VM in the ledger"))?;
-        Ok(overlay)
+        Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files).map_err(device_error)
     }
 }
 

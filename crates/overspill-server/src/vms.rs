@@ -879,12 +879,16 @@ impl Ledger {
                 }
                 Some(e) if self.held_by_a_live_server(&e) => {}
                 Some(LedgerEntry { state: Some(state), making: true, .. }) => {
-                    tracing::info!(
-                        vm,
-                        "state files of a VM an earlier server was making removed (it had served nothing)"
-                    );
-                    remove_leftover_state_files(vm, &state);
-                    self.unmark(vm);
+                    if remove_leftover_state_files(vm, &state).is_empty() {
+                        tracing::info!(
+                            vm,
+                            "state files of a VM an earlier server was making removed (it served nothing)"
+                        );
+                        self.unmark(vm);
+                    } else {
+                        // A live process holds files of that name: not what a dead server was making.
+                        tracing::warn!(vm, "a VM an earlier server was making has files another process holds: left");
+                    }
                 }
                 Some(LedgerEntry { state: Some(state), image, owner, .. }) => {
                     recoverable.push(Recoverable { vm: vm.to_owned(), image, owner, state });

@@ -90,48 +90,62 @@ impl LocalTier {
     }
 
     /// Fills `part` with `chunk`'s bytes from `within` on: from the local file, checked against
-    /// the chunk's sum (read whole for that), else fetched.
+    /// the chunk's sum (read whole for that), else from a fetch.
     fn read_chunk_part(&self, chunk: u64, within: usize, part: &mut [u8], reads: &mut SourceReads) -> io::Result<()> {
-        let (start, len) = (chunk * self.chunk_bytes, self.chunk_len(chunk));
-        let whole = within == 0 && part.len() == len;
-        let mut scratch = Vec::new();
-        // Once more after a copy that failed its check: fetched again in between.
-        for _ in 0..2 {
-            if !self.is_present(chunk) {
-                if let Some(data) = self.fetch(chunk, reads)? {
-                    // Not kept locally: straight from what was fetched.
-                    part.copy_from_slice(&data[within..within + part.len()]);
-                    return Ok(());
+        // A second pass only when another reader fetched the chunk meanwhile; a third only if
+        // its copy then failed the check (the tier is broken from then on: the fetch returns).
+        for _ in 0..3 {
+            if self.is_present(chunk) {
+                match self.read_local(chunk, within, part) {
+                    Ok(()) => return Ok(()),
+                    Err(why) => self.distrust(chunk, &why),
                 }
             }
-            let local: &mut [u8] = if whole {
-                part
-            } else {
-                scratch.resize(len, 0);
-                &mut scratch
-            };
-            self.file.read_exact_at(local, start)?;
-            if crc32c::crc32c(local) == self.sums[chunk as usize].load(Ordering::Relaxed) {
-                if !whole {
-                    part.copy_from_slice(&scratch[within..within + part.len()]);
-                }
+            if let Some(data) = self.fetch(chunk, reads)? {
+                part.copy_from_slice(&data[within..within + part.len()]);
                 return Ok(());
             }
-            tracing::warn!(
-                file = %self.path.display(),
-                offset = start,
-                "the local disk tier's copy of a chunk is not what was fetched (a write the disk lost?): fetching it again"
-            );
-            let _one_fetch = self.stripe(chunk);
-            self.present[(chunk / 64) as usize].fetch_and(!(1 << (chunk % 64)), Ordering::AcqRel);
         }
         Err(io::Error::other(format!(
-            "{}: the local copy of the chunk at byte {start} is not what was fetched, twice",
-            self.path.display()
+            "{}: chunk at byte {} could not be read",
+            self.path.display(),
+            chunk * self.chunk_bytes
         )))
     }
 
-    /// Makes `chunk` local, or returns its bytes when the local file cannot take them.
+    /// `part` of a present chunk from the local file, if the whole chunk there matches its sum.
+    fn read_local(&self, chunk: u64, within: usize, part: &mut [u8]) -> Result<(), String> {
+        let (start, len) = (chunk * self.chunk_bytes, self.chunk_len(chunk));
+        let whole = within == 0 && part.len() == len;
+        let mut scratch = Vec::new();
+        let local: &mut [u8] = if whole {
+            part
+        } else {
+            scratch.resize(len, 0);
+            &mut scratch
+        };
+        self.file.read_exact_at(local, start).map_err(|e| format!("reading it failed: {e}"))?;
+        if crc32c::crc32c(local) != self.sums[chunk as usize].load(Ordering::Relaxed) {
+            return Err("its bytes are not what was fetched (a write the disk lost?)".into());
+        }
+        if !whole {
+            part.copy_from_slice(&scratch[within..within + part.len()]);
+        }
+        Ok(())
+    }
+
+    /// A local copy that could not be read back as fetched: the chunk is fetched again, and the
+    /// disk no longer trusted with new chunks (those it holds are still read, checked).
+    fn distrust(&self, chunk: u64, why: &str) {
+        if !self.broken.swap(true, Ordering::Relaxed) {
+            tracing::warn!(file = %self.path.display(), offset = chunk * self.chunk_bytes, why, "local disk tier failed a check; new chunks are read from the remote source only");
+        }
+        let _one_fetch = self.stripe(chunk);
+        self.present[(chunk / 64) as usize].fetch_and(!(1 << (chunk % 64)), Ordering::AcqRel);
+    }
+
+    /// Fetches `chunk` and keeps it locally while the local file takes it; its bytes, or `None`
+    /// when another reader made it local meanwhile.
     fn fetch(&self, chunk: u64, reads: &mut SourceReads) -> io::Result<Option<Vec<u8>>> {
         let _one_fetch = self.stripe(chunk);
         if self.is_present(chunk) {
@@ -149,15 +163,14 @@ impl LocalTier {
             Ok(()) => {
                 self.sums[chunk as usize].store(crc32c::crc32c(&data), Ordering::Relaxed);
                 self.present[(chunk / 64) as usize].fetch_or(1 << (chunk % 64), Ordering::Release);
-                Ok(None)
             }
             Err(error) => {
                 if !self.broken.swap(true, Ordering::Relaxed) {
                     tracing::warn!(file = %self.path.display(), %error, "local disk tier failed; reading from the remote source only");
                 }
-                Ok(Some(data))
             }
         }
+        Ok(Some(data))
     }
 }
 
@@ -263,7 +276,8 @@ mod tests {
     }
 
     /// The disk lost what the page cache took (or something else wrote the file): the chunk's
-    /// local copy no longer matches its sum, and is fetched again rather than served.
+    /// local copy no longer matches its sum, and is fetched again rather than served; the disk
+    /// is then trusted with no more chunks.
     #[test]
     fn a_local_copy_that_changed_under_the_tier_is_fetched_again() {
         let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
@@ -283,8 +297,12 @@ mod tests {
             tier.read_at(&mut buf, offset).expect("read");
             assert!(buf[..] == bytes[offset as usize..offset as usize + len], "{offset}+{len}: the source's bytes");
         }
-        assert_eq!(remote.reads.load(Ordering::Relaxed), 4, "chunks 1 and 2 fetched again, once each");
-        assert_eq!(tier.chunks_held(), 2);
+        // Once a copy has failed, the disk is trusted with no chunk: each read of one is a fetch.
+        assert_eq!(remote.reads.load(Ordering::Relaxed), 5, "chunk 1 fetched again twice, chunk 2 once");
+        assert_eq!(tier.chunks_held(), 0);
+        tier.read_at(&mut whole, 0).expect("a chunk never fetched");
+        assert!(whole[..] == bytes[..1 << 20]);
+        assert_eq!((remote.reads.load(Ordering::Relaxed), tier.chunks_held()), (6, 0), "fetched, not kept");
     }
 
     #[test]
