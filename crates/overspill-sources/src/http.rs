@@ -130,7 +130,9 @@ impl Failure {
 /// A reqwest error as text without the URL it names (its query may be a signature), with the
 /// causes reqwest's own message leaves out ("connection refused", "certificate unknown").
 fn transport(error: reqwest::Error) -> Failure {
-    let mut transient = !error.is_timeout() && (error.is_connect() || error.is_request() || error.is_body());
+    // A body cut short (the connection closed part way) comes as a decode error of the body.
+    let mut transient =
+        !error.is_timeout() && (error.is_connect() || error.is_request() || error.is_body() || error.is_decode());
     let error = error.without_url();
     let mut message = error.to_string();
     let mut cause = error.source();

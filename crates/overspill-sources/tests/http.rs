@@ -143,6 +143,33 @@ fn a_replaced_image_fails_reads_rather_than_mixing_images() {
     }
 }
 
+/// Replies that are not exactly the bytes asked for fail the read, however they are wrong (a
+/// body cut short is tried again, and fails when every try is cut); a redirect is followed.
+#[test]
+fn a_reply_not_exactly_the_range_asked_for_fails_the_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, bytes) = golden(dir.path(), 6);
+    for (how, error_says) in [
+        ("shifted-range", "Content-Range"),
+        ("cut-body", "tried 3 times"),
+        ("long-body", "more than"),
+        ("gzip", "encoded"),
+        ("redirect", ""),
+    ] {
+        let server = WebServer::ranges(dir.path(), &["--misbehave", how]);
+        let image = open(&server.url("golden.img")).unwrap_or_else(|e| panic!("{how}: open: {e}"));
+        let mut buf = vec![0xa5u8; 65536];
+        let read = image.read_at(&mut buf, 8192);
+        if how == "redirect" {
+            read.unwrap_or_else(|e| panic!("{how}: {e}"));
+            assert!(buf[..] == bytes[8192..8192 + 65536], "{how}: the file's bytes");
+        } else {
+            let error = read.expect_err(how).to_string();
+            assert!(error.contains(error_says), "{how}: {error}");
+        }
+    }
+}
+
 /// A server that sends neither ETag nor Last-Modified cannot show that it still serves the
 /// image opened: refused at open, rather than mix a replaced image's blocks into VMs.
 #[test]

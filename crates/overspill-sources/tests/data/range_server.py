@@ -14,6 +14,10 @@ Prints "listening on PORT" once it listens (PORT 0 picks a free one). Options:
   --tls CERT KEY       serve HTTPS
   --s3 BUCKET          answer path-style S3 requests, /BUCKET/NAME, as an S3 store would
                        (authentication is not checked)
+  --misbehave HOW      after the first --after N ranged GETs (default 1), answer them wrongly:
+                       shifted-range (a Content-Range one byte on), cut-body (close the
+                       connection half way), long-body (100 bytes more than asked), gzip (say
+                       Content-Encoding: gzip), redirect (302 to the same file, then serve it)
 Standard library only.
 """
 
@@ -73,12 +77,18 @@ def make_handler(root, options):
             with lock:
                 gets["count"] += 1
                 fail = options.fail_every and gets["count"] % options.fail_every == 0
+                if "Range" in self.headers:
+                    gets["ranged"] = gets.get("ranged", 0) + 1
+                misbehave = options.misbehave if gets.get("ranged", 0) > options.after else None
             if fail:
                 self.reply(503, body=b"try again\n")
                 return
-            self.serve()
+            if misbehave == "redirect" and "r=1" not in self.path:
+                self.reply(302, [("Location", urllib.parse.urlsplit(self.path).path + "?r=1")])
+                return
+            self.serve(misbehave)
 
-        def serve(self):
+        def serve(self, misbehave=None):
             path = self.file()
             if path is None:
                 self.reply(404, body=b"not found\n")
@@ -121,11 +131,27 @@ def make_handler(root, options):
                 f.seek(first)
                 if options.no_last_modified_on_206:
                     headers = [h for h in headers if h[0] != "Last-Modified"]
-                headers.append(("Content-Range", "bytes %d-%d/%d" % (first, last, size)))
+                shift = 1 if misbehave == "shifted-range" else 0
+                headers.append(("Content-Range", "bytes %d-%d/%d" % (first + shift, last + shift, size)))
+                if misbehave == "gzip":
+                    headers.append(("Content-Encoding", "gzip"))
+                body = f.read(last - first + 1)
                 if self.command == "HEAD":
-                    self.reply(206, headers, length=last - first + 1)
+                    self.reply(206, headers, length=len(body))
+                elif misbehave == "long-body":
+                    self.reply(206, headers, body + b"\0" * 100)
+                elif misbehave == "cut-body":
+                    self.send_response(206)
+                    for name, value in headers:
+                        self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
                 else:
-                    self.reply(206, headers, f.read(last - first + 1))
+                    self.reply(206, headers, body)
 
         def whole(self, f, size, headers):
             if self.command == "HEAD":
@@ -163,6 +189,8 @@ def main():
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
     parser.add_argument("--s3", metavar="BUCKET")
+    parser.add_argument("--misbehave", choices=["shifted-range", "cut-body", "long-body", "gzip", "redirect"])
+    parser.add_argument("--after", type=int, default=1)
     options = parser.parse_args()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", options.port), make_handler(options.dir, options))
     server.daemon_threads = True
