@@ -1020,7 +1020,7 @@ fn transmit<T: Transport>(
             }
             Ok(command) => {
                 let data = &wire.input[wire.start..][data_range.clone()];
-                let result = execute(session.device.as_mut(), command, data);
+                let result = execute(session.device.as_mut(), command, data, max);
                 reply_status(wire, &session, &header, result.map_err(|e| (errno_of(e.kind), e.message)));
                 false
             }
@@ -1122,7 +1122,7 @@ fn cut_short_by_stop(needed: Result<bool, ConnectionError>, stop: &AtomicBool) -
     }
 }
 
-fn execute(device: &mut dyn BlockDevice, command: Command, data: &[u8]) -> Result<(), DeviceError> {
+fn execute(device: &mut dyn BlockDevice, command: Command, data: &[u8], max: u32) -> Result<(), DeviceError> {
     match command {
         Command::Write { offset, fua, .. } => device.write(offset, data, fua),
         Command::Flush => device.flush(),
@@ -1130,7 +1130,10 @@ fn execute(device: &mut dyn BlockDevice, command: Command, data: &[u8]) -> Resul
         Command::WriteZeroes { offset, length, may_trim, fast_only, fua } => {
             device.write_zeroes(offset, u64::from(length), may_trim, fast_only, fua)
         }
-        Command::Cache { offset, length } => device.cache(offset, u64::from(length)),
+        // A hint, which the spec lets a server follow in part: at most a payload's worth, so
+        // that one 28-byte request cannot make the device fetch 4 GiB (its reply does not wait
+        // for the client to take anything, as a read's would).
+        Command::Cache { offset, length } => device.cache(offset, u64::from(length.min(max))),
         Command::Read { .. } | Command::BlockStatus { .. } | Command::Disconnect => {
             unreachable!("handled by the caller")
         }
@@ -1161,6 +1164,13 @@ fn reply_status<T>(
 /// Descriptors in one block status reply at most, as the spec asks (2^20); a client asks again
 /// from where the reply stopped.
 const MAX_STATUS_DESCRIPTORS: usize = 1 << 20;
+/// Of a block status request, what the device is asked about at most: the spec lets a server
+/// answer for less than was asked "if looking up the information would be too
+/// resource-intensive", and the client asks again from where the reply stopped. A device
+/// walks its map block by block: 256 MiB is 65,536 blocks, at most 512 KiB of descriptors.
+const STATUS_WINDOW_BYTES: u64 = 256 << 20;
+/// With REQ_ONE only the first extent is sent: a smaller window, as its walk is thrown away.
+const STATUS_WINDOW_ONE_BYTES: u64 = 16 << 20;
 
 /// Answers NBD_CMD_BLOCK_STATUS for `base:allocation`: one chunk of (length, flags)
 /// descriptors, never past the request's end (so REQ_ONE's limit holds too), merged where
@@ -1178,7 +1188,8 @@ fn block_status<T>(
         reply_status(wire, session, header, Err((Errno::Inval, why.into())));
         return;
     }
-    let extents = match session.device.block_status(offset, u64::from(length)) {
+    let window = if req_one { STATUS_WINDOW_ONE_BYTES } else { STATUS_WINDOW_BYTES };
+    let extents = match session.device.block_status(offset, u64::from(length).min(window)) {
         Ok(extents) => extents,
         Err(error) => {
             reply_status(wire, session, header, Err((errno_of(error.kind), error.message)));

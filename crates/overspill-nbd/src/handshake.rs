@@ -25,6 +25,8 @@ pub const MAX_OPTION_BYTES: u32 = 16 * 1024;
 
 /// The longest string the spec allows (export names, queries).
 const MAX_STRING_BYTES: usize = 4096;
+/// Of a client's string, what logs show.
+const SHOWN_BYTES: usize = 200;
 
 /// The ID of `base:allocation` in block status replies.
 pub const ALLOCATION_CONTEXT_ID: u32 = 1;
@@ -114,6 +116,8 @@ pub struct Handshake {
     max_payload: u32,
     /// Why the last NBD_OPT_GO was refused, until the connection counts it.
     refusal: Option<Refusal>,
+    /// A refusal of this connection's has been logged at warn: the next ones go to debug.
+    refusal_logged: bool,
     /// The server is shutting down: options get NBD_REP_ERR_SHUTDOWN, and the client ABORTs.
     shutting_down: bool,
 }
@@ -174,6 +178,7 @@ impl Handshake {
             identity: None,
             max_payload: u32::MAX,
             refusal: None,
+            refusal_logged: false,
             shutting_down: false,
         }
     }
@@ -355,11 +360,12 @@ impl Handshake {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(data).into_owned();
                 // This option has no error reply: the spec's answer to a bad name is to close.
-                let mut info =
-                    self.visible(exports, &name).ok_or_else(|| HandshakeError::ExportRefused(name.clone()))?;
-                let device = exports
-                    .open(&name, self.identity.as_deref())
-                    .map_err(|_| HandshakeError::ExportRefused(name.clone()))?;
+                let refused = || HandshakeError::ExportRefused(shown(&name).to_owned());
+                if name.len() > MAX_STRING_BYTES {
+                    return Err(refused());
+                }
+                let mut info = self.visible(exports, &name).ok_or_else(refused)?;
+                let device = exports.open(&name, self.identity.as_deref()).map_err(|_| refused())?;
                 // The opened device's size, as for GO (see `info_or_go`).
                 info.size = device.size();
                 put_u64(out, info.size);
@@ -520,10 +526,16 @@ impl Handshake {
             // Asking is how clients look for exports (INFO); connecting to one that is not there
             // (GO) is a misconfigured VM the operator wants to hear about.
             if option == OPT_GO {
+                let export = shown(&name);
+                // Once per connection at warn: a client asking again and again must not flood the log.
                 self.refusal = Some(Refusal::UnknownExport);
-                tracing::warn!(export = ?name, "a client asked for an export that does not exist (or is hidden from it)");
+                if !std::mem::replace(&mut self.refusal_logged, true) {
+                    tracing::warn!(export = ?export, "a client asked for an export that does not exist (or is hidden from it)");
+                } else {
+                    tracing::debug!(export = ?export, "a client asked again for an export that does not exist");
+                }
             } else {
-                tracing::debug!(export = ?name, "INFO for an unknown export");
+                tracing::debug!(export = ?shown(&name), "INFO for an unknown export");
             }
             // SELECTIVETLS: a hidden export may be one only a TLS identity opens, and for such an
             // export the spec wants TLS_REQD before TLS; a missing one may get it too, so hidden
@@ -541,7 +553,12 @@ impl Handshake {
             match exports.open(&name, self.identity.as_deref()) {
                 Ok(device) => Some(device),
                 Err(error) => {
-                    tracing::warn!(export = ?name, %error, "could not open export");
+                    let export = shown(&name);
+                    if !std::mem::replace(&mut self.refusal_logged, true) {
+                        tracing::warn!(export = ?export, error = ?shown(&error.message), "could not open export");
+                    } else {
+                        tracing::debug!(export = ?export, error = ?shown(&error.message), "could not open export, again");
+                    }
                     // NBD has no "try later" reply: an export that cannot be opened now is
                     // unavailable (as nbdkit answers); the message and the count say why.
                     let (reply, refusal) = match error.kind {
@@ -630,10 +647,21 @@ fn parse_meta_context_request(data: &[u8]) -> Option<(String, Vec<&str>)> {
     rest.is_empty().then(|| (name.to_owned(), queries))
 }
 
+/// A client's string as logs show it: at most [`SHOWN_BYTES`] of it (logged with `?`, which
+/// escapes control characters); a name of 4096 bytes a client sends a thousand times a second
+/// must not become that much log.
+fn shown(text: &str) -> &str {
+    truncate_utf8(text, SHOWN_BYTES)
+}
+
 /// INFO/GO data: u32 name length, name, u16 request count, u16 requests. `None` if the lengths
-/// do not add up or the name is not UTF-8.
+/// do not add up, the name is longer than a string may be, or it is not UTF-8.
 fn parse_info_request(data: &[u8]) -> Option<(String, Vec<u16>)> {
     let name_len = be_u32(data.get(..4)?) as usize;
+    // The spec's strings are at most 4096 bytes, export names included.
+    if name_len > MAX_STRING_BYTES {
+        return None;
+    }
     let name = data.get(4..4usize.checked_add(name_len)?)?;
     let rest = &data[4 + name_len..];
     let count = be_u16(rest.get(..2)?) as usize;
@@ -735,6 +763,31 @@ mod tests {
         assert_eq!((be_u32(&block.2[2..]), be_u32(&block.2[6..]), be_u32(&block.2[10..])), (1, 4096, 32 << 20));
         assert!(r.iter().any(|(_, t, p)| *t == REP_INFO && be_u16(p) == INFO_NAME && &p[2..] == b"golden"));
         assert_eq!(r.last().map(|x| x.1), Some(REP_ACK));
+    }
+
+    /// Export names are strings, at most 4096 bytes: a longer one in INFO/GO is invalid (and is
+    /// never echoed back in NBD_INFO_NAME), in EXPORT_NAME it closes the connection; a refusal
+    /// names it shortened.
+    #[test]
+    fn export_names_longer_than_a_string_may_be_are_refused() {
+        let exports = OneExport::new("golden", 4096);
+        let long = format!("golden@{}", "x".repeat(MAX_STRING_BYTES));
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        put_option(&mut input, OPT_INFO, &info_request(&long, &[INFO_NAME]));
+        put_option(&mut input, OPT_GO, &info_request(&long, &[]));
+        let mut out = Vec::new();
+        let (_, progress) = Handshake::new().advance(&input, &mut out, &exports).expect("well-framed");
+        assert!(matches!(progress, Progress::NeedMore));
+        let kinds: Vec<u32> = replies(&out).iter().map(|r| r.1).collect();
+        assert_eq!(kinds, vec![REP_ERR_INVALID, REP_ERR_INVALID]);
+        assert!(out.len() < 1024, "nothing of the name comes back: {} bytes", out.len());
+        let mut input = Vec::new();
+        put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+        put_option(&mut input, OPT_EXPORT_NAME, long.as_bytes());
+        let error = Handshake::new().advance(&input, &mut Vec::new(), &exports).err();
+        let Some(HandshakeError::ExportRefused(shown)) = error else { panic!("{error:?}") };
+        assert_eq!(shown.len(), SHOWN_BYTES);
     }
 
     /// FORCEDTLS: before TLS only STARTTLS and ABORT are served, EXPORT_NAME closes; after it,

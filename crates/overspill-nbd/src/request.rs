@@ -98,8 +98,9 @@ pub fn validate(h: &RequestHeader, size: u64, caps: Capabilities, max_payload: u
     // this flag set, even if the flag has no effect"), as nbdkit and qemu-nbd do; checked below.
     let allowed_flags = CMD_FLAG_FUA
         | match h.kind {
-            CMD_READ => CMD_FLAG_DF,
-            CMD_WRITE | CMD_TRIM | CMD_FLUSH | CMD_CACHE => 0,
+            // DF is never advertised (SEND_DF), and a read carrying it would bind the server to
+            // one content chunk, which large and sparse reads are not: refused, not ignored.
+            CMD_READ | CMD_WRITE | CMD_TRIM | CMD_FLUSH | CMD_CACHE => 0,
             CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
             CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
             _ => return Err(Errno::Inval),

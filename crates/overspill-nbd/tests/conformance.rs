@@ -1366,6 +1366,7 @@ fn flush_and_fua_reach_the_device_before_the_reply() {
     conn.request(CMD_READ, CMD_FLAG_FUA, 8, 0, 16, &[]);
     assert_eq!(conn.simple(8), 0, "FUA on READ");
     assert_eq!(conn.bytes(16), vec![0; 16]);
+    assert_eq!(conn.command(CMD_READ, CMD_FLAG_DF, 0, 16), EINVAL, "DF, never advertised");
     assert_eq!(conn.write(0, 0, &[3; 512]), 0);
     assert_eq!(disk.calls().last(), Some(&Call::Write { offset: 0, length: 512, fua: false }), "no FUA, none passed");
 }

@@ -618,3 +618,118 @@ fn a_slow_handshake_is_left_alone_while_nobody_waits() {
     let shed = counters.refusals().into_iter().find(|(r, _)| *r == Refusal::HandshakeShed).map_or(0, |(_, n)| n);
     assert_eq!(shed, 0, "a handshake was shed with nobody waiting");
 }
+
+/// An 8 GiB export that stores nothing and notes how much of it each BLOCK_STATUS and CACHE asks
+/// the device about.
+#[derive(Clone, Default)]
+struct Asked(Arc<std::sync::Mutex<Vec<(u16, u64)>>>);
+
+const HUGE: u64 = 8 << 30;
+
+impl BlockDevice for Asked {
+    fn size(&self) -> u64 {
+        HUGE
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
+    }
+    fn read(&mut self, _offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        buf.fill(0);
+        Ok(())
+    }
+    fn write(&mut self, _offset: u64, _data: &[u8], _fua: bool) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn write_zeroes(&mut self, _o: u64, _l: u64, _may_trim: bool, _fast: bool, _fua: bool) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn trim(&mut self, _offset: u64, _length: u64, _fua: bool) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn block_status(&mut self, _offset: u64, length: u64) -> Result<Vec<overspill_nbd::device::Extent>, DeviceError> {
+        self.0.lock().expect("asked").push((CMD_BLOCK_STATUS, length));
+        Ok(vec![overspill_nbd::device::Extent { length, hole: true, zero: true }])
+    }
+    fn cache(&mut self, _offset: u64, length: u64) -> Result<(), DeviceError> {
+        self.0.lock().expect("asked").push((CMD_CACHE, length));
+        Ok(())
+    }
+}
+
+impl ExportProvider for Asked {
+    fn list(&self) -> Vec<ExportInfo> {
+        self.info("disk").into_iter().collect()
+    }
+    fn info(&self, name: &str) -> Option<ExportInfo> {
+        (name == "disk").then(|| ExportInfo {
+            name: "disk".into(),
+            description: String::new(),
+            size: HUGE,
+            capabilities: Capabilities::ALL,
+            block_sizes: overspill_nbd::memory::DEFAULT_BLOCK_SIZES,
+        })
+    }
+    fn open(&self, _name: &str, _identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        Ok(Box::new(self.clone()))
+    }
+}
+
+/// One request may not make the device do unbounded work: BLOCK_STATUS asks it about 256 MiB at
+/// most (16 MiB with REQ_ONE, whose reply is one extent) and the client asks again from where
+/// the reply stops, as the spec allows; CACHE, a hint, prefetches at most a payload's worth
+/// (32 MiB) of the 4 GiB asked.
+#[test]
+fn one_request_asks_the_device_about_a_bounded_range() {
+    let asked = Asked::default();
+    let server = Server::new(Arc::new(asked.clone()), ServerConfig::default());
+    let mut s = raw(&server);
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).expect("greeting");
+    let mut msg = Vec::new();
+    put_u32(&mut msg, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+    put_option(&mut msg, OPT_STRUCTURED_REPLY, &[]);
+    let mut meta = Vec::new();
+    put_u32(&mut meta, 4);
+    meta.extend_from_slice(b"disk");
+    put_u32(&mut meta, 1);
+    put_u32(&mut meta, BASE_ALLOCATION.len() as u32);
+    meta.extend_from_slice(BASE_ALLOCATION.as_bytes());
+    put_option(&mut msg, OPT_SET_META_CONTEXT, &meta);
+    put_option(&mut msg, OPT_GO, &info_request("disk", &[]));
+    s.write_all(&msg).expect("options");
+    loop {
+        let mut head = [0u8; 20];
+        s.read_exact(&mut head).expect("option reply");
+        let (option, kind, len) = (be_u32(&head[8..]), be_u32(&head[12..]), be_u32(&head[16..]));
+        std::io::copy(&mut (&mut s).take(u64::from(len)), &mut std::io::sink()).expect("option data");
+        assert_eq!(kind & (1 << 31), 0, "option {option} refused");
+        if option == OPT_GO && kind == REP_ACK {
+            break;
+        }
+    }
+    let length: u32 = !4095;
+    for (kind, flags) in [(CMD_BLOCK_STATUS, 0), (CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE), (CMD_CACHE, 0)] {
+        let mut msg = Vec::new();
+        overspill_nbd::request::RequestHeader { flags, kind, cookie: 1, offset: 4096, length }.encode(&mut msg);
+        s.write_all(&msg).expect("request");
+        let mut magic = [0u8; 4];
+        s.read_exact(&mut magic).expect("reply");
+        if be_u32(&magic) == SIMPLE_REPLY_MAGIC {
+            let mut rest = [0u8; 12];
+            s.read_exact(&mut rest).expect("simple reply");
+            assert_eq!(be_u32(&rest), 0, "no error");
+        } else {
+            let mut rest = [0u8; 16];
+            s.read_exact(&mut rest).expect("chunk header");
+            let mut payload = vec![0u8; be_u32(&rest[12..]) as usize];
+            s.read_exact(&mut payload).expect("chunk payload");
+            assert_eq!(be_u16(&rest[2..]), REPLY_TYPE_BLOCK_STATUS);
+            assert!(be_u32(&payload[4..]) > 0 && payload.len() == 12, "one descriptor covering part of the range");
+        }
+    }
+    let asked = asked.0.lock().expect("asked").clone();
+    assert_eq!(asked, vec![(CMD_BLOCK_STATUS, 256 << 20), (CMD_BLOCK_STATUS, 16 << 20), (CMD_CACHE, 32 << 20)]);
+}

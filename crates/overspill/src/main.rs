@@ -110,8 +110,12 @@ fn main() -> ExitCode {
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     // Log lines go through a bounded queue to a thread of their own, which drops what it cannot
     // write: a stalled or dead reader of stderr (`serve | tee log`, tee killed) must not block
-    // a VM's requests or panic the thread that logs.
-    let (writer, flush_at_exit) = tracing_appender::non_blocking(ErrorlessStderr);
+    // a VM's requests or panic the thread that logs. 16,384 lines, not the crate's 128,000: a
+    // queue that clients can fill faster than journald drains it is memory they spend.
+    let (writer, flush_at_exit) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(16_384)
+        .lossy(true)
+        .finish(ErrorlessStderr);
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)

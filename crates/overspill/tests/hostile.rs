@@ -293,3 +293,55 @@ fn a_hostile_mix_costs_the_good_vms_nothing() {
     );
     assert!(std::fs::read(&golden).expect("golden") == golden_bytes, "the golden image was written");
 }
+
+/// A client asking again and again for exports that do not exist, or for VM names the server
+/// refuses, each name as long as a string may be (and some longer), costs the log a line or two
+/// per connection, each a few hundred bytes: not a line per question, nor the names whole (a
+/// flood of those once filled the log queue faster than it drained, gigabytes of it).
+#[test]
+fn refused_exports_asked_for_again_and_again_cost_the_log_little() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = tmp.path().join("golden.img");
+    std::fs::write(&golden, vec![7u8; 1 << 20]).expect("golden image");
+    let socket = tmp.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let ready = socket.clone();
+    let server = Serve::start(
+        tmp.path(),
+        &["--base", golden.to_str().expect("utf-8"), "--listen", &listen],
+        &[("RUST_LOG", "info")],
+        move || UnixStream::connect(&ready).is_ok(),
+    );
+    let before = server.log_text().len();
+    const ASKS: usize = 500;
+    for export in [format!("nosuch{}", "\u{1}".repeat(4090)), format!("@{}", "\u{1}".repeat(4095)), "x".repeat(5000)] {
+        let mut s = UnixStream::connect(&socket).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        let mut greeting = [0u8; 18];
+        s.read_exact(&mut greeting).expect("greeting");
+        let mut msg = Vec::new();
+        put_u32(&mut msg, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+        for _ in 0..ASKS {
+            put_option(&mut msg, OPT_GO, &info_request(&export, &[]));
+        }
+        let mut writer = s.try_clone().expect("clone");
+        let sending = std::thread::spawn(move || writer.write_all(&msg));
+        let mut errors = 0;
+        while errors < ASKS {
+            let mut head = [0u8; 20];
+            s.read_exact(&mut head).expect("an option reply");
+            let (kind, len) = (
+                u32::from_be_bytes(head[12..16].try_into().expect("4")),
+                u32::from_be_bytes(head[16..20].try_into().expect("4")),
+            );
+            std::io::copy(&mut (&mut s).take(u64::from(len)), &mut std::io::sink()).expect("reply data");
+            assert!(kind & (1 << 31) != 0, "each is refused");
+            errors += 1;
+        }
+        sending.join().expect("sender").expect("sent");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let grown = server.log_text().len() - before;
+    eprintln!("{} refused asks over 3 connections: {grown} bytes of log", 3 * ASKS);
+    assert!(grown < 8 << 10, "{grown} bytes of log:\n{}", &server.log_text()[before..]);
+}
