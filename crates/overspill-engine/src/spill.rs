@@ -518,14 +518,7 @@ impl SpillLog {
             "a spill segment that could not be written holds nothing live: its place is given up"
         );
         self.free_pages(writing.pages);
-        if let Some(summaries) = &mut self.summaries {
-            summaries.clear(id.0);
-        }
-        let segment = &mut self.segments[id.0 as usize];
-        segment.state = SegmentState::Free;
-        segment.owners = Vec::new();
-        self.owner_tables -= 1;
-        self.sealed_segments -= 1;
+        self.unseal(id);
         self.given_up += 1;
         if let Err(error) = self.file.punch_hole(id.byte_offset(), SEGMENT_BYTES as u64) {
             tracing::debug!(%error, segment = id.0, "could not punch a spill segment given up");
@@ -634,6 +627,14 @@ impl SpillLog {
     /// A sealed segment with no live slot: kept for reuse, and the oldest kept ones punched
     /// when there are more than [`Self::kept_limit`].
     fn free_segment(&mut self, id: SegmentId, stats: &VmStats) {
+        self.unseal(id);
+        self.kept.push(id.0);
+        self.punch_kept_beyond(self.kept_limit(), stats);
+    }
+
+    /// A sealed segment holds nothing any more: its summary cleared (a recovery finds no copy
+    /// there), its owner table dropped; the caller says where its id goes.
+    fn unseal(&mut self, id: SegmentId) {
         if let Some(summaries) = &mut self.summaries {
             summaries.clear(id.0);
         }
@@ -642,8 +643,6 @@ impl SpillLog {
         segment.owners = Vec::new();
         self.owner_tables -= 1;
         self.sealed_segments -= 1;
-        self.kept.push(id.0);
-        self.punch_kept_beyond(self.kept_limit(), stats);
     }
 
     /// Punches the oldest kept segments until at most `limit` are left.

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use overspill_engine::arena::Arena;
 use overspill_engine::faults::{Fault, FaultPlan, FaultyFile, Op, Rule, Trigger};
 use overspill_engine::store::MemFile;
 use overspill_engine::{HostMemory, MemImage, Overlay, OverlayConfig, VmStats, WriteCacheMode, SEGMENT_BYTES};
@@ -19,6 +20,26 @@ fn overlay(mode: WriteCacheMode, ram_target_bytes: u64, file: FaultyFile) -> Ove
         Some(Box::new(file)),
         HostMemory::unlimited(),
         Arc::new(VmStats::default()),
+    )
+    .expect("overlay")
+}
+
+/// A VM whose state outlives the process, in RAM alone, over `arena` and `zeros`.
+fn persistent_in_ram(
+    ram_target_bytes: u64,
+    arena: impl FnOnce(&OverlayConfig) -> Arena,
+    zeros: Box<dyn overspill_engine::BackingFile>,
+) -> Overlay {
+    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes, spill_max_bytes: None };
+    let arena = arena(&config);
+    Overlay::persistent(
+        Arc::new(MemImage::new(vec![GOLDEN; DISK])),
+        config,
+        None,
+        HostMemory::unlimited(),
+        Arc::new(VmStats::default()),
+        arena,
+        overspill_engine::state::StateFiles { segments: Box::<MemFile>::default(), zeros },
     )
     .expect("overlay")
 }
@@ -78,22 +99,10 @@ fn a_segment_that_cannot_be_written_is_given_up_once_nothing_in_it_lives() {
 /// the zeroing with nothing changed (the old data reads back), and the next zeroing works.
 #[test]
 fn a_zero_log_append_that_fails_fails_its_zeroing_and_changes_nothing() {
-    use overspill_engine::arena::Arena;
-    use overspill_engine::state::StateFiles;
     // Write 1 is the log's header; an append is two: the end marker behind, then the record.
     let zeros = FaultyFile::new(Box::<MemFile>::default(), FaultPlan::new(0).on(Op::Write, Fault::Io, Trigger::Nth(3)));
-    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes: 8 << 20, spill_max_bytes: None };
-    let arena = Arena::in_memory(Overlay::arena_pages(&config)).expect("arena");
-    let mut vm = Overlay::persistent(
-        Arc::new(MemImage::new(vec![GOLDEN; DISK])),
-        config,
-        None,
-        HostMemory::unlimited(),
-        Arc::new(VmStats::default()),
-        arena,
-        StateFiles { segments: Box::<MemFile>::default(), zeros: Box::new(zeros) },
-    )
-    .expect("overlay");
+    let arena = |config: &OverlayConfig| Arena::in_memory(Overlay::arena_pages(config)).expect("arena");
+    let mut vm = persistent_in_ram(8 << 20, arena, Box::new(zeros));
     vm.write(0, &[0xaa; 2 * BLOCK as usize]).expect("write");
     vm.write_zeroes(0, BLOCK).expect_err("its record could not be logged");
     assert!(block(&mut vm, 0).iter().all(|&b| b == 0xaa), "the zeroing took no effect");
@@ -105,20 +114,9 @@ fn a_zero_log_append_that_fails_fails_its_zeroing_and_changes_nothing() {
 /// received or changed, and the overlay goes on.
 #[test]
 fn a_write_the_arena_has_no_pages_for_changes_nothing() {
-    use overspill_engine::arena::Arena;
-    use overspill_engine::state::StateFiles;
-    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes: 64 << 20, spill_max_bytes: None };
     // Room for 256 pages, whatever the target says.
-    let mut vm = Overlay::persistent(
-        Arc::new(MemImage::new(vec![GOLDEN; DISK])),
-        config,
-        None,
-        HostMemory::unlimited(),
-        Arc::new(VmStats::default()),
-        Arena::in_memory(256).expect("arena"),
-        StateFiles { segments: Box::<MemFile>::default(), zeros: Box::<MemFile>::default() },
-    )
-    .expect("overlay");
+    let arena = |_: &OverlayConfig| Arena::in_memory(256).expect("arena");
+    let mut vm = persistent_in_ram(64 << 20, arena, Box::<MemFile>::default());
     vm.write(0, &[0xaa; BLOCK as usize]).expect("a small write");
     let mut received = false;
     let len = 2 << 20;
