@@ -82,7 +82,7 @@ fn session() -> Vec<u8> {
     request(&mut out, CMD_FLUSH, 0, 0, 0, &[]);
     request(&mut out, CMD_TRIM, 0, 0, 4096, &[]);
     request(&mut out, CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 8192, 4096, &[]);
-    request(&mut out, CMD_READ, CMD_FLAG_DF, 0, 0, &[]);
+    request(&mut out, CMD_READ, 0, 0, 0, &[]);
     request(&mut out, CMD_CACHE, 0, 0, 65536, &[]);
     request(&mut out, CMD_BLOCK_STATUS, 0, 0, 1 << 20, &[]);
     request(&mut out, CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4096, 8192, &[]);
@@ -120,7 +120,7 @@ fn spilling_session(disc: bool) -> Vec<u8> {
     request(&mut out, CMD_TRIM, 0, 4096, 4 * 4096, &[]);
     request(&mut out, CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 8 * 4096, 2 * 4096, &[]);
     request(&mut out, CMD_FLUSH, 0, 0, 0, &[]);
-    request(&mut out, CMD_READ, CMD_FLAG_DF, 0, 24 * 4096, &[]);
+    request(&mut out, CMD_READ, 0, 0, 24 * 4096, &[]);
     if disc {
         request(&mut out, CMD_DISC, 0, 0, 0, &[]);
     }

@@ -188,8 +188,10 @@ impl Model {
                 return ended(options, pos, Outcome::Error(HandshakeError::TlsRequired));
             }
             if option == OPT_EXPORT_NAME && (String::from_utf8_lossy(data) != self.export || !self.visible()) {
-                let name = String::from_utf8_lossy(data).into_owned();
-                return ended(options, pos, Outcome::Error(HandshakeError::ExportRefused(name)));
+                let name = String::from_utf8_lossy(data);
+                // Named in the error as logs show it: cut short.
+                let shown = overspill_nbd::wire::truncate_utf8(&name, overspill_nbd::handshake::SHOWN_BYTES).to_owned();
+                return ended(options, pos, Outcome::Error(HandshakeError::ExportRefused(shown)));
             }
             pos += 16 + data.len();
             options.push((option, Some(data)));

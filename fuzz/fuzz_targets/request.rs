@@ -50,7 +50,8 @@ fuzz_target!(|data: &[u8]| {
     let writable = !caps.read_only;
     // FUA is valid on every command once negotiated (checked with `can_fua` below).
     let (allowed_flags, supported) = match h.kind {
-        CMD_READ => (CMD_FLAG_FUA | CMD_FLAG_DF, true),
+        // DF is never advertised: refused.
+        CMD_READ => (CMD_FLAG_FUA, true),
         CMD_WRITE => (CMD_FLAG_FUA, writable),
         CMD_TRIM => (CMD_FLAG_FUA, writable && caps.can_trim),
         CMD_WRITE_ZEROES => (

@@ -1168,9 +1168,9 @@ const MAX_STATUS_DESCRIPTORS: usize = 1 << 20;
 /// answer for less than was asked "if looking up the information would be too
 /// resource-intensive", and the client asks again from where the reply stopped. A device
 /// walks its map block by block: 256 MiB is 65,536 blocks, at most 512 KiB of descriptors.
+/// The same with REQ_ONE, which QEMU sends on every request: a smaller window would cut its
+/// long extents (an empty disk) into many more round trips.
 const STATUS_WINDOW_BYTES: u64 = 256 << 20;
-/// With REQ_ONE only the first extent is sent: a smaller window, as its walk is thrown away.
-const STATUS_WINDOW_ONE_BYTES: u64 = 16 << 20;
 
 /// Answers NBD_CMD_BLOCK_STATUS for `base:allocation`: one chunk of (length, flags)
 /// descriptors, never past the request's end (so REQ_ONE's limit holds too), merged where
@@ -1188,8 +1188,7 @@ fn block_status<T>(
         reply_status(wire, session, header, Err((Errno::Inval, why.into())));
         return;
     }
-    let window = if req_one { STATUS_WINDOW_ONE_BYTES } else { STATUS_WINDOW_BYTES };
-    let extents = match session.device.block_status(offset, u64::from(length).min(window)) {
+    let extents = match session.device.block_status(offset, u64::from(length).min(STATUS_WINDOW_BYTES)) {
         Ok(extents) => extents,
         Err(error) => {
             reply_status(wire, session, header, Err((errno_of(error.kind), error.message)));

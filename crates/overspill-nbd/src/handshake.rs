@@ -25,8 +25,8 @@ pub const MAX_OPTION_BYTES: u32 = 16 * 1024;
 
 /// The longest string the spec allows (export names, queries).
 const MAX_STRING_BYTES: usize = 4096;
-/// Of a client's string, what logs show.
-const SHOWN_BYTES: usize = 200;
+/// Of a client's string, what logs and errors show.
+pub const SHOWN_BYTES: usize = 200;
 
 /// The ID of `base:allocation` in block status replies.
 pub const ALLOCATION_CONTEXT_ID: u32 = 1;
@@ -116,8 +116,10 @@ pub struct Handshake {
     max_payload: u32,
     /// Why the last NBD_OPT_GO was refused, until the connection counts it.
     refusal: Option<Refusal>,
-    /// A refusal of this connection's has been logged at warn: the next ones go to debug.
-    refusal_logged: bool,
+    /// A GO for a missing export, and one whose export would not open, have been logged at
+    /// warn on this connection: the next of each kind go to debug.
+    missing_logged: bool,
+    open_failure_logged: bool,
     /// The server is shutting down: options get NBD_REP_ERR_SHUTDOWN, and the client ABORTs.
     shutting_down: bool,
 }
@@ -178,7 +180,8 @@ impl Handshake {
             identity: None,
             max_payload: u32::MAX,
             refusal: None,
-            refusal_logged: false,
+            missing_logged: false,
+            open_failure_logged: false,
             shutting_down: false,
         }
     }
@@ -529,7 +532,7 @@ impl Handshake {
                 let export = shown(&name);
                 // Once per connection at warn: a client asking again and again must not flood the log.
                 self.refusal = Some(Refusal::UnknownExport);
-                if !std::mem::replace(&mut self.refusal_logged, true) {
+                if !std::mem::replace(&mut self.missing_logged, true) {
                     tracing::warn!(export = ?export, "a client asked for an export that does not exist (or is hidden from it)");
                 } else {
                     tracing::debug!(export = ?export, "a client asked again for an export that does not exist");
@@ -554,7 +557,7 @@ impl Handshake {
                 Ok(device) => Some(device),
                 Err(error) => {
                     let export = shown(&name);
-                    if !std::mem::replace(&mut self.refusal_logged, true) {
+                    if !std::mem::replace(&mut self.open_failure_logged, true) {
                         tracing::warn!(export = ?export, error = ?shown(&error.message), "could not open export");
                     } else {
                         tracing::debug!(export = ?export, error = ?shown(&error.message), "could not open export, again");

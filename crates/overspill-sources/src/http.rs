@@ -14,8 +14,9 @@
 //! `If-Unmodified-Since`), and each reply is checked (status 206, the exact `Content-Range`
 //! with the size from open, the same ETag, no content coding, exactly the bytes asked for), so
 //! an image replaced on the server while VMs run fails their reads with EIO rather than mixing
-//! two images' blocks. Connection failures, resets and 5xx replies are tried again; a timeout
-//! is not, since a server that hung once makes the VM wait as long again.
+//! two images' blocks. Connection failures, resets, bodies cut short and 5xx replies are tried
+//! again, within one request timeout for all the tries; a timeout is not, since a server that
+//! hung once makes the VM wait as long again.
 //!
 //! HTTPS trusts the system's CA roots, or only those in `SSL_CERT_FILE` when it is set; the
 //! standard `HTTPS_PROXY`/`NO_PROXY` variables are honoured. A `user:password@` in the URL is
@@ -190,6 +191,8 @@ pub struct HttpImage {
     /// enough: fetches are network waits, and the read cache in front coalesces them.
     runtime: tokio::runtime::Runtime,
     fetch_bytes: u64,
+    /// What one request may take; all the tries of one read together, too.
+    request_timeout: Duration,
 }
 
 impl HttpImage {
@@ -224,6 +227,7 @@ impl HttpImage {
             validator: Validator::default(),
             runtime,
             fetch_bytes,
+            request_timeout,
         };
         let (size, validator) = match image.retrying(|image| image.runtime.block_on(image.head())).map_err(&remote)? {
             Some(learnt) => learnt,
@@ -266,15 +270,20 @@ impl HttpImage {
         Ok(image)
     }
 
-    /// Runs `attempt` until it succeeds, fails for good, or has been tried [`ATTEMPTS`] times.
+    /// Runs `attempt` until it succeeds, fails for good, has been tried [`ATTEMPTS`] times, or
+    /// the tries have taken the request timeout (a server that trickles a reply and cuts it
+    /// just before the timeout must not make a VM wait three timeouts).
     fn retrying<T>(&self, mut attempt: impl FnMut(&Self) -> Result<T, Failure>) -> Result<T, String> {
+        let started = std::time::Instant::now();
         let mut pause = RETRY_PAUSE;
         let mut tried = 0;
         loop {
             tried += 1;
             match attempt(self) {
                 Ok(value) => return Ok(value),
-                Err(failure) if failure.transient && tried < ATTEMPTS => {
+                Err(failure)
+                    if failure.transient && tried < ATTEMPTS && started.elapsed() + pause < self.request_timeout =>
+                {
                     tracing::warn!(url = %self.name, tried, error = %failure.message, "HTTP request failed; trying again");
                     std::thread::sleep(pause);
                     pause *= 2;
