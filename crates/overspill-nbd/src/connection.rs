@@ -293,6 +293,11 @@ pub enum ConnectionError {
     Truncated,
     #[error("TLS: {0}")]
     Tls(io::Error),
+    /// The server had to close a connection whose socket was fine (a read that failed after its
+    /// simple reply began, a device that asked for more than a write's payload): a TLS client
+    /// still hears close_notify.
+    #[error("{0}")]
+    Abandoned(String),
 }
 
 /// Inside the `TimedOut` error of a transmission deadline that passed: which one.
@@ -1054,7 +1059,7 @@ impl<T: Transport> WirePayload<'_, T> {
     fn receive_into(&mut self, mut buffers: &mut [IoSliceMut<'_>]) -> Result<(), ConnectionError> {
         let wanted: usize = buffers.iter().map(|buffer| buffer.len()).sum();
         if wanted > self.unread {
-            return Err(io::Error::other("device asked for more than the write's payload").into());
+            return Err(ConnectionError::Abandoned("the device asked for more than the write's payload".into()));
         }
         while !buffers.is_empty() {
             let n = if self.wire.buffered().is_empty() {
@@ -1307,7 +1312,7 @@ fn read<T: Transport>(
                     wire.flush()?;
                     let why =
                         format!("a read failed after its reply began, so the connection closes: {}", error.message);
-                    return Err(io::Error::other(why).into());
+                    return Err(ConnectionError::Abandoned(why));
                 }
                 return Ok(());
             }

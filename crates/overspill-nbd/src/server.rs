@@ -661,6 +661,7 @@ fn log_ending(id: u64, peer: &str, ending: Result<Ending, ConnectionError>) {
             tracing::info!(connection = id, peer, export, requests, "disconnected")
         }
         Err(ConnectionError::Io(error)) => tracing::info!(connection = id, peer, %error, "connection lost"),
+        Err(ConnectionError::Abandoned(why)) => tracing::warn!(connection = id, peer, why, "connection closed"),
         Err(error) => tracing::warn!(connection = id, peer, %error, "connection closed: bad input"),
     }
 }

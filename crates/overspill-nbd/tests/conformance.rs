@@ -912,34 +912,47 @@ type TlsConn = Conn<SslStream<UnixStream>>;
 type TlsEnding = (&'static str, fn(&mut TlsConn));
 
 /// Every other end of a TLS session shuts TLS down first too (a hard disconnect SHOULD): ABORT
-/// over TLS, a framing error during negotiation, a bad request in transmission, and a handshake
+/// over TLS, a framing error during negotiation, a bad request in transmission, a read that
+/// fails after its simple reply began (the server's own reason to close), and a handshake
 /// deadline that passes after TLS is up; with either kind of credentials.
 #[test]
 fn every_end_of_a_tls_session_sends_close_notify() {
     for psk in [true, false] {
         let dir = tempfile::tempdir().expect("tempdir");
         let security = required_tls(dir.path(), psk);
-        let limits = Limits { handshake_timeout: Duration::from_millis(1500), ..limits(1 << 20) };
-        let server = serve_with(&Disk::new(Capabilities::ALL), limits, security);
+        let limits = Limits { handshake_timeout: Duration::from_millis(1500), ..limits(4 << 20) };
+        let mut disk = Disk::new(Capabilities::ALL);
+        disk.bad_from = 3 << 19;
+        let server = serve_with(&disk, limits, security);
         let over_tls = || {
             let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
             assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
             upgrade_with(conn, psk, None)
         };
-        let ends: [TlsEnding; 4] = [
+        let ends: [TlsEnding; 5] = [
             ("ABORT", |conn| assert_eq!(conn.ask_final(OPT_ABORT, &[]), REP_ACK)),
             ("a bad option magic", |conn| conn.send(&[0x55; 16])),
             ("a bad request magic", |conn| {
                 conn.negotiate(false);
                 conn.send(&[0x55; 28]);
             }),
+            ("a read failing after its simple reply began", |conn| {
+                conn.negotiate(false);
+                conn.request(CMD_READ, 0, 9, 0, 2 << 20, &[]);
+            }),
             ("the handshake deadline", |_| {}),
         ];
         for (what, end_it) in ends {
             let mut conn = over_tls();
             end_it(&mut conn);
-            let mut buf = [0u8; 16];
-            let end = conn.s.read(&mut buf);
+            // What the server sent before it closed (a reply's first slice), then the end.
+            let mut buf = vec![0u8; 64 << 10];
+            let end = loop {
+                match conn.s.read(&mut buf) {
+                    Ok(n) if n > 0 => continue,
+                    other => break other,
+                }
+            };
             let received = conn.s.get_shutdown().contains(ShutdownState::RECEIVED);
             assert!(matches!(end, Ok(0)) && received, "psk {psk}, {what}: {end:?}, close_notify received: {received}");
         }
