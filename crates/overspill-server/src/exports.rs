@@ -787,8 +787,15 @@ impl BlockDevice for EngineDevice {
 /// Makes `dir` if it is missing and checks that files can be made in it.
 fn writable_directory(dir: &Path) -> std::io::Result<()> {
     crate::files::own_directory(dir)?;
-    let probe = dir.join(format!(".overspill-probe-{}", std::process::id()));
-    std::fs::File::create(&probe)?;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let probe = dir.join(format!(".overspill-probe-{}-{nanos}", std::process::id()));
+    // A new file, never one a link planted under this name leads to (a sticky, world-writable
+    // spill directory such as /var/tmp is accepted).
+    std::os::unix::fs::OpenOptionsExt::custom_flags(
+        std::fs::OpenOptions::new().write(true).create_new(true),
+        rustix::fs::OFlags::NOFOLLOW.bits() as i32,
+    )
+    .open(&probe)?;
     std::fs::remove_file(&probe)
 }
 

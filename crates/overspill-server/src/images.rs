@@ -109,7 +109,13 @@ impl ImageStore {
     pub fn publish(&self, name: &str, file: &Path, activate: bool) -> Result<String, ServerError> {
         check_name("image", name)?;
         let dir = self.root.join(name);
+        let new_dir = !dir.exists();
         std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
+        if new_dir {
+            // Searchable by the server's user whatever the umask of whoever publishes.
+            std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
+        }
         let lock = lock_image(&dir)?;
         let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
         let version = format!("v{next}");
@@ -132,10 +138,13 @@ impl ImageStore {
         // A copy a crashed publisher left (under the lock, no one else's).
         let _ = std::fs::remove_file(&partial);
         std::fs::copy(file, &partial).map_err(io)?;
-        // Published versions are read-only, for people as for the server.
-        let mut perms = std::fs::metadata(&partial).map_err(io)?.permissions();
-        perms.set_readonly(true);
-        std::fs::set_permissions(&partial, perms).map_err(io)?;
+        // Published versions are read-only, and readable by the server whatever the source
+        // file's mode or the publisher's umask (a server running as its own user found a
+        // 0600 copy, made by root, unreadable).
+        std::fs::set_permissions(&partial, std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(io)?;
+        // On disk before it has a version's name: a host crash must not leave a version (and
+        // `current` naming it) with its bytes lost.
+        std::fs::File::open(&partial).and_then(|f| f.sync_all()).map_err(io)?;
         // The copy is what is served, and `file` may have changed since it was checked (an
         // uploader still writing it could turn it into a layer over any file the server reads):
         // the copy is checked again, as it is, before it becomes a version.
@@ -147,6 +156,7 @@ impl ImageStore {
             return Err(ServerError::io(format!("publishing {}", file.display()), changed));
         }
         std::fs::rename(&partial, &target).map_err(io)?;
+        sync_directory(&dir).map_err(io)?;
         if activate {
             self.activate_locked(name, &version)?;
         }
@@ -172,8 +182,11 @@ impl ImageStore {
         let dir = self.root.join(name);
         let partial = dir.join(".current.partial");
         let io = |e| ServerError::io(format!("making {version} current in {}", dir.display()), e);
-        crate::files::replace_whole(&dir.join("current"), &partial, format!("{version}\n").as_bytes(), 0o644)
-            .map_err(io)?;
+        let current = dir.join("current");
+        crate::files::replace_whole(&current, &partial, format!("{version}\n").as_bytes(), 0o644).map_err(io)?;
+        // Readable by the server whatever the umask of whoever ran this, and on disk.
+        std::fs::set_permissions(&current, std::os::unix::fs::PermissionsExt::from_mode(0o644)).map_err(io)?;
+        std::fs::File::open(&current).and_then(|f| f.sync_all()).and_then(|()| sync_directory(&dir)).map_err(io)?;
         Ok(())
     }
 }
@@ -349,6 +362,11 @@ impl OpenVersions {
     }
 }
 
+/// Makes the names in `dir` (a rename, a new file) survive a host crash.
+fn sync_directory(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,7 +407,18 @@ mod tests {
         let store = ImageStore::new(&dir.path().join("images"));
         let file = dir.path().join("a.img");
         std::fs::write(&file, vec![1u8; 8192]).expect("write");
+        // A source only its owner may read: the version is readable by the server all the same
+        // (the mode is set, not copied from the source nor left to the publisher's umask).
+        std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
         assert_eq!(store.publish("win7", &file, true).expect("publish"), "v1");
+        let mode = |path: &Path| {
+            std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(path).expect("stat").permissions()) & 0o777
+        };
+        let image_dir = dir.path().join("images/win7");
+        assert_eq!(
+            (mode(&image_dir), mode(&image_dir.join("v1.img")), mode(&image_dir.join("current"))),
+            (0o755, 0o444, 0o644)
+        );
         std::fs::write(&file, vec![2u8; 4096]).expect("write");
         assert_eq!(store.publish("win7", &file, false).expect("publish"), "v2");
         let entry = store.image("win7").expect("image");

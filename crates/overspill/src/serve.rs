@@ -445,7 +445,10 @@ struct PidFile(PathBuf);
 
 impl PidFile {
     fn write(path: &Path) -> anyhow::Result<Self> {
-        let partial = path.with_extension("partial");
+        // `.NAME.partial` beside it, a name of overspill's own: `NAME.partial` may be anyone's
+        // (`--pidfile /run/x.pid` would have removed `/run/x.partial`).
+        let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let partial = path.with_file_name(format!(".{file_name}.partial"));
         let text = format!("{}\n", std::process::id());
         overspill_server::files::replace_whole(path, &partial, text.as_bytes(), 0o644)
             .with_context(|| format!("--pidfile {}", path.display()))?;

@@ -258,6 +258,9 @@ fn the_pidfile_names_the_server_while_it_runs() {
     let socket = tmp.path().join("nbd.sock");
     let pidfile = tmp.path().join("run/overspill.pid");
     std::fs::create_dir_all(pidfile.parent().expect("parent")).expect("run dir");
+    // Someone else's file whose name a careless temporary name would take.
+    let neighbour = tmp.path().join("run/overspill.partial");
+    std::fs::write(&neighbour, b"not overspill's").expect("neighbour");
     let listen = format!("unix:{}", socket.display());
     let args =
         ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--pidfile", pidfile.to_str().expect("utf-8")];
@@ -266,6 +269,7 @@ fn the_pidfile_names_the_server_while_it_runs() {
     assert_eq!(written.trim(), server.child.id().to_string());
     server.stop();
     assert!(!pidfile.exists(), "the pidfile outlived the server");
+    assert_eq!(std::fs::read(&neighbour).expect("still there"), b"not overspill's");
 }
 
 /// A soft open-file limit below the hard one is raised at start: each VM holds descriptors.
