@@ -243,7 +243,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     raise_open_file_limit();
     let images = open_images(&args)?;
     let security = args.security.security().context("TLS and access settings")?;
-    let host = HostMemory::new(args.ram_total, args.ram_floor);
+    let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
+    let memory_dir = args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
+    let ram_total = ram_total_within(&memory_dir, args.ram_total);
+    let host = HostMemory::new(ram_total, args.ram_floor);
     let settings = CacheSettings {
         mode: args.mode,
         ram_target_bytes: args.ram,
@@ -263,12 +266,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         }
         exports.with_image_store(dir);
     }
-    let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
     exports
         .with_lifecycle(Lifecycle {
             reconnect_grace: args.reconnect_grace,
             state_dir: Some(state_dir.clone()),
-            memory_dir: Some(args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir))),
+            memory_dir: Some(memory_dir),
         })
         .with_context(|| format!("state directory {}", state_dir.display()))?;
     if let Some(dir) = &args.memory_dir {
@@ -338,7 +340,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         listen = %listener.local_addr(),
         mode = %args.mode,
         ram_per_vm = %format_bytes(args.ram),
-        ram_total = %format_bytes(args.ram_total),
+        ram_total = %format_bytes(ram_total),
         tls = ?config_tls_mode,
         reconnect_grace = %humantime::format_duration(args.reconnect_grace),
         control = %control_path.display(),
@@ -467,6 +469,38 @@ impl Drop for PidFile {
 
 /// Pages in a memory directory on a disk filesystem still outlive the process, but every page the
 /// VMs write is written back to that disk: say so, as the operator asked for a RAM tier.
+/// `--ram-total`, or less when the memory directory's filesystem has less room than that (a
+/// `/run` tmpfs is 10-20 % of the host's RAM): the RAM tier's pages live there, and a page it
+/// has no room for fails the guest's write with ENOSPC, where a cap makes the VMs spill first.
+/// Room is what the filesystem can still take plus what overspill's state files there hold (a
+/// restarted server's VMs).
+fn ram_total_within(memory_dir: &Path, ram_total: u64) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Some(existing) = memory_dir.ancestors().find(|dir| dir.exists()) else { return ram_total };
+    let Ok(fs) = nix::sys::statvfs::statvfs(existing) else { return ram_total };
+    let free = fs.blocks_available().saturating_mul(fs.fragment_size());
+    let ours: u64 = std::fs::read_dir(memory_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with("vm-"))
+        .filter_map(|entry| entry.metadata().ok())
+        .map(|metadata| metadata.blocks() * 512)
+        .sum();
+    let room = free.saturating_add(ours);
+    if room >= ram_total {
+        return ram_total;
+    }
+    tracing::warn!(
+        dir = %memory_dir.display(),
+        room = %format_bytes(room),
+        ram_total = %format_bytes(ram_total),
+        "the memory directory has room for less than --ram-total: the RAM tier is capped at its room, so that VMs spill \
+         rather than have writes refused when it is full (give the directory a filesystem of its own, or a larger one)"
+    );
+    room
+}
+
 fn warn_unless_in_memory(dir: &Path) {
     use nix::sys::statfs::{statfs, FsType, TMPFS_MAGIC};
     // Not among nix's names; linux/magic.h.

@@ -761,3 +761,22 @@ fn man_pages_and_completions_render() {
     assert!(syntax.success(), "the bash completion script does not parse");
     assert!(std::fs::read_to_string(&script).expect("script").contains("--reconnect-grace"));
 }
+
+/// A `--ram-total` larger than the memory directory's filesystem can hold is capped at its room,
+/// with a warning: pages past it would fail guests' writes with ENOSPC instead of spilling.
+#[test]
+fn ram_total_is_capped_at_the_memory_directorys_room() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram-total", "1000T"];
+    let ready = socket.clone();
+    let mut server =
+        Serve::start(tmp.path(), &args, &[], move || std::os::unix::net::UnixStream::connect(&ready).is_ok());
+    let log = server.log_text();
+    assert!(log.contains("room for less than --ram-total"), "{log}");
+    let serving = log.lines().find(|line| line.contains("serving")).expect("the serving line");
+    assert!(!serving.contains("ram_total=1000 TiB") && serving.contains("ram_total="), "{serving}");
+    server.stop();
+}
