@@ -467,8 +467,6 @@ impl Drop for PidFile {
     }
 }
 
-/// Pages in a memory directory on a disk filesystem still outlive the process, but every page the
-/// VMs write is written back to that disk: say so, as the operator asked for a RAM tier.
 /// `--ram-total`, or less when the memory directory's filesystem has less room than that (a
 /// `/run` tmpfs is 10-20 % of the host's RAM): the RAM tier's pages live there, and a page it
 /// has no room for fails the guest's write with ENOSPC, where a cap makes the VMs spill first.
@@ -501,6 +499,8 @@ fn ram_total_within(memory_dir: &Path, ram_total: u64) -> u64 {
     room
 }
 
+/// Pages in a memory directory on a disk filesystem still outlive the process, but every page the
+/// VMs write is written back to that disk: say so, as the operator asked for a RAM tier.
 fn warn_unless_in_memory(dir: &Path) {
     use nix::sys::statfs::{statfs, FsType, TMPFS_MAGIC};
     // Not among nix's names; linux/magic.h.
