@@ -117,7 +117,11 @@ impl ImageStore {
                 .map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
         }
         let lock = lock_image(&dir)?;
-        let next = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0) + 1;
+        // Never a number given before, even if its file has been removed since: a server still
+        // holding the removed version open (VMs on it) would otherwise hand it out under the
+        // new one's name, and a restarted VM recorded on it would find another image there.
+        let highest = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0);
+        let next = highest.max(read_highest_given(&dir)) + 1;
         let version = format!("v{next}");
         // A version is one immutable file: a layer whose backing file or parent lies elsewhere
         // would change when that file does.
@@ -155,6 +159,8 @@ impl ImageStore {
             let changed = std::io::Error::other("it changed while it was copied: publish a file nothing writes");
             return Err(ServerError::io(format!("publishing {}", file.display()), changed));
         }
+        // The number is taken for good before the version is there under it.
+        record_highest_given(&dir, next).map_err(io)?;
         std::fs::rename(&partial, &target).map_err(io)?;
         sync_directory(&dir).map_err(io)?;
         if activate {
@@ -191,6 +197,22 @@ impl ImageStore {
     }
 }
 
+/// The image directory's record of the highest version number ever published in it.
+const HIGHEST_GIVEN: &str = ".highest-version";
+
+/// The highest version number `publish` has given in `dir`: 0 when none was recorded (a store
+/// from before the record, whose files still tell), or when the record cannot be read.
+fn read_highest_given(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join(HIGHEST_GIVEN)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+}
+
+fn record_highest_given(dir: &Path, number: u64) -> std::io::Result<()> {
+    let record = dir.join(HIGHEST_GIVEN);
+    let partial = dir.join(format!("{HIGHEST_GIVEN}.partial"));
+    crate::files::replace_whole(&record, &partial, format!("{number}\n").as_bytes(), 0o644)?;
+    std::fs::File::open(&record)?.sync_all()
+}
+
 /// One publisher or activation at a time per image, across processes: two publishers would pick
 /// the same next number and copy into one file (a version mixing both), two activations share
 /// the `current` marker's temporary name. The image's directory itself is locked (`flock`), so
@@ -205,7 +227,10 @@ fn lock_image(dir: &Path) -> Result<std::fs::File, ServerError> {
 pub struct OpenVersions {
     store: ImageStore,
     read_cache_bytes: u64,
-    open: Mutex<HashMap<(String, String), Weak<dyn GoldenImage>>>,
+    /// With the file's stamp when it was opened: a version whose file was removed and whose
+    /// name was published again (by hand, or by a store from before `publish` kept its record
+    /// of numbers given) is another image, opened afresh.
+    open: Mutex<HashMap<(String, String), (FileStamp, Weak<dyn GoldenImage>)>>,
     /// What [`Self::describe`] found for versions no VM held: a version never changes, and
     /// NBD_OPT_LIST and NBD_OPT_INFO (which any client may send, again and again) would
     /// otherwise open it, tables and all, each time. Kept with the file's inode and
@@ -312,12 +337,10 @@ impl OpenVersions {
     pub fn describe(&self, name: &str) -> Result<(u64, String), ServerError> {
         let version = self.store.current(name)?;
         let key = (name.to_owned(), version.name.clone());
-        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(image) = open.get(&key).and_then(Weak::upgrade) {
+        let stamp = file_stamp(&version.path);
+        if let Some(image) = self.held(&key, stamp) {
             return Ok((image.size(), image.describe()));
         }
-        drop(open);
-        let stamp = file_stamp(&version.path);
         let mut described = self.described.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, size, description)) = described.get(&key).filter(|(was, ..)| stamp.is_some() && *was == stamp) {
             return Ok((*size, description.clone()));
@@ -342,8 +365,11 @@ impl OpenVersions {
 
     fn open(&self, name: &str, version: Version) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
         let key = (name.to_owned(), version.name.clone());
+        // Taken before the file is opened: a file replaced between the two is opened with the
+        // older stamp, so the next caller opens it again rather than sharing a wrong copy.
+        let stamp = file_stamp(&version.path);
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(image) = open.get(&key).and_then(Weak::upgrade) {
+        if let Some(image) = Self::held_in(&open, &key, stamp) {
             return Ok((version.name, image));
         }
         let label = format!("{name}:{}", version.name);
@@ -356,9 +382,22 @@ impl OpenVersions {
             image = Arc::new(cached);
         }
         let held: Arc<dyn GoldenImage> = Arc::new(HeldVersion { inner: image, label });
-        open.retain(|_, weak| weak.strong_count() > 0);
-        open.insert(key, Arc::downgrade(&held));
+        open.retain(|_, (_, weak)| weak.strong_count() > 0);
+        open.insert(key, (stamp, Arc::downgrade(&held)));
         Ok((version.name, held))
+    }
+
+    /// The open copy of a version, if VMs still hold it and its file is still the one opened.
+    fn held(&self, key: &(String, String), stamp: FileStamp) -> Option<Arc<dyn GoldenImage>> {
+        Self::held_in(&self.open.lock().unwrap_or_else(|p| p.into_inner()), key, stamp)
+    }
+
+    fn held_in(
+        open: &HashMap<(String, String), (FileStamp, Weak<dyn GoldenImage>)>,
+        key: &(String, String),
+        stamp: FileStamp,
+    ) -> Option<Arc<dyn GoldenImage>> {
+        open.get(key).filter(|(was, _)| stamp.is_some() && *was == stamp).and_then(|(_, weak)| weak.upgrade())
     }
 }
 
@@ -441,6 +480,43 @@ mod tests {
         assert_eq!(caches.live().len(), 2);
         drop((first, again));
         assert_eq!(caches.live().len(), 1, "v1's cache goes when its last user does");
+    }
+
+    /// A version removed by hand (the newest, say, found bad) leaves its number used: the next
+    /// publish is not served the removed one's bytes by a server still holding it open for its
+    /// VMs. And where a number does come back (removed with the store's record, as in a store
+    /// from before the record), the new file is opened afresh, not taken for the held one.
+    #[test]
+    fn a_removed_versions_number_never_serves_its_bytes_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = ImageStore::new(&dir.path().join("images"));
+        let file = dir.path().join("a.img");
+        let publish = |fill: u8, len: usize| {
+            std::fs::write(&file, vec![fill; len]).expect("write");
+            store.publish("win7", &file, true).expect("publish")
+        };
+        assert_eq!((publish(1, 8192), publish(2, 8192)), ("v1".to_owned(), "v2".to_owned()));
+        let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default());
+        let read_first = |image: &Arc<dyn GoldenImage>| {
+            let mut byte = [0u8; 1];
+            image.read_at(&mut byte, 0).expect("read");
+            byte[0]
+        };
+        let (_, held_v2) = open.current("win7").expect("current");
+        assert_eq!(read_first(&held_v2), 2);
+        let image_dir = dir.path().join("images/win7");
+        std::fs::remove_file(image_dir.join("v2.img")).expect("remove v2");
+        assert_eq!(publish(3, 4096), "v3", "the removed v2's number is not given again");
+        let (v, image) = open.current("win7").expect("current");
+        assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v3", 4096, 3));
+
+        std::fs::remove_file(image_dir.join("v3.img")).expect("remove v3");
+        std::fs::remove_file(image_dir.join(HIGHEST_GIVEN)).expect("remove the record");
+        assert_eq!(publish(4, 16384), "v2", "without the record, the files are all that tell");
+        let (v, image) = open.current("win7").expect("current");
+        assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v2", 16384, 4), "the held v2 handed out");
+        assert_eq!(open.describe("win7").expect("describe").0, 16384);
+        assert_eq!(read_first(&held_v2), 2, "the VMs on the removed v2 keep it");
     }
 
     /// Two operators (or two scripts) publishing at once: every publish gets a version of its
