@@ -230,7 +230,7 @@ pub struct OpenVersions {
     /// With the file's stamp when it was opened: a version whose file was removed and whose
     /// name was published again (by hand, or by a store from before `publish` kept its record
     /// of numbers given) is another image, opened afresh.
-    open: Mutex<HashMap<(String, String), (FileStamp, Weak<dyn GoldenImage>)>>,
+    open: Mutex<HeldVersions>,
     /// What [`Self::describe`] found for versions no VM held: a version never changes, and
     /// NBD_OPT_LIST and NBD_OPT_INFO (which any client may send, again and again) would
     /// otherwise open it, tables and all, each time. Kept with the file's inode and
@@ -314,6 +314,9 @@ impl GoldenImage for HeldVersion {
 /// A file's inode and modification time (any write changes it): `None` if it cannot be read.
 type FileStamp = Option<(u64, std::time::SystemTime)>;
 
+/// The versions VMs hold, by image and version name, with their files' stamps when opened.
+type HeldVersions = HashMap<(String, String), (FileStamp, Weak<dyn GoldenImage>)>;
+
 /// What NBD_OPT_INFO tells of a version (size, description), and of which file.
 type Description = (FileStamp, u64, String);
 
@@ -392,11 +395,7 @@ impl OpenVersions {
         Self::held_in(&self.open.lock().unwrap_or_else(|p| p.into_inner()), key, stamp)
     }
 
-    fn held_in(
-        open: &HashMap<(String, String), (FileStamp, Weak<dyn GoldenImage>)>,
-        key: &(String, String),
-        stamp: FileStamp,
-    ) -> Option<Arc<dyn GoldenImage>> {
+    fn held_in(open: &HeldVersions, key: &(String, String), stamp: FileStamp) -> Option<Arc<dyn GoldenImage>> {
         open.get(key).filter(|(was, _)| stamp.is_some() && *was == stamp).and_then(|(_, weak)| weak.upgrade())
     }
 }
