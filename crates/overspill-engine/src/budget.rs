@@ -29,6 +29,8 @@ pub struct HostMemory {
     per_vm_cap_bytes: AtomicU64,
     /// The last free-memory figure [`HostMemory::rebalance`] saw (`NOT_SAMPLED` before one).
     available_bytes: AtomicU64,
+    /// What the memory directory had room for at the last rebalance (`NO_CAP` where not told).
+    room_cap_bytes: AtomicU64,
 }
 
 const NOT_SAMPLED: u64 = u64::MAX;
@@ -42,6 +44,7 @@ impl HostMemory {
             vms: AtomicU64::new(0),
             per_vm_cap_bytes: AtomicU64::new(NO_CAP),
             available_bytes: AtomicU64::new(NOT_SAMPLED),
+            room_cap_bytes: AtomicU64::new(NO_CAP),
         })
     }
 
@@ -92,7 +95,13 @@ impl HostMemory {
 
     /// Whether the host has room for `bytes` more.
     pub fn has_room(&self, bytes: u64) -> bool {
-        self.used_bytes().saturating_add(bytes) <= self.cap_bytes
+        self.used_bytes().saturating_add(bytes) <= self.total_cap_bytes()
+    }
+
+    /// The cap on all VMs together now: `--ram-total`, or less where the memory directory's
+    /// room was short at the last rebalance.
+    pub fn total_cap_bytes(&self) -> u64 {
+        self.cap_bytes.min(self.room_cap_bytes.load(Ordering::Relaxed))
     }
 
     pub(crate) fn attach(&self) {
@@ -114,8 +123,22 @@ impl HostMemory {
 
     /// Recomputes the per-VM cap from the host's available memory (MemAvailable).
     pub fn rebalance(&self, available_bytes: u64) {
+        self.rebalance_within(available_bytes, None);
+    }
+
+    /// As [`Self::rebalance`], also bounding the VMs together by the room of the filesystem
+    /// their pages live in (a tmpfs memory directory): what they hold now, plus its free room,
+    /// less `keep_bytes`. Other users of that filesystem (`/run` is everyone's) can take its room
+    /// after the server started, and a page the filesystem refuses fails the guest's write,
+    /// where a VM held to its share spills instead. Short of room, every VM's cap is cut to its
+    /// share, so that the pages they give back come back to the filesystem.
+    pub fn rebalance_within(&self, available_bytes: u64, pages_room: Option<PagesRoom>) {
         self.available_bytes.store(available_bytes.min(NOT_SAMPLED - 1), Ordering::Relaxed);
         let used = self.used_bytes();
+        let room_cap =
+            pages_room.map_or(NO_CAP, |room| used.saturating_add(room.room_bytes).saturating_sub(room.keep_bytes));
+        self.room_cap_bytes.store(room_cap, Ordering::Relaxed);
+        let total_cap = self.total_cap_bytes();
         let vms = self.vms().max(1);
         let previous = self.per_vm_cap_bytes();
         let mut cap = if available_bytes < self.floor_bytes {
@@ -126,17 +149,26 @@ impl HostMemory {
         } else {
             let grown = previous.saturating_add((available_bytes - self.floor_bytes) / vms);
             // Lift the cap once it no longer binds anyone.
-            if grown >= self.cap_bytes {
+            if grown >= total_cap {
                 NO_CAP
             } else {
                 grown
             }
         };
-        if used > self.cap_bytes {
-            cap = cap.min(self.cap_bytes / vms);
+        if used > total_cap {
+            cap = cap.min(total_cap / vms);
         }
         self.per_vm_cap_bytes.store(cap, Ordering::Relaxed);
     }
+}
+
+/// What the filesystem holding the VMs' pages has free, and how much of it to keep free: pages
+/// are allocated ahead of use and a write lands in fresh pages before it pushes older ones out,
+/// neither of which the budget counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagesRoom {
+    pub room_bytes: u64,
+    pub keep_bytes: u64,
 }
 
 /// Reads MemAvailable from /proc/meminfo, in bytes.
@@ -248,6 +280,28 @@ mod tests {
         assert_eq!(host.per_vm_cap_bytes(), 180 << 20, "surplus shared out");
         host.rebalance(2 << 30);
         assert_eq!(host.per_vm_cap_bytes(), NO_CAP);
+    }
+
+    /// The memory directory short of room cuts the VMs to their share of what it holds, though
+    /// memory is plentiful, and bounds them together by its room until it has more.
+    #[test]
+    fn the_pages_filesystems_room_bounds_the_vms_together() {
+        let host = HostMemory::new(1 << 30, 0);
+        host.attach();
+        host.attach();
+        host.account(0, 100 << 20);
+        let room = |room_mib: u64| Some(PagesRoom { room_bytes: room_mib << 20, keep_bytes: 8 << 20 });
+        host.rebalance_within(16 << 30, room(2));
+        assert_eq!(host.total_cap_bytes(), 94 << 20, "6 MiB short of the room to keep");
+        assert_eq!(host.per_vm_cap_bytes(), 47 << 20, "each VM cut to its share");
+        assert!(!host.has_room(4096));
+        host.account(100 << 20, 94 << 20);
+        host.rebalance_within(16 << 30, room(28));
+        assert_eq!(host.per_vm_cap_bytes(), NO_CAP, "within the room: no VM held to a share");
+        assert!(host.has_room(20 << 20) && !host.has_room((20 << 20) + 4096), "but all together to the room");
+        assert_eq!(host.cap_bytes(), 1 << 30, "--ram-total itself is as it was");
+        host.rebalance_within(16 << 30, None);
+        assert_eq!(host.total_cap_bytes(), 1 << 30);
     }
 
     #[test]

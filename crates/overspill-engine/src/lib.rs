@@ -24,7 +24,7 @@ pub mod stats;
 pub mod store;
 pub mod units;
 
-pub use budget::HostMemory;
+pub use budget::{HostMemory, PagesRoom};
 pub use error::{EngineError, Result};
 pub use golden::{push_extent, Allocation, Extent, GoldenImage, MemImage, RawImage, SourceReads};
 pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};

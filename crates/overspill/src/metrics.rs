@@ -366,10 +366,23 @@ pub fn render(
         "gauge",
     );
     w.sample("overspill_host_cache_memory_used_bytes", &[], host.used_bytes() as f64);
-    w.header("overspill_host_cache_memory_cap_bytes", "The host cap on cache memory (--ram-total).", "gauge");
-    w.sample("overspill_host_cache_memory_cap_bytes", &[], host.cap_bytes() as f64);
+    w.header(
+        "overspill_host_cache_memory_cap_bytes",
+        "The host cap on cache memory: --ram-total, or less while the memory directory is short of room.",
+        "gauge",
+    );
+    w.sample("overspill_host_cache_memory_cap_bytes", &[], host.total_cap_bytes() as f64);
     w.header("overspill_host_memory_floor_bytes", "Free memory the caches leave to the host (--ram-floor).", "gauge");
     w.sample("overspill_host_memory_floor_bytes", &[], host.floor_bytes() as f64);
+    let per_vm_cap = host.per_vm_cap_bytes();
+    if per_vm_cap != u64::MAX {
+        w.header(
+            "overspill_host_cache_memory_per_vm_cap_bytes",
+            "The most one VM's cache may hold now: set while free memory is below the floor, the memory directory short of room, or the VMs over --ram-total.",
+            "gauge",
+        );
+        w.sample("overspill_host_cache_memory_per_vm_cap_bytes", &[], per_vm_cap as f64);
+    }
     if let Some(available) = host.available_bytes() {
         w.header(
             "overspill_host_memory_available_bytes",

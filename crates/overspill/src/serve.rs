@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_engine::budget::{read_cgroup_room, read_mem_available};
-use overspill_engine::{BackingKind, GoldenImage, HostMemory, WriteCacheMode};
+use overspill_engine::{BackingKind, GoldenImage, HostMemory, PagesRoom, WriteCacheMode, SEGMENT_BYTES};
 use overspill_nbd::counters::ProtocolCounters;
 use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, ListenAddr, Listener, Server, ServerConfig, TlsMode};
@@ -246,6 +246,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
     let memory_dir = args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
     let ram_total = ram_total_within(&memory_dir, args.ram_total);
+    let memory_dir_for_sampler = memory_dir.clone();
     let host = HostMemory::new(ram_total, args.ram_floor);
     let settings = CacheSettings {
         mode: args.mode,
@@ -299,7 +300,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         )?;
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
     }
-    spawn_memory_sampler(host);
+    // Where the VMs' pages are files: a memory directory that other users fill after the start
+    // must make VMs spill, not refuse their writes.
+    let pages_dir = (!args.reconnect_grace.is_zero()).then_some(memory_dir_for_sampler);
+    spawn_memory_sampler(host, pages_dir);
     let config = ServerConfig {
         limits: Limits {
             handshake_timeout: args.handshake_timeout,
@@ -499,6 +503,18 @@ fn ram_total_within(memory_dir: &Path, ram_total: u64) -> u64 {
     room
 }
 
+/// The memory directory's free room, and what to keep free there: three 2 MiB segments per VM
+/// for the pages a VM takes that the budget does not count (the segment being written, the
+/// arena's allocation a step ahead of the pages it hands out, a write's fresh pages before it
+/// pushes older ones out). `None` when the directory cannot be read.
+fn pages_room(dir: &Path, vms: u64) -> Option<PagesRoom> {
+    let fs = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(PagesRoom {
+        room_bytes: fs.blocks_available().saturating_mul(fs.fragment_size()),
+        keep_bytes: 3 * SEGMENT_BYTES as u64 * vms.max(1),
+    })
+}
+
 /// Pages in a memory directory on a disk filesystem still outlive the process, but every page the
 /// VMs write is written back to that disk: say so, as the operator asked for a RAM tier.
 fn warn_unless_in_memory(dir: &Path) {
@@ -630,14 +646,18 @@ fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> 
     Ok(())
 }
 
-/// Feeds the host's free memory to the budget once a second, so VMs shrink under pressure, and
-/// hands memory the VMs gave back to the system.
-fn spawn_memory_sampler(host: Arc<HostMemory>) {
+/// Feeds the host's free memory (and the room left in the memory directory, where VMs' pages
+/// are files) to the budget once a second, so VMs shrink under pressure, and hands memory the
+/// VMs gave back to the system.
+fn spawn_memory_sampler(host: Arc<HostMemory>, pages_dir: Option<PathBuf>) {
     let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || loop {
         match read_mem_available() {
             // Under a cgroup limit (MemoryMax=, a container) the room left in it is what counts
             // when it is less than the host's free memory.
-            Ok(available) => host.rebalance(read_cgroup_room().map_or(available, |room| room.min(available))),
+            Ok(available) => host.rebalance_within(
+                read_cgroup_room().map_or(available, |room| room.min(available)),
+                pages_dir.as_deref().and_then(|dir| pages_room(dir, host.vms())),
+            ),
             Err(error) => {
                 tracing::warn!(%error, "cannot read free memory; the free floor is not enforced");
                 return;

@@ -353,6 +353,76 @@ fn a_full_memory_directory_gives_enospc_to_the_writer_and_the_server_lives() {
     b.disconnect().expect("B disconnects");
 }
 
+/// The memory directory fills after the server started (other users of `/run`): a VM that can
+/// spill (`ram+disk`) must spill, not get ENOSPC for pages the filesystem no longer has. The
+/// server bounds the VMs by the directory's room (sampled once a second) and cuts them to their
+/// share when it runs short, so that the pages they give back return to the filesystem.
+#[test]
+fn a_memory_directory_others_fill_after_the_start_makes_vms_spill_not_fail() {
+    let tmp = TempDir::new().expect("tempdir");
+    let (golden, _) = golden_file(tmp.path(), 34);
+    let fs = SmallFs::mount(&tmp.path().join("memory"), 16);
+    let memory = fs.dir.to_str().expect("utf-8").to_owned();
+    let spill = tmp.path().join("spill");
+    std::fs::create_dir_all(&spill).expect("spill dir");
+    let args = [
+        "--mode",
+        "ram+disk",
+        "--ram",
+        "64M",
+        "--reconnect-grace",
+        "1m",
+        "--memory-dir",
+        &memory,
+        "--metrics",
+        "tcp:127.0.0.1:0",
+    ];
+    let server = Server::start(tmp.path(), "s", &golden, &spill, &args);
+    let metrics = server.events("metrics endpoint up")[0]["metrics"].as_str().expect("metrics URL").to_owned();
+    let room = || {
+        let fs = nix::sys::statvfs::statvfs(fs.dir.as_path()).expect("statvfs");
+        fs.blocks_available() * fs.fragment_size()
+    };
+    let mut a = server.client("a");
+    let mut written: Vec<(u64, Vec<u8>)> = Vec::new();
+    let mut write = |a: &mut Client, offset: u64, server: &Server| {
+        let data = pseudo_random(CHUNK, 2000 + offset / CHUNK as u64);
+        if let Err(error) = a.write(offset, &data, false) {
+            panic!(
+                "the write at {offset} failed ({error}) with {} KiB free in the memory directory:\n{}",
+                room() >> 10,
+                server.log_text()
+            );
+        }
+        written.push((offset, data));
+    };
+    for i in 0..16 {
+        write(&mut a, i * CHUNK as u64, &server);
+    }
+    // Someone else takes all but 3 MiB of the directory.
+    let theirs = pseudo_random((room() - 3 * MIB) as usize, 99);
+    std::fs::write(fs.dir.join("someone-else"), &theirs).expect("another user's file");
+    // The next sample finds the directory short of room and cuts the VM to its share.
+    let held_to_a_share = || {
+        let (status, _, body) = common::http_get(&metrics, "text/plain");
+        assert!(status.contains("200"), "{status}");
+        body.contains("overspill_host_cache_memory_per_vm_cap_bytes ")
+    };
+    let deadline = Instant::now() + WAIT;
+    while !held_to_a_share() {
+        assert!(Instant::now() < deadline, "the VM was never held to its share:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for i in 16..128 {
+        write(&mut a, i * CHUNK as u64, &server);
+    }
+    for (offset, data) in &written {
+        read_back(&mut a, *offset, data, "A's data, spilled as the directory filled");
+    }
+    assert_eq!(std::fs::read(fs.dir.join("someone-else")).expect("their file"), theirs, "the other user's file");
+    a.disconnect().expect("A disconnects");
+}
+
 /// An in-place cache file (`--mode disk`) is rebuilt after a crash from the blocks its
 /// filesystem reports as data. One that reports data in larger units (here a tmpfs in 2 MiB huge
 /// pages) cannot say which blocks the VM wrote: the VM is refused, its files kept, rather than
