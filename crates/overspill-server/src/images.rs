@@ -141,7 +141,7 @@ impl ImageStore {
         let io = |e| ServerError::io(format!("publishing {} as {}", file.display(), target.display()), e);
         // A copy a crashed publisher left (under the lock, no one else's).
         let _ = std::fs::remove_file(&partial);
-        std::fs::copy(file, &partial).map_err(io)?;
+        copy_sparse(file, &partial).map_err(io)?;
         // Published versions are read-only, and readable by the server whatever the source
         // file's mode or the publisher's umask (a server running as its own user found a
         // 0600 copy, made by root, unreadable).
@@ -400,6 +400,68 @@ impl OpenVersions {
     }
 }
 
+/// Copies `from` into a new file `to`, leaving holes where `from` has them: a golden image is
+/// mostly unallocated (a 100 GiB qcow2 or raw disk holding 20 GiB), and a copy that wrote its
+/// holes out as zeroes filled the store's disk (`std::fs::copy` did).
+fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
+    use rustix::fs::SeekFrom;
+    let source = std::fs::File::open(from)?;
+    let len = source.metadata()?.len();
+    let target = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+    target.set_len(len)?;
+    let mut at = 0;
+    while at < len {
+        let data = match rustix::fs::seek(&source, SeekFrom::Data(at)) {
+            Ok(data) => data,
+            // Nothing but a hole from here to the end.
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(errno) => return Err(errno.into()),
+        };
+        if data >= len {
+            break;
+        }
+        let hole = rustix::fs::seek(&source, SeekFrom::Hole(data))?.min(len);
+        copy_range(&source, &target, data, hole)?;
+        at = hole;
+    }
+    Ok(())
+}
+
+/// Copies bytes `[from, end)` of `source` to the same place in `target`: in the kernel where
+/// it can (a reflink on filesystems that share blocks), through a buffer where it cannot.
+fn copy_range(source: &std::fs::File, target: &std::fs::File, from: u64, end: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let shrank = || std::io::Error::other("it changed while it was copied: publish a file nothing writes");
+    let mut at = from;
+    while at < end {
+        let (mut read_at, mut write_at) = (at, at);
+        let want = usize::try_from(end - at).unwrap_or(usize::MAX).min(1 << 30);
+        match rustix::fs::copy_file_range(source, Some(&mut read_at), target, Some(&mut write_at), want) {
+            Ok(0) => return Err(shrank()),
+            Ok(copied) => at += copied as u64,
+            Err(
+                rustix::io::Errno::XDEV
+                | rustix::io::Errno::INVAL
+                | rustix::io::Errno::NOSYS
+                | rustix::io::Errno::OPNOTSUPP,
+            ) => {
+                let mut buffer = vec![0u8; (1 << 20).min(end - at) as usize];
+                while at < end {
+                    let take = buffer.len().min((end - at) as usize);
+                    let read = source.read_at(&mut buffer[..take], at)?;
+                    if read == 0 {
+                        return Err(shrank());
+                    }
+                    target.write_all_at(&buffer[..read], at)?;
+                    at += read as u64;
+                }
+            }
+            Err(errno) => return Err(errno.into()),
+        }
+    }
+    Ok(())
+}
+
 /// Makes the names in `dir` (a rename, a new file) survive a host crash.
 fn sync_directory(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
@@ -516,6 +578,31 @@ mod tests {
         assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v2", 16384, 4), "the held v2 handed out");
         assert_eq!(open.describe("win7").expect("describe").0, 16384);
         assert_eq!(read_first(&held_v2), 2, "the VMs on the removed v2 keep it");
+    }
+
+    /// A golden image is mostly holes: its version keeps them (a copy that wrote them out as
+    /// zeroes filled the store's disk), and holds the same bytes.
+    #[test]
+    fn a_published_version_keeps_the_images_holes() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = ImageStore::new(&dir.path().join("images"));
+        let file = dir.path().join("sparse.img");
+        let image = std::fs::File::create(&file).expect("create");
+        image.set_len(256 << 20).expect("size");
+        image.write_all_at(&[7u8; 65536], 0).expect("write");
+        image.write_all_at(&[9u8; 4096], 100 << 20).expect("write");
+        image.write_all_at(&[3u8; 10], (256 << 20) - 10).expect("write");
+        drop(image);
+        let allocated = |path: &Path| std::fs::metadata(path).expect("stat").blocks() * 512;
+        if allocated(&file) > 1 << 20 {
+            eprintln!("skipped: this filesystem keeps no holes");
+            return;
+        }
+        assert_eq!(store.publish("win7", &file, true).expect("publish"), "v1");
+        let version = store.current("win7").expect("current").path;
+        assert!(allocated(&version) <= 1 << 20, "{} bytes allocated for 76 KiB of data", allocated(&version));
+        assert!(std::fs::read(&version).expect("read") == std::fs::read(&file).expect("read"), "not the same bytes");
     }
 
     /// Two operators (or two scripts) publishing at once: every publish gets a version of its
