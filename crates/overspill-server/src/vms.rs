@@ -153,6 +153,10 @@ struct Registered {
     lost: BTreeMap<String, String>,
     /// VMs an earlier server of this boot left state for, until the exports rebuild them.
     recoverable: Vec<Recoverable>,
+    /// Names whose ledger file, written before this boot, could not be read (cut short by the
+    /// host's crash): their VMs ended with the host, and the files of those names where this
+    /// server makes them go once it says where that is.
+    earlier_boot_unreadable: Vec<String>,
     departed: VmStats,
     next_number: u64,
 }
@@ -211,12 +215,19 @@ impl VmRegistry {
             Some(dir) => Some(Ledger::open(dir)?),
             None => None,
         };
-        let (lost, recoverable) = ledger.as_ref().map(Ledger::left_behind).unwrap_or_default();
+        let LeftBehind { lost, recoverable, earlier_boot_unreadable } =
+            ledger.as_ref().map(Ledger::left_behind).unwrap_or_default();
         for (vm, why) in &lost {
             tracing::warn!(vm, why, "VM refused until `overspill vm reset` ({why})");
         }
         let registry = Arc::new(Self {
-            inner: Mutex::new(Registered { lost, recoverable, next_number: 1, ..Registered::default() }),
+            inner: Mutex::new(Registered {
+                lost,
+                recoverable,
+                earlier_boot_unreadable,
+                next_number: 1,
+                ..Registered::default()
+            }),
             lifecycle,
             ledger,
             stopping: AtomicBool::new(false),
@@ -231,6 +242,9 @@ impl VmRegistry {
 
     /// Where this server makes VMs' state files (`memory_dir` and `spill_dir` of `places`).
     pub fn set_state_places(&self, places: StateRecord) {
+        for vm in std::mem::take(&mut lock(&self.inner).earlier_boot_unreadable) {
+            remove_leftover_state_files(&vm, &places);
+        }
         let _ = self.state_places.set(places);
     }
 
@@ -853,10 +867,10 @@ impl Ledger {
     /// What earlier servers of this boot left: names whose writes are gone, and VMs whose state
     /// can be rebuilt. Files of an earlier boot are removed (with the state files they name);
     /// files of a live server are left to it.
-    fn left_behind(&self) -> (BTreeMap<String, String>, Vec<Recoverable>) {
-        let mut lost = BTreeMap::new();
-        let mut recoverable = Vec::new();
-        let Ok(entries) = std::fs::read_dir(&self.dir) else { return (lost, recoverable) };
+    fn left_behind(&self) -> LeftBehind {
+        let mut left = LeftBehind::default();
+        let LeftBehind { lost, recoverable, earlier_boot_unreadable } = &mut left;
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return left };
         for file in entries.flatten() {
             let name = file.file_name();
             if let Some(vm) = name.to_str().and_then(|n| n.strip_prefix(".vm-")?.strip_suffix(".json.retiring")) {
@@ -899,12 +913,45 @@ impl Ledger {
                         format!("server pid {} ended while it held them, over {}", e.pid, e.image),
                     );
                 }
+                // Written before this boot began: cut short by the crash that ended it (files
+                // are written without a sync, so a power loss can leave one empty). Its VM
+                // ended with the host, as any VM of an earlier boot.
+                None if written_before_this_boot(&file.path()) => {
+                    tracing::info!(
+                        vm,
+                        "unreadable ledger file of an earlier boot removed (its VM ended with the host)"
+                    );
+                    earlier_boot_unreadable.push(vm.to_owned());
+                    self.unmark(vm);
+                }
                 None => {
                     lost.insert(vm.to_owned(), "its ledger file is unreadable".to_owned());
                 }
             }
         }
-        (lost, recoverable)
+        left
+    }
+}
+
+/// What earlier servers left in the ledger ([`Ledger::left_behind`]).
+#[derive(Default)]
+struct LeftBehind {
+    /// Names whose writes are gone, and why.
+    lost: BTreeMap<String, String>,
+    recoverable: Vec<Recoverable>,
+    earlier_boot_unreadable: Vec<String>,
+}
+
+/// Whether `path` was last written before the host booted (`btime` in /proc/stat). `false`
+/// when either cannot be told: an unreadable file of this boot is a lost VM, never forgotten.
+fn written_before_this_boot(path: &Path) -> bool {
+    let boot = std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|stat| stat.lines().find_map(|line| line.strip_prefix("btime ")?.trim().parse::<u64>().ok()));
+    let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    match (boot, modified.and_then(|m| m.duration_since(std::time::UNIX_EPOCH).ok())) {
+        (Some(boot), Some(modified)) => modified.as_secs() < boot,
+        _ => false,
     }
 }
 
@@ -996,10 +1043,56 @@ mod tests {
         write("crashed", 4_294_967, &ledger.boot_id);
         write("old-boot", 4_294_967, "another boot");
         std::fs::write(ledger.path("garbled"), b"{").expect("write");
-        let (lost, _) = ledger.left_behind();
+        let LeftBehind { lost, .. } = ledger.left_behind();
         assert_eq!(lost.keys().map(String::as_str).collect::<Vec<_>>(), ["crashed", "garbled", "same-pid"]);
         assert!(!ledger.path("old-boot").exists(), "the earlier boot's file is removed");
         assert!(lost["crashed"].contains("4294967"), "{}", lost["crashed"]);
+    }
+
+    /// A ledger file left empty by a power loss (written without a sync) names a VM of an
+    /// earlier boot, which ended with the host: forgotten, with its files where this server
+    /// makes them, and the name free. One of this boot is still a lost VM.
+    #[test]
+    fn an_unreadable_ledger_file_of_an_earlier_boot_frees_its_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let state_dir = dir.path().join("state");
+        let (memory_dir, spill_dir) = (dir.path().join("memory"), dir.path().join("spill"));
+        for d in [&state_dir, &memory_dir, &spill_dir] {
+            std::fs::create_dir_all(d).expect("mkdir");
+        }
+        let boot = std::fs::read_to_string("/proc/stat")
+            .expect("/proc/stat")
+            .lines()
+            .find_map(|line| line.strip_prefix("btime ")?.trim().parse::<u64>().ok())
+            .expect("btime");
+        for vm in ["before-boot", "this-boot"] {
+            let ledger_file = std::fs::File::create(state_dir.join(format!("vm-{vm}.json"))).expect("ledger file");
+            if vm == "before-boot" {
+                let an_hour_before = std::time::UNIX_EPOCH + Duration::from_secs(boot - 3600);
+                ledger_file.set_modified(an_hour_before).expect("mtime");
+            }
+            std::fs::write(spill_dir.join(format!("vm-{vm}.spill")), b"spilled").expect("spill file");
+        }
+        let lifecycle = Lifecycle {
+            reconnect_grace: Duration::from_secs(60),
+            state_dir: Some(state_dir.clone()),
+            memory_dir: Some(memory_dir.clone()),
+        };
+        let registry = VmRegistry::new(lifecycle).expect("registry");
+        registry.set_state_places(StateRecord {
+            image_label: String::new(),
+            image_identity: None,
+            mode: "ram+disk".into(),
+            disk_bytes: 0,
+            memory_dir,
+            spill_dir: Some(spill_dir.clone()),
+        });
+        let lost: Vec<String> = registry.list().into_iter().map(|status| status.vm).collect();
+        assert_eq!(lost, ["this-boot"]);
+        assert!(!state_dir.join("vm-before-boot.json").exists(), "the earlier boot's file is removed");
+        assert!(!spill_dir.join("vm-before-boot.spill").exists(), "and its VM's files");
+        assert!(spill_dir.join("vm-this-boot.spill").exists(), "a lost VM's files wait for its reset");
+        assert!(registry.claim(Some("before-boot"), "golden", None).is_ok(), "the name is free");
     }
 
     /// A live process with a dead server's pid is not that server: its entries are handled as
@@ -1027,7 +1120,7 @@ mod tests {
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         }
-        let (lost, _) = ledger.left_behind();
+        let LeftBehind { lost, .. } = ledger.left_behind();
         assert_eq!(lost.keys().map(String::as_str).collect::<Vec<_>>(), ["reused-pid"]);
         assert!(ledger.path("live-server").exists() && ledger.path("old-entry").exists());
     }
@@ -1058,7 +1151,7 @@ mod tests {
             }
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         }
-        let (lost, recoverable) = ledger.left_behind();
+        let LeftBehind { lost, recoverable, .. } = ledger.left_behind();
         assert!(lost.is_empty(), "{lost:?}");
         let owners: Vec<(&str, Option<&str>)> =
             recoverable.iter().map(|r| (r.vm.as_str(), r.owner.as_deref())).collect();
@@ -1099,7 +1192,7 @@ mod tests {
         }
         ledger.mark_with("reused", "golden", None, Some(state.clone())).expect("mark");
 
-        let (_, recoverable) = ledger.left_behind();
+        let LeftBehind { recoverable, .. } = ledger.left_behind();
         assert!(files_of("ended").iter().all(|f| !f.exists()), "the ended VM's files are removed");
         assert!(!ledger.retiring_path("ended").exists() && !ledger.retiring_path("reused").exists());
         assert!(files_of("reused").iter().all(|f| f.exists()), "the files of a name in use again stay");
