@@ -276,6 +276,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         .with_context(|| format!("state directory {}", state_dir.display()))?;
     if let Some(dir) = &args.memory_dir {
         warn_unless_in_memory(dir);
+    } else if !args.reconnect_grace.is_zero() && std::env::var_os("INVOCATION_ID").is_some() {
+        // systemd sets INVOCATION_ID for the processes of a unit.
+        tracing::warn!(
+            dir = %memory_dir_for_sampler.display(),
+            "started by systemd with the VMs' pages in /dev/shm, which a unit's RemoveIPC= (implied by DynamicUser=) \
+             or PrivateDevices= empties when it stops: no VM would outlive a restart. Give --memory-dir a directory \
+             under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as docs/overspill.service does"
+        );
     }
     if !args.reconnect_grace.is_zero() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
         if let Some(dir) = cache_dirs.first() {

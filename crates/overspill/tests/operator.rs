@@ -762,6 +762,57 @@ fn man_pages_and_completions_render() {
     assert!(std::fs::read_to_string(&script).expect("script").contains("--reconnect-grace"));
 }
 
+/// A unit that leaves out `--memory-dir` keeps the VMs' pages in `/dev/shm`, which systemd
+/// empties when such a unit stops: the server says so at start (systemd's INVOCATION_ID tells it
+/// that a unit started it).
+#[test]
+fn pages_in_dev_shm_under_systemd_are_warned_of() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("nbd.sock");
+    for (invocation, warned) in [(None, false), (Some("0123456789abcdef0123456789abcdef"), true)] {
+        let log = tmp.path().join("server.log");
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_overspill"));
+        command
+            .arg("serve")
+            .args(["--base", golden.to_str().expect("utf-8")])
+            .args(["--listen", &format!("unix:{}", socket.display())])
+            .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
+            .args(["--ram-floor", "0"])
+            .env_remove("INVOCATION_ID")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"));
+        if let Some(id) = invocation {
+            command.env("INVOCATION_ID", id);
+        }
+        let mut child = command.spawn().expect("overspill serve");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(child.try_wait().expect("try_wait").is_none(), "exited early");
+            assert!(Instant::now() < deadline, "not listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let text = std::fs::read_to_string(&log).expect("log");
+        assert_eq!(text.contains("no VM would outlive a restart"), warned, "{invocation:?}:\n{text}");
+        // The default memory directory this server made in /dev/shm (named for its state directory).
+        let made = std::path::PathBuf::from(format!("/dev/shm/{}", default_memory_dir_name(&text)));
+        let _ = std::fs::remove_dir(made);
+    }
+}
+
+/// The name under /dev/shm that serve's log gives for the default memory directory, if any.
+fn default_memory_dir_name(log: &str) -> String {
+    log.split("/dev/shm/")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or("none")
+        .trim_matches('"')
+        .to_owned()
+}
+
 /// A `--ram-total` larger than the memory directory's filesystem can hold is capped at its room,
 /// with a warning: pages past it would fail guests' writes with ENOSPC instead of spilling.
 #[test]
