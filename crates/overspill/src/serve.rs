@@ -246,7 +246,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
     let memory_dir = args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
     let ram_total = ram_total_within(&memory_dir, args.ram_total);
-    let memory_dir_for_sampler = memory_dir.clone();
+    let memory_dir_in_use = memory_dir.clone();
     let host = HostMemory::new(ram_total, args.ram_floor);
     let settings = CacheSettings {
         mode: args.mode,
@@ -279,7 +279,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     } else if !args.reconnect_grace.is_zero() && std::env::var_os("INVOCATION_ID").is_some() {
         // systemd sets INVOCATION_ID for the processes of a unit.
         tracing::warn!(
-            dir = %memory_dir_for_sampler.display(),
+            dir = %memory_dir_in_use.display(),
             "started by systemd with the VMs' pages in /dev/shm, which a unit's RemoveIPC= (implied by DynamicUser=) \
              or PrivateDevices= empties when it stops: no VM would outlive a restart. Give --memory-dir a directory \
              under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as docs/overspill.service does"
@@ -310,7 +310,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     }
     // Where the VMs' pages are files: a memory directory that other users fill after the start
     // must make VMs spill, not refuse their writes.
-    let pages_dir = (!args.reconnect_grace.is_zero()).then_some(memory_dir_for_sampler);
+    let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir_in_use.clone());
     spawn_memory_sampler(host, pages_dir);
     let config = ServerConfig {
         limits: Limits {
@@ -381,6 +381,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         tracing::info!("restarting in place: every VM is handed to the next server");
         ServeEnd::Restart(keep)
     } else {
+        if args.memory_dir.is_none() {
+            // The default memory directory, in /dev/shm, named after the state directory: once
+            // no VM's pages are left in it, it is litter there (removing fails unless empty).
+            let _ = std::fs::remove_dir(&memory_dir_in_use);
+        }
         tracing::info!("shut down");
         ServeEnd::Stopped
     };
