@@ -2,14 +2,17 @@
 //!
 //! One JSON request per line on a Unix socket (`{"op":"list"}`, `{"op":"reset","vm":"NAME"}`,
 //! `{"op":"drop","vm":"NAME"}`), one JSON answer per line. The socket is made mode 0600 (the
-//! server's user only: a reset throws a VM's writes away); each connection gets a thread, a
-//! read timeout and a cap on its request's length.
+//! server's user only: a reset throws a VM's writes away); each connection gets a thread and
+//! [`TIMEOUT`] for its whole request, capped in length, and at most [`MAX_CLIENTS`] are answered
+//! at once (a script looping on `vm list` without reading its answers, or stuck, must not pile up
+//! threads in the server that holds the VMs).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use overspill_nbd::{ListenAddr, Listener};
 use serde::{Deserialize, Serialize};
@@ -21,8 +24,11 @@ use crate::ServerError;
 pub const DEFAULT_CONTROL_SOCKET: &str = "/var/tmp/overspill/state/control.sock";
 
 /// Longest request line accepted.
-const MAX_REQUEST_BYTES: u64 = 4096;
+const MAX_REQUEST_BYTES: usize = 4096;
+/// Time a client has to send its whole request (and to take its answer).
 const TIMEOUT: Duration = Duration::from_secs(5);
+/// Clients answered at once; others are closed at once, unanswered.
+const MAX_CLIENTS: usize = 16;
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "lowercase")]
@@ -55,6 +61,7 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, Se
         .map_err(|e| ServerError::io(format!("making {} private", path.display()), e))?;
     let Listener::Unix(socket, ..) = listener.as_ref() else { unreachable!("bound a unix address") };
     let socket = socket.try_clone().map_err(|e| ServerError::io("control socket", e))?;
+    let clients = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
@@ -69,12 +76,21 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, Se
                         continue;
                     }
                 };
-                let registry = registry.clone();
-                let _ = std::thread::Builder::new().name("control-client".into()).spawn(move || {
+                if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
+                    clients.fetch_sub(1, Ordering::SeqCst);
+                    tracing::warn!("control socket: {MAX_CLIENTS} clients already being answered; one more closed");
+                    continue;
+                }
+                let (registry, answering) = (registry.clone(), clients.clone());
+                let answered = std::thread::Builder::new().name("control-client".into()).spawn(move || {
                     if let Err(error) = answer(stream, &registry) {
                         tracing::debug!(%error, "control client");
                     }
+                    answering.fetch_sub(1, Ordering::SeqCst);
                 });
+                if answered.is_err() {
+                    clients.fetch_sub(1, Ordering::SeqCst);
+                }
             }
         })
         .map_err(|e| ServerError::io("starting the control thread", e))?;
@@ -82,11 +98,9 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, Se
 }
 
 fn answer(stream: UnixStream, registry: &VmRegistry) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(TIMEOUT))?;
-    stream.set_write_timeout(Some(TIMEOUT))?;
-    let mut line = String::new();
-    BufReader::new((&stream).take(MAX_REQUEST_BYTES)).read_line(&mut line)?;
-    let answer = match serde_json::from_str::<Request>(&line) {
+    let deadline = Instant::now() + TIMEOUT;
+    let line = read_request(&stream, deadline)?;
+    let answer = match serde_json::from_slice::<Request>(&line) {
         Ok(Request::List) => Answer { ok: true, vms: Some(registry.list()), ..Answer::default() },
         Ok(Request::Reset { vm }) => outcome(registry.reset(&vm)),
         Ok(Request::Drop { vm }) => outcome(registry.drop_vm(&vm)),
@@ -94,7 +108,37 @@ fn answer(stream: UnixStream, registry: &VmRegistry) -> std::io::Result<()> {
     };
     let mut text = serde_json::to_string(&answer).map_err(std::io::Error::other)?;
     text.push('\n');
+    stream.set_write_timeout(Some(TIMEOUT))?;
     (&stream).write_all(text.as_bytes())
+}
+
+/// The request line, up to its newline (or the end of the stream), within `deadline` for all
+/// of it: a timeout per read would let a client sending a byte at a time hold its thread for
+/// [`MAX_REQUEST_BYTES`] timeouts.
+fn read_request(mut stream: &UnixStream, deadline: Instant) -> std::io::Result<Vec<u8>> {
+    let mut line = Vec::new();
+    let mut buffer = [0u8; 512];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        let read = match stream.read(&mut buffer) {
+            Ok(0) => return Ok(line),
+            Ok(read) => read,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(error) => return Err(error),
+        };
+        if let Some(end) = buffer[..read].iter().position(|&b| b == b'\n') {
+            line.extend_from_slice(&buffer[..end]);
+            return Ok(line);
+        }
+        line.extend_from_slice(&buffer[..read]);
+        if line.len() > MAX_REQUEST_BYTES {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "request too long"));
+        }
+    }
 }
 
 fn outcome(result: Result<String, ServerError>) -> Answer {
@@ -117,4 +161,57 @@ pub fn ask(control: &Path, request: &Request) -> Result<Answer, ServerError> {
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(io)?;
     serde_json::from_str(&line).map_err(|e| ServerError::Control(format!("the server's answer {line:?}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vms::Lifecycle;
+
+    /// The answer to a `list`; empty if the server closed the connection unanswered.
+    fn list(path: &Path) -> String {
+        let stream = UnixStream::connect(path).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let mut answer = String::new();
+        // A server that closed at once may have done so before the request went.
+        if (&stream).write_all(b"{\"op\":\"list\"}\n").is_ok() {
+            let _ = BufReader::new(&stream).read_line(&mut answer);
+        }
+        answer
+    }
+
+    /// A client sending its request a byte at a time gets the same few seconds for all of it as
+    /// one sending it at once; clients beyond the cap are closed unanswered, and answered again
+    /// once the others are done.
+    #[test]
+    fn slow_and_surplus_clients_do_not_hold_the_control_socket() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("control.sock");
+        let registry = VmRegistry::new(Lifecycle::default()).expect("registry");
+        let _listener = spawn(&path, registry).expect("control socket");
+        assert!(list(&path).contains("\"ok\":true"));
+
+        let trickler = UnixStream::connect(&path).expect("connect");
+        let started = Instant::now();
+        let mut closed = false;
+        while started.elapsed() < TIMEOUT * 3 {
+            if (&trickler).write_all(b" ").is_err() {
+                closed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert!(closed, "a client sending a byte every 200 ms was still read after {:?}", started.elapsed());
+
+        let idle: Vec<UnixStream> = (0..MAX_CLIENTS).map(|_| UnixStream::connect(&path).expect("connect")).collect();
+        // The accept loop takes them in order: the next one is past the cap.
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(list(&path), "", "a client past the cap was answered");
+        drop(idle);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !list(&path).contains("\"ok\":true") {
+            assert!(Instant::now() < deadline, "never answered again once the others left");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
