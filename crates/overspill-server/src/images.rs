@@ -141,7 +141,10 @@ impl ImageStore {
         let io = |e| ServerError::io(format!("publishing {} as {}", file.display(), target.display()), e);
         // A copy a crashed publisher left (under the lock, no one else's).
         let _ = std::fs::remove_file(&partial);
-        copy_sparse(file, &partial).map_err(io)?;
+        if let Err(error) = copy_sparse(file, &partial) {
+            let _ = std::fs::remove_file(&partial);
+            return Err(io(error));
+        }
         // Published versions are read-only, and readable by the server whatever the source
         // file's mode or the publisher's umask (a server running as its own user found a
         // 0600 copy, made by root, unreadable).
@@ -210,6 +213,9 @@ fn record_highest_given(dir: &Path, number: u64) -> std::io::Result<()> {
     let record = dir.join(HIGHEST_GIVEN);
     let partial = dir.join(format!("{HIGHEST_GIVEN}.partial"));
     crate::files::replace_whole(&record, &partial, format!("{number}\n").as_bytes(), 0o644)?;
+    // Readable by every publisher whatever this one's umask: one that could not read it would
+    // give a number again.
+    std::fs::set_permissions(&record, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
     std::fs::File::open(&record)?.sync_all()
 }
 
@@ -405,8 +411,14 @@ impl OpenVersions {
 /// holes out as zeroes filled the store's disk (`std::fs::copy` did).
 fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
     use rustix::fs::SeekFrom;
+    use std::os::unix::fs::MetadataExt;
     let source = std::fs::File::open(from)?;
-    let len = source.metadata()?.len();
+    let before = source.metadata()?;
+    // A block device's length reads as 0 here (an empty version); a pipe has none.
+    if !before.is_file() {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"));
+    }
+    let len = before.len();
     let target = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
     target.set_len(len)?;
     let mut at = 0;
@@ -415,6 +427,11 @@ fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
             Ok(data) => data,
             // Nothing but a hole from here to the end.
             Err(rustix::io::Errno::NXIO) => break,
+            // A kernel or filesystem that cannot tell: all of it is data.
+            Err(rustix::io::Errno::INVAL | rustix::io::Errno::OPNOTSUPP) if at == 0 => {
+                copy_range(&source, &target, 0, len)?;
+                break;
+            }
             Err(errno) => return Err(errno.into()),
         };
         if data >= len {
@@ -423,6 +440,14 @@ fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
         let hole = rustix::fs::seek(&source, SeekFrom::Hole(data))?.min(len);
         copy_range(&source, &target, data, hole)?;
         at = hole;
+    }
+    // Written (or cut, or grown) while it was copied: the copy may mix two files. The holes
+    // found past a cut end would have read as zeroes, and bytes past the length taken first
+    // were never copied.
+    let after = source.metadata()?;
+    let stamp = |m: &std::fs::Metadata| (m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec(), m.ino());
+    if stamp(&before) != stamp(&after) {
+        return Err(std::io::Error::other("it changed while it was copied: publish a file nothing writes"));
     }
     Ok(())
 }
@@ -603,6 +628,10 @@ mod tests {
         let version = store.current("win7").expect("current").path;
         assert!(allocated(&version) <= 1 << 20, "{} bytes allocated for 76 KiB of data", allocated(&version));
         assert!(std::fs::read(&version).expect("read") == std::fs::read(&file).expect("read"), "not the same bytes");
+        // A block device (an LVM snapshot, say) has no length here: refused, not published empty.
+        let err = store.publish("win7", Path::new("/dev/null"), false).expect_err("a device");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        assert_eq!(store.image("win7").expect("image").versions.len(), 1);
     }
 
     /// Two operators (or two scripts) publishing at once: every publish gets a version of its
