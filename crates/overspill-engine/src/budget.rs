@@ -130,33 +130,42 @@ impl HostMemory {
     /// their pages live in (a tmpfs memory directory): what they hold now, plus its free room,
     /// less `keep_bytes`. Other users of that filesystem (`/run` is everyone's) can take its room
     /// after the server started, and a page the filesystem refuses fails the guest's write,
-    /// where a VM held to its share spills instead. Short of room, every VM's cap is cut to its
-    /// share, so that the pages they give back come back to the filesystem.
+    /// where a VM held back spills instead.
+    ///
+    /// The VMs stop growing where the room left is the room to keep ([`Self::has_room`]). They
+    /// give memory back only once it is below half of that (their own uncounted pages use some
+    /// of it in the normal course: cutting them then would push a VM's RAM tier out every few
+    /// seconds), and grow again only by what the room has beyond it.
     pub fn rebalance_within(&self, available_bytes: u64, pages_room: Option<PagesRoom>) {
         self.available_bytes.store(available_bytes.min(NOT_SAMPLED - 1), Ordering::Relaxed);
         let used = self.used_bytes();
         let room_cap =
             pages_room.map_or(NO_CAP, |room| used.saturating_add(room.room_bytes).saturating_sub(room.keep_bytes));
         self.room_cap_bytes.store(room_cap, Ordering::Relaxed);
-        let total_cap = self.total_cap_bytes();
+        let (room_deficit, room_surplus) = match pages_room {
+            Some(PagesRoom { room_bytes, keep_bytes }) if room_bytes < keep_bytes / 2 => (keep_bytes - room_bytes, 0),
+            Some(PagesRoom { room_bytes, keep_bytes }) => (0, room_bytes.saturating_sub(keep_bytes)),
+            None => (0, u64::MAX),
+        };
+        let deficit = self.floor_bytes.saturating_sub(available_bytes).max(room_deficit);
         let vms = self.vms().max(1);
         let previous = self.per_vm_cap_bytes();
-        let mut cap = if available_bytes < self.floor_bytes {
-            let deficit = self.floor_bytes - available_bytes;
+        let mut cap = if deficit > 0 {
             previous.min(used.saturating_sub(deficit) / vms)
         } else if previous == NO_CAP {
             NO_CAP
         } else {
-            let grown = previous.saturating_add((available_bytes - self.floor_bytes) / vms);
+            let surplus = available_bytes.saturating_sub(self.floor_bytes).min(room_surplus);
+            let grown = previous.saturating_add(surplus / vms);
             // Lift the cap once it no longer binds anyone.
-            if grown >= total_cap {
+            if grown >= self.total_cap_bytes() {
                 NO_CAP
             } else {
                 grown
             }
         };
-        if used > total_cap {
-            cap = cap.min(total_cap / vms);
+        if used > self.cap_bytes {
+            cap = cap.min(self.cap_bytes / vms);
         }
         self.per_vm_cap_bytes.store(cap, Ordering::Relaxed);
     }
@@ -282,8 +291,9 @@ mod tests {
         assert_eq!(host.per_vm_cap_bytes(), NO_CAP);
     }
 
-    /// The memory directory short of room cuts the VMs to their share of what it holds, though
-    /// memory is plentiful, and bounds them together by its room until it has more.
+    /// The memory directory short of room cuts the VMs, though memory is plentiful, and bounds
+    /// them together by its room; a room just under what is kept (the VMs' own uncounted pages)
+    /// cuts no one.
     #[test]
     fn the_pages_filesystems_room_bounds_the_vms_together() {
         let host = HostMemory::new(1 << 30, 0);
@@ -291,17 +301,24 @@ mod tests {
         host.attach();
         host.account(0, 100 << 20);
         let room = |room_mib: u64| Some(PagesRoom { room_bytes: room_mib << 20, keep_bytes: 8 << 20 });
+        host.rebalance_within(16 << 30, room(6));
+        assert_eq!(host.per_vm_cap_bytes(), NO_CAP, "under the room to keep, above half of it: no one cut");
+        assert_eq!(host.total_cap_bytes(), 98 << 20);
+        assert!(!host.has_room(4096), "but no one grows");
         host.rebalance_within(16 << 30, room(2));
         assert_eq!(host.total_cap_bytes(), 94 << 20, "6 MiB short of the room to keep");
-        assert_eq!(host.per_vm_cap_bytes(), 47 << 20, "each VM cut to its share");
-        assert!(!host.has_room(4096));
+        assert_eq!(host.per_vm_cap_bytes(), 47 << 20, "each VM cut to its share of what is left");
         host.account(100 << 20, 94 << 20);
+        host.rebalance_within(16 << 30, room(6));
+        assert_eq!(host.per_vm_cap_bytes(), 47 << 20, "room back, under what is kept: the cut holds");
         host.rebalance_within(16 << 30, room(28));
-        assert_eq!(host.per_vm_cap_bytes(), NO_CAP, "within the room: no VM held to a share");
-        assert!(host.has_room(20 << 20) && !host.has_room((20 << 20) + 4096), "but all together to the room");
+        assert_eq!(host.per_vm_cap_bytes(), 57 << 20, "grown by the room's surplus, not memory's");
+        assert!(host.has_room(20 << 20) && !host.has_room((20 << 20) + 4096), "all together to the room");
+        host.rebalance_within(100 << 20, room(4 << 10));
+        assert_eq!(host.per_vm_cap_bytes(), 107 << 20, "memory's surplus when it is the smaller");
         assert_eq!(host.cap_bytes(), 1 << 30, "--ram-total itself is as it was");
         host.rebalance_within(16 << 30, None);
-        assert_eq!(host.total_cap_bytes(), 1 << 30);
+        assert_eq!((host.per_vm_cap_bytes(), host.total_cap_bytes()), (NO_CAP, 1 << 30));
     }
 
     #[test]

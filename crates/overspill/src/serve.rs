@@ -280,9 +280,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         // systemd sets INVOCATION_ID for the processes of a unit.
         tracing::warn!(
             dir = %memory_dir_in_use.display(),
-            "started by systemd with the VMs' pages in /dev/shm, which a unit's RemoveIPC= (implied by DynamicUser=) \
-             or PrivateDevices= empties when it stops: no VM would outlive a restart. Give --memory-dir a directory \
-             under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as docs/overspill.service does"
+            "started by systemd with the VMs' pages in /dev/shm: a unit with DynamicUser= or RemoveIPC= (and a \
+             user other than root) has its files there removed when it stops, and then no VM would outlive a \
+             restart. Give --memory-dir a directory under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as \
+             docs/overspill.service does"
         );
     }
     if !args.reconnect_grace.is_zero() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
@@ -516,15 +517,16 @@ fn ram_total_within(memory_dir: &Path, ram_total: u64) -> u64 {
     room
 }
 
-/// The memory directory's free room, and what to keep free there: three 2 MiB segments per VM
-/// for the pages a VM takes that the budget does not count (the segment being written, the
-/// arena's allocation a step ahead of the pages it hands out, a write's fresh pages before it
-/// pushes older ones out). `None` when the directory cannot be read.
+/// The memory directory's free room, and what to keep free there for the pages VMs take that
+/// the budget does not count: per VM three 2 MiB segments (the segment being written, the
+/// arena's allocation two steps ahead of the pages it hands out), and once for all the largest
+/// request (its pages are taken before its blocks push older ones out; QEMU rarely sends one,
+/// and not from many VMs at once). `None` when the directory cannot be read.
 fn pages_room(dir: &Path, vms: u64) -> Option<PagesRoom> {
     let fs = nix::sys::statvfs::statvfs(dir).ok()?;
     Some(PagesRoom {
         room_bytes: fs.blocks_available().saturating_mul(fs.fragment_size()),
-        keep_bytes: 3 * SEGMENT_BYTES as u64 * vms.max(1),
+        keep_bytes: 3 * SEGMENT_BYTES as u64 * vms.max(1) + u64::from(Limits::default().max_payload_bytes),
     })
 }
 

@@ -354,14 +354,15 @@ fn a_full_memory_directory_gives_enospc_to_the_writer_and_the_server_lives() {
 }
 
 /// The memory directory fills after the server started (other users of `/run`): a VM that can
-/// spill (`ram+disk`) must spill, not get ENOSPC for pages the filesystem no longer has. The
-/// server bounds the VMs by the directory's room (sampled once a second) and cuts them to their
-/// share when it runs short, so that the pages they give back return to the filesystem.
+/// spill (`ram+disk`) must spill, not get ENOSPC for pages the filesystem no longer has, large
+/// writes included. The server bounds the VMs by the directory's room (sampled once a second)
+/// and cuts them to their share when it runs short, so that the pages they give back return to
+/// the filesystem.
 #[test]
 fn a_memory_directory_others_fill_after_the_start_makes_vms_spill_not_fail() {
     let tmp = TempDir::new().expect("tempdir");
-    let (golden, _) = golden_file(tmp.path(), 34);
-    let fs = SmallFs::mount(&tmp.path().join("memory"), 16);
+    let (golden, golden_bytes) = golden_file(tmp.path(), 34);
+    let fs = SmallFs::mount(&tmp.path().join("memory"), 96);
     let memory = fs.dir.to_str().expect("utf-8").to_owned();
     let spill = tmp.path().join("spill");
     std::fs::create_dir_all(&spill).expect("spill dir");
@@ -384,25 +385,28 @@ fn a_memory_directory_others_fill_after_the_start_makes_vms_spill_not_fail() {
         fs.blocks_available() * fs.fragment_size()
     };
     let mut a = server.client("a");
-    let mut written: Vec<(u64, Vec<u8>)> = Vec::new();
-    let mut write = |a: &mut Client, offset: u64, server: &Server| {
-        let data = pseudo_random(CHUNK, 2000 + offset / CHUNK as u64);
+    // What the VM's disk holds: the golden image under every write acknowledged.
+    let mut disk = golden_bytes;
+    let mut writes = 0u64;
+    let mut write = |a: &mut Client, offset: u64, len: usize| {
+        writes += 1;
+        let data = pseudo_random(len, 2000 + writes);
         if let Err(error) = a.write(offset, &data, false) {
             panic!(
-                "the write at {offset} failed ({error}) with {} KiB free in the memory directory:\n{}",
+                "the write of {len} bytes at {offset} failed ({error}) with {} KiB free in the memory directory:\n{}",
                 room() >> 10,
                 server.log_text()
             );
         }
-        written.push((offset, data));
+        disk[offset as usize..offset as usize + len].copy_from_slice(&data);
     };
-    for i in 0..16 {
-        write(&mut a, i * CHUNK as u64, &server);
+    for offset in (0..8 * MIB).step_by(CHUNK) {
+        write(&mut a, offset, CHUNK);
     }
-    // Someone else takes all but 3 MiB of the directory.
-    let theirs = pseudo_random((room() - 3 * MIB) as usize, 99);
+    // Someone else takes all but 12 MiB of the directory: less than half of what the server
+    // keeps free for one VM (6 MiB, and 32 MiB for a largest request).
+    let theirs = pseudo_random((room() - 12 * MIB) as usize, 99);
     std::fs::write(fs.dir.join("someone-else"), &theirs).expect("another user's file");
-    // The next sample finds the directory short of room and cuts the VM to its share.
     let held_to_a_share = || {
         let (status, _, body) = common::http_get(&metrics, "text/plain");
         assert!(status.contains("200"), "{status}");
@@ -413,11 +417,22 @@ fn a_memory_directory_others_fill_after_the_start_makes_vms_spill_not_fail() {
         assert!(Instant::now() < deadline, "the VM was never held to its share:\n{}", server.log_text());
         std::thread::sleep(Duration::from_millis(100));
     }
-    for i in 16..128 {
-        write(&mut a, i * CHUNK as u64, &server);
+    // 64 MiB more over the whole 32 MiB disk, twice: small writes and 4 MiB ones.
+    for round in 0..2 {
+        let mut offset = 0;
+        while offset < GOLDEN_BYTES as u64 {
+            let len = if (offset / MIB + round * 8) % 16 < 8 { CHUNK } else { 4 * MIB as usize };
+            write(&mut a, offset, len);
+            offset += len as u64;
+        }
     }
-    for (offset, data) in &written {
-        read_back(&mut a, *offset, data, "A's data, spilled as the directory filled");
+    for offset in (0..GOLDEN_BYTES).step_by(4 * MIB as usize) {
+        read_back(
+            &mut a,
+            offset as u64,
+            &disk[offset..offset + 4 * MIB as usize],
+            "A's disk, spilled as the directory filled",
+        );
     }
     assert_eq!(std::fs::read(fs.dir.join("someone-else")).expect("their file"), theirs, "the other user's file");
     a.disconnect().expect("A disconnects");
