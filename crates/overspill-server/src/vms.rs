@@ -243,7 +243,14 @@ impl VmRegistry {
     /// Where this server makes VMs' state files (`memory_dir` and `spill_dir` of `places`).
     pub fn set_state_places(&self, places: StateRecord) {
         for vm in std::mem::take(&mut lock(&self.inner).earlier_boot_unreadable) {
-            remove_leftover_state_files(&vm, &places);
+            // Its files first, then its ledger file: a crash between leaves the file, and the
+            // next server does this again (rather than files no ledger file names, which would
+            // refuse the name).
+            if remove_leftover_state_files(&vm, &places).is_empty() {
+                if let Some(ledger) = &self.ledger {
+                    ledger.unmark(&vm);
+                }
+            }
         }
         let _ = self.state_places.set(places);
     }
@@ -871,6 +878,8 @@ impl Ledger {
         let mut left = LeftBehind::default();
         let LeftBehind { lost, recoverable, earlier_boot_unreadable } = &mut left;
         let Ok(entries) = std::fs::read_dir(&self.dir) else { return left };
+        // No server of this boot has started with this ledger: every file in it is older.
+        let earlier_boot = std::fs::read_to_string(self.dir.join(BOOT_MARKER)).is_ok_and(|b| b.trim() != self.boot_id);
         for file in entries.flatten() {
             let name = file.file_name();
             if let Some(vm) = name.to_str().and_then(|n| n.strip_prefix(".vm-")?.strip_suffix(".json.retiring")) {
@@ -881,8 +890,11 @@ impl Ledger {
             if check_name("VM", vm).is_err() {
                 continue;
             }
-            let entry =
-                std::fs::read(file.path()).ok().and_then(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes).ok());
+            let bytes = std::fs::read(file.path());
+            // Read, but not a whole entry: empty or cut short (by a power loss: entries are
+            // written without a sync); a file that cannot be read at all is not that.
+            let cut_short = bytes.as_ref().is_ok_and(|b| serde_json::from_slice::<LedgerEntry>(b).is_err());
+            let entry = bytes.ok().and_then(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes).ok());
             match entry {
                 Some(e) if e.boot_id != self.boot_id => {
                     tracing::info!(vm, "ledger file of an earlier boot removed (its VM ended with the host)");
@@ -913,25 +925,40 @@ impl Ledger {
                         format!("server pid {} ended while it held them, over {}", e.pid, e.image),
                     );
                 }
-                // Written before this boot began: cut short by the crash that ended it (files
-                // are written without a sync, so a power loss can leave one empty). Its VM
-                // ended with the host, as any VM of an earlier boot.
-                None if written_before_this_boot(&file.path()) => {
-                    tracing::info!(
-                        vm,
-                        "unreadable ledger file of an earlier boot removed (its VM ended with the host)"
-                    );
+                // Written before this boot began and cut short by the crash that ended it: its
+                // VM ended with the host, as any VM of an earlier boot. Its file goes once the
+                // VM's files where this server makes them have gone (`set_state_places`).
+                None if cut_short && (earlier_boot || written_before_this_boot(&file.path())) => {
+                    tracing::info!(vm, "ledger file of an earlier boot, cut short: its VM ended with the host");
                     earlier_boot_unreadable.push(vm.to_owned());
-                    self.unmark(vm);
                 }
                 None => {
                     lost.insert(vm.to_owned(), "its ledger file is unreadable".to_owned());
                 }
             }
         }
+        if let Err(error) = self.mark_boot() {
+            tracing::warn!(%error, "could not record this boot in the state directory");
+        }
         left
     }
+
+    /// Records that a server of this boot has started with this ledger, before it writes any
+    /// entry: a cut-short entry found later under another boot's marker is that boot's.
+    fn mark_boot(&self) -> std::io::Result<()> {
+        let marker = self.dir.join(BOOT_MARKER);
+        if std::fs::read_to_string(&marker).is_ok_and(|b| b.trim() == self.boot_id) {
+            return Ok(());
+        }
+        let partial = self.dir.join(format!("{BOOT_MARKER}.partial"));
+        crate::files::replace_whole(&marker, &partial, format!("{}\n", self.boot_id).as_bytes(), 0o600)?;
+        std::fs::File::open(&marker)?.sync_all()?;
+        std::fs::File::open(&self.dir)?.sync_all()
+    }
 }
+
+/// The state directory's record of the boot its last starting server ran in.
+const BOOT_MARKER: &str = ".boot";
 
 /// What earlier servers left in the ledger ([`Ledger::left_behind`]).
 #[derive(Default)]
@@ -1078,21 +1105,38 @@ mod tests {
             state_dir: Some(state_dir.clone()),
             memory_dir: Some(memory_dir.clone()),
         };
-        let registry = VmRegistry::new(lifecycle).expect("registry");
-        registry.set_state_places(StateRecord {
+        let registry = VmRegistry::new(lifecycle.clone()).expect("registry");
+        let places = StateRecord {
             image_label: String::new(),
             image_identity: None,
             mode: "ram+disk".into(),
             disk_bytes: 0,
             memory_dir,
             spill_dir: Some(spill_dir.clone()),
-        });
+        };
+        registry.set_state_places(places.clone());
         let lost: Vec<String> = registry.list().into_iter().map(|status| status.vm).collect();
         assert_eq!(lost, ["this-boot"]);
         assert!(!state_dir.join("vm-before-boot.json").exists(), "the earlier boot's file is removed");
         assert!(!spill_dir.join("vm-before-boot.spill").exists(), "and its VM's files");
         assert!(spill_dir.join("vm-this-boot.spill").exists(), "a lost VM's files wait for its reset");
         assert!(registry.claim(Some("before-boot"), "golden", None).is_ok(), "the name is free");
+        drop(registry);
+
+        // The state directory says which boot its last server started in: a file cut short
+        // under another boot's record is that boot's, whatever its time says.
+        let marker = std::fs::read_to_string(state_dir.join(BOOT_MARKER)).expect("this boot recorded");
+        assert_eq!(marker.trim(), boot_id());
+        std::fs::write(state_dir.join(BOOT_MARKER), "an earlier boot\n").expect("marker");
+        std::fs::write(state_dir.join("vm-recorded.json"), b"{\"vm\":\"reco").expect("cut-short file");
+        std::fs::write(spill_dir.join("vm-recorded.spill"), b"spilled").expect("spill file");
+        let registry = VmRegistry::new(lifecycle.clone()).expect("registry");
+        registry.set_state_places(places.clone());
+        assert!(registry.list().is_empty(), "{:?}", registry.list());
+        for vm in ["recorded", "this-boot"] {
+            assert!(!state_dir.join(format!("vm-{vm}.json")).exists(), "{vm}: an earlier boot's, by the record");
+            assert!(!spill_dir.join(format!("vm-{vm}.spill")).exists(), "{vm}'s files");
+        }
     }
 
     /// A live process with a dead server's pid is not that server: its entries are handled as
