@@ -81,20 +81,27 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, Se
                     tracing::warn!("control socket: {MAX_CLIENTS} clients already being answered; one more closed");
                     continue;
                 }
-                let (registry, answering) = (registry.clone(), clients.clone());
-                let answered = std::thread::Builder::new().name("control-client".into()).spawn(move || {
+                let (registry, answering) = (registry.clone(), Answering(clients.clone()));
+                let _ = std::thread::Builder::new().name("control-client".into()).spawn(move || {
+                    let _answering = answering;
                     if let Err(error) = answer(stream, &registry) {
                         tracing::debug!(%error, "control client");
                     }
-                    answering.fetch_sub(1, Ordering::SeqCst);
                 });
-                if answered.is_err() {
-                    clients.fetch_sub(1, Ordering::SeqCst);
-                }
             }
         })
         .map_err(|e| ServerError::io("starting the control thread", e))?;
     Ok(listener)
+}
+
+/// One client being answered, counted until it is dropped: when its thread ends, however it
+/// ends (a panic in a reset unwinds), or with the closure of a thread that could not start.
+struct Answering(Arc<AtomicUsize>);
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn answer(stream: UnixStream, registry: &VmRegistry) -> std::io::Result<()> {

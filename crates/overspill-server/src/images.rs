@@ -108,6 +108,16 @@ impl ImageStore {
     /// under a temporary name and is renamed into place, so a reader never sees half a version.
     pub fn publish(&self, name: &str, file: &Path, activate: bool) -> Result<String, ServerError> {
         check_name("image", name)?;
+        // Before anything opens it: opening a FIFO waits for a writer (with the image locked),
+        // and a block device reads as empty.
+        match std::fs::metadata(file) {
+            Ok(metadata) if metadata.is_file() => {}
+            Ok(_) => {
+                let error = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
+                return Err(ServerError::io(format!("publishing {}", file.display()), error));
+            }
+            Err(error) => return Err(ServerError::io(format!("publishing {}", file.display()), error)),
+        }
         let dir = self.root.join(name);
         let new_dir = !dir.exists();
         std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;

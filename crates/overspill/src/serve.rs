@@ -309,10 +309,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         )?;
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
     }
-    // Where the VMs' pages are files: a memory directory that other users fill after the start
-    // must make VMs spill, not refuse their writes.
-    let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir_in_use.clone());
-    spawn_memory_sampler(host, pages_dir);
     let config = ServerConfig {
         limits: Limits {
             handshake_timeout: args.handshake_timeout,
@@ -326,6 +322,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         security,
         counters: protocol_counters,
     };
+    // Where the VMs' pages are files: a memory directory that other users fill after the start
+    // must make VMs spill, not refuse their writes.
+    let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir_in_use.clone());
+    spawn_memory_sampler(host, pages_dir, u64::from(config.limits.max_payload_bytes));
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let server = Server::new(Arc::new(exports), config);
     // Before the socket exists: a signal once clients can connect always drains.
@@ -521,12 +521,15 @@ fn ram_total_within(memory_dir: &Path, ram_total: u64) -> u64 {
 /// the budget does not count: per VM three 2 MiB segments (the segment being written, the
 /// arena's allocation two steps ahead of the pages it hands out), and once for all the largest
 /// request (its pages are taken before its blocks push older ones out; QEMU rarely sends one,
-/// and not from many VMs at once). `None` when the directory cannot be read.
-fn pages_room(dir: &Path, vms: u64) -> Option<PagesRoom> {
+/// and not from many VMs at once). At most a quarter of the filesystem: more would keep the
+/// RAM tier off for good on a small one with many VMs. `None` when the directory cannot be read.
+fn pages_room(dir: &Path, vms: u64, largest_request: u64) -> Option<PagesRoom> {
     let fs = nix::sys::statvfs::statvfs(dir).ok()?;
+    let size = fs.blocks().saturating_mul(fs.fragment_size());
+    let wanted = 3 * SEGMENT_BYTES as u64 * vms.max(1) + largest_request;
     Some(PagesRoom {
         room_bytes: fs.blocks_available().saturating_mul(fs.fragment_size()),
-        keep_bytes: 3 * SEGMENT_BYTES as u64 * vms.max(1) + u64::from(Limits::default().max_payload_bytes),
+        keep_bytes: wanted.min(size / 4),
     })
 }
 
@@ -664,14 +667,14 @@ fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> 
 /// Feeds the host's free memory (and the room left in the memory directory, where VMs' pages
 /// are files) to the budget once a second, so VMs shrink under pressure, and hands memory the
 /// VMs gave back to the system.
-fn spawn_memory_sampler(host: Arc<HostMemory>, pages_dir: Option<PathBuf>) {
+fn spawn_memory_sampler(host: Arc<HostMemory>, pages_dir: Option<PathBuf>, largest_request: u64) {
     let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || loop {
         match read_mem_available() {
             // Under a cgroup limit (MemoryMax=, a container) the room left in it is what counts
             // when it is less than the host's free memory.
             Ok(available) => host.rebalance_within(
                 read_cgroup_room().map_or(available, |room| room.min(available)),
-                pages_dir.as_deref().and_then(|dir| pages_room(dir, host.vms())),
+                pages_dir.as_deref().and_then(|dir| pages_room(dir, host.vms(), largest_request)),
             ),
             Err(error) => {
                 tracing::warn!(%error, "cannot read free memory; the free floor is not enforced");

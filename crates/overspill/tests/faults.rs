@@ -403,9 +403,10 @@ fn a_memory_directory_others_fill_after_the_start_makes_vms_spill_not_fail() {
     for offset in (0..8 * MIB).step_by(CHUNK) {
         write(&mut a, offset, CHUNK);
     }
-    // Someone else takes all but 12 MiB of the directory: less than half of what the server
-    // keeps free for one VM (6 MiB, and 32 MiB for a largest request).
-    let theirs = pseudo_random((room() - 12 * MIB) as usize, 99);
+    // Someone else takes all but 8 MiB of the directory: less than half of what the server
+    // keeps free for one VM (6 MiB, and 32 MiB for a largest request, but at most a quarter of
+    // the filesystem: 24 MiB).
+    let theirs = pseudo_random((room() - 8 * MIB) as usize, 99);
     std::fs::write(fs.dir.join("someone-else"), &theirs).expect("another user's file");
     let held_to_a_share = || {
         let (status, _, body) = common::http_get(&metrics, "text/plain");
