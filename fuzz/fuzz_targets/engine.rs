@@ -301,6 +301,10 @@ impl Env {
         ];
         for (dir, suffixes) in dirs {
             for name in entries(&self.work.join(dir)) {
+                // The boot the ledger's last server started in (docs/lifecycle.md).
+                if dir == "state" && name == ".boot" {
+                    continue;
+                }
                 let vm = name
                     .strip_prefix("vm-")
                     .and_then(|rest| rest.rsplit_once('.'))

@@ -11,6 +11,7 @@
 //! in the engine's atomics, so all that is needed is a formatter over them (prometheus-client
 //! speaks only OpenMetrics, and promtool checks the Prometheus text format).
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -495,9 +496,10 @@ fn read_cache_figures(w: &mut Writer, caches: &[CacheEntry]) {
             |c| c.resident_bytes.get(),
         ),
     ];
+    let labels = unique_labels(caches);
     for (family, help, kind, get) in figures {
         w.header(family, help, kind);
-        for (export, _, stats) in caches {
+        for (export, (_, _, stats)) in labels.iter().zip(caches) {
             w.sample(family, &[("export", export.clone())], get(stats) as f64);
         }
     }
@@ -505,9 +507,28 @@ fn read_cache_figures(w: &mut Writer, caches: &[CacheEntry]) {
     // VM's blocks come from should not need the log.
     let family = "overspill_golden_image_info";
     w.header(family, "The golden image behind each shared read cache (file, format and the layers under it).", "gauge");
-    for (export, source, _) in caches {
+    for (export, (_, source, _)) in labels.iter().zip(caches) {
         w.sample(family, &[("export", export.clone()), ("source", source.clone())], 1.0);
     }
+}
+
+/// The caches' export labels, each once: a version whose file was replaced under the same name
+/// (a number given again by hand) has two caches while VMs still use the old one, and a series
+/// twice in one scrape is refused by Prometheus. Later ones get `#2`, `#3`.
+fn unique_labels(caches: &[CacheEntry]) -> Vec<String> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    caches
+        .iter()
+        .map(|(export, _, _)| {
+            let times = seen.entry(export.as_str()).or_insert(0);
+            *times += 1;
+            if *times == 1 {
+                export.clone()
+            } else {
+                format!("{export} #{times}")
+            }
+        })
+        .collect()
 }
 
 fn help_of(family: &str) -> &'static str {
@@ -664,3 +685,16 @@ async fn serve_http(listener: tokio::net::TcpListener, endpoint: Arc<Endpoint>) 
 
 /// How long `overspill stat` waits for the endpoint.
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_label_two_caches_share_is_told_apart() {
+        let stats = Arc::new(ReadCacheStats::default());
+        let cache = |label: &str| (label.to_owned(), "source".to_owned(), stats.clone());
+        let caches = [cache("win7:v2"), cache("win7:v3"), cache("win7:v2"), cache("win7:v2")];
+        assert_eq!(unique_labels(&caches), ["win7:v2", "win7:v3", "win7:v2 #2", "win7:v2 #3"]);
+    }
+}
