@@ -252,6 +252,11 @@ impl VmRegistry {
                 }
             }
         }
+        // Not before: a server that keeps no state files (no grace) leaves an earlier boot's
+        // cut-short entries, and the marker must go on naming that boot for the next server.
+        if let Some(Err(error)) = self.ledger.as_ref().map(Ledger::mark_boot) {
+            tracing::warn!(%error, "could not record this boot in the state directory");
+        }
         let _ = self.state_places.set(places);
     }
 
@@ -937,14 +942,12 @@ impl Ledger {
                 }
             }
         }
-        if let Err(error) = self.mark_boot() {
-            tracing::warn!(%error, "could not record this boot in the state directory");
-        }
         left
     }
 
-    /// Records that a server of this boot has started with this ledger, before it writes any
-    /// entry: a cut-short entry found later under another boot's marker is that boot's.
+    /// Records that a server of this boot has dealt with what earlier boots left in this ledger:
+    /// a cut-short entry found later under another boot's marker is that boot's. (Within a boot
+    /// no entry is cut short: each is written whole under another name and renamed.)
     fn mark_boot(&self) -> std::io::Result<()> {
         let marker = self.dir.join(BOOT_MARKER);
         if std::fs::read_to_string(&marker).is_ok_and(|b| b.trim() == self.boot_id) {
