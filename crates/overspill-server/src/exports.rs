@@ -501,15 +501,12 @@ impl OverlayExports {
             ))));
         }
         let io = |what: &'static str| move |e| device_error(EngineError::from_io(what, e));
-        // A server that stopped with the default memory directory empty removed it (serve does):
-        // one sharing it (and its state directory) makes it again, as at its start.
-        if std::fs::symlink_metadata(&memory_dir).is_err() {
-            crate::files::own_directory(&memory_dir)
-                .and_then(|()| {
-                    std::fs::set_permissions(&memory_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-                })
-                .map_err(io("making the memory directory again"))?;
-        }
+        // A server that stopped with the default memory directory empty removed it (serve does),
+        // and its name in /dev/shm is then anyone's to take: one sharing it (and its state
+        // directory) makes it again, or checks whoever made it, as at its start.
+        crate::files::own_directory(&memory_dir)
+            .and_then(|()| std::fs::set_permissions(&memory_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)))
+            .map_err(io("checking the memory directory"))?;
         self.registry.mark_persistent(number, record).map_err(io("recording the VM in the ledger"))?;
         let stem = state_file_stem(vm);
         // Each file held while open: a server sharing the directory leaves it alone (above).

@@ -13,6 +13,24 @@ use std::path::Path;
 /// left by a crash, or planted, is removed first (unlinking never follows a link), and the new
 /// one is created exclusively, so the write lands in a file this call made.
 pub fn replace_whole(target: &Path, partial: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    drop(write_new(partial, bytes, mode)?);
+    std::fs::rename(partial, target)
+}
+
+/// As [`replace_whole`], for a file other users' programs read and a host crash must not undo:
+/// it has exactly `mode` whatever the writer's umask, and it and its directory are on disk
+/// before this returns.
+pub fn replace_whole_durably(target: &Path, partial: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let file = write_new(partial, bytes, mode)?;
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+    file.sync_all()?;
+    drop(file);
+    std::fs::rename(partial, target)?;
+    sync_directory(target.parent().unwrap_or(Path::new(".")))
+}
+
+/// `bytes` in a new file at `partial`, removing whatever was there first (see [`replace_whole`]).
+fn write_new(partial: &Path, bytes: &[u8], mode: u32) -> io::Result<File> {
     match std::fs::remove_file(partial) {
         Ok(()) => {}
         Err(error) if error.kind() == io::ErrorKind::NotFound => {}
@@ -20,8 +38,12 @@ pub fn replace_whole(target: &Path, partial: &Path, bytes: &[u8], mode: u32) -> 
     }
     let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(partial)?;
     file.write_all(bytes)?;
-    drop(file);
-    std::fs::rename(partial, target)
+    Ok(file)
+}
+
+/// Makes the names in `dir` (a rename, a new file) survive a host crash.
+pub fn sync_directory(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 /// Makes `dir` (and its parents) if missing, then refuses it where another user could plant

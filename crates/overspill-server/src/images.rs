@@ -175,7 +175,7 @@ impl ImageStore {
         // The number is taken for good before the version is there under it.
         record_highest_given(&dir, next).map_err(io)?;
         std::fs::rename(&partial, &target).map_err(io)?;
-        sync_directory(&dir).map_err(io)?;
+        crate::files::sync_directory(&dir).map_err(io)?;
         if activate {
             self.activate_locked(name, &version)?;
         }
@@ -201,12 +201,9 @@ impl ImageStore {
         let dir = self.root.join(name);
         let partial = dir.join(".current.partial");
         let io = |e| ServerError::io(format!("making {version} current in {}", dir.display()), e);
-        let current = dir.join("current");
-        crate::files::replace_whole(&current, &partial, format!("{version}\n").as_bytes(), 0o644).map_err(io)?;
         // Readable by the server whatever the umask of whoever ran this, and on disk.
-        std::fs::set_permissions(&current, std::os::unix::fs::PermissionsExt::from_mode(0o644)).map_err(io)?;
-        std::fs::File::open(&current).and_then(|f| f.sync_all()).and_then(|()| sync_directory(&dir)).map_err(io)?;
-        Ok(())
+        crate::files::replace_whole_durably(&dir.join("current"), &partial, format!("{version}\n").as_bytes(), 0o644)
+            .map_err(io)
     }
 }
 
@@ -222,11 +219,9 @@ fn read_highest_given(dir: &Path) -> u64 {
 fn record_highest_given(dir: &Path, number: u64) -> std::io::Result<()> {
     let record = dir.join(HIGHEST_GIVEN);
     let partial = dir.join(format!("{HIGHEST_GIVEN}.partial"));
-    crate::files::replace_whole(&record, &partial, format!("{number}\n").as_bytes(), 0o644)?;
     // Readable by every publisher whatever this one's umask: one that could not read it would
     // give a number again.
-    std::fs::set_permissions(&record, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
-    std::fs::File::open(&record)?.sync_all()
+    crate::files::replace_whole_durably(&record, &partial, format!("{number}\n").as_bytes(), 0o644)
 }
 
 /// One publisher or activation at a time per image, across processes: two publishers would pick
@@ -495,11 +490,6 @@ fn copy_range(source: &std::fs::File, target: &std::fs::File, from: u64, end: u6
         }
     }
     Ok(())
-}
-
-/// Makes the names in `dir` (a rename, a new file) survive a host crash.
-fn sync_directory(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

@@ -895,12 +895,11 @@ impl Ledger {
             if check_name("VM", vm).is_err() {
                 continue;
             }
-            let bytes = std::fs::read(file.path());
+            let parsed = std::fs::read(file.path()).map(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes));
             // Read, but not a whole entry: empty or cut short (by a power loss: entries are
             // written without a sync); a file that cannot be read at all is not that.
-            let cut_short = bytes.as_ref().is_ok_and(|b| serde_json::from_slice::<LedgerEntry>(b).is_err());
-            let entry = bytes.ok().and_then(|bytes| serde_json::from_slice::<LedgerEntry>(&bytes).ok());
-            match entry {
+            let cut_short = matches!(parsed, Ok(Err(_)));
+            match parsed.ok().and_then(Result::ok) {
                 Some(e) if e.boot_id != self.boot_id => {
                     tracing::info!(vm, "ledger file of an earlier boot removed (its VM ended with the host)");
                     if let Some(state) = &e.state {
@@ -954,9 +953,7 @@ impl Ledger {
             return Ok(());
         }
         let partial = self.dir.join(format!("{BOOT_MARKER}.partial"));
-        crate::files::replace_whole(&marker, &partial, format!("{}\n", self.boot_id).as_bytes(), 0o600)?;
-        std::fs::File::open(&marker)?.sync_all()?;
-        std::fs::File::open(&self.dir)?.sync_all()
+        crate::files::replace_whole_durably(&marker, &partial, format!("{}\n", self.boot_id).as_bytes(), 0o600)
     }
 }
 
@@ -975,14 +972,17 @@ struct LeftBehind {
 /// Whether `path` was last written before the host booted (`btime` in /proc/stat). `false`
 /// when either cannot be told: an unreadable file of this boot is a lost VM, never forgotten.
 fn written_before_this_boot(path: &Path) -> bool {
-    let boot = std::fs::read_to_string("/proc/stat")
-        .ok()
-        .and_then(|stat| stat.lines().find_map(|line| line.strip_prefix("btime ")?.trim().parse::<u64>().ok()));
     let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
-    match (boot, modified.and_then(|m| m.duration_since(std::time::UNIX_EPOCH).ok())) {
+    match (boot_time_s(), modified.and_then(|m| m.duration_since(std::time::UNIX_EPOCH).ok())) {
         (Some(boot), Some(modified)) => modified.as_secs() < boot,
         _ => false,
     }
+}
+
+/// When the host booted, in seconds since the epoch (`btime` in /proc/stat).
+fn boot_time_s() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    stat.lines().find_map(|line| line.strip_prefix("btime ")?.trim().parse().ok())
 }
 
 fn remove_unless_gone(path: &Path, what: &str) {
@@ -1090,11 +1090,7 @@ mod tests {
         for d in [&state_dir, &memory_dir, &spill_dir] {
             std::fs::create_dir_all(d).expect("mkdir");
         }
-        let boot = std::fs::read_to_string("/proc/stat")
-            .expect("/proc/stat")
-            .lines()
-            .find_map(|line| line.strip_prefix("btime ")?.trim().parse::<u64>().ok())
-            .expect("btime");
+        let boot = boot_time_s().expect("btime");
         for vm in ["before-boot", "this-boot"] {
             let ledger_file = std::fs::File::create(state_dir.join(format!("vm-{vm}.json"))).expect("ledger file");
             if vm == "before-boot" {

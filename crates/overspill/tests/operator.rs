@@ -141,6 +141,17 @@ fn a_dead_log_reader_neither_stops_new_vms_nor_sigterm() {
     assert!(status.success(), "exit status {status}");
 }
 
+/// Waits until a server started by hand listens on `socket`, or fails the test if it exits
+/// first or takes 20 s.
+fn wait_listening(child: &mut std::process::Child, socket: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+        assert!(child.try_wait().expect("try_wait").is_none(), "serve exited before listening");
+        assert!(Instant::now() < deadline, "serve never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn nix_kill(pid: u32, signal: &str) {
     let status = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().expect("kill");
     assert!(status.success());
@@ -288,12 +299,7 @@ fn serve_raises_its_open_file_limit_to_the_hard_limit() {
         .stderr(Stdio::null())
         .spawn()
         .expect("prlimit (util-linux) runs serve");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(Instant::now() < deadline, "serve never listened");
-        assert!(child.try_wait().expect("try_wait").is_none(), "serve exited");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_listening(&mut child, &socket);
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).expect("limits");
     let open_files = limits.lines().find(|l| l.starts_with("Max open files")).expect("open files line");
     let numbers: Vec<&str> = open_files.split_whitespace().filter(|w| w.parse::<u64>().is_ok()).collect();
@@ -787,12 +793,7 @@ fn pages_in_dev_shm_under_systemd_are_warned_of() {
             command.env("INVOCATION_ID", id);
         }
         let mut child = command.spawn().expect("overspill serve");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(child.try_wait().expect("try_wait").is_none(), "exited early");
-            assert!(Instant::now() < deadline, "not listening");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_listening(&mut child, &socket);
         nix_kill(child.id(), "TERM");
         assert!(child.wait().expect("wait").success());
         let text = std::fs::read_to_string(&log).expect("log");
