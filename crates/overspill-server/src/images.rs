@@ -322,8 +322,17 @@ impl GoldenImage for HeldVersion {
     }
 }
 
-/// A file's inode and modification time (any write changes it): `None` if it cannot be read.
-type FileStamp = Option<(u64, std::time::SystemTime)>;
+/// A file's device, inode, length and change times: a write changes the modification time, a
+/// rename into place the change time, so a file put in an earlier one's place differs even where
+/// the filesystem reused its inode within one timestamp tick. `None` if it cannot be read.
+type FileStamp = Option<Stamp>;
+
+type Stamp = (u64, u64, u64, i64, i64, i64, i64);
+
+fn stamp_of(m: &std::fs::Metadata) -> Stamp {
+    use std::os::unix::fs::MetadataExt;
+    (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec())
+}
 
 /// The versions VMs hold, by image and version name, with their files' stamps when opened.
 type HeldVersions = HashMap<(String, String), (FileStamp, Weak<dyn GoldenImage>)>;
@@ -332,9 +341,7 @@ type HeldVersions = HashMap<(String, String), (FileStamp, Weak<dyn GoldenImage>)
 type Description = (FileStamp, u64, String);
 
 fn file_stamp(path: &Path) -> FileStamp {
-    use std::os::unix::fs::MetadataExt;
-    let metadata = std::fs::metadata(path).ok()?;
-    Some((metadata.ino(), metadata.modified().ok()?))
+    std::fs::metadata(path).ok().map(|m| stamp_of(&m))
 }
 
 impl OpenVersions {
@@ -416,7 +423,6 @@ impl OpenVersions {
 /// holes out as zeroes filled the store's disk (`std::fs::copy` did).
 fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
     use rustix::fs::SeekFrom;
-    use std::os::unix::fs::MetadataExt;
     let source = std::fs::File::open(from)?;
     let before = source.metadata()?;
     // A block device's length reads as 0 here (an empty version); a pipe has none.
@@ -450,8 +456,7 @@ fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
     // found past a cut end would have read as zeroes, and bytes past the length taken first
     // were never copied.
     let after = source.metadata()?;
-    let stamp = |m: &std::fs::Metadata| (m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec(), m.ino());
-    if stamp(&before) != stamp(&after) {
+    if stamp_of(&before) != stamp_of(&after) {
         return Err(std::io::Error::other("it changed while it was copied: publish a file nothing writes"));
     }
     Ok(())
@@ -497,8 +502,8 @@ mod tests {
     use super::*;
 
     /// INFO and LIST describe a version once, not at every request: the description is kept
-    /// while the file stays the same one (inode and modification time), and found again when
-    /// the file under the version's name changes.
+    /// while the file stays the same one, and found again when the file under the version's
+    /// name changes, even with its old modification time (its length, change time or inode tell).
     #[test]
     fn a_version_is_described_once_until_its_file_changes() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -508,22 +513,31 @@ mod tests {
         store.publish("win7", &file, true).expect("publish");
         let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default());
         assert_eq!(open.describe("win7").expect("describe").0, 8192);
-        // Rewritten in place with its old modification time: still the file described.
+        // What is kept is what is answered while the file is unchanged.
+        for (_, size, _) in open.described.lock().expect("lock").values_mut() {
+            *size = 4096;
+        }
+        assert_eq!(open.describe("win7").expect("describe").0, 4096, "described again at each request");
         let path = store.current("win7").expect("current").path;
         let modified = std::fs::metadata(&path).expect("metadata").modified().expect("mtime");
         let mut perms = std::fs::metadata(&path).expect("metadata").permissions();
         #[allow(clippy::permissions_set_readonly_false)]
         perms.set_readonly(false);
         std::fs::set_permissions(&path, perms).expect("writable");
-        let rewrite = |len: usize| {
-            let f = std::fs::OpenOptions::new().write(true).open(&path).expect("open");
-            f.set_len(len as u64).expect("resize");
-            f
-        };
-        rewrite(16384).set_modified(modified).expect("set mtime");
-        assert_eq!(open.describe("win7").expect("describe").0, 8192, "described again at each request");
-        rewrite(32768).set_modified(modified + std::time::Duration::from_secs(1)).expect("set mtime");
-        assert_eq!(open.describe("win7").expect("describe").0, 32768, "a changed file is described anew");
+        // Grown in place, its modification time put back.
+        let grown = std::fs::OpenOptions::new().write(true).open(&path).expect("open");
+        grown.set_len(16384).expect("resize");
+        grown.set_modified(modified).expect("set mtime");
+        assert_eq!(open.describe("win7").expect("describe").0, 16384, "a grown file is described anew");
+        // Another file of the same length and modification time renamed into its place.
+        let other = dir.path().join("other.img");
+        std::fs::write(&other, vec![2u8; 16384]).expect("write");
+        std::fs::File::options().write(true).open(&other).expect("open").set_modified(modified).expect("set mtime");
+        for (_, size, _) in open.described.lock().expect("lock").values_mut() {
+            *size = 4096;
+        }
+        std::fs::rename(&other, &path).expect("rename");
+        assert_eq!(open.describe("win7").expect("describe").0, 16384, "a replaced file is described anew");
     }
 
     #[test]
