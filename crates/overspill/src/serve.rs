@@ -271,7 +271,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         .with_lifecycle(Lifecycle {
             reconnect_grace: args.reconnect_grace,
             state_dir: Some(state_dir.clone()),
-            memory_dir: Some(memory_dir),
+            memory_dir: Some(memory_dir.clone()),
         })
         .with_context(|| format!("state directory {}", state_dir.display()))?;
     if let Some(dir) = &args.memory_dir {
@@ -357,6 +357,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         tls = ?config_tls_mode,
         reconnect_grace = %humantime::format_duration(args.reconnect_grace),
         control = %control_path.display(),
+        spill_dir = %args.spill_dir.display(),
+        state_dir = %state_dir.display(),
+        memory_dir = %memory_dir.display(),
         "serving"
     );
     let _pidfile = args.pidfile.as_deref().map(PidFile::write).transpose()?;
