@@ -78,6 +78,13 @@ impl Server {
         // end with their connections (handing over across restarts is tests/lifecycle.rs),
         // unless a test asks for a grace (its state then lives in a memory directory).
         let grace: &[&str] = if extra.contains(&"--reconnect-grace") { &[] } else { &["--reconnect-grace", "0"] };
+        // In the test's directory, not /dev/shm, unless the test gives its own.
+        let memory = dir.join(format!("{name}-memory"));
+        let memory: Vec<&std::ffi::OsStr> = if extra.contains(&"--memory-dir") {
+            Vec::new()
+        } else {
+            vec!["--memory-dir".as_ref(), memory.as_os_str()]
+        };
         let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("--log-json")
             .arg("serve")
@@ -94,6 +101,7 @@ impl Server {
             .arg("--state-dir")
             .arg(dir.join(format!("{name}-state")))
             .args(grace)
+            .args(memory)
             // No host-memory pressure from whatever else runs on the machine: targets stay put.
             .args(["--ram-floor", "0"])
             .args(extra)

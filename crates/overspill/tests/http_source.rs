@@ -44,6 +44,7 @@ fn serve_must_fail(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
         .arg("serve")
         .args(["--ram-floor", "0", "--listen", &format!("unix:{}", dir.join("nbd.sock").display())])
         .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8")])
+        .args(["--memory-dir", dir.join("memory").to_str().expect("utf-8")])
         .args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null())

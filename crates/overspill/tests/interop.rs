@@ -135,6 +135,8 @@ impl Server {
             .arg(&spill_dir)
             .arg("--shared-dir")
             .arg(&shared_dir)
+            .arg("--memory-dir")
+            .arg(dir.join("memory"))
             // No host-memory pressure from whatever else runs on the machine: targets stay put.
             .args(["--ram-floor", "0"])
             // These tests watch overlays end with their connections (libnbd's clients close

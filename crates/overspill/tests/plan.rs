@@ -271,12 +271,12 @@ fn serve_records_what_a_real_client_asked() {
     let sock = d.join("s.sock");
     let rec = d.join("rec");
     let listen = format!("unix:{}", s(&sock));
-    let (spill, shared) = (s(&d.join("spill")), s(&d.join("shared")));
+    let (spill, shared, memory) = (s(&d.join("spill")), s(&d.join("shared")), s(&d.join("memory")));
     let server = daemon(
         env!("CARGO_BIN_EXE_overspill"),
         &["serve", "--base", &s(&golden), "--listen", &listen, "--ram-floor", "0", "--spill-dir", &spill]
             .into_iter()
-            .chain(["--shared-dir", &shared, "--record", &s(&rec)])
+            .chain(["--shared-dir", &shared, "--memory-dir", &memory, "--record", &s(&rec)])
             .collect::<Vec<_>>(),
         &sock,
     );
