@@ -2,9 +2,10 @@
 //!
 //! An export name is `IMAGE` or `IMAGE@VM`: the part after `@` names the VM, whose overlay then
 //! outlives a lost connection for the reconnect grace (see `vms`); without it the server numbers
-//! connections and each overlay ends with its connection. The empty name is the `--base` image. Cache files
-//! are named `overspill-<server pid>-<vm number>.<kind>` so that a restarted server can tell the
-//! files of dead servers (removed at start) from those of live ones (left alone).
+//! connections and each overlay ends with its connection. The empty name is the `--base` image.
+//! Anonymous VMs' cache files are named `overspill-<server pid>-<vm number>.<kind>` so that a
+//! restarted server can tell the files of dead servers (removed at start) from those of live ones
+//! (left alone); a named VM's are named after it and outlive the process (see `vms`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

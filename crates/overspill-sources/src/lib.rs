@@ -2,11 +2,11 @@
 //! [`GoldenImage`] trait: an object in S3-compatible storage read with ranged GETs ([`s3`]), a
 //! file on a web server (or a presigned S3 URL) read with ranged GETs ([`http`]), a
 //! snapshot of a Ceph RBD image read through librbd ([`rbd`], a build feature), and a local disk
-//! tier ([`local_tier`]) that keeps what was fetched from a remote source so that a restart or a
-//! cold read cache does not fetch it again.
+//! tier ([`local_tier`]) that keeps what was fetched from a remote source so that a read cache
+//! that evicted it does not fetch it again (the tier starts empty with each server).
 //!
 //! A source is named by a string, so that `serve --export NAME=SOURCE` takes any of them:
-//! a path (raw or qcow2 file), `s3://BUCKET/KEY`, `http(s)://HOST/PATH?QUERY`, or
+//! a path (raw, qcow2 or VHDX file), `s3://BUCKET/KEY`, `http(s)://HOST/PATH?QUERY`, or
 //! `rbd:POOL/IMAGE@SNAPSHOT`. A URL's query and user:password may be credentials (a presigned
 //! URL's signature): they are shown only as [`redact`] writes them, never in logs or errors.
 //! Remote sources are meant to be read through the engine's shared read cache, which turns a

@@ -1,6 +1,7 @@
 //! `overspill serve`: open the golden images, bind the socket, serve until SIGTERM or SIGINT,
-//! then drain: stop accepting, let each connection finish the request in hand, drop the overlays
-//! (and their cache files) and the socket, and exit 0.
+//! then drain: stop accepting, let each connection finish the request in hand, drop anonymous
+//! VMs' overlays (and their cache files), hand named VMs to the next server (their state files
+//! kept), remove the socket, and exit 0. SIGHUP does the same and then execs the binary in place.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -80,7 +81,8 @@ pub struct ServeArgs {
     /// least (its open segment and index), so it also bounds how many are served at once.
     #[arg(long, default_value = "8G", value_parser = parse_bytes)]
     ram_total: u64,
-    /// Free memory (MemAvailable) the caches leave to the host: below it, VMs' targets shrink.
+    /// Free memory the caches leave to the host (MemAvailable, or the room under the cgroup's
+    /// memory limit when less): below it, VMs' targets shrink.
     #[arg(long, default_value = "512M", value_parser = parse_bytes)]
     ram_floor: u64,
     /// Directory of the spill files (ram+disk) and local cache files (disk).
@@ -120,11 +122,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "tcp:HOST:PORT")]
     metrics: Option<String>,
     /// How long a named VM (export IMAGE@NAME) whose connection was lost without NBD_CMD_DISC
-    /// keeps its overlay for it to reconnect (e.g. 30s, 5m; 0 drops it at once).
+    /// keeps its overlay for it to reconnect (e.g. 30s, 5m). 0 drops it at once and keeps no
+    /// state files, so a named VM with writes is refused after any server restart until reset.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     reconnect_grace: Duration,
-    /// Where the server notes which named VMs have writes, so that a later server refuses the
-    /// names whose writes it lost instead of serving them golden data (default: SPILL_DIR/state).
+    /// The ledger of named VMs with writes: the next server rebuilds them from it, and refuses
+    /// the names whose writes it cannot recover instead of serving them golden data (default:
+    /// SPILL_DIR/state; also the default control socket's place).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
     /// Where named VMs keep their pages, so that their overlays outlive this process (a restart,
@@ -369,7 +373,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     if !RESTART.load(std::sync::atomic::Ordering::SeqCst) {
         notify_service_manager(&[NotifyState::Stopping, NotifyState::Status("draining connections")]);
     }
-    // Connections close after the request in hand; their overlays drop, removing cache files.
+    // Connections close after the request in hand; anonymous VMs' overlays drop, removing their
+    // cache files, and named VMs go into grace.
     if !server.wait_idle(DRAIN_TIMEOUT) {
         tracing::warn!(
             connections = server.active_connections(),
