@@ -166,7 +166,7 @@ impl OverlayExports {
                     ms = started.elapsed().as_millis() as u64,
                     "VM overlay recovered from the previous server: waiting for its client"
                 ),
-                Err(why) => self.registry.refuse_unrecoverable(&recoverable.vm, why),
+                Err(why) => self.registry.refuse_unrecoverable(&recoverable, why),
             }
         }
         Ok(())

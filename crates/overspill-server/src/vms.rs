@@ -179,6 +179,9 @@ struct Entry {
     reset: Arc<AtomicBool>,
     /// The ledger has this VM's file.
     marked: bool,
+    /// The ledger knows this VM has changed its disk (a persistent VM's file is made before
+    /// its first write, marked unwritten until then).
+    written: bool,
     /// Where the overlay keeps state that outlives the process, if it does.
     state: Option<StateRecord>,
     grace: Option<Grace>,
@@ -399,7 +402,8 @@ impl VmRegistry {
         // which holds the files, so that no other process takes them for a dead server's.
         if let Some(ledger) = &self.ledger {
             let (vm, owner) = (&recovered.vm, recovered.owner.as_deref());
-            if let Err(error) = ledger.mark_with(vm, &recovered.image, owner, Some(recovered.state.clone())) {
+            let marks = Marks { making: false, unwritten: recovered.unwritten };
+            if let Err(error) = ledger.write_entry(vm, &recovered.image, owner, Some(recovered.state.clone()), marks) {
                 tracing::warn!(vm, %error, "could not name this server in the VM's ledger file");
             }
         }
@@ -409,6 +413,7 @@ impl VmRegistry {
         entry.handle.export = image_label.to_owned();
         entry.handle.stats = stats;
         entry.marked = true;
+        entry.written = !recovered.unwritten;
         entry.owner = recovered.owner.clone();
         entry.state = Some(recovered.state.clone());
         entry.grace = Some(Grace { until: Instant::now() + self.lifecycle.reconnect_grace, parked });
@@ -418,7 +423,18 @@ impl VmRegistry {
 
     /// A VM whose state an earlier server left but that cannot be rebuilt: its name is refused
     /// until an operator resets it (its files stay for a look).
-    pub fn refuse_unrecoverable(&self, vm: &str, why: String) {
+    /// One that had written nothing loses nothing: its files go and it starts afresh.
+    pub fn refuse_unrecoverable(&self, recoverable: &Recoverable, why: String) {
+        let vm = recoverable.vm.as_str();
+        if recoverable.unwritten {
+            tracing::info!(vm, why, "VM state cannot be recovered, and the VM had written nothing: it starts afresh");
+            if let Some(ledger) = &self.ledger {
+                // Not open here (the recovery closed what it opened): a server sharing the
+                // directories may hold files of this name.
+                ledger.retire(vm, &recoverable.state, remove_leftover_state_files);
+            }
+            return;
+        }
         tracing::error!(vm, why, "VM state cannot be recovered: its name is refused until `overspill vm reset`");
         lock(&self.inner).lost.insert(vm.to_owned(), format!("its state could not be recovered: {why}"));
     }
@@ -442,7 +458,8 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
-        ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()), true)?;
+        let marks = Marks { making: true, unwritten: !entry.written };
+        ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()), marks)?;
         entry.marked = true;
         entry.state = Some(state);
         Ok(())
@@ -454,7 +471,8 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let inner = lock(&self.inner);
         let Some(entry) = inner.vms.get(&number) else { return Ok(()) };
-        ledger.mark_with(&entry.handle.vm, &entry.image, entry.owner.as_deref(), entry.state.clone())
+        let marks = Marks { making: false, unwritten: !entry.written };
+        ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), entry.state.clone(), marks)
     }
 
     /// Records in the ledger that a named VM has writes, before the first is acknowledged.
@@ -465,7 +483,10 @@ impl VmRegistry {
         if entry.named && !entry.marked {
             ledger.mark_with(&entry.handle.vm, &entry.handle.export, entry.owner.as_deref(), None)?;
             entry.marked = true;
+        } else if entry.state.is_some() && !entry.written {
+            ledger.mark_with(&entry.handle.vm, &entry.image, entry.owner.as_deref(), entry.state.clone())?;
         }
+        entry.written = true;
         Ok(())
     }
 
@@ -678,6 +699,7 @@ impl Entry {
             created: Instant::now(),
             reset,
             marked: false,
+            written: false,
             state: None,
             grace: None,
         }
@@ -735,6 +757,12 @@ struct LedgerEntry {
     /// (files cut short there, a zero log without its header, do not read as a state).
     #[serde(default, skip_serializing_if = "is_false")]
     making: bool,
+    /// The VM had written nothing (no write, TRIM or WRITE_ZEROES acknowledged) when this was
+    /// written: its state holds nothing of its own, so a state that cannot be rebuilt (its image
+    /// replaced, say) costs it nothing, and the VM starts afresh instead of being refused. Set
+    /// false before the first change is acknowledged; entries without it count as written.
+    #[serde(default, skip_serializing_if = "is_false")]
+    unwritten: bool,
 }
 
 fn is_false(value: &bool) -> bool {
@@ -758,6 +786,13 @@ pub struct StateRecord {
     pub spill_dir: Option<PathBuf>,
 }
 
+/// What a ledger entry says of a VM's state beside where it is (see [`LedgerEntry`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Marks {
+    making: bool,
+    unwritten: bool,
+}
+
 /// A VM an earlier server of this boot left state for.
 #[derive(Debug, Clone)]
 pub struct Recoverable {
@@ -767,6 +802,8 @@ pub struct Recoverable {
     /// The TLS identity that made it, the only one that may resume it.
     pub owner: Option<String>,
     pub state: StateRecord,
+    /// It had written nothing (see [`LedgerEntry::unwritten`]).
+    pub unwritten: bool,
 }
 
 impl Ledger {
@@ -781,7 +818,7 @@ impl Ledger {
     }
 
     fn mark_with(&self, vm: &str, image: &str, owner: Option<&str>, state: Option<StateRecord>) -> std::io::Result<()> {
-        self.write_entry(vm, image, owner, state, false)
+        self.write_entry(vm, image, owner, state, Marks::default())
     }
 
     fn write_entry(
@@ -790,7 +827,7 @@ impl Ledger {
         image: &str,
         owner: Option<&str>,
         state: Option<StateRecord>,
-        making: bool,
+        Marks { making, unwritten }: Marks,
     ) -> std::io::Result<()> {
         let entry = LedgerEntry {
             vm: vm.to_owned(),
@@ -802,6 +839,7 @@ impl Ledger {
             since_unix_s: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             state,
             making,
+            unwritten,
         };
         let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
         let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
@@ -920,8 +958,8 @@ impl Ledger {
                         tracing::warn!(vm, "a VM an earlier server was making has files another process holds: left");
                     }
                 }
-                Some(LedgerEntry { state: Some(state), image, owner, .. }) => {
-                    recoverable.push(Recoverable { vm: vm.to_owned(), image, owner, state });
+                Some(LedgerEntry { state: Some(state), image, owner, unwritten, .. }) => {
+                    recoverable.push(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten });
                 }
                 Some(e) => {
                     lost.insert(
@@ -1066,6 +1104,7 @@ mod tests {
                 since_unix_s: 0,
                 state: None,
                 making: false,
+                unwritten: false,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         };
@@ -1160,6 +1199,7 @@ mod tests {
                 since_unix_s: 0,
                 state: None,
                 making: false,
+                unwritten: false,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         }

@@ -496,8 +496,11 @@ fn a_recovered_vm_keeps_its_image_version_and_a_changed_image_refuses_it() {
     let written = write_pattern(&mut desk, 40);
     let mut writer = host.connect("writer");
     write_pattern(&mut writer, 41);
+    // A VM that only read: its state files exist (made at connect) and hold nothing of its own.
+    let mut reader = host.connect("reader");
+    read_start(&mut reader, 1 << 20);
     server.kill();
-    drop((desk, writer));
+    drop((desk, writer, reader));
 
     // v2, half the size, becomes current, and the file under --base is rewritten with the same
     // bytes (a new modification time: `cp` over it would keep its inode and size too).
@@ -533,6 +536,11 @@ fn a_recovered_vm_keeps_its_image_version_and_a_changed_image_refuses_it() {
         assert!(Instant::now() < deadline, "the refusal says why:\n{}", server.log_text());
         std::thread::sleep(Duration::from_millis(50));
     }
+    // The VM that only read lost nothing: it is not refused, and reads the image as it is now.
+    let mut reader = host.connect("reader");
+    assert_same(&read_start(&mut reader, 1 << 20), &host.golden_bytes[..1 << 20], "the reader after the change");
+    reader.disconnect().expect("disconnect");
+    assert!(server.log_text().contains("had written nothing: it starts afresh"), "{}", server.log_text());
     drop(server);
     host.assert_golden_untouched();
 }
