@@ -620,10 +620,43 @@ impl Overlay {
     }
 
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        self.count_read_request();
+        self.read_part(offset, buf)
+    }
+
+    /// Counts one read request whose bytes come in parts ([`Self::read_part`],
+    /// [`Self::read_shared_part`], [`Self::count_unread`]): a server that answers a large read in
+    /// slices, or around runs it sends as holes, counts the guest's one request once.
+    pub fn count_read_request(&self) {
+        self.stats.guest_read.ops.inc();
+    }
+
+    /// [`Self::read`] of a part of a request counted by [`Self::count_read_request`].
+    pub fn read_part(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let len = buf.len() as u64;
         self.check_range(offset, len)?;
-        self.stats.guest_read.add(len);
+        self.stats.guest_read.bytes.add(len);
         self.read_spans(offset, buf)
+    }
+
+    /// A part of a read request answered as zeroes without being read (NBD sends it as a hole
+    /// chunk, having asked [`Self::extents`]): counted as read, each block by the tier a read
+    /// would have taken it from, so that what the guest read is told whole. Nothing is fetched.
+    pub fn count_unread(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.stats.guest_read.bytes.add(len);
+        for span in block_spans(offset, len) {
+            let counter = match self.source(span.block) {
+                Source::Golden => &self.stats.read_blocks_golden,
+                Source::Zero => &self.stats.read_blocks_zero,
+                Source::Ram(_) => &self.stats.read_blocks_ram,
+                Source::Spill(_) => &self.stats.read_blocks_spill,
+                Source::File => &self.stats.read_blocks_cache_file,
+            };
+            counter.inc();
+        }
+        Ok(())
     }
 
     /// How `[offset, offset + len)` of the VM's disk is stored, for block status: what the VM
@@ -753,7 +786,14 @@ impl Overlay {
     /// [`Self::read`], a run at a time.
     pub fn read_shared(&mut self, offset: u64, len: usize) -> Result<Vec<Bytes>> {
         self.check_range(offset, len as u64)?;
-        self.stats.guest_read.add(len as u64);
+        self.count_read_request();
+        self.read_shared_part(offset, len)
+    }
+
+    /// [`Self::read_shared`] of a part of a request counted by [`Self::count_read_request`].
+    pub fn read_shared_part(&mut self, offset: u64, len: usize) -> Result<Vec<Bytes>> {
+        self.check_range(offset, len as u64)?;
+        self.stats.guest_read.bytes.add(len as u64);
         let spans: Vec<BlockSpan> = block_spans(offset, len as u64).collect();
         let golden: Vec<bool> = spans.iter().map(|span| self.source(span.block) == Source::Golden).collect();
         let mut pieces = Vec::new();

@@ -1265,6 +1265,7 @@ fn read<T: Transport>(
         simple_reply(&mut wire.output, cookie, 0);
     }
     let length = length as usize;
+    session.device.read_request(offset, length as u64);
     let runs = if structured && length >= SPARSE_READ_BYTES {
         zero_runs(session.device.as_mut(), offset, length)
     } else {
@@ -1287,6 +1288,7 @@ fn read<T: Transport>(
         let flags = if last { REPLY_FLAG_DONE } else { 0 };
         let slice_start = wire.output.len();
         if hole {
+            session.device.read_sent_as_zeroes(at, piece as u64);
             chunk_header(&mut wire.output, flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12);
             put_u64(&mut wire.output, at);
             put_u32(&mut wire.output, piece as u32);

@@ -109,6 +109,19 @@ pub trait BlockDevice: Send {
     fn size(&self) -> u64;
     fn capabilities(&self) -> Capabilities;
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError>;
+    /// A read request begins: the connection answers it with one or more calls of `read` or
+    /// `read_shared` (slices of a large read, the data between holes) and of
+    /// `read_sent_as_zeroes`, all for this request's range. A device that counts requests counts
+    /// this one here, once. The default does nothing.
+    fn read_request(&mut self, offset: u64, length: u64) {
+        let _ = (offset, length);
+    }
+    /// A run of the current read request sent as a hole chunk (zeroes the device's block status
+    /// reported) without being read: for a device's accounting of what was read. The default does
+    /// nothing.
+    fn read_sent_as_zeroes(&mut self, offset: u64, length: u64) {
+        let _ = (offset, length);
+    }
     /// Reads `length` bytes at `offset` as pieces the connection sends in order, with no copy
     /// of its own: a device whose blocks are already in shared buffers lends them. The default
     /// reads into one new buffer.

@@ -701,14 +701,25 @@ impl BlockDevice for EngineDevice {
         CAPABILITIES
     }
 
+    // The connection calls `read_request` once per request, then these for its parts: the
+    // request is counted and recorded there, whole, and the parts count their bytes and blocks.
+    fn read_request(&mut self, offset: u64, length: u64) {
+        self.record(OpKind::Read, offset, length);
+        self.vm().overlay.count_read_request();
+    }
+
+    fn read_sent_as_zeroes(&mut self, offset: u64, length: u64) {
+        if let Err(error) = self.vm().overlay.count_unread(offset, length) {
+            tracing::debug!(%error, offset, length, "a read sent as a hole could not be counted");
+        }
+    }
+
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.record(OpKind::Read, offset, buf.len() as u64);
-        self.timed(GuestOp::Read, |o| o.read(offset, buf))
+        self.timed(GuestOp::Read, |o| o.read_part(offset, buf))
     }
 
     fn read_shared(&mut self, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
-        self.record(OpKind::Read, offset, length as u64);
-        self.timed(GuestOp::Read, |o| o.read_shared(offset, length))
+        self.timed(GuestOp::Read, |o| o.read_shared_part(offset, length))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {

@@ -1160,6 +1160,40 @@ fn vms_keep_their_image_version_and_old_versions_are_released() {
     v2.assert_untouched();
 }
 
+/// A large read is one guest request whatever the server makes of it: answered in 1 MiB slices,
+/// and with its zeroed runs sent as hole chunks (never read), it counts once, with all its bytes,
+/// each block by the tier it reads from.
+#[test]
+fn a_large_read_with_holes_counts_once_with_every_block() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = Golden::create(dir.path(), "golden.img", GOLDEN_BYTES, 33);
+    let server = Server::start(dir.path(), &golden, &["--metrics", "tcp:127.0.0.1:0"]);
+    let url = metrics_url(&server);
+    let mut vm = server.client("@vm-holes");
+    assert!(vm.structured_replies(), "hole chunks need structured replies");
+    vm.write_zeroes(0, MIB as u32, false).expect("zero the first MiB");
+    vm.write(MIB, &[7u8; 4096], false).expect("a block in RAM");
+    // 3 MiB: the zeroed MiB (a hole chunk), a RAM block, the rest golden, in three slices.
+    let mib = MIB as usize;
+    let mut buf = vec![1u8; 3 * mib];
+    vm.read(0, &mut buf).expect("read");
+    assert!(buf[..mib].iter().all(|&b| b == 0), "the zeroed MiB reads as zeroes");
+    assert_same(&buf[mib..mib + 4096], &[7u8; 4096], "the written block");
+    assert_same(&buf[mib + 4096..], &golden.bytes[mib + 4096..3 * mib], "golden data");
+    let (_, _, body) = http_get(&url, "text/plain");
+    let s = overspill::stat::parse(&body);
+    let labels = |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, &'static str)> {
+        [("vm", "vm-holes")].iter().chain(extra).copied().collect()
+    };
+    assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &labels(&[("op", "read")])), 1.0, "one request");
+    assert_eq!(sample(&s, "overspill_vm_guest_bytes_total", &labels(&[("op", "read")])), (3 * MIB) as f64);
+    let blocks = |tier| sample(&s, "overspill_vm_guest_read_blocks_total", &labels(&[("served_by", tier)]));
+    assert_eq!(blocks("zero"), 256.0, "the zeroed MiB, sent as a hole");
+    assert_eq!(blocks("ram"), 1.0);
+    assert_eq!(blocks("golden"), 511.0);
+    vm.disconnect().expect("disconnect");
+}
+
 /// One HTTP client that pipelines requests and never reads the answers (what stalled the
 /// endpoint's only thread for every health check) holds only its own connection: `/healthz` and
 /// `/metrics` answer other clients at once, and the server stays up.
