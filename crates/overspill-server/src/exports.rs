@@ -401,6 +401,8 @@ impl ExportProvider for OverlayExports {
             clean: false,
             marked: false,
             registry: self.registry.clone(),
+            read_left: 0,
+            read_spent: Duration::ZERO,
         }))
     }
 }
@@ -596,6 +598,10 @@ struct EngineDevice {
     /// The ledger knows this VM has writes: later writes need not ask it (no lock per request).
     marked: bool,
     registry: Arc<VmRegistry>,
+    /// The read request being answered in parts: bytes not answered yet, and the time its parts
+    /// took so far (one latency sample per request, once its last part is answered).
+    read_left: u64,
+    read_spent: Duration,
 }
 
 /// One VM's trace being written: every request, timed from the VM's connection.
@@ -679,6 +685,17 @@ impl EngineDevice {
     }
 
     /// Runs one engine call and records its service time (the engine itself keeps no clock).
+    /// A part of the read request answered (or failed, which ends the request): the request's
+    /// latency is recorded once its last part is.
+    fn read_part_done(&mut self, length: u64, start: Instant, failed: bool) {
+        self.read_spent += start.elapsed();
+        self.read_left = if failed { 0 } else { self.read_left.saturating_sub(length) };
+        if self.read_left == 0 {
+            let spent = std::mem::take(&mut self.read_spent);
+            self.vm().overlay.stats().latency(GuestOp::Read).record(spent);
+        }
+    }
+
     fn timed<R>(
         &mut self,
         op: GuestOp,
@@ -706,20 +723,30 @@ impl BlockDevice for EngineDevice {
     fn read_request(&mut self, offset: u64, length: u64) {
         self.record(OpKind::Read, offset, length);
         self.vm().overlay.count_read_request();
+        (self.read_left, self.read_spent) = (length, Duration::ZERO);
     }
 
     fn read_sent_as_zeroes(&mut self, offset: u64, length: u64) {
-        if let Err(error) = self.vm().overlay.count_unread(offset, length) {
+        let start = Instant::now();
+        let counted = self.vm().overlay.count_unread(offset, length);
+        if let Err(error) = &counted {
             tracing::debug!(%error, offset, length, "a read sent as a hole could not be counted");
         }
+        self.read_part_done(length, start, counted.is_err());
     }
 
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.timed(GuestOp::Read, |o| o.read_part(offset, buf))
+        let start = Instant::now();
+        let result = self.vm().overlay.read_part(offset, buf);
+        self.read_part_done(buf.len() as u64, start, result.is_err());
+        result.map_err(device_error)
     }
 
     fn read_shared(&mut self, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
-        self.timed(GuestOp::Read, |o| o.read_shared_part(offset, length))
+        let start = Instant::now();
+        let result = self.vm().overlay.read_shared_part(offset, length);
+        self.read_part_done(length as u64, start, result.is_err());
+        result.map_err(device_error)
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {

@@ -1187,6 +1187,8 @@ fn a_large_read_with_holes_counts_once_with_every_block() {
     };
     assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &labels(&[("op", "read")])), 1.0, "one request");
     assert_eq!(sample(&s, "overspill_vm_guest_bytes_total", &labels(&[("op", "read")])), (3 * MIB) as f64);
+    let timed = sample(&s, "overspill_vm_request_duration_seconds_count", &labels(&[("op", "read")]));
+    assert_eq!(timed, 1.0, "one latency sample for the request");
     let blocks = |tier| sample(&s, "overspill_vm_guest_read_blocks_total", &labels(&[("served_by", tier)]));
     assert_eq!(blocks("zero"), 256.0, "the zeroed MiB, sent as a hole");
     assert_eq!(blocks("ram"), 1.0);
