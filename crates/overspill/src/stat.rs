@@ -247,7 +247,10 @@ impl View {
             version: label_of(after, "overspill_build_info", "version").unwrap_or_default(),
             commit: label_of(after, "overspill_build_info", "commit").unwrap_or_default(),
             uptime_seconds: if start > 0.0 { (now - start).max(0.0) } else { 0.0 },
-            vms_connected: interval.level("overspill_connected_vms", &[]),
+            // `overspill_connected_vms` counts every VM with an overlay, those in grace too.
+            vms_connected: interval
+                .level("overspill_connected_vms", &[])
+                .saturating_sub(interval.level("overspill_vms", &[("state", "in-grace")])),
             vms_in_grace: interval.level("overspill_vms", &[("state", "in-grace")]),
             vms_lost: interval.level("overspill_vms", &[("state", "lost")]),
             cache_memory_bytes: interval.level("overspill_host_cache_memory_used_bytes", &[]),
@@ -715,6 +718,19 @@ mod tests {
         assert_eq!(order(&layout), ["default@a", "default@zz"]);
         assert_eq!(order(&Layout { reversed: true, ..layout.clone() }), ["default@zz", "default@a"]);
         assert_eq!(order(&Layout { sort: SortKey::Memory, ..layout }), ["default@zz", "default@a"]);
+    }
+
+    /// `overspill_connected_vms` counts VMs in grace too: the view tells them apart.
+    #[test]
+    fn vms_in_grace_are_not_shown_as_connected() {
+        let samples = parse(
+            "overspill_connected_vms 3\n\
+             overspill_vms{state=\"connected\"} 1\n\
+             overspill_vms{state=\"in-grace\"} 2\n\
+             overspill_vms{state=\"lost\"} 0\n",
+        );
+        let view = View::between("u", &samples, &samples, 0.0);
+        assert_eq!((view.server.vms_connected, view.server.vms_in_grace), (1, 2));
     }
 
     #[test]
