@@ -91,7 +91,8 @@ pub struct ServeArgs {
     /// Directory standing for shared storage, for the differencing files of mode `shared`.
     #[arg(long, default_value = "/var/tmp/overspill/shared")]
     shared_dir: PathBuf,
-    /// Limit on each VM's spill file; beyond it the VM gets ENOSPC.
+    /// Limit on each VM's spill file (one 2 MiB segment of it kept for compaction); beyond it
+    /// the VM gets ENOSPC.
     #[arg(long, value_parser = parse_bytes)]
     spill_max: Option<u64>,
     /// Write spill segments with O_DIRECT: no dirty page-cache pages for spilled data, but each
