@@ -176,17 +176,18 @@ impl OverlayExports {
     fn recover(&self, recoverable: &Recoverable) -> Result<(), String> {
         let state = &recoverable.state;
         let (label, image) = self.image_made_over(&recoverable.image, &state.image_label)?;
+        let shown = crate::vms::shown_image(&label);
         // A record without an identity comes from a server that did not keep one: nothing to
         // compare, as before.
         if state.image_identity.as_deref().is_some_and(|recorded| !image.matches_identity(recorded)) {
             return Err(format!(
-                "{label} is no longer the image its writes were made over (then: {}, now: {})",
+                "{shown} is no longer the image its writes were made over (then: {}, now: {})",
                 state.image_identity.as_deref().unwrap_or("unknown"),
                 image.identity().as_deref().unwrap_or("unknown")
             ));
         }
         if image.size() != state.disk_bytes {
-            return Err(format!("its disk had {} bytes, {label} has {}", state.disk_bytes, image.size()));
+            return Err(format!("its disk had {} bytes, {shown} has {}", state.disk_bytes, image.size()));
         }
         if state.mode != self.settings.mode.to_string() {
             return Err(format!("it was made in mode {}, this server runs mode {}", state.mode, self.settings.mode));
@@ -225,7 +226,7 @@ impl OverlayExports {
         let overlay =
             Overlay::recover(image, config, backing, self.host.clone(), stats.clone(), arena, files, segments)
                 .map_err(|e| e.to_string())?;
-        let parked = VmOverlay { overlay, vm: recoverable.vm.clone(), recorder: None };
+        let parked = VmOverlay { overlay, vm: recoverable.vm.clone(), recorder: None, handed_over: false };
         self.registry.adopt_recovered(recoverable, &label, stats, parked);
         Ok(())
     }
@@ -236,7 +237,8 @@ impl OverlayExports {
         let image_name = Self::image_name(export);
         if let Some(image) = self.images.get(image_name) {
             if label != image_name {
-                return Err(format!("it was made over {label}, and {image_name} is served now"));
+                let (was, now) = (crate::vms::shown_image(label), crate::vms::shown_image(image_name));
+                return Err(format!("it was made over {was}, and {now} is served now"));
             }
             return Ok((label.to_owned(), image.clone()));
         }
@@ -459,7 +461,7 @@ impl OverlayExports {
             let recorded = self.registry.mark_made(number);
             recorded.map_err(|e| device_error(EngineError::from_io("recording the VM in the ledger", e)))?;
         }
-        Ok(VmOverlay { overlay, vm, recorder })
+        Ok(VmOverlay { overlay, vm, recorder, handed_over: false })
     }
 }
 
@@ -553,12 +555,21 @@ pub struct VmOverlay {
     overlay: Overlay,
     vm: String,
     recorder: Option<Recorder>,
+    /// Its state waits for the next server (see [`Self::hand_over`]).
+    handed_over: bool,
 }
 
 impl VmOverlay {
-    /// The overlay's state stays for the next server when this is dropped.
+    /// The overlay's files are left alone when this is dropped (they may have been removed by
+    /// name already).
     pub fn keep_state(&mut self) {
         self.overlay.keep_state();
+    }
+
+    /// The server stops and the VM lives on: its state stays for the next server.
+    pub fn hand_over(&mut self) {
+        self.overlay.keep_state();
+        self.handed_over = true;
     }
 }
 
@@ -580,7 +591,12 @@ impl Drop for VmOverlay {
             spill_write_bytes = s.spill_write.bytes.get(),
             cache_memory_peak_bytes = s.cache_memory_peak_bytes.get(),
             cache_disk_peak_bytes = s.cache_disk_peak_bytes.get(),
-            "VM disconnected; its cache is dropped"
+            "{}",
+            if self.handed_over {
+                "VM overlay closed; its state waits for the next server"
+            } else {
+                "VM disconnected; its cache is dropped"
+            }
         );
     }
 }

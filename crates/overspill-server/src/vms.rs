@@ -197,7 +197,7 @@ struct Grace {
 /// state is then refused by the next server rather than served golden data).
 fn hand_over(entry: &mut Entry, parked: &mut VmOverlay) {
     if entry.state.is_some() {
-        parked.keep_state();
+        parked.hand_over();
         tracing::info!(vm = %entry.handle.vm, "server stopping: this VM's overlay is kept for the next server");
     } else if entry.marked {
         tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
@@ -964,7 +964,7 @@ impl Ledger {
                 Some(e) => {
                     lost.insert(
                         vm.to_owned(),
-                        format!("server pid {} ended while it held them, over {}", e.pid, e.image),
+                        format!("server pid {} ended while it held them, over {}", e.pid, shown_image(&e.image)),
                     );
                 }
                 // Written before this boot began and cut short by the crash that ended it: its
@@ -1028,6 +1028,15 @@ fn remove_unless_gone(path: &Path, what: &str) {
         if error.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(path = %path.display(), %error, "{what}");
         }
+    }
+}
+
+/// An image label as logs and refusals show it: the empty export name is `--base`'s image.
+pub fn shown_image(label: &str) -> &str {
+    if label.is_empty() {
+        "the default image (--base)"
+    } else {
+        label
     }
 }
 

@@ -47,8 +47,25 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
         ImageAction::Publish { image, file, activate } => {
             let version = store.publish(&image, &file, activate)?;
             println!("{image} {version}{}", if activate { " (current)" } else { "" });
+            if !activate {
+                match store.current(&image) {
+                    Ok(current) => eprintln!(
+                        "new VMs still get {image} {}; `overspill image activate {image} {version}` changes that",
+                        current.name
+                    ),
+                    Err(_) => eprintln!(
+                        "{image} has no current version, so it is not served yet: `overspill image activate {image} {version}`"
+                    ),
+                }
+            }
         }
         ImageAction::Activate { image, version } => {
+            // `activate win 3` means v3, the name `list` shows.
+            let version = if !version.is_empty() && version.bytes().all(|b| b.is_ascii_digit()) {
+                format!("v{version}")
+            } else {
+                version
+            };
             store.activate(&image, &version)?;
             println!("{image} {version} (current)");
         }

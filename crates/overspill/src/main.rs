@@ -155,14 +155,20 @@ fn main() -> ExitCode {
             let page = match subcommand {
                 None => clap_mangen::Man::new(command),
                 Some(name) => match command.find_subcommand(&name) {
-                    Some(sub) => clap_mangen::Man::new(sub.clone()).title(format!("overspill-{name}")),
+                    Some(sub) => clap_mangen::Man::new(sub.clone())
+                        .title(format!("overspill-{name}"))
+                        .source(format!("overspill {}", env!("CARGO_PKG_VERSION"))),
                     None => {
                         eprintln!("overspill: no subcommand {name:?}");
                         return ExitCode::from(2);
                     }
                 },
             };
-            page.render(&mut std::io::stdout()).map_err(anyhow::Error::from)
+            match page.render(&mut std::io::stdout()) {
+                // `overspill man | head`: the reader had what it wanted.
+                Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                other => other.map_err(anyhow::Error::from),
+            }
         }
     };
     match result {

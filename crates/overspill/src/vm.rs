@@ -61,7 +61,8 @@ fn table(vms: &[VmStatus]) -> String {
         out += &format!(
             "{:<24} {:<16} {:<16} {:<10} {:>10} {:>10} {:>7}s  {}\n",
             vm.vm,
-            vm.image,
+            // The empty export name is --base's image: "default", as `overspill stat` says.
+            if vm.image.is_empty() { "default" } else { &vm.image },
             vm.owner.as_deref().unwrap_or("-"),
             vm.state.as_str(),
             format_bytes(vm.memory_bytes),
