@@ -252,6 +252,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let memory_dir = args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
     let ram_total = ram_total_within(&memory_dir, args.ram_total);
     let memory_dir_in_use = memory_dir.clone();
+    // Declared before everything that puts files in it, so dropped after them all.
+    let _litter = args.memory_dir.is_none().then(|| EmptyDirRemoved(memory_dir.clone()));
     let host = HostMemory::new(ram_total, args.ram_floor);
     let settings = CacheSettings {
         mode: args.mode,
@@ -391,11 +393,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         tracing::info!("restarting in place: every VM is handed to the next server");
         ServeEnd::Restart(keep)
     } else {
-        if args.memory_dir.is_none() {
-            // The default memory directory, in /dev/shm, named after the state directory: once
-            // no VM's pages are left in it, it is litter there (removing fails unless empty).
-            let _ = std::fs::remove_dir(&memory_dir_in_use);
-        }
         tracing::info!("shut down");
         ServeEnd::Stopped
     };
@@ -632,6 +629,17 @@ fn set_socket_access(path: &Path, mode: Option<u32>, group: Option<&str>) -> any
             .with_context(|| format!("setting mode {mode:o} on {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The default memory directory, in /dev/shm, named after the state directory: once no VM's
+/// pages are left in it, it is litter there, whether the server stopped or failed to start
+/// (removing fails unless it is empty). A next server makes it again.
+struct EmptyDirRemoved(PathBuf);
+
+impl Drop for EmptyDirRemoved {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
 }
 
 /// How long SIGTERM waits for connections to finish the request in hand.
