@@ -498,8 +498,7 @@ impl Drop for PidFile {
 /// restarted server's VMs).
 fn ram_total_within(memory_dir: &Path, ram_total: u64) -> u64 {
     use std::os::unix::fs::MetadataExt;
-    let Some(existing) = memory_dir.ancestors().find(|dir| dir.exists()) else { return ram_total };
-    let Ok(fs) = nix::sys::statvfs::statvfs(existing) else { return ram_total };
+    let Ok(fs) = nix::sys::statvfs::statvfs(made_or_to_be_made_in(memory_dir)) else { return ram_total };
     let free = fs.blocks_available().saturating_mul(fs.fragment_size());
     let ours: u64 = std::fs::read_dir(memory_dir)
         .into_iter()
@@ -530,7 +529,7 @@ fn ram_total_within(memory_dir: &Path, ram_total: u64) -> u64 {
 /// and not from many VMs at once). At most a quarter of the filesystem: more would keep the
 /// RAM tier off for good on a small one with many VMs. `None` when the directory cannot be read.
 fn pages_room(dir: &Path, vms: u64, largest_request: u64) -> Option<PagesRoom> {
-    let fs = nix::sys::statvfs::statvfs(dir).ok()?;
+    let fs = nix::sys::statvfs::statvfs(made_or_to_be_made_in(dir)).ok()?;
     let size = fs.blocks().saturating_mul(fs.fragment_size());
     let wanted = 3 * SEGMENT_BYTES as u64 * vms.max(1) + largest_request;
     Some(PagesRoom {
@@ -539,13 +538,19 @@ fn pages_room(dir: &Path, vms: u64, largest_request: u64) -> Option<PagesRoom> {
     })
 }
 
+/// `dir`, or the directory it will be made in (the first VM's files make it): the filesystem its
+/// files will be on.
+fn made_or_to_be_made_in(dir: &Path) -> &Path {
+    dir.ancestors().find(|dir| dir.exists()).unwrap_or(dir)
+}
+
 /// Pages in a memory directory on a disk filesystem still outlive the process, but every page the
 /// VMs write is written back to that disk: say so, as the operator asked for a RAM tier.
 fn warn_unless_in_memory(dir: &Path) {
     use nix::sys::statfs::{statfs, FsType, TMPFS_MAGIC};
     // Not among nix's names; linux/magic.h.
     const RAMFS_MAGIC: FsType = FsType(0x8584_58f6);
-    match statfs(dir) {
+    match statfs(made_or_to_be_made_in(dir)) {
         Ok(fs) if fs.filesystem_type() == TMPFS_MAGIC || fs.filesystem_type() == RAMFS_MAGIC => {}
         Ok(_) => tracing::warn!(
             dir = %dir.display(),
