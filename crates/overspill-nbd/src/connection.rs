@@ -1256,6 +1256,7 @@ fn read<T: Transport>(
     length: u32,
 ) -> Result<(), ConnectionError> {
     let structured = session.structured_replies;
+    session.device.read_request(offset, u64::from(length));
     if structured && length == 0 {
         chunk_header(&mut wire.output, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
         return Ok(());
@@ -1265,7 +1266,6 @@ fn read<T: Transport>(
         simple_reply(&mut wire.output, cookie, 0);
     }
     let length = length as usize;
-    session.device.read_request(offset, length as u64);
     let runs = if structured && length >= SPARSE_READ_BYTES {
         zero_runs(session.device.as_mut(), offset, length)
     } else {

@@ -700,7 +700,6 @@ impl EngineDevice {
         Ok(())
     }
 
-    /// Runs one engine call and records its service time (the engine itself keeps no clock).
     /// A part of the read request answered (or failed, which ends the request): the request's
     /// latency is recorded once its last part is.
     fn read_part_done(&mut self, length: u64, start: Instant, failed: bool) {
@@ -712,6 +711,7 @@ impl EngineDevice {
         }
     }
 
+    /// Runs one engine call and records its service time (the engine itself keeps no clock).
     fn timed<R>(
         &mut self,
         op: GuestOp,

@@ -427,7 +427,9 @@ impl VmRegistry {
     pub fn refuse_unrecoverable(&self, recoverable: &Recoverable, why: String) {
         let vm = recoverable.vm.as_str();
         if recoverable.unwritten {
-            tracing::info!(vm, why, "VM state cannot be recovered, and the VM had written nothing: it starts afresh");
+            // Loud all the same: a guest still running sees the image served now from its next
+            // read, which is another image than it read before if that one was replaced.
+            tracing::warn!(vm, why, "VM state cannot be recovered, and the VM had written nothing: it starts afresh");
             if let Some(ledger) = &self.ledger {
                 // Not open here (the recovery closed what it opened): a server sharing the
                 // directories may hold files of this name.

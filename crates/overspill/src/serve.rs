@@ -253,7 +253,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let ram_total = ram_total_within(&memory_dir, args.ram_total);
     let memory_dir_in_use = memory_dir.clone();
     // Declared before everything that puts files in it, so dropped after them all.
-    let _litter = args.memory_dir.is_none().then(|| EmptyDirRemoved(memory_dir.clone()));
+    let mut litter =
+        args.memory_dir.is_none().then(|| EmptyDirRemoved { dir: memory_dir.clone(), armed: !memory_dir.exists() });
     let host = HostMemory::new(ram_total, args.ram_floor);
     let settings = CacheSettings {
         mode: args.mode,
@@ -370,6 +371,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         "serving"
     );
     let _pidfile = args.pidfile.as_deref().map(PidFile::write).transpose()?;
+    if let Some(litter) = &mut litter {
+        litter.armed = true;
+    }
     let uri = listener.local_addr().nbd_uri("", config_tls_mode != TlsMode::Off);
     notify_service_manager(&[NotifyState::Ready, NotifyState::Status(&format!("serving {uri}"))]);
     server.run(&listener).context("accepting connections")?;
@@ -637,13 +641,20 @@ fn set_socket_access(path: &Path, mode: Option<u32>, group: Option<&str>) -> any
 }
 
 /// The default memory directory, in /dev/shm, named after the state directory: once no VM's
-/// pages are left in it, it is litter there, whether the server stopped or failed to start
-/// (removing fails unless it is empty). A next server makes it again.
-struct EmptyDirRemoved(PathBuf);
+/// pages are left in it, it is litter there (removing fails unless it is empty), once this server
+/// has served, or if it made it and failed to start. One that was there before a failed start
+/// may be a live server's (a second start of the same command, refused its socket). A next
+/// server makes it again.
+struct EmptyDirRemoved {
+    dir: PathBuf,
+    armed: bool,
+}
 
 impl Drop for EmptyDirRemoved {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
+        if self.armed {
+            let _ = std::fs::remove_dir(&self.dir);
+        }
     }
 }
 
