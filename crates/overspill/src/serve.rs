@@ -251,7 +251,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
     let memory_dir = args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
     let ram_total = ram_total_within(&memory_dir, args.ram_total);
-    let memory_dir_in_use = memory_dir.clone();
     // Declared before everything that puts files in it, so dropped after them all.
     let mut litter =
         args.memory_dir.is_none().then(|| EmptyDirRemoved { dir: memory_dir.clone(), armed: !memory_dir.exists() });
@@ -287,7 +286,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     } else if !args.reconnect_grace.is_zero() && std::env::var_os("INVOCATION_ID").is_some() {
         // systemd sets INVOCATION_ID for the processes of a unit.
         tracing::warn!(
-            dir = %memory_dir_in_use.display(),
+            dir = %memory_dir.display(),
             "started by systemd with the VMs' pages in /dev/shm: a unit with DynamicUser= or RemoveIPC= (and a \
              user other than root) has its files there removed when it stops, and then no VM would outlive a \
              restart. Give --memory-dir a directory under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as \
@@ -332,7 +331,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     };
     // Where the VMs' pages are files: a memory directory that other users fill after the start
     // must make VMs spill, not refuse their writes.
-    let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir_in_use.clone());
+    let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir.clone());
     spawn_memory_sampler(host, pages_dir, u64::from(config.limits.max_payload_bytes));
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let server = Server::new(Arc::new(exports), config);

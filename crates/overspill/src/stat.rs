@@ -243,15 +243,14 @@ impl View {
             (all > 0.0).then(|| get(after, hits, &[]) / all)
         };
         let available = after.keys().any(|(name, _)| name == "overspill_host_memory_available_bytes");
+        let in_grace = interval.level("overspill_vms", &[("state", "in-grace")]);
         let server = Server {
             version: label_of(after, "overspill_build_info", "version").unwrap_or_default(),
             commit: label_of(after, "overspill_build_info", "commit").unwrap_or_default(),
             uptime_seconds: if start > 0.0 { (now - start).max(0.0) } else { 0.0 },
             // `overspill_connected_vms` counts every VM with an overlay, those in grace too.
-            vms_connected: interval
-                .level("overspill_connected_vms", &[])
-                .saturating_sub(interval.level("overspill_vms", &[("state", "in-grace")])),
-            vms_in_grace: interval.level("overspill_vms", &[("state", "in-grace")]),
+            vms_connected: interval.level("overspill_connected_vms", &[]).saturating_sub(in_grace),
+            vms_in_grace: in_grace,
             vms_lost: interval.level("overspill_vms", &[("state", "lost")]),
             cache_memory_bytes: interval.level("overspill_host_cache_memory_used_bytes", &[]),
             cache_memory_cap_bytes: interval.level("overspill_host_cache_memory_cap_bytes", &[]),
