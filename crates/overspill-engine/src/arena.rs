@@ -278,9 +278,10 @@ impl Drop for Shared {
 /// page inside the fault, on the VM's request path: perf showed `shmem_fault` at about 16 % of
 /// the connection thread's time on 4 KiB random writes into a RAM tier that is still filling,
 /// which ran at half nbdkit memory's rate at queue depth 8. Allocated ahead (`fallocate` keeps
-/// the bytes of any page that is already there, so racing the VM is harmless), the fault only
-/// maps a page the file already has. At most two growth steps (4 MiB) per VM are ready and not
-/// yet handed out.
+/// the bytes of any page that is already there, so racing the VM is harmless), the fault finds
+/// the page in the file and only clears and maps it (tmpfs clears a page allocated this way at
+/// its first fault, not before). At most two growth steps (4 MiB) per VM are ready and not yet
+/// handed out.
 fn prefault(shared: &Arc<Shared>, from: u32, to: u32) {
     // The job holds its own descriptor of the file, not the arena: an arena that goes while its
     // job waits must go at once, its files with it (a VM's clean end removes them).

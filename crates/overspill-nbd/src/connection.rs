@@ -1276,13 +1276,21 @@ fn read<T: Transport>(
     loop {
         let at = offset + done as u64;
         // The next piece: a zero run starting here, or data up to the next run or slice end.
+        // A read that needs slices has them end on multiples of their size on the disk, not of
+        // the request: a device that counts what it reads block by block sees no block split
+        // between two slices. A read that fits in one stays one.
+        let to_slice_end = if length <= READ_SLICE_BYTES {
+            length - done
+        } else {
+            READ_SLICE_BYTES - (at % READ_SLICE_BYTES as u64) as usize
+        };
         let (piece, hole) = match runs.peek() {
             Some(&(start, len)) if start == at => {
                 runs.next();
                 (len as usize, true)
             }
-            Some(&(start, _)) => (((start - at) as usize).min(READ_SLICE_BYTES), false),
-            None => ((length - done).min(READ_SLICE_BYTES), false),
+            Some(&(start, _)) => (((start - at) as usize).min(to_slice_end), false),
+            None => ((length - done).min(to_slice_end), false),
         };
         let last = done + piece == length;
         let flags = if last { REPLY_FLAG_DONE } else { 0 };

@@ -102,7 +102,9 @@ pub struct VmStatus {
     pub vm: String,
     pub image: String,
     /// The TLS identity that made it, the only one that may open it (none: made without TLS).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Always written, `null` when there is none, so that `vm list --json` has the same keys
+    /// for every VM.
+    #[serde(default)]
     pub owner: Option<String>,
     pub state: VmState,
     pub memory_bytes: u64,

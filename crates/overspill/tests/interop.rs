@@ -1156,6 +1156,12 @@ fn vms_keep_their_image_version_and_old_versions_are_released() {
     assert_eq!(released["image"], "win7:v1");
     new.read(0, &mut buf).expect("v2 still serves");
     assert_same(&buf, &v2.bytes[..4096], "v2 after v1 left");
+
+    // `activate win7 1` means v1, the name `list` shows (versions are only ever vN).
+    let out = run_ok(d, overspill, &["image", "--images", store_arg, "activate", "win7", "1"]);
+    assert!(out.stdout.contains("win7 v1 (current)"), "{}", out.all());
+    let list = run_ok(d, overspill, &["image", "--images", store_arg, "list"]);
+    assert!(list.stdout.contains("* v1") && list.stdout.contains("  v2"), "{}", list.all());
     v1.assert_untouched();
     v2.assert_untouched();
 }
@@ -1180,19 +1186,24 @@ fn a_large_read_with_holes_counts_once_with_every_block() {
     assert!(buf[..mib].iter().all(|&b| b == 0), "the zeroed MiB reads as zeroes");
     assert_same(&buf[mib..mib + 4096], &[7u8; 4096], "the written block");
     assert_same(&buf[mib + 4096..], &golden.bytes[mib + 4096..3 * mib], "golden data");
+    // 2 MiB at an offset that is no block's start: 513 blocks, each counted once, the ones at
+    // slice ends included.
+    let at = 3 * mib + 512;
+    vm.read(at as u64, &mut buf[..2 * mib]).expect("an unaligned read");
+    assert_same(&buf[..2 * mib], &golden.bytes[at..at + 2 * mib], "unaligned golden data");
     let (_, _, body) = http_get(&url, "text/plain");
     let s = overspill::stat::parse(&body);
     let labels = |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, &'static str)> {
         [("vm", "vm-holes")].iter().chain(extra).copied().collect()
     };
-    assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &labels(&[("op", "read")])), 1.0, "one request");
-    assert_eq!(sample(&s, "overspill_vm_guest_bytes_total", &labels(&[("op", "read")])), (3 * MIB) as f64);
+    assert_eq!(sample(&s, "overspill_vm_guest_requests_total", &labels(&[("op", "read")])), 2.0, "two requests");
+    assert_eq!(sample(&s, "overspill_vm_guest_bytes_total", &labels(&[("op", "read")])), (5 * MIB) as f64);
     let timed = sample(&s, "overspill_vm_request_duration_seconds_count", &labels(&[("op", "read")]));
-    assert_eq!(timed, 1.0, "one latency sample for the request");
+    assert_eq!(timed, 2.0, "one latency sample per request");
     let blocks = |tier| sample(&s, "overspill_vm_guest_read_blocks_total", &labels(&[("served_by", tier)]));
     assert_eq!(blocks("zero"), 256.0, "the zeroed MiB, sent as a hole");
     assert_eq!(blocks("ram"), 1.0);
-    assert_eq!(blocks("golden"), 511.0);
+    assert_eq!(blocks("golden"), (511 + 513) as f64);
     vm.disconnect().expect("disconnect");
 }
 
