@@ -337,7 +337,8 @@ const READ_AFTER_DIRECT_BYTES: usize = 4096 + REQUEST_HEADER_BYTES;
 const SHARED_READ_BYTES: usize = 32 * 1024;
 /// Flush the output early once this much is waiting, so large reads do not pile up.
 const OUTPUT_HIGH_WATER: usize = 4 << 20;
-/// Reads larger than this are answered in slices of it (see [`read`]).
+/// Reads larger than this are answered in slices of at most this, ending on its multiples on
+/// the disk (see [`read`]).
 const READ_SLICE_BYTES: usize = 1 << 20;
 /// Most buffers one `readv` takes (Linux's UIO_MAXIOV).
 const MAX_IOVECS: usize = 1024;
