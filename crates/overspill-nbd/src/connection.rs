@@ -420,6 +420,15 @@ fn is_idle_tick(error: &ConnectionError) -> bool {
     matches!(error, ConnectionError::Io(e) if e.get_ref().is_some_and(|inner| inner.is::<IdleTick>()))
 }
 
+/// The client sent no request for the idle timeout.
+fn is_idle_deadline(error: &io::Error) -> bool {
+    error.kind() == io::ErrorKind::TimedOut
+        && error
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<DeadlinePassed>())
+            .is_some_and(|d| matches!(d.0, Wait::Idle(_)))
+}
+
 /// A client that took no reply for `limit`.
 fn stalled(limit: Duration) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(Wait::Reply(limit)))
@@ -702,6 +711,10 @@ impl<T: Transport> Wire<T> {
                         device.idle();
                         told = true;
                     }
+                }
+                Err(ConnectionError::Io(error)) if is_idle_deadline(&error) => {
+                    device.idle_timed_out();
+                    break Err(ConnectionError::Io(error));
                 }
                 other => break other,
             }

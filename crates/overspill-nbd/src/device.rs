@@ -183,6 +183,11 @@ pub trait BlockDevice: Send {
     /// the connection's thread and a request arriving meanwhile waits. Doing nothing is the
     /// default.
     fn idle(&mut self) {}
+    /// The connection is about to be closed because its client sent nothing for the idle
+    /// timeout ([`crate::Limits::idle_timeout`]): the client is quiet (a paused or suspended
+    /// VM), not gone. Called once, just before the device is dropped. Doing nothing is the
+    /// default.
+    fn idle_timed_out(&mut self) {}
     /// Whether the connection should end now, before serving the request it has just read (or,
     /// while its client sends nothing, at the next wake-up of its wait): the device was taken
     /// away (an operator reset it). The request stays unanswered, so a client that reconnects

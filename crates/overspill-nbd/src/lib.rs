@@ -10,6 +10,7 @@ pub mod client;
 pub mod connection;
 pub mod counters;
 pub mod device;
+pub mod exiting;
 pub mod handshake;
 pub mod memory;
 pub mod request;

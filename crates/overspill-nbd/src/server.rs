@@ -198,6 +198,13 @@ fn lock_directory_of(path: &std::path::Path) -> std::io::Result<Option<std::fs::
 
 /// Makes room for a new socket at `path`: nothing there, or a socket file that refuses
 /// connections (its server died) and is removed. Anything else is left as it is and refused.
+/// The process that listens on the socket `stream` is connected to (Linux records it at
+/// `listen()`), when the kernel says.
+fn peer_pid(stream: &UnixStream) -> Option<u32> {
+    let credentials = rustix::net::sockopt::socket_peercred(stream).ok()?;
+    u32::try_from(credentials.pid.as_raw_nonzero().get()).ok()
+}
+
 fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
     use std::io::{Error, ErrorKind};
     use std::os::unix::fs::FileTypeExt;
@@ -213,7 +220,18 @@ fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
         ));
     }
     match UnixStream::connect(path) {
-        Ok(_) => Err(Error::new(ErrorKind::AddrInUse, format!("a server is already listening on {}", path.display()))),
+        // A killed predecessor's socket accepts until the kernel has torn down its memory: one
+        // that is exiting is waited for (bounded), then the socket is stale.
+        Ok(stream) => {
+            if let Some(pid) = peer_pid(&stream).filter(|&pid| crate::exiting::exiting(pid)) {
+                drop(stream);
+                let what = "the server listening on this socket";
+                if crate::exiting::wait_until_gone(pid, what, crate::exiting::EXIT_WAIT) {
+                    return remove_stale_socket(path);
+                }
+            }
+            Err(Error::new(ErrorKind::AddrInUse, format!("a server is already listening on {}", path.display())))
+        }
         // Only "nobody accepts here" proves the socket stale; a permission error proves nothing.
         Err(e) if e.kind() == ErrorKind::ConnectionRefused => std::fs::remove_file(path)
             .map_err(|e| Error::new(e.kind(), format!("removing the stale socket {}: {e}", path.display()))),

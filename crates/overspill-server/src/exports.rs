@@ -30,7 +30,9 @@ use overspill_storm::profile::OpKind;
 
 use crate::error::device_error;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
-use crate::vms::{state_file_stem, Claim, Ending, Lifecycle, Recoverable, StateRecord, VmRegistry};
+use crate::vms::{
+    anonymous_label, shown_image, state_file_stem, Claim, Ending, Lifecycle, Recoverable, StateRecord, VmRegistry,
+};
 use crate::{check_name, ServerError};
 use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
@@ -78,12 +80,28 @@ pub struct OverlayExports {
     /// Shared by every VM's files: a full filesystem heard of by one makes the others' spill
     /// logs give back the dead segments they keep for reuse.
     space_shortages: Arc<SpaceShortages>,
+    /// Connections without a VM name may write (to an overlay that ends with the connection).
+    /// Off by default: a reconnect, however short, would silently hand such a guest the golden
+    /// image back, so they are served read-only.
+    anonymous_writes: bool,
+    /// Held while a VM left by a server that was alive at this one's start is rebuilt.
+    adopting: std::sync::Mutex<()>,
 }
 
 // Everything, and cheaply: the cache lives as long as the VM's connection by design, so an
 // acknowledged write is as durable as it will ever be (FUA and FLUSH cost nothing), and zeroing
 // stores no data (it is never slower than writing, so FAST_ZERO always holds).
 const CAPABILITIES: Capabilities = Capabilities::ALL;
+
+/// A connection without a VM name, unless anonymous writes are allowed: it reads the image
+/// through the overlay machinery (and the read cache) and can change nothing.
+const ANONYMOUS_CAPABILITIES: Capabilities =
+    Capabilities { read_only: true, can_trim: false, can_zero: false, can_fast_zero: false, ..Capabilities::ALL };
+
+/// What an anonymous connection is told (export description) and the log says, when it is
+/// served read-only.
+pub const ANONYMOUS_READ_ONLY: &str = "read-only: no VM is named, and writes of an unnamed VM would be lost at its \
+     next reconnect; name the VM to write (export IMAGE@NAME, e.g. nbd+unix:///@vm-17?socket=PATH)";
 
 impl OverlayExports {
     pub fn new(
@@ -132,7 +150,21 @@ impl OverlayExports {
             record_dir: None,
             segment_writers,
             space_shortages: SpaceShortages::new(),
+            anonymous_writes: false,
+            adopting: std::sync::Mutex::new(()),
         })
+    }
+
+    /// Lets connections without a VM name write, each to a private overlay that ends with the
+    /// connection (any reconnect reverts it to the golden image): for tests and benchmarks.
+    pub fn allow_anonymous_writes(&mut self) {
+        self.anonymous_writes = true;
+    }
+
+    /// Whether a connection to export `name` is served read-only: it names no VM and anonymous
+    /// writes are off.
+    fn read_only(&self, name: &str) -> bool {
+        !name.contains('@') && !self.anonymous_writes
     }
 
     /// Keeps named VMs' overlays over lost connections, and their ledger, as `lifecycle` says;
@@ -170,6 +202,18 @@ impl OverlayExports {
             }
         }
         Ok(())
+    }
+
+    /// Rebuilds, before its client is admitted, a VM that a server holding it when this one
+    /// started has left since (see [`VmRegistry::take_orphan`]). One at a time: two connections
+    /// for the name must not both rebuild it.
+    fn adopt_orphan(&self, vm: &str) {
+        let _one_at_a_time = self.adopting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(orphan) = self.registry.take_orphan(vm) else { return };
+        match self.recover(&orphan) {
+            Ok(()) => tracing::info!(vm, "VM overlay left by a server gone since this one started: adopted"),
+            Err(why) => self.registry.refuse_unrecoverable(&orphan, why),
+        }
     }
 
     /// Rebuilds a VM's overlay from the state an earlier server left.
@@ -368,13 +412,12 @@ impl ExportProvider for OverlayExports {
             Some(image) => (image.size(), image.describe()),
             None => self.versions.as_ref()?.describe(image_name).ok()?,
         };
-        Some(ExportInfo {
-            name: name.to_owned(),
-            description: format!("{} write cache over {description}", self.settings.mode),
-            size,
-            capabilities: CAPABILITIES,
-            block_sizes: DEFAULT_BLOCK_SIZES,
-        })
+        let (description, capabilities) = if self.read_only(name) {
+            (format!("{ANONYMOUS_READ_ONLY}; {description}"), ANONYMOUS_CAPABILITIES)
+        } else {
+            (format!("{} write cache over {description}", self.settings.mode), CAPABILITIES)
+        };
+        Some(ExportInfo { name: name.to_owned(), description, size, capabilities, block_sizes: DEFAULT_BLOCK_SIZES })
     }
 
     fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
@@ -383,8 +426,16 @@ impl ExportProvider for OverlayExports {
                 check_name("VM", vm).map_err(|e| DeviceError::new(DeviceErrorKind::Refused, e.to_string()))?;
                 Some(vm)
             }
-            None => None,
+            None => {
+                if self.read_only(name) {
+                    tracing::info!(export = %shown_image(Self::image_name(name)), "anonymous connection: {ANONYMOUS_READ_ONLY}");
+                }
+                None
+            }
         };
+        if let Some(vm) = vm_name {
+            self.adopt_orphan(vm);
+        }
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
         let (number, reset, vm) = match self.registry.claim(vm_name, Self::image_name(name), identity)? {
             Claim::Resume { number, reset, parked } => (number, reset, *parked),
@@ -397,6 +448,8 @@ impl ExportProvider for OverlayExports {
             },
         };
         Ok(Box::new(EngineDevice {
+            capabilities: if self.read_only(name) { ANONYMOUS_CAPABILITIES } else { CAPABILITIES },
+            idle_cut: false,
             vm: Some(vm),
             number,
             reset,
@@ -418,7 +471,7 @@ impl OverlayExports {
     fn new_overlay(&self, name: &str, number: u64) -> Result<VmOverlay, DeviceError> {
         let (image_label, image) = self.image(name)?;
         self.registry.label(number, &image_label);
-        let vm = name.split_once('@').map_or_else(|| format!("vm-{number}"), |(_, vm)| vm.to_owned());
+        let vm = name.split_once('@').map_or_else(|| anonymous_label(number), |(_, vm)| vm.to_owned());
         let settings = &self.settings;
         // A spilling VM holds its open segment and the index of what it spilled whatever its
         // target: more of them than --ram-total holds would break the cap, so the next is
@@ -603,6 +656,9 @@ impl Drop for VmOverlay {
 
 /// One VM's overlay behind the protocol's device trait, for one connection.
 struct EngineDevice {
+    capabilities: Capabilities,
+    /// The connection was cut for idleness (`--idle-timeout`): the VM is not gone, only quiet.
+    idle_cut: bool,
     /// Taken out only when the connection ends.
     vm: Option<VmOverlay>,
     number: u64,
@@ -659,7 +715,13 @@ impl Recorder {
 
 impl Drop for EngineDevice {
     fn drop(&mut self) {
-        let ending = if self.clean || self.reset.load(Ordering::SeqCst) { Ending::Deliberate } else { Ending::Lost };
+        let ending = if self.clean || self.reset.load(Ordering::SeqCst) {
+            Ending::Deliberate
+        } else if self.idle_cut {
+            Ending::Idle
+        } else {
+            Ending::Lost
+        };
         // Dropped here, outside the registry's lock, unless the registry keeps it for a reconnect.
         if let Some(mut vm) = self.vm.take() {
             // An overlay about to wait gives back the spill space it kept for writes; one about
@@ -731,7 +793,7 @@ impl BlockDevice for EngineDevice {
     }
 
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        self.capabilities
     }
 
     // The connection calls `read_request` once per request, then these for its parts: the
@@ -824,6 +886,10 @@ impl BlockDevice for EngineDevice {
                 zero: extent.state != Allocation::Data,
             })
             .collect())
+    }
+
+    fn idle_timed_out(&mut self) {
+        self.idle_cut = true;
     }
 
     fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {

@@ -121,6 +121,15 @@ pub enum Ending {
     Deliberate,
     /// The connection was lost: the overlay waits for the VM to reconnect.
     Lost,
+    /// The server cut a quiet connection (`--idle-timeout`): the VM is paused or suspended,
+    /// not gone, so its overlay waits for it however long it takes (until a reset).
+    Idle,
+}
+
+/// How an anonymous connection's overlay is named in logs, metrics and traces: `#` is in no
+/// VM name, so it never clashes with a named VM's label.
+pub fn anonymous_label(number: u64) -> String {
+    format!("anon#{number}")
 }
 
 /// What a VM's connection got from [`VmRegistry::claim`].
@@ -190,7 +199,8 @@ struct Entry {
 }
 
 struct Grace {
-    until: Instant,
+    /// `None`: the server cut the VM for idleness, and it waits until its client comes back.
+    until: Option<Instant>,
     parked: VmOverlay,
 }
 
@@ -293,8 +303,9 @@ impl VmRegistry {
             .filter(|e| e.named)
             .map(|e| {
                 let state = entry_state(e);
-                let detail = match &e.grace {
-                    Some(grace) => format!("{}s of grace left", grace.until.saturating_duration_since(now).as_secs()),
+                let detail = match e.grace.as_ref().map(|g| g.until) {
+                    Some(Some(until)) => format!("{}s of grace left", until.saturating_duration_since(now).as_secs()),
+                    Some(None) => "cut for idleness: waits for its client".to_owned(),
                     None => String::new(),
                 };
                 VmStatus {
@@ -353,7 +364,7 @@ impl VmRegistry {
         let Some(vm) = vm else {
             inner.next_number += 1;
             let reset = Arc::new(AtomicBool::new(false));
-            inner.vms.insert(number, Entry::new(export, &format!("vm-{number}"), false, reset.clone()));
+            inner.vms.insert(number, Entry::new(export, &anonymous_label(number), false, reset.clone()));
             return Ok(Claim::Fresh { number, reset });
         };
         if inner.lost.contains_key(vm) {
@@ -392,6 +403,24 @@ impl VmRegistry {
         Ok(Claim::Fresh { number, reset })
     }
 
+    /// A VM named `vm` that no server holds any more though one did when this one started
+    /// (a predecessor still exiting then, say): its state to rebuild now, before its client is
+    /// admitted. A name with a VM here, or known lost, has none.
+    pub fn take_orphan(&self, vm: &str) -> Option<Recoverable> {
+        let mut inner = lock(&self.inner);
+        if inner.names.contains_key(vm) || inner.lost.contains_key(vm) {
+            return None;
+        }
+        match self.ledger.as_ref()?.orphan(vm)? {
+            Ok(recoverable) => Some(recoverable),
+            Err(why) => {
+                tracing::error!(vm, why, "VM refused until `overspill vm reset` ({why})");
+                inner.lost.insert(vm.to_owned(), why);
+                None
+            }
+        }
+    }
+
     /// The VMs an earlier server left state for, to be rebuilt (once).
     pub fn take_recoverable(&self) -> Vec<Recoverable> {
         std::mem::take(&mut lock(&self.inner).recoverable)
@@ -404,7 +433,7 @@ impl VmRegistry {
         // which holds the files, so that no other process takes them for a dead server's.
         if let Some(ledger) = &self.ledger {
             let (vm, owner) = (&recovered.vm, recovered.owner.as_deref());
-            let marks = Marks { making: false, unwritten: recovered.unwritten };
+            let marks = Marks { making: false, unwritten: recovered.unwritten, lost: None };
             if let Err(error) = ledger.write_entry(vm, &recovered.image, owner, Some(recovered.state.clone()), marks) {
                 tracing::warn!(vm, %error, "could not name this server in the VM's ledger file");
             }
@@ -418,7 +447,7 @@ impl VmRegistry {
         entry.written = !recovered.unwritten;
         entry.owner = recovered.owner.clone();
         entry.state = Some(recovered.state.clone());
-        entry.grace = Some(Grace { until: Instant::now() + self.lifecycle.reconnect_grace, parked });
+        entry.grace = Some(Grace { until: Some(Instant::now() + self.lifecycle.reconnect_grace), parked });
         inner.names.insert(recovered.vm.clone(), number);
         inner.vms.insert(number, entry);
     }
@@ -462,7 +491,7 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
-        let marks = Marks { making: true, unwritten: !entry.written };
+        let marks = Marks { making: true, unwritten: !entry.written, lost: None };
         ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()), marks)?;
         entry.marked = true;
         entry.state = Some(state);
@@ -475,7 +504,7 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let inner = lock(&self.inner);
         let Some(entry) = inner.vms.get(&number) else { return Ok(()) };
-        let marks = Marks { making: false, unwritten: !entry.written };
+        let marks = Marks { making: false, unwritten: !entry.written, lost: None };
         ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), entry.state.clone(), marks)
     }
 
@@ -512,8 +541,11 @@ impl VmRegistry {
     fn keeps(&self, inner: &Registered, number: u64, ending: Ending) -> bool {
         inner.vms.get(&number).is_some_and(|entry| {
             entry.named
-                && ending == Ending::Lost
-                && !self.lifecycle.reconnect_grace.is_zero()
+                && match ending {
+                    Ending::Deliberate => false,
+                    Ending::Lost => !self.lifecycle.reconnect_grace.is_zero(),
+                    Ending::Idle => true,
+                }
                 && !entry.reset.load(Ordering::SeqCst)
         })
     }
@@ -533,15 +565,32 @@ impl VmRegistry {
         }
         if keep {
             let entry = inner.vms.get_mut(&number).expect("checked");
-            tracing::info!(
-                vm = %entry.handle.vm,
-                grace_s = grace.as_secs(),
-                "VM connection lost without NBD_CMD_DISC: its overlay waits for it to reconnect"
-            );
-            entry.grace = Some(Grace { until: Instant::now() + grace, parked });
+            let until = if ending == Ending::Idle {
+                tracing::info!(
+                    vm = %entry.handle.vm,
+                    "VM connection cut for idleness: its overlay waits for its client, however long (until `overspill vm reset`)"
+                );
+                None
+            } else {
+                tracing::info!(
+                    vm = %entry.handle.vm,
+                    grace_s = grace.as_secs(),
+                    "VM connection lost without NBD_CMD_DISC: its overlay waits for it to reconnect"
+                );
+                Some(Instant::now() + grace)
+            };
+            entry.grace = Some(Grace { until, parked });
             return None;
         }
-        if ending == Ending::Lost && self.stopping.load(Ordering::SeqCst) {
+        let stopping = self.stopping.load(Ordering::SeqCst);
+        let lost_writes =
+            inner.vms.get(&number).is_some_and(|e| e.named && e.written && !e.reset.load(Ordering::SeqCst));
+        if ending == Ending::Lost && !stopping && lost_writes {
+            // No grace to wait in (--reconnect-grace 0): the guest may well be running still and
+            // reconnect at once, so its name must not come back fresh.
+            return self.lose(&mut inner, number, Some(parked), "its connection was lost and --reconnect-grace is 0");
+        }
+        if ending == Ending::Lost && stopping {
             if let Some(entry) = inner.vms.get_mut(&number).filter(|e| e.named && e.marked && e.state.is_none()) {
                 tracing::warn!(vm = %entry.handle.vm, "server stopping: this VM's writes are lost; its name will be refused");
                 // The ledger entry stays (see `server_stopping`).
@@ -631,23 +680,61 @@ impl VmRegistry {
         drop(parked);
     }
 
-    /// Overlays whose grace ran out, taken out of the registry.
+    /// Overlays whose grace ran out, taken out of the registry. A VM that had written is lost
+    /// (its guest may still be running, paused or cut off for longer than the grace, and would
+    /// read golden data where it wrote); one that never wrote is simply forgotten.
     fn expire(&self, now: Instant) -> Vec<VmOverlay> {
         let mut inner = lock(&self.inner);
         let expired: Vec<u64> = inner
             .vms
             .iter()
-            .filter(|(_, e)| e.grace.as_ref().is_some_and(|g| g.until <= now))
+            .filter(|(_, e)| e.grace.as_ref().and_then(|g| g.until).is_some_and(|until| until <= now))
             .map(|(n, _)| *n)
             .collect();
+        let grace = self.lifecycle.reconnect_grace.as_secs();
         expired
             .into_iter()
             .filter_map(|n| {
-                let vm = inner.vms.get(&n).map(|e| e.handle.vm.clone()).unwrap_or_default();
-                tracing::info!(vm, "VM did not reconnect within its grace: its overlay is dropped");
-                self.forget(&mut inner, n, None)
+                let entry = inner.vms.get(&n)?;
+                let vm = entry.handle.vm.clone();
+                if entry.written {
+                    let why = format!("it did not reconnect within its grace ({grace} s)");
+                    self.lose(&mut inner, n, None, &why)
+                } else {
+                    tracing::info!(vm, "VM did not reconnect within its grace, and had written nothing: forgotten");
+                    self.forget(&mut inner, n, None)
+                }
             })
             .collect()
+    }
+
+    /// Ends a VM's overlay whose writes cannot be kept for it: its memory and files are given
+    /// back, and its name is refused until `vm reset` (a tombstone in the ledger keeps it so
+    /// across restarts). Returns its overlay, for the caller to drop outside the lock.
+    fn lose(&self, inner: &mut Registered, number: u64, overlay: Option<VmOverlay>, why: &str) -> Option<VmOverlay> {
+        let Some(entry) = inner.vms.remove(&number) else { return overlay };
+        let vm = entry.handle.vm.clone();
+        tracing::error!(vm, why, "VM lost: its writes are given up and its name refused until `overspill vm reset`");
+        inner.departed.absorb(&entry.handle.stats);
+        inner.names.remove(&vm);
+        let mut overlay = overlay.or(entry.grace.map(|g| g.parked));
+        if let Some(ledger) = &self.ledger {
+            // The tombstone still says where the state files were: a crash before they are gone
+            // leaves them named, and `vm reset` removes them.
+            if let Err(error) =
+                ledger.write_tombstone(&vm, &entry.image, entry.owner.as_deref(), entry.state.clone(), why)
+            {
+                tracing::warn!(vm, %error, "could not write the lost VM's tombstone: a restart forgets it");
+            }
+            if let Some(state) = &entry.state {
+                remove_state_files(&vm, state);
+                if let Some(overlay) = &mut overlay {
+                    overlay.keep_state();
+                }
+            }
+        }
+        inner.lost.insert(vm, why.to_owned());
+        overlay
     }
 
     /// Removes a VM: its counters go to the departed, its ledger file and state files go.
@@ -767,6 +854,11 @@ struct LedgerEntry {
     /// false before the first change is acknowledged; entries without it count as written.
     #[serde(default, skip_serializing_if = "is_false")]
     unwritten: bool,
+    /// A tombstone: the VM's writes were given up (its grace ran out, say) while its guest may
+    /// still run, and its name is refused, for this reason, until `vm reset`. `state`, if any,
+    /// names files that may still be there (removed by the reset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lost: Option<String>,
 }
 
 fn is_false(value: &bool) -> bool {
@@ -791,10 +883,11 @@ pub struct StateRecord {
 }
 
 /// What a ledger entry says of a VM's state beside where it is (see [`LedgerEntry`]).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Marks {
     making: bool,
     unwritten: bool,
+    lost: Option<String>,
 }
 
 /// A VM an earlier server of this boot left state for.
@@ -825,13 +918,25 @@ impl Ledger {
         self.write_entry(vm, image, owner, state, Marks::default())
     }
 
+    /// Marks a VM lost for good (until `vm reset`): a server started later refuses its name.
+    fn write_tombstone(
+        &self,
+        vm: &str,
+        image: &str,
+        owner: Option<&str>,
+        state: Option<StateRecord>,
+        why: &str,
+    ) -> std::io::Result<()> {
+        self.write_entry(vm, image, owner, state, Marks { lost: Some(why.to_owned()), ..Marks::default() })
+    }
+
     fn write_entry(
         &self,
         vm: &str,
         image: &str,
         owner: Option<&str>,
         state: Option<StateRecord>,
-        Marks { making, unwritten }: Marks,
+        Marks { making, unwritten, lost }: Marks,
     ) -> std::io::Result<()> {
         let entry = LedgerEntry {
             vm: vm.to_owned(),
@@ -844,6 +949,7 @@ impl Ledger {
             state,
             making,
             unwritten,
+            lost,
         };
         let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
         let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
@@ -899,7 +1005,9 @@ impl Ledger {
         remove_unless_gone(retiring, "could not remove a retiring ledger file");
     }
 
-    /// An entry another server of this boot still runs with (one sharing the directory).
+    /// An entry another server of this boot still runs with (one sharing the directory). A
+    /// server that is exiting (killed, its memory still being torn down: a successor started at
+    /// once meets it) is waited for, bounded, and a zombie holds nothing.
     fn held_by_a_live_server(&self, entry: &LedgerEntry) -> bool {
         entry.boot_id == self.boot_id
             && entry.pid != std::process::id()
@@ -908,6 +1016,37 @@ impl Ledger {
                 // Written by a server that did not record it: alive is all there is to go by.
                 None => Path::new(&format!("/proc/{}", entry.pid)).exists(),
             }
+            && !overspill_nbd::exiting::wait_until_gone(
+                entry.pid,
+                "the previous server",
+                overspill_nbd::exiting::EXIT_WAIT,
+            )
+    }
+
+    /// A VM this server skipped at its start because the server that held it was alive then,
+    /// and is gone now: its state to rebuild, if it left one that can be. A tombstone or an entry
+    /// without state makes the name lost instead (returned as `Err` with why); one that was
+    /// being made goes, with its files.
+    fn orphan(&self, vm: &str) -> Option<Result<Recoverable, String>> {
+        let entry: LedgerEntry = serde_json::from_slice(&std::fs::read(self.path(vm)).ok()?).ok()?;
+        if entry.boot_id != self.boot_id || entry.pid == std::process::id() || self.held_by_a_live_server(&entry) {
+            return None;
+        }
+        match entry {
+            LedgerEntry { lost: Some(why), .. } => Some(Err(why)),
+            LedgerEntry { state: Some(state), making: true, .. } => {
+                if remove_leftover_state_files(vm, &state).is_empty() {
+                    self.unmark(vm);
+                }
+                None
+            }
+            LedgerEntry { state: Some(state), image, owner, unwritten, .. } => {
+                Some(Ok(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten }))
+            }
+            LedgerEntry { pid, image, .. } => {
+                Some(Err(format!("server pid {pid} ended while it held them, over {}", shown_image(&image))))
+            }
+        }
     }
 
     fn unmark(&self, vm: &str) {
@@ -950,6 +1089,9 @@ impl Ledger {
                     self.unmark(vm);
                 }
                 Some(e) if self.held_by_a_live_server(&e) => {}
+                Some(LedgerEntry { lost: Some(why), .. }) => {
+                    lost.insert(vm.to_owned(), why);
+                }
                 Some(LedgerEntry { state: Some(state), making: true, .. }) => {
                     if remove_leftover_state_files(vm, &state).is_empty() {
                         tracing::info!(
@@ -1118,6 +1260,7 @@ mod tests {
                 state: None,
                 making: false,
                 unwritten: false,
+                lost: None,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         };
@@ -1213,6 +1356,7 @@ mod tests {
                 state: None,
                 making: false,
                 unwritten: false,
+                lost: None,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         }

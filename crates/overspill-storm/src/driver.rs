@@ -28,12 +28,17 @@ pub trait Target: Sync {
     fn stats(&self, vm: usize) -> Option<Arc<VmStats>>;
 }
 
-/// A server outside this process: every VM connects to the same URI, and no engine counters.
+/// A server outside this process, and no engine counters. Every VM connects to the same URI,
+/// but for [`VM_PLACEHOLDER`] in its export name, which becomes the VM's number
+/// (`@storm-{n}`: each VM named, as a server that serves unnamed ones read-only needs).
 pub struct RemoteTarget(pub NbdUri);
 
+/// In a remote target's export name, stands for the VM's number.
+pub const VM_PLACEHOLDER: &str = "{n}";
+
 impl Target for RemoteTarget {
-    fn uri(&self, _vm: usize) -> NbdUri {
-        self.0.clone()
+    fn uri(&self, vm: usize) -> NbdUri {
+        NbdUri { endpoint: self.0.endpoint.clone(), export: self.0.export.replace(VM_PLACEHOLDER, &vm.to_string()) }
     }
 
     fn stats(&self, _vm: usize) -> Option<Arc<VmStats>> {

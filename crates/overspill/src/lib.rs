@@ -6,6 +6,7 @@ pub mod config;
 pub mod guest_storm;
 pub mod guests;
 pub mod image;
+pub mod libvirt_hook;
 pub mod metrics;
 pub mod plan;
 pub mod replay;

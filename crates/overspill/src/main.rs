@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use overspill::{image, plan, replay, serve, stat, storm, vm};
+use overspill::{image, libvirt_hook, plan, replay, serve, stat, storm, vm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
@@ -42,6 +42,10 @@ enum Command {
     Image(image::ImageArgs),
     /// A running server's named VMs: list them, reset or drop one (through its control socket).
     Vm(vm::VmArgs),
+    /// libvirt's qemu hook (install as /etc/libvirt/hooks/qemu.d/overspill): refuses migrations
+    /// and restores that would run a guest on golden data, and starts every power-on of a domain
+    /// from the golden image.
+    LibvirtHook(libvirt_hook::LibvirtHookArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to standard output.
     Completions { shell: clap_complete::Shell },
     /// Print a manual page (roff) to standard output: `overspill man > overspill.1`, `overspill
@@ -91,6 +95,7 @@ fn main() -> ExitCode {
         | Command::Plan(_)
         | Command::Image(_)
         | Command::Vm(_)
+        | Command::LibvirtHook(_)
         | Command::Completions { .. }
         | Command::Man { .. } => "warn",
     };
@@ -143,6 +148,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::run(args),
         Command::Image(args) => image::run(args),
         Command::Vm(args) => vm::run(args),
+        Command::LibvirtHook(args) => libvirt_hook::run(args),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "overspill", &mut std::io::stdout());

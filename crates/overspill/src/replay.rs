@@ -16,7 +16,9 @@ pub struct ReplayArgs {
     /// Traces recorded by `storm --record` or `serve --record`, one VM each.
     #[arg(required = true)]
     traces: Vec<PathBuf>,
-    /// The NBD server to replay against (nbd://…, nbd+unix://…, unix:PATH, tcp:HOST:PORT).
+    /// The NBD server to replay against (nbd://…, nbd+unix://…, unix:PATH, tcp:HOST:PORT); `{n}`
+    /// in the export name becomes each trace's number, so that each is a named VM of an
+    /// overspill server (`nbd+unix:///@replay-{n}?socket=…`; without a name it serves VMs read-only).
     #[arg(long)]
     target: String,
     /// Send requests back to back instead of at the recorded pace.

@@ -161,9 +161,20 @@ pub struct ServeArgs {
     /// hold; a VM that takes longer is disconnected (e.g. 60s).
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     request_timeout: Duration,
+    /// Let connections without a VM name (export IMAGE, not IMAGE@NAME) write, each to a
+    /// private overlay that ends with its connection: any reconnect, however short, reverts
+    /// such a disk to the golden image. For tests and benchmarks; without it they are served
+    /// read-only (inspection and copying work as before).
+    #[arg(long)]
+    anonymous_writes: bool,
     #[command(flatten)]
     security: SecurityArgs,
 }
+
+/// The export a VM's client opens, as the serving line and systemd's status show it: a named
+/// VM (`@NAME`), since an unnamed one is read-only (or, with --anonymous-writes, reverts at
+/// any reconnect).
+const EXAMPLE_EXPORT: &str = "@NAME";
 
 fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn GoldenImage>>> {
     let mut images: BTreeMap<String, Arc<dyn GoldenImage>> = BTreeMap::new();
@@ -267,6 +278,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     };
     let cache_dirs: Vec<PathBuf> = settings.cache_dir().map(|(_, dir)| dir.clone()).into_iter().collect();
     let mut exports = OverlayExports::new(images, settings, host.clone())?;
+    if args.anonymous_writes {
+        exports.allow_anonymous_writes();
+    }
     if let Some(dir) = &args.images {
         let found = ImageStore::new(dir).images().with_context(|| format!("--images {}", dir.display()))?;
         if found.is_empty() {
@@ -356,7 +370,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         }
     };
     tracing::info!(
-        uri = %listener.local_addr().nbd_uri("", config_tls_mode != TlsMode::Off),
+        uri = %listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off),
+        anonymous = if args.anonymous_writes { "writable, reverted at any reconnect" } else { "read-only" },
         listen = %listener.local_addr(),
         mode = %args.mode,
         ram_per_vm = %format_bytes(args.ram),
@@ -373,7 +388,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     if let Some(litter) = &mut litter {
         litter.armed = true;
     }
-    let uri = listener.local_addr().nbd_uri("", config_tls_mode != TlsMode::Off);
+    let uri = listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off);
     notify_service_manager(&[NotifyState::Ready, NotifyState::Status(&format!("serving {uri}"))]);
     server.run(&listener).context("accepting connections")?;
     if !RESTART.load(std::sync::atomic::Ordering::SeqCst) {

@@ -55,7 +55,9 @@ pub struct StormArgs {
     /// Pace requests at this many times real time; without it they run back to back.
     #[arg(long)]
     speed: Option<f64>,
-    /// Run against these NBD servers (nbd://…, nbd+unix://…) instead of in-process ones.
+    /// Run against these NBD servers (nbd://…, nbd+unix://…) instead of in-process ones. `{n}`
+    /// in the export name becomes each VM's number, so that each is a named VM of an overspill
+    /// server (`nbd+unix:///@storm-{n}?socket=…`; without a name it serves VMs read-only).
     #[arg(long)]
     target: Vec<String>,
     /// Golden image to serve; by default a synthetic one is made in --work-dir. With `--guests`,

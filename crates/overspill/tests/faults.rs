@@ -104,6 +104,8 @@ impl Server {
             .args(memory)
             // No host-memory pressure from whatever else runs on the machine: targets stay put.
             .args(["--ram-floor", "0"])
+            // Anonymous clients write here, each to its own throwaway overlay.
+            .arg("--anonymous-writes")
             .args(extra)
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())

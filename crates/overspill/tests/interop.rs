@@ -142,6 +142,8 @@ impl Server {
             // These tests watch overlays end with their connections (libnbd's clients close
             // without NBD_CMD_DISC); overlays waiting for a reconnect are tests/lifecycle.rs's.
             .args(["--reconnect-grace", "0"])
+            // Most of these tests write as anonymous clients, each to its own throwaway overlay.
+            .arg("--anonymous-writes")
             .args(extra)
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())

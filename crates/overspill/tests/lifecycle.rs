@@ -30,9 +30,13 @@ struct Host {
 
 impl Host {
     fn new() -> Self {
+        Self::with_disk(GOLDEN_BYTES)
+    }
+
+    fn with_disk(bytes: usize) -> Self {
         let dir = TempDir::new().expect("tempdir");
         let golden = dir.path().join("golden.img");
-        let golden_bytes = pseudo_random(GOLDEN_BYTES, 3);
+        let golden_bytes = pseudo_random(bytes, 3);
         std::fs::write(&golden, &golden_bytes).expect("golden image");
         let socket = dir.path().join("nbd.sock");
         Self { dir, golden, golden_bytes, socket }
@@ -47,7 +51,9 @@ impl Host {
         args.extend_from_slice(extra);
         // A killed server leaves its socket file: ready is when a connection is accepted.
         let socket = self.socket.clone();
-        Serve::start(self.dir.path(), &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
+        Serve::start_named_only(self.dir.path(), &args, &[], move || {
+            std::os::unix::net::UnixStream::connect(&socket).is_ok()
+        })
     }
 
     fn uri(&self, vm: &str) -> NbdUri {
@@ -177,34 +183,130 @@ fn a_lost_connection_resumes_the_same_overlay_and_a_second_connection_is_refused
     host.assert_golden_untouched();
 }
 
+/// A named VM that wrote and lost its connection with no grace to wait in, or did not come back
+/// within it, is lost: its guest may still be running (paused, cut off, reconnecting late), so
+/// its name is refused, across restarts, until `vm reset`, never served golden data where it
+/// wrote. A VM that only read is forgotten and starts over.
 #[test]
-fn without_grace_or_without_a_name_a_lost_connection_starts_over_and_grace_runs_out() {
+fn a_writer_without_a_grace_or_past_it_is_refused_by_name_until_reset() {
     let host = Host::new();
     let server = host.serve(&["--reconnect-grace", "0"]);
-    let mut client = host.connect("vm1");
-    write_pattern(&mut client, 12);
-    drop(client);
-    // The overlay ends with the connection, in the connection's thread: wait for it.
-    host.wait_for_states(&[]);
-    host.assert_reads_golden("vm1", 1 << 20, "grace 0");
+    let mut writer = host.connect("writer");
+    write_pattern(&mut writer, 12);
+    drop(writer);
+    let mut reader = host.connect("reader");
+    read_start(&mut reader, 1 << 20);
+    drop(reader);
+    host.wait_for_states(&[("writer", "lost")]);
+    assert_refused_as_lost(&host, "writer");
+    host.assert_reads_golden("reader", 1 << 20, "a VM that only read, grace 0");
+    let (ok, text) = host.vm_command(&["reset", "writer"]);
+    assert!(ok, "{text}");
+    host.assert_reads_golden("writer", 1 << 20, "after reset, grace 0");
     drop(server);
 
     let server = host.serve(&["--reconnect-grace", "1s"]);
-    let mut anonymous = host.connect("");
-    write_pattern(&mut anonymous, 13);
-    drop(anonymous);
     let mut named = host.connect("vm2");
     write_pattern(&mut named, 14);
     drop(named);
-    // The anonymous overlay ended at once; the named one waits a second, then goes with its files.
+    let mut reader = host.connect("vm3");
+    read_start(&mut reader, 1 << 20);
+    drop(reader);
+    // Both wait a second; then the writer is lost, its files gone, and the reader forgotten.
     let deadline = Instant::now() + WAIT;
-    while !spill_files(host.dir.path()).is_empty() || !host.states().is_empty() {
+    while !spill_files(host.dir.path()).is_empty() || host.states() != [("vm2".to_owned(), "lost".to_owned())] {
         assert!(Instant::now() < deadline, "grace never ran out: {:?}\n{}", host.states(), server.log_text());
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(server.log_text().contains("did not reconnect within its grace"), "{}", server.log_text());
-    host.assert_reads_golden("vm2", 1 << 20, "after the grace");
+    assert_refused_as_lost(&host, "vm2");
+    host.assert_reads_golden("vm3", 1 << 20, "a VM that only read, after its grace");
+    host.wait_for_states(&[("vm2", "lost")]);
+
+    // The name stays refused by the next server, killed or stopped before it.
+    server.kill();
+    let mut server = host.serve(&["--reconnect-grace", "1s"]);
+    assert_eq!(host.states(), [("vm2".to_owned(), "lost".to_owned())], "after a restart");
+    assert_refused_as_lost(&host, "vm2");
+    server.stop();
+    let server = host.serve(&["--reconnect-grace", "1s"]);
+    assert_refused_as_lost(&host, "vm2");
+    let (ok, text) = host.vm_command(&["reset", "vm2"]);
+    assert!(ok, "{text}");
+    host.assert_reads_golden("vm2", 1 << 20, "after reset");
+    drop(server);
     host.assert_golden_untouched();
+}
+
+#[track_caller]
+fn assert_refused_as_lost(host: &Host, vm: &str) {
+    match Client::connect(&host.uri(vm)) {
+        Ok(_) => panic!("{vm} was served after its writes were given up"),
+        Err(refused) => assert!(refused.to_string().contains("lost"), "{vm}: {refused}"),
+    }
+}
+
+/// A connection without a VM name is served read-only unless the server allows anonymous
+/// writes: a QEMU started with the anonymous URI cannot write anything a reconnect would
+/// lose, and inspection and copying still work.
+#[test]
+fn an_anonymous_connection_is_read_only_and_told_how_to_name_the_vm() {
+    let host = Host::new();
+    let server = host.serve(&[]);
+    let uri = format!("nbd+unix:///?socket={}", host.socket.display());
+    let dir = host.dir.path();
+
+    let info = common::run_ok(dir, "nbdinfo", &["--json", &uri]);
+    let info: Value = serde_json::from_str(&info.stdout).expect("nbdinfo --json");
+    let export = &info["exports"][0];
+    assert_eq!(export["is_read_only"], true, "{info}");
+    let description = export["description"].as_str().unwrap_or_default();
+    assert!(description.contains("IMAGE@NAME"), "{description}");
+
+    let out = run_tool(dir, "qemu-io", &["-f", "raw", "-c", "write -P 7 0 64k", &uri]);
+    assert!(!out.status.success(), "qemu-io wrote:\n{}", out.all());
+    eprintln!("qemu-io's write to the anonymous export: {}", out.all());
+    // Golden data is not zeroes: the read succeeds and the zero pattern does not match.
+    let out = run_tool(dir, "qemu-io", &["-r", "-f", "raw", "-c", "read -P 0 0 64k", &uri]);
+    assert!(out.stdout.contains("Pattern verification failed"), "golden data is not zeroes: {}", out.all());
+
+    let mut client = Client::connect(&host.uri("")).expect("anonymous connection");
+    let error = client.write(0, &[7; 4096], false).expect_err("an anonymous write");
+    eprintln!("the anonymous write ended with: {error}");
+    assert_same(&read_start(&mut client, 1 << 20), &host.golden_bytes[..1 << 20], "anonymous read");
+    drop(client);
+
+    let log = server.log_text();
+    assert!(log.contains("anonymous connection"), "{log}");
+    let serving = log.lines().find(|l| l.contains("serving")).unwrap_or_default();
+    assert!(serving.contains(&format!("nbd+unix:///@NAME?socket={}", host.socket.display())), "{serving}");
+    assert!(host.states().is_empty(), "an anonymous connection is no listed VM");
+    host.assert_golden_untouched();
+}
+
+/// `--idle-timeout` cuts a quiet VM (paused, suspended), which is not gone: its overlay waits
+/// for its client past the reconnect grace, and resumes with what it wrote.
+#[test]
+fn a_vm_cut_for_idleness_waits_past_its_grace_and_resumes() {
+    let host = Host::new();
+    let server = host.serve(&["--reconnect-grace", "1s", "--idle-timeout", "1"]);
+    let mut client = host.connect("sleeper");
+    let written = write_pattern(&mut client, 15);
+    let deadline = Instant::now() + WAIT;
+    while !server.log_text().contains("cut for idleness") {
+        assert!(Instant::now() < deadline, "never cut:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(client);
+    // Three times its grace.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(host.states(), [("sleeper".to_owned(), "in-grace".to_owned())]);
+    let (ok, table) = host.vm_command(&["list"]);
+    assert!(ok && table.contains("idleness"), "{table}");
+    let mut again = host.connect("sleeper");
+    assert_same(&read_start(&mut again, WRITTEN_BYTES), &written, "resumed after the idle cut");
+    again.disconnect().expect("disconnect");
+    host.wait_for_states(&[]);
 }
 
 /// Without a grace a VM's writes live only as long as its overlay, and a server that ends
@@ -331,6 +433,41 @@ fn a_killed_server_and_a_stopped_one_hand_every_vm_to_the_next() {
     wait_for_files_to_go(memory);
     drop(server);
     assert!(memory().is_empty(), "state files left after every VM ended: {:?}", memory());
+    host.assert_golden_untouched();
+}
+
+/// A server started the instant its predecessor was SIGKILLed finds it still exiting (the
+/// kernel tears down a process's memory, here hundreds of MiB of pages, before its sockets:
+/// they accept, and its pid lives), waits for it rather than refusing to start or giving up
+/// its VMs, and serves the VM's data back: RAM tier and spill alike.
+#[test]
+fn a_server_started_the_instant_its_predecessor_is_killed_serves_the_vm_back() {
+    const DISK: usize = 288 << 20;
+    const WRITTEN: usize = 256 << 20;
+    let host = Host::with_disk(DISK);
+    let server = host.serve(&["--ram", "128M"]);
+    let mut client = host.connect("big");
+    let written = pseudo_random(WRITTEN, 40);
+    for (i, chunk) in written.chunks(1 << 20).enumerate() {
+        client.write((i << 20) as u64, chunk, false).expect("write");
+    }
+    assert!(!spill_files(host.dir.path()).is_empty(), "half of it spilled");
+    let killed = Command::new("kill").args(["-KILL", &server.child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    // At once, the old one unreaped: ready once it says it serves (the old socket may accept).
+    let log = host.dir.path().join("server.log");
+    let listen = format!("unix:{}", host.socket.display());
+    let args = ["--base", host.golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "128M"];
+    let next = Serve::start_named_only(host.dir.path(), &args, &[], || {
+        std::fs::read_to_string(&log).is_ok_and(|text| text.contains("serving"))
+    });
+    drop((client, server));
+    eprintln!("the new server's start:\n{}", next.log_text().lines().take(12).collect::<Vec<_>>().join("\n"));
+    let mut again = host.connect("big");
+    assert_same(&read_start(&mut again, WRITTEN), &written, "the VM after a restart at once");
+    again.disconnect().expect("disconnect");
+    host.wait_for_states(&[]);
+    drop(next);
     host.assert_golden_untouched();
 }
 

@@ -129,7 +129,24 @@ impl Serve {
     /// Starts `overspill serve ARGS` (its log in `dir/server.log`) with a spill directory in
     /// `dir` and no free-memory floor unless ARGS give one; `env` is added to its environment. Returns once `ready`
     /// says it listens.
+    /// Anonymous connections may write (`--anonymous-writes`), as most tests of the protocol
+    /// and the engine need.
     pub fn start(dir: &Path, args: &[&str], env: &[(&str, &str)], ready: impl Fn() -> bool) -> Self {
+        Self::start_with(dir, args, env, ready, true)
+    }
+
+    /// As [`Self::start`], with the server's default for anonymous connections (read-only).
+    pub fn start_named_only(dir: &Path, args: &[&str], env: &[(&str, &str)], ready: impl Fn() -> bool) -> Self {
+        Self::start_with(dir, args, env, ready, false)
+    }
+
+    fn start_with(
+        dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        ready: impl Fn() -> bool,
+        anonymous_writes: bool,
+    ) -> Self {
         let log = dir.join("server.log");
         let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("serve")
@@ -137,6 +154,7 @@ impl Serve {
             .args(if args.contains(&"--ram-floor") { &[][..] } else { &["--ram-floor", "0"][..] })
             // Named VMs' pages: in the test's directory, not /dev/shm.
             .args(["--memory-dir", dir.join("memory").to_str().expect("utf-8 temp path")])
+            .args(if anonymous_writes { &["--anonymous-writes"][..] } else { &[][..] })
             .args(args)
             .env("RUST_LOG", "debug")
             .envs(env.iter().copied())

@@ -1,0 +1,220 @@
+//! `overspill libvirt-hook`: libvirt's qemu hook for domains with overspill disks, installed as
+//! `/etc/libvirt/hooks/qemu.d/overspill` (libvirt 6.5 and later run every script there, so an
+//! operator's own hook stays).
+//!
+//! libvirt runs it as `HOOK DOMAIN OPERATION SUB-OPERATION EXTRA` with the domain's XML on
+//! standard input, and a non-zero exit stops the operation, with what the hook wrote to
+//! standard error in libvirt's error. An overspill disk is an NBD disk whose export names a VM
+//! (`IMAGE@NAME`, `@NAME` for the default image). What the hook does:
+//!
+//! - `migrate` (on the destination, before its QEMU starts): refuses, naming the VMs. Their
+//!   writes live in the source host's server, and the destination's server would start them
+//!   from the golden image under a running guest. libvirt aborts the migration and the guest
+//!   runs on at the source.
+//! - `restore` (`virsh restore`, `managedsave`, libvirt-guests' suspend): refuses unless the
+//!   server still holds each VM's overlay (a saved QEMU ends its connection with NBD_CMD_DISC,
+//!   which drops it): the restored guest's memory would run on golden data. When it allows, it
+//!   leaves a mark so that the `prepare` that follows keeps the overlay.
+//! - `prepare begin` of any other start: `vm reset` of each VM, so that every power-on starts
+//!   from the golden image, as PVS does (a QEMU killed and started again within the grace would
+//!   otherwise boot into the old session's writes). A name the server does not know is fine.
+//! - anything else (`reconnect` and `attach` of running domains among them): nothing.
+//!
+//! Everything it prints goes to standard error: libvirt takes a `migrate` or `restore` hook's
+//! standard output for the domain's new XML.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use overspill_server::control::{self, Request, DEFAULT_CONTROL_SOCKET};
+use overspill_server::vms::VmState;
+use quick_xml::events::Event;
+
+#[derive(Debug, Args)]
+pub struct LibvirtHookArgs {
+    /// The server's control socket (`serve --control`).
+    #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+    control: PathBuf,
+    /// Where a restore that keeps its overlays leaves a mark for the start that follows.
+    #[arg(long, default_value = "/run/overspill-libvirt-hook")]
+    marks: PathBuf,
+    /// How long to keep trying a server that does not answer (restarting, say) before a start
+    /// or restore is refused.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    wait: Duration,
+    /// The domain's name.
+    domain: String,
+    /// libvirt's operation: prepare, start, started, stopped, release, migrate, restore,
+    /// reconnect, attach.
+    operation: String,
+    /// begin or end (or -).
+    sub_operation: String,
+    /// What libvirt adds (or -).
+    extra: Option<String>,
+}
+
+/// A restore's mark older than this is not the start that follows it.
+const MARK_LIFETIME: Duration = Duration::from_secs(600);
+
+pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
+    let mut xml = String::new();
+    std::io::stdin().read_to_string(&mut xml).context("reading the domain XML on standard input")?;
+    let vms = overspill_vms(&xml).context("reading the domain XML")?;
+    if vms.is_empty() {
+        return Ok(());
+    }
+    let domain = &args.domain;
+    let listed = vms.join(", ");
+    match (args.operation.as_str(), args.sub_operation.as_str()) {
+        ("migrate", _) => bail!(
+            "domain {domain} cannot be migrated: the writes of its overspill VM(s) {listed} live in \
+             the overspill server of the host it runs on, and this host's server would start them from the \
+             golden image under the running guest. The guest stays where it is; shut it down to move it."
+        ),
+        ("restore", _) => {
+            let held = held_vms(&args)?;
+            let missing: Vec<&str> = vms.iter().filter(|vm| !held.contains(vm)).map(String::as_str).collect();
+            if !missing.is_empty() {
+                bail!(
+                    "domain {domain} cannot be restored: the overspill server no longer holds the \
+                     overlay of VM(s) {} (a saved QEMU ends its disk's connection, which ends the overlay), and \
+                     the saved guest would run on golden data. Start it afresh instead (virsh managedsave-remove \
+                     {domain}, then virsh start {domain}).",
+                    missing.join(", ")
+                );
+            }
+            write_mark(&args.marks, domain)?;
+            eprintln!("overspill: domain {domain} restores with the overlays of {listed}");
+            Ok(())
+        }
+        ("prepare", "begin") => {
+            if take_mark(&args.marks, domain) {
+                eprintln!("overspill: domain {domain} is being restored: its overlays ({listed}) are kept");
+                return Ok(());
+            }
+            for vm in &vms {
+                reset(&args, vm)?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The VM names of the domain's overspill disks: NBD disks whose export is `IMAGE@NAME`.
+pub fn overspill_vms(xml: &str) -> anyhow::Result<Vec<String>> {
+    let mut reader = quick_xml::Reader::from_str(xml);
+    let mut in_disk = false;
+    let mut vms = Vec::new();
+    loop {
+        match reader.read_event()? {
+            Event::Start(e) if e.name().as_ref() == b"disk" => in_disk = true,
+            Event::End(e) if e.name().as_ref() == b"disk" => in_disk = false,
+            Event::Start(e) | Event::Empty(e) if in_disk && e.name().as_ref() == b"source" => {
+                let attribute = |key: &[u8]| -> anyhow::Result<Option<String>> {
+                    match e.try_get_attribute(key)? {
+                        Some(a) => Ok(Some(a.decode_and_unescape_value(reader.decoder())?.into_owned())),
+                        None => Ok(None),
+                    }
+                };
+                if attribute(b"protocol")?.as_deref() != Some("nbd") {
+                    continue;
+                }
+                if let Some((_, vm)) = attribute(b"name")?.as_deref().and_then(|name| name.split_once('@')) {
+                    if !vm.is_empty() && !vms.iter().any(|known| known == vm) {
+                        vms.push(vm.to_owned());
+                    }
+                }
+            }
+            Event::Eof => break,
+            _ => {}
+        }
+    }
+    Ok(vms)
+}
+
+/// Asks the server, for at most `--wait` while it does not answer.
+fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Answer> {
+    let deadline = Instant::now() + args.wait;
+    loop {
+        match control::ask(&args.control, request) {
+            Ok(answer) => return Ok(answer),
+            Err(error) if Instant::now() < deadline => {
+                tracing::debug!(%error, "the overspill server does not answer yet");
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            Err(error) => {
+                return Err(anyhow::Error::from(error)
+                    .context(format!("the server's control socket {}", args.control.display())))
+            }
+        }
+    }
+}
+
+/// The VMs whose overlays the server holds (connected, or waiting for their client).
+fn held_vms(args: &LibvirtHookArgs) -> anyhow::Result<Vec<String>> {
+    let answer = ask(args, &Request::List)?;
+    Ok(answer
+        .vms
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|vm| matches!(vm.state, VmState::Connected | VmState::InGrace))
+        .map(|vm| vm.vm)
+        .collect())
+}
+
+/// `vm reset VM`; a VM the server does not know has nothing to reset.
+fn reset(args: &LibvirtHookArgs, vm: &str) -> anyhow::Result<()> {
+    let answer = ask(args, &Request::Reset { vm: vm.to_owned() })?;
+    let message = answer.message.unwrap_or_default();
+    if answer.ok {
+        eprintln!("overspill: {message}");
+    } else if !message.contains("no VM named") {
+        bail!("cannot start VM {vm} from the golden image: {message}");
+    }
+    Ok(())
+}
+
+fn mark_path(marks: &Path, domain: &str) -> PathBuf {
+    // Domain names may hold '/': the mark's name must stay in the directory.
+    marks.join(format!("{}.restoring", domain.replace('/', "%2F")))
+}
+
+fn write_mark(marks: &Path, domain: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(marks).with_context(|| format!("making {}", marks.display()))?;
+    let path = mark_path(marks, domain);
+    std::fs::write(&path, b"").with_context(|| format!("writing {}", path.display()))
+}
+
+/// Whether a restore left its mark for this start (recently); the mark goes either way.
+fn take_mark(marks: &Path, domain: &str) -> bool {
+    let path = mark_path(marks, domain);
+    let fresh = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .is_ok_and(|at| SystemTime::now().duration_since(at).is_ok_and(|age| age < MARK_LIFETIME));
+    let _ = std::fs::remove_file(&path);
+    fresh
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_nbd_disks_that_name_a_vm_are_overspill_disks() {
+        let xml = r#"<domain type='kvm'><name>d</name><devices>
+            <disk type='network' device='disk'><driver name='qemu' type='raw'/>
+              <source protocol='nbd' name='win7@vm-17'><host transport='unix' socket='/run/overspill.sock'/></source>
+              <target dev='vda' bus='virtio'/></disk>
+            <disk type='network' device='disk'><source protocol='nbd' name='@vm-18'/></disk>
+            <disk type='network' device='disk'><source protocol='nbd' name='plain'/></disk>
+            <disk type='network' device='disk'><source protocol='rbd' name='pool/img@snap'/></disk>
+            <disk type='file' device='cdrom'><source file='/x@y.iso'/></disk>
+            <interface type='network'><source network='default'/></interface>
+          </devices></domain>"#;
+        assert_eq!(overspill_vms(xml).expect("parsed"), ["vm-17", "vm-18"]);
+    }
+}

@@ -1,0 +1,182 @@
+//! `overspill libvirt-hook`, run the way libvirt runs a qemu hook (the domain, the operation,
+//! its sub-operation and extra argument; the domain XML on standard input), against a real
+//! server: a migration to this host and a restore of a domain whose overlay is gone are refused,
+//! every plain start begins from the golden image, and a running domain's reconnect or a
+//! domain without overspill disks is left alone.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use overspill_nbd::client::{Client, NbdUri};
+use tempfile::TempDir;
+
+mod common;
+use common::{pseudo_random, Serve};
+
+const DISK: usize = 8 << 20;
+
+struct Host {
+    dir: TempDir,
+    golden: Vec<u8>,
+    socket: PathBuf,
+    _server: Serve,
+}
+
+impl Host {
+    fn new() -> Self {
+        let dir = TempDir::new().expect("tempdir");
+        let golden = pseudo_random(DISK, 5);
+        let image = dir.path().join("golden.img");
+        std::fs::write(&image, &golden).expect("golden image");
+        let socket = dir.path().join("nbd.sock");
+        let listen = format!("unix:{}", socket.display());
+        let control = dir.path().join("control.sock");
+        let args = [
+            "--base",
+            image.to_str().expect("utf-8"),
+            "--listen",
+            &listen,
+            "--control",
+            control.to_str().expect("utf-8"),
+            "--ram",
+            "4M",
+        ];
+        let ready = socket.clone();
+        let server = Serve::start_named_only(dir.path(), &args, &[], move || {
+            std::os::unix::net::UnixStream::connect(&ready).is_ok()
+        });
+        Self { dir, golden, socket, _server: server }
+    }
+
+    fn connect(&self, vm: &str) -> Client {
+        let uri: NbdUri = format!("nbd+unix:///@{vm}?socket={}", self.socket.display()).parse().expect("uri");
+        Client::connect(&uri).unwrap_or_else(|e| panic!("connecting {vm}: {e}"))
+    }
+
+    /// A VM that wrote its first 64 KiB and lost its connection (a killed QEMU): in grace.
+    fn written_and_in_grace(&self, vm: &str) {
+        let mut client = self.connect(vm);
+        client.write(0, &[0xab; 65536], false).expect("write");
+        drop(client);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !self.vm_list().contains("in-grace") {
+            assert!(Instant::now() < deadline, "{vm} never in grace: {}", self.vm_list());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn first_bytes(&self, vm: &str) -> Vec<u8> {
+        let mut client = self.connect(vm);
+        let mut buf = vec![0; 65536];
+        client.read(0, &mut buf).expect("read");
+        client.disconnect().expect("disconnect");
+        buf
+    }
+
+    fn vm_list(&self) -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .args(["vm", "--control", self.control().to_str().expect("utf-8"), "list"])
+            .output()
+            .expect("overspill vm list");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn control(&self) -> PathBuf {
+        self.dir.path().join("control.sock")
+    }
+
+    /// The hook as libvirt runs it: `overspill libvirt-hook DOMAIN OP SUB EXTRA < XML`.
+    fn hook(&self, domain: &str, operation: &str, sub: &str, xml: &str) -> (bool, String, String) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("libvirt-hook")
+            .args(["--control", self.control().to_str().expect("utf-8")])
+            .args(["--marks", self.dir.path().join("marks").to_str().expect("utf-8")])
+            .args(["--wait", "1s"])
+            .args([domain, operation, sub, "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("overspill libvirt-hook");
+        child.stdin.take().expect("stdin").write_all(xml.as_bytes()).expect("XML on stdin");
+        let out = child.wait_with_output().expect("hook output");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    }
+}
+
+/// A domain's XML as libvirt passes it, its disk an overspill VM on `socket`.
+fn domain_xml(domain: &str, vm: &str, socket: &Path) -> String {
+    format!(
+        "<domain type='kvm'><name>{domain}</name><memory unit='KiB'>262144</memory><devices>\
+         <disk type='network' device='disk'><driver name='qemu' type='raw'/>\
+         <source protocol='nbd' name='@{vm}'><host transport='unix' socket='{}'/><reconnect delay='30'/></source>\
+         <target dev='vda' bus='virtio'/></disk></devices></domain>",
+        socket.display()
+    )
+}
+
+#[test]
+fn a_migration_to_this_host_is_refused_by_vm_name_and_other_domains_pass() {
+    let host = Host::new();
+    let xml = domain_xml("desktop-17", "vm-17", &host.socket);
+    let (ok, stdout, stderr) = host.hook("desktop-17", "migrate", "begin", &xml);
+    assert!(!ok, "the migration was let through: {stderr}");
+    assert!(stderr.contains("vm-17") && stderr.contains("desktop-17"), "{stderr}");
+    // libvirt takes a migrate hook's standard output for the domain's new XML.
+    assert!(stdout.is_empty(), "{stdout}");
+
+    let plain = "<domain type='kvm'><name>other</name><devices><disk type='file' device='disk'>\
+                 <source file='/var/lib/libvirt/images/other.qcow2'/><target dev='vda'/></disk></devices></domain>";
+    for operation in ["migrate", "prepare", "restore"] {
+        let (ok, stdout, stderr) = host.hook("other", operation, "begin", plain);
+        assert!(ok && stdout.is_empty(), "{operation} of a domain without overspill disks: {stderr}");
+    }
+}
+
+#[test]
+fn every_plain_start_begins_from_the_golden_image_and_a_reconnect_keeps_the_overlay() {
+    let host = Host::new();
+    host.written_and_in_grace("vm-1");
+    let xml = domain_xml("desktop-1", "vm-1", &host.socket);
+    // libvirtd restarted and found the domain running: nothing happens to its disk.
+    for operation in ["reconnect", "attach", "started", "stopped", "release"] {
+        let (ok, _, stderr) = host.hook("desktop-1", operation, "begin", &xml);
+        assert!(ok, "{operation}: {stderr}");
+    }
+    assert_eq!(host.first_bytes("vm-1"), [0xab; 65536], "the overlay after reconnect/attach");
+
+    host.written_and_in_grace("vm-1");
+    let (ok, _, stderr) = host.hook("desktop-1", "prepare", "begin", &xml);
+    assert!(ok, "{stderr}");
+    assert_eq!(host.first_bytes("vm-1"), host.golden[..65536], "a start after prepare");
+
+    // A VM the server has never seen starts as it is.
+    let (ok, _, stderr) = host.hook("new", "prepare", "begin", &domain_xml("new", "vm-new", &host.socket));
+    assert!(ok, "a start of a VM the server does not know: {stderr}");
+}
+
+#[test]
+fn a_restore_is_refused_once_the_overlay_is_gone_and_keeps_one_that_waits() {
+    let host = Host::new();
+    let xml = domain_xml("desktop-2", "vm-2", &host.socket);
+    // virsh save: QEMU quits with NBD_CMD_DISC, and the overlay ends.
+    let mut client = host.connect("vm-2");
+    client.write(0, &[0xcd; 65536], false).expect("write");
+    client.disconnect().expect("disconnect");
+    let (ok, stdout, stderr) = host.hook("desktop-2", "restore", "begin", &xml);
+    assert!(!ok, "a restore over a dropped overlay was let through: {stderr}");
+    assert!(stderr.contains("vm-2") && stderr.contains("managedsave-remove"), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+
+    // An overlay the server still holds (its QEMU lost the connection): the restore goes on,
+    // and the prepare that follows it keeps the overlay.
+    host.written_and_in_grace("vm-2");
+    let (ok, _, stderr) = host.hook("desktop-2", "restore", "begin", &xml);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = host.hook("desktop-2", "prepare", "begin", &xml);
+    assert!(ok, "{stderr}");
+    assert_eq!(host.first_bytes("vm-2"), [0xab; 65536], "the restored domain's overlay");
+}
