@@ -825,8 +825,22 @@ struct Ledger {
     boot_id: String,
 }
 
+/// The format of a ledger entry and of the state files it names (page slot headers, segment
+/// summaries, zero log), which it is written before: 1 for entries without the field (servers
+/// before it), 2 since tombstones (`lost`). A server reads every format up to its own and
+/// refuses, by VM name, one it does not know (a newer release's, after a downgrade), keeping its
+/// files for a server that knows it: never a guess.
+pub const STATE_FORMAT: u32 = 2;
+
+/// The format of an entry written before the field existed.
+fn first_format() -> u32 {
+    1
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 struct LedgerEntry {
+    #[serde(default = "first_format")]
+    format: u32,
     vm: String,
     image: String,
     /// The TLS identity of the client that made the VM (see [`VmRegistry::claim`]).
@@ -939,6 +953,7 @@ impl Ledger {
         Marks { making, unwritten, lost }: Marks,
     ) -> std::io::Result<()> {
         let entry = LedgerEntry {
+            format: STATE_FORMAT,
             vm: vm.to_owned(),
             image: image.to_owned(),
             owner: owner.map(str::to_owned),
@@ -1033,6 +1048,7 @@ impl Ledger {
             return None;
         }
         match entry {
+            LedgerEntry { format, .. } if !known_format(format) => Some(Err(unknown_format(format))),
             LedgerEntry { lost: Some(why), .. } => Some(Err(why)),
             LedgerEntry { state: Some(state), making: true, .. } => {
                 if remove_leftover_state_files(vm, &state).is_empty() {
@@ -1089,6 +1105,9 @@ impl Ledger {
                     self.unmark(vm);
                 }
                 Some(e) if self.held_by_a_live_server(&e) => {}
+                Some(e) if !known_format(e.format) => {
+                    lost.insert(vm.to_owned(), unknown_format(e.format));
+                }
                 Some(LedgerEntry { lost: Some(why), .. }) => {
                     lost.insert(vm.to_owned(), why);
                 }
@@ -1139,6 +1158,17 @@ impl Ledger {
         let partial = self.dir.join(format!("{BOOT_MARKER}.partial"));
         crate::files::replace_whole_durably(&marker, &partial, format!("{}\n", self.boot_id).as_bytes(), 0o600)
     }
+}
+
+fn known_format(format: u32) -> bool {
+    (first_format()..=STATE_FORMAT).contains(&format)
+}
+
+fn unknown_format(format: u32) -> String {
+    format!(
+        "its state is in format {format}, which this server (formats 1 to {STATE_FORMAT}) does not know: its files \
+         are kept for a server that does; `vm reset` gives them up"
+    )
 }
 
 /// The state directory's record of the boot its last starting server ran in.
@@ -1250,6 +1280,7 @@ mod tests {
         ledger.mark_with("same-pid", "golden", None, None).expect("mark");
         let write = |vm: &str, pid: u32, boot: &str| {
             let entry = LedgerEntry {
+                format: STATE_FORMAT,
                 vm: vm.into(),
                 image: "golden".into(),
                 owner: None,
@@ -1346,6 +1377,7 @@ mod tests {
             [("reused-pid", Some(init_start + 1)), ("live-server", Some(init_start)), ("old-entry", None)]
         {
             let entry = LedgerEntry {
+                format: STATE_FORMAT,
                 vm: vm.into(),
                 image: "golden".into(),
                 owner: None,

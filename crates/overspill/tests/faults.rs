@@ -891,7 +891,9 @@ fn golden_read_errors_reach_only_the_readers_of_the_bad_range() {
         // Through the shared read cache, as served: a failed fetch must not be cached as data.
         read_cache_bytes: 4 * MIB,
     };
-    let exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
+    let mut exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
+    // Anonymous clients that write, each to its own throwaway overlay.
+    exports.allow_anonymous_writes();
     let server = overspill_nbd::Server::new(Arc::new(exports), ServerConfig::default());
     let connect = || {
         let stream = socketpair(&server).expect("socketpair");

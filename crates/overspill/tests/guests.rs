@@ -233,3 +233,66 @@ fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
     check_trim_run(&mut server, guest, "kernel", dir.path());
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
 }
+
+/// Prints the version file of the golden image it booted and whether its marker is there,
+/// leaves the marker, and reboots the guest.
+const REBOOT_JOB: &str = r#"mount /dev/vda /mnt || exit 1
+echo "VERSION $(cat /mnt/version.txt)"
+if [ -e /mnt/marker ]; then echo "MARKER FOUND"; else echo "NO MARKER"; fi
+echo "written before the reboot" > /mnt/marker
+sync
+umount /mnt
+echo REBOOTING
+reboot -f
+"#;
+
+/// Fresh at every boot, the PVS way, under docs/lifecycle.md's recipe: QEMU with `-no-reboot`
+/// (the same as `-action reboot=shutdown`) quits when its guest reboots, its NBD connection ends
+/// with NBD_CMD_DISC and the overlay with it; started again for the same VM, the guest sees the
+/// golden image in the version current now (published while it ran), not its own writes.
+#[test]
+fn a_guest_rebooted_under_the_recipe_comes_back_on_the_current_golden_image() {
+    let dir = TempDir::new().expect("tempdir");
+    let (v1_dir, v2_dir) = (dir.path().join("v1"), dir.path().join("v2"));
+    let v1 = ext4_image(&v1_dir, 32, &[("version.txt", b"v1\n")]).expect("v1");
+    let v2 = ext4_image(&v2_dir, 32, &[("version.txt", b"v2\n")]).expect("v2");
+    let store = dir.path().join("images");
+    let image = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .args(["image", "--images", store.to_str().expect("utf-8")])
+            .args(args)
+            .output()
+            .expect("overspill image");
+        assert!(out.status.success(), "image {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    image(&["publish", "desk", v1.to_str().expect("utf-8"), "--activate"]);
+    let kit = GuestKit::build(dir.path(), REBOOT_JOB).expect("guest kit");
+    let socket = dir.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let ready = socket.clone();
+    let server = Serve::start_named_only(
+        dir.path(),
+        &["--images", store.to_str().expect("utf-8"), "--listen", &listen, "--ram", "4M"],
+        &[],
+        move || std::os::unix::net::UnixStream::connect(&ready).is_ok(),
+    );
+
+    let mut first = Guest::boot(&kit, &dir.path().join("boot1"), &socket, "desk@vm-r", 30).expect("first boot");
+    first.wait_for("VERSION v1\n", Duration::from_secs(180)).expect("VERSION v1");
+    // The next version, published while the VM runs: it goes on over v1 until it ends.
+    image(&["publish", "desk", v2.to_str().expect("utf-8"), "--activate"]);
+    let console = first.wait_exit(Duration::from_secs(180)).expect("QEMU quits at the guest's reboot");
+    assert!(console.contains("NO MARKER") && console.contains("REBOOTING"), "{console}");
+    let ended = std::time::Instant::now() + Duration::from_secs(15);
+    while !server.log_text().contains("overlay dropped") && !server.log_text().contains("VM disconnected") {
+        assert!(std::time::Instant::now() < ended, "the overlay never ended:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Whatever started QEMU starts it again (libvirt: on_reboot destroy, then a start).
+    let mut second = Guest::boot(&kit, &dir.path().join("boot2"), &socket, "desk@vm-r", 30).expect("second boot");
+    let console = second.wait_exit(Duration::from_secs(180)).expect("second boot");
+    assert!(console.contains("VERSION v2"), "the second boot runs the current version:\n{console}");
+    assert!(console.contains("NO MARKER"), "the second boot saw the first one's writes:\n{console}");
+    drop(server);
+}

@@ -865,3 +865,50 @@ fn a_burst_of_reloads_never_ends_the_server() {
     server.assert_running();
     assert_eq!(server.child.id(), pid);
 }
+
+/// Every ledger entry says the format of the VM's state. A server reads the previous format
+/// (an upgrade: entries without the field, as every server before it wrote them; the files they
+/// name are laid out as today's) and refuses, by name, a format it does not know (state of a
+/// newer release, after a downgrade), keeping its files: never a guess. The entries are those a
+/// killed server of this test left, rewritten here, since an entry names this boot, pids and
+/// paths and cannot be stored as a fixture.
+#[test]
+fn a_server_reads_the_previous_state_format_and_refuses_an_unknown_one() {
+    let host = Host::new();
+    let server = host.serve(&[]);
+    let mut old = host.connect("old");
+    let written = write_pattern(&mut old, 70);
+    let mut future = host.connect("future");
+    write_pattern(&mut future, 71);
+    server.kill();
+    drop((old, future));
+
+    let ledger = |vm: &str| host.dir.path().join(format!("spill/state/vm-{vm}.json"));
+    let rewrite = |vm: &str, format: Option<u64>| {
+        let mut entry: Value = serde_json::from_slice(&std::fs::read(ledger(vm)).expect("ledger file")).expect("JSON");
+        assert_eq!(entry["format"], 2, "{vm}: written in today's format: {entry}");
+        let fields = entry.as_object_mut().expect("an object");
+        match format {
+            Some(format) => fields.insert("format".into(), format.into()),
+            None => fields.remove("format"),
+        };
+        std::fs::write(ledger(vm), serde_json::to_vec(&entry).expect("JSON")).expect("rewriting");
+    };
+    rewrite("old", None);
+    rewrite("future", Some(99));
+
+    let server = host.serve(&[]);
+    host.wait_for_states(&[("future", "lost"), ("old", "in-grace")]);
+    let mut old = host.connect("old");
+    assert_same(&read_start(&mut old, WRITTEN_BYTES), &written, "state of the previous format");
+    old.disconnect().expect("disconnect");
+    assert_refused_as_lost(&host, "future");
+    let (ok, listed) = host.vm_command(&["list"]);
+    assert!(ok && listed.contains("format 99"), "{listed}");
+    assert!(host.dir.path().join("memory/vm-future.pages").exists(), "the unknown format's files are kept");
+    let (ok, text) = host.vm_command(&["reset", "future"]);
+    assert!(ok, "{text}");
+    host.assert_reads_golden("future", 1 << 20, "after reset");
+    drop(server);
+    host.assert_golden_untouched();
+}

@@ -230,7 +230,8 @@ fn the_log_flag_wins_over_rust_log() {
         server.stop();
         let log = server.log_text();
         if log.contains("serving") {
-            let uri = format!("nbd+unix:///?socket={}", socket.display());
+            // A named VM's URI: an unnamed one is served read-only.
+            let uri = format!("nbd+unix:///@NAME?socket={}", socket.display());
             assert!(log.contains(&uri), "the serving line gives the URI {uri}:\n{log}");
         }
         log.contains("serving")
@@ -485,7 +486,7 @@ fn socket_activation_and_readiness_the_systemd_way() {
     let n = notify.recv(&mut message).expect("a notification");
     let text = String::from_utf8_lossy(&message[..n]).into_owned();
     assert!(text.lines().any(|l| l == "READY=1"), "{text}");
-    assert!(text.contains(&format!("STATUS=serving nbd+unix:///?socket={}", socket.display())), "{text}");
+    assert!(text.contains(&format!("STATUS=serving nbd+unix:///@NAME?socket={}", socket.display())), "{text}");
     let data = pseudo_random(64 * 1024, 11);
     vm.write(0, &data, false).expect("write");
     let mut back = vec![0; data.len()];
