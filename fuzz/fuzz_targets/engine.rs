@@ -375,6 +375,9 @@ fn serve(work: &Path, image: &Arc<dyn GoldenImage>, host: &Arc<HostMemory>) -> (
     };
     let images = BTreeMap::from([(String::new(), image.clone())]);
     let mut exports = OverlayExports::new(images, settings, host.clone()).expect("exports");
+    // The anonymous export writes to a throwaway overlay (`serve --anonymous-writes`), so that
+    // inputs reach the engine through it too; without the flag it is read-only.
+    exports.allow_anonymous_writes();
     exports
         .with_lifecycle(Lifecycle {
             reconnect_grace: GRACE,

@@ -7,6 +7,7 @@ pub mod guest_storm;
 pub mod guests;
 pub mod image;
 pub mod libvirt_hook;
+pub mod libvirt_reboots;
 pub mod metrics;
 pub mod plan;
 pub mod replay;

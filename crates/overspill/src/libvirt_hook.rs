@@ -154,16 +154,11 @@ fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Ans
     }
 }
 
-/// The VMs whose overlays the server holds (connected, or waiting for their client).
+/// The VMs whose overlays the server holds for a client to claim (waiting for it: a VM still
+/// connected belongs to another QEMU).
 fn held_vms(args: &LibvirtHookArgs) -> anyhow::Result<Vec<String>> {
     let answer = ask(args, &Request::List)?;
-    Ok(answer
-        .vms
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|vm| matches!(vm.state, VmState::Connected | VmState::InGrace))
-        .map(|vm| vm.vm)
-        .collect())
+    Ok(answer.vms.unwrap_or_default().into_iter().filter(|vm| vm.state == VmState::InGrace).map(|vm| vm.vm).collect())
 }
 
 /// `vm reset VM`; a VM the server does not know has nothing to reset.

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use overspill::{image, libvirt_hook, plan, replay, serve, stat, storm, vm};
+use overspill::{image, libvirt_hook, libvirt_reboots, plan, replay, serve, stat, storm, vm};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
@@ -46,6 +46,10 @@ enum Command {
     /// and restores that would run a guest on golden data, and starts every power-on of a domain
     /// from the golden image.
     LibvirtHook(libvirt_hook::LibvirtHookArgs),
+    /// Starts libvirt domains with overspill disks again after their guest rebooted under
+    /// `<on_reboot>destroy</on_reboot>`, so that every boot begins from the golden image (a
+    /// service beside libvirtd).
+    LibvirtReboots(libvirt_reboots::LibvirtRebootsArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to standard output.
     Completions { shell: clap_complete::Shell },
     /// Print a manual page (roff) to standard output: `overspill man > overspill.1`, `overspill
@@ -88,7 +92,7 @@ fn main() -> ExitCode {
         }
     };
     let default_level = match cli.command {
-        Command::Serve(_) => "info",
+        Command::Serve(_) | Command::LibvirtReboots(_) => "info",
         Command::Storm(_)
         | Command::Stat(_)
         | Command::Replay(_)
@@ -149,6 +153,7 @@ fn main() -> ExitCode {
         Command::Image(args) => image::run(args),
         Command::Vm(args) => vm::run(args),
         Command::LibvirtHook(args) => libvirt_hook::run(args),
+        Command::LibvirtReboots(args) => libvirt_reboots::run(args),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "overspill", &mut std::io::stdout());

@@ -120,8 +120,16 @@ impl Drop for Domain {
     }
 }
 
+/// One libvirtd at a time: each test starts its own (it reads its hooks when it starts).
+static ONE_LIBVIRTD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_libvirtd() -> std::sync::MutexGuard<'static, ()> {
+    ONE_LIBVIRTD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[test]
 fn libvirt_starts_a_domain_on_a_reset_overlay_and_refuses_its_restore_once_the_overlay_is_gone() {
+    let _one = one_libvirtd();
     if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
         eprintln!("skipped: libvirtd is not installed");
         return;
@@ -196,5 +204,109 @@ fn libvirt_starts_a_domain_on_a_reset_overlay_and_refuses_its_restore_once_the_o
     assert!(said.contains("cannot be restored") && said.contains(&vm), "{said}");
     let state = virsh(&["domstate", &name]);
     assert_eq!(String::from_utf8_lossy(&state.stdout).trim(), "shut off");
+    drop(server);
+}
+
+/// Leaves a marker on its disk and reboots, saying first whether the marker was there.
+const REBOOTING_JOB: &str = r#"mount /dev/vda /mnt || exit 1
+if [ -e /mnt/marker ]; then echo "MARKER FOUND"; else echo "NO MARKER"; fi
+echo "before the reboot" > /mnt/marker
+sync
+umount /mnt
+echo REBOOTING
+reboot -f
+"#;
+
+/// `<on_reboot>destroy</on_reboot>` plus `overspill libvirt-reboots`: a guest that reboots from
+/// inside ends its QEMU (its overlay with it), the watcher starts the domain again, and every
+/// boot finds the golden image, not the marker the boot before it left.
+#[test]
+fn under_libvirt_a_rebooted_guest_is_started_again_on_the_golden_image() {
+    let _one = one_libvirtd();
+    if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
+        eprintln!("skipped: libvirtd is not installed");
+        return;
+    }
+    let dir = TempDir::new().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let golden = overspill::guests::ext4_image(dir.path(), 16, &[("golden.txt", b"golden\n")]).expect("golden image");
+    let kit = overspill::guests::GuestKit::build(&dir.path().join("kit"), REBOOTING_JOB).expect("guest kit");
+    let socket = dir.path().join("nbd.sock");
+    let control = dir.path().join("control.sock");
+    let listen = format!("unix:{}", socket.display());
+    let ready = socket.clone();
+    let server = Serve::start_named_only(
+        dir.path(),
+        &[
+            "--base",
+            golden.to_str().expect("utf-8"),
+            "--listen",
+            &listen,
+            "--socket-mode",
+            "666",
+            "--control",
+            control.to_str().expect("utf-8"),
+        ],
+        &[],
+        move || std::os::unix::net::UnixStream::connect(&ready).is_ok(),
+    );
+    let Some(hook) = InstalledHook::install(&control, &dir.path().join("marks")) else {
+        panic!("cannot install a hook in /etc/libvirt/hooks/qemu.d (root needed)")
+    };
+    let Some(_daemons) = start_libvirt(&hook.0) else { return };
+    let name = format!("overspill-reboot-{}", std::process::id());
+    let console = dir.path().join("console.log");
+    let xml = format!(
+        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>\
+         <os><type arch='x86_64' machine='pc'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
+         <cmdline>console=ttyS0 panic=-1 quiet no_timer_check</cmdline></os>\
+         <features><acpi/></features><on_reboot>destroy</on_reboot><devices>\
+         <disk type='network' device='disk'><driver name='qemu' type='raw'/>\
+         <source protocol='nbd' name='@{name}'><host transport='unix' socket='{}'/></source>\
+         <target dev='vda' bus='virtio'/></disk>\
+         <serial type='file'><source path='{}' append='on'/></serial></devices></domain>",
+        kit.kernel.display(),
+        kit.initrd.display(),
+        socket.display(),
+        console.display()
+    );
+    let xml_file = dir.path().join("domain.xml");
+    std::fs::write(&xml_file, xml).expect("domain XML");
+    let defined = virsh(&["define", xml_file.to_str().expect("utf-8")]);
+    assert!(defined.status.success(), "virsh define: {}", String::from_utf8_lossy(&defined.stderr));
+    let _domain = Domain(name.clone());
+    // Stopped before the domain is destroyed (dropped in the reverse order).
+    let watcher_log = dir.path().join("watcher.log");
+    let _watcher = Daemons(vec![Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["libvirt-reboots", "--connect", URI])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&watcher_log).expect("watcher log"))
+        .spawn()
+        .expect("overspill libvirt-reboots")]);
+    // virsh subscribes right after it starts.
+    std::thread::sleep(Duration::from_secs(2));
+
+    let started = virsh(&["start", &name]);
+    assert!(started.status.success(), "virsh start: {}", String::from_utf8_lossy(&started.stderr));
+
+    // Three boots: the first two rebooted, each started again by the watcher.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let text = loop {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        if text.matches("REBOOTING").count() >= 2 && text.matches("NO MARKER").count() >= 3 {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not three fresh boots:\n{text}\n--- watcher ---\n{}\n--- server ---\n{}",
+            std::fs::read_to_string(&watcher_log).unwrap_or_default(),
+            server.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert!(!text.contains("MARKER FOUND"), "a boot saw the boot before it:\n{text}");
+    let watched = std::fs::read_to_string(&watcher_log).unwrap_or_default();
+    assert!(watched.contains("domain started again"), "{watched}");
     drop(server);
 }

@@ -178,17 +178,41 @@ fn the_storm_client_drives_nbdkit_and_qemu_nbd() {
     assert!(status.success());
     let qemu_sock = d.join("qemu.sock");
     let _qemu = spawn("qemu-nbd", &["--persistent", "--shared=4", "-f", "qcow2", "-k", &s(&qemu_sock), &s(&overlay)]);
+    // An overspill server as it runs by default, unnamed VMs read-only: each storm VM named by
+    // `{n}`, its number.
+    let overspill_sock = d.join("overspill.sock");
+    let server_log = d.join("overspill.log");
+    let _overspill = Peer(
+        overspill()
+            .args(["serve", "--base", &s(&base), "--listen", &format!("unix:{}", s(&overspill_sock))])
+            .args(["--ram-floor", "0", "--spill-dir", &s(&d.join("spill")), "--memory-dir", &s(&d.join("memory"))])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&server_log).expect("server log"))
+            .spawn()
+            .expect("overspill serve"),
+    );
     wait_for_socket(&nbdkit_sock);
     wait_for_socket(&qemu_sock);
-    let targets =
-        [format!("nbd+unix:///?socket={}", s(&nbdkit_sock)), format!("nbd+unix:///?socket={}", s(&qemu_sock))];
+    wait_for_socket(&overspill_sock);
+    let targets = [
+        format!("nbd+unix:///?socket={}", s(&nbdkit_sock)),
+        format!("nbd+unix:///?socket={}", s(&qemu_sock)),
+        format!("nbd+unix:///@storm-{{n}}?socket={}", s(&overspill_sock)),
+    ];
     let report = run_storm(
-        &["--workload", "linux-boot", "--vms", "3", "--target", &targets[0], "--target", &targets[1]],
+        &["--workload", "linux-boot", "--vms", "3"]
+            .into_iter()
+            .chain(targets.iter().flat_map(|t| ["--target", t.as_str()]))
+            .collect::<Vec<_>>(),
         &d.join("out"),
         &d.join("work"),
     );
+    let log = std::fs::read_to_string(&server_log).expect("server log");
+    for vm in ["storm-0", "storm-1", "storm-2"] {
+        assert!(log.contains(&format!("vm=\"{vm}\"")), "{vm} is a named VM of the server:\n{log}");
+    }
     let configs = report["configs"].as_array().expect("configs");
-    assert_eq!(configs.len(), 2);
+    assert_eq!(configs.len(), 3);
     for c in configs {
         assert_eq!(c["failed_vms"].as_array().map(Vec::len), Some(0), "{}: {}", c["label"], c["failed_vms"]);
         assert_eq!(c["phases"][0]["errors"].as_u64(), Some(0), "{}", c["label"]);
