@@ -1,4 +1,5 @@
-//! The shipped systemd units (docs/overspill.service, docs/overspill.socket) as systemd itself
+//! The shipped systemd units (docs/overspill.service, docs/overspill.socket,
+//! docs/overspill-libvirt-reboots.service) as systemd itself
 //! reads them: `systemd-analyze verify` finds nothing wrong, `systemd-analyze security` rates
 //! the service "OK" (exposure at most 4), and every flag of its ExecStart is one `serve` takes.
 //! Socket activation and readiness themselves are exercised in operator.rs.
@@ -13,7 +14,7 @@ fn unit(name: &str) -> PathBuf {
 /// The unit with its ExecStart pointing at the binary under test (verify checks that it exists),
 /// in a directory of its own with the socket unit beside it.
 fn installed_copy(dir: &Path) -> PathBuf {
-    for name in ["overspill.service", "overspill.socket"] {
+    for name in ["overspill.service", "overspill.socket", "overspill-libvirt-reboots.service"] {
         let text = std::fs::read_to_string(unit(name)).expect("unit");
         let text = text.replace("/usr/local/bin/overspill", env!("CARGO_BIN_EXE_overspill"));
         std::fs::write(dir.join(name), text).expect("copy");
@@ -35,7 +36,8 @@ fn analyze(args: &[&str], unit: &Path) -> (bool, String) {
 fn the_units_verify_cleanly() {
     let dir = tempfile::tempdir().expect("tempdir");
     let service = installed_copy(dir.path());
-    for unit in [service.clone(), dir.path().join("overspill.socket")] {
+    let reboots = dir.path().join("overspill-libvirt-reboots.service");
+    for unit in [service.clone(), dir.path().join("overspill.socket"), reboots] {
         let (ok, text) = analyze(&["verify"], &unit);
         // verify prints nothing for a sound unit; anything it says is a finding.
         let findings: Vec<&str> = text.lines().filter(|l| l.contains(&*unit.to_string_lossy())).collect();
