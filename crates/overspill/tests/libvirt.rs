@@ -1,8 +1,11 @@
 //! `overspill libvirt-hook` under a real libvirtd (started here: `virtlogd -d`, `libvirtd -d`;
 //! systemd is not the init on these machines), with a real QEMU (TCG) domain whose disk is a
-//! named VM of a real `overspill serve`: a start resets the VM's overlay, and `virsh restore`
-//! of a domain whose overlay went with its save is refused by the hook, naming the VM, and the
-//! domain stays off. Needs root (libvirt's system instance); under `CI=true` it must run.
+//! named VM of a real `overspill serve`: a start resets the VM's overlay; `virsh restore` of a
+//! domain whose overlay went with its save is refused by the hook, naming the VM, and the domain
+//! stays off; a live migration to a second libvirtd is aborted by the destination's hook; and a
+//! guest that reboots under `<on_reboot>destroy</on_reboot>` is started again by
+//! `overspill libvirt-reboots`, each boot on the golden image. Needs root (libvirt's system
+//! instance); under `CI=true` it must run.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -88,12 +91,17 @@ struct InstalledHook(PathBuf);
 
 impl InstalledHook {
     fn install(control: &Path, marks: &Path) -> Option<Self> {
+        Self::install_running(Path::new(env!("CARGO_BIN_EXE_overspill")), control, marks)
+    }
+
+    /// The hook, running the overspill binary at `binary`.
+    fn install_running(binary: &Path, control: &Path, marks: &Path) -> Option<Self> {
         let dir = Path::new("/etc/libvirt/hooks/qemu.d");
         std::fs::create_dir_all(dir).ok()?;
         let path = dir.join(format!("overspill-test-{}", std::process::id()));
         let script = format!(
             "#!/bin/sh\nexec {} libvirt-hook --control {} --marks {} --wait 5s \"$@\"\n",
-            env!("CARGO_BIN_EXE_overspill"),
+            binary.display(),
             control.display(),
             marks.display()
         );
@@ -308,5 +316,113 @@ fn under_libvirt_a_rebooted_guest_is_started_again_on_the_golden_image() {
     assert!(!text.contains("MARKER FOUND"), "a boot saw the boot before it:\n{text}");
     let watched = std::fs::read_to_string(&watcher_log).unwrap_or_default();
     assert!(watched.contains("domain started again"), "{watched}");
+    drop(server);
+}
+
+/// A live migration to another host is refused by the hook on the destination, and the guest
+/// runs on at the source with its overlay. The other host is a second libvirtd on this machine:
+/// a session daemon as `nobody`, its host UUID set apart (libvirt refuses a migration to the host
+/// it comes from), with its directories in the test's.
+#[test]
+fn a_live_migration_is_aborted_by_the_destinations_hook_and_the_guest_runs_on() {
+    let _one = one_libvirtd();
+    if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
+        eprintln!("skipped: libvirtd is not installed");
+        return;
+    }
+    let dir = TempDir::new().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    // The destination's hook runs as nobody: the binary where nobody can run it.
+    let binary = dir.path().join("overspill");
+    std::fs::copy(env!("CARGO_BIN_EXE_overspill"), &binary).expect("copying the binary");
+    let golden = dir.path().join("golden.img");
+    std::fs::File::create(&golden).and_then(|f| f.set_len(16 << 20)).expect("golden image");
+    let socket = dir.path().join("nbd.sock");
+    let control = dir.path().join("control.sock");
+    let listen = format!("unix:{}", socket.display());
+    let ready = socket.clone();
+    let server = Serve::start_named_only(
+        dir.path(),
+        &[
+            "--base",
+            golden.to_str().expect("utf-8"),
+            "--listen",
+            &listen,
+            "--socket-mode",
+            "666",
+            "--control",
+            control.to_str().expect("utf-8"),
+        ],
+        &[],
+        move || std::os::unix::net::UnixStream::connect(&ready).is_ok(),
+    );
+    let Some(hook) = InstalledHook::install_running(&binary, &control, &dir.path().join("marks")) else {
+        panic!("cannot install a hook in /etc/libvirt/hooks/qemu.d (root needed)")
+    };
+    let Some(mut daemons) = start_libvirt(&hook.0) else { return };
+
+    // The other host: nobody's session libvirtd, with a host UUID of its own.
+    let other = dir.path().join("other");
+    let (config, runtime) = (other.join("config"), other.join("runtime"));
+    std::fs::create_dir_all(config.join("libvirt")).expect("config dir");
+    std::fs::create_dir_all(&runtime).expect("runtime dir");
+    std::fs::write(config.join("libvirt/libvirtd.conf"), "host_uuid = \"0f5e1d6c-2b1a-4c3d-8e9f-0a1b2c3d4e5f\"\n")
+        .expect("libvirtd.conf");
+    let chown = Command::new("chown").args(["-R", "nobody:nogroup"]).arg(&other).status().expect("chown");
+    assert!(chown.success());
+    daemons.0.push(
+        Command::new("setpriv")
+            .args(["--reuid", "nobody", "--regid", "nogroup", "--clear-groups", "/usr/sbin/libvirtd"])
+            .env("HOME", &other)
+            .env("XDG_CONFIG_HOME", &config)
+            .env("XDG_RUNTIME_DIR", &runtime)
+            .env("XDG_CACHE_HOME", other.join("cache"))
+            .env("XDG_DATA_HOME", other.join("data"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("other.log")).expect("log"))
+            .spawn()
+            .expect("a session libvirtd as nobody"),
+    );
+    let other_socket = runtime.join("libvirt/libvirt-sock");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !other_socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the second libvirtd did not start:\n{}",
+            std::fs::read_to_string(dir.path().join("other.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let vm = format!("mig-{}", std::process::id());
+    let name = format!("overspill-migrate-{}", std::process::id());
+    let xml = format!(
+        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>64</memory><vcpu>1</vcpu>\
+         <os><type arch='x86_64' machine='pc'>hvm</type></os><devices>\
+         <disk type='network' device='disk'><driver name='qemu' type='raw' cache='none'/>\
+         <source protocol='nbd' name='@{vm}'><host transport='unix' socket='{}'/></source>\
+         <target dev='vda' bus='virtio'/></disk></devices></domain>",
+        socket.display()
+    );
+    let xml_file = dir.path().join("domain.xml");
+    std::fs::write(&xml_file, xml).expect("domain XML");
+    let _domain = Domain(name.clone());
+    let created = virsh(&["create", xml_file.to_str().expect("utf-8")]);
+    assert!(created.status.success(), "virsh create: {}", String::from_utf8_lossy(&created.stderr));
+
+    let destination = format!("qemu+unix:///session?socket={}", other_socket.display());
+    let migrated = virsh(&["migrate", "--live", &name, &destination]);
+    let said = String::from_utf8_lossy(&migrated.stderr);
+    assert!(!migrated.status.success(), "the migration went through:\n{said}");
+    assert!(said.contains("cannot be migrated") && said.contains(&vm), "{said}");
+    let state = virsh(&["domstate", &name]);
+    assert_eq!(String::from_utf8_lossy(&state.stdout).trim(), "running", "the guest runs on at the source");
+    let listed = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["vm", "--control", control.to_str().expect("utf-8"), "list"])
+        .output()
+        .expect("vm list");
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.lines().any(|l| l.contains(&vm) && l.contains("connected")), "{listed}");
     drop(server);
 }
