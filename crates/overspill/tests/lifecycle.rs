@@ -912,3 +912,29 @@ fn a_server_reads_the_previous_state_format_and_refuses_an_unknown_one() {
     drop(server);
     host.assert_golden_untouched();
 }
+
+/// The same with QEMU's own NBD client: a qemu-io that wrote (spilling) and died without
+/// NBD_CMD_DISC does not come back within the grace, and the next QEMU for that VM, with
+/// `reconnect-delay` as libvirt sets it, cannot open the disk; it is told the VM's writes were
+/// lost, and is never served golden data. After `vm reset` it opens the golden image.
+#[test]
+fn qemu_io_back_after_its_grace_is_refused_by_name() {
+    let host = Host::new();
+    let server = host.serve(&["--reconnect-grace", "1s"]);
+    let image =
+        format!("driver=nbd,server.type=unix,server.path={},export=@late,reconnect-delay=5", host.socket.display());
+    let out =
+        run_tool(host.dir.path(), "qemu-io", &["--image-opts", &image, "-c", "write -P 0xab 0 4M", "-c", "sigraise 9"]);
+    assert!(out.stdout.contains("wrote"), "{}", out.all());
+    host.wait_for_states(&[("late", "lost")]);
+    let late = run_tool(host.dir.path(), "qemu-io", &["--image-opts", &image, "-c", "read -P 0xab 0 4M"]);
+    assert!(!late.status.success(), "a VM past its grace was served:\n{}", late.all());
+    assert!(!late.stdout.contains("read "), "it read something:\n{}", late.all());
+    assert!(late.stderr.contains("VM late had writes that were lost"), "told why:\n{}", late.all());
+    assert!(server.log_text().contains("VM refused"), "{}", server.log_text());
+    let (ok, text) = host.vm_command(&["reset", "late"]);
+    assert!(ok, "{text}");
+    let fresh = run_tool(host.dir.path(), "qemu-io", &["--image-opts", &image, "-c", "read -P 0xab 0 4k"]);
+    assert!(fresh.stdout.contains("Pattern verification failed"), "after reset, golden data:\n{}", fresh.all());
+    host.assert_golden_untouched();
+}
