@@ -234,18 +234,6 @@ fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
 }
 
-/// Prints the version file of the golden image it booted and whether its marker is there,
-/// leaves the marker, and reboots the guest.
-const REBOOT_JOB: &str = r#"mount /dev/vda /mnt || exit 1
-echo "VERSION $(cat /mnt/version.txt)"
-if [ -e /mnt/marker ]; then echo "MARKER FOUND"; else echo "NO MARKER"; fi
-echo "written before the reboot" > /mnt/marker
-sync
-umount /mnt
-echo REBOOTING
-reboot -f
-"#;
-
 /// Fresh at every boot, the PVS way, under docs/lifecycle.md's recipe: QEMU with `-no-reboot`
 /// (the same as `-action reboot=shutdown`) quits when its guest reboots, its NBD connection ends
 /// with NBD_CMD_DISC and the overlay with it; started again for the same VM, the guest sees the
@@ -266,7 +254,7 @@ fn a_guest_rebooted_under_the_recipe_comes_back_on_the_current_golden_image() {
         assert!(out.status.success(), "image {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     };
     image(&["publish", "desk", v1.to_str().expect("utf-8"), "--activate"]);
-    let kit = GuestKit::build(dir.path(), REBOOT_JOB).expect("guest kit");
+    let kit = GuestKit::build(dir.path(), common::REBOOTING_JOB).expect("guest kit");
     let socket = dir.path().join("nbd.sock");
     let listen = format!("unix:{}", socket.display());
     let ready = socket.clone();

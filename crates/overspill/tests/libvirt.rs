@@ -90,12 +90,8 @@ fn nix_is_root() -> bool {
 struct InstalledHook(PathBuf);
 
 impl InstalledHook {
-    fn install(control: &Path, marks: &Path) -> Option<Self> {
-        Self::install_running(Path::new(env!("CARGO_BIN_EXE_overspill")), control, marks)
-    }
-
     /// The hook, running the overspill binary at `binary`.
-    fn install_running(binary: &Path, control: &Path, marks: &Path) -> Option<Self> {
+    fn install(binary: &Path, control: &Path, marks: &Path) -> Option<Self> {
         let dir = Path::new("/etc/libvirt/hooks/qemu.d");
         std::fs::create_dir_all(dir).ok()?;
         let path = dir.join(format!("overspill-test-{}", std::process::id()));
@@ -135,25 +131,38 @@ fn one_libvirtd() -> std::sync::MutexGuard<'static, ()> {
     ONE_LIBVIRTD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-#[test]
-fn libvirt_starts_a_domain_on_a_reset_overlay_and_refuses_its_restore_once_the_overlay_is_gone() {
-    let _one = one_libvirtd();
-    if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
-        eprintln!("skipped: libvirtd is not installed");
-        return;
-    }
-    let dir = TempDir::new().expect("tempdir");
-    // QEMU runs as libvirt-qemu: it must reach the server's socket.
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
-    let golden = dir.path().join("golden.img");
-    std::fs::File::create(&golden).and_then(|f| f.set_len(16 << 20)).expect("golden image");
-    let socket = dir.path().join("nbd.sock");
-    let control = dir.path().join("control.sock");
-    let listen = format!("unix:{}", socket.display());
-    let ready = socket.clone();
-    let server = Serve::start_named_only(
-        dir.path(),
-        &[
+/// A host for one test: an `overspill serve` (named VMs only) whose socket libvirt's QEMU can
+/// reach, the hook installed for it, and libvirt's daemons started after it. Fields drop in
+/// order: the daemons stop before the hook goes and the server ends.
+struct LibvirtHost {
+    daemons: Daemons,
+    _hook: InstalledHook,
+    server: Serve,
+    socket: PathBuf,
+    control: PathBuf,
+    dir: TempDir,
+    _one: std::sync::MutexGuard<'static, ()>,
+}
+
+impl LibvirtHost {
+    /// `None` (the test is skipped) where libvirt cannot run, unless `CI=true`. `golden` makes
+    /// the golden image in the given directory; the hook runs `hook_binary` if given (the
+    /// test's binary otherwise).
+    fn start(golden: impl FnOnce(&Path) -> PathBuf, hook_binary: Option<PathBuf>) -> Option<Self> {
+        let one = one_libvirtd();
+        if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
+            eprintln!("skipped: libvirtd is not installed");
+            return None;
+        }
+        let dir = TempDir::new().expect("tempdir");
+        // QEMU runs as libvirt-qemu: it must reach the server's socket.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+        let golden = golden(dir.path());
+        let socket = dir.path().join("nbd.sock");
+        let control = dir.path().join("control.sock");
+        let listen = format!("unix:{}", socket.display());
+        let ready = socket.clone();
+        let args = [
             "--base",
             golden.to_str().expect("utf-8"),
             "--listen",
@@ -162,48 +171,76 @@ fn libvirt_starts_a_domain_on_a_reset_overlay_and_refuses_its_restore_once_the_o
             "666",
             "--control",
             control.to_str().expect("utf-8"),
-        ],
-        &[],
-        move || std::os::unix::net::UnixStream::connect(&ready).is_ok(),
-    );
-    let Some(hook) = InstalledHook::install(&control, &dir.path().join("marks")) else {
-        panic!("cannot install a hook in /etc/libvirt/hooks/qemu.d (root needed)")
-    };
-    let Some(_daemons) = start_libvirt(&hook.0) else { return };
+        ];
+        let server = Serve::start_named_only(dir.path(), &args, &[], move || {
+            std::os::unix::net::UnixStream::connect(&ready).is_ok()
+        });
+        let binary = hook_binary.unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_overspill")));
+        let Some(hook) = InstalledHook::install(&binary, &control, &dir.path().join("marks")) else {
+            panic!("cannot install a hook in /etc/libvirt/hooks/qemu.d (root needed)")
+        };
+        let daemons = start_libvirt(&hook.0)?;
+        Some(Self { daemons, _hook: hook, server, socket, control, dir, _one: one })
+    }
 
+    /// Defines (`define`) or starts (`create`) a domain from `xml`, undefined when dropped.
+    fn domain(&self, name: &str, how: &str, xml: &str) -> Domain {
+        let file = self.dir.path().join(format!("{name}.xml"));
+        std::fs::write(&file, xml).expect("domain XML");
+        let done = virsh(&[how, file.to_str().expect("utf-8")]);
+        assert!(done.status.success(), "virsh {how}: {}", String::from_utf8_lossy(&done.stderr));
+        Domain(name.to_owned())
+    }
+}
+
+fn sparse_golden(dir: &Path) -> PathBuf {
+    let golden = dir.join("golden.img");
+    std::fs::File::create(&golden).and_then(|f| f.set_len(16 << 20)).expect("golden image");
+    golden
+}
+
+/// A disk of `socket`'s VM `vm` in a domain's XML.
+fn overspill_disk(vm: &str, socket: &Path) -> String {
+    format!(
+        "<disk type='network' device='disk'><driver name='qemu' type='raw' cache='none'/>\
+         <source protocol='nbd' name='@{vm}'><host transport='unix' socket='{}'/></source>\
+         <target dev='vda' bus='virtio'/></disk>",
+        socket.display()
+    )
+}
+
+/// A domain with no OS of its own: its firmware finds nothing to boot and waits, which is all a
+/// start, a save or a migration needs.
+fn idle_domain(name: &str, vm: &str, socket: &Path) -> String {
+    format!(
+        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>64</memory><vcpu>1</vcpu>\
+         <os><type arch='x86_64' machine='pc'>hvm</type></os><devices>{}</devices></domain>",
+        overspill_disk(vm, socket)
+    )
+}
+
+#[test]
+fn libvirt_starts_a_domain_on_a_reset_overlay_and_refuses_its_restore_once_the_overlay_is_gone() {
+    let Some(host) = LibvirtHost::start(sparse_golden, None) else { return };
     // The VM wrote, and its QEMU was killed: its overlay waits, in grace.
     let vm = format!("lv-{}", std::process::id());
-    let uri: NbdUri = format!("nbd+unix:///@{vm}?socket={}", socket.display()).parse().expect("uri");
+    let uri: NbdUri = format!("nbd+unix:///@{vm}?socket={}", host.socket.display()).parse().expect("uri");
     let mut client = Client::connect(&uri).expect("the VM connects");
     client.write(0, &[0xab; 65536], false).expect("write");
     drop(client);
 
     let name = format!("overspill-test-{}", std::process::id());
-    let xml = format!(
-        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>64</memory><vcpu>1</vcpu>\
-         <os><type arch='x86_64' machine='pc'>hvm</type></os><devices>\
-         <disk type='network' device='disk'><driver name='qemu' type='raw'/>\
-         <source protocol='nbd' name='@{vm}'><host transport='unix' socket='{}'/><reconnect delay='10'/></source>\
-         <target dev='vda' bus='virtio'/></disk><serial type='pty'/></devices></domain>",
-        socket.display()
-    );
-    let xml_file = dir.path().join("domain.xml");
-    std::fs::write(&xml_file, xml).expect("domain XML");
-    let defined = virsh(&["define", xml_file.to_str().expect("utf-8")]);
-    assert!(defined.status.success(), "virsh define: {}", String::from_utf8_lossy(&defined.stderr));
-    let _domain = Domain(name.clone());
-
+    let _domain = host.domain(&name, "define", &idle_domain(&name, &vm, &host.socket));
     // A start: the hook resets the VM before QEMU connects.
     let started = virsh(&["start", &name]);
     assert!(started.status.success(), "virsh start: {}", String::from_utf8_lossy(&started.stderr));
-    let log = server.log_text();
-    let dropped = log.find(&format!("VM overlay dropped by the operator vm=\"{vm}\""));
-    let dropped = dropped.or_else(|| log.find("VM overlay dropped by the operator"));
-    assert!(dropped.is_some(), "the start did not reset the VM:\n{log}");
+    let log = host.server.log_text();
+    let reset = log.lines().any(|l| l.contains("VM overlay dropped by the operator") && l.contains(&vm));
+    assert!(reset, "the start did not reset the VM:\n{log}");
 
     // A save ends QEMU, and its disk's connection with NBD_CMD_DISC: the overlay is gone, and the
     // hook refuses the restore, naming the VM, rather than run the saved guest on golden data.
-    let saved = dir.path().join("saved.img");
+    let saved = host.dir.path().join("saved.img");
     let save = virsh(&["save", &name, saved.to_str().expect("utf-8")]);
     assert!(save.status.success(), "virsh save: {}", String::from_utf8_lossy(&save.stderr));
     let restore = virsh(&["restore", saved.to_str().expect("utf-8")]);
@@ -212,79 +249,32 @@ fn libvirt_starts_a_domain_on_a_reset_overlay_and_refuses_its_restore_once_the_o
     assert!(said.contains("cannot be restored") && said.contains(&vm), "{said}");
     let state = virsh(&["domstate", &name]);
     assert_eq!(String::from_utf8_lossy(&state.stdout).trim(), "shut off");
-    drop(server);
 }
-
-/// Leaves a marker on its disk and reboots, saying first whether the marker was there.
-const REBOOTING_JOB: &str = r#"mount /dev/vda /mnt || exit 1
-if [ -e /mnt/marker ]; then echo "MARKER FOUND"; else echo "NO MARKER"; fi
-echo "before the reboot" > /mnt/marker
-sync
-umount /mnt
-echo REBOOTING
-reboot -f
-"#;
 
 /// `<on_reboot>destroy</on_reboot>` plus `overspill libvirt-reboots`: a guest that reboots from
 /// inside ends its QEMU (its overlay with it), the watcher starts the domain again, and every
 /// boot finds the golden image, not the marker the boot before it left.
 #[test]
 fn under_libvirt_a_rebooted_guest_is_started_again_on_the_golden_image() {
-    let _one = one_libvirtd();
-    if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
-        eprintln!("skipped: libvirtd is not installed");
-        return;
-    }
-    let dir = TempDir::new().expect("tempdir");
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
-    let golden = overspill::guests::ext4_image(dir.path(), 16, &[("golden.txt", b"golden\n")]).expect("golden image");
-    let kit = overspill::guests::GuestKit::build(&dir.path().join("kit"), REBOOTING_JOB).expect("guest kit");
-    let socket = dir.path().join("nbd.sock");
-    let control = dir.path().join("control.sock");
-    let listen = format!("unix:{}", socket.display());
-    let ready = socket.clone();
-    let server = Serve::start_named_only(
-        dir.path(),
-        &[
-            "--base",
-            golden.to_str().expect("utf-8"),
-            "--listen",
-            &listen,
-            "--socket-mode",
-            "666",
-            "--control",
-            control.to_str().expect("utf-8"),
-        ],
-        &[],
-        move || std::os::unix::net::UnixStream::connect(&ready).is_ok(),
-    );
-    let Some(hook) = InstalledHook::install(&control, &dir.path().join("marks")) else {
-        panic!("cannot install a hook in /etc/libvirt/hooks/qemu.d (root needed)")
-    };
-    let Some(_daemons) = start_libvirt(&hook.0) else { return };
+    let golden = |dir: &Path| overspill::guests::ext4_image(dir, 16, &[("version.txt", b"v1\n")]).expect("golden");
+    let Some(host) = LibvirtHost::start(golden, None) else { return };
+    let kit = overspill::guests::GuestKit::build(&host.dir.path().join("kit"), common::REBOOTING_JOB).expect("kit");
     let name = format!("overspill-reboot-{}", std::process::id());
-    let console = dir.path().join("console.log");
+    let console = host.dir.path().join("console.log");
     let xml = format!(
         "<domain type='qemu'><name>{name}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>\
          <os><type arch='x86_64' machine='pc'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
          <cmdline>console=ttyS0 panic=-1 quiet no_timer_check</cmdline></os>\
-         <features><acpi/></features><on_reboot>destroy</on_reboot><devices>\
-         <disk type='network' device='disk'><driver name='qemu' type='raw'/>\
-         <source protocol='nbd' name='@{name}'><host transport='unix' socket='{}'/></source>\
-         <target dev='vda' bus='virtio'/></disk>\
+         <features><acpi/></features><on_reboot>destroy</on_reboot><devices>{}\
          <serial type='file'><source path='{}' append='on'/></serial></devices></domain>",
         kit.kernel.display(),
         kit.initrd.display(),
-        socket.display(),
+        overspill_disk(&name, &host.socket),
         console.display()
     );
-    let xml_file = dir.path().join("domain.xml");
-    std::fs::write(&xml_file, xml).expect("domain XML");
-    let defined = virsh(&["define", xml_file.to_str().expect("utf-8")]);
-    assert!(defined.status.success(), "virsh define: {}", String::from_utf8_lossy(&defined.stderr));
-    let _domain = Domain(name.clone());
+    let _domain = host.domain(&name, "define", &xml);
     // Stopped before the domain is destroyed (dropped in the reverse order).
-    let watcher_log = dir.path().join("watcher.log");
+    let watcher_log = host.dir.path().join("watcher.log");
     let _watcher = Daemons(vec![Command::new(env!("CARGO_BIN_EXE_overspill"))
         .args(["libvirt-reboots", "--connect", URI])
         .stdin(Stdio::null())
@@ -294,7 +284,6 @@ fn under_libvirt_a_rebooted_guest_is_started_again_on_the_golden_image() {
         .expect("overspill libvirt-reboots")]);
     // virsh subscribes right after it starts.
     std::thread::sleep(Duration::from_secs(2));
-
     let started = virsh(&["start", &name]);
     assert!(started.status.success(), "virsh start: {}", String::from_utf8_lossy(&started.stderr));
 
@@ -309,14 +298,13 @@ fn under_libvirt_a_rebooted_guest_is_started_again_on_the_golden_image() {
             Instant::now() < deadline,
             "not three fresh boots:\n{text}\n--- watcher ---\n{}\n--- server ---\n{}",
             std::fs::read_to_string(&watcher_log).unwrap_or_default(),
-            server.log_text()
+            host.server.log_text()
         );
         std::thread::sleep(Duration::from_millis(250));
     };
     assert!(!text.contains("MARKER FOUND"), "a boot saw the boot before it:\n{text}");
     let watched = std::fs::read_to_string(&watcher_log).unwrap_or_default();
     assert!(watched.contains("domain started again"), "{watched}");
-    drop(server);
 }
 
 /// A live migration to another host is refused by the hook on the destination, and the guest
@@ -325,44 +313,15 @@ fn under_libvirt_a_rebooted_guest_is_started_again_on_the_golden_image() {
 /// it comes from), with its directories in the test's.
 #[test]
 fn a_live_migration_is_aborted_by_the_destinations_hook_and_the_guest_runs_on() {
-    let _one = one_libvirtd();
-    if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
-        eprintln!("skipped: libvirtd is not installed");
-        return;
-    }
-    let dir = TempDir::new().expect("tempdir");
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
     // The destination's hook runs as nobody: the binary where nobody can run it.
-    let binary = dir.path().join("overspill");
+    let staging = TempDir::new().expect("tempdir");
+    std::fs::set_permissions(staging.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let binary = staging.path().join("overspill");
     std::fs::copy(env!("CARGO_BIN_EXE_overspill"), &binary).expect("copying the binary");
-    let golden = dir.path().join("golden.img");
-    std::fs::File::create(&golden).and_then(|f| f.set_len(16 << 20)).expect("golden image");
-    let socket = dir.path().join("nbd.sock");
-    let control = dir.path().join("control.sock");
-    let listen = format!("unix:{}", socket.display());
-    let ready = socket.clone();
-    let server = Serve::start_named_only(
-        dir.path(),
-        &[
-            "--base",
-            golden.to_str().expect("utf-8"),
-            "--listen",
-            &listen,
-            "--socket-mode",
-            "666",
-            "--control",
-            control.to_str().expect("utf-8"),
-        ],
-        &[],
-        move || std::os::unix::net::UnixStream::connect(&ready).is_ok(),
-    );
-    let Some(hook) = InstalledHook::install_running(&binary, &control, &dir.path().join("marks")) else {
-        panic!("cannot install a hook in /etc/libvirt/hooks/qemu.d (root needed)")
-    };
-    let Some(mut daemons) = start_libvirt(&hook.0) else { return };
+    let Some(mut host) = LibvirtHost::start(sparse_golden, Some(binary)) else { return };
 
     // The other host: nobody's session libvirtd, with a host UUID of its own.
-    let other = dir.path().join("other");
+    let other = host.dir.path().join("other");
     let (config, runtime) = (other.join("config"), other.join("runtime"));
     std::fs::create_dir_all(config.join("libvirt")).expect("config dir");
     std::fs::create_dir_all(&runtime).expect("runtime dir");
@@ -370,7 +329,8 @@ fn a_live_migration_is_aborted_by_the_destinations_hook_and_the_guest_runs_on() 
         .expect("libvirtd.conf");
     let chown = Command::new("chown").args(["-R", "nobody:nogroup"]).arg(&other).status().expect("chown");
     assert!(chown.success());
-    daemons.0.push(
+    let other_log = host.dir.path().join("other.log");
+    host.daemons.0.push(
         Command::new("setpriv")
             .args(["--reuid", "nobody", "--regid", "nogroup", "--clear-groups", "/usr/sbin/libvirtd"])
             .env("HOME", &other)
@@ -380,37 +340,21 @@ fn a_live_migration_is_aborted_by_the_destinations_hook_and_the_guest_runs_on() 
             .env("XDG_DATA_HOME", other.join("data"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("other.log")).expect("log"))
+            .stderr(std::fs::File::create(&other_log).expect("log"))
             .spawn()
             .expect("a session libvirtd as nobody"),
     );
     let other_socket = runtime.join("libvirt/libvirt-sock");
     let deadline = Instant::now() + Duration::from_secs(60);
     while !other_socket.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the second libvirtd did not start:\n{}",
-            std::fs::read_to_string(dir.path().join("other.log")).unwrap_or_default()
-        );
+        let log = std::fs::read_to_string(&other_log).unwrap_or_default();
+        assert!(Instant::now() < deadline, "the second libvirtd did not start:\n{log}");
         std::thread::sleep(Duration::from_millis(200));
     }
 
     let vm = format!("mig-{}", std::process::id());
     let name = format!("overspill-migrate-{}", std::process::id());
-    let xml = format!(
-        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>64</memory><vcpu>1</vcpu>\
-         <os><type arch='x86_64' machine='pc'>hvm</type></os><devices>\
-         <disk type='network' device='disk'><driver name='qemu' type='raw' cache='none'/>\
-         <source protocol='nbd' name='@{vm}'><host transport='unix' socket='{}'/></source>\
-         <target dev='vda' bus='virtio'/></disk></devices></domain>",
-        socket.display()
-    );
-    let xml_file = dir.path().join("domain.xml");
-    std::fs::write(&xml_file, xml).expect("domain XML");
-    let _domain = Domain(name.clone());
-    let created = virsh(&["create", xml_file.to_str().expect("utf-8")]);
-    assert!(created.status.success(), "virsh create: {}", String::from_utf8_lossy(&created.stderr));
-
+    let _domain = host.domain(&name, "create", &idle_domain(&name, &vm, &host.socket));
     let destination = format!("qemu+unix:///session?socket={}", other_socket.display());
     let migrated = virsh(&["migrate", "--live", &name, &destination]);
     let said = String::from_utf8_lossy(&migrated.stderr);
@@ -419,10 +363,9 @@ fn a_live_migration_is_aborted_by_the_destinations_hook_and_the_guest_runs_on() 
     let state = virsh(&["domstate", &name]);
     assert_eq!(String::from_utf8_lossy(&state.stdout).trim(), "running", "the guest runs on at the source");
     let listed = Command::new(env!("CARGO_BIN_EXE_overspill"))
-        .args(["vm", "--control", control.to_str().expect("utf-8"), "list"])
+        .args(["vm", "--control", host.control.to_str().expect("utf-8"), "list"])
         .output()
         .expect("vm list");
     let listed = String::from_utf8_lossy(&listed.stdout);
     assert!(listed.lines().any(|l| l.contains(&vm) && l.contains("connected")), "{listed}");
-    drop(server);
 }

@@ -260,3 +260,16 @@ pub fn sample(samples: &Samples, family: &str, labels: &[(&str, &str)]) -> f64 {
     assert_eq!(found.len(), 1, "{family} {labels:?}: {found:?}");
     found[0]
 }
+
+/// A real guest's job (`overspill::guests::GuestKit`): says which image version it booted (if
+/// the image has a `version.txt`) and whether the marker a boot before it would have left is
+/// there, leaves the marker and reboots.
+pub const REBOOTING_JOB: &str = r#"mount /dev/vda /mnt || exit 1
+[ -e /mnt/version.txt ] && echo "VERSION $(cat /mnt/version.txt)"
+if [ -e /mnt/marker ]; then echo "MARKER FOUND"; else echo "NO MARKER"; fi
+echo "before the reboot" > /mnt/marker
+sync
+umount /mnt
+echo REBOOTING
+reboot -f
+"#;
