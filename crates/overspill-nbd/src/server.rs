@@ -196,15 +196,17 @@ fn lock_directory_of(path: &std::path::Path) -> std::io::Result<Option<std::fs::
     }
 }
 
-/// Makes room for a new socket at `path`: nothing there, or a socket file that refuses
-/// connections (its server died) and is removed. Anything else is left as it is and refused.
 /// The process that listens on the socket `stream` is connected to (Linux records it at
-/// `listen()`), when the kernel says.
+/// `listen()`), when the kernel says: not for one in a PID namespace this process cannot see
+/// (the kernel says 0 then).
 fn peer_pid(stream: &UnixStream) -> Option<u32> {
-    let credentials = rustix::net::sockopt::socket_peercred(stream).ok()?;
-    u32::try_from(credentials.pid.as_raw_nonzero().get()).ok()
+    let credentials = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials).ok()?;
+    u32::try_from(credentials.pid()).ok().filter(|&pid| pid != 0)
 }
 
+/// Makes room for a new socket at `path`: nothing there, or a socket file that refuses
+/// connections (its server died, or was exiting and has gone since) and is removed. Anything
+/// else is left as it is and refused.
 fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
     use std::io::{Error, ErrorKind};
     use std::os::unix::fs::FileTypeExt;

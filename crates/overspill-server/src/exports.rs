@@ -84,8 +84,6 @@ pub struct OverlayExports {
     /// Off by default: a reconnect, however short, would silently hand such a guest the golden
     /// image back, so they are served read-only.
     anonymous_writes: bool,
-    /// Held while a VM left by a server that was alive at this one's start is rebuilt.
-    adopting: std::sync::Mutex<()>,
 }
 
 // Everything, and cheaply: the cache lives as long as the VM's connection by design, so an
@@ -151,7 +149,6 @@ impl OverlayExports {
             segment_writers,
             space_shortages: SpaceShortages::new(),
             anonymous_writes: false,
-            adopting: std::sync::Mutex::new(()),
         })
     }
 
@@ -208,7 +205,7 @@ impl OverlayExports {
     /// started has left since (see [`VmRegistry::take_orphan`]). One at a time: two connections
     /// for the name must not both rebuild it.
     fn adopt_orphan(&self, vm: &str) {
-        let _one_at_a_time = self.adopting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let _one_at_a_time = self.registry.orphans();
         let Some(orphan) = self.registry.take_orphan(vm) else { return };
         match self.recover(&orphan) {
             Ok(()) => tracing::info!(vm, "VM overlay left by a server gone since this one started: adopted"),

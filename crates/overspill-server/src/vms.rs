@@ -5,15 +5,19 @@
 //! these states:
 //!
 //! ```text
-//!            open (name free)                 NBD_CMD_DISC, vm reset, vm drop, grace over
+//!            open (name free)                 NBD_CMD_DISC, vm reset, vm drop
 //!   (none) ─────────────────▶ connected ─────────────────────────────────────────▶ (none)
 //!                              │     ▲
 //!     connection lost          │     │ open with the same name and image
 //!     (EOF, reset, error,      ▼     │
-//!      idle timeout)          in grace ─── vm reset / vm drop / grace over ──────▶ (none)
+//!      idle timeout)          in grace ─── vm reset / vm drop / grace over, never wrote ─▶ (none)
+//!                              │
+//!                              └── grace over (at once with no grace), had written ─▶ lost
 //!
-//!   lost: a server of this boot ended while the VM had writes it could not hand over; its name
-//!   is refused until `vm reset` (never served golden data in place of its writes)
+//!   lost: the VM had writes that could not be kept for it (its grace ran out, or a server of
+//!   this boot ended and could not hand them over); its name is refused, across restarts (a
+//!   tombstone in the ledger), until `vm reset`: never served golden data in place of its
+//!   writes. A connection cut for idleness waits in grace with no end.
 //! ```
 //!
 //! "Connected" admits one connection per name: a second one would see another disk. The ledger
@@ -40,7 +44,8 @@ use crate::{check_name, ServerError};
 #[derive(Debug, Clone, Default)]
 pub struct Lifecycle {
     /// A named VM whose connection ended without NBD_CMD_DISC keeps its overlay this long;
-    /// zero drops it at once.
+    /// past it (at once with zero) a VM that wrote is lost and one that did not is forgotten.
+    /// A connection cut for idleness waits with no end.
     pub reconnect_grace: Duration,
     /// The ledger's directory; `None` keeps no ledger (in-process servers of a storm).
     pub state_dir: Option<PathBuf>,
@@ -153,6 +158,8 @@ pub struct VmRegistry {
     /// Where this server makes VMs' state files (set by the exports): a lost VM whose ledger file
     /// cannot be read says nowhere, and its reset looks here.
     state_places: std::sync::OnceLock<StateRecord>,
+    /// See [`Self::orphans`].
+    orphans: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -248,6 +255,7 @@ impl VmRegistry {
             stopping: AtomicBool::new(false),
             handed_over: AtomicBool::new(false),
             state_places: std::sync::OnceLock::new(),
+            orphans: Mutex::new(()),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
             spawn_grace_keeper(Arc::downgrade(&registry));
@@ -406,12 +414,19 @@ impl VmRegistry {
     /// A VM named `vm` that no server holds any more though one did when this one started
     /// (a predecessor still exiting then, say): its state to rebuild now, before its client is
     /// admitted. A name with a VM here, or known lost, has none.
+    /// Call with [`Self::orphans`] held, through the VM's rebuilding.
     pub fn take_orphan(&self, vm: &str) -> Option<Recoverable> {
-        let mut inner = lock(&self.inner);
-        if inner.names.contains_key(vm) || inner.lost.contains_key(vm) {
+        let known = |inner: &Registered| inner.names.contains_key(vm) || inner.lost.contains_key(vm);
+        if known(&lock(&self.inner)) {
             return None;
         }
-        match self.ledger.as_ref()?.orphan(vm)? {
+        // Outside the registry's lock: reading the entry may wait for its server to finish exiting.
+        let orphan = self.ledger.as_ref()?.orphan(vm)?;
+        let mut inner = lock(&self.inner);
+        if known(&inner) {
+            return None;
+        }
+        match orphan {
             Ok(recoverable) => Some(recoverable),
             Err(why) => {
                 tracing::error!(vm, why, "VM refused until `overspill vm reset` ({why})");
@@ -419,6 +434,12 @@ impl VmRegistry {
                 None
             }
         }
+    }
+
+    /// Held while a VM that a server gone since this one started left behind is rebuilt
+    /// ([`Self::take_orphan`]) or reset: one at a time.
+    pub fn orphans(&self) -> std::sync::MutexGuard<'_, ()> {
+        lock(&self.orphans)
     }
 
     /// The VMs an earlier server left state for, to be rebuilt (once).
@@ -622,6 +643,10 @@ impl VmRegistry {
     }
 
     fn end_by_name(&self, vm: &str, even_connected: bool) -> Result<String, ServerError> {
+        self.end_by_name_or_orphan(vm, even_connected, true)
+    }
+
+    fn end_by_name_or_orphan(&self, vm: &str, even_connected: bool, orphans: bool) -> Result<String, ServerError> {
         let mut inner = lock(&self.inner);
         if inner.lost.remove(vm).is_some() {
             if let Some(ledger) = &self.ledger {
@@ -643,7 +668,10 @@ impl VmRegistry {
             tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
             return Ok(format!("{vm}: its lost writes are forgotten; it starts from the golden image"));
         }
-        let Some(&number) = inner.names.get(vm) else { return Err(ServerError::NoSuchVm(vm.to_owned())) };
+        let Some(&number) = inner.names.get(vm) else {
+            drop(inner);
+            return if orphans { self.reset_orphan(vm) } else { Err(ServerError::NoSuchVm(vm.to_owned())) };
+        };
         let entry = inner.vms.get_mut(&number).expect("names point at entries");
         if entry.grace.is_none() {
             if !even_connected {
@@ -658,6 +686,31 @@ impl VmRegistry {
         drop(parked);
         tracing::info!(vm, "VM overlay dropped by the operator");
         Ok(format!("{vm}: overlay dropped; the next connection starts from the golden image"))
+    }
+
+    /// A VM this server does not hold, whose ledger entry a server gone since this one started
+    /// left (one still exiting then): its state is given up, so that a start after the reset
+    /// (the libvirt hook's) does not rebuild it. Anything else is no VM of this server's.
+    fn reset_orphan(&self, vm: &str) -> Result<String, ServerError> {
+        let Some(ledger) = &self.ledger else { return Err(ServerError::NoSuchVm(vm.to_owned())) };
+        let one_at_a_time = self.orphans();
+        let known = |inner: &Registered| inner.names.contains_key(vm) || inner.lost.contains_key(vm);
+        let orphan = ledger.orphan(vm);
+        if known(&lock(&self.inner)) {
+            // Came in meanwhile (a connection, a refusal): reset as such, once.
+            drop(one_at_a_time);
+            return self.end_by_name_or_orphan(vm, true, false);
+        }
+        match orphan {
+            Some(Ok(orphan)) => ledger.retire(vm, &orphan.state, remove_leftover_state_files),
+            Some(Err(_)) => match ledger.state_of(vm) {
+                Some(state) => ledger.retire(vm, &state, remove_leftover_state_files),
+                None => ledger.unmark(vm),
+            },
+            None => return Err(ServerError::NoSuchVm(vm.to_owned())),
+        }
+        tracing::info!(vm, "VM left by an earlier server reset by the operator: it starts from the golden image");
+        Ok(format!("{vm}: the state an earlier server left is given up; it starts from the golden image"))
     }
 
     /// For a server that stops: every overlay in grace whose state outlives the process is
@@ -724,7 +777,7 @@ impl VmRegistry {
             if let Err(error) =
                 ledger.write_tombstone(&vm, &entry.image, entry.owner.as_deref(), entry.state.clone(), why)
             {
-                tracing::warn!(vm, %error, "could not write the lost VM's tombstone: a restart forgets it");
+                tracing::warn!(vm, %error, "could not write the lost VM's tombstone: a restart finds its old entry");
             }
             if let Some(state) = &entry.state {
                 remove_state_files(&vm, state);

@@ -11,26 +11,27 @@
 //!   writes live in the source host's server, and the destination's server would start them
 //!   from the golden image under a running guest. libvirt aborts the migration and the guest
 //!   runs on at the source.
-//! - `restore` (`virsh restore`, `managedsave`, libvirt-guests' suspend): refuses unless the
-//!   server still holds each VM's overlay (a saved QEMU ends its connection with NBD_CMD_DISC,
-//!   which drops it): the restored guest's memory would run on golden data. When it allows, it
-//!   leaves a mark so that the `prepare` that follows keeps the overlay.
+//! - `restore` (`virsh restore`, a `managedsave` start, libvirt-guests' suspend): refuses. A
+//!   saved QEMU ends its disks' connections with NBD_CMD_DISC, which ends their overlays, so the
+//!   saved guest's memory would run on golden data; and an overlay waiting under the VM's name
+//!   then is another session's (started and killed since the save), not the saved one's.
 //! - `prepare begin` of any other start: `vm reset` of each VM, so that every power-on starts
 //!   from the golden image, as PVS does (a QEMU killed and started again within the grace would
-//!   otherwise boot into the old session's writes). A name the server does not know is fine.
+//!   otherwise boot into the old session's writes). A name the server does not know is fine;
+//!   a VM still connected refuses the start (another domain's QEMU has that disk).
 //! - anything else (`reconnect` and `attach` of running domains among them): nothing.
 //!
 //! Everything it prints goes to standard error: libvirt takes a `migrate` or `restore` hook's
 //! standard output for the domain's new XML.
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_server::control::{self, Request, DEFAULT_CONTROL_SOCKET};
-use overspill_server::vms::VmState;
+use overspill_server::vms::{VmState, VmStatus};
 use quick_xml::events::Event;
 
 #[derive(Debug, Args)]
@@ -38,9 +39,6 @@ pub struct LibvirtHookArgs {
     /// The server's control socket (`serve --control`).
     #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
     control: PathBuf,
-    /// Where a restore that keeps its overlays leaves a mark for the start that follows.
-    #[arg(long, default_value = "/run/overspill-libvirt-hook")]
-    marks: PathBuf,
     /// How long to keep trying a server that does not answer (restarting, say) before a start
     /// or restore is refused.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -55,9 +53,6 @@ pub struct LibvirtHookArgs {
     /// What libvirt adds (or -).
     extra: Option<String>,
 }
-
-/// A restore's mark older than this is not the start that follows it.
-const MARK_LIFETIME: Duration = Duration::from_secs(600);
 
 pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
     let mut xml = String::new();
@@ -74,26 +69,21 @@ pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
              the overspill server of the host it runs on, and this host's server would start them from the \
              golden image under the running guest. The guest stays where it is; shut it down to move it."
         ),
-        ("restore", _) => {
-            let held = held_vms(&args)?;
-            let missing: Vec<&str> = vms.iter().filter(|vm| !held.contains(vm)).map(String::as_str).collect();
-            if !missing.is_empty() {
-                bail!(
-                    "domain {domain} cannot be restored: the overspill server no longer holds the \
-                     overlay of VM(s) {} (a saved QEMU ends its disk's connection, which ends the overlay), and \
-                     the saved guest would run on golden data. Start it afresh instead (virsh managedsave-remove \
-                     {domain}, then virsh start {domain}).",
-                    missing.join(", ")
-                );
-            }
-            write_mark(&args.marks, domain)?;
-            eprintln!("overspill: domain {domain} restores with the overlays of {listed}");
-            Ok(())
-        }
+        ("restore", _) => bail!(
+            "domain {domain} cannot be restored: the overlay of its overspill VM(s) {listed} ended when it was \
+             saved (a saved QEMU ends its disks' connections), and the saved guest would run on golden data. \
+             Start it afresh instead (virsh managedsave-remove {domain}, then virsh start {domain})."
+        ),
         ("prepare", "begin") => {
-            if take_mark(&args.marks, domain) {
-                eprintln!("overspill: domain {domain} is being restored: its overlays ({listed}) are kept");
-                return Ok(());
+            let states = vm_states(&args)?;
+            for vm in &vms {
+                let state = states.iter().find(|s| &s.vm == vm).map(|s| s.state);
+                if let Some(state @ (VmState::Connected | VmState::Resetting)) = state {
+                    bail!(
+                        "domain {domain} cannot start: its overspill VM {vm} is {state}, in use by another QEMU \
+                         (a second domain with the same disk?); stop that one first"
+                    );
+                }
             }
             for vm in &vms {
                 reset(&args, vm)?;
@@ -154,11 +144,9 @@ fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Ans
     }
 }
 
-/// The VMs whose overlays the server holds for a client to claim (waiting for it: a VM still
-/// connected belongs to another QEMU).
-fn held_vms(args: &LibvirtHookArgs) -> anyhow::Result<Vec<String>> {
-    let answer = ask(args, &Request::List)?;
-    Ok(answer.vms.unwrap_or_default().into_iter().filter(|vm| vm.state == VmState::InGrace).map(|vm| vm.vm).collect())
+/// The server's named VMs and their states.
+fn vm_states(args: &LibvirtHookArgs) -> anyhow::Result<Vec<VmStatus>> {
+    Ok(ask(args, &Request::List)?.vms.unwrap_or_default())
 }
 
 /// `vm reset VM`; a VM the server does not know has nothing to reset.
@@ -171,27 +159,6 @@ fn reset(args: &LibvirtHookArgs, vm: &str) -> anyhow::Result<()> {
         bail!("cannot start VM {vm} from the golden image: {message}");
     }
     Ok(())
-}
-
-fn mark_path(marks: &Path, domain: &str) -> PathBuf {
-    // Domain names may hold '/': the mark's name must stay in the directory.
-    marks.join(format!("{}.restoring", domain.replace('/', "%2F")))
-}
-
-fn write_mark(marks: &Path, domain: &str) -> anyhow::Result<()> {
-    std::fs::create_dir_all(marks).with_context(|| format!("making {}", marks.display()))?;
-    let path = mark_path(marks, domain);
-    std::fs::write(&path, b"").with_context(|| format!("writing {}", path.display()))
-}
-
-/// Whether a restore left its mark for this start (recently); the mark goes either way.
-fn take_mark(marks: &Path, domain: &str) -> bool {
-    let path = mark_path(marks, domain);
-    let fresh = std::fs::metadata(&path)
-        .and_then(|m| m.modified())
-        .is_ok_and(|at| SystemTime::now().duration_since(at).is_ok_and(|age| age < MARK_LIFETIME));
-    let _ = std::fs::remove_file(&path);
-    fresh
 }
 
 #[cfg(test)]

@@ -91,15 +91,14 @@ struct InstalledHook(PathBuf);
 
 impl InstalledHook {
     /// The hook, running the overspill binary at `binary`.
-    fn install(binary: &Path, control: &Path, marks: &Path) -> Option<Self> {
+    fn install(binary: &Path, control: &Path) -> Option<Self> {
         let dir = Path::new("/etc/libvirt/hooks/qemu.d");
         std::fs::create_dir_all(dir).ok()?;
         let path = dir.join(format!("overspill-test-{}", std::process::id()));
         let script = format!(
-            "#!/bin/sh\nexec {} libvirt-hook --control {} --marks {} --wait 5s \"$@\"\n",
+            "#!/bin/sh\nexec {} libvirt-hook --control {} --wait 5s \"$@\"\n",
             binary.display(),
-            control.display(),
-            marks.display()
+            control.display()
         );
         let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(&path).ok()?;
         file.write_all(script.as_bytes()).ok()?;
@@ -176,7 +175,7 @@ impl LibvirtHost {
             std::os::unix::net::UnixStream::connect(&ready).is_ok()
         });
         let binary = hook_binary.unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_overspill")));
-        let Some(hook) = InstalledHook::install(&binary, &control, &dir.path().join("marks")) else {
+        let Some(hook) = InstalledHook::install(&binary, &control) else {
             panic!("cannot install a hook in /etc/libvirt/hooks/qemu.d (root needed)")
         };
         let daemons = start_libvirt(&hook.0)?;

@@ -92,7 +92,6 @@ impl Host {
         let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("libvirt-hook")
             .args(["--control", self.control().to_str().expect("utf-8")])
-            .args(["--marks", self.dir.path().join("marks").to_str().expect("utf-8")])
             .args(["--wait", "1s"])
             .args([domain, operation, sub, "-"])
             .stdin(Stdio::piped())
@@ -158,8 +157,10 @@ fn every_plain_start_begins_from_the_golden_image_and_a_reconnect_keeps_the_over
     assert!(ok, "a start of a VM the server does not know: {stderr}");
 }
 
+/// A restore is refused: the save ended the overlay (QEMU's NBD_CMD_DISC), and an overlay
+/// waiting under the VM's name then is another session's, started and killed since the save.
 #[test]
-fn a_restore_is_refused_once_the_overlay_is_gone_and_keeps_one_that_waits() {
+fn a_restore_is_refused_whether_or_not_an_overlay_waits_under_the_name() {
     let host = Host::new();
     let xml = domain_xml("desktop-2", "vm-2", &host.socket);
     // virsh save: QEMU quits with NBD_CMD_DISC, and the overlay ends.
@@ -171,12 +172,25 @@ fn a_restore_is_refused_once_the_overlay_is_gone_and_keeps_one_that_waits() {
     assert!(stderr.contains("vm-2") && stderr.contains("managedsave-remove"), "{stderr}");
     assert!(stdout.is_empty(), "{stdout}");
 
-    // An overlay the server still holds (its QEMU lost the connection): the restore goes on,
-    // and the prepare that follows it keeps the overlay.
+    // A later session of the VM, killed: its overlay waits, and is still not the saved one's.
     host.written_and_in_grace("vm-2");
     let (ok, _, stderr) = host.hook("desktop-2", "restore", "begin", &xml);
-    assert!(ok, "{stderr}");
-    let (ok, _, stderr) = host.hook("desktop-2", "prepare", "begin", &xml);
-    assert!(ok, "{stderr}");
-    assert_eq!(host.first_bytes("vm-2"), [0xab; 65536], "the restored domain's overlay");
+    assert!(!ok, "a restore onto another session's overlay was let through: {stderr}");
+    assert_eq!(host.first_bytes("vm-2"), [0xab; 65536], "the refused restore left the overlay alone");
+}
+
+/// A VM still connected is another QEMU's disk (a second domain naming the same VM): a start
+/// is refused rather than take the disk from under that running guest.
+#[test]
+fn a_start_is_refused_while_the_vm_is_connected() {
+    let host = Host::new();
+    let mut running = host.connect("vm-3");
+    running.write(0, &[0xee; 65536], false).expect("write");
+    let (ok, _, stderr) = host.hook("clone", "prepare", "begin", &domain_xml("clone", "vm-3", &host.socket));
+    assert!(!ok, "a second domain took a connected VM: {stderr}");
+    assert!(stderr.contains("vm-3") && stderr.contains("connected"), "{stderr}");
+    let mut buf = vec![0; 65536];
+    running.read(0, &mut buf).expect("the running guest goes on");
+    assert_eq!(buf, [0xee; 65536]);
+    running.disconnect().expect("disconnect");
 }
