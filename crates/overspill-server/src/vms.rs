@@ -1100,12 +1100,23 @@ impl Ledger {
         if entry.boot_id != self.boot_id || entry.pid == std::process::id() || self.held_by_a_live_server(&entry) {
             return None;
         }
+        self.resolve(vm, entry)
+    }
+
+    /// What the entry of a server of this boot that is gone leaves VM `vm`: its state to rebuild
+    /// (`Ok`), or why its name is lost (`Err`). An entry whose files were still being made goes
+    /// with them (`None`): its VM served nothing.
+    fn resolve(&self, vm: &str, entry: LedgerEntry) -> Option<Result<Recoverable, String>> {
         match entry {
             LedgerEntry { format, .. } if !known_format(format) => Some(Err(unknown_format(format))),
             LedgerEntry { lost: Some(why), .. } => Some(Err(why)),
             LedgerEntry { state: Some(state), making: true, .. } => {
                 if remove_leftover_state_files(vm, &state).is_empty() {
+                    tracing::info!(vm, "state files of a VM an earlier server was making removed (it served nothing)");
                     self.unmark(vm);
+                } else {
+                    // A live process holds files of that name: not what a dead server was making.
+                    tracing::warn!(vm, "a VM an earlier server was making has files another process holds: left");
                 }
                 None
             }
@@ -1158,33 +1169,13 @@ impl Ledger {
                     self.unmark(vm);
                 }
                 Some(e) if self.held_by_a_live_server(&e) => {}
-                Some(e) if !known_format(e.format) => {
-                    lost.insert(vm.to_owned(), unknown_format(e.format));
-                }
-                Some(LedgerEntry { lost: Some(why), .. }) => {
-                    lost.insert(vm.to_owned(), why);
-                }
-                Some(LedgerEntry { state: Some(state), making: true, .. }) => {
-                    if remove_leftover_state_files(vm, &state).is_empty() {
-                        tracing::info!(
-                            vm,
-                            "state files of a VM an earlier server was making removed (it served nothing)"
-                        );
-                        self.unmark(vm);
-                    } else {
-                        // A live process holds files of that name: not what a dead server was making.
-                        tracing::warn!(vm, "a VM an earlier server was making has files another process holds: left");
+                Some(e) => match self.resolve(vm, e) {
+                    Some(Ok(found)) => recoverable.push(found),
+                    Some(Err(why)) => {
+                        lost.insert(vm.to_owned(), why);
                     }
-                }
-                Some(LedgerEntry { state: Some(state), image, owner, unwritten, .. }) => {
-                    recoverable.push(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten });
-                }
-                Some(e) => {
-                    lost.insert(
-                        vm.to_owned(),
-                        format!("server pid {} ended while it held them, over {}", e.pid, shown_image(&e.image)),
-                    );
-                }
+                    None => {}
+                },
                 // Written before this boot began and cut short by the crash that ended it: its
                 // VM ended with the host, as any VM of an earlier boot. Its file goes once the
                 // VM's files where this server makes them have gone (`set_state_places`).
