@@ -19,7 +19,8 @@ pub struct SourceReads {
     pub bytes: u64,
 }
 
-/// The shared, never-written base of every overlay.
+/// The shared, never-written base of every overlay. An image that only adds to another is an
+/// [`ImageLayer`], which forwards every method; a new method must be forwarded there too.
 pub trait GoldenImage: Send + Sync {
     fn size(&self) -> u64;
     /// Fills `buf` from `offset`; bytes past the end of the image read as zero.
@@ -81,6 +82,51 @@ pub trait GoldenImage: Send + Sync {
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
         let _ = offset;
         Ok(vec![Extent { len, state: Allocation::Data }])
+    }
+}
+
+/// An image that is another one with something added (a name in the logs, a hold that logs its
+/// release): every method of [`GoldenImage`] goes to the image [`below`](Self::below) through
+/// the one impl that follows, so a wrapper cannot lose a fast path by forgetting to forward it
+/// (a method added to the trait is added there).
+pub trait ImageLayer: Send + Sync {
+    fn below(&self) -> &dyn GoldenImage;
+    /// What the layer is called, by default the image's own description.
+    fn describe(&self) -> String {
+        self.below().describe()
+    }
+}
+
+impl<L: ImageLayer> GoldenImage for L {
+    fn size(&self) -> u64 {
+        self.below().size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.below().read_at(buf, offset)
+    }
+    fn read_counted(&self, buf: &mut [u8], offset: u64) -> io::Result<SourceReads> {
+        self.below().read_counted(buf, offset)
+    }
+    fn read_vectored_counted(&self, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<SourceReads> {
+        self.below().read_vectored_counted(bufs, offset)
+    }
+    fn read_shared(&self, offset: u64, len: usize) -> io::Result<(Vec<Bytes>, SourceReads)> {
+        self.below().read_shared(offset, len)
+    }
+    fn describe(&self) -> String {
+        ImageLayer::describe(self)
+    }
+    fn identity(&self) -> Option<String> {
+        self.below().identity()
+    }
+    fn matches_identity(&self, recorded: &str) -> bool {
+        self.below().matches_identity(recorded)
+    }
+    fn preferred_fetch_bytes(&self) -> Option<u64> {
+        self.below().preferred_fetch_bytes()
+    }
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        self.below().extents(offset, len)
     }
 }
 

@@ -8,6 +8,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use overspill_block::GuestOp;
+
 #[derive(Debug, Default)]
 pub struct Counter(AtomicU64);
 
@@ -134,30 +136,6 @@ impl LatencyHistogram {
     fn absorb(&self, other: &LatencyHistogram) {
         self.buckets.iter().zip(&other.buckets).for_each(|(a, b)| a.absorb(b));
         self.sum_ns.absorb(&other.sum_ns);
-    }
-}
-
-/// Guest commands, for per-command figures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GuestOp {
-    Read,
-    Write,
-    Trim,
-    Zero,
-    Flush,
-}
-
-impl GuestOp {
-    pub const ALL: [GuestOp; 5] = [Self::Read, Self::Write, Self::Trim, Self::Zero, Self::Flush];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Read => "read",
-            Self::Write => "write",
-            Self::Trim => "trim",
-            Self::Zero => "write_zeroes",
-            Self::Flush => "flush",
-        }
     }
 }
 
@@ -326,5 +304,13 @@ impl VmStats {
             }
         }
         self.spill_write_sizes.absorb(&other.spill_write_sizes);
+    }
+}
+
+/// Service times measured around a device (the engine keeps no clock) land in the VM's
+/// histograms.
+impl overspill_block::Latencies for VmStats {
+    fn record(&self, op: GuestOp, spent: std::time::Duration) {
+        self.latency(op).record(spent);
     }
 }

@@ -68,9 +68,9 @@ impl FromStr for NbdUri {
             let host = if host.contains(':') { host.to_owned() } else { format!("{host}:10809") };
             return Ok(Self { endpoint: Endpoint::Tcp(host), export: export.to_owned() });
         }
-        match s.parse::<crate::ListenAddr>()? {
-            crate::ListenAddr::Unix(path) => Ok(Self { endpoint: Endpoint::Unix(path), export: String::new() }),
-            crate::ListenAddr::Tcp(addr) => Ok(Self { endpoint: Endpoint::Tcp(addr), export: String::new() }),
+        match s.parse::<overspill_net::ListenAddr>()? {
+            overspill_net::ListenAddr::Unix(path) => Ok(Self { endpoint: Endpoint::Unix(path), export: String::new() }),
+            overspill_net::ListenAddr::Tcp(addr) => Ok(Self { endpoint: Endpoint::Tcp(addr), export: String::new() }),
         }
     }
 }

@@ -8,7 +8,6 @@
 //! it is served.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
-use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,12 +15,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use crate::counters::{command_name, ProtocolCounters, Refusal};
-use crate::device::{BlockDevice, DeviceError, ExportAccess, Payload};
 use crate::handshake::{Handshake, HandshakeError, Negotiated, Progress, ALLOCATION_CONTEXT_ID};
 use crate::request::{errno_of, validate, Command, FramingError, RequestHeader};
-use crate::tls::{ServerTls, TlsMode};
 use crate::wire::*;
-use crate::ExportProvider;
+use overspill_block::{BlockDevice, DeviceError, ExportAccess, ExportProvider, Payload, ReadRequest};
+use overspill_net::{ReadStopper, ServerTls, TlsMode, Transport};
 
 /// The default of [`Limits::poll_before_sleep`]: longer than a client's turnaround between a
 /// reply and its next request at low queue depth (20 µs got half the gain on 4 KiB QD8 writes,
@@ -80,83 +78,6 @@ pub struct Security {
 impl std::fmt::Debug for Security {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Security").field("tls", &self.tls).field("access", &self.access.is_some()).finish()
-    }
-}
-
-/// Ends a stream's reads from another thread: a read blocked on it returns end of stream.
-pub type ReadStopper = Box<dyn Fn() -> io::Result<()> + Send>;
-
-/// A byte stream the server can serve on: a Unix or TCP socket (or either end of a socketpair).
-pub trait Transport: Read + Write + Send + 'static {
-    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
-
-    /// Bounds writes, so that a goodbye to a client that no longer reads cannot block forever.
-    fn set_write_timeout(&self, _timeout: Option<Duration>) -> io::Result<()> {
-        Ok(())
-    }
-
-    /// A handle that shuts the stream for reading from another thread, so that a server shutting
-    /// down can wake connections blocked waiting for a request. `None` if the stream has none;
-    /// such a connection then ends only when its client goes.
-    fn read_stopper(&self) -> Option<ReadStopper> {
-        None
-    }
-
-    /// Reads what has arrived into `bufs`, in order, without waiting: `None` if the stream
-    /// cannot.
-    fn read_now(&mut self, _bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
-        None
-    }
-
-    /// Ends the session on the stream before it is dropped: TLS sends its close_notify (NBD_CMD_DISC
-    /// requires the TLS session shut down before the connection closes). Nothing for a socket.
-    fn close(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-fn recv_now(fd: std::os::fd::BorrowedFd<'_>, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
-    let mut no_control = rustix::net::RecvAncillaryBuffer::default();
-    let received = rustix::net::recvmsg(fd, bufs, &mut no_control, rustix::net::RecvFlags::DONTWAIT);
-    Some(received.map(|r| r.bytes).map_err(io::Error::from))
-}
-
-impl Transport for std::os::unix::net::UnixStream {
-    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
-        recv_now(std::os::fd::AsFd::as_fd(self), bufs)
-    }
-
-    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
-    }
-
-    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        std::os::unix::net::UnixStream::set_write_timeout(self, timeout)
-    }
-
-    fn read_stopper(&self) -> Option<ReadStopper> {
-        // A second descriptor for the same socket: shutdown acts on the socket, not the fd.
-        let socket = self.try_clone().ok()?;
-        Some(Box::new(move || socket.shutdown(Shutdown::Read)))
-    }
-}
-
-impl Transport for std::net::TcpStream {
-    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
-        recv_now(std::os::fd::AsFd::as_fd(self), bufs)
-    }
-
-    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        std::net::TcpStream::set_read_timeout(self, timeout)
-    }
-
-    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        std::net::TcpStream::set_write_timeout(self, timeout)
-    }
-
-    fn read_stopper(&self) -> Option<ReadStopper> {
-        let socket = self.try_clone().ok()?;
-        Some(Box::new(move || socket.shutdown(Shutdown::Read)))
     }
 }
 
@@ -1270,7 +1191,7 @@ fn read<T: Transport>(
     length: u32,
 ) -> Result<(), ConnectionError> {
     let structured = session.structured_replies;
-    session.device.read_request(offset, u64::from(length));
+    let request = ReadRequest::begin(session.device.as_mut(), offset, u64::from(length));
     if structured && length == 0 {
         chunk_header(&mut wire.output, REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0);
         return Ok(());
@@ -1310,7 +1231,7 @@ fn read<T: Transport>(
         let flags = if last { REPLY_FLAG_DONE } else { 0 };
         let slice_start = wire.output.len();
         if hole {
-            session.device.read_sent_as_zeroes(at, piece as u64);
+            session.device.read_sent_as_zeroes(&request, at, piece as u64);
             chunk_header(&mut wire.output, flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12);
             put_u64(&mut wire.output, at);
             put_u32(&mut wire.output, piece as u32);
@@ -1319,7 +1240,7 @@ fn read<T: Transport>(
                 chunk_header(&mut wire.output, flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + piece as u32);
                 put_u64(&mut wire.output, at);
             }
-            if let Err(error) = read_slice(wire, session.device.as_mut(), at, piece) {
+            if let Err(error) = read_slice(wire, session.device.as_mut(), &request, at, piece) {
                 tracing::debug!(%error, offset = at, length = piece, "read failed");
                 let errno = errno_of(error.kind);
                 wire.counters.error_reply("read", errno);
@@ -1386,16 +1307,17 @@ fn zero_runs(device: &mut dyn BlockDevice, offset: u64, length: usize) -> Vec<(u
 fn read_slice<T: Transport>(
     wire: &mut Wire<T>,
     device: &mut dyn BlockDevice,
+    request: &ReadRequest,
     offset: u64,
     length: usize,
 ) -> Result<(), DeviceError> {
     if length >= SHARED_READ_BYTES {
-        wire.lend(device.read_shared(offset, length)?);
+        wire.lend(device.read_shared(request, offset, length)?);
         return Ok(());
     }
     let data_start = wire.output.len();
     wire.output.resize(data_start + length, 0);
-    device.read(offset, &mut wire.output[data_start..])
+    device.read(request, offset, &mut wire.output[data_start..])
 }
 
 #[cfg(test)]

@@ -12,9 +12,9 @@
 use std::sync::Arc;
 
 use crate::counters::Refusal;
-use crate::device::{BlockDevice, Capabilities, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider};
-use crate::tls::TlsMode;
 use crate::wire::*;
+use overspill_block::{BlockDevice, Capabilities, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider};
+use overspill_net::TlsMode;
 
 /// Option payloads above this are never held in memory: export names are at most 4096 bytes and
 /// nothing this server accepts needs more. Such an option's data is read and dropped as it
@@ -679,8 +679,8 @@ fn parse_info_request(data: &[u8]) -> Option<(String, Vec<u16>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::{BlockSizes, DeviceError, DeviceErrorKind};
     use crate::memory::OneExport;
+    use overspill_block::{BlockSizes, DeviceError, DeviceErrorKind};
 
     #[test]
     fn info_requests_round_trip() {

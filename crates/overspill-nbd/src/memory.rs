@@ -3,9 +3,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::device::{BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider};
-
-pub const DEFAULT_BLOCK_SIZES: BlockSizes = BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 };
+use overspill_block::{
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, ReadRequest,
+    DEFAULT_BLOCK_SIZES,
+};
 
 const ALL: Capabilities = Capabilities::ALL;
 
@@ -23,6 +24,13 @@ impl MemoryDevice {
 
     pub fn snapshot(&self) -> Vec<u8> {
         self.lock().clone()
+    }
+
+    /// The bytes at `offset`, as they are: not a guest's request (a test's reference copy).
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        let range = self.range(offset, buf.len() as u64)?;
+        buf.copy_from_slice(&self.lock()[range]);
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
@@ -49,10 +57,8 @@ impl BlockDevice for MemoryDevice {
         ALL
     }
 
-    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        let range = self.range(offset, buf.len() as u64)?;
-        buf.copy_from_slice(&self.lock()[range]);
-        Ok(())
+    fn read(&mut self, _: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.read_at(offset, buf)
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {

@@ -5,8 +5,8 @@
 //! get wrong (unknown command or flag, a range past the end, a read above the maximum) into an
 //! errno for that one request, so the device below only ever sees requests it can serve.
 
-use crate::device::{Capabilities, DeviceErrorKind};
 use crate::wire::*;
+use overspill_block::{Capabilities, DeviceErrorKind};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestHeader {

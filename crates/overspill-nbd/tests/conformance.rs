@@ -14,13 +14,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use openssl::ssl::{ShutdownState, Ssl, SslContext, SslMethod, SslStream, SslVersion};
-use overspill_nbd::device::{
+use overspill_block::{
     BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider, Extent,
+    ReadRequest, DEFAULT_BLOCK_SIZES,
 };
-use overspill_nbd::memory::{MemoryDevice, DEFAULT_BLOCK_SIZES};
+use overspill_nbd::memory::MemoryDevice;
 use overspill_nbd::server::socketpair;
 use overspill_nbd::wire::*;
-use overspill_nbd::{Limits, Security, Server, ServerConfig, ServerTls, TlsMode};
+use overspill_nbd::{Limits, Security, Server, ServerConfig};
+use overspill_net::{ServerTls, TlsMode};
 
 const NAME: &str = "disk";
 /// Four reply slices of this server (1 MiB each), so that a whole-disk read takes several chunks.
@@ -114,12 +116,12 @@ impl BlockDevice for Disk {
     fn capabilities(&self) -> Capabilities {
         self.caps
     }
-    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&mut self, request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
         self.failing()?;
         if offset + buf.len() as u64 > self.bad_from {
             return Err(DeviceError::new(DeviceErrorKind::Io, "bad sector"));
         }
-        self.memory.read(offset, buf)
+        self.memory.read(request, offset, buf)
     }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
         self.failing()?;
@@ -164,7 +166,7 @@ impl BlockDevice for Disk {
             let block_end = ((at / 4096 + 1) * 4096).min(end);
             let hole = (at / 4096) % 2 == 1;
             let mut bytes = vec![0u8; (block_end - at) as usize];
-            self.memory.read(at, &mut bytes)?;
+            self.memory.read_at(at, &mut bytes)?;
             let zero = hole && bytes.iter().all(|&b| b == 0);
             extents.push(Extent { length: block_end - at, hole, zero });
             at = block_end;
@@ -1181,7 +1183,7 @@ fn a_large_structured_read_sends_zero_runs_as_hole_chunks() {
             REPLY_TYPE_OFFSET_DATA => {
                 let len = c.payload.len() as u64 - 8;
                 let mut expected = vec![0u8; len as usize];
-                disk.memory.clone().read(at, &mut expected).expect("read");
+                disk.memory.read_at(at, &mut expected).expect("read");
                 assert_eq!(c.payload[8..], expected[..], "data at {at}");
                 len
             }
@@ -1209,7 +1211,7 @@ fn a_large_structured_read_sends_zero_runs_as_hole_chunks() {
     assert_eq!(holes, 49, "hole chunks");
     // Small reads stay plain data, and the generic reader puts holes back as zeroes.
     let mut expected = vec![0u8; length as usize];
-    disk.memory.clone().read(offset, &mut expected).expect("read");
+    disk.memory.read_at(offset, &mut expected).expect("read");
     assert_eq!(conn.read(offset, length, true), Ok(expected));
 }
 

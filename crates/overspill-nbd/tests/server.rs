@@ -7,13 +7,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use overspill_block::{
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, ReadRequest,
+};
 use overspill_nbd::client::{Client, ClientError};
 use overspill_nbd::counters::Refusal;
-use overspill_nbd::device::{BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo};
 use overspill_nbd::memory::OneExport;
 use overspill_nbd::server::socketpair;
 use overspill_nbd::wire::*;
-use overspill_nbd::{ExportProvider, Limits, Server, ServerConfig};
+use overspill_nbd::{Limits, Server, ServerConfig};
 
 const SIZE: usize = 1 << 20;
 
@@ -342,11 +344,11 @@ impl BlockDevice for InstrumentedDevice {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
-    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&mut self, request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
         if offset + buf.len() as u64 > self.bad {
             return Err(DeviceError::new(DeviceErrorKind::Io, "bad sector"));
         }
-        self.inner.read(offset, buf)
+        self.inner.read(request, offset, buf)
     }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
         self.inner.write(offset, data, fua)
@@ -560,7 +562,7 @@ fn a_handshake_whose_replies_are_never_read_ends_at_its_deadline() {
 /// A server of one `disk` accepting on a real Unix listener (in `dir`) on a thread of its own, with
 /// a 20 s handshake timeout (so a handshake may be shed after 1 s); its socket's path.
 fn accepting(dir: &std::path::Path, config: ServerConfig) -> (Arc<Server>, std::path::PathBuf) {
-    use overspill_nbd::server::{ListenAddr, Listener};
+    use overspill_net::{ListenAddr, Listener};
     let socket = dir.join("nbd.sock");
     let listener = Listener::bind(&ListenAddr::Unix(socket.clone())).expect("bind");
     let limits = Limits { handshake_timeout: Duration::from_secs(20), ..Limits::default() };
@@ -633,7 +635,7 @@ impl BlockDevice for Asked {
     fn capabilities(&self) -> Capabilities {
         Capabilities::ALL
     }
-    fn read(&mut self, _offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&mut self, _: &ReadRequest, _offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
         buf.fill(0);
         Ok(())
     }
@@ -649,9 +651,9 @@ impl BlockDevice for Asked {
     fn flush(&mut self) -> Result<(), DeviceError> {
         Ok(())
     }
-    fn block_status(&mut self, _offset: u64, length: u64) -> Result<Vec<overspill_nbd::device::Extent>, DeviceError> {
+    fn block_status(&mut self, _offset: u64, length: u64) -> Result<Vec<overspill_block::Extent>, DeviceError> {
         self.0.lock().expect("asked").push((CMD_BLOCK_STATUS, length));
-        Ok(vec![overspill_nbd::device::Extent { length, hole: true, zero: true }])
+        Ok(vec![overspill_block::Extent { length, hole: true, zero: true }])
     }
     fn cache(&mut self, _offset: u64, length: u64) -> Result<(), DeviceError> {
         self.0.lock().expect("asked").push((CMD_CACHE, length));
@@ -669,7 +671,7 @@ impl ExportProvider for Asked {
             description: String::new(),
             size: HUGE,
             capabilities: Capabilities::ALL,
-            block_sizes: overspill_nbd::memory::DEFAULT_BLOCK_SIZES,
+            block_sizes: overspill_block::DEFAULT_BLOCK_SIZES,
         })
     }
     fn open(&self, _name: &str, _identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {

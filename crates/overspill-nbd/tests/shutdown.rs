@@ -10,13 +10,13 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use overspill_block::{BlockDevice, Capabilities, DeviceError, ExportInfo, ExportProvider, ReadRequest};
 use overspill_nbd::client::{Client, ClientError};
 use overspill_nbd::memory::{MemoryDevice, OneExport};
 use overspill_nbd::server::HANDSHAKE_SHUTDOWN_GRACE;
 use overspill_nbd::wire::*;
-use overspill_nbd::{
-    BlockDevice, Capabilities, DeviceError, ExportInfo, ExportProvider, ListenAddr, Listener, Server, ServerConfig,
-};
+use overspill_nbd::{Server, ServerConfig};
+use overspill_net::{ListenAddr, Listener};
 
 const SIZE: usize = 1 << 20;
 const BLOCK: usize = 4096;
@@ -51,8 +51,8 @@ impl BlockDevice for Device {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
-    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.inner.read(offset, buf)
+    fn read(&mut self, request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.inner.read(request, offset, buf)
     }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
         if offset == SLOW_OFFSET {

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use overspill_nbd::{ListenAddr, Listener};
+use overspill_net::{ListenAddr, Listener};
 use serde::{Deserialize, Serialize};
 
 use crate::vms::{VmRegistry, VmStatus};

@@ -3,8 +3,8 @@
 
 use std::io;
 
+use overspill_block::{DeviceError, DeviceErrorKind};
 use overspill_engine::EngineError;
-use overspill_nbd::{DeviceError, DeviceErrorKind};
 
 /// Longest image, version or VM name.
 pub const NAME_MAX: usize = 64;

@@ -10,31 +10,27 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use bytes::Bytes;
+use overspill_block::{
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, DEFAULT_BLOCK_SIZES,
+};
 use overspill_engine::arena::Arena;
 use overspill_engine::read_cache::DEFAULT_CHUNK_BYTES;
 use overspill_engine::state::StateFiles;
-use overspill_engine::stats::GuestOp;
 use overspill_engine::{
-    Allocation, BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig,
-    ScratchFile, SegmentWriters, SpaceShortages, VmStats, WriteCacheMode, SEGMENT_BYTES,
+    BackingFile, BackingKind, CachedImage, EngineError, GoldenImage, HostMemory, Overlay, OverlayConfig, ScratchFile,
+    SegmentWriters, SpaceShortages, VmStats, WriteCacheMode, SEGMENT_BYTES,
 };
-use overspill_nbd::memory::DEFAULT_BLOCK_SIZES;
-use overspill_nbd::{
-    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportInfo, ExportProvider, Extent, Payload,
-};
-use overspill_storm::profile::OpKind;
 
 use crate::error::device_error;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
 use crate::vms::{
-    anonymous_label, shown_image, state_file_stem, Claim, Ending, Lifecycle, Recoverable, StateRecord, VmRegistry,
+    anonymous_label, shown_image, state_file_stem, Claim, Lifecycle, Recoverable, StateRecord, VmRegistry,
 };
 use crate::{check_name, ServerError};
-use overspill_storm::trace::{Record, TraceError, TraceHeader, TraceWriter};
+use overspill_block::Recorder;
 
 /// Where and how every VM's write cache is kept.
 /// Spill segments written in the background at once by default, host-wide.
@@ -300,7 +296,7 @@ impl OverlayExports {
         }
     }
 
-    /// Records every VM's requests to `dir/<vm>-<n>.trace` (see `overspill_storm::trace`).
+    /// Records every VM's requests to `dir/<vm>-<n>.trace` (see `overspill_block::trace`).
     pub fn record_to(&mut self, dir: PathBuf) -> std::io::Result<()> {
         std::fs::create_dir_all(&dir)?;
         self.record_dir = Some(dir);
@@ -444,18 +440,8 @@ impl ExportProvider for OverlayExports {
                 }
             },
         };
-        Ok(Box::new(EngineDevice {
-            capabilities: if self.read_only(name) { ANONYMOUS_CAPABILITIES } else { CAPABILITIES },
-            idle_cut: false,
-            vm: Some(vm),
-            number,
-            reset,
-            clean: false,
-            marked: false,
-            registry: self.registry.clone(),
-            read_left: 0,
-            read_spent: Duration::ZERO,
-        }))
+        let capabilities = if self.read_only(name) { ANONYMOUS_CAPABILITIES } else { CAPABILITIES };
+        Ok(Box::new(crate::device::stack(vm, capabilities, number, reset, self.registry.clone())))
     }
 }
 
@@ -602,9 +588,9 @@ pub fn backing_suffix(kind: BackingKind) -> &'static str {
 
 /// A VM's overlay and what goes with it; it outlives the connection while the VM is in grace.
 pub struct VmOverlay {
-    overlay: Overlay,
+    pub(crate) overlay: Overlay,
     vm: String,
-    recorder: Option<Recorder>,
+    pub(crate) recorder: Option<Arc<Mutex<Recorder>>>,
     /// Its state waits for the next server (see [`Self::hand_over`]).
     handed_over: bool,
 }
@@ -625,11 +611,6 @@ impl VmOverlay {
 
 impl Drop for VmOverlay {
     fn drop(&mut self) {
-        if let Some(recorder) = self.recorder.take() {
-            if let Err(error) = recorder.writer.finish() {
-                tracing::warn!(vm = %self.vm, %error, "could not finish the trace");
-            }
-        }
         let s = self.overlay.stats();
         tracing::info!(
             vm = %self.vm,
@@ -648,263 +629,6 @@ impl Drop for VmOverlay {
                 "VM disconnected; its cache is dropped"
             }
         );
-    }
-}
-
-/// One VM's overlay behind the protocol's device trait, for one connection.
-struct EngineDevice {
-    capabilities: Capabilities,
-    /// The connection was cut for idleness (`--idle-timeout`): the VM is not gone, only quiet.
-    idle_cut: bool,
-    /// Taken out only when the connection ends.
-    vm: Option<VmOverlay>,
-    number: u64,
-    /// Set by an operator's reset: the connection closes at its next request, or at the next
-    /// wake-up of its wait if the client sends none.
-    reset: Arc<AtomicBool>,
-    /// The client sent NBD_CMD_DISC.
-    clean: bool,
-    /// The ledger knows this VM has writes: later writes need not ask it (no lock per request).
-    marked: bool,
-    registry: Arc<VmRegistry>,
-    /// The read request being answered in parts: bytes not answered yet, and the time its parts
-    /// took so far (one latency sample per request, once its last part is answered).
-    read_left: u64,
-    read_spent: Duration,
-}
-
-/// One VM's trace being written: every request, timed from the VM's connection.
-struct Recorder {
-    writer: TraceWriter,
-    started: Instant,
-    failed: bool,
-}
-
-impl Recorder {
-    fn create(dir: &Path, vm: &str, number: u64, disk_bytes: u64) -> Result<Self, TraceError> {
-        // VM names come from clients: keep them to characters that are safe in a file name.
-        let safe: String =
-            vm.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
-        let header = TraceHeader { disk_bytes, vm: vm.to_owned(), phases: vec!["recorded".into()] };
-        let writer = TraceWriter::create(&dir.join(format!("{safe}-{number}.trace")), &header)?;
-        Ok(Self { writer, started: Instant::now(), failed: false })
-    }
-
-    fn record(&mut self, kind: OpKind, offset: u64, length: u64) {
-        if self.failed {
-            return;
-        }
-        let record = Record {
-            time_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            offset,
-            length: u32::try_from(length).unwrap_or(u32::MAX),
-            kind,
-            flags: 0,
-            phase: 0,
-        };
-        if let Err(error) = self.writer.record(&record) {
-            // A full disk must not take the VM down with it: recording stops, serving goes on.
-            tracing::warn!(%error, "trace recording stopped");
-            self.failed = true;
-        }
-    }
-}
-
-impl Drop for EngineDevice {
-    fn drop(&mut self) {
-        let ending = if self.clean || self.reset.load(Ordering::SeqCst) {
-            Ending::Deliberate
-        } else if self.idle_cut {
-            Ending::Idle
-        } else {
-            Ending::Lost
-        };
-        // Dropped here, outside the registry's lock, unless the registry keeps it for a reconnect.
-        if let Some(mut vm) = self.vm.take() {
-            // An overlay about to wait gives back the spill space it kept for writes; one about
-            // to be dropped would only punch a file about to be removed.
-            if self.registry.would_keep(self.number, ending) {
-                vm.overlay.give_back_spare_disk();
-            }
-            drop(self.registry.end(self.number, ending, vm));
-        }
-    }
-}
-
-impl EngineDevice {
-    fn vm(&mut self) -> &mut VmOverlay {
-        self.vm.as_mut().expect("a device has its overlay until it is dropped")
-    }
-
-    /// Records the request in the VM's trace, if it is recorded.
-    fn record(&mut self, kind: OpKind, offset: u64, length: u64) {
-        if let Some(r) = self.vm().recorder.as_mut() {
-            r.record(kind, offset, length);
-        }
-    }
-
-    /// Before a request that changes the disk is acknowledged: the ledger knows this VM has
-    /// writes that a server's end would lose (a no-op after the first).
-    fn about_to_change(&mut self) -> Result<(), DeviceError> {
-        if self.marked {
-            return Ok(());
-        }
-        self.registry.mark_written(self.number).map_err(|e| {
-            DeviceError::new(
-                DeviceErrorKind::Io,
-                format!("cannot record in the state directory that this VM has writes: {e}"),
-            )
-        })?;
-        self.marked = true;
-        Ok(())
-    }
-
-    /// A part of the read request answered (or failed, which ends the request): the request's
-    /// latency is recorded once its last part is.
-    fn read_part_done(&mut self, length: u64, start: Instant, failed: bool) {
-        self.read_spent += start.elapsed();
-        self.read_left = if failed { 0 } else { self.read_left.saturating_sub(length) };
-        if self.read_left == 0 {
-            let spent = std::mem::take(&mut self.read_spent);
-            self.vm().overlay.stats().latency(GuestOp::Read).record(spent);
-        }
-    }
-
-    /// Runs one engine call and records its service time (the engine itself keeps no clock).
-    fn timed<R>(
-        &mut self,
-        op: GuestOp,
-        call: impl FnOnce(&mut Overlay) -> Result<R, EngineError>,
-    ) -> Result<R, DeviceError> {
-        let overlay = &mut self.vm().overlay;
-        let start = Instant::now();
-        let result = call(overlay);
-        overlay.stats().latency(op).record(start.elapsed());
-        result.map_err(device_error)
-    }
-}
-
-impl BlockDevice for EngineDevice {
-    fn size(&self) -> u64 {
-        self.vm.as_ref().map_or(0, |vm| vm.overlay.size())
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.capabilities
-    }
-
-    // The connection calls `read_request` once per request, then these for its parts: the
-    // request is counted and recorded there, whole, and the parts count their bytes and blocks.
-    fn read_request(&mut self, offset: u64, length: u64) {
-        self.record(OpKind::Read, offset, length);
-        self.vm().overlay.count_read_request();
-        (self.read_left, self.read_spent) = (length, Duration::ZERO);
-    }
-
-    fn read_sent_as_zeroes(&mut self, offset: u64, length: u64) {
-        let start = Instant::now();
-        let counted = self.vm().overlay.count_unread(offset, length);
-        if let Err(error) = &counted {
-            tracing::debug!(%error, offset, length, "a read sent as a hole could not be counted");
-        }
-        self.read_part_done(length, start, counted.is_err());
-    }
-
-    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        let start = Instant::now();
-        let result = self.vm().overlay.read_part(offset, buf);
-        self.read_part_done(buf.len() as u64, start, result.is_err());
-        result.map_err(device_error)
-    }
-
-    fn read_shared(&mut self, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
-        let start = Instant::now();
-        let result = self.vm().overlay.read_shared_part(offset, length);
-        self.read_part_done(length as u64, start, result.is_err());
-        result.map_err(device_error)
-    }
-
-    fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
-        self.about_to_change()?;
-        self.record(OpKind::Write, offset, data.len() as u64);
-        self.timed(GuestOp::Write, |o| o.write(offset, data))
-    }
-
-    fn write_from(
-        &mut self,
-        offset: u64,
-        length: usize,
-        _fua: bool,
-        payload: &mut dyn Payload,
-    ) -> Result<(), DeviceError> {
-        self.about_to_change()?;
-        // The latency is the engine's: the time the client took to send the data is not in it.
-        let start = Instant::now();
-        let mut receiving = Duration::ZERO;
-        let VmOverlay { overlay, recorder, .. } = self.vm();
-        let result = overlay.write_received(offset, length, |buffers| {
-            let received = Instant::now();
-            let result = payload.receive(buffers);
-            receiving = received.elapsed();
-            // A write cut off by its client's end was never made: it stays out of the trace.
-            if let (Ok(()), Some(r)) = (&result, recorder.as_mut()) {
-                r.record(OpKind::Write, offset, length as u64);
-            }
-            result
-        });
-        overlay.stats().latency(GuestOp::Write).record(start.elapsed().saturating_sub(receiving));
-        result.map_err(device_error)
-    }
-
-    fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
-        self.about_to_change()?;
-        self.record(OpKind::Zero, offset, length);
-        self.timed(GuestOp::Zero, |o| o.write_zeroes(offset, length))
-    }
-
-    fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
-        self.about_to_change()?;
-        self.record(OpKind::Trim, offset, length);
-        self.timed(GuestOp::Trim, |o| o.trim(offset, length))
-    }
-
-    fn flush(&mut self) -> Result<(), DeviceError> {
-        self.record(OpKind::Flush, 0, 0);
-        self.timed(GuestOp::Flush, Overlay::flush)
-    }
-
-    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
-        let extents = self.vm().overlay.extents(offset, length).map_err(device_error)?;
-        Ok(extents
-            .into_iter()
-            .map(|extent| Extent {
-                length: extent.len,
-                hole: extent.state == Allocation::Hole,
-                zero: extent.state != Allocation::Data,
-            })
-            .collect())
-    }
-
-    fn idle_timed_out(&mut self) {
-        self.idle_cut = true;
-    }
-
-    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
-        self.vm().overlay.prefetch(offset, length).map(drop).map_err(device_error)
-    }
-
-    fn disconnect(&mut self) {
-        self.clean = true;
-    }
-
-    /// A VM that sends nothing has no use for the dead spill segments it kept for its next
-    /// writes; another VM on the filesystem may.
-    fn idle(&mut self) {
-        self.vm().overlay.give_back_idle_disk();
-    }
-
-    fn closing(&self) -> bool {
-        self.reset.load(Ordering::Relaxed)
     }
 }
 
@@ -971,7 +695,11 @@ fn process_alive(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vms::Ending;
     use crate::vms::VmState;
+    use bytes::Bytes;
+    use overspill_block::{read_whole, ReadRequest};
+    use std::time::Duration;
 
     #[test]
     fn only_cache_file_names_carry_a_pid() {
@@ -1022,6 +750,48 @@ mod tests {
         exports
     }
 
+    /// A golden read of 64 KiB is lent by the image's read cache (two reads of the same range
+    /// hand out the same bytes) whether the image is a `--base` file or a version in the image
+    /// store: a wrapper around a version once forwarded everything but the lending read, so
+    /// every large golden read through the store was copied.
+    #[test]
+    fn a_large_golden_read_is_lent_by_the_read_cache_from_the_image_store_as_from_a_base_image() {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        let file = dirs.path().join("golden.raw");
+        std::fs::write(&file, (0..4u32 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>()).expect("image");
+        let store = ImageStore::new(&dirs.path().join("images"));
+        store.publish("stored", &file, true).expect("publish");
+        let spill_dir = dirs.path().join("spill");
+        std::fs::create_dir_all(&spill_dir).expect("spill dir");
+        let settings = CacheSettings {
+            mode: WriteCacheMode::RamDisk,
+            ram_target_bytes: 8 << 20,
+            spill_max_bytes: None,
+            spill_direct: false,
+            spill_writers: 0,
+            spill_dir: spill_dir.clone(),
+            shared_dir: spill_dir,
+            read_cache_bytes: 16 << 20,
+        };
+        let base: Arc<dyn GoldenImage> = Arc::new(overspill_engine::RawImage::open(&file).expect("raw"));
+        let images = BTreeMap::from([("base".to_owned(), base)]);
+        let mut exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
+        exports.with_image_store(&dirs.path().join("images"));
+        for export in ["base@a", "stored@b"] {
+            let mut device = exports.open(export, None).expect("open");
+            let length = 64 << 10;
+            let read = |device: &mut Box<dyn BlockDevice>| {
+                let request = ReadRequest::begin(device.as_mut(), 1 << 20, length as u64);
+                device.read_shared(&request, 1 << 20, length).expect("read")
+            };
+            let (first, second) = (read(&mut device), read(&mut device));
+            let expected: Vec<u8> = (1u32 << 20..(1 << 20) + length as u32).map(|i| (i % 251) as u8).collect();
+            assert_eq!(first.concat(), expected, "{export}: the image's bytes");
+            let pointers = |pieces: &[Bytes]| pieces.iter().map(|piece| piece.as_ptr()).collect::<Vec<_>>();
+            assert_eq!(pointers(&first), pointers(&second), "{export}: the second read was copied, not lent");
+        }
+    }
+
     #[test]
     fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_that_name() {
         let dirs = tempfile::tempdir().expect("tempdir");
@@ -1069,7 +839,7 @@ mod tests {
         let exports = exports_in(dirs.path());
         let mut device = exports.open("golden@x", None).expect("the next server rebuilds the VM");
         let mut back = vec![0; 4096];
-        device.read(0, &mut back).expect("read");
+        read_whole(device.as_mut(), 0, &mut back).expect("read");
         assert_eq!(back, vec![7; 4096], "the VM's write after the next server's start");
     }
 
@@ -1088,7 +858,7 @@ mod tests {
         };
         let read_back = |device: &mut Box<dyn BlockDevice>| {
             let mut back = vec![0; 4096];
-            device.read(0, &mut back).expect("read");
+            read_whole(device.as_mut(), 0, &mut back).expect("read");
             assert_eq!(back, vec![7; 4096], "alice's write");
         };
         let exports = exports_in(dirs.path());

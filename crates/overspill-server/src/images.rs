@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
 use overspill_engine::read_cache::{ReadCacheStats, DEFAULT_CHUNK_BYTES};
-use overspill_engine::{CachedImage, GoldenImage};
+use overspill_engine::{CachedImage, GoldenImage, ImageLayer};
 use overspill_images::open_image;
 
 use crate::{check_name, ServerError};
@@ -292,33 +292,13 @@ impl Drop for HeldVersion {
     }
 }
 
-impl GoldenImage for HeldVersion {
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-
-    fn read_counted(&self, buf: &mut [u8], offset: u64) -> std::io::Result<overspill_engine::SourceReads> {
-        self.inner.read_counted(buf, offset)
+impl ImageLayer for HeldVersion {
+    fn below(&self) -> &dyn GoldenImage {
+        self.inner.as_ref()
     }
 
     fn describe(&self) -> String {
         format!("{} ({})", self.label, self.inner.describe())
-    }
-
-    fn identity(&self) -> Option<String> {
-        self.inner.identity()
-    }
-
-    fn matches_identity(&self, recorded: &str) -> bool {
-        self.inner.matches_identity(recorded)
-    }
-
-    fn extents(&self, offset: u64, len: u64) -> std::io::Result<Vec<overspill_engine::Extent>> {
-        self.inner.extents(offset, len)
     }
 }
 

@@ -6,6 +6,7 @@
 //! command parses flags and wires these parts together.
 
 pub mod control;
+mod device;
 pub mod error;
 pub mod exports;
 pub mod files;

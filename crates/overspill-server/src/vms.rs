@@ -33,8 +33,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use overspill_block::{DeviceError, DeviceErrorKind};
 use overspill_engine::VmStats;
-use overspill_nbd::{DeviceError, DeviceErrorKind};
 use serde::{Deserialize, Serialize};
 
 use crate::exports::VmOverlay;
@@ -1084,10 +1084,10 @@ impl Ledger {
                 // Written by a server that did not record it: alive is all there is to go by.
                 None => Path::new(&format!("/proc/{}", entry.pid)).exists(),
             }
-            && !overspill_nbd::exiting::wait_until_gone(
+            && !overspill_net::exiting::wait_until_gone(
                 entry.pid,
                 "the previous server",
-                overspill_nbd::exiting::EXIT_WAIT,
+                overspill_net::exiting::EXIT_WAIT,
             )
     }
 

@@ -18,8 +18,9 @@ use overspill_engine::{StorageTier, VmStats};
 use overspill_nbd::client::{Client, NbdUri};
 use serde::Serialize;
 
-use crate::profile::{Op, OpKind, Workload};
-use crate::trace::{Record, Trace, TraceHeader, TraceWriter};
+use crate::profile::{Op, Workload};
+use overspill_block::trace::{Record, Trace, TraceHeader, TraceWriter};
+use overspill_block::GuestOp;
 
 /// Where the VMs connect, and (for an in-process server) where their counters are.
 pub trait Target: Sync {
@@ -280,7 +281,7 @@ impl RunPlan {
         let mut windows_ms = vec![(u64::MAX, 0u64); phases];
         let mut ops = Vec::new();
         for (vm, trace) in traces.iter().enumerate() {
-            let mut per_phase = trace.phase_ops();
+            let mut per_phase = crate::profile::trace_phase_ops(trace);
             per_phase.resize(phases, Vec::new());
             for p in 0..phases {
                 let recorded = trace.records.iter().filter(|r| usize::from(r.phase) == p);
@@ -423,15 +424,15 @@ impl VmTally {
         let mut delta = TierOps::default();
         let len = u64::from(op.len);
         match op.kind {
-            OpKind::Read => delta[GUEST] = Ops { reads: 1, read_bytes: len, ..Ops::default() },
-            OpKind::Write | OpKind::Zero => delta[GUEST] = Ops { writes: 1, write_bytes: len, ..Ops::default() },
-            OpKind::Trim => result.phases[p].trims += 1,
-            OpKind::Flush => result.phases[p].flushes += 1,
+            GuestOp::Read => delta[GUEST] = Ops { reads: 1, read_bytes: len, ..Ops::default() },
+            GuestOp::Write | GuestOp::Zero => delta[GUEST] = Ops { writes: 1, write_bytes: len, ..Ops::default() },
+            GuestOp::Trim => result.phases[p].trims += 1,
+            GuestOp::Flush => result.phases[p].flushes += 1,
         }
         match outcome {
             Outcome::Done => match op.kind {
-                OpKind::Read => result.blocks.guest_read_blocks += len.div_ceil(4096),
-                OpKind::Write => result.blocks.guest_write_blocks += len.div_ceil(4096),
+                GuestOp::Read => result.blocks.guest_read_blocks += len.div_ceil(4096),
+                GuestOp::Write => result.blocks.guest_write_blocks += len.div_ceil(4096),
                 _ => {}
             },
             Outcome::Refused { errno } => {
@@ -528,19 +529,19 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                 }
             }
             let outcome = match op.kind {
-                OpKind::Read => {
+                GuestOp::Read => {
                     buffer.resize(op.len as usize, 0);
                     client.read(op.offset, &mut buffer)
                 }
-                OpKind::Write => {
+                GuestOp::Write => {
                     buffer.resize(op.len as usize, 0);
                     fill_write(&mut buffer, vm, op);
                     client.write(op.offset, &buffer, false)
                 }
-                OpKind::Trim if client.can_trim() => client.trim(op.offset, op.len),
-                OpKind::Zero => client.write_zeroes(op.offset, op.len, false),
-                OpKind::Flush if client.can_flush() => client.flush(),
-                OpKind::Trim | OpKind::Flush => Ok(()),
+                GuestOp::Trim if client.can_trim() => client.trim(op.offset, op.len),
+                GuestOp::Zero => client.write_zeroes(op.offset, op.len, false),
+                GuestOp::Flush if client.can_flush() => client.flush(),
+                GuestOp::Trim | GuestOp::Flush => Ok(()),
             };
             let outcome = match outcome {
                 Ok(()) => Outcome::Done,

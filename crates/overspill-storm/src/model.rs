@@ -14,7 +14,8 @@ use overspill_engine::{
 };
 
 use crate::driver::{fill_write, Outcome, RunPlan, VmResult, VmTally};
-use crate::profile::{Op, OpKind};
+use crate::profile::Op;
+use overspill_block::GuestOp;
 
 /// One configuration to model: what `serve` would be started with.
 #[derive(Debug, Clone, Copy)]
@@ -88,14 +89,14 @@ pub fn simulate_on(
         let (overlay, tally) = &mut vms[vm];
         let len = op.len as usize;
         let outcome = match op.kind {
-            OpKind::Read => overlay.read(op.offset, &mut buffer[..len]),
-            OpKind::Write => {
+            GuestOp::Read => overlay.read(op.offset, &mut buffer[..len]),
+            GuestOp::Write => {
                 fill_write(&mut buffer[..len], vm, op);
                 overlay.write(op.offset, &buffer[..len])
             }
-            OpKind::Trim => overlay.trim(op.offset, u64::from(op.len)),
-            OpKind::Zero => overlay.write_zeroes(op.offset, u64::from(op.len)),
-            OpKind::Flush => overlay.flush(),
+            GuestOp::Trim => overlay.trim(op.offset, u64::from(op.len)),
+            GuestOp::Zero => overlay.write_zeroes(op.offset, u64::from(op.len)),
+            GuestOp::Flush => overlay.flush(),
         };
         let outcome = match outcome {
             Ok(()) => Outcome::Done,

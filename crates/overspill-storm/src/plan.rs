@@ -21,11 +21,11 @@ use serde::Serialize;
 
 use crate::driver::{tier_index, RunPlan, VmResult};
 use crate::model::{simulate, simulate_observed, ModelConfig};
-use crate::profile::OpKind;
 use crate::report::format_bytes;
 pub use crate::storage::BootEstimate;
 use crate::storage::{simulate_boots, Request, StorageSpec, VmBoot, INTERVAL_S};
-use crate::trace::Trace;
+use overspill_block::trace::Trace;
+use overspill_block::GuestOp;
 
 /// What to plan for.
 #[derive(Debug, Clone)]
@@ -142,9 +142,9 @@ pub fn boots_without_cache(plan: &RunPlan) -> Vec<VmBoot> {
             let mut boot = VmBoot::default();
             for op in phases.first().map(Vec::as_slice).unwrap_or_default() {
                 let write = match op.kind {
-                    OpKind::Read => false,
-                    OpKind::Write => true,
-                    OpKind::Trim | OpKind::Zero | OpKind::Flush => continue,
+                    GuestOp::Read => false,
+                    GuestOp::Write => true,
+                    GuestOp::Trim | GuestOp::Zero | GuestOp::Flush => continue,
                 };
                 let blocks = op.offset / 4096..(op.offset + u64::from(op.len)).div_ceil(4096);
                 let golden = !write && !blocks.clone().any(|b| written.contains(&b));
@@ -230,17 +230,17 @@ pub fn peak_live_blocks(trace: &Trace) -> u64 {
         let first = r.offset / 4096;
         let end = (r.offset + u64::from(r.length)).div_ceil(4096);
         match r.kind {
-            OpKind::Write => {
+            GuestOp::Write => {
                 live.extend(first..end);
                 peak = peak.max(live.len() as u64);
             }
-            OpKind::Trim | OpKind::Zero => {
+            GuestOp::Trim | GuestOp::Zero => {
                 // Only whole blocks are released, as the engine does.
                 for b in r.offset.div_ceil(4096)..(r.offset + u64::from(r.length)) / 4096 {
                     live.remove(&b);
                 }
             }
-            OpKind::Read | OpKind::Flush => {}
+            GuestOp::Read | GuestOp::Flush => {}
         }
     }
     peak

@@ -10,6 +10,8 @@
 
 use std::collections::BTreeMap;
 
+use overspill_block::trace::Trace;
+use overspill_block::GuestOp;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -92,22 +94,13 @@ pub struct Phase {
     pub flushes: u64,
 }
 
-/// One request of one VM, at its time in the phase.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum OpKind {
-    Read,
-    Write,
-    Trim,
-    Flush,
-    /// WRITE_ZEROES: only in recorded traces; profiles do not generate it.
-    Zero,
-}
-
+/// One request of one VM, at its time in the phase. Profiles make reads, writes, trims and
+/// flushes; write zeroes come only from recorded traces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Op {
     /// Milliseconds since the phase started (profile time, not wall time).
     pub at_ms: u64,
-    pub kind: OpKind,
+    pub kind: GuestOp,
     pub offset: u64,
     pub len: u32,
 }
@@ -258,32 +251,32 @@ impl VmState {
             let left = reads_left + writes_left + trims_left + flushes_left;
             let x = rng.gen_range(0..left);
             let kind = if x < reads_left {
-                OpKind::Read
+                GuestOp::Read
             } else if x < reads_left + writes_left {
-                OpKind::Write
+                GuestOp::Write
             } else if x < reads_left + writes_left + trims_left {
-                OpKind::Trim
+                GuestOp::Trim
             } else {
-                OpKind::Flush
+                GuestOp::Flush
             };
             let op = match kind {
-                OpKind::Read => {
+                GuestOp::Read => {
                     reads_left -= 1;
                     self.read(&mut rng, &mut shared_rng, phase, system_bytes, at_ms)
                 }
-                OpKind::Write => {
+                GuestOp::Write => {
                     writes_left -= 1;
                     self.write(&mut rng, disk, phase, at_ms)
                 }
-                OpKind::Trim => {
+                GuestOp::Trim => {
                     trims_left -= 1;
                     self.trim(&mut rng, at_ms)
                 }
-                OpKind::Flush => {
+                GuestOp::Flush => {
                     flushes_left -= 1;
                     Op { at_ms, kind, offset: 0, len: 0 }
                 }
-                OpKind::Zero => unreachable!("the kind draw above yields only reads, writes, trims and flushes"),
+                GuestOp::Zero => unreachable!("the kind draw above yields only reads, writes, trims and flushes"),
             };
             ops.push(op);
         }
@@ -295,19 +288,19 @@ impl VmState {
         if x < p.read_shared {
             let len = *pick(shared, &p.read_sizes);
             let offset = shared.gen_range(0..system - u64::from(len)) / 4096 * 4096;
-            return Op { at_ms, kind: OpKind::Read, offset, len };
+            return Op { at_ms, kind: GuestOp::Read, offset, len };
         }
         if x < p.read_shared + p.read_own {
             let areas: Vec<&Vec<(u64, u32)>> = self.written.values().filter(|w| !w.is_empty()).collect();
             if !areas.is_empty() {
                 let writes = areas[rng.gen_range(0..areas.len())];
                 let (offset, len) = writes[recent_index(rng, writes.len(), p.recency_skew)];
-                return Op { at_ms, kind: OpKind::Read, offset, len };
+                return Op { at_ms, kind: GuestOp::Read, offset, len };
             }
         }
         let len = *pick(rng, &p.read_sizes);
         let offset = rng.gen_range(0..system - u64::from(len)) / 4096 * 4096;
-        Op { at_ms, kind: OpKind::Read, offset, len }
+        Op { at_ms, kind: GuestOp::Read, offset, len }
     }
 
     fn write(&mut self, rng: &mut SmallRng, disk: &DiskLayout, p: &Phase, at_ms: u64) -> Op {
@@ -316,7 +309,7 @@ impl VmState {
         let history = self.written.get_mut(area_name).expect("one per area");
         if !history.is_empty() && rng.gen::<f64>() < p.write_overwrite {
             let (offset, len) = history[recent_index(rng, history.len(), p.recency_skew)];
-            return Op { at_ms, kind: OpKind::Write, offset, len };
+            return Op { at_ms, kind: GuestOp::Write, offset, len };
         }
         let len = *pick(rng, &p.write_sizes);
         let (start, end) = (area.start_mib * MIB, (area.start_mib + area.size_mib) * MIB);
@@ -328,25 +321,60 @@ impl VmState {
         let offset = *cursor;
         *cursor += u64::from(len);
         history.push((offset, len));
-        Op { at_ms, kind: OpKind::Write, offset, len }
+        Op { at_ms, kind: GuestOp::Write, offset, len }
     }
 
     fn trim(&mut self, rng: &mut SmallRng, at_ms: u64) -> Op {
         let candidates: Vec<String> =
             self.written.iter().filter(|(_, w)| !w.is_empty()).map(|(n, _)| n.clone()).collect();
         if candidates.is_empty() {
-            return Op { at_ms, kind: OpKind::Flush, offset: 0, len: 0 };
+            return Op { at_ms, kind: GuestOp::Flush, offset: 0, len: 0 };
         }
         let name = &candidates[rng.gen_range(0..candidates.len())];
         let history = self.written.get_mut(name).expect("listed above");
         let (offset, len) = history.swap_remove(rng.gen_range(0..history.len()));
-        Op { at_ms, kind: OpKind::Trim, offset, len }
+        Op { at_ms, kind: GuestOp::Trim, offset, len }
     }
+}
+
+/// The requests of each phase of a recorded trace, with times relative to the phase's first
+/// request.
+pub fn trace_phase_ops(trace: &Trace) -> Vec<Vec<Op>> {
+    let mut phases: Vec<Vec<Op>> = vec![Vec::new(); trace.header.phases.len().max(1)];
+    let mut starts: Vec<Option<u64>> = vec![None; phases.len()];
+    for r in &trace.records {
+        let p = usize::from(r.phase);
+        let start = *starts[p].get_or_insert(r.time_us);
+        let at_ms = r.time_us.saturating_sub(start) / 1000;
+        phases[p].push(Op { at_ms, kind: r.kind, offset: r.offset, len: r.length });
+    }
+    phases
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_traces_phases_become_ops_timed_from_each_phases_first_request() {
+        use overspill_block::trace::{Record, TraceHeader};
+        let header = TraceHeader { disk_bytes: 1 << 30, vm: "vm".into(), phases: vec!["boot".into(), "steady".into()] };
+        let record = |time_us, kind, phase| Record { time_us, offset: 0, length: 4096, kind, flags: 0, phase };
+        let records = vec![
+            record(5, GuestOp::Read, 0),
+            record(3_005, GuestOp::Write, 0),
+            record(2_000_000, GuestOp::Trim, 1),
+            record(2_007_000, GuestOp::Flush, 1),
+        ];
+        let trace = Trace { header, records, truncated_bytes: 0 };
+        let phases = trace_phase_ops(&trace);
+        let times: Vec<Vec<(u64, GuestOp)>> =
+            phases.iter().map(|ops| ops.iter().map(|op| (op.at_ms, op.kind)).collect()).collect();
+        assert_eq!(
+            times,
+            vec![vec![(0, GuestOp::Read), (3, GuestOp::Write)], vec![(0, GuestOp::Trim), (7, GuestOp::Flush)]]
+        );
+    }
 
     #[test]
     fn every_built_in_workload_loads() {
@@ -365,7 +393,7 @@ mod tests {
         let b = w.generate(1, 1);
         let shared = |ops: &[Op]| -> std::collections::BTreeSet<u64> {
             ops.iter()
-                .filter(|o| o.kind == OpKind::Read && o.offset < w.disk.system_mib * MIB)
+                .filter(|o| o.kind == GuestOp::Read && o.offset < w.disk.system_mib * MIB)
                 .map(|o| o.offset)
                 .collect()
         };
@@ -384,3 +412,4 @@ mod tests {
         assert!(Workload::parse("x", &unknown_field).is_err());
     }
 }
+

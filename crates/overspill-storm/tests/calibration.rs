@@ -2,7 +2,8 @@
 //! of the project's calibration data with its README, so that a clone alone passes its tests):
 //! generated request counts, read shares and volumes within ±10%.
 
-use overspill_storm::profile::{Op, OpKind, Workload};
+use overspill_block::GuestOp;
+use overspill_storm::profile::{Op, Workload};
 
 fn calibration_rows() -> Vec<Vec<String>> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/seed-iops.csv");
@@ -33,19 +34,19 @@ fn tally(workload: &Workload, phase: usize, vms: u64) -> Tally {
         let ops: Vec<Op> = workload.generate(7, vm).swap_remove(phase);
         for op in ops {
             match op.kind {
-                OpKind::Read => {
+                GuestOp::Read => {
                     t.reads += 1.0;
                     t.read_bytes += f64::from(op.len);
                     if op.len <= 4096 {
                         t.small_reads += 1.0;
                     }
                 }
-                OpKind::Write => {
+                GuestOp::Write => {
                     t.writes += 1.0;
                     t.write_bytes += f64::from(op.len);
                 }
-                OpKind::Flush => t.flushes += 1.0,
-                OpKind::Trim | OpKind::Zero => {}
+                GuestOp::Flush => t.flushes += 1.0,
+                GuestOp::Trim | GuestOp::Zero => {}
             }
         }
     }

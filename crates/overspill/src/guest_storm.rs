@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
+use overspill_block::trace::{Record, Trace, TraceHeader, TraceWriter};
 use overspill_nbd::client::Endpoint;
 use overspill_storm::driver::{RunPlan, Target, VmResult};
 use overspill_storm::observed::{self, Observation};
-use overspill_storm::trace::{Record, Trace, TraceHeader, TraceWriter};
 
 use crate::guests::{nbd_disk, BootOptions, ConsoleLine, Guest, GuestKit};
 

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use overspill_block::trace::Trace;
 use overspill_engine::WriteCacheMode;
 use overspill_storm::fleet::{self, FleetOptions, GoldenStore};
 use overspill_storm::plan::{self, PlanOptions};
 use overspill_storm::storage::{CacheMode, Clones, DeviceSpec, Raid, StorageSpec};
-use overspill_storm::trace::Trace;
 
 use crate::size::parse_bytes;
 

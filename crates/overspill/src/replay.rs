@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
+use overspill_block::trace::Trace;
 use overspill_nbd::client::NbdUri;
 use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig};
 use overspill_storm::report::{self, StormReport};
-use overspill_storm::trace::Trace;
 
 #[derive(Debug, Args)]
 pub struct ReplayArgs {

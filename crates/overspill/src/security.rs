@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use overspill_nbd::{ExportAccess, Security, ServerTls, TlsMode};
+use overspill_block::ExportAccess;
+use overspill_nbd::Security;
+use overspill_net::{ServerTls, TlsMode};
 
 #[derive(Debug, Args)]
 pub struct SecurityArgs {

@@ -291,8 +291,8 @@ fn serve_records_what_a_real_client_asked() {
     let start = Instant::now();
     let trace = loop {
         let files = traces(&rec);
-        if let Some(t) = files.first().and_then(|f| overspill_storm::trace::Trace::read(Path::new(f)).ok()) {
-            if t.records.iter().any(|r| r.kind == overspill_storm::profile::OpKind::Flush) {
+        if let Some(t) = files.first().and_then(|f| overspill_block::trace::Trace::read(Path::new(f)).ok()) {
+            if t.records.iter().any(|r| r.kind == overspill_block::GuestOp::Flush) {
                 break t;
             }
         }
@@ -300,7 +300,7 @@ fn serve_records_what_a_real_client_asked() {
         std::thread::sleep(Duration::from_millis(20));
     };
     drop(server);
-    use overspill_storm::profile::OpKind::*;
+    use overspill_block::GuestOp::*;
     assert_eq!(trace.header.vm, "vm-rec");
     assert_eq!(trace.header.disk_bytes, 64 << 20);
     let seen: Vec<_> = trace.records.iter().map(|r| (r.kind, r.offset, r.length)).collect();

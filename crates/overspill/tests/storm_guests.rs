@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use overspill_storm::trace::Trace;
+use overspill_block::trace::Trace;
 use serde_json::Value;
 
 fn qemu_runs() -> bool {

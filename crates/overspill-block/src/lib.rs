@@ -1,0 +1,20 @@
+//! The floor under every frontend. A frontend (NBD, vhost-user-blk) turns its protocol into
+//! calls of a [`BlockDevice`] opened by an [`ExportProvider`]; the server adapts an engine
+//! overlay to that trait. Between the two sit layers any device can wear, each on its own:
+//! [`Recorded`] writes every request to a trace ([`trace`], the format the storm replays and the
+//! planner sizes from) and [`Timed`] measures service times. One list of guest operations
+//! ([`GuestOp`]) serves the whole workspace.
+
+pub mod device;
+pub mod op;
+pub mod recorded;
+pub mod timed;
+pub mod trace;
+
+pub use device::{
+    read_whole, BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo,
+    ExportProvider, Extent, Payload, ReadRequest, SlicesPayload, DEFAULT_BLOCK_SIZES,
+};
+pub use op::GuestOp;
+pub use recorded::{Recorded, Recorder};
+pub use timed::{Latencies, Timed};

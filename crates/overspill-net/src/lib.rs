@@ -1,0 +1,14 @@
+//! Sockets and TLS under every frontend (NBD today, vhost-user-blk and the peer link next) and
+//! the control socket: listen addresses and listeners ([`listen`]), byte-stream transports
+//! ([`transport`]), TLS with x509 or pre-shared keys ([`tls`]), and how to tell a killed process
+//! that still holds its sockets from a live one ([`exiting`]). It knows no protocol spoken over
+//! them.
+
+pub mod exiting;
+pub mod listen;
+pub mod tls;
+pub mod transport;
+
+pub use listen::{ListenAddr, Listener};
+pub use tls::{ServerTls, TlsMode};
+pub use transport::{connect, ReadStopper, Transport};

@@ -1,0 +1,117 @@
+//! Byte streams a frontend serves on: Unix and TCP sockets, either end of a socketpair, or a TLS
+//! session over one ([`crate::tls`]), with what a server needs beyond `Read + Write`: timeouts, a
+//! way to stop a blocked read from another thread, reads that do not wait.
+
+use std::io::{self, IoSliceMut, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use crate::listen::ListenAddr;
+
+/// Ends a stream's reads from another thread: a read blocked on it returns end of stream.
+pub type ReadStopper = Box<dyn Fn() -> io::Result<()> + Send>;
+
+/// A byte stream the server can serve on: a Unix or TCP socket (or either end of a socketpair).
+pub trait Transport: Read + Write + Send + 'static {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+
+    /// Bounds writes, so that a goodbye to a client that no longer reads cannot block forever.
+    fn set_write_timeout(&self, _timeout: Option<Duration>) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// A handle that shuts the stream for reading from another thread, so that a server shutting
+    /// down can wake connections blocked waiting for a request. `None` if the stream has none;
+    /// such a connection then ends only when its client goes.
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        None
+    }
+
+    /// Reads what has arrived into `bufs`, in order, without waiting: `None` if the stream
+    /// cannot.
+    fn read_now(&mut self, _bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+        None
+    }
+
+    /// Ends the session on the stream before it is dropped: TLS sends its close_notify (NBD_CMD_DISC
+    /// requires the TLS session shut down before the connection closes). Nothing for a socket.
+    fn close(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn recv_now(fd: std::os::fd::BorrowedFd<'_>, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+    let mut no_control = rustix::net::RecvAncillaryBuffer::default();
+    let received = rustix::net::recvmsg(fd, bufs, &mut no_control, rustix::net::RecvFlags::DONTWAIT);
+    Some(received.map(|r| r.bytes).map_err(io::Error::from))
+}
+
+impl Transport for std::os::unix::net::UnixStream {
+    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+        recv_now(std::os::fd::AsFd::as_fd(self), bufs)
+    }
+
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
+    }
+
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_write_timeout(self, timeout)
+    }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        // A second descriptor for the same socket: shutdown acts on the socket, not the fd.
+        let socket = self.try_clone().ok()?;
+        Some(Box::new(move || socket.shutdown(Shutdown::Read)))
+    }
+}
+
+impl Transport for std::net::TcpStream {
+    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+        recv_now(std::os::fd::AsFd::as_fd(self), bufs)
+    }
+
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::net::TcpStream::set_read_timeout(self, timeout)
+    }
+
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::net::TcpStream::set_write_timeout(self, timeout)
+    }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        let socket = self.try_clone().ok()?;
+        Some(Box::new(move || socket.shutdown(Shutdown::Read)))
+    }
+}
+
+/// Connects to a listening address as a client would.
+pub fn connect(addr: &ListenAddr) -> std::io::Result<Box<dyn Transport>> {
+    Ok(match addr {
+        ListenAddr::Unix(path) => Box::new(UnixStream::connect(path)?),
+        ListenAddr::Tcp(addr) => {
+            let stream = TcpStream::connect(addr.as_str())?;
+            stream.set_nodelay(true)?;
+            Box::new(stream)
+        }
+    })
+}
+
+impl Transport for Box<dyn Transport> {
+    fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> std::io::Result<()> {
+        (**self).set_read_timeout(timeout)
+    }
+
+    fn set_write_timeout(&self, timeout: Option<std::time::Duration>) -> std::io::Result<()> {
+        (**self).set_write_timeout(timeout)
+    }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        (**self).read_stopper()
+    }
+
+    fn read_now(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> Option<std::io::Result<usize>> {
+        (**self).read_now(bufs)
+    }
+}

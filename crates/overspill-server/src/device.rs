@@ -1,0 +1,277 @@
+//! One VM's overlay behind the device seam, for one connection, and the layers it wears there:
+//! recording (`serve --record`), timing, and the ledger's mark that the VM has writes.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use overspill_block::{
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, Extent, Payload, ReadRequest, Recorded, Recorder, Timed,
+};
+use overspill_engine::Allocation;
+
+use crate::error::device_error;
+use crate::exports::VmOverlay;
+use crate::vms::{Ending, VmRegistry};
+
+/// What a connection to a VM is served by: its overlay, timed, recorded if the server records,
+/// and marked in the ledger before its first change.
+pub(crate) type VmDevice = LedgerMarked<Recorded<Timed<EngineDevice>>>;
+
+pub(crate) fn stack(
+    vm: VmOverlay,
+    capabilities: Capabilities,
+    number: u64,
+    reset: Arc<AtomicBool>,
+    registry: Arc<VmRegistry>,
+) -> VmDevice {
+    let stats = vm.overlay.stats().clone();
+    let recorder: Option<Arc<Mutex<Recorder>>> = vm.recorder.clone();
+    let engine = EngineDevice {
+        capabilities,
+        idle_cut: false,
+        vm: Some(vm),
+        number,
+        reset,
+        clean: false,
+        registry: registry.clone(),
+    };
+    LedgerMarked { inner: Recorded::new(Timed::new(engine, stats), recorder), registry, number, marked: false }
+}
+
+/// One VM's overlay behind the device trait, for one connection. Dropping it ends the
+/// connection's hold on the VM: the registry then keeps the overlay for a reconnect or drops it,
+/// depending on how the connection ended.
+pub(crate) struct EngineDevice {
+    capabilities: Capabilities,
+    /// The connection was cut for idleness (`--idle-timeout`): the VM is not gone, only quiet.
+    idle_cut: bool,
+    /// Taken out only when the connection ends.
+    vm: Option<VmOverlay>,
+    number: u64,
+    /// Set by an operator's reset: the connection closes at its next request, or at the next
+    /// wake-up of its wait if the client sends none.
+    reset: Arc<AtomicBool>,
+    /// The client said it is done (NBD_CMD_DISC).
+    clean: bool,
+    registry: Arc<VmRegistry>,
+}
+
+impl Drop for EngineDevice {
+    fn drop(&mut self) {
+        let ending = if self.clean || self.reset.load(Ordering::SeqCst) {
+            Ending::Deliberate
+        } else if self.idle_cut {
+            Ending::Idle
+        } else {
+            Ending::Lost
+        };
+        // Dropped here, outside the registry's lock, unless the registry keeps it for a reconnect.
+        if let Some(mut vm) = self.vm.take() {
+            // An overlay about to wait gives back the spill space it kept for writes; one about
+            // to be dropped would only punch a file about to be removed.
+            if self.registry.would_keep(self.number, ending) {
+                vm.overlay.give_back_spare_disk();
+            }
+            drop(self.registry.end(self.number, ending, vm));
+        }
+    }
+}
+
+impl EngineDevice {
+    fn overlay(&mut self) -> &mut overspill_engine::Overlay {
+        &mut self.vm.as_mut().expect("a device has its overlay until it is dropped").overlay
+    }
+}
+
+impl BlockDevice for EngineDevice {
+    fn size(&self) -> u64 {
+        self.vm.as_ref().map_or(0, |vm| vm.overlay.size())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.capabilities
+    }
+
+    // A request is counted once, here; the calls that answer it count their bytes and blocks.
+    fn read_requested(&mut self, _offset: u64, _length: u64) {
+        self.overlay().count_read_request();
+    }
+
+    fn read_sent_as_zeroes(&mut self, _: &ReadRequest, offset: u64, length: u64) {
+        if let Err(error) = self.overlay().count_unread(offset, length) {
+            tracing::debug!(%error, offset, length, "a read sent as a hole could not be counted");
+        }
+    }
+
+    fn read(&mut self, _: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.overlay().read_part(offset, buf).map_err(device_error)
+    }
+
+    fn read_shared(&mut self, _: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
+        self.overlay().read_shared_part(offset, length).map_err(device_error)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
+        self.overlay().write(offset, data).map_err(device_error)
+    }
+
+    fn write_from(
+        &mut self,
+        offset: u64,
+        length: usize,
+        _fua: bool,
+        payload: &mut dyn Payload,
+    ) -> Result<(), DeviceError> {
+        self.overlay().write_received(offset, length, |buffers| payload.receive(buffers)).map_err(device_error)
+    }
+
+    fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
+        self.overlay().write_zeroes(offset, length).map_err(device_error)
+    }
+
+    fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
+        self.overlay().trim(offset, length).map_err(device_error)
+    }
+
+    fn flush(&mut self) -> Result<(), DeviceError> {
+        self.overlay().flush().map_err(device_error)
+    }
+
+    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
+        let extents = self.overlay().extents(offset, length).map_err(device_error)?;
+        Ok(extents
+            .into_iter()
+            .map(|extent| Extent {
+                length: extent.len,
+                hole: extent.state == Allocation::Hole,
+                zero: extent.state != Allocation::Data,
+            })
+            .collect())
+    }
+
+    fn idle_timed_out(&mut self) {
+        self.idle_cut = true;
+    }
+
+    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
+        self.overlay().prefetch(offset, length).map(drop).map_err(device_error)
+    }
+
+    fn disconnect(&mut self) {
+        self.clean = true;
+    }
+
+    /// A VM that sends nothing has no use for the dead spill segments it kept for its next
+    /// writes; another VM on the filesystem may.
+    fn idle(&mut self) {
+        self.overlay().give_back_idle_disk();
+    }
+
+    fn closing(&self) -> bool {
+        self.reset.load(Ordering::Relaxed)
+    }
+}
+
+/// Before the first request that changes the disk is served, the ledger learns that this VM has
+/// writes a server's end would lose; later ones need not ask it (no lock per request).
+pub(crate) struct LedgerMarked<D> {
+    inner: D,
+    registry: Arc<VmRegistry>,
+    number: u64,
+    marked: bool,
+}
+
+impl<D: BlockDevice> LedgerMarked<D> {
+    fn about_to_change(&mut self) -> Result<&mut D, DeviceError> {
+        if !self.marked {
+            self.registry.mark_written(self.number).map_err(|e| {
+                DeviceError::new(
+                    DeviceErrorKind::Io,
+                    format!("cannot record in the state directory that this VM has writes: {e}"),
+                )
+            })?;
+            self.marked = true;
+        }
+        Ok(&mut self.inner)
+    }
+}
+
+impl<D: BlockDevice> BlockDevice for LedgerMarked<D> {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read_requested(&mut self, offset: u64, length: u64) {
+        self.inner.read_requested(offset, length)
+    }
+    fn read(&mut self, request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.inner.read(request, offset, buf)
+    }
+    fn read_vectored(
+        &mut self,
+        request: &ReadRequest,
+        offset: u64,
+        bufs: &mut [IoSliceMut<'_>],
+    ) -> Result<(), DeviceError> {
+        self.inner.read_vectored(request, offset, bufs)
+    }
+    fn read_sent_as_zeroes(&mut self, request: &ReadRequest, offset: u64, length: u64) {
+        self.inner.read_sent_as_zeroes(request, offset, length)
+    }
+    fn read_shared(&mut self, request: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
+        self.inner.read_shared(request, offset, length)
+    }
+    fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        self.about_to_change()?.write(offset, data, fua)
+    }
+    fn write_from(
+        &mut self,
+        offset: u64,
+        length: usize,
+        fua: bool,
+        payload: &mut dyn Payload,
+    ) -> Result<(), DeviceError> {
+        self.about_to_change()?.write_from(offset, length, fua, payload)
+    }
+    fn write_vectored(&mut self, offset: u64, bufs: &[IoSlice<'_>], fua: bool) -> Result<(), DeviceError> {
+        self.about_to_change()?.write_vectored(offset, bufs, fua)
+    }
+    fn write_zeroes(
+        &mut self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> Result<(), DeviceError> {
+        self.about_to_change()?.write_zeroes(offset, length, may_trim, fast_only, fua)
+    }
+    fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
+        self.about_to_change()?.trim(offset, length, fua)
+    }
+    fn flush(&mut self) -> Result<(), DeviceError> {
+        self.inner.flush()
+    }
+    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
+        self.inner.block_status(offset, length)
+    }
+    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
+        self.inner.cache(offset, length)
+    }
+    fn disconnect(&mut self) {
+        self.inner.disconnect()
+    }
+    fn idle(&mut self) {
+        self.inner.idle()
+    }
+    fn idle_timed_out(&mut self) {
+        self.inner.idle_timed_out()
+    }
+    fn closing(&self) -> bool {
+        self.inner.closing()
+    }
+}
