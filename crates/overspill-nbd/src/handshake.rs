@@ -520,36 +520,41 @@ impl Handshake {
         option_reply(out, option, REP_ACK, &[]);
     }
 
+    /// Refuses INFO or GO of an export that does not exist or is hidden from this client.
+    fn unknown_export(&mut self, option: u32, name: &str, out: &mut Vec<u8>) {
+        // Asking is how clients look for exports (INFO); connecting to one that is not there
+        // (GO) is a misconfigured VM the operator wants to hear about.
+        if option == OPT_GO {
+            let export = shown(name);
+            // Once per connection at warn: a client asking again and again must not flood the log.
+            self.refusal = Some(Refusal::UnknownExport);
+            if !std::mem::replace(&mut self.missing_logged, true) {
+                tracing::warn!(export = ?export, "a client asked for an export that does not exist (or is hidden from it)");
+            } else {
+                tracing::debug!(export = ?export, "a client asked again for an export that does not exist");
+            }
+        } else {
+            tracing::debug!(export = ?shown(name), "INFO for an unknown export");
+        }
+        // SELECTIVETLS: a hidden export may be one only a TLS identity opens, and for such an
+        // export the spec wants TLS_REQD before TLS; a missing one may get it too, so hidden
+        // and missing exports still look alike.
+        let reply = if self.tls == TlsMode::On && !self.tls_active && self.access.is_some() {
+            REP_ERR_TLS_REQD
+        } else {
+            REP_ERR_UNKNOWN
+        };
+        let message = format!("no export named {name:?}");
+        option_reply(out, option, reply, truncate_utf8(&message, MAX_MESSAGE_BYTES).as_bytes());
+    }
+
     fn info_or_go(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>, exports: &dyn ExportProvider) -> Progress {
         let Some((name, requests)) = parse_info_request(data) else {
             option_reply(out, option, REP_ERR_INVALID, b"malformed INFO/GO request");
             return Progress::NeedMore;
         };
         let Some(mut info) = self.visible(exports, &name) else {
-            // Asking is how clients look for exports (INFO); connecting to one that is not there
-            // (GO) is a misconfigured VM the operator wants to hear about.
-            if option == OPT_GO {
-                let export = shown(&name);
-                // Once per connection at warn: a client asking again and again must not flood the log.
-                self.refusal = Some(Refusal::UnknownExport);
-                if !std::mem::replace(&mut self.missing_logged, true) {
-                    tracing::warn!(export = ?export, "a client asked for an export that does not exist (or is hidden from it)");
-                } else {
-                    tracing::debug!(export = ?export, "a client asked again for an export that does not exist");
-                }
-            } else {
-                tracing::debug!(export = ?shown(&name), "INFO for an unknown export");
-            }
-            // SELECTIVETLS: a hidden export may be one only a TLS identity opens, and for such an
-            // export the spec wants TLS_REQD before TLS; a missing one may get it too, so hidden
-            // and missing exports still look alike.
-            let reply = if self.tls == TlsMode::On && !self.tls_active && self.access.is_some() {
-                REP_ERR_TLS_REQD
-            } else {
-                REP_ERR_UNKNOWN
-            };
-            let message = format!("no export named {name:?}");
-            option_reply(out, option, reply, truncate_utf8(&message, MAX_MESSAGE_BYTES).as_bytes());
+            self.unknown_export(option, &name, out);
             return Progress::NeedMore;
         };
         let device = if option == OPT_GO {

@@ -10,10 +10,13 @@
 pub mod client;
 pub mod connection;
 pub mod counters;
+mod deadlined;
 pub mod handshake;
 pub mod memory;
+mod replies;
 pub mod request;
 pub mod server;
+mod stream;
 pub mod wire;
 
 pub use connection::{serve_connection, Limits, Security};

@@ -12,7 +12,7 @@ use overspill_block::{
 use overspill_engine::Allocation;
 
 use crate::error::device_error;
-use crate::exports::VmOverlay;
+use crate::vm_overlay::VmOverlay;
 use crate::vms::{Ending, VmRegistry};
 
 /// What a connection to a VM is served by: its overlay, timed, recorded if the server records,

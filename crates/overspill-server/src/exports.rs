@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use overspill_block::{
@@ -26,9 +26,9 @@ use overspill_engine::{
 
 use crate::error::device_error;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
-use crate::vms::{
-    anonymous_label, shown_image, state_file_stem, Claim, Lifecycle, Recoverable, StateRecord, VmRegistry,
-};
+use crate::ledger::{state_file_paths, state_file_stem, Recoverable, StateRecord};
+use crate::vm_overlay::VmOverlay;
+use crate::vms::{anonymous_label, shown_image, Claim, Lifecycle, VmRegistry};
 use crate::{check_name, ServerError};
 use overspill_block::Recorder;
 
@@ -529,7 +529,7 @@ impl OverlayExports {
         // entry is written before its files are made) are not this server's: another server's
         // sharing the directory, holding them while its VM runs or keeping them for its next
         // start to rebuild that VM, or files left by hand. Never removed here.
-        if let Some(path) = crate::vms::state_file_paths(vm, &record).into_iter().find(|path| path.exists()) {
+        if let Some(path) = state_file_paths(vm, &record).into_iter().find(|path| path.exists()) {
             let whose = if overspill_engine::store::held_elsewhere(&path) {
                 "another process holds it (a server sharing this directory, with a VM of the same name?)"
             } else {
@@ -583,52 +583,6 @@ pub fn backing_suffix(kind: BackingKind) -> &'static str {
         BackingKind::SpillLog => "spill",
         BackingKind::LocalCache => "cache",
         BackingKind::SharedDifferencing => "diff",
-    }
-}
-
-/// A VM's overlay and what goes with it; it outlives the connection while the VM is in grace.
-pub struct VmOverlay {
-    pub(crate) overlay: Overlay,
-    vm: String,
-    pub(crate) recorder: Option<Arc<Mutex<Recorder>>>,
-    /// Its state waits for the next server (see [`Self::hand_over`]).
-    handed_over: bool,
-}
-
-impl VmOverlay {
-    /// The overlay's files are left alone when this is dropped (they may have been removed by
-    /// name already).
-    pub fn keep_state(&mut self) {
-        self.overlay.keep_state();
-    }
-
-    /// The server stops and the VM lives on: its state stays for the next server.
-    pub fn hand_over(&mut self) {
-        self.overlay.keep_state();
-        self.handed_over = true;
-    }
-}
-
-impl Drop for VmOverlay {
-    fn drop(&mut self) {
-        let s = self.overlay.stats();
-        tracing::info!(
-            vm = %self.vm,
-            guest_reads = s.guest_read.ops.get(),
-            guest_writes = s.guest_write.ops.get(),
-            golden_reads = s.golden_read.ops.get(),
-            spill_segments = s.spill_segments_written.get(),
-            spill_write_ops = s.spill_write.ops.get(),
-            spill_write_bytes = s.spill_write.bytes.get(),
-            cache_memory_peak_bytes = s.cache_memory_peak_bytes.get(),
-            cache_disk_peak_bytes = s.cache_disk_peak_bytes.get(),
-            "{}",
-            if self.handed_over {
-                "VM overlay closed; its state waits for the next server"
-            } else {
-                "VM disconnected; its cache is dropped"
-            }
-        );
     }
 }
 

@@ -412,4 +412,3 @@ mod tests {
         assert!(Workload::parse("x", &unknown_field).is_err());
     }
 }
-

@@ -107,46 +107,7 @@ pub fn run(storm: &GuestStorm, target: &dyn Target, progress: &ProgressBar) -> a
             if matches!(vm.state, State::Waiting) && now >= due(i) {
                 start_guest(storm, target, i, vm, &tx, ms(Instant::now()));
             }
-            let Some(observation) = vm.observation.as_mut() else { continue };
-            if !observation.is_connected() && matches!(vm.state, State::Running(_) | State::Closing(..)) {
-                if let Some(stats) = target.stats(i) {
-                    observation.connected(ms(Instant::now()), stats);
-                }
-            }
-            let timed_out = now.duration_since(vm.started) > storm.timeout;
-            match std::mem::replace(&mut vm.state, State::Ended) {
-                State::Running(mut guest) if timed_out => {
-                    guest.kill();
-                    observation.fail(format!(
-                        "not done in {:?} (console {}):\n{}",
-                        storm.timeout,
-                        guest.console.display(),
-                        guest.console_tail(20)
-                    ));
-                    vm.state = State::Closing(guest, now);
-                }
-                State::Closing(mut guest, since) => {
-                    let exited = guest.try_wait().ok().flatten();
-                    // Only this storm holds the counters once the server has dropped the overlay:
-                    // its last spill segment is written and its trace finished by then.
-                    let gone = observation.stats().is_none_or(|s| Arc::strong_count(s) == 1);
-                    if exited.is_some() && (gone || now.duration_since(since) > OVERLAY_GONE_WITHIN) {
-                        observation.sample(ms(now));
-                        if let Some(status) = exited.filter(|s| !s.success()) {
-                            observation.fail(format!("QEMU exited with {status}:\n{}", guest.console_tail(20)));
-                        } else if !vm.done {
-                            observation.fail(format!(
-                                "powered off before it was done (console {}):\n{}",
-                                guest.console.display(),
-                                guest.console_tail(20)
-                            ));
-                        }
-                    } else {
-                        vm.state = State::Closing(guest, since);
-                    }
-                }
-                other => vm.state = other,
-            }
+            advance(storm, target, i, vm, now, start);
         }
         let ended = vms.iter().filter(|vm| matches!(vm.state, State::Ended)).count();
         progress.set_message(format!("{ended}/{} guests ended", storm.vms));
@@ -191,6 +152,52 @@ pub fn run(storm: &GuestStorm, target: &dyn Target, progress: &ProgressBar) -> a
     let names: Vec<String> = PHASES.map(String::from).to_vec();
     let (plan, results) = observed::results(&names, storm.disk_bytes, &observations, storm.bucket_s);
     Ok(GuestOutcome { plan, results, boot_times_s, booted_at_s, observations })
+}
+
+/// One guest's step at `now`: its server connection noticed, a guest past its time killed, a
+/// closing one followed until QEMU exited and its overlay is gone.
+fn advance(storm: &GuestStorm, target: &dyn Target, i: usize, vm: &mut Vm, now: Instant, start: Instant) {
+    let ms = |at: Instant| at.saturating_duration_since(start).as_millis() as u64;
+    let Some(observation) = vm.observation.as_mut() else { return };
+    if !observation.is_connected() && matches!(vm.state, State::Running(_) | State::Closing(..)) {
+        if let Some(stats) = target.stats(i) {
+            observation.connected(ms(Instant::now()), stats);
+        }
+    }
+    let timed_out = now.duration_since(vm.started) > storm.timeout;
+    match std::mem::replace(&mut vm.state, State::Ended) {
+        State::Running(mut guest) if timed_out => {
+            guest.kill();
+            observation.fail(format!(
+                "not done in {:?} (console {}):\n{}",
+                storm.timeout,
+                guest.console.display(),
+                guest.console_tail(20)
+            ));
+            vm.state = State::Closing(guest, now);
+        }
+        State::Closing(mut guest, since) => {
+            let exited = guest.try_wait().ok().flatten();
+            // Only this storm holds the counters once the server has dropped the overlay:
+            // its last spill segment is written and its trace finished by then.
+            let gone = observation.stats().is_none_or(|s| Arc::strong_count(s) == 1);
+            if exited.is_some() && (gone || now.duration_since(since) > OVERLAY_GONE_WITHIN) {
+                observation.sample(ms(now));
+                if let Some(status) = exited.filter(|s| !s.success()) {
+                    observation.fail(format!("QEMU exited with {status}:\n{}", guest.console_tail(20)));
+                } else if !vm.done {
+                    observation.fail(format!(
+                        "powered off before it was done (console {}):\n{}",
+                        guest.console.display(),
+                        guest.console_tail(20)
+                    ));
+                }
+            } else {
+                vm.state = State::Closing(guest, since);
+            }
+        }
+        other => vm.state = other,
+    }
 }
 
 fn start_guest(

@@ -159,28 +159,10 @@ fn main() -> ExitCode {
             clap_complete::generate(shell, &mut Cli::command(), "overspill", &mut std::io::stdout());
             Ok(())
         }
-        Command::Man { subcommand } => {
-            use clap::CommandFactory;
-            let mut command = Cli::command();
-            command.build();
-            let page = match subcommand {
-                None => clap_mangen::Man::new(command),
-                Some(name) => match command.find_subcommand(&name) {
-                    Some(sub) => clap_mangen::Man::new(sub.clone())
-                        .title(format!("overspill-{name}"))
-                        .source(format!("overspill {}", env!("CARGO_PKG_VERSION"))),
-                    None => {
-                        eprintln!("overspill: no subcommand {name:?}");
-                        return ExitCode::from(2);
-                    }
-                },
-            };
-            match page.render(&mut std::io::stdout()) {
-                // `overspill man | head`: the reader had what it wanted.
-                Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-                other => other.map_err(anyhow::Error::from),
-            }
-        }
+        Command::Man { subcommand } => match man_page(subcommand) {
+            Some(result) => result,
+            None => return ExitCode::from(2),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -191,6 +173,31 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes the man page of the command or of one subcommand; `None` for a subcommand that does
+/// not exist (said on stderr).
+fn man_page(subcommand: Option<String>) -> Option<anyhow::Result<()>> {
+    use clap::CommandFactory;
+    let mut command = Cli::command();
+    command.build();
+    let page = match subcommand {
+        None => clap_mangen::Man::new(command),
+        Some(name) => match command.find_subcommand(&name) {
+            Some(sub) => clap_mangen::Man::new(sub.clone())
+                .title(format!("overspill-{name}"))
+                .source(format!("overspill {}", env!("CARGO_PKG_VERSION"))),
+            None => {
+                eprintln!("overspill: no subcommand {name:?}");
+                return None;
+            }
+        },
+    };
+    Some(match page.render(&mut std::io::stdout()) {
+        // `overspill man | head`: the reader had what it wanted.
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.map_err(anyhow::Error::from),
+    })
 }
 
 /// Becomes the program at `executable` with this process's arguments: same pid, so systemd

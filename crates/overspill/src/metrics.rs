@@ -26,7 +26,7 @@ use overspill_engine::{HostMemory, StorageTier, VmStats};
 
 use overspill_nbd::counters::ProtocolCounters;
 use overspill_server::images::{CacheEntry, ReadCacheList};
-use overspill_server::vms::VmRegistry;
+use overspill_server::vms::{VmHandle, VmRegistry};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -271,14 +271,42 @@ pub fn render(
 ) -> String {
     let (vms, departed) = registry.snapshot_with_departed();
     let mut w = Writer { out: String::new(), format, last_family: String::new() };
-    let vm_labels = |export: &str, vm: &str| vec![("export", export.to_owned()), ("vm", vm.to_owned())];
+    counter_figures(&mut w, &vms, &departed);
+    histogram_figures(&mut w, &vms, &departed);
+    read_cache_figures(&mut w, read_caches);
+    host_figures(&mut w, registry, vms.len(), host);
+    protocol_figures(&mut w, protocol);
+    filesystem_figures(&mut w, cache_dirs);
+    w.header("overspill_build_info", "The server's version, commit and optional features (always 1).", "gauge");
+    w.sample(
+        "overspill_build_info",
+        &[
+            ("version", env!("CARGO_PKG_VERSION").to_owned()),
+            ("commit", env!("OVERSPILL_COMMIT").to_owned()),
+            ("features", env!("OVERSPILL_FEATURES").to_owned()),
+        ],
+        1.0,
+    );
+    process_figures(&mut w);
+    if format == Format::OpenMetrics {
+        w.out.push_str("# EOF\n");
+    }
+    w.out
+}
 
+fn vm_labels(export: &str, vm: &str) -> Vec<(&'static str, String)> {
+    vec![("export", export.to_owned()), ("vm", vm.to_owned())]
+}
+
+/// The counters and gauges of [`FIGURES`], per VM and summed over the server (counters of VMs
+/// that left included).
+fn counter_figures(w: &mut Writer, vms: &[VmHandle], departed: &VmStats) {
     for figure in FIGURES.iter() {
         let kind = if figure.kind == Kind::Counter { "counter" } else { "gauge" };
         let extra: Vec<(&str, String)> = figure.labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
         let vm_family = format!("overspill_vm_{}", figure.family);
         w.header(&vm_family, help_of(figure.family), kind);
-        for handle in &vms {
+        for handle in vms {
             let mut labels = vm_labels(&handle.export, &handle.vm);
             labels.extend(extra.iter().cloned());
             w.sample(&vm_family, &labels, (figure.get)(&handle.stats) as f64);
@@ -290,14 +318,17 @@ pub fn render(
         let family = format!("overspill_{}", figure.family);
         w.header(&family, help_of(figure.family), kind);
         let live: u64 = vms.iter().map(|h| (figure.get)(&h.stats)).sum();
-        let total = if figure.kind == Kind::Counter { live + (figure.get)(&departed) } else { live };
+        let total = if figure.kind == Kind::Counter { live + (figure.get)(departed) } else { live };
         w.sample(&family, &extra, total as f64);
     }
+}
 
+/// Request latencies per VM and server-wide, and spill write sizes per VM.
+fn histogram_figures(w: &mut Writer, vms: &[VmHandle], departed: &VmStats) {
     let bounds = latency_bounds_s();
     let help = "Time to serve a guest request, by command.";
     w.header("overspill_vm_request_duration_seconds", help, "histogram");
-    for handle in &vms {
+    for handle in vms {
         for op in GuestOp::ALL {
             let h = handle.stats.latency(op);
             let mut labels = vm_labels(&handle.export, &handle.vm);
@@ -313,7 +344,7 @@ pub fn render(
     }
     w.header("overspill_request_duration_seconds", help, "histogram");
     for op in GuestOp::ALL {
-        let all: Vec<&VmStats> = vms.iter().map(|h| h.stats.as_ref()).chain([&departed]).collect();
+        let all: Vec<&VmStats> = vms.iter().map(|h| h.stats.as_ref()).chain([departed]).collect();
         let counts = all.iter().map(|s| s.latency(op).counts()).fold(
             [0u64; LatencyHistogram::BOUNDS_US.len() + 1],
             |mut acc, c| {
@@ -334,7 +365,7 @@ pub fn render(
     let sizes = size_bounds();
     let help = "Sizes of spill writes (every one should be a whole 2 MiB segment).";
     w.header("overspill_vm_spill_write_size_bytes", help, "histogram");
-    for handle in &vms {
+    for handle in vms {
         let s = &handle.stats;
         let labels = vm_labels(&handle.export, &handle.vm);
         w.histogram(
@@ -345,8 +376,10 @@ pub fn render(
             s.spill_write.bytes.get() as f64,
         );
     }
+}
 
-    read_cache_figures(&mut w, read_caches);
+/// VMs by state and the host's cache memory.
+fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, host: &HostMemory) {
     w.header(
         "overspill_vms",
         "Named VMs by state: connected, resetting, in-grace (waiting to reconnect), lost (refused until reset).",
@@ -360,7 +393,7 @@ pub fn render(
         "VMs with an overlay now (connected, or in grace waiting to reconnect).",
         "gauge",
     );
-    w.sample("overspill_connected_vms", &[], vms.len() as f64);
+    w.sample("overspill_connected_vms", &[], vms_with_overlay as f64);
     w.header(
         "overspill_host_cache_memory_used_bytes",
         "Cache memory of all VMs together, with the free pages they keep for their next writes.",
@@ -392,6 +425,10 @@ pub fn render(
         );
         w.sample("overspill_host_memory_available_bytes", &[], available as f64);
     }
+}
+
+/// Error replies and refused connections, counted by the protocol.
+fn protocol_figures(w: &mut Writer, protocol: &ProtocolCounters) {
     w.header(
         "overspill_nbd_error_replies_total",
         "Requests answered with an error, by command and errno (ENOSPC: a VM's cache is full).",
@@ -412,22 +449,6 @@ pub fn render(
     for (reason, count) in protocol.refusals() {
         w.sample("overspill_nbd_refused_connections_total", &[("reason", reason.as_str().to_owned())], count as f64);
     }
-    filesystem_figures(&mut w, cache_dirs);
-    w.header("overspill_build_info", "The server's version, commit and optional features (always 1).", "gauge");
-    w.sample(
-        "overspill_build_info",
-        &[
-            ("version", env!("CARGO_PKG_VERSION").to_owned()),
-            ("commit", env!("OVERSPILL_COMMIT").to_owned()),
-            ("features", env!("OVERSPILL_FEATURES").to_owned()),
-        ],
-        1.0,
-    );
-    process_figures(&mut w);
-    if format == Format::OpenMetrics {
-        w.out.push_str("# EOF\n");
-    }
-    w.out
 }
 
 /// Room on the filesystems of the cache directories (spill, shared), for alerts before a VM is

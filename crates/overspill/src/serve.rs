@@ -14,7 +14,7 @@ use overspill_engine::budget::{read_cgroup_room, read_mem_available};
 use overspill_engine::{BackingKind, GoldenImage, HostMemory, PagesRoom, WriteCacheMode, SEGMENT_BYTES};
 use overspill_nbd::counters::ProtocolCounters;
 use overspill_nbd::server::ShutdownHandle;
-use overspill_nbd::{Limits, Server, ServerConfig};
+use overspill_nbd::{Limits, Security, Server, ServerConfig};
 use overspill_net::{ListenAddr, Listener, TlsMode};
 use overspill_server::exports::SPILLING_VM_MINIMUM_BYTES;
 use overspill_sources::{open_source, Source, SourceError, SourceSettings};
@@ -233,27 +233,7 @@ pub enum ServeEnd {
 static RESTART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
-    // Unlike --idle-timeout, these cannot be off: 0 would cut every client at once.
-    for (flag, limit) in [("--handshake-timeout", args.handshake_timeout), ("--request-timeout", args.request_timeout)]
-    {
-        if limit.is_zero() {
-            bail!("{flag} must be above 0 (it bounds how long a client may take; there is no \"off\")");
-        }
-    }
-    if args.ram > args.ram_total {
-        bail!(
-            "--ram {} is above --ram-total {}: no VM could reach its target",
-            format_bytes(args.ram),
-            format_bytes(args.ram_total)
-        );
-    }
-    if args.mode.backing_file() == Some(BackingKind::SpillLog) && args.ram_total < SPILLING_VM_MINIMUM_BYTES {
-        bail!(
-            "--ram-total {} cannot hold one VM: a spilling VM keeps {} (its open segment and index) in memory",
-            format_bytes(args.ram_total),
-            format_bytes(SPILLING_VM_MINIMUM_BYTES)
-        );
-    }
+    check_sizes_and_limits(&args)?;
     // First of all the work of starting: a service manager's setup gone wrong is reported at
     // once, not after the images are opened and every VM of the last server is rebuilt.
     let inherited = inherited_listener()?;
@@ -267,58 +247,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let mut litter =
         args.memory_dir.is_none().then(|| EmptyDirRemoved { dir: memory_dir.clone(), armed: !memory_dir.exists() });
     let host = HostMemory::new(ram_total, args.ram_floor);
-    let settings = CacheSettings {
-        mode: args.mode,
-        ram_target_bytes: args.ram,
-        spill_max_bytes: args.spill_max,
-        spill_direct: args.spill_direct,
-        spill_writers: args.spill_writers,
-        spill_dir: args.spill_dir.clone(),
-        shared_dir: args.shared_dir.clone(),
-        read_cache_bytes: args.read_cache,
-    };
-    let cache_dirs: Vec<PathBuf> = settings.cache_dir().map(|(_, dir)| dir.clone()).into_iter().collect();
-    let mut exports = OverlayExports::new(images, settings, host.clone())?;
-    if args.anonymous_writes {
-        exports.allow_anonymous_writes();
-    }
-    if let Some(dir) = &args.images {
-        let found = ImageStore::new(dir).images().with_context(|| format!("--images {}", dir.display()))?;
-        if found.is_empty() {
-            tracing::warn!(dir = %dir.display(), "the image store has no images yet (see `overspill image publish`)");
-        }
-        exports.with_image_store(dir);
-    }
-    exports
-        .with_lifecycle(Lifecycle {
-            reconnect_grace: args.reconnect_grace,
-            state_dir: Some(state_dir.clone()),
-            memory_dir: Some(memory_dir.clone()),
-        })
-        .with_context(|| format!("state directory {}", state_dir.display()))?;
-    if let Some(dir) = &args.memory_dir {
-        warn_unless_in_memory(dir);
-    } else if !args.reconnect_grace.is_zero() && std::env::var_os("INVOCATION_ID").is_some() {
-        // systemd sets INVOCATION_ID for the processes of a unit.
-        tracing::warn!(
-            dir = %memory_dir.display(),
-            "started by systemd with the VMs' pages in /dev/shm: a unit with DynamicUser= or RemoveIPC= (and a \
-             user other than root) has its files there removed when it stops, and then no VM would outlive a \
-             restart. Give --memory-dir a directory under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as \
-             docs/overspill.service does"
-        );
-    }
-    if !args.reconnect_grace.is_zero() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
-        if let Some(dir) = cache_dirs.first() {
-            warn_unless_blocks_are_told_apart(dir, args.mode);
-        }
-    }
+    let (exports, cache_dirs) = overlay_exports(&args, images, host.clone(), &state_dir, &memory_dir)?;
     let registry = exports.registry();
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
-    if let Some(dir) = &args.record {
-        exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
-    }
     let protocol_counters = Arc::new(ProtocolCounters::default());
     if let Some(addr) = &args.metrics {
         let bound = metrics::spawn_endpoint(
@@ -331,19 +263,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         )?;
         tracing::info!(metrics = %format!("http://{bound}/metrics"), "metrics endpoint up");
     }
-    let config = ServerConfig {
-        limits: Limits {
-            handshake_timeout: args.handshake_timeout,
-            idle_timeout: (!args.idle_timeout.is_zero()).then_some(args.idle_timeout),
-            request_timeout: args.request_timeout,
-            poll_before_sleep: Duration::from_micros(args.poll_us),
-            ..Limits::default()
-        },
-        max_connections: args.max_connections,
-        max_handshakes: args.max_handshakes.max(1),
-        security,
-        counters: protocol_counters,
-    };
+    let config = server_config(&args, security, protocol_counters);
     // Where the VMs' pages are files: a memory directory that other users fill after the start
     // must make VMs spill, not refuse their writes.
     let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir.clone());
@@ -352,24 +272,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let server = Server::new(Arc::new(exports), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
-    let listener = match inherited {
-        Some(listener) => {
-            // The socket unit says who may connect (SocketMode=, SocketGroup=).
-            if args.socket_mode.is_some() || args.socket_group.is_some() {
-                tracing::warn!("--socket-mode and --socket-group are ignored for a socket handed over by systemd");
-            }
-            listener
-        }
-        None => {
-            let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
-            if let ListenAddr::Unix(path) = &args.listen {
-                set_socket_access(path, args.socket_mode, args.socket_group.as_deref())?;
-            } else if args.socket_mode.is_some() || args.socket_group.is_some() {
-                bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
-            }
-            listener
-        }
-    };
+    let listener = listen(&args, inherited)?;
     tracing::info!(
         uri = %listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off),
         anonymous = if args.anonymous_writes { "writable, reverted at any reconnect" } else { "read-only" },
@@ -392,6 +295,137 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let uri = listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off);
     notify_service_manager(&[NotifyState::Ready, NotifyState::Status(&format!("serving {uri}"))]);
     server.run(&listener).context("accepting connections")?;
+    let end = drain(&server, &registry, &listener)?;
+    // Removes the Unix sockets this server made.
+    drop(listener);
+    drop(control);
+    Ok(end)
+}
+
+/// Flags that contradict each other or cannot work, refused before anything starts.
+fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
+    // Unlike --idle-timeout, these cannot be off: 0 would cut every client at once.
+    for (flag, limit) in [("--handshake-timeout", args.handshake_timeout), ("--request-timeout", args.request_timeout)]
+    {
+        if limit.is_zero() {
+            bail!("{flag} must be above 0 (it bounds how long a client may take; there is no \"off\")");
+        }
+    }
+    if args.ram > args.ram_total {
+        bail!(
+            "--ram {} is above --ram-total {}: no VM could reach its target",
+            format_bytes(args.ram),
+            format_bytes(args.ram_total)
+        );
+    }
+    if args.mode.backing_file() == Some(BackingKind::SpillLog) && args.ram_total < SPILLING_VM_MINIMUM_BYTES {
+        bail!(
+            "--ram-total {} cannot hold one VM: a spilling VM keeps {} (its open segment and index) in memory",
+            format_bytes(args.ram_total),
+            format_bytes(SPILLING_VM_MINIMUM_BYTES)
+        );
+    }
+    Ok(())
+}
+
+/// The exports of the golden images (and the image store), with the VMs' lifecycle and what is
+/// recorded; with the directories their cache files go in.
+fn overlay_exports(
+    args: &ServeArgs,
+    images: BTreeMap<String, Arc<dyn GoldenImage>>,
+    host: Arc<HostMemory>,
+    state_dir: &Path,
+    memory_dir: &Path,
+) -> anyhow::Result<(OverlayExports, Vec<PathBuf>)> {
+    let settings = CacheSettings {
+        mode: args.mode,
+        ram_target_bytes: args.ram,
+        spill_max_bytes: args.spill_max,
+        spill_direct: args.spill_direct,
+        spill_writers: args.spill_writers,
+        spill_dir: args.spill_dir.clone(),
+        shared_dir: args.shared_dir.clone(),
+        read_cache_bytes: args.read_cache,
+    };
+    let cache_dirs: Vec<PathBuf> = settings.cache_dir().map(|(_, dir)| dir.clone()).into_iter().collect();
+    let mut exports = OverlayExports::new(images, settings, host)?;
+    if args.anonymous_writes {
+        exports.allow_anonymous_writes();
+    }
+    if let Some(dir) = &args.images {
+        let found = ImageStore::new(dir).images().with_context(|| format!("--images {}", dir.display()))?;
+        if found.is_empty() {
+            tracing::warn!(dir = %dir.display(), "the image store has no images yet (see `overspill image publish`)");
+        }
+        exports.with_image_store(dir);
+    }
+    exports
+        .with_lifecycle(Lifecycle {
+            reconnect_grace: args.reconnect_grace,
+            state_dir: Some(state_dir.to_owned()),
+            memory_dir: Some(memory_dir.to_owned()),
+        })
+        .with_context(|| format!("state directory {}", state_dir.display()))?;
+    if let Some(dir) = &args.memory_dir {
+        warn_unless_in_memory(dir);
+    } else if !args.reconnect_grace.is_zero() && std::env::var_os("INVOCATION_ID").is_some() {
+        // systemd sets INVOCATION_ID for the processes of a unit.
+        tracing::warn!(
+            dir = %memory_dir.display(),
+            "started by systemd with the VMs' pages in /dev/shm: a unit with DynamicUser= or RemoveIPC= (and a \
+             user other than root) has its files there removed when it stops, and then no VM would outlive a \
+             restart. Give --memory-dir a directory under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as \
+             docs/overspill.service does"
+        );
+    }
+    if !args.reconnect_grace.is_zero() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
+        if let Some(dir) = cache_dirs.first() {
+            warn_unless_blocks_are_told_apart(dir, args.mode);
+        }
+    }
+    if let Some(dir) = &args.record {
+        exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
+    }
+    Ok((exports, cache_dirs))
+}
+
+fn server_config(args: &ServeArgs, security: Security, counters: Arc<ProtocolCounters>) -> ServerConfig {
+    ServerConfig {
+        limits: Limits {
+            handshake_timeout: args.handshake_timeout,
+            idle_timeout: (!args.idle_timeout.is_zero()).then_some(args.idle_timeout),
+            request_timeout: args.request_timeout,
+            poll_before_sleep: Duration::from_micros(args.poll_us),
+            ..Limits::default()
+        },
+        max_connections: args.max_connections,
+        max_handshakes: args.max_handshakes.max(1),
+        security,
+        counters,
+    }
+}
+
+/// The socket systemd handed over, or one bound at `--listen` with the access asked for.
+fn listen(args: &ServeArgs, inherited: Option<Listener>) -> anyhow::Result<Listener> {
+    if let Some(listener) = inherited {
+        // The socket unit says who may connect (SocketMode=, SocketGroup=).
+        if args.socket_mode.is_some() || args.socket_group.is_some() {
+            tracing::warn!("--socket-mode and --socket-group are ignored for a socket handed over by systemd");
+        }
+        return Ok(listener);
+    }
+    let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+    if let ListenAddr::Unix(path) = &args.listen {
+        set_socket_access(path, args.socket_mode, args.socket_group.as_deref())?;
+    } else if args.socket_mode.is_some() || args.socket_group.is_some() {
+        bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
+    }
+    Ok(listener)
+}
+
+/// After the accept loop returned: connections finish the request in hand, VMs in grace are
+/// handed to the next server, and the end says whether this process becomes that server.
+fn drain(server: &Server, registry: &VmRegistry, listener: &Listener) -> anyhow::Result<ServeEnd> {
     if !RESTART.load(std::sync::atomic::Ordering::SeqCst) {
         notify_service_manager(&[NotifyState::Stopping, NotifyState::Status("draining connections")]);
     }
@@ -405,7 +439,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     }
     // Overlays kept for VMs to reconnect go with the server; their names stay in the ledger.
     registry.hand_over_all_in_grace();
-    let end = if RESTART.load(std::sync::atomic::Ordering::SeqCst) {
+    Ok(if RESTART.load(std::sync::atomic::Ordering::SeqCst) {
         // A socket systemd passed is kept open for the next program; one bound here is made
         // again by it (clients retry meanwhile).
         let keep = if listener.is_inherited() { Some(listener.duplicate_fd()?) } else { None };
@@ -414,11 +448,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     } else {
         tracing::info!("shut down");
         ServeEnd::Stopped
-    };
-    // Removes the Unix sockets this server made.
-    drop(listener);
-    drop(control);
-    Ok(end)
+    })
 }
 
 /// Each VM holds a few descriptors (its socket, its files): the usual soft limit of 1024 would

@@ -217,21 +217,17 @@ fn start_local_server(
     Ok(LocalTarget { socket, registry })
 }
 
-pub fn run(args: StormArgs) -> anyhow::Result<()> {
-    let workload = match &args.workload_file {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            Workload::parse(&path.display().to_string(), &text)?
-        }
-        None => Workload::built_in(&args.workload)?,
-    };
-    let vms = args.vms.unwrap_or(if args.guests.is_some() { 3 } else { 20 });
-    if vms == 0 {
-        bail!("--vms must be at least 1");
-    }
-    let work = args.work_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("overspill-storm"));
-    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+/// Prints the report's tables and writes its files.
+fn publish(report: &StormReport, out: &Path) -> anyhow::Result<()> {
+    println!("{}", report::text_tables(report));
+    report::write_files(report, out).with_context(|| format!("writing the report to {}", out.display()))?;
+    println!("Report: {} and {}", out.join("report.html").display(), out.join("report.json").display());
+    Ok(())
+}
 
+/// The configurations to run: each mode (and RAM target) on an in-process server, or each
+/// `--target`.
+fn runs(args: &StormArgs) -> anyhow::Result<Vec<Run>> {
     let mut runs = Vec::new();
     if args.target.is_empty() {
         for &mode in &args.modes {
@@ -247,6 +243,25 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
             runs.push(Run::Remote(uri.parse().map_err(|e| anyhow::anyhow!("--target {uri}: {e}"))?));
         }
     }
+    Ok(runs)
+}
+
+pub fn run(args: StormArgs) -> anyhow::Result<()> {
+    let workload = match &args.workload_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            Workload::parse(&path.display().to_string(), &text)?
+        }
+        None => Workload::built_in(&args.workload)?,
+    };
+    let vms = args.vms.unwrap_or(if args.guests.is_some() { 3 } else { 20 });
+    if vms == 0 {
+        bail!("--vms must be at least 1");
+    }
+    let work = args.work_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("overspill-storm"));
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+
+    let runs = runs(&args)?;
     if args.guests.is_some() {
         return run_guests(&args, vms, &work, &runs);
     }
@@ -316,26 +331,29 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         phase_sources: workload.phases.iter().map(|p| (p.name.clone(), p.source.clone())).collect(),
         configs,
     };
-    println!("{}", report::text_tables(&report));
-    report::write_files(&report, &args.out).with_context(|| format!("writing the report to {}", args.out.display()))?;
-    println!("Report: {} and {}", args.out.join("report.html").display(), args.out.join("report.json").display());
-    Ok(())
+    publish(&report, &args.out)
 }
 
-/// `--guests qemu`: each configuration's in-process server serves the guests' root filesystem,
-/// and the guests boot from it, log on and work (`crate::guest_storm`).
-fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow::Result<()> {
+/// What `--guests` cannot be combined with, and QEMU's presence: checked before anything is
+/// built, rather than found out once per guest.
+fn check_guest_flags(args: &StormArgs) -> anyhow::Result<()> {
     if !args.target.is_empty() {
         bail!("--guests reads the engine's counters of in-process servers: it cannot run against --target");
     }
     if args.speed.is_some() {
         bail!("--speed paces synthetic requests: real guests run in real time");
     }
-    // Checked before anything is built, rather than found out once per guest.
     let qemu = std::process::Command::new("qemu-system-x86_64").arg("--version").output();
     if !qemu.is_ok_and(|out| out.status.success()) {
         bail!("qemu-system-x86_64 does not run: install qemu-system-x86 (scripts/install-guest-tools does)");
     }
+    Ok(())
+}
+
+/// `--guests qemu`: each configuration's in-process server serves the guests' root filesystem,
+/// and the guests boot from it, log on and work (`crate::guest_storm`).
+fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow::Result<()> {
+    check_guest_flags(args)?;
     let kernel = Kernel::newest_cloud()?;
     let image = match &args.golden {
         Some(path) => path.clone(),
@@ -422,8 +440,5 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         ],
         configs,
     };
-    println!("{}", report::text_tables(&report));
-    report::write_files(&report, &args.out).with_context(|| format!("writing the report to {}", args.out.display()))?;
-    println!("Report: {} and {}", args.out.join("report.html").display(), args.out.join("report.json").display());
-    Ok(())
+    publish(&report, &args.out)
 }

@@ -1,0 +1,136 @@
+//! What a VM's overlay holds (memory, disk) and how it keeps within its budget: the memory
+//! counted for the host after each change, free pages kept or given back, spill space given
+//! back when the VM is idle or waiting.
+
+use super::*;
+
+/// Free pages beyond what a VM wants that its arena leaves warm (counted for the host all the
+/// same): a VM whose wants move a little (a smaller write after a larger one) does not punch
+/// pages it takes again a moment later. None for a VM under pressure (see `after_mutation`).
+pub(super) const COOLING_SLACK_PAGES: usize = BLOCKS_PER_SEGMENT / 4;
+
+impl Overlay {
+    /// Cache memory in use: RAM pages, the open spill segment and every index structure.
+    pub fn memory_used_bytes(&self) -> u64 {
+        let spill = match &self.tier {
+            Tier::RamDisk(spill) => spill.memory_bytes(),
+            _ => 0,
+        };
+        self.ram.data_bytes() + self.ram.index_bytes() + self.map.memory_bytes() + self.zeros.memory_bytes() + spill
+    }
+
+    /// What the host's budget counts for this VM: [`Self::memory_used_bytes`] and the free
+    /// pages its arena keeps beyond the open segment's room, as of the end of its last write,
+    /// zeroing or trim. Then every page the VM has in memory is in it, except those of a
+    /// segment being written (the host's, see `SpillLog::memory_bytes`); pages a background
+    /// writer frees after that are counted at the next one.
+    pub fn memory_accounted_bytes(&self) -> u64 {
+        self.accounted_bytes
+    }
+
+    /// The VM is about to wait for its client (its connection lost, its overlay in grace): the
+    /// free spill segments kept for its next writes, beyond the few always kept, go back to the
+    /// filesystem, where another VM may need them while this one writes nothing.
+    pub fn give_back_spare_disk(&mut self) {
+        self.give_back_disk(SpillLog::give_back_spare_kept);
+    }
+
+    /// The VM's client has sent nothing for a while (while connected): every free spill
+    /// segment kept for its next writes goes back to the filesystem, the few always kept too.
+    /// Another VM may need the space, and this one would not hear of it until it writes.
+    pub fn give_back_idle_disk(&mut self) {
+        self.give_back_disk(SpillLog::give_back_kept);
+    }
+
+    /// Has the spill log give kept segments back, and counts the disk it holds then.
+    pub(super) fn give_back_disk(&mut self, give_back: impl FnOnce(&mut SpillLog, &VmStats)) {
+        if let Tier::RamDisk(spill) = &mut self.tier {
+            give_back(spill, &self.stats);
+            self.stats.cache_disk_used_bytes.set(self.disk_used_bytes());
+        }
+    }
+
+    /// Free pages the VM has given back to the host so far (each one faulted in again when it
+    /// is next taken).
+    pub fn memory_pages_punched(&self) -> u64 {
+        self.arena.pages_punched()
+    }
+
+    /// Memory the VM's pages really take: its blocks and the free pages its arena keeps for the
+    /// next ones (beside [`Self::memory_used_bytes`], which counts an open segment whole).
+    pub fn memory_resident_bytes(&self) -> u64 {
+        self.arena.resident_pages() * BLOCK_BYTES
+    }
+
+    /// The target now in force: the VM's own, cut by host pressure.
+    pub fn memory_target_bytes(&self) -> u64 {
+        self.host.effective_target(self.config.ram_target_bytes)
+    }
+
+    pub fn disk_used_bytes(&self) -> u64 {
+        match &self.tier {
+            Tier::Ram => 0,
+            Tier::RamDisk(spill) => spill.disk_used_bytes(),
+            Tier::InPlace { blocks, .. } => blocks * BLOCK_BYTES,
+        }
+    }
+
+    pub(super) fn disk_size_bytes(&self) -> u64 {
+        match &self.tier {
+            Tier::Ram => 0,
+            Tier::RamDisk(spill) => spill.disk_size_bytes(),
+            Tier::InPlace { .. } => self.size,
+        }
+    }
+
+    pub(super) fn after_mutation(&mut self) {
+        if matches!(self.tier, Tier::RamDisk(_)) {
+            if self.spill_mut().wants_compaction() {
+                if let Err(error) = self.compact() {
+                    tracing::warn!(%error, "spill compaction stopped");
+                }
+            }
+            let (spill, stats) = self.spill_and_stats();
+            spill.heed_space_shortages(stats);
+            spill.release_pages_if_empty(stats);
+        }
+        self.map.shrink_if_empty();
+        let used = self.memory_used_bytes();
+        // Free pages the arena keeps in memory are memory the VM holds, though no block is in
+        // them: keep no more than its unused target and what it will take again soon (a write
+        // lands in fresh pages before its blocks push older ones into the open segment; the
+        // spill log wants its round of pages), and count those beyond the open segment's room
+        // (which `used` counts whole) for the host, so that every page kept is a page seen.
+        // Fewer would make a VM streaming large writes fault fresh pages in on every request. A
+        // VM under pressure (its target cut, or the host at its cap, which these kept pages are
+        // not checked against when taken) keeps only its unused target and the open segment's
+        // room, exactly: it is to give memory back, not to go fast.
+        let target = self.memory_target_bytes();
+        let unused = (target.saturating_sub(used) / BLOCK_BYTES) as usize;
+        let pressed = target < self.config.ram_target_bytes || !self.host.has_room(0);
+        let (soon, covered) = match &self.tier {
+            Tier::RamDisk(spill) => {
+                let room = spill.open_room();
+                (if pressed { room } else { spill.pages_wanted_soon() + self.recent_write_blocks }, room)
+            }
+            _ => (0, 0),
+        };
+        let slack = if pressed { 0 } else { COOLING_SLACK_PAGES };
+        let kept = self.arena.cool_beyond(unused + soon, slack);
+        let accounted = used + kept.saturating_sub(covered) as u64 * BLOCK_BYTES;
+        self.host.account(self.accounted_bytes, accounted);
+        self.accounted_bytes = accounted;
+        let stats = &self.stats;
+        stats.cache_memory_used_bytes.set(used);
+        stats.cache_memory_target_bytes.set(target);
+        if used > stats.cache_memory_peak_bytes.get() {
+            stats.cache_memory_peak_bytes.set(used);
+        }
+        let disk = self.disk_used_bytes();
+        stats.cache_disk_used_bytes.set(disk);
+        stats.cache_disk_size_bytes.set(self.disk_size_bytes());
+        if disk > stats.cache_disk_peak_bytes.get() {
+            stats.cache_disk_peak_bytes.set(disk);
+        }
+    }
+}

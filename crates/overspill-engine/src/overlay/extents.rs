@@ -1,0 +1,108 @@
+//! Block status: how each range of the VM's disk is stored, the golden image's own allocation
+//! where the VM has not written.
+
+use super::*;
+
+/// Whether two blocks belong in one extent: data is data wherever it is kept.
+pub(super) fn same_kind(a: Source, b: Source) -> bool {
+    let stored = |s: Source| matches!(s, Source::Ram(_) | Source::Spill(_) | Source::File);
+    a == b || (stored(a) && stored(b))
+}
+
+/// What a block holding both is reported as: data over zeroes over holes.
+pub(super) fn strongest(a: Allocation, b: Allocation) -> Allocation {
+    match (a, b) {
+        (Allocation::Data, _) | (_, Allocation::Data) => Allocation::Data,
+        (Allocation::Zero, _) | (_, Allocation::Zero) => Allocation::Zero,
+        _ => Allocation::Hole,
+    }
+}
+
+impl Overlay {
+    /// How `[offset, offset + len)` of the VM's disk is stored, for block status: what the VM
+    /// wrote is data wherever it lives (RAM, spill, cache file); what it zeroed is `Zero` (it
+    /// reads as zeroes, and a client that zeroed with NO_HOLE is never told of a hole it did not
+    /// ask for); the rest is the golden image's own allocation (holes in a sparse raw file,
+    /// unallocated qcow2 clusters, absent VHDX blocks), in whole blocks: a block part data and
+    /// part hole is data.
+    pub fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.check_range(offset, len)?;
+        let mut extents = Vec::new();
+        let end = offset + len;
+        let mut block = offset / BLOCK_BYTES;
+        let end_block = end.div_ceil(BLOCK_BYTES);
+        while block < end_block {
+            let source = self.source(BlockIndex(block));
+            let mut run_end = block + 1;
+            while run_end < end_block && same_kind(self.source(BlockIndex(run_end)), source) {
+                run_end += 1;
+            }
+            let (from, to) = ((block * BLOCK_BYTES).max(offset), (run_end * BLOCK_BYTES).min(end));
+            match source {
+                Source::Golden => self.golden_extents(from, to, &mut extents)?,
+                Source::Zero => push_extent(&mut extents, to - from, Allocation::Zero),
+                Source::Ram(_) | Source::Spill(_) | Source::File => {
+                    push_extent(&mut extents, to - from, Allocation::Data)
+                }
+            }
+            block = run_end;
+        }
+        Ok(extents)
+    }
+
+    /// The golden image's extents for `[from, to)`, block by block: a block holding any data is
+    /// data, else any stored zeroes make it zero, else it is a hole.
+    pub(super) fn golden_extents(&self, from: u64, to: u64, extents: &mut Vec<Extent>) -> Result<()> {
+        let io = |source| EngineError::Io { what: "asking the golden image for its allocation", source };
+        let golden_end = to.min(self.golden.size());
+        let mut at = from;
+        // The state of the block being gathered, and where it starts.
+        let mut pending: Option<(u64, Allocation)> = None;
+        while at < golden_end {
+            let parts = self.golden.extents(at, golden_end - at).map_err(io)?;
+            if parts.is_empty() {
+                return Err(io(io::Error::other("the golden image reported no extents")));
+            }
+            for part in parts {
+                if part.len == 0 {
+                    return Err(io(io::Error::other("the golden image reported an empty extent")));
+                }
+                let part_end = (at + part.len).min(golden_end);
+                let mut pos = at;
+                while pos < part_end {
+                    let block_end = ((pos / BLOCK_BYTES + 1) * BLOCK_BYTES).min(golden_end);
+                    let state = match pending {
+                        Some((_, held)) => strongest(held, part.state),
+                        None => part.state,
+                    };
+                    if part_end >= block_end {
+                        // This block is complete: emit it, then whole blocks of this part at once.
+                        let start = pending.map_or(pos, |(start, _)| start);
+                        push_extent(extents, block_end - start, state);
+                        pending = None;
+                        let whole_end = part_end / BLOCK_BYTES * BLOCK_BYTES;
+                        if whole_end > block_end {
+                            push_extent(extents, whole_end - block_end, part.state);
+                            pos = whole_end;
+                        } else {
+                            pos = block_end;
+                        }
+                    } else {
+                        pending = Some((pending.map_or(pos, |(start, _)| start), state));
+                        pos = part_end;
+                    }
+                }
+                at = part_end;
+                if at >= golden_end {
+                    break;
+                }
+            }
+        }
+        if let Some((start, state)) = pending {
+            push_extent(extents, golden_end - start, state);
+        }
+        // Past the end of a golden image shorter than the disk: zeroes nobody stored.
+        push_extent(extents, to - golden_end.max(from), Allocation::Hole);
+        Ok(())
+    }
+}

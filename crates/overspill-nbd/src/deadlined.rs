@@ -1,0 +1,128 @@
+//! The handshake's one deadline over a whole stream.
+
+use std::io::{self, IoSliceMut, Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use overspill_net::{ReadStopper, Transport};
+
+/// A stream whose reads and writes share one deadline until a timeout is set: the handshake's.
+/// Each read may wait only for what is left of it, so a client dribbling a byte a second cannot
+/// hold a connection slot past the deadline (a plain per-read timeout starts afresh with every
+/// byte); each write too, so a client that does not read its replies cannot either. Setting a
+/// read or write timeout, as the transmission phase does, ends the deadline.
+pub(crate) struct Deadlined<T> {
+    inner: T,
+    deadline: Instant,
+    active: AtomicBool,
+}
+
+impl<T: Transport> Deadlined<T> {
+    pub(crate) fn new(inner: T, within: Duration) -> Self {
+        Self { inner, deadline: Instant::now() + within, active: AtomicBool::new(true) }
+    }
+
+    /// Before a read: the time left, as the socket's read timeout.
+    pub(crate) fn arm(&self) -> io::Result<()> {
+        match self.left()? {
+            Some(left) => self.inner.set_read_timeout(Some(left)),
+            None => Ok(()),
+        }
+    }
+
+    /// Before a write: the time left, as the socket's write timeout. A client that sends
+    /// options and never reads the replies fills both socket buffers; without this the write
+    /// would block past the deadline, for good (the kernel keeps answering its zero window).
+    pub(crate) fn arm_write(&self) -> io::Result<()> {
+        match self.left()? {
+            Some(left) => self.inner.set_write_timeout(Some(left)),
+            None => Ok(()),
+        }
+    }
+
+    /// What is left of the deadline while it holds.
+    pub(crate) fn left(&self) -> io::Result<Option<Duration>> {
+        if !self.active.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Self::expired());
+        }
+        Ok(Some(left))
+    }
+
+    pub(crate) fn expired() -> io::Error {
+        io::Error::new(io::ErrorKind::TimedOut, "the handshake took longer than its deadline")
+    }
+
+    /// A read or write that timed out while the deadline holds says so.
+    pub(crate) fn explain<R>(&self, result: io::Result<R>) -> io::Result<R> {
+        match result {
+            Err(e)
+                if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+                    && self.active.load(Ordering::Relaxed) =>
+            {
+                Err(Self::expired())
+            }
+            other => other,
+        }
+    }
+}
+
+impl<T: Transport> Read for Deadlined<T> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm()?;
+        let result = self.inner.read(buf);
+        self.explain(result)
+    }
+
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.arm()?;
+        let result = self.inner.read_vectored(bufs);
+        self.explain(result)
+    }
+}
+
+impl<T: Transport> Write for Deadlined<T> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm_write()?;
+        let result = self.inner.write(buf);
+        self.explain(result)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.arm_write()?;
+        let result = self.inner.write_vectored(bufs);
+        self.explain(result)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<T: Transport> Transport for Deadlined<T> {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.active.store(false, Ordering::Relaxed);
+        self.inner.set_read_timeout(timeout)
+    }
+
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        // As for reads: a timeout of its own (transmission's, or the goodbye's once the
+        // deadline has passed) takes over from the deadline.
+        self.active.store(false, Ordering::Relaxed);
+        self.inner.set_write_timeout(timeout)
+    }
+
+    fn read_stopper(&self) -> Option<ReadStopper> {
+        self.inner.read_stopper()
+    }
+
+    fn read_now(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Option<io::Result<usize>> {
+        if self.active.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.inner.read_now(bufs)
+    }
+}
