@@ -275,3 +275,85 @@ impl<D: BlockDevice> BlockDevice for LedgerMarked<D> {
         self.inner.closing()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use overspill_block::read_whole;
+
+    use super::*;
+    use crate::vms::{Claim, Lifecycle};
+
+    /// A disk in memory that counts the writes that reach it.
+    struct Counted {
+        bytes: Vec<u8>,
+        writes: usize,
+    }
+
+    impl BlockDevice for Counted {
+        fn size(&self) -> u64 {
+            self.bytes.len() as u64
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::ALL
+        }
+        fn read(&mut self, _: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+            buf.copy_from_slice(&self.bytes[offset as usize..offset as usize + buf.len()]);
+            Ok(())
+        }
+        fn write(&mut self, offset: u64, data: &[u8], _: bool) -> Result<(), DeviceError> {
+            self.writes += 1;
+            self.bytes[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+        fn write_zeroes(&mut self, _: u64, _: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
+            self.writes += 1;
+            Ok(())
+        }
+        fn trim(&mut self, _: u64, _: u64, _: bool) -> Result<(), DeviceError> {
+            self.writes += 1;
+            Ok(())
+        }
+        fn flush(&mut self) -> Result<(), DeviceError> {
+            Ok(())
+        }
+    }
+
+    /// The ledger learns of a VM's writes before the first reaches its overlay; a ledger that
+    /// cannot be written refuses the write (the device never sees it), and reads never ask it.
+    #[test]
+    fn a_vms_first_change_waits_for_the_ledger_and_fails_without_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let state_dir = dir.path().join("state");
+        let lifecycle = Lifecycle {
+            reconnect_grace: Duration::from_secs(60),
+            state_dir: Some(state_dir.clone()),
+            memory_dir: None,
+        };
+        let registry = VmRegistry::new(lifecycle).expect("registry");
+        let Claim::Fresh { number, .. } = registry.claim(Some("desk"), "golden", None).expect("claim") else {
+            panic!("a fresh VM");
+        };
+        let entry = state_dir.join("vm-desk.json");
+        let mut device = LedgerMarked {
+            inner: Counted { bytes: vec![0; 1 << 20], writes: 0 },
+            registry: registry.clone(),
+            number,
+            marked: false,
+        };
+        read_whole(&mut device, 0, &mut [0; 4096]).expect("read");
+        assert!(!entry.exists(), "a read marked the VM as having writes");
+        // Something in the entry's place that it cannot replace: the ledger cannot be written.
+        std::fs::create_dir_all(entry.join("in-the-way")).expect("blocker");
+        let error = device.write(0, &[1; 4096], false).expect_err("a write the ledger does not know of");
+        assert_eq!(error.kind, DeviceErrorKind::Io);
+        assert!(error.message.contains("state directory"), "{error}");
+        assert_eq!(device.inner.writes, 0, "the write reached the overlay before the ledger knew");
+        std::fs::remove_dir_all(&entry).expect("blocker gone");
+        device.trim(0, 4096, false).expect("trim");
+        assert!(entry.is_file(), "the ledger has the VM once it changed its disk");
+        device.write(4096, &[2; 4096], false).expect("write");
+        assert_eq!(device.inner.writes, 2);
+    }
+}
