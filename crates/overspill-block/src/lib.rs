@@ -1,11 +1,13 @@
 //! The floor under every frontend. A frontend (NBD, vhost-user-blk) turns its protocol into
 //! calls of a [`BlockDevice`] opened by an [`ExportProvider`]; the server adapts an engine
-//! overlay to that trait. Between the two sit layers any device can wear, each on its own:
+//! overlay to that trait. Between the two sit layers any device can wear ([`DeviceLayer`]: a
+//! layer overrides what it adds and passes every other call on), each on its own:
 //! [`Recorded`] writes every request to a trace ([`trace`], the format the storm replays and the
 //! planner sizes from) and [`Timed`] measures service times. One list of guest operations
 //! ([`GuestOp`]) serves the whole workspace.
 
 pub mod device;
+pub mod layer;
 pub mod op;
 pub mod recorded;
 pub mod timed;
@@ -15,6 +17,7 @@ pub use device::{
     read_whole, BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo,
     ExportProvider, Extent, Payload, ReadRequest, SlicesPayload, DEFAULT_BLOCK_SIZES,
 };
+pub use layer::DeviceLayer;
 pub use op::GuestOp;
 pub use recorded::{Recorded, Recorder};
 pub use timed::{Latencies, Timed};

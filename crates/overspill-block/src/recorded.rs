@@ -6,9 +6,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use bytes::Bytes;
-
-use crate::device::{BlockDevice, Capabilities, DeviceError, Extent, Payload, ReadRequest};
+use crate::device::{BlockDevice, DeviceError, Payload};
+use crate::layer::DeviceLayer;
 use crate::op::GuestOp;
 use crate::trace::{Record, TraceError, TraceHeader, TraceWriter};
 
@@ -99,33 +98,18 @@ impl Payload for RecordedPayload<'_> {
     }
 }
 
-impl<D: BlockDevice> BlockDevice for Recorded<D> {
-    fn size(&self) -> u64 {
-        self.inner.size()
+impl<D: BlockDevice> DeviceLayer for Recorded<D> {
+    type Below = D;
+
+    fn below(&self) -> &D {
+        &self.inner
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+    fn below_mut(&mut self) -> &mut D {
+        &mut self.inner
     }
     fn read_requested(&mut self, offset: u64, length: u64) {
         self.record(GuestOp::Read, offset, length);
         self.inner.read_requested(offset, length);
-    }
-    fn read(&mut self, request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.inner.read(request, offset, buf)
-    }
-    fn read_vectored(
-        &mut self,
-        request: &ReadRequest,
-        offset: u64,
-        bufs: &mut [IoSliceMut<'_>],
-    ) -> Result<(), DeviceError> {
-        self.inner.read_vectored(request, offset, bufs)
-    }
-    fn read_sent_as_zeroes(&mut self, request: &ReadRequest, offset: u64, length: u64) {
-        self.inner.read_sent_as_zeroes(request, offset, length)
-    }
-    fn read_shared(&mut self, request: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
-        self.inner.read_shared(request, offset, length)
     }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
         self.record(GuestOp::Write, offset, data.len() as u64);
@@ -164,23 +148,5 @@ impl<D: BlockDevice> BlockDevice for Recorded<D> {
     fn flush(&mut self) -> Result<(), DeviceError> {
         self.record(GuestOp::Flush, 0, 0);
         self.inner.flush()
-    }
-    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
-        self.inner.block_status(offset, length)
-    }
-    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
-        self.inner.cache(offset, length)
-    }
-    fn disconnect(&mut self) {
-        self.inner.disconnect()
-    }
-    fn idle(&mut self) {
-        self.inner.idle()
-    }
-    fn idle_timed_out(&mut self) {
-        self.inner.idle_timed_out()
-    }
-    fn closing(&self) -> bool {
-        self.inner.closing()
     }
 }

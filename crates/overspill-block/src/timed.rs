@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::device::{BlockDevice, Capabilities, DeviceError, Extent, Payload, ReadRequest};
+use crate::device::{BlockDevice, DeviceError, Payload, ReadRequest};
+use crate::layer::DeviceLayer;
 use crate::op::GuestOp;
 
 /// Where service times go: one sample per guest request.
@@ -68,12 +69,14 @@ impl Payload for TimedPayload<'_> {
     }
 }
 
-impl<D: BlockDevice> BlockDevice for Timed<D> {
-    fn size(&self) -> u64 {
-        self.inner.size()
+impl<D: BlockDevice> DeviceLayer for Timed<D> {
+    type Below = D;
+
+    fn below(&self) -> &D {
+        &self.inner
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+    fn below_mut(&mut self) -> &mut D {
+        &mut self.inner
     }
     fn read_requested(&mut self, offset: u64, length: u64) {
         (self.read_left, self.read_spent) = (length, Duration::ZERO);
@@ -134,23 +137,5 @@ impl<D: BlockDevice> BlockDevice for Timed<D> {
     }
     fn flush(&mut self) -> Result<(), DeviceError> {
         self.timed(GuestOp::Flush, |inner| inner.flush())
-    }
-    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
-        self.inner.block_status(offset, length)
-    }
-    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
-        self.inner.cache(offset, length)
-    }
-    fn disconnect(&mut self) {
-        self.inner.disconnect()
-    }
-    fn idle(&mut self) {
-        self.inner.idle()
-    }
-    fn idle_timed_out(&mut self) {
-        self.inner.idle_timed_out()
-    }
-    fn closing(&self) -> bool {
-        self.inner.closing()
     }
 }

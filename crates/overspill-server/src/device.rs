@@ -1,13 +1,14 @@
 //! One VM's overlay behind the device seam, for one connection, and the layers it wears there:
 //! recording (`serve --record`), timing, and the ledger's mark that the VM has writes.
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use overspill_block::{
-    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, Extent, Payload, ReadRequest, Recorded, Recorder, Timed,
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, DeviceLayer, Extent, Payload, ReadRequest, Recorded,
+    Recorder, Timed,
 };
 use overspill_engine::Allocation;
 
@@ -198,32 +199,14 @@ impl<D: BlockDevice> LedgerMarked<D> {
     }
 }
 
-impl<D: BlockDevice> BlockDevice for LedgerMarked<D> {
-    fn size(&self) -> u64 {
-        self.inner.size()
+impl<D: BlockDevice> DeviceLayer for LedgerMarked<D> {
+    type Below = D;
+
+    fn below(&self) -> &D {
+        &self.inner
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn read_requested(&mut self, offset: u64, length: u64) {
-        self.inner.read_requested(offset, length)
-    }
-    fn read(&mut self, request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.inner.read(request, offset, buf)
-    }
-    fn read_vectored(
-        &mut self,
-        request: &ReadRequest,
-        offset: u64,
-        bufs: &mut [IoSliceMut<'_>],
-    ) -> Result<(), DeviceError> {
-        self.inner.read_vectored(request, offset, bufs)
-    }
-    fn read_sent_as_zeroes(&mut self, request: &ReadRequest, offset: u64, length: u64) {
-        self.inner.read_sent_as_zeroes(request, offset, length)
-    }
-    fn read_shared(&mut self, request: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
-        self.inner.read_shared(request, offset, length)
+    fn below_mut(&mut self) -> &mut D {
+        &mut self.inner
     }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
         self.about_to_change()?.write(offset, data, fua)
@@ -252,27 +235,6 @@ impl<D: BlockDevice> BlockDevice for LedgerMarked<D> {
     }
     fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
         self.about_to_change()?.trim(offset, length, fua)
-    }
-    fn flush(&mut self) -> Result<(), DeviceError> {
-        self.inner.flush()
-    }
-    fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
-        self.inner.block_status(offset, length)
-    }
-    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
-        self.inner.cache(offset, length)
-    }
-    fn disconnect(&mut self) {
-        self.inner.disconnect()
-    }
-    fn idle(&mut self) {
-        self.inner.idle()
-    }
-    fn idle_timed_out(&mut self) {
-        self.inner.idle_timed_out()
-    }
-    fn closing(&self) -> bool {
-        self.inner.closing()
     }
 }
 
@@ -346,14 +308,15 @@ mod tests {
         assert!(!entry.exists(), "a read marked the VM as having writes");
         // Something in the entry's place that it cannot replace: the ledger cannot be written.
         std::fs::create_dir_all(entry.join("in-the-way")).expect("blocker");
-        let error = device.write(0, &[1; 4096], false).expect_err("a write the ledger does not know of");
+        let error =
+            BlockDevice::write(&mut device, 0, &[1; 4096], false).expect_err("a write the ledger does not know of");
         assert_eq!(error.kind, DeviceErrorKind::Io);
         assert!(error.message.contains("state directory"), "{error}");
         assert_eq!(device.inner.writes, 0, "the write reached the overlay before the ledger knew");
         std::fs::remove_dir_all(&entry).expect("blocker gone");
-        device.trim(0, 4096, false).expect("trim");
+        BlockDevice::trim(&mut device, 0, 4096, false).expect("trim");
         assert!(entry.is_file(), "the ledger has the VM once it changed its disk");
-        device.write(4096, &[2; 4096], false).expect("write");
+        BlockDevice::write(&mut device, 4096, &[2; 4096], false).expect("write");
         assert_eq!(device.inner.writes, 2);
     }
 }
