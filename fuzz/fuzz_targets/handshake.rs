@@ -9,11 +9,11 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
+use overspill_block::{Capabilities, ExportAccess, ExportProvider};
 use overspill_fuzz::*;
 use overspill_nbd::handshake::{transmission_flags, Handshake, HandshakeError, Progress, MAX_OPTION_BYTES};
 use overspill_nbd::memory::OneExport;
 use overspill_nbd::wire::*;
-use overspill_block::{Capabilities, ExportAccess, ExportProvider};
 use overspill_net::TlsMode;
 
 /// How the reference expects one `advance` call to end.

@@ -5,10 +5,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use overspill_block::Capabilities;
 use overspill_fuzz::REQUEST_INPUT_BYTES;
 use overspill_nbd::request::{validate, Command, FramingError, RequestHeader};
 use overspill_nbd::wire::*;
-use overspill_block::Capabilities;
 
 fuzz_target!(|data: &[u8]| {
     let mut input = [0u8; REQUEST_INPUT_BYTES];

@@ -55,7 +55,7 @@ pub fn server_prefix(mode: u8) -> Vec<u8> {
 }
 
 /// `request` input: a raw 28-byte header, then export size (u64), maximum payload (u32) and a
-/// capability bit set (u8, in [`overspill_nbd::Capabilities`] field order); missing bytes read as zero.
+/// capability bit set (u8, in [`overspill_block::Capabilities`] field order); missing bytes read as zero.
 pub const REQUEST_INPUT_BYTES: usize = REQUEST_HEADER_BYTES + 8 + 4 + 1;
 
 /// `handshake` input: a head byte, `n` chunk sizes the client stream is fed in (cycled; 0 means

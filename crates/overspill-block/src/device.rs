@@ -94,7 +94,8 @@ pub struct Extent {
     pub zero: bool,
 }
 
-/// Why a device refused or failed a command; mapped to an NBD errno in exactly one place.
+/// Why a device refused or failed a command; each frontend maps it to its own error in one place
+/// (NBD: `overspill_nbd::request::errno_of`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceErrorKind {
     /// EIO: the storage behind the device failed.
@@ -180,10 +181,11 @@ pub trait BlockDevice: Send {
         Ok(vec![Bytes::from(buf)])
     }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError>;
-    /// A write whose `length` bytes are still in the socket: the device hands `payload` the
-    /// buffers they should land in, so a device that keeps blocks in memory can have them copied
-    /// once, from the socket. The default receives them into one buffer and calls `write`.
-    /// If `payload` fails the connection ends, whatever this returns.
+    /// A write whose `length` bytes are still to come (in a socket, or in guest memory): the
+    /// device hands `payload` the buffers they should land in, so a device that keeps blocks in
+    /// memory can have them copied once, from where they are. The default receives them into one
+    /// buffer and calls `write`. If `payload` fails the request fails (over NBD the connection
+    /// ends), whatever this returns.
     fn write_from(
         &mut self,
         offset: u64,

@@ -48,11 +48,19 @@ impl Recorder {
     }
 }
 
-impl Drop for Recorder {
-    fn drop(&mut self) {
+impl Recorder {
+    /// Writes out what is buffered and stops recording: the trace is whole on disk when this
+    /// returns (a reader may be waiting for the VM to go to read it).
+    pub fn finish(&mut self) {
         if let Some(Err(error)) = self.writer.take().map(TraceWriter::finish) {
             tracing::warn!(vm = %self.vm, %error, "could not finish the trace");
         }
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 

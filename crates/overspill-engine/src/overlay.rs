@@ -27,23 +27,18 @@
 use std::io::{self, IoSliceMut};
 use std::sync::Arc;
 
-use bytes::Bytes;
-
-use crate::arena::{Arena, LivePage, Owner, Page, ARENA_SLACK_PAGES};
+use crate::arena::{Arena, ARENA_SLACK_PAGES};
 use crate::budget::HostMemory;
 use crate::error::{EngineError, Result};
-use crate::golden::{push_extent, Allocation, Extent, GoldenImage};
+use crate::golden::GoldenImage;
 use crate::map::{self, BlockMap, Slot};
 use crate::ram::{RamSlot, RamTier};
 use crate::ranges::RangeSet;
-use crate::spill::{Purpose, SpillLog};
-use crate::state::{self, CopyAt, Found, SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
-use crate::stats::{OpCounter, VmStats};
+use crate::spill::SpillLog;
+use crate::state::{SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
+use crate::stats::VmStats;
 use crate::store::BackingFile;
-use crate::units::{
-    block_spans, Block, BlockIndex, BlockSpan, SegmentId, SpillAddr, BLOCKS_PER_SEGMENT, BLOCK_BYTES, BLOCK_SIZE,
-    SEGMENT_BYTES,
-};
+use crate::units::{block_spans, Block, BlockIndex, SpillAddr, BLOCK_BYTES};
 
 mod budget;
 mod config;

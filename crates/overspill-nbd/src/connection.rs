@@ -53,7 +53,7 @@ pub struct Limits {
     /// (zero: sleep at once).
     pub poll_before_sleep: Duration,
     /// A client that has sent nothing for this long is quiet: its device hears of it
-    /// ([`BlockDevice::idle`]), once per quiet spell, at the first wake-up of its wait after this
+    /// ([`overspill_block::BlockDevice::idle`]), once per quiet spell, at the first wake-up of its wait after this
     /// (the waits wake every third of the shortest deadline, at most every 20 s).
     pub quiet_after: Duration,
 }

@@ -23,7 +23,7 @@ impl<T: Transport> Deadlined<T> {
     }
 
     /// Before a read: the time left, as the socket's read timeout.
-    pub(crate) fn arm(&self) -> io::Result<()> {
+    fn arm(&self) -> io::Result<()> {
         match self.left()? {
             Some(left) => self.inner.set_read_timeout(Some(left)),
             None => Ok(()),
@@ -33,7 +33,7 @@ impl<T: Transport> Deadlined<T> {
     /// Before a write: the time left, as the socket's write timeout. A client that sends
     /// options and never reads the replies fills both socket buffers; without this the write
     /// would block past the deadline, for good (the kernel keeps answering its zero window).
-    pub(crate) fn arm_write(&self) -> io::Result<()> {
+    fn arm_write(&self) -> io::Result<()> {
         match self.left()? {
             Some(left) => self.inner.set_write_timeout(Some(left)),
             None => Ok(()),
@@ -52,12 +52,12 @@ impl<T: Transport> Deadlined<T> {
         Ok(Some(left))
     }
 
-    pub(crate) fn expired() -> io::Error {
+    fn expired() -> io::Error {
         io::Error::new(io::ErrorKind::TimedOut, "the handshake took longer than its deadline")
     }
 
     /// A read or write that timed out while the deadline holds says so.
-    pub(crate) fn explain<R>(&self, result: io::Result<R>) -> io::Result<R> {
+    fn explain<R>(&self, result: io::Result<R>) -> io::Result<R> {
         match result {
             Err(e)
                 if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)

@@ -13,12 +13,12 @@ use crate::wire::*;
 
 /// Reads at least this long are sent from the device's own buffers ([`BlockDevice::read_shared`])
 /// by the output's vectored write, not copied into the output first.
-pub(crate) const SHARED_READ_BYTES: usize = 32 * 1024;
+const SHARED_READ_BYTES: usize = 32 * 1024;
 /// Flush the output early once this much is waiting, so large reads do not pile up.
 pub(crate) const OUTPUT_HIGH_WATER: usize = 4 << 20;
 /// Reads larger than this are answered in slices of at most this, ending on its multiples on
 /// the disk (see [`read`]).
-pub(crate) const READ_SLICE_BYTES: usize = 1 << 20;
+const READ_SLICE_BYTES: usize = 1 << 20;
 
 pub(crate) fn execute(
     device: &mut dyn BlockDevice,
@@ -66,14 +66,14 @@ pub(crate) fn reply_status<T>(
 
 /// Descriptors in one block status reply at most, as the spec asks (2^20); a client asks again
 /// from where the reply stopped.
-pub(crate) const MAX_STATUS_DESCRIPTORS: usize = 1 << 20;
+const MAX_STATUS_DESCRIPTORS: usize = 1 << 20;
 /// Of a block status request, what the device is asked about at most: the spec lets a server
 /// answer for less than was asked "if looking up the information would be too
 /// resource-intensive", and the client asks again from where the reply stopped. A device
 /// walks its map block by block: 256 MiB is 65,536 blocks, at most 512 KiB of descriptors.
 /// The same with REQ_ONE, which QEMU sends on every request: a smaller window would cut its
 /// long extents (an empty disk) into many more round trips.
-pub(crate) const STATUS_WINDOW_BYTES: u64 = 256 << 20;
+const STATUS_WINDOW_BYTES: u64 = 256 << 20;
 
 /// Answers NBD_CMD_BLOCK_STATUS for `base:allocation`: one chunk of (length, flags)
 /// descriptors, never past the request's end (so REQ_ONE's limit holds too), merged where
@@ -134,10 +134,10 @@ pub(crate) fn block_status<T>(
 /// Structured reads at least this long ask the device which parts read as zeroes, and send
 /// those as hole chunks instead of data. Smaller reads are not worth the question: it costs an
 /// index walk, and the 4-64 KiB reads of a running guest are almost never zero.
-pub(crate) const SPARSE_READ_BYTES: usize = 256 * 1024;
+const SPARSE_READ_BYTES: usize = 256 * 1024;
 
 /// Zero runs shorter than this travel as data: a hole chunk would save too little.
-pub(crate) const MIN_HOLE_BYTES: u64 = 4096;
+const MIN_HOLE_BYTES: u64 = 4096;
 
 /// Answers a read. Data is read straight into the output buffer behind the reply header, so it
 /// is copied once, or lent by the device ([`SHARED_READ_BYTES`]). A read larger than
@@ -238,7 +238,7 @@ pub(crate) fn read<T: Transport>(
 /// The runs of `[offset, offset + length)` the device says read as zeroes, as (offset, length),
 /// in order, each at least [`MIN_HOLE_BYTES`]. A device that cannot tell, or fails to, has none:
 /// the read then sends everything as data, which is never wrong.
-pub(crate) fn zero_runs(device: &mut dyn BlockDevice, offset: u64, length: usize) -> Vec<(u64, u64)> {
+fn zero_runs(device: &mut dyn BlockDevice, offset: u64, length: usize) -> Vec<(u64, u64)> {
     let extents = match device.block_status(offset, length as u64) {
         Ok(extents) => extents,
         Err(error) => {
@@ -267,7 +267,7 @@ pub(crate) fn zero_runs(device: &mut dyn BlockDevice, offset: u64, length: usize
 }
 
 /// Appends `length` bytes of the device at `offset` to the output: lent, or copied in.
-pub(crate) fn read_slice<T: Transport>(
+fn read_slice<T: Transport>(
     wire: &mut Wire<T>,
     device: &mut dyn BlockDevice,
     request: &ReadRequest,

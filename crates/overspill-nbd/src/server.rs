@@ -1,4 +1,5 @@
-//! Listening sockets and the accept loop: one thread per connection, a cap on connections.
+//! The accept loop over a listener of `overspill_net`: one thread per connection, a cap on
+//! connections.
 //!
 //! A [`ShutdownHandle`] drains a server: the accept loop returns, every connection answers the
 //! request in hand and closes (see [`crate::connection::serve_connection_until`]), and

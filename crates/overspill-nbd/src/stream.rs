@@ -26,17 +26,17 @@ pub(crate) const DIRECT_RECEIVE_BYTES: usize = 64 * 1024;
 /// write's payload too, which is then copied twice (socket to input buffer to device).
 pub(crate) const READ_AFTER_DIRECT_BYTES: usize = 4096 + REQUEST_HEADER_BYTES;
 /// Most buffers one `readv` takes (Linux's UIO_MAXIOV).
-pub(crate) const MAX_IOVECS: usize = 1024;
+const MAX_IOVECS: usize = 1024;
 /// Most buffers one read of a write's payload is handed. A socket gives what it holds, and a
 /// Unix stream socket holds what its sender's buffer lets through (about 208 KiB by default),
 /// while each call copies every descriptor it is handed into the kernel, polls that find
 /// nothing included: with the 256 pages of a 1 MiB write, that copy was 1.4 % of the server's
 /// samples while spilling. 64 pages cover what one read returns (a fuller TCP socket takes a
 /// few more calls).
-pub(crate) const PAYLOAD_READ_IOVECS: usize = 64;
+const PAYLOAD_READ_IOVECS: usize = 64;
 
 /// Waits that sleep at once after a poll that found nothing.
-pub(crate) const POLL_SKIPS_AFTER_MISS: u32 = 16;
+const POLL_SKIPS_AFTER_MISS: u32 = 16;
 
 pub(crate) struct Wire<T> {
     pub(crate) stream: T,
@@ -56,7 +56,7 @@ pub(crate) struct Wire<T> {
     /// `output[..at]`, so that replies still leave in order and together, one `writev`.
     pub(crate) lent: Vec<(usize, Bytes)>,
     pub(crate) lent_bytes: usize,
-    /// Transmission's deadlines (the handshake has its own, in [`Deadlined`]).
+    /// Transmission's deadlines (the handshake has its own, in [`crate::deadlined::Deadlined`]).
     pub(crate) deadlines: Option<Deadlines>,
     /// What a read that blocks now waits for, and since when.
     pub(crate) waiting: Option<(Wait, Instant)>,
@@ -91,7 +91,7 @@ pub(crate) enum Wait {
 }
 
 impl Wait {
-    pub(crate) fn describe(&self) -> String {
+    fn describe(&self) -> String {
         match self {
             Wait::Idle(limit) => format!("no request for {limit:?} (the idle timeout)"),
             Wait::Request(limit) => format!("a request took longer than {limit:?} to arrive whole"),
@@ -103,7 +103,7 @@ impl Wait {
 /// Inside the `WouldBlock` error of a connection's wait for its next request that woke with
 /// nothing read (see [`Wire::report_idle`]): the waiting goes on once the device has heard.
 #[derive(Debug)]
-pub(crate) struct IdleTick;
+struct IdleTick;
 
 impl std::fmt::Display for IdleTick {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -113,12 +113,12 @@ impl std::fmt::Display for IdleTick {
 
 impl std::error::Error for IdleTick {}
 
-pub(crate) fn is_idle_tick(error: &ConnectionError) -> bool {
+fn is_idle_tick(error: &ConnectionError) -> bool {
     matches!(error, ConnectionError::Io(e) if e.get_ref().is_some_and(|inner| inner.is::<IdleTick>()))
 }
 
 /// The client sent no request for the idle timeout.
-pub(crate) fn is_idle_deadline(error: &io::Error) -> bool {
+fn is_idle_deadline(error: &io::Error) -> bool {
     error.kind() == io::ErrorKind::TimedOut
         && error
             .get_ref()
@@ -127,7 +127,7 @@ pub(crate) fn is_idle_deadline(error: &io::Error) -> bool {
 }
 
 /// A client that took no reply for `limit`.
-pub(crate) fn stalled(limit: Duration) -> io::Error {
+fn stalled(limit: Duration) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(Wait::Reply(limit)))
 }
 
@@ -190,7 +190,7 @@ impl<T: Transport> Wire<T> {
     /// Notes, before a read, what it waits for: the clock of a wait runs from its first read
     /// until the request is whole. An error once that is longer than its deadline: a client
     /// that dribbles bytes, each in time for a read, is cut off here.
-    pub(crate) fn note_wait(&mut self) -> io::Result<()> {
+    fn note_wait(&mut self) -> io::Result<()> {
         let Some(deadlines) = self.deadlines else { return Ok(()) };
         let wait = if self.mid_request || !self.buffered().is_empty() {
             Wait::Request(deadlines.request)
@@ -213,7 +213,7 @@ impl<T: Transport> Wire<T> {
     }
 
     /// The wait noted last, as an error once it is over its deadline.
-    pub(crate) fn deadline_passed(&self) -> io::Result<()> {
+    fn deadline_passed(&self) -> io::Result<()> {
         match self.waiting {
             Some((wait @ (Wait::Idle(limit) | Wait::Request(limit)), since)) if since.elapsed() >= limit => {
                 Err(io::Error::new(io::ErrorKind::TimedOut, DeadlinePassed(wait)))
@@ -224,7 +224,7 @@ impl<T: Transport> Wire<T> {
 
     /// A blocked read woke without data (the socket's timeout is the deadlines' tick): an error
     /// once the wait is over its deadline, otherwise read again. Other errors stand.
-    pub(crate) fn check_deadline(&self, error: io::Error) -> io::Result<()> {
+    fn check_deadline(&self, error: io::Error) -> io::Result<()> {
         if self.deadlines.is_none() || !matches!(error.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
             return Err(error);
         }
@@ -318,7 +318,7 @@ impl<T: Transport> Wire<T> {
     /// A poll that finds nothing means the client is idle or slow: the next few waits sleep at
     /// once, so an idle VM costs one `poll` now and then. `None`: nothing arrived (or the stream
     /// cannot be asked), sleep in `read`.
-    pub(crate) fn poll_for_input(&mut self) -> Option<io::Result<bool>> {
+    fn poll_for_input(&mut self) -> Option<io::Result<bool>> {
         if self.poll.is_zero() {
             return None;
         }
@@ -427,7 +427,7 @@ impl<T: Transport> Wire<T> {
     /// Reads the middle of a payload into `bufs`, polling as [`Self::poll_for_input`] does before
     /// it sleeps: the client is in the middle of sending, so the rest is on its way, and a sleep
     /// here costs a wake-up for every chunk the client's socket buffer lets through.
-    pub(crate) fn read_payload(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+    fn read_payload(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         self.note_wait()?;
         if !self.poll.is_zero() {
             let until = Instant::now() + self.poll;
@@ -451,7 +451,7 @@ impl<T: Transport> Wire<T> {
     }
 
     /// Where the next read into the input buffer ends.
-    pub(crate) fn read_room(&self) -> usize {
+    fn read_room(&self) -> usize {
         self.end.saturating_add(self.read_limit).min(self.input.len())
     }
 
@@ -477,7 +477,7 @@ pub(crate) struct WirePayload<'a, T> {
 }
 
 impl<T: Transport> WirePayload<'_, T> {
-    pub(crate) fn receive_into(&mut self, mut buffers: &mut [IoSliceMut<'_>]) -> Result<(), ConnectionError> {
+    fn receive_into(&mut self, mut buffers: &mut [IoSliceMut<'_>]) -> Result<(), ConnectionError> {
         let wanted: usize = buffers.iter().map(|buffer| buffer.len()).sum();
         if wanted > self.unread {
             return Err(ConnectionError::Abandoned("the device asked for more than the write's payload".into()));

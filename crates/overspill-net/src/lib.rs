@@ -1,8 +1,9 @@
 //! Sockets and TLS under every frontend (NBD today, vhost-user-blk and the peer link next) and
 //! the control socket: listen addresses and listeners ([`listen`]), byte-stream transports
 //! ([`transport`]), TLS with x509 or pre-shared keys ([`tls`]), and how to tell a killed process
-//! that still holds its sockets from a live one ([`exiting`]). It knows no protocol spoken over
-//! them.
+//! that still holds its sockets from a live one ([`exiting`]). It speaks no protocol over them
+//! (it knows only the NBD URI form of an address and NBD's names for the TLS modes, which
+//! operators write).
 
 pub mod exiting;
 pub mod listen;

@@ -1,5 +1,5 @@
-//! TLS for NBD_OPT_STARTTLS: the server's credentials, the client's identity, and the upgraded
-//! stream.
+//! TLS for a server's connections (NBD upgrades to it with NBD_OPT_STARTTLS): the server's
+//! credentials, the client's identity, and the upgraded stream.
 //!
 //! Two kinds of credentials, as qemu's `tls-creds-x509` and `tls-creds-psk` objects have them:
 //! - x509 with rustls: a certificate chain and key, and optionally a CA whose certificates every

@@ -18,15 +18,13 @@ use crate::vms::{Ending, VmRegistry};
 
 /// What a connection to a VM is served by: its overlay, timed, recorded if the server records,
 /// and marked in the ledger before its first change.
-pub(crate) type VmDevice = LedgerMarked<Recorded<Timed<EngineDevice>>>;
-
 pub(crate) fn stack(
     vm: VmOverlay,
     capabilities: Capabilities,
     number: u64,
     reset: Arc<AtomicBool>,
     registry: Arc<VmRegistry>,
-) -> VmDevice {
+) -> Box<dyn BlockDevice> {
     let stats = vm.overlay.stats().clone();
     let recorder: Option<Arc<Mutex<Recorder>>> = vm.recorder.clone();
     let engine = EngineDevice {
@@ -38,13 +36,18 @@ pub(crate) fn stack(
         clean: false,
         registry: registry.clone(),
     };
-    LedgerMarked { inner: Recorded::new(Timed::new(engine, stats), recorder), registry, number, marked: false }
+    Box::new(LedgerMarked {
+        inner: Recorded::new(Timed::new(engine, stats), recorder),
+        registry,
+        number,
+        marked: false,
+    })
 }
 
 /// One VM's overlay behind the device trait, for one connection. Dropping it ends the
 /// connection's hold on the VM: the registry then keeps the overlay for a reconnect or drops it,
 /// depending on how the connection ended.
-pub(crate) struct EngineDevice {
+struct EngineDevice {
     capabilities: Capabilities,
     /// The connection was cut for idleness (`--idle-timeout`): the VM is not gone, only quiet.
     idle_cut: bool,
@@ -177,7 +180,7 @@ impl BlockDevice for EngineDevice {
 
 /// Before the first request that changes the disk is served, the ledger learns that this VM has
 /// writes a server's end would lose; later ones need not ask it (no lock per request).
-pub(crate) struct LedgerMarked<D> {
+struct LedgerMarked<D> {
     inner: D,
     registry: Arc<VmRegistry>,
     number: u64,

@@ -1,11 +1,11 @@
-//! Wiring: each NBD connection gets a fresh engine overlay over the golden image it asked for.
+//! Wiring: each connection gets a fresh engine overlay over the golden image it asked for.
 //!
 //! An export name is `IMAGE` or `IMAGE@VM`: the part after `@` names the VM, whose overlay then
-//! outlives a lost connection for the reconnect grace (see `vms`); without it the server numbers
-//! connections and each overlay ends with its connection. The empty name is the `--base` image.
+//! outlives a lost connection for the reconnect grace (see `vms`) and the process (`ledger`);
+//! without it the server numbers connections and each overlay ends with its connection. The empty name is the `--base` image.
 //! Anonymous VMs' cache files are named `overspill-<server pid>-<vm number>.<kind>` so that a
 //! restarted server can tell the files of dead servers (removed at start) from those of live ones
-//! (left alone); a named VM's are named after it and outlive the process (see `vms`).
+//! (left alone); a named VM's are named after it and outlive the process (see `ledger`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -441,7 +441,7 @@ impl ExportProvider for OverlayExports {
             },
         };
         let capabilities = if self.read_only(name) { ANONYMOUS_CAPABILITIES } else { CAPABILITIES };
-        Ok(Box::new(crate::device::stack(vm, capabilities, number, reset, self.registry.clone())))
+        Ok(crate::device::stack(vm, capabilities, number, reset, self.registry.clone()))
     }
 }
 

@@ -31,6 +31,11 @@ impl VmOverlay {
 
 impl Drop for VmOverlay {
     fn drop(&mut self) {
+        // Finished before the overlay's counters are let go: a storm that sees the counters free
+        // takes the VM for gone and reads its trace.
+        if let Some(recorder) = &self.recorder {
+            recorder.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).finish();
+        }
         let s = self.overlay.stats();
         tracing::info!(
             vm = %self.vm,

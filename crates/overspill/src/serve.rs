@@ -247,10 +247,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let mut litter =
         args.memory_dir.is_none().then(|| EmptyDirRemoved { dir: memory_dir.clone(), armed: !memory_dir.exists() });
     let host = HostMemory::new(ram_total, args.ram_floor);
-    let (exports, cache_dirs) = overlay_exports(&args, images, host.clone(), &state_dir, &memory_dir)?;
+    let (mut exports, cache_dirs) = overlay_exports(&args, images, host.clone(), &state_dir, &memory_dir)?;
     let registry = exports.registry();
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
+    if let Some(dir) = &args.record {
+        exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
+    }
     let protocol_counters = Arc::new(ProtocolCounters::default());
     if let Some(addr) = &args.metrics {
         let bound = metrics::spawn_endpoint(
@@ -328,8 +331,8 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The exports of the golden images (and the image store), with the VMs' lifecycle and what is
-/// recorded; with the directories their cache files go in.
+/// The exports of the golden images (and the image store), with the VMs' lifecycle; with the
+/// directories their cache files go in.
 fn overlay_exports(
     args: &ServeArgs,
     images: BTreeMap<String, Arc<dyn GoldenImage>>,
@@ -382,9 +385,6 @@ fn overlay_exports(
         if let Some(dir) = cache_dirs.first() {
             warn_unless_blocks_are_told_apart(dir, args.mode);
         }
-    }
-    if let Some(dir) = &args.record {
-        exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
     }
     Ok((exports, cache_dirs))
 }

@@ -2,12 +2,15 @@
 //! counted for the host after each change, free pages kept or given back, spill space given
 //! back when the VM is idle or waiting.
 
-use super::*;
+use super::{Overlay, Tier};
+use crate::spill::SpillLog;
+use crate::stats::VmStats;
+use crate::units::{BLOCKS_PER_SEGMENT, BLOCK_BYTES};
 
 /// Free pages beyond what a VM wants that its arena leaves warm (counted for the host all the
 /// same): a VM whose wants move a little (a smaller write after a larger one) does not punch
 /// pages it takes again a moment later. None for a VM under pressure (see `after_mutation`).
-pub(super) const COOLING_SLACK_PAGES: usize = BLOCKS_PER_SEGMENT / 4;
+const COOLING_SLACK_PAGES: usize = BLOCKS_PER_SEGMENT / 4;
 
 impl Overlay {
     /// Cache memory in use: RAM pages, the open spill segment and every index structure.
@@ -43,7 +46,7 @@ impl Overlay {
     }
 
     /// Has the spill log give kept segments back, and counts the disk it holds then.
-    pub(super) fn give_back_disk(&mut self, give_back: impl FnOnce(&mut SpillLog, &VmStats)) {
+    fn give_back_disk(&mut self, give_back: impl FnOnce(&mut SpillLog, &VmStats)) {
         if let Tier::RamDisk(spill) = &mut self.tier {
             give_back(spill, &self.stats);
             self.stats.cache_disk_used_bytes.set(self.disk_used_bytes());

@@ -1,16 +1,21 @@
 //! Block status: how each range of the VM's disk is stored, the golden image's own allocation
 //! where the VM has not written.
 
-use super::*;
+use std::io;
+
+use super::{Overlay, Source};
+use crate::error::{EngineError, Result};
+use crate::golden::{push_extent, Allocation, Extent};
+use crate::units::{BlockIndex, BLOCK_BYTES};
 
 /// Whether two blocks belong in one extent: data is data wherever it is kept.
-pub(super) fn same_kind(a: Source, b: Source) -> bool {
+fn same_kind(a: Source, b: Source) -> bool {
     let stored = |s: Source| matches!(s, Source::Ram(_) | Source::Spill(_) | Source::File);
     a == b || (stored(a) && stored(b))
 }
 
 /// What a block holding both is reported as: data over zeroes over holes.
-pub(super) fn strongest(a: Allocation, b: Allocation) -> Allocation {
+fn strongest(a: Allocation, b: Allocation) -> Allocation {
     match (a, b) {
         (Allocation::Data, _) | (_, Allocation::Data) => Allocation::Data,
         (Allocation::Zero, _) | (_, Allocation::Zero) => Allocation::Zero,
@@ -52,7 +57,7 @@ impl Overlay {
 
     /// The golden image's extents for `[from, to)`, block by block: a block holding any data is
     /// data, else any stored zeroes make it zero, else it is a hole.
-    pub(super) fn golden_extents(&self, from: u64, to: u64, extents: &mut Vec<Extent>) -> Result<()> {
+    fn golden_extents(&self, from: u64, to: u64, extents: &mut Vec<Extent>) -> Result<()> {
         let io = |source| EngineError::Io { what: "asking the golden image for its allocation", source };
         let golden_end = to.min(self.golden.size());
         let mut at = from;

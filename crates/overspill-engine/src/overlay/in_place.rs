@@ -1,10 +1,15 @@
 //! The in-place strategy of modes `disk` and `shared`: each block at its own offset in a cache
 //! file sized like the disk; partial blocks read, patched and written whole.
 
-use super::*;
+use super::{whole_blocks, Overlay, Tier};
+use crate::error::{EngineError, Result};
+use crate::map::Slot;
+use crate::stats::OpCounter;
+use crate::store::BackingFile;
+use crate::units::{block_spans, BlockIndex, BLOCK_BYTES};
 
 impl Overlay {
-    pub(super) fn in_place_counters(&self, shared: bool) -> (&OpCounter, &OpCounter) {
+    fn in_place_counters(&self, shared: bool) -> (&OpCounter, &OpCounter) {
         if shared {
             (&self.stats.shared_read, &self.stats.shared_write)
         } else {
@@ -76,7 +81,7 @@ impl Overlay {
         Ok(())
     }
 
-    pub(super) fn write_file(&mut self, offset: u64, data: &[u8], first: u64, end: u64) -> Result<()> {
+    fn write_file(&mut self, offset: u64, data: &[u8], first: u64, end: u64) -> Result<()> {
         let Tier::InPlace { file, shared, blocks, stray } = &mut self.tier else { unreachable!("in-place mode") };
         if let Err(e) = file.write_at(data, offset) {
             *stray = true;

@@ -2,7 +2,11 @@
 //! neighbours in one read, golden runs lent by the read cache; prefetch; and the accounting of
 //! what was read from which tier.
 
-use super::*;
+use bytes::Bytes;
+
+use super::{Overlay, Source};
+use crate::error::{EngineError, Result};
+use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
 
 impl Overlay {
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -119,7 +123,7 @@ impl Overlay {
         Ok(pieces)
     }
 
-    pub(super) fn read_spans(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+    fn read_spans(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let len = buf.len() as u64;
         let spans: Vec<BlockSpan> = block_spans(offset, len).collect();
         let mut i = 0;
@@ -191,7 +195,7 @@ impl Overlay {
         Ok(())
     }
 
-    pub(super) fn read_golden(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+    fn read_golden(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let fetched = self
             .golden
             .read_counted(buf, offset)
@@ -201,7 +205,7 @@ impl Overlay {
     }
 
     /// Counts `len` bytes asked of the golden image and what that cost the storage behind it.
-    pub(super) fn count_golden_fetch(&self, len: usize, fetched: crate::golden::SourceReads) {
+    fn count_golden_fetch(&self, len: usize, fetched: crate::golden::SourceReads) {
         self.stats.golden_request.add(len as u64);
         self.stats.golden_read.add_many(fetched.ops, fetched.bytes);
     }

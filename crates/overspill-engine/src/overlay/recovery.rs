@@ -1,7 +1,18 @@
 //! What lets an overlay outlive its process: rebuilding one from the state a previous process
 //! left (pages, segment summaries, zero log, cache file), and keeping the zero log short.
 
-use super::*;
+use std::sync::Arc;
+
+use super::{Overlay, OverlayConfig, Tier, WriteCacheMode, ZERO_LOG_REWRITE_RECORDS};
+use crate::arena::{Arena, LivePage, Owner, Page};
+use crate::budget::HostMemory;
+use crate::error::{EngineError, Result};
+use crate::golden::GoldenImage;
+use crate::map::Slot;
+use crate::state::{self, CopyAt, Found, StateFiles, ZeroRecord};
+use crate::stats::VmStats;
+use crate::store::BackingFile;
+use crate::units::{BlockIndex, SegmentId, SpillAddr, BLOCK_BYTES, SEGMENT_BYTES};
 
 impl Overlay {
     /// Rebuilds the overlay a previous process left: `live` are the pages its arena holds (see

@@ -2,17 +2,26 @@
 //! evicted to the spill log's open segment when the VM is at its target, large writes streamed
 //! to the log whole, and the log compacted while it pays.
 
-use super::*;
+use std::io::{self, IoSliceMut};
+
+use super::{Overlay, Tier};
+use crate::arena::{Arena, Owner, Page};
+use crate::error::{EngineError, Result};
+use crate::map::{self, Slot};
+use crate::ram::RamSlot;
+use crate::spill::{Purpose, SpillLog};
+use crate::stats::VmStats;
+use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
 
 /// Writes at least this large go straight to the spill log when RAM is full, instead of pushing
 /// the coldest RAM blocks out to make room: a large write is a file being copied or written
 /// whole, unlikely to be read back soon, and it should not flush the VM's hot blocks out of RAM
 /// (nor pay an eviction, two copies and an allocation per block: 1 MiB sequential writes went
 /// from 1.35-1.6 to 1.7-1.8 GB/s while spilling; the spill writer thread is then the limit).
-pub(super) const STREAMING_WRITE_BYTES: usize = 256 * 1024;
+const STREAMING_WRITE_BYTES: usize = 256 * 1024;
 
 /// Slots compaction reads at once (256 KiB).
-pub(super) const COMPACTION_WINDOW_SLOTS: usize = 64;
+const COMPACTION_WINDOW_SLOTS: usize = 64;
 
 /// Where `put_block` stored a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +80,7 @@ impl Contents<'_> {
 }
 
 /// Where a block of a write being received lands.
-pub(super) enum Landing {
+enum Landing {
     /// The block's own RAM page, taken out of the tier while it is filled.
     Lent(RamSlot, Page),
     /// A new page: the block is placed once it is filled. With where the block was when the
@@ -88,7 +97,7 @@ impl Landing {
 }
 
 /// A block of a write received into a fresh page, with where it was when the write began.
-pub(super) type FreshBlock = (BlockSpan, Page, Option<Slot>);
+type FreshBlock = (BlockSpan, Page, Option<Slot>);
 
 impl Overlay {
     pub(super) fn put_spans(&mut self, offset: u64, data: &[u8], landed: &mut Landed) -> Result<()> {
@@ -177,7 +186,7 @@ impl Overlay {
     /// A block's old copy is whatever the map holds when the run is mapped, not `old` (`None`
     /// for a block not looked up): reserving can compact, which moves blocks (into the open
     /// segment, too).
-    pub(super) fn stream_to_spill(&mut self, fresh: Vec<FreshBlock>, landed: &mut Landed) -> Result<Vec<FreshBlock>> {
+    fn stream_to_spill(&mut self, fresh: Vec<FreshBlock>, landed: &mut Landed) -> Result<Vec<FreshBlock>> {
         if !matches!(self.tier, Tier::RamDisk(_)) {
             return Ok(fresh);
         }
@@ -221,7 +230,7 @@ impl Overlay {
 
     /// Points the map at a run of blocks just pushed into the spill log and releases the
     /// copies they replace; returns how many there were.
-    pub(super) fn map_run(&mut self, run: &mut Vec<(BlockIndex, SpillAddr)>) -> u64 {
+    fn map_run(&mut self, run: &mut Vec<(BlockIndex, SpillAddr)>) -> u64 {
         let count = run.len() as u64;
         let mut replaced = Vec::with_capacity(run.len());
         replaced.extend(run.drain(..).filter_map(|(block, addr)| self.map.insert(block, Slot::Spill(addr))));
@@ -232,7 +241,7 @@ impl Overlay {
     }
 
     /// Stores part of a block: the rest is read from wherever the block is now.
-    pub(super) fn patch_block(&mut self, span: BlockSpan, piece: &[u8]) -> Result<LandedIn> {
+    fn patch_block(&mut self, span: BlockSpan, piece: &[u8]) -> Result<LandedIn> {
         let mut block = self.read_block(span.block)?;
         block[span.within..span.within + span.len].copy_from_slice(piece);
         self.put_block(span.block, Contents::Borrowed(&block), Placement::Hot)
@@ -268,7 +277,7 @@ impl Overlay {
     /// anew releases whatever the map holds by then, not `old`: a copy in RAM too. Only a
     /// block said to be in the segment open now is looked up again: a segment sealed
     /// meanwhile, emptied by compaction and reused can be open again under the same number.
-    pub(super) fn put_block_from(
+    fn put_block_from(
         &mut self,
         block: BlockIndex,
         old: Option<Slot>,
@@ -331,21 +340,21 @@ impl Overlay {
     }
 
     /// A page holding a new copy of `block`, stamped as such for a recovery.
-    pub(super) fn owned_page(&mut self, block: BlockIndex, data: Contents<'_>) -> Result<Page> {
+    fn owned_page(&mut self, block: BlockIndex, data: Contents<'_>) -> Result<Page> {
         let page = data.into_page(&self.arena)?;
         let seq = self.next_seq();
         page.set_owner(Owner { block, seq });
         Ok(page)
     }
 
-    pub(super) fn ram_has_room(&self) -> bool {
+    fn ram_has_room(&self) -> bool {
         let need = BLOCK_BYTES + map::ENTRY_BYTES;
         self.memory_used_bytes() + need <= self.memory_target_bytes() && self.host.has_room(need)
     }
 
     /// Makes room in the spill log's open segment for guest data; when the space is exhausted,
     /// compacts and retries. On error nothing changed.
-    pub(super) fn reserve_spill(&mut self) -> Result<()> {
+    fn reserve_spill(&mut self) -> Result<()> {
         loop {
             let (spill, stats) = self.spill_and_stats();
             match spill.reserve(Purpose::Guest, stats) {
@@ -363,7 +372,7 @@ impl Overlay {
 
     /// Moves the coldest RAM block's page into the spill log, without a copy. On error (no room
     /// in the log) the block stays in RAM.
-    pub(super) fn evict_coldest(&mut self) -> Result<()> {
+    fn evict_coldest(&mut self) -> Result<()> {
         let Some((slot, owner)) = self.ram.coldest() else { return Ok(()) };
         self.reserve_spill()?;
         let page = self.ram.take(slot);
@@ -411,7 +420,7 @@ impl Overlay {
 
     /// Moves the live blocks of the emptiest sealed segment into the open one, which frees it.
     /// `false` if no sealed segment has a dead slot.
-    pub(super) fn compact_one(&mut self) -> Result<bool> {
+    fn compact_one(&mut self) -> Result<bool> {
         let Some(victim) = self.spill_mut().compaction_victim() else { return Ok(false) };
         let owners = self.spill_mut().segment_owners(victim);
         // Slots are below 512.
