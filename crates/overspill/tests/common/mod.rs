@@ -214,15 +214,23 @@ impl Drop for Serve {
     }
 }
 
-/// The server's metrics endpoint, from its log.
+/// The server's metrics endpoint, from its log. The log is written by a thread of its own, so
+/// the line may come a moment after the socket a test waited for.
 #[allow(dead_code)]
 pub fn metrics_url(server: &Serve) -> String {
-    let log = server.log_text();
-    let url = log.lines().find_map(|line| {
-        let at = line.find("metrics=http://")? + "metrics=".len();
-        Some(line[at..].split_whitespace().next()?.trim_matches('"').to_string())
-    });
-    url.unwrap_or_else(|| panic!("no metrics endpoint in the log:\n{log}"))
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let log = server.log_text();
+        let url = log.lines().find_map(|line| {
+            let at = line.find("metrics=http://")? + "metrics=".len();
+            Some(line[at..].split_whitespace().next()?.trim_matches('"').to_string())
+        });
+        match url {
+            Some(url) => return url,
+            None if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(20)),
+            None => panic!("no metrics endpoint in the log:\n{log}"),
+        }
+    }
 }
 
 /// A plain HTTP GET: (status line, Content-Type, body).
