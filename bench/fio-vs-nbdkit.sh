@@ -51,8 +51,8 @@ row() { # label sock-name command...
   echo "| $label | ${cells[0]} | ${cells[1]} | ${cells[2]} | ${cells[3]} |" >> "$out"
 }
 mkdir -p "$work/spill"
-row "overspill ram+disk, 1G target (RAM tier)" o1 $bin serve --base "$golden" --listen unix:$work/o1.sock --ram 1G --ram-floor 0 --spill-dir "$work/spill" --log warn
-row "overspill ram+disk, 16M target (spilling)" o2 $bin serve --base "$golden" --listen unix:$work/o2.sock --ram 16M --ram-floor 0 --spill-dir "$work/spill" --log warn
+row "overspill ram+disk, 1G target (RAM tier)" o1 $bin serve --base "$golden" --listen unix:$work/o1.sock --ram 1G --ram-floor 0 --spill-dir "$work/spill" --anonymous-writes --log warn
+row "overspill ram+disk, 16M target (spilling)" o2 $bin serve --base "$golden" --listen unix:$work/o2.sock --ram 16M --ram-floor 0 --spill-dir "$work/spill" --anonymous-writes --log warn
 row "nbdkit --filter=cow file" k1 nbdkit --foreground --unix "$work/k1.sock" --filter=cow file "$golden"
 row "nbdkit --filter=cow file cow-block-size=4096" k2 nbdkit --foreground --unix "$work/k2.sock" --filter=cow file "$golden" cow-block-size=4096
 row "nbdkit memory" k3 nbdkit --foreground --unix "$work/k3.sock" memory 1G
