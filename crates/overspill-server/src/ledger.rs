@@ -67,6 +67,11 @@ pub(crate) struct LedgerEntry {
     /// names files that may still be there (removed by the reset).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) lost: Option<String>,
+    /// The server cut the VM's connection for idleness (its guest paused or suspended) and it
+    /// had not come back when this was written: a next server keeps it waiting with no end too,
+    /// rather than lose its writes once a grace meant for lost connections runs out.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub(crate) quiet: bool,
 }
 
 pub(crate) fn is_false(value: &bool) -> bool {
@@ -96,6 +101,7 @@ pub(crate) struct Marks {
     pub(crate) making: bool,
     pub(crate) unwritten: bool,
     pub(crate) lost: Option<String>,
+    pub(crate) quiet: bool,
 }
 
 /// A VM an earlier server of this boot left state for.
@@ -109,6 +115,8 @@ pub struct Recoverable {
     pub state: StateRecord,
     /// It had written nothing (see [`LedgerEntry::unwritten`]).
     pub unwritten: bool,
+    /// It was cut for idleness and waits with no end (see [`LedgerEntry::quiet`]).
+    pub quiet: bool,
 }
 
 impl Ledger {
@@ -150,7 +158,7 @@ impl Ledger {
         image: &str,
         owner: Option<&str>,
         state: Option<StateRecord>,
-        Marks { making, unwritten, lost }: Marks,
+        Marks { making, unwritten, lost, quiet }: Marks,
     ) -> std::io::Result<()> {
         let entry = LedgerEntry {
             format: STATE_FORMAT,
@@ -165,6 +173,7 @@ impl Ledger {
             making,
             unwritten,
             lost,
+            quiet,
         };
         let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
         let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
@@ -267,8 +276,8 @@ impl Ledger {
                 }
                 None
             }
-            LedgerEntry { state: Some(state), image, owner, unwritten, .. } => {
-                Some(Ok(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten }))
+            LedgerEntry { state: Some(state), image, owner, unwritten, quiet, .. } => {
+                Some(Ok(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten, quiet }))
             }
             LedgerEntry { pid, image, .. } => {
                 Some(Err(format!("server pid {pid} ended while it held them, over {}", shown_image(&image))))

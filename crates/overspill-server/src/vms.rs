@@ -402,6 +402,9 @@ impl VmRegistry {
                 ));
             }
             let grace = entry.grace.take().expect("checked");
+            if grace.until.is_none() {
+                self.mark_quiet(entry, false);
+            }
             tracing::info!(vm, export, "VM reconnected: its overlay resumes");
             return Ok(Claim::Resume { number: existing, reset: entry.reset.clone(), parked: Box::new(grace.parked) });
         }
@@ -457,7 +460,7 @@ impl VmRegistry {
         // which holds the files, so that no other process takes them for a dead server's.
         if let Some(ledger) = &self.ledger {
             let (vm, owner) = (&recovered.vm, recovered.owner.as_deref());
-            let marks = Marks { making: false, unwritten: recovered.unwritten, lost: None };
+            let marks = Marks { unwritten: recovered.unwritten, quiet: recovered.quiet, ..Marks::default() };
             if let Err(error) = ledger.write_entry(vm, &recovered.image, owner, Some(recovered.state.clone()), marks) {
                 tracing::warn!(vm, %error, "could not name this server in the VM's ledger file");
             }
@@ -471,7 +474,9 @@ impl VmRegistry {
         entry.written = !recovered.unwritten;
         entry.owner = recovered.owner.clone();
         entry.state = Some(recovered.state.clone());
-        entry.grace = Some(Grace { until: Some(Instant::now() + self.lifecycle.reconnect_grace), parked });
+        // A VM cut for idleness waits with no end here too: its guest is paused, not gone.
+        let until = (!recovered.quiet).then(|| Instant::now() + self.lifecycle.reconnect_grace);
+        entry.grace = Some(Grace { until, parked });
         inner.names.insert(recovered.vm.clone(), number);
         inner.vms.insert(number, entry);
     }
@@ -515,7 +520,7 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
-        let marks = Marks { making: true, unwritten: !entry.written, lost: None };
+        let marks = Marks { making: true, unwritten: !entry.written, ..Marks::default() };
         ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()), marks)?;
         entry.marked = true;
         entry.state = Some(state);
@@ -528,8 +533,21 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let inner = lock(&self.inner);
         let Some(entry) = inner.vms.get(&number) else { return Ok(()) };
-        let marks = Marks { making: false, unwritten: !entry.written, lost: None };
+        let marks = Marks { unwritten: !entry.written, ..Marks::default() };
         ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), entry.state.clone(), marks)
+    }
+
+    /// Records in the ledger whether a VM whose state outlives the process waits, cut for
+    /// idleness, with no end (see `LedgerEntry::quiet`). Best effort: without it a next server
+    /// gives the VM the grace of a lost connection.
+    fn mark_quiet(&self, entry: &Entry, quiet: bool) {
+        let (Some(ledger), Some(state)) = (&self.ledger, &entry.state) else { return };
+        let marks = Marks { unwritten: !entry.written, quiet, ..Marks::default() };
+        let written =
+            ledger.write_entry(&entry.handle.vm, &entry.image, entry.owner.as_deref(), Some(state.clone()), marks);
+        if let Err(error) = written {
+            tracing::warn!(vm = %entry.handle.vm, %error, "could not record in the ledger that this VM waits for idleness");
+        }
     }
 
     /// Records in the ledger that a named VM has writes, before the first is acknowledged.
@@ -594,6 +612,7 @@ impl VmRegistry {
                     vm = %entry.handle.vm,
                     "VM connection cut for idleness: its overlay waits for its client, however long (until `overspill vm reset`)"
                 );
+                self.mark_quiet(entry, true);
                 None
             } else {
                 tracing::info!(
@@ -907,6 +926,7 @@ mod tests {
                 making: false,
                 unwritten: false,
                 lost: None,
+                quiet: false,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         };
@@ -1004,6 +1024,7 @@ mod tests {
                 making: false,
                 unwritten: false,
                 lost: None,
+                quiet: false,
             };
             std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
         }

@@ -285,11 +285,13 @@ fn an_anonymous_connection_is_read_only_and_told_how_to_name_the_vm() {
 }
 
 /// `--idle-timeout` cuts a quiet VM (paused, suspended), which is not gone: its overlay waits
-/// for its client past the reconnect grace, and resumes with what it wrote.
+/// for its client past the reconnect grace, in this server and the next ones (the ledger says
+/// it was cut), and resumes with what it wrote.
 #[test]
 fn a_vm_cut_for_idleness_waits_past_its_grace_and_resumes() {
     let host = Host::new();
-    let server = host.serve(&["--reconnect-grace", "1s", "--idle-timeout", "1"]);
+    let flags = ["--reconnect-grace", "1s", "--idle-timeout", "1"];
+    let mut server = host.serve(&flags);
     let mut client = host.connect("sleeper");
     let written = write_pattern(&mut client, 15);
     let deadline = Instant::now() + WAIT;
@@ -298,11 +300,22 @@ fn a_vm_cut_for_idleness_waits_past_its_grace_and_resumes() {
         std::thread::sleep(Duration::from_millis(50));
     }
     drop(client);
-    // Three times its grace.
-    std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(host.states(), [("sleeper".to_owned(), "in-grace".to_owned())]);
-    let (ok, table) = host.vm_command(&["list"]);
-    assert!(ok && table.contains("idleness"), "{table}");
+    let waits_past_its_grace = |when: &str| {
+        // Three times its grace.
+        std::thread::sleep(Duration::from_secs(3));
+        assert_eq!(host.states(), [("sleeper".to_owned(), "in-grace".to_owned())], "{when}");
+        let (ok, table) = host.vm_command(&["list"]);
+        assert!(ok && table.contains("idleness"), "{when}: {table}");
+    };
+    waits_past_its_grace("cut");
+    // A next server (an upgrade, a crash) keeps it waiting with no end too: its guest is still
+    // paused, and a grace meant for lost connections would lose its writes.
+    server.stop();
+    server = host.serve(&flags);
+    waits_past_its_grace("after a SIGTERM restart");
+    server.kill();
+    let _server = host.serve(&flags);
+    waits_past_its_grace("after a SIGKILL restart");
     let mut again = host.connect("sleeper");
     assert_same(&read_start(&mut again, WRITTEN_BYTES), &written, "resumed after the idle cut");
     again.disconnect().expect("disconnect");
