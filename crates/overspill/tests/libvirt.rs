@@ -96,7 +96,7 @@ impl InstalledHook {
         std::fs::create_dir_all(dir).ok()?;
         let path = dir.join(format!("overspill-test-{}", std::process::id()));
         let script = format!(
-            "#!/bin/sh\nexec {} libvirt-hook --control {} --wait 5s \"$@\"\n",
+            "#!/bin/sh\nexec {} libvirt-hook --control {} --wait 5s -- \"$@\"\n",
             binary.display(),
             control.display()
         );

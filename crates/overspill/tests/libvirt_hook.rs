@@ -87,12 +87,13 @@ impl Host {
         self.dir.path().join("control.sock")
     }
 
-    /// The hook as libvirt runs it: `overspill libvirt-hook DOMAIN OP SUB EXTRA < XML`.
+    /// The hook as docs/libvirt-hook runs it for libvirt: `overspill libvirt-hook [OPTIONS] --
+    /// DOMAIN OP SUB EXTRA < XML` (a domain's name may begin with `-`).
     fn hook(&self, domain: &str, operation: &str, sub: &str, xml: &str) -> (bool, String, String) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("libvirt-hook")
             .args(["--control", self.control().to_str().expect("utf-8")])
-            .args(["--wait", "1s"])
+            .args(["--wait", "1s", "--"])
             .args([domain, operation, sub, "-"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -126,6 +127,10 @@ fn a_migration_to_this_host_is_refused_by_vm_name_and_other_domains_pass() {
     assert!(stderr.contains("vm-17") && stderr.contains("desktop-17"), "{stderr}");
     // libvirt takes a migrate hook's standard output for the domain's new XML.
     assert!(stdout.is_empty(), "{stdout}");
+    // libvirt allows a name that looks like a flag.
+    let xml = domain_xml("-desk", "vm-18", &host.socket);
+    let (ok, _, stderr) = host.hook("-desk", "migrate", "begin", &xml);
+    assert!(!ok && stderr.contains("vm-18") && stderr.contains("domain -desk"), "{stderr}");
 
     let plain = "<domain type='kvm'><name>other</name><devices><disk type='file' device='disk'>\
                  <source file='/var/lib/libvirt/images/other.qcow2'/><target dev='vda'/></disk></devices></domain>";
