@@ -676,21 +676,27 @@ mod tests {
         files
     }
 
-    /// Exports of one 64 MiB image, `golden`, whose named VMs keep their state in `dir` and wait
-    /// a minute for a reconnect.
-    fn exports_in(dir: &Path) -> OverlayExports {
-        let (state_dir, memory_dir, spill_dir) = (dir.join("state"), dir.join("memory"), dir.join("spill"));
+    /// Mode `ram+disk` with an 8 MiB target, spilling into `dir/spill` (made here).
+    fn settings_in(dir: &Path, read_cache_bytes: u64) -> CacheSettings {
+        let spill_dir = dir.join("spill");
         std::fs::create_dir_all(&spill_dir).expect("spill dir");
-        let settings = CacheSettings {
+        CacheSettings {
             mode: WriteCacheMode::RamDisk,
             ram_target_bytes: 8 << 20,
             spill_max_bytes: None,
             spill_direct: false,
             spill_writers: 0,
             spill_dir: spill_dir.clone(),
-            shared_dir: spill_dir.clone(),
-            read_cache_bytes: 0,
-        };
+            shared_dir: spill_dir,
+            read_cache_bytes,
+        }
+    }
+
+    /// Exports of one 64 MiB image, `golden`, whose named VMs keep their state in `dir` and wait
+    /// a minute for a reconnect.
+    fn exports_in(dir: &Path) -> OverlayExports {
+        let (state_dir, memory_dir) = (dir.join("state"), dir.join("memory"));
+        let settings = settings_in(dir, 0);
         let golden: Arc<dyn GoldenImage> = Arc::new(overspill_engine::golden::ZeroImage { size: 64 << 20 });
         let images = BTreeMap::from([("golden".to_owned(), golden)]);
         let mut exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
@@ -715,18 +721,7 @@ mod tests {
         std::fs::write(&file, (0..4u32 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>()).expect("image");
         let store = ImageStore::new(&dirs.path().join("images"));
         store.publish("stored", &file, true).expect("publish");
-        let spill_dir = dirs.path().join("spill");
-        std::fs::create_dir_all(&spill_dir).expect("spill dir");
-        let settings = CacheSettings {
-            mode: WriteCacheMode::RamDisk,
-            ram_target_bytes: 8 << 20,
-            spill_max_bytes: None,
-            spill_direct: false,
-            spill_writers: 0,
-            spill_dir: spill_dir.clone(),
-            shared_dir: spill_dir,
-            read_cache_bytes: 16 << 20,
-        };
+        let settings = settings_in(dirs.path(), 16 << 20);
         let base: Arc<dyn GoldenImage> = Arc::new(overspill_engine::RawImage::open(&file).expect("raw"));
         let images = BTreeMap::from([("base".to_owned(), base)]);
         let mut exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
