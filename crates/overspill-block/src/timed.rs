@@ -45,12 +45,16 @@ impl<D: BlockDevice> Timed<D> {
     fn read_part<R, E>(&mut self, length: u64, call: impl FnOnce(&mut D) -> Result<R, E>) -> Result<R, E> {
         let start = Instant::now();
         let result = call(&mut self.inner);
+        self.part_done(length, start, result.is_err());
+        result
+    }
+
+    fn part_done(&mut self, length: u64, start: Instant, failed: bool) {
         self.read_spent += start.elapsed();
-        self.read_left = if result.is_err() { 0 } else { self.read_left.saturating_sub(length) };
+        self.read_left = if failed { 0 } else { self.read_left.saturating_sub(length) };
         if self.read_left == 0 {
             self.latencies.record(GuestOp::Read, std::mem::take(&mut self.read_spent));
         }
-        result
     }
 }
 
@@ -95,10 +99,9 @@ impl<D: BlockDevice> DeviceLayer for Timed<D> {
         self.read_part(length, |inner| inner.read_vectored(request, offset, bufs))
     }
     fn read_sent_as_zeroes(&mut self, request: &ReadRequest, offset: u64, length: u64) {
-        let _ = self.read_part(length, |inner| {
-            inner.read_sent_as_zeroes(request, offset, length);
-            Ok::<(), ()>(())
-        });
+        let start = Instant::now();
+        self.inner.read_sent_as_zeroes(request, offset, length);
+        self.part_done(length, start, false);
     }
     fn read_shared(&mut self, request: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
         self.read_part(length as u64, |inner| inner.read_shared(request, offset, length))
