@@ -19,9 +19,12 @@
 //! then go to the open segment themselves rather than push hot blocks out. TRIM and
 //! WRITE_ZEROES release a block's RAM page or spill slot at once.
 //!
-//! This file holds the block states and the requests that change them; the rest lives beside
-//! it: the tiered strategy of `ram` and `ram+disk` (`tiered`), the in-place one of `disk` and
-//! `shared` (`in_place`), reads (`reads`), block status (`extents`), memory and disk accounting
+//! The overlay is two parts: a [`Core`] every mode shares (the block map, the zeroed ranges, the
+//! golden image, the VM's pages and counters) and a [`Store`], the strategy that keeps the
+//! blocks the VM wrote: [`Tiered`] for `ram` and `ram+disk` (`tiered`), [`InPlace`] for `disk` and
+//! `shared` (`in_place`). The mode picks the store once, when the overlay is built; after that no
+//! request asks which mode it is in. This file holds the block states and the requests that
+//! change them; beside it: reads (`reads`), block status (`extents`), memory and disk accounting
 //! (`budget`), and rebuilding an overlay a previous process left (`recovery`).
 
 use std::io::{self, IoSliceMut};
@@ -32,13 +35,12 @@ use crate::budget::HostMemory;
 use crate::error::{EngineError, Result};
 use crate::golden::GoldenImage;
 use crate::map::{self, BlockMap, Slot};
-use crate::ram::{RamSlot, RamTier};
 use crate::ranges::RangeSet;
 use crate::spill::SpillLog;
 use crate::state::{SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
 use crate::stats::VmStats;
 use crate::store::BackingFile;
-use crate::units::{block_spans, Block, BlockIndex, SpillAddr, BLOCK_BYTES};
+use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SpillAddr, BLOCK_BYTES};
 
 mod budget;
 mod config;
@@ -49,32 +51,74 @@ mod recovery;
 mod tiered;
 
 pub use config::{BackingKind, OverlayConfig, WriteCacheMode};
-use tiered::{Contents, Landed, Placement};
+use in_place::InPlace;
+use recovery::SpillFound;
+use tiered::Tiered;
 
 /// Where a block's current contents are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Source {
     Golden,
     Zero,
-    Ram(RamSlot),
+    Ram(crate::ram::RamSlot),
     Spill(SpillAddr),
     File,
 }
 
-enum Tier {
-    Ram,
-    RamDisk(SpillLog),
-    /// `stray`: a write to the file failed, and may have left bytes in blocks the map does not
-    /// have (see [`Overlay::punch_in_place`]).
-    InPlace {
-        file: Box<dyn BackingFile>,
-        shared: bool,
-        blocks: u64,
-        stray: bool,
-    },
+/// Fills the buffers it is handed, in order, with a write's payload (see
+/// [`Overlay::write_received`]).
+type Receive<'a> = dyn FnMut(&mut [IoSliceMut<'_>]) -> io::Result<()> + 'a;
+
+/// Which kept spill segments a VM gives back to the filesystem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeptDisk {
+    /// Those beyond the few always kept.
+    Spare,
+    All,
 }
 
-pub struct Overlay {
+/// A strategy for keeping the blocks a VM wrote. It is handed the [`Core`] with each call rather
+/// than holding it, so that the two can be borrowed apart.
+trait Store: Send {
+    /// A write touching `written` blocks, or a zeroing (`None`), is about to change the overlay:
+    /// room may be made.
+    fn before_change(&mut self, core: &mut Core, written: Option<usize>);
+    /// Stores `data` at `offset`, inside the disk.
+    fn write(&mut self, core: &mut Core, offset: u64, data: &[u8]) -> Result<()>;
+    /// Stores the `len` bytes at `offset` that `receive` fills in.
+    fn write_received(&mut self, core: &mut Core, offset: u64, len: usize, receive: &mut Receive<'_>) -> Result<()>;
+    fn store_block(&mut self, core: &mut Core, block: BlockIndex, data: &Block) -> Result<()>;
+    /// Takes `sorted`, the mapped blocks of `[first, end)` in order, out of the map and frees
+    /// what they held.
+    fn drop_blocks(&mut self, core: &mut Core, first: u64, end: u64, sorted: &[BlockIndex]) -> Result<()>;
+    /// Reads the stored blocks `spans` begins with, the first one at `slot`, into the start of
+    /// `buf`; returns how many spans it read (at least one).
+    fn read_stored(&mut self, core: &Core, slot: Slot, spans: &[BlockSpan], buf: &mut [u8]) -> Result<usize>;
+    /// Waits for data still on its way to disk, so that every figure counts it.
+    fn finish_writes(&mut self, stats: &VmStats);
+    /// Stays within its limits after a change (compaction, a filling disk).
+    fn settle(&mut self, core: &mut Core);
+    /// Memory held beyond the core's indexes.
+    fn memory_bytes(&self) -> u64;
+    /// Free pages wanted again soon, and how many of them [`Self::memory_bytes`] counts already.
+    fn pages_wanted(&self, pressed: bool) -> (usize, usize);
+    fn disk_used_bytes(&self) -> u64;
+    fn disk_size_bytes(&self) -> u64;
+    fn give_back_disk(&mut self, stats: &VmStats, which: KeptDisk);
+    fn backing(&self) -> Option<&dyn BackingFile>;
+    /// The files stay for the next process when the store is dropped (see
+    /// [`Overlay::keep_state`]); [`Self::own`] undoes it.
+    fn keep(&mut self);
+    fn own(&mut self);
+    /// Recovery: takes a page holding the copy of `block` a previous process left in memory.
+    fn adopt_page(&mut self, block: BlockIndex, page: crate::arena::Page) -> Result<Slot>;
+    /// Recovery: rebuilds what is on disk; returns the blocks found there and not yet mapped.
+    fn recover_disk(&mut self, core: &mut Core, spill: SpillFound) -> Result<u64>;
+}
+
+/// What every strategy shares: the block states, the golden image below them, the VM's pages
+/// and counters, and the state that lets the overlay outlive its process.
+struct Core {
     golden: Arc<dyn GoldenImage>,
     /// Where the VM's pages in memory are: RAM tier, open and in-flight spill segments.
     arena: Arena,
@@ -82,16 +126,8 @@ pub struct Overlay {
     config: OverlayConfig,
     map: BlockMap,
     zeros: RangeSet,
-    ram: RamTier,
-    tier: Tier,
     host: Arc<HostMemory>,
     accounted_bytes: u64,
-    /// Blocks of the largest write lately (a peak decaying by an eighth with each write): fresh
-    /// pages the next one of its kind takes before any of its blocks move to the spill log (see
-    /// `after_mutation`). A peak, so that a VM mixing large and small writes does not punch the
-    /// large one's pages after each small one; after more than about five small writes in a
-    /// row it does.
-    recent_write_blocks: usize,
     stats: Arc<VmStats>,
     /// The sequence number of the last copy of a block made (see `state`).
     seq: u64,
@@ -102,8 +138,14 @@ pub struct Overlay {
     unused_summaries: Option<SegmentSummaries>,
 }
 
+pub struct Overlay {
+    core: Core,
+    store: Box<dyn Store>,
+}
+
 /// Zero-log records beyond which the log is rewritten as the zeroed ranges it adds up to.
 const ZERO_LOG_REWRITE_RECORDS: u64 = 256;
+
 impl Overlay {
     /// `backing` must be given exactly when `config.mode.backing_file()` asks for one; in-place
     /// files must be at least as large as the golden image. The VM's pages are in memory no
@@ -163,17 +205,17 @@ impl Overlay {
             Some((zero_log, summaries)) => (Some(zero_log), Some(summaries)),
             None => (None, None),
         };
-        let tier = match (config.mode.backing_file(), backing) {
-            (None, None) => Tier::Ram,
+        let store: Box<dyn Store> = match (config.mode.backing_file(), backing) {
+            (None, None) => Box::new(Tiered::new(None)),
             (Some(BackingKind::SpillLog), Some(file)) => {
                 let mut spill = SpillLog::new(file, config.spill_max_bytes, arena.clone())?;
                 if let Some(summaries) = summaries.take() {
                     spill.set_summaries(summaries);
                 }
-                Tier::RamDisk(spill)
+                Box::new(Tiered::new(Some(spill)))
             }
             (Some(kind @ (BackingKind::LocalCache | BackingKind::SharedDifferencing)), Some(file)) => {
-                Tier::InPlace { file, shared: kind == BackingKind::SharedDifferencing, blocks: 0, stray: false }
+                Box::new(InPlace::new(file, kind == BackingKind::SharedDifferencing, golden.size()))
             }
             (wanted, given) => {
                 return Err(EngineError::Config(format!(
@@ -184,43 +226,35 @@ impl Overlay {
             }
         };
         host.attach();
-        let overlay = Self {
+        let core = Core {
             size: golden.size(),
             golden,
             arena,
             config,
             map: BlockMap::default(),
             zeros: RangeSet::default(),
-            ram: RamTier::default(),
-            tier,
             host,
             accounted_bytes: 0,
-            recent_write_blocks: 0,
             stats,
             seq: 0,
             zero_log,
             unused_summaries: summaries,
         };
-        overlay.stats.cache_memory_target_bytes.set(overlay.config.ram_target_bytes);
-        overlay.stats.cache_disk_size_bytes.set(overlay.disk_size_bytes());
-        Ok(overlay)
+        core.stats.cache_memory_target_bytes.set(core.config.ram_target_bytes);
+        core.stats.cache_disk_size_bytes.set(store.disk_size_bytes());
+        Ok(Self { core, store })
     }
 
     /// The VM's state stays for the next process when this overlay is dropped: its arena, spill
     /// file, summaries and zero log are left as they are. For a server that stops (or hands
     /// over) while the VM lives on; without it, dropping the overlay throws its state away.
     pub fn keep_state(&mut self) {
-        self.arena.keep();
-        if let Tier::RamDisk(spill) = &mut self.tier {
-            spill.keep();
-        }
-        if let Tier::InPlace { file, .. } = &mut self.tier {
-            file.keep();
-        }
-        if let Some(zero_log) = &mut self.zero_log {
+        self.core.arena.keep();
+        self.store.keep();
+        if let Some(zero_log) = &mut self.core.zero_log {
             zero_log.keep();
         }
-        if let Some(summaries) = &mut self.unused_summaries {
+        if let Some(summaries) = &mut self.core.unused_summaries {
             summaries.keep();
         }
     }
@@ -228,33 +262,23 @@ impl Overlay {
     /// Undoes [`Self::keep_state`]: the state goes with the overlay again. A recovery ends
     /// with this once the overlay stands; until then the files it opened are kept.
     fn own_state(&mut self) {
-        self.arena.own();
-        if let Tier::RamDisk(spill) = &mut self.tier {
-            spill.own();
-        }
-        if let Tier::InPlace { file, .. } = &mut self.tier {
-            file.own();
-        }
-        if let Some(zero_log) = &mut self.zero_log {
+        self.core.arena.own();
+        self.store.own();
+        if let Some(zero_log) = &mut self.core.zero_log {
             zero_log.own();
         }
-        if let Some(summaries) = &mut self.unused_summaries {
+        if let Some(summaries) = &mut self.core.unused_summaries {
             summaries.own();
         }
     }
 
     /// Whether the overlay's state can outlive the process (see [`Self::persistent`]).
     pub fn is_persistent(&self) -> bool {
-        self.zero_log.is_some()
-    }
-
-    fn next_seq(&mut self) -> u64 {
-        self.seq += 1;
-        self.seq
+        self.core.zero_log.is_some()
     }
 
     pub fn size(&self) -> u64 {
-        self.size
+        self.core.size
     }
 
     /// Pages a VM's arena may need: its RAM target, and the pages that can be held beside it.
@@ -264,20 +288,147 @@ impl Overlay {
     }
 
     pub fn mode(&self) -> WriteCacheMode {
-        self.config.mode
+        self.core.config.mode
     }
 
     pub fn stats(&self) -> &Arc<VmStats> {
-        &self.stats
+        &self.core.stats
     }
 
     /// The backing file (spill log or in-place cache file), for inspection.
     pub fn backing(&self) -> Option<&dyn BackingFile> {
-        match &self.tier {
-            Tier::Ram => None,
-            Tier::RamDisk(spill) => Some(spill.backing()),
-            Tier::InPlace { file, .. } => Some(file.as_ref()),
+        self.store.backing()
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let len = data.len() as u64;
+        self.core.check_range(offset, len)?;
+        self.core.stats.guest_write.add(len);
+        self.store.before_change(&mut self.core, Some(block_count(offset, len)));
+        let result = self.store.write(&mut self.core, offset, data);
+        self.after_mutation();
+        result
+    }
+
+    /// Writes `len` bytes at `offset` that are still on their way (in a socket): `receive` fills
+    /// the buffers it is handed, in order, with them. In the tiered modes blocks already in RAM
+    /// are received straight into their pages (but for a large write while RAM is full, which
+    /// goes to the spill log whole), and new ones into fresh pages the RAM tier then keeps, so a
+    /// RAM-tier write costs one copy where going through a request buffer cost two (the second
+    /// was 30 % of the server's time on 1 MiB writes). If `receive` fails, its error is returned
+    /// and the range holds unspecified data, as after any failed write.
+    pub fn write_received(
+        &mut self,
+        offset: u64,
+        len: usize,
+        receive: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<()>,
+    ) -> Result<()> {
+        self.core.check_range(offset, len as u64)?;
+        self.store.before_change(&mut self.core, Some(block_count(offset, len as u64)));
+        let mut receive = Some(receive);
+        let mut received = false;
+        let mut receive_once = |buffers: &mut [IoSliceMut<'_>]| {
+            let result = match receive.take() {
+                Some(receive) => receive(buffers),
+                None => Err(io::Error::other("a write's payload was asked for twice")),
+            };
+            received = result.is_ok();
+            result
+        };
+        let result = self.store.write_received(&mut self.core, offset, len, &mut receive_once);
+        // A write the guest never finished sending is not one of its writes.
+        if received {
+            self.core.stats.guest_write.add(len as u64);
         }
+        self.after_mutation();
+        result
+    }
+
+    /// Zeroes a range without storing data: whole blocks join the zeroed ranges, partial ones are
+    /// patched. `NO_HOLE` makes no difference here, since nothing is preallocated for a VM that
+    /// is thrown away, and zeroing is never slower than writing (so FAST_ZERO always holds).
+    pub fn write_zeroes(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.core.check_range(offset, len)?;
+        self.core.stats.guest_zero.add(len);
+        self.store.before_change(&mut self.core, None);
+        let result = self.zero_spans(offset, len);
+        self.after_mutation();
+        result
+    }
+
+    fn zero_spans(&mut self, offset: u64, len: u64) -> Result<()> {
+        let (whole_first, whole_end) = whole_blocks(offset, len);
+        for span in block_spans(offset, len).filter(|span| !span.is_whole()) {
+            let mut block = self.core.read_block(self.store.as_mut(), span.block)?;
+            block[span.within..span.within + span.len].fill(0);
+            self.store.store_block(&mut self.core, span.block, &block)?;
+        }
+        if whole_first < whole_end {
+            // Recorded before any copy is released: a recovery then finds the range zeroed,
+            // whatever this request had done when the process stopped.
+            if self.core.zero_log.is_some() {
+                let seq = self.core.next_seq();
+                let record = ZeroRecord { first: whole_first, end: whole_end, seq };
+                self.core.zero_log.as_mut().expect("checked").append(record)?;
+            }
+            // Zeroed before the copies go (the map wins over zeroed ranges): in place, blocks
+            // are punched run by run, and a run punched before a later one failed must read
+            // zeroes, not the golden image.
+            self.core.zeros.insert(whole_first, whole_end);
+            self.drop_blocks(whole_first, whole_end)?;
+            self.core.stats.zero_blocks.add(whole_end - whole_first);
+            self.core.rewrite_zero_log_if_long();
+        }
+        Ok(())
+    }
+
+    /// Gives whole blocks back: RAM pages and spill slots are freed, in-place file blocks are
+    /// punched, and the blocks read from the golden image again. Partial blocks are left alone,
+    /// which TRIM allows.
+    pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.core.check_range(offset, len)?;
+        self.core.stats.guest_trim.add(len);
+        let (first, end) = whole_blocks(offset, len);
+        let result = if first < end {
+            self.core.zeros.remove(first, end);
+            self.drop_blocks(first, end)
+        } else {
+            Ok(())
+        };
+        self.after_mutation();
+        result
+    }
+
+    /// Nothing to make durable: the cache dies with the VM. A spill segment still being written
+    /// is waited for, so that after a flush every acknowledged write is in RAM or in the hands
+    /// of the spill file's filesystem, and every figure counts it. A failed segment write is
+    /// not the flush's failure: the data stays readable in memory, and the next append that
+    /// needs space reports it.
+    pub fn flush(&mut self) -> Result<()> {
+        self.core.stats.guest_flush.add(0);
+        self.store.finish_writes(&self.core.stats);
+        // A written segment may have freed its space and its owner table: account for it.
+        self.after_mutation();
+        Ok(())
+    }
+
+    /// Removes every mapped block in `[first, end)`, freeing its storage.
+    fn drop_blocks(&mut self, first: u64, end: u64) -> Result<()> {
+        let map = &self.core.map;
+        let mut mapped: Vec<BlockIndex> = if end - first <= map.len() as u64 {
+            (first..end).map(BlockIndex).filter(|b| map.contains(*b)).collect()
+        } else {
+            map.blocks().filter(|b| (first..end).contains(&b.0)).collect()
+        };
+        mapped.sort_unstable();
+        self.store.drop_blocks(&mut self.core, first, end, &mapped)
+    }
+}
+
+impl Core {
+    fn next_seq(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
@@ -296,189 +447,19 @@ impl Overlay {
             None => Source::Golden,
         }
     }
-
-    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        let len = data.len() as u64;
-        self.check_range(offset, len)?;
-        self.stats.guest_write.add(len);
-        self.note_write_size(block_count(offset, len));
-        self.shrink_to_target();
-        let result = self.write_spans(offset, data);
-        self.after_mutation();
-        result
-    }
-
-    fn note_write_size(&mut self, blocks: usize) {
-        let decayed = self.recent_write_blocks - self.recent_write_blocks.div_ceil(8);
-        self.recent_write_blocks = decayed.max(blocks);
-    }
-
-    fn write_spans(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        if let Tier::InPlace { .. } = self.tier {
-            return self.write_in_place(offset, data);
-        }
-        let mut landed = Landed::default();
-        let result = self.put_spans(offset, data, &mut landed);
-        self.count_landed(landed);
-        result
-    }
-
-    /// Writes `len` bytes at `offset` that are still on their way (in a socket): `receive` fills
-    /// the buffers it is handed, in order, with them. Blocks already in RAM are received straight
-    /// into their pages (but for a large write while RAM is full, which goes to the spill log
-    /// whole), and new ones into fresh pages the RAM tier then keeps, so a RAM-tier
-    /// write costs one copy where going through a request buffer cost two (the second was 30 %
-    /// of the server's time on 1 MiB writes). If `receive` fails, its error is returned and the
-    /// range holds unspecified data, as after any failed write.
-    pub fn write_received(
-        &mut self,
-        offset: u64,
-        len: usize,
-        receive: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<()>,
-    ) -> Result<()> {
-        self.check_range(offset, len as u64)?;
-        if let Tier::InPlace { .. } = self.tier {
-            // The file is written from one buffer anyway.
-            let mut data = vec![0; len];
-            receive(&mut [IoSliceMut::new(&mut data)]).map_err(|e| EngineError::from_io("receiving data", e))?;
-            return self.write(offset, &data);
-        }
-        self.note_write_size(block_count(offset, len as u64));
-        self.shrink_to_target();
-        let mut landed = Landed::default();
-        let mut received = false;
-        let receive = |buffers: &mut [IoSliceMut<'_>]| {
-            let result = receive(buffers);
-            received = result.is_ok();
-            result
-        };
-        let result = self.receive_spans(offset, len, receive, &mut landed);
-        // A write the guest never finished sending is not one of its writes.
-        if received {
-            self.stats.guest_write.add(len as u64);
-        }
-        self.count_landed(landed);
-        self.after_mutation();
-        result
-    }
-
-    /// Zeroes a range without storing data: whole blocks join the zeroed ranges, partial ones are
-    /// patched. `NO_HOLE` makes no difference here, since nothing is preallocated for a VM that
-    /// is thrown away, and zeroing is never slower than writing (so FAST_ZERO always holds).
-    pub fn write_zeroes(&mut self, offset: u64, len: u64) -> Result<()> {
-        self.check_range(offset, len)?;
-        self.stats.guest_zero.add(len);
-        self.shrink_to_target();
-        let result = self.zero_spans(offset, len);
-        self.after_mutation();
-        result
-    }
-
-    fn zero_spans(&mut self, offset: u64, len: u64) -> Result<()> {
-        let (whole_first, whole_end) = whole_blocks(offset, len);
-        for span in block_spans(offset, len).filter(|span| !span.is_whole()) {
-            let mut block = self.read_block(span.block)?;
-            block[span.within..span.within + span.len].fill(0);
-            self.store_block(span.block, &block)?;
-        }
-        if whole_first < whole_end {
-            // Recorded before any copy is released: a recovery then finds the range zeroed,
-            // whatever this request had done when the process stopped.
-            if self.zero_log.is_some() {
-                let seq = self.next_seq();
-                let record = ZeroRecord { first: whole_first, end: whole_end, seq };
-                self.zero_log.as_mut().expect("checked").append(record)?;
-            }
-            // Zeroed before the copies go (the map wins over zeroed ranges): in place, blocks
-            // are punched run by run, and a run punched before a later one failed must read
-            // zeroes, not the golden image.
-            self.zeros.insert(whole_first, whole_end);
-            self.drop_blocks(whole_first, whole_end)?;
-            self.stats.zero_blocks.add(whole_end - whole_first);
-            self.rewrite_zero_log_if_long();
-        }
-        Ok(())
-    }
-
-    /// Gives whole blocks back: RAM pages and spill slots are freed, in-place file blocks are
-    /// punched, and the blocks read from the golden image again. Partial blocks are left alone,
-    /// which TRIM allows.
-    pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
-        self.check_range(offset, len)?;
-        self.stats.guest_trim.add(len);
-        let (first, end) = whole_blocks(offset, len);
-        let result = if first < end {
-            self.zeros.remove(first, end);
-            self.drop_blocks(first, end)
-        } else {
-            Ok(())
-        };
-        self.after_mutation();
-        result
-    }
-
-    /// Nothing to make durable: the cache dies with the VM. A spill segment still being written
-    /// is waited for, so that after a flush every acknowledged write is in RAM or in the hands
-    /// of the spill file's filesystem, and every figure counts it. A failed segment write is
-    /// not the flush's failure: the data stays readable in memory, and the next append that
-    /// needs space reports it.
-    pub fn flush(&mut self) -> Result<()> {
-        self.stats.guest_flush.add(0);
-        if let Tier::RamDisk(spill) = &mut self.tier {
-            if let Err(error) = spill.finish_writes(&self.stats) {
-                tracing::debug!(%error, "flush: the spill segment being written failed");
-            }
-            // A written segment may have freed its space and its owner table: account for it.
-            self.after_mutation();
-        }
-        Ok(())
-    }
-
-    /// Stores a whole block in whatever tier the mode uses.
-    fn store_block(&mut self, block: BlockIndex, data: &Block) -> Result<()> {
-        if let Tier::InPlace { .. } = self.tier {
-            self.write_in_place(block.byte_offset(), data)
-        } else {
-            let mut landed = Landed::default();
-            landed.add(self.put_block(block, Contents::Borrowed(data), Placement::Hot)?);
-            self.count_landed(landed);
-            Ok(())
-        }
-    }
-
-    /// Removes every mapped block in `[first, end)`, freeing its storage.
-    fn drop_blocks(&mut self, first: u64, end: u64) -> Result<()> {
-        let mut mapped: Vec<BlockIndex> = if end - first <= self.map.len() as u64 {
-            (first..end).map(BlockIndex).filter(|b| self.map.contains(*b)).collect()
-        } else {
-            self.map.blocks().filter(|b| (first..end).contains(&b.0)).collect()
-        };
-        mapped.sort_unstable();
-        if let Tier::InPlace { .. } = self.tier {
-            return self.punch_in_place(first, end, &mapped);
-        }
-        for block in mapped {
-            if let Some(old) = self.map.remove(block) {
-                self.release(old);
-            }
-        }
-        if let Tier::RamDisk(spill) = &mut self.tier {
-            spill.give_back_kept(&self.stats);
-        }
-        Ok(())
-    }
 }
 
 impl Drop for Overlay {
     fn drop(&mut self) {
-        if let Tier::RamDisk(spill) = &mut self.tier {
-            // The last segment may still be on its way to disk: wait, so that it is counted.
-            if let Err(error) = spill.finish_writes(&self.stats) {
-                tracing::debug!(%error, "the last spill segment of a departing VM was not written");
-            }
-        }
-        self.host.detach(self.accounted_bytes);
+        // The last segment may still be on its way to disk: wait, so that it is counted.
+        self.store.finish_writes(&self.core.stats);
+        self.core.host.detach(self.core.accounted_bytes);
     }
+}
+
+/// A slot a store never makes was found in the map (a spill slot in place, say).
+fn foreign_slot(slot: Slot) -> EngineError {
+    EngineError::Corrupt(format!("the block map holds {slot:?}, which this VM's mode never stores"))
 }
 
 /// The whole blocks inside `[offset, offset + len)`, as `[first, end)` block indices.

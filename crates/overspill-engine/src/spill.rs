@@ -550,24 +550,6 @@ impl SpillLog {
         }
     }
 
-    pub fn read(&mut self, addr: SpillAddr, buf: &mut Block, stats: &VmStats) -> Result<()> {
-        if let Some(open) = self.open.as_ref().filter(|open| open.id == addr.segment) {
-            buf.copy_from_slice(&open.pages[usize::from(addr.slot)][..]);
-            return Ok(());
-        }
-        if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == addr.segment) {
-            // Counted as a read of the spill file, like one the page cache serves: the block is
-            // in the file as far as the VM is concerned, and the figure must not depend on
-            // whether the write has finished yet.
-            buf.copy_from_slice(&writing.pages[usize::from(addr.slot)][..]);
-            stats.spill_read.add(BLOCK_SIZE as u64);
-            return Ok(());
-        }
-        self.file.read_at(buf, addr.byte_offset()).map_err(|e| EngineError::from_io("reading spill block", e))?;
-        stats.spill_read.add(BLOCK_SIZE as u64);
-        Ok(())
-    }
-
     /// Reads blocks that lie next to each other in one segment, `first` and the ones after it,
     /// into `buf` (whole blocks): one read of the file, or copies while the segment is still in
     /// memory. A guest reading back what it wrote in one go finds it this way, since a segment
@@ -583,7 +565,8 @@ impl SpillLog {
             return Ok(());
         }
         if let Some(writing) = self.writing.as_ref().filter(|writing| writing.id == first.segment) {
-            // Counted as reads of the file, as in `read`.
+            // Counted as reads of the file: the blocks are in the file as far as the VM is
+            // concerned, and the figure must not depend on whether the write has finished yet.
             for (i, block) in buf.chunks_exact_mut(BLOCK_SIZE).enumerate() {
                 block.copy_from_slice(&writing.pages[start + i][..]);
             }
@@ -782,7 +765,7 @@ mod tests {
 
     fn read(log: &mut SpillLog, addr: SpillAddr, stats: &VmStats) -> Block {
         let mut buf = [0u8; BLOCK_SIZE];
-        log.read(addr, &mut buf, stats).expect("read");
+        log.read_run(addr, &mut buf, stats).expect("read");
         buf
     }
 

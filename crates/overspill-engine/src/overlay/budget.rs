@@ -2,9 +2,7 @@
 //! counted for the host after each change, free pages kept or given back, spill space given
 //! back when the VM is idle or waiting.
 
-use super::{Overlay, Tier};
-use crate::spill::SpillLog;
-use crate::stats::VmStats;
+use super::{Core, KeptDisk, Overlay};
 use crate::units::{BLOCKS_PER_SEGMENT, BLOCK_BYTES};
 
 /// Free pages beyond what a VM wants that its arena leaves warm (counted for the host all the
@@ -15,11 +13,7 @@ const COOLING_SLACK_PAGES: usize = BLOCKS_PER_SEGMENT / 4;
 impl Overlay {
     /// Cache memory in use: RAM pages, the open spill segment and every index structure.
     pub fn memory_used_bytes(&self) -> u64 {
-        let spill = match &self.tier {
-            Tier::RamDisk(spill) => spill.memory_bytes(),
-            _ => 0,
-        };
-        self.ram.data_bytes() + self.ram.index_bytes() + self.map.memory_bytes() + self.zeros.memory_bytes() + spill
+        self.core.index_bytes() + self.store.memory_bytes()
     }
 
     /// What the host's budget counts for this VM: [`Self::memory_used_bytes`] and the free
@@ -28,76 +22,53 @@ impl Overlay {
     /// segment being written (the host's, see `SpillLog::memory_bytes`); pages a background
     /// writer frees after that are counted at the next one.
     pub fn memory_accounted_bytes(&self) -> u64 {
-        self.accounted_bytes
+        self.core.accounted_bytes
     }
 
     /// The VM is about to wait for its client (its connection lost, its overlay in grace): the
     /// free spill segments kept for its next writes, beyond the few always kept, go back to the
     /// filesystem, where another VM may need them while this one writes nothing.
     pub fn give_back_spare_disk(&mut self) {
-        self.give_back_disk(SpillLog::give_back_spare_kept);
+        self.give_back_disk(KeptDisk::Spare);
     }
 
     /// The VM's client has sent nothing for a while (while connected): every free spill
     /// segment kept for its next writes goes back to the filesystem, the few always kept too.
     /// Another VM may need the space, and this one would not hear of it until it writes.
     pub fn give_back_idle_disk(&mut self) {
-        self.give_back_disk(SpillLog::give_back_kept);
+        self.give_back_disk(KeptDisk::All);
     }
 
     /// Has the spill log give kept segments back, and counts the disk it holds then.
-    fn give_back_disk(&mut self, give_back: impl FnOnce(&mut SpillLog, &VmStats)) {
-        if let Tier::RamDisk(spill) = &mut self.tier {
-            give_back(spill, &self.stats);
-            self.stats.cache_disk_used_bytes.set(self.disk_used_bytes());
-        }
+    fn give_back_disk(&mut self, which: KeptDisk) {
+        self.store.give_back_disk(&self.core.stats, which);
+        self.core.stats.cache_disk_used_bytes.set(self.disk_used_bytes());
     }
 
     /// Free pages the VM has given back to the host so far (each one faulted in again when it
     /// is next taken).
     pub fn memory_pages_punched(&self) -> u64 {
-        self.arena.pages_punched()
+        self.core.arena.pages_punched()
     }
 
     /// Memory the VM's pages really take: its blocks and the free pages its arena keeps for the
     /// next ones (beside [`Self::memory_used_bytes`], which counts an open segment whole).
     pub fn memory_resident_bytes(&self) -> u64 {
-        self.arena.resident_pages() * BLOCK_BYTES
+        self.core.arena.resident_pages() * BLOCK_BYTES
     }
 
     /// The target now in force: the VM's own, cut by host pressure.
     pub fn memory_target_bytes(&self) -> u64 {
-        self.host.effective_target(self.config.ram_target_bytes)
+        self.core.memory_target_bytes()
     }
 
     pub fn disk_used_bytes(&self) -> u64 {
-        match &self.tier {
-            Tier::Ram => 0,
-            Tier::RamDisk(spill) => spill.disk_used_bytes(),
-            Tier::InPlace { blocks, .. } => blocks * BLOCK_BYTES,
-        }
-    }
-
-    pub(super) fn disk_size_bytes(&self) -> u64 {
-        match &self.tier {
-            Tier::Ram => 0,
-            Tier::RamDisk(spill) => spill.disk_size_bytes(),
-            Tier::InPlace { .. } => self.size,
-        }
+        self.store.disk_used_bytes()
     }
 
     pub(super) fn after_mutation(&mut self) {
-        if matches!(self.tier, Tier::RamDisk(_)) {
-            if self.spill_mut().wants_compaction() {
-                if let Err(error) = self.compact() {
-                    tracing::warn!(%error, "spill compaction stopped");
-                }
-            }
-            let (spill, stats) = self.spill_and_stats();
-            spill.heed_space_shortages(stats);
-            spill.release_pages_if_empty(stats);
-        }
-        self.map.shrink_if_empty();
+        self.store.settle(&mut self.core);
+        self.core.map.shrink_if_empty();
         let used = self.memory_used_bytes();
         // Free pages the arena keeps in memory are memory the VM holds, though no block is in
         // them: keep no more than its unused target and what it will take again soon (a write
@@ -108,32 +79,39 @@ impl Overlay {
         // VM under pressure (its target cut, or the host at its cap, which these kept pages are
         // not checked against when taken) keeps only its unused target and the open segment's
         // room, exactly: it is to give memory back, not to go fast.
-        let target = self.memory_target_bytes();
+        let core = &mut self.core;
+        let target = core.memory_target_bytes();
         let unused = (target.saturating_sub(used) / BLOCK_BYTES) as usize;
-        let pressed = target < self.config.ram_target_bytes || !self.host.has_room(0);
-        let (soon, covered) = match &self.tier {
-            Tier::RamDisk(spill) => {
-                let room = spill.open_room();
-                (if pressed { room } else { spill.pages_wanted_soon() + self.recent_write_blocks }, room)
-            }
-            _ => (0, 0),
-        };
+        let pressed = target < core.config.ram_target_bytes || !core.host.has_room(0);
+        let (soon, covered) = self.store.pages_wanted(pressed);
         let slack = if pressed { 0 } else { COOLING_SLACK_PAGES };
-        let kept = self.arena.cool_beyond(unused + soon, slack);
+        let kept = core.arena.cool_beyond(unused + soon, slack);
         let accounted = used + kept.saturating_sub(covered) as u64 * BLOCK_BYTES;
-        self.host.account(self.accounted_bytes, accounted);
-        self.accounted_bytes = accounted;
-        let stats = &self.stats;
+        core.host.account(core.accounted_bytes, accounted);
+        core.accounted_bytes = accounted;
+        let stats = &core.stats;
         stats.cache_memory_used_bytes.set(used);
         stats.cache_memory_target_bytes.set(target);
         if used > stats.cache_memory_peak_bytes.get() {
             stats.cache_memory_peak_bytes.set(used);
         }
-        let disk = self.disk_used_bytes();
+        let disk = self.store.disk_used_bytes();
         stats.cache_disk_used_bytes.set(disk);
-        stats.cache_disk_size_bytes.set(self.disk_size_bytes());
+        stats.cache_disk_size_bytes.set(self.store.disk_size_bytes());
         if disk > stats.cache_disk_peak_bytes.get() {
             stats.cache_disk_peak_bytes.set(disk);
         }
+    }
+}
+
+impl Core {
+    /// The target now in force: the VM's own, cut by host pressure.
+    pub(super) fn memory_target_bytes(&self) -> u64 {
+        self.host.effective_target(self.config.ram_target_bytes)
+    }
+
+    /// Memory the block map and the zeroed ranges take.
+    pub(super) fn index_bytes(&self) -> u64 {
+        self.map.memory_bytes() + self.zeros.memory_bytes()
     }
 }

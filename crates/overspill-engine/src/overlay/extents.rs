@@ -31,15 +31,15 @@ impl Overlay {
     /// unallocated qcow2 clusters, absent VHDX blocks), in whole blocks: a block part data and
     /// part hole is data.
     pub fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.check_range(offset, len)?;
+        self.core.check_range(offset, len)?;
         let mut extents = Vec::new();
         let end = offset + len;
         let mut block = offset / BLOCK_BYTES;
         let end_block = end.div_ceil(BLOCK_BYTES);
         while block < end_block {
-            let source = self.source(BlockIndex(block));
+            let source = self.core.source(BlockIndex(block));
             let mut run_end = block + 1;
-            while run_end < end_block && same_kind(self.source(BlockIndex(run_end)), source) {
+            while run_end < end_block && same_kind(self.core.source(BlockIndex(run_end)), source) {
                 run_end += 1;
             }
             let (from, to) = ((block * BLOCK_BYTES).max(offset), (run_end * BLOCK_BYTES).min(end));
@@ -59,12 +59,12 @@ impl Overlay {
     /// data, else any stored zeroes make it zero, else it is a hole.
     fn golden_extents(&self, from: u64, to: u64, extents: &mut Vec<Extent>) -> Result<()> {
         let io = |source| EngineError::Io { what: "asking the golden image for its allocation", source };
-        let golden_end = to.min(self.golden.size());
+        let golden_end = to.min(self.core.golden.size());
         let mut at = from;
         // The state of the block being gathered, and where it starts.
         let mut pending: Option<(u64, Allocation)> = None;
         while at < golden_end {
-            let parts = self.golden.extents(at, golden_end - at).map_err(io)?;
+            let parts = self.core.golden.extents(at, golden_end - at).map_err(io)?;
             if parts.is_empty() {
                 return Err(io(io::Error::other("the golden image reported no extents")));
             }

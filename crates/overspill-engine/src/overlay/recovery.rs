@@ -1,9 +1,10 @@
 //! What lets an overlay outlive its process: rebuilding one from the state a previous process
 //! left (pages, segment summaries, zero log, cache file), and keeping the zero log short.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{Overlay, OverlayConfig, Tier, WriteCacheMode, ZERO_LOG_REWRITE_RECORDS};
+use super::{Core, Overlay, OverlayConfig, WriteCacheMode, ZERO_LOG_REWRITE_RECORDS};
 use crate::arena::{Arena, LivePage, Owner, Page};
 use crate::budget::HostMemory;
 use crate::error::{EngineError, Result};
@@ -12,7 +13,17 @@ use crate::map::Slot;
 use crate::state::{self, CopyAt, Found, StateFiles, ZeroRecord};
 use crate::stats::VmStats;
 use crate::store::BackingFile;
-use crate::units::{BlockIndex, SegmentId, SpillAddr, BLOCK_BYTES, SEGMENT_BYTES};
+use crate::units::{BlockIndex, SegmentId, SpillAddr, BLOCK_BYTES};
+
+/// What a recovery found of the spill log, for the store to rebuild it from.
+pub(super) struct SpillFound {
+    /// The spill file's length in segments.
+    pub(super) segments: u32,
+    /// Live blocks per sealed segment that holds any.
+    pub(super) live_slots: HashMap<u32, u16>,
+    /// Each segment's slots, as summarised.
+    pub(super) summary: Vec<Vec<Option<Owner>>>,
+}
 
 impl Overlay {
     /// Rebuilds the overlay a previous process left: `live` are the pages its arena holds (see
@@ -39,13 +50,13 @@ impl Overlay {
             state::scan(&owners, files, spilling.then_some(spill_segments), disk_blocks)?;
         let mut overlay = Self::build(golden, config, backing, host, stats, arena, Some((zero_log, summaries)))?;
         let mut pages: Vec<Option<Page>> = live.into_iter().map(|live| Some(live.page)).collect();
-        let mut live_slots: std::collections::HashMap<u32, u16> = Default::default();
+        let mut live_slots: HashMap<u32, u16> = HashMap::new();
         for (&block, &(_, at)) in &resolution.current {
             let block = BlockIndex(block);
             let slot = match at {
                 CopyAt::Page(i) => {
                     let page = pages[i].take().expect("each page is one block's copy");
-                    Slot::Ram(overlay.ram.insert(block, page))
+                    overlay.store.adopt_page(block, page)?
                 }
                 CopyAt::Spill { segment, slot } => {
                     if !spilling {
@@ -55,63 +66,25 @@ impl Overlay {
                     Slot::Spill(SpillAddr { segment: SegmentId(segment), slot })
                 }
             };
-            overlay.map.insert(block, slot);
+            overlay.core.map.insert(block, slot);
         }
         // Copies that lost: freed, their headers cleared, once the recovery stands (below).
         let lost_copies = pages;
         for (first, end) in resolution.zeros {
-            overlay.zeros.insert(first, end);
+            overlay.core.zeros.insert(first, end);
         }
-        overlay.seq = resolution.max_seq;
-        match std::mem::replace(&mut overlay.tier, Tier::Ram) {
-            Tier::RamDisk(spill) => {
-                let sealed = live_slots
-                    .into_iter()
-                    .map(|(segment, live)| {
-                        let owners = summary[segment as usize]
-                            .iter()
-                            // A slot with no entry is dead; any block number does for it.
-                            .map(|owner| owner.map_or(BlockIndex(0), |owner| owner.block))
-                            .collect();
-                        (segment, owners, live)
-                    })
-                    .collect();
-                overlay.tier = Tier::RamDisk(spill.recovered(spill_segments, sealed, &overlay.stats)?);
-            }
-            other => overlay.tier = other,
-        }
-        let mut recovered = resolution.current.len() as u64;
-        if let Tier::InPlace { file, blocks, .. } = &mut overlay.tier {
-            // Every block that holds data was written (a zeroing or a trim punches its blocks),
-            // after any zeroing that covers it: data wins over the zero log here.
-            let ranges = file.data_ranges().map_err(|e| EngineError::from_io("finding the cache file's data", e))?;
-            // A filesystem that cannot report holes calls the whole file data; taken at its
-            // word, every block never written would read as zeroes instead of golden data.
-            let data: u64 = ranges.iter().map(|(start, end)| end - start).sum();
-            let allocated = file.allocated_bytes().map_err(|e| EngineError::from_io("sizing the cache file", e))?;
-            if data > allocated + SEGMENT_BYTES as u64 {
-                return Err(EngineError::Corrupt(format!(
-                    "the cache file's filesystem reports {data} bytes of data in {allocated} allocated: \
-                     it cannot tell written blocks from holes"
-                )));
-            }
-            for (start, end) in ranges {
-                let (first, end) = (start / BLOCK_BYTES, end.div_ceil(BLOCK_BYTES).min(disk_blocks));
-                for block in (first..end).map(BlockIndex) {
-                    if overlay.map.insert(block, Slot::File).is_none() {
-                        *blocks += 1;
-                        recovered += 1;
-                    }
-                }
-            }
-        }
-        overlay.stats.recovered_blocks.add(recovered);
+        overlay.core.seq = resolution.max_seq;
+        let found = SpillFound { segments: spill_segments, live_slots, summary };
+        let on_disk = overlay.store.recover_disk(&mut overlay.core, found)?;
+        overlay.core.stats.recovered_blocks.add(resolution.current.len() as u64 + on_disk);
         overlay.own_state();
         drop(lost_copies);
         overlay.after_mutation();
         Ok(overlay)
     }
+}
 
+impl Core {
     /// Rewrites the zero log as the zeroed ranges less the blocks written since, once its
     /// records outnumber those ranges by far (a guest zeroing the same blocks over and over
     /// must not grow it forever).

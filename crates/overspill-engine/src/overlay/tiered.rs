@@ -2,15 +2,16 @@
 //! evicted to the spill log's open segment when the VM is at its target, large writes streamed
 //! to the log whole, and the log compacted while it pays.
 
-use std::io::{self, IoSliceMut};
+use std::io::IoSliceMut;
 
-use super::{Overlay, Tier};
+use super::{foreign_slot, Core, KeptDisk, Receive, SpillFound, Store};
 use crate::arena::{Arena, Owner, Page};
 use crate::error::{EngineError, Result};
 use crate::map::{self, Slot};
-use crate::ram::RamSlot;
+use crate::ram::{RamSlot, RamTier};
 use crate::spill::{Purpose, SpillLog};
 use crate::stats::VmStats;
+use crate::store::BackingFile;
 use crate::units::{block_spans, Block, BlockIndex, BlockSpan, SpillAddr, BLOCK_BYTES, BLOCK_SIZE};
 
 /// Writes at least this large go straight to the spill log when RAM is full, instead of pushing
@@ -25,20 +26,20 @@ const COMPACTION_WINDOW_SLOTS: usize = 64;
 
 /// Where `put_block` stored a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum LandedIn {
+enum LandedIn {
     Ram,
     Spill,
 }
 
 /// Blocks one request stored, by tier.
 #[derive(Debug, Default)]
-pub(super) struct Landed {
-    pub(super) ram: u64,
-    pub(super) spill: u64,
+struct Landed {
+    ram: u64,
+    spill: u64,
 }
 
 impl Landed {
-    pub(super) fn add(&mut self, tier: LandedIn) {
+    fn add(&mut self, tier: LandedIn) {
         match tier {
             LandedIn::Ram => self.ram += 1,
             LandedIn::Spill => self.spill += 1,
@@ -49,7 +50,7 @@ impl Landed {
 /// How a written block is placed when RAM is full: a block not in memory, or any whole block
 /// of a streaming write (see `receive_spans`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Placement {
+enum Placement {
     /// Kept in RAM; the coldest block is spilled to make room.
     Hot,
     /// Appended to the spill log.
@@ -58,7 +59,7 @@ pub(super) enum Placement {
 
 /// A block's new contents: borrowed from the request, or received into a page of their own,
 /// which the RAM tier then keeps without a copy.
-pub(super) enum Contents<'a> {
+enum Contents<'a> {
     Borrowed(&'a Block),
     Page(Page),
 }
@@ -99,28 +100,61 @@ impl Landing {
 /// A block of a write received into a fresh page, with where it was when the write began.
 type FreshBlock = (BlockSpan, Page, Option<Slot>);
 
-impl Overlay {
-    pub(super) fn put_spans(&mut self, offset: u64, data: &[u8], landed: &mut Landed) -> Result<()> {
+/// The tiered store: blocks in the RAM tier, and in mode `ram+disk` in the spill log beyond it.
+pub(super) struct Tiered {
+    ram: RamTier,
+    /// `None` in mode `ram`, which has no disk and refuses writes beyond its target.
+    spill: Option<SpillLog>,
+    /// Blocks of the largest write lately (a peak decaying by an eighth with each write): fresh
+    /// pages the next one of its kind takes before any of its blocks move to the spill log (see
+    /// `pages_wanted`). A peak, so that a VM mixing large and small writes does not punch the
+    /// large one's pages after each small one; after more than about five small writes in a
+    /// row it does.
+    recent_write_blocks: usize,
+}
+
+impl Tiered {
+    pub(super) fn new(spill: Option<SpillLog>) -> Self {
+        Self { ram: RamTier::default(), spill, recent_write_blocks: 0 }
+    }
+
+    fn note_write_size(&mut self, blocks: usize) {
+        let decayed = self.recent_write_blocks - self.recent_write_blocks.div_ceil(8);
+        self.recent_write_blocks = decayed.max(blocks);
+    }
+
+    /// The spill log, which a spill slot in the map implies.
+    fn spill_of(&mut self, slot: Slot) -> Result<&mut SpillLog> {
+        self.spill.as_mut().ok_or_else(|| foreign_slot(slot))
+    }
+
+    /// Whether `addr` is in the segment the spill log has open (where it can be written over).
+    fn in_open_segment(&self, addr: SpillAddr) -> bool {
+        self.spill.as_ref().is_some_and(|spill| spill.is_open(addr.segment))
+    }
+
+    fn put_spans(&mut self, core: &mut Core, offset: u64, data: &[u8], landed: &mut Landed) -> Result<()> {
         let placement = if data.len() >= STREAMING_WRITE_BYTES { Placement::Streaming } else { Placement::Hot };
         let mut pos = 0usize;
         for span in block_spans(offset, data.len() as u64) {
             let piece = &data[pos..pos + span.len];
             pos += span.len;
             let tier = if let Ok(whole) = <&Block>::try_from(piece) {
-                self.put_block(span.block, Contents::Borrowed(whole), placement)?
+                self.put_block(core, span.block, Contents::Borrowed(whole), placement)?
             } else {
-                self.patch_block(span, piece)?
+                self.patch_block(core, span, piece)?
             };
             landed.add(tier);
         }
         Ok(())
     }
 
-    pub(super) fn receive_spans(
+    fn receive_spans(
         &mut self,
+        core: &mut Core,
         offset: u64,
         len: usize,
-        receive: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<()>,
+        receive: &mut Receive<'_>,
         landed: &mut Landed,
     ) -> Result<()> {
         let placement = if len >= STREAMING_WRITE_BYTES { Placement::Streaming } else { Placement::Hot };
@@ -130,12 +164,12 @@ impl Overlay {
         // spilling). The others are all looked up first: the lookups are independent, so their
         // cache misses overlap; and once: receiving the payload pushes the map's lines out of
         // the cache, so a second lookup when the block is placed missed again.
-        let blind = placement == Placement::Streaming && matches!(self.tier, Tier::RamDisk(_)) && !self.ram_has_room();
+        let blind = placement == Placement::Streaming && self.spill.is_some() && !self.ram_has_room(core);
         let spans: Vec<(BlockSpan, Option<Slot>)> = block_spans(offset, len as u64)
-            .map(|span| (span, if blind && span.is_whole() { None } else { self.map.get(span.block) }))
+            .map(|span| (span, if blind && span.is_whole() { None } else { core.map.get(span.block) }))
             .collect();
         let lent = |&(span, old): &(BlockSpan, Option<Slot>)| span.is_whole() && matches!(old, Some(Slot::Ram(_)));
-        let mut fresh_pages = self.arena.alloc_many(spans.iter().filter(|span| !lent(span)).count())?.into_iter();
+        let mut fresh_pages = core.arena.alloc_many(spans.iter().filter(|span| !lent(span)).count())?.into_iter();
         let mut landings: Vec<(BlockSpan, Landing)> = spans
             .into_iter()
             .map(|(span, old)| match old {
@@ -162,13 +196,13 @@ impl Overlay {
         }
         received.map_err(|e| EngineError::from_io("receiving data", e))?;
         if placement == Placement::Streaming {
-            fresh = self.stream_to_spill(fresh, landed)?;
+            fresh = self.stream_to_spill(core, fresh, landed)?;
         }
         for (span, page, old) in fresh {
             let tier = if span.is_whole() {
-                self.put_block_from(span.block, old, Contents::Page(page), placement)?
+                self.put_block_from(core, span.block, old, Contents::Page(page), placement)?
             } else {
-                self.patch_block(span, &page[..span.len])?
+                self.patch_block(core, span, &page[..span.len])?
             };
             landed.add(tier);
         }
@@ -186,8 +220,13 @@ impl Overlay {
     /// A block's old copy is whatever the map holds when the run is mapped, not `old` (`None`
     /// for a block not looked up): reserving can compact, which moves blocks (into the open
     /// segment, too).
-    fn stream_to_spill(&mut self, fresh: Vec<FreshBlock>, landed: &mut Landed) -> Result<Vec<FreshBlock>> {
-        if !matches!(self.tier, Tier::RamDisk(_)) {
+    fn stream_to_spill(
+        &mut self,
+        core: &mut Core,
+        fresh: Vec<FreshBlock>,
+        landed: &mut Landed,
+    ) -> Result<Vec<FreshBlock>> {
+        if self.spill.is_none() {
             return Ok(fresh);
         }
         let mut rest = Vec::new();
@@ -196,77 +235,83 @@ impl Overlay {
         let mut blocks = fresh.into_iter();
         while let Some((span, page, old)) = blocks.next() {
             // (A whole block found in RAM was received into its own page: it is not here.)
-            let in_open = matches!(old, Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment));
+            let in_open = matches!(old, Some(Slot::Spill(addr)) if self.in_open_segment(addr));
             if !span.is_whole() || in_open {
                 rest.push((span, page, old));
                 continue;
             }
             if room == 0 {
-                landed.spill += self.map_run(&mut run);
-                if self.ram_has_room() {
+                landed.spill += self.map_run(core, &mut run);
+                if self.ram_has_room(core) {
                     rest.push((span, page, old));
                     rest.extend(blocks);
                     break;
                 }
-                if self.reserve_spill().is_err() {
-                    // The log takes no more (full, or its last write failed): blocks with a copy
-                    // in RAM or in the open segment can still be written over there, as the
-                    // per-block path does, which reports the error for the others. Looked up
-                    // now, as this path may not have.
-                    let relooked = |(span, page, _): FreshBlock| (span, page, self.map.get(span.block));
-                    rest.push(relooked((span, page, old)));
-                    rest.extend(blocks.map(relooked));
-                    break;
+                let reserved = self.reserve_spill(core);
+                match (reserved, &self.spill) {
+                    (Ok(()), Some(spill)) => room = spill.open_room(),
+                    _ => {
+                        // The log takes no more (full, or its last write failed): blocks with a
+                        // copy in RAM or in the open segment can still be written over there,
+                        // as the per-block path does, which reports the error for the others.
+                        // Looked up now, as this path may not have.
+                        let relooked = |(span, page, _): FreshBlock| (span, page, core.map.get(span.block));
+                        rest.push(relooked((span, page, old)));
+                        rest.extend(blocks.map(relooked));
+                        break;
+                    }
                 }
-                room = self.spill_mut().open_room();
             }
-            let page = self.owned_page(span.block, Contents::Page(page))?;
-            run.push((span.block, self.spill_mut().push(span.block, page)));
+            let page = owned_page(core, span.block, Contents::Page(page))?;
+            let Some(spill) = self.spill.as_mut() else { break };
+            run.push((span.block, spill.push(span.block, page)));
             room -= 1;
         }
-        landed.spill += self.map_run(&mut run);
+        landed.spill += self.map_run(core, &mut run);
         Ok(rest)
     }
 
     /// Points the map at a run of blocks just pushed into the spill log and releases the
     /// copies they replace; returns how many there were.
-    fn map_run(&mut self, run: &mut Vec<(BlockIndex, SpillAddr)>) -> u64 {
+    fn map_run(&mut self, core: &mut Core, run: &mut Vec<(BlockIndex, SpillAddr)>) -> u64 {
         let count = run.len() as u64;
         let mut replaced = Vec::with_capacity(run.len());
-        replaced.extend(run.drain(..).filter_map(|(block, addr)| self.map.insert(block, Slot::Spill(addr))));
+        replaced.extend(run.drain(..).filter_map(|(block, addr)| core.map.insert(block, Slot::Spill(addr))));
         for old in replaced {
-            self.release(old);
+            self.release(&core.stats, old);
         }
         count
     }
 
     /// Stores part of a block: the rest is read from wherever the block is now.
-    fn patch_block(&mut self, span: BlockSpan, piece: &[u8]) -> Result<LandedIn> {
-        let mut block = self.read_block(span.block)?;
+    fn patch_block(&mut self, core: &mut Core, span: BlockSpan, piece: &[u8]) -> Result<LandedIn> {
+        let mut block = core.read_block(self, span.block)?;
         block[span.within..span.within + span.len].copy_from_slice(piece);
-        self.put_block(span.block, Contents::Borrowed(&block), Placement::Hot)
+        self.put_block(core, span.block, Contents::Borrowed(&block), Placement::Hot)
     }
 
     /// Counted once per request: an atomic increment after every 4 KiB copy made the CPU wait
     /// for the copy's stores (4 % of the RAM tier's 1 MiB write throughput).
-    pub(super) fn count_landed(&self, landed: Landed) {
+    fn count_landed(stats: &VmStats, landed: Landed) {
         if landed.ram > 0 {
-            self.stats.write_blocks_ram.add(landed.ram);
+            stats.write_blocks_ram.add(landed.ram);
         }
         if landed.spill > 0 {
-            self.stats.write_blocks_spill.add(landed.spill);
+            stats.write_blocks_spill.add(landed.spill);
         }
     }
 
-    /// Modes `ram` and `ram+disk`: overwrite in memory where the block already is in memory,
-    /// otherwise place it anew and release its old copy.
-    pub(super) fn put_block(
+    /// Overwrites in memory where the block already is in memory, otherwise places it anew and
+    /// releases its old copy.
+    fn put_block(
         &mut self,
+        core: &mut Core,
         block: BlockIndex,
         data: Contents<'_>,
         placement: Placement,
     ) -> Result<LandedIn> {
-        self.put_block_from(block, self.map.get(block), data, placement)
+        let old = core.map.get(block);
+        self.put_block_from(core, block, old, data, placement)
     }
 
     /// [`Self::put_block`], `old` being where the map said the block was earlier in the same
@@ -279,6 +324,7 @@ impl Overlay {
     /// meanwhile, emptied by compaction and reused can be open again under the same number.
     fn put_block_from(
         &mut self,
+        core: &mut Core,
         block: BlockIndex,
         old: Option<Slot>,
         data: Contents<'_>,
@@ -288,8 +334,8 @@ impl Overlay {
         // earlier block of the same write can compact the log (moving blocks into the open
         // segment) or evict this one from RAM, and its page go to another block. Looked up again.
         let old = match old {
-            Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment) => self.map.get(block),
-            Some(Slot::Ram(_)) => self.map.get(block),
+            Some(Slot::Spill(addr)) if self.in_open_segment(addr) => core.map.get(block),
+            Some(Slot::Ram(_)) => core.map.get(block),
             other => other,
         };
         match old {
@@ -298,16 +344,16 @@ impl Overlay {
                 self.ram.get_mut(slot).copy_from_slice(data.bytes());
                 Ok(LandedIn::Ram)
             }
-            Some(Slot::Spill(addr)) if self.spill_mut().is_open(addr.segment) => {
-                self.spill_mut().overwrite_open(addr, data.bytes());
+            Some(slot @ Slot::Spill(addr)) if self.in_open_segment(addr) => {
+                self.spill_of(slot)?.overwrite_open(addr, data.bytes());
                 Ok(LandedIn::Spill)
             }
             _ => {
                 // Placing can compact the spill log, which may move this very block: release
                 // whatever the map holds after placing, not the copy looked up before.
-                let new = self.place(block, data, placement)?;
-                if let Some(current) = self.map.insert(block, new) {
-                    self.release(current);
+                let new = self.place(core, block, data, placement)?;
+                if let Some(current) = core.map.insert(block, new) {
+                    self.release(&core.stats, current);
                 }
                 Ok(if matches!(new, Slot::Ram(_)) { LandedIn::Ram } else { LandedIn::Spill })
             }
@@ -315,53 +361,44 @@ impl Overlay {
     }
 
     /// Finds a new home for a block that is not in memory. On error nothing changed.
-    pub(super) fn place(&mut self, block: BlockIndex, data: Contents<'_>, placement: Placement) -> Result<Slot> {
-        if !self.ram_has_room() {
-            match self.tier {
-                Tier::RamDisk(_) => {
-                    if self.ram.blocks() == 0 || placement == Placement::Streaming {
-                        self.reserve_spill()?;
-                        let page = self.owned_page(block, data)?;
-                        return Ok(Slot::Spill(self.spill_mut().push(block, page)));
-                    }
-                    // Keep the new (hot) block in RAM and push the coldest one out.
-                    self.evict_coldest()?;
-                }
-                _ => {
-                    return Err(EngineError::NoSpace(format!(
-                        "RAM cache target of {} bytes reached",
-                        self.memory_target_bytes()
-                    )))
-                }
+    fn place(&mut self, core: &mut Core, block: BlockIndex, data: Contents<'_>, placement: Placement) -> Result<Slot> {
+        if !self.ram_has_room(core) {
+            if self.spill.is_none() {
+                return Err(EngineError::NoSpace(format!(
+                    "RAM cache target of {} bytes reached",
+                    core.memory_target_bytes()
+                )));
             }
+            if self.ram.blocks() == 0 || placement == Placement::Streaming {
+                self.reserve_spill(core)?;
+                let page = owned_page(core, block, data)?;
+                let addr = self.spill.as_mut().map(|spill| spill.push(block, page));
+                return addr.map(Slot::Spill).ok_or_else(|| EngineError::NoSpace("no spill log".into()));
+            }
+            // Keep the new (hot) block in RAM and push the coldest one out.
+            self.evict_coldest(core)?;
         }
-        let page = self.owned_page(block, data)?;
+        let page = owned_page(core, block, data)?;
         Ok(Slot::Ram(self.ram.insert(block, page)))
     }
 
-    /// A page holding a new copy of `block`, stamped as such for a recovery.
-    fn owned_page(&mut self, block: BlockIndex, data: Contents<'_>) -> Result<Page> {
-        let page = data.into_page(&self.arena)?;
-        let seq = self.next_seq();
-        page.set_owner(Owner { block, seq });
-        Ok(page)
-    }
-
-    fn ram_has_room(&self) -> bool {
+    fn ram_has_room(&self, core: &Core) -> bool {
         let need = BLOCK_BYTES + map::ENTRY_BYTES;
-        self.memory_used_bytes() + need <= self.memory_target_bytes() && self.host.has_room(need)
+        core.index_bytes() + self.memory_bytes() + need <= core.memory_target_bytes() && core.host.has_room(need)
     }
 
     /// Makes room in the spill log's open segment for guest data; when the space is exhausted,
     /// compacts and retries. On error nothing changed.
-    fn reserve_spill(&mut self) -> Result<()> {
+    fn reserve_spill(&mut self, core: &mut Core) -> Result<()> {
         loop {
-            let (spill, stats) = self.spill_and_stats();
-            match spill.reserve(Purpose::Guest, stats) {
+            let Some(spill) = self.spill.as_mut() else {
+                return Err(EngineError::NoSpace("no spill log".into()));
+            };
+            match spill.reserve(Purpose::Guest, &core.stats) {
                 // Out of space, any garbage is worth a compaction: each one frees a segment, so
                 // this ends, with room or with no garbage left.
                 Err(EngineError::NoSpace(message)) if spill.has_garbage() => {
-                    if !self.compact_one()? {
+                    if !self.compact_one(core)? {
                         return Err(EngineError::NoSpace(message));
                     }
                 }
@@ -372,46 +409,34 @@ impl Overlay {
 
     /// Moves the coldest RAM block's page into the spill log, without a copy. On error (no room
     /// in the log) the block stays in RAM.
-    fn evict_coldest(&mut self) -> Result<()> {
+    fn evict_coldest(&mut self, core: &mut Core) -> Result<()> {
         let Some((slot, owner)) = self.ram.coldest() else { return Ok(()) };
-        self.reserve_spill()?;
+        self.reserve_spill(core)?;
+        let Some(spill) = self.spill.as_mut() else { return Ok(()) };
         let page = self.ram.take(slot);
-        let addr = self.spill_mut().push(owner, page);
-        self.map.insert(owner, Slot::Spill(addr));
+        let addr = spill.push(owner, page);
+        core.map.insert(owner, Slot::Spill(addr));
         Ok(())
     }
 
-    /// Spills until the VM is within its (possibly shrunken) target. Best effort: a full spill
-    /// disk leaves the VM over target, and the write that follows reports the error if it needs
-    /// space.
-    pub(super) fn shrink_to_target(&mut self) {
-        if !matches!(self.tier, Tier::RamDisk(_)) {
-            return;
-        }
-        while self.ram.blocks() > 0 && self.memory_used_bytes() > self.memory_target_bytes() {
-            if let Err(error) = self.evict_coldest() {
-                tracing::debug!(%error, "could not spill down to the memory target");
-                break;
-            }
-        }
-    }
-
-    pub(super) fn release(&mut self, old: Slot) {
+    fn release(&mut self, stats: &VmStats, old: Slot) {
         match old {
             Slot::Ram(slot) => self.ram.remove(slot),
+            // Spill slots exist only with a spill log, file slots never here: nothing to free.
             Slot::Spill(addr) => {
-                let (spill, stats) = self.spill_and_stats();
-                spill.release(addr, stats);
+                if let Some(spill) = self.spill.as_mut() {
+                    spill.release(addr, stats);
+                }
             }
-            Slot::File => unreachable!("in-place blocks are overwritten in place, never released"),
+            Slot::File => {}
         }
     }
 
     /// Moves the live blocks of the emptiest spill segments into the open one, so that their
     /// space can be punched out, while compaction pays.
-    pub(super) fn compact(&mut self) -> Result<()> {
-        while self.spill_mut().wants_compaction() {
-            if !self.compact_one()? {
+    fn compact(&mut self, core: &mut Core) -> Result<()> {
+        while self.spill.as_ref().is_some_and(SpillLog::wants_compaction) {
+            if !self.compact_one(core)? {
                 break;
             }
         }
@@ -420,9 +445,10 @@ impl Overlay {
 
     /// Moves the live blocks of the emptiest sealed segment into the open one, which frees it.
     /// `false` if no sealed segment has a dead slot.
-    fn compact_one(&mut self) -> Result<bool> {
-        let Some(victim) = self.spill_mut().compaction_victim() else { return Ok(false) };
-        let owners = self.spill_mut().segment_owners(victim);
+    fn compact_one(&mut self, core: &mut Core) -> Result<bool> {
+        let Some(spill) = self.spill.as_mut() else { return Ok(false) };
+        let Some(victim) = spill.compaction_victim() else { return Ok(false) };
+        let owners = spill.segment_owners(victim);
         // Slots are below 512.
         let addr = |slot: usize| SpillAddr { segment: victim, slot: slot as u16 };
         // A window at a time, and only windows with a live block: many VMs compacting at once
@@ -431,37 +457,210 @@ impl Overlay {
         for first in (0..owners.len()).step_by(COMPACTION_WINDOW_SLOTS) {
             let slots = first..(first + COMPACTION_WINDOW_SLOTS).min(owners.len());
             let live: Vec<usize> =
-                slots.clone().filter(|&slot| self.map.get(owners[slot]) == Some(Slot::Spill(addr(slot)))).collect();
+                slots.clone().filter(|&slot| core.map.get(owners[slot]) == Some(Slot::Spill(addr(slot)))).collect();
             if live.is_empty() {
                 continue;
             }
             let bytes = &mut window[..slots.len() * BLOCK_SIZE];
-            let (spill, stats) = self.spill_and_stats();
-            spill.read_slots(victim, first, bytes, stats)?;
+            spill.read_slots(victim, first, bytes, &core.stats)?;
             for slot in live {
                 let at = (slot - first) * BLOCK_SIZE;
                 let data: &Block = bytes[at..at + BLOCK_SIZE].try_into().expect("windows are whole blocks");
-                let owner = Owner { block: owners[slot], seq: self.next_seq() };
-                let (spill, stats) = self.spill_and_stats();
-                let new = spill.append(owner, data, Purpose::Compaction, stats)?;
-                spill.release(addr(slot), stats);
-                stats.compaction_bytes_moved.add(BLOCK_BYTES);
-                self.map.insert(owners[slot], Slot::Spill(new));
+                let owner = Owner { block: owners[slot], seq: core.next_seq() };
+                let new = spill.append(owner, data, Purpose::Compaction, &core.stats)?;
+                spill.release(addr(slot), &core.stats);
+                core.stats.compaction_bytes_moved.add(BLOCK_BYTES);
+                core.map.insert(owners[slot], Slot::Spill(new));
             }
         }
         tracing::debug!(segment = victim.0, "compacted spill segment");
         Ok(true)
     }
+}
 
-    pub(super) fn spill_mut(&mut self) -> &mut SpillLog {
-        self.spill_and_stats().0
+/// A page holding a new copy of `block`, stamped as such for a recovery.
+fn owned_page(core: &mut Core, block: BlockIndex, data: Contents<'_>) -> Result<Page> {
+    let page = data.into_page(&core.arena)?;
+    let seq = core.next_seq();
+    page.set_owner(Owner { block, seq });
+    Ok(page)
+}
+
+impl Store for Tiered {
+    /// Spills until the VM is within its (possibly shrunken) target. Best effort: a full spill
+    /// disk leaves the VM over target, and the write that follows reports the error if it needs
+    /// space.
+    fn before_change(&mut self, core: &mut Core, written: Option<usize>) {
+        if let Some(blocks) = written {
+            self.note_write_size(blocks);
+        }
+        if self.spill.is_none() {
+            return;
+        }
+        while self.ram.blocks() > 0 && core.index_bytes() + self.memory_bytes() > core.memory_target_bytes() {
+            if let Err(error) = self.evict_coldest(core) {
+                tracing::debug!(%error, "could not spill down to the memory target");
+                break;
+            }
+        }
     }
 
-    /// The spill log with the counters it updates (disjoint borrows of `self`).
-    pub(super) fn spill_and_stats(&mut self) -> (&mut SpillLog, &VmStats) {
-        match &mut self.tier {
-            Tier::RamDisk(spill) => (spill, &self.stats),
-            _ => unreachable!("spill slots exist only in ram+disk mode"),
+    fn write(&mut self, core: &mut Core, offset: u64, data: &[u8]) -> Result<()> {
+        let mut landed = Landed::default();
+        let result = self.put_spans(core, offset, data, &mut landed);
+        Self::count_landed(&core.stats, landed);
+        result
+    }
+
+    fn write_received(&mut self, core: &mut Core, offset: u64, len: usize, receive: &mut Receive<'_>) -> Result<()> {
+        let mut landed = Landed::default();
+        let result = self.receive_spans(core, offset, len, receive, &mut landed);
+        Self::count_landed(&core.stats, landed);
+        result
+    }
+
+    fn store_block(&mut self, core: &mut Core, block: BlockIndex, data: &Block) -> Result<()> {
+        let mut landed = Landed::default();
+        landed.add(self.put_block(core, block, Contents::Borrowed(data), Placement::Hot)?);
+        Self::count_landed(&core.stats, landed);
+        Ok(())
+    }
+
+    fn drop_blocks(&mut self, core: &mut Core, _first: u64, _end: u64, sorted: &[BlockIndex]) -> Result<()> {
+        for &block in sorted {
+            if let Some(old) = core.map.remove(block) {
+                self.release(&core.stats, old);
+            }
         }
+        if let Some(spill) = self.spill.as_mut() {
+            spill.give_back_kept(&core.stats);
+        }
+        Ok(())
+    }
+
+    fn read_stored(&mut self, core: &Core, slot: Slot, spans: &[BlockSpan], buf: &mut [u8]) -> Result<usize> {
+        let span = spans[0];
+        match slot {
+            Slot::Ram(ram_slot) => {
+                let page = self.ram.get(ram_slot);
+                buf[..span.len].copy_from_slice(&page[span.within..span.within + span.len]);
+                Ok(1)
+            }
+            Slot::Spill(addr) => {
+                // Neighbours in the guest's disk that are neighbours in one segment too: one
+                // read for the run.
+                let next = |i: usize| SpillAddr { segment: addr.segment, slot: addr.slot + i as u16 };
+                let run = 1
+                    + (1..spans.len())
+                        .take_while(|&i| core.map.get(spans[i].block) == Some(Slot::Spill(next(i))))
+                        .count();
+                let run_len: usize = spans[..run].iter().map(|s| s.len).sum();
+                let spill = self.spill_of(slot)?;
+                if span.within == 0 && run_len.is_multiple_of(BLOCK_SIZE) {
+                    spill.read_run(addr, &mut buf[..run_len], &core.stats)?;
+                } else {
+                    let mut blocks = vec![0u8; run * BLOCK_SIZE];
+                    spill.read_run(addr, &mut blocks, &core.stats)?;
+                    buf[..run_len].copy_from_slice(&blocks[span.within..span.within + run_len]);
+                }
+                Ok(run)
+            }
+            Slot::File => Err(foreign_slot(slot)),
+        }
+    }
+
+    fn finish_writes(&mut self, stats: &VmStats) {
+        if let Some(spill) = self.spill.as_mut() {
+            if let Err(error) = spill.finish_writes(stats) {
+                tracing::debug!(%error, "the spill segment being written failed");
+            }
+        }
+    }
+
+    fn settle(&mut self, core: &mut Core) {
+        if self.spill.as_ref().is_some_and(SpillLog::wants_compaction) {
+            if let Err(error) = self.compact(core) {
+                tracing::warn!(%error, "spill compaction stopped");
+            }
+        }
+        if let Some(spill) = self.spill.as_mut() {
+            spill.heed_space_shortages(&core.stats);
+            spill.release_pages_if_empty(&core.stats);
+        }
+    }
+
+    fn memory_bytes(&self) -> u64 {
+        let spill = self.spill.as_ref().map_or(0, SpillLog::memory_bytes);
+        self.ram.data_bytes() + self.ram.index_bytes() + spill
+    }
+
+    fn pages_wanted(&self, pressed: bool) -> (usize, usize) {
+        match &self.spill {
+            Some(spill) => {
+                let room = spill.open_room();
+                (if pressed { room } else { spill.pages_wanted_soon() + self.recent_write_blocks }, room)
+            }
+            None => (0, 0),
+        }
+    }
+
+    fn disk_used_bytes(&self) -> u64 {
+        self.spill.as_ref().map_or(0, SpillLog::disk_used_bytes)
+    }
+
+    fn disk_size_bytes(&self) -> u64 {
+        self.spill.as_ref().map_or(0, SpillLog::disk_size_bytes)
+    }
+
+    fn give_back_disk(&mut self, stats: &VmStats, which: KeptDisk) {
+        if let Some(spill) = self.spill.as_mut() {
+            match which {
+                KeptDisk::Spare => spill.give_back_spare_kept(stats),
+                KeptDisk::All => spill.give_back_kept(stats),
+            }
+        }
+    }
+
+    fn backing(&self) -> Option<&dyn BackingFile> {
+        self.spill.as_ref().map(SpillLog::backing)
+    }
+
+    fn keep(&mut self) {
+        if let Some(spill) = self.spill.as_mut() {
+            spill.keep();
+        }
+    }
+
+    fn own(&mut self) {
+        if let Some(spill) = self.spill.as_mut() {
+            spill.own();
+        }
+    }
+
+    fn adopt_page(&mut self, block: BlockIndex, page: Page) -> Result<Slot> {
+        Ok(Slot::Ram(self.ram.insert(block, page)))
+    }
+
+    fn recover_disk(&mut self, core: &mut Core, found: SpillFound) -> Result<u64> {
+        let SpillFound { segments, live_slots, summary } = found;
+        let Some(spill) = self.spill.take() else {
+            if live_slots.is_empty() {
+                return Ok(0);
+            }
+            return Err(EngineError::Corrupt("spill slots in a VM without a spill log".into()));
+        };
+        let sealed = live_slots
+            .into_iter()
+            .map(|(segment, live)| {
+                let owners = summary[segment as usize]
+                    .iter()
+                    // A slot with no entry is dead; any block number does for it.
+                    .map(|owner| owner.map_or(BlockIndex(0), |owner| owner.block))
+                    .collect();
+                (segment, owners, live)
+            })
+            .collect();
+        self.spill = Some(spill.recovered(segments, sealed, &core.stats)?);
+        Ok(0)
     }
 }
