@@ -618,7 +618,7 @@ impl VmRegistry {
                 tracing::info!(
                     vm = %entry.handle.vm,
                     grace_s = grace.as_secs(),
-                    "VM connection lost without NBD_CMD_DISC: its overlay waits for it to reconnect"
+                    "VM connection lost without a deliberate end (NBD_CMD_DISC, or QEMU stopping its vhost-user device): its overlay waits for it to reconnect"
                 );
                 Some(Instant::now() + grace)
             };

@@ -357,6 +357,24 @@ pub fn nbd_disk(socket: &Path, export: &str, reconnect_delay: u32) -> Vec<String
     vec!["-blockdev".into(), disk.to_string(), "-device".into(), "virtio-blk-pci,drive=disk0".into()]
 }
 
+/// QEMU's arguments for a virtio disk served over vhost-user-blk at unix socket `socket`: the
+/// guest's memory (`memory_mib`, as in [`BootOptions`]) shared with the backend, and QEMU
+/// reconnecting a second after the backend goes.
+pub fn vhost_user_disk(socket: &Path, memory_mib: u32) -> Vec<String> {
+    [
+        "-object",
+        &format!("memory-backend-memfd,id=mem,size={memory_mib}M,share=on"),
+        "-machine",
+        "memory-backend=mem",
+        "-chardev",
+        &format!("socket,id=vhost0,path={},reconnect-ms=1000", socket.display()),
+        "-device",
+        "vhost-user-blk-pci,chardev=vhost0,num-queues=1",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// A running guest. Its serial console goes to a file as it comes, through a thread that also
 /// hands the lines on when asked to.
 pub struct Guest {

@@ -28,6 +28,7 @@ use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRI
 use overspill_server::images::ImageStore;
 use overspill_server::vms::Lifecycle;
 use overspill_server::vms::VmRegistry;
+use overspill_vhost::{VhostExport, VhostExports};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -124,8 +125,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "tcp:HOST:PORT")]
     metrics: Option<String>,
     /// How long a named VM (export IMAGE@NAME) whose connection was lost without NBD_CMD_DISC
-    /// keeps its overlay for it to reconnect (e.g. 30s, 5m). 0 drops it at once and keeps no
-    /// state files, so a named VM with writes is refused after any server restart until reset.
+    /// (over vhost-user: closed without QEMU stopping the device first) keeps its overlay for it
+    /// to reconnect (e.g. 30s, 5m). 0 drops it at once and keeps no state files, so a named VM
+    /// with writes is refused after any server restart until reset.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     reconnect_grace: Duration,
     /// The ledger of named VMs with writes: the next server rebuilds them from it, and refuses
@@ -168,6 +170,21 @@ pub struct ServeArgs {
     /// read-only (inspection and copying work as before).
     #[arg(long)]
     anonymous_writes: bool,
+    /// Serve VM NAME over vhost-user-blk too, at VHOST_USER_DIR/NAME.sock, on golden image
+    /// IMAGE (the default one without =IMAGE): for QEMU (`-chardev
+    /// socket,id=c0,path=SOCKET,reconnect-ms=1000 -device vhost-user-blk-pci,chardev=c0` with
+    /// its memory shared) and cloud-hypervisor (`--disk vhost_user=true,socket=SOCKET`). The VM
+    /// is the same one an NBD client naming IMAGE@NAME gets, one client at a time. Repeatable.
+    #[arg(long = "vhost-user", value_name = "NAME[=IMAGE]")]
+    vhost_user: Vec<String>,
+    /// Directory of the vhost-user sockets (default: STATE_DIR/vhost-user); --socket-mode and
+    /// --socket-group apply to them too.
+    #[arg(long, value_name = "DIR")]
+    vhost_user_dir: Option<PathBuf>,
+    /// Queues each vhost-user device offers: QEMU's num-queues (by default its vCPU count) may
+    /// be at most this. All of a VM's queues are served by one thread.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    vhost_user_queues: u16,
     #[command(flatten)]
     security: SecurityArgs,
 }
@@ -272,7 +289,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir.clone());
     spawn_memory_sampler(host, pages_dir, u64::from(config.limits.max_payload_bytes));
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
-    let server = Server::new(Arc::new(exports), config);
+    let exports = Arc::new(exports);
+    let server = Server::new(exports.clone(), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
     let listener = listen(&args, inherited)?;
@@ -297,12 +315,42 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     }
     let uri = listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off);
     notify_service_manager(&[NotifyState::Ready, NotifyState::Status(&format!("serving {uri}"))]);
+    let vhost = serve_vhost_user(&args, &state_dir, exports)?;
     server.run(&listener).context("accepting connections")?;
-    let end = drain(&server, &registry, &listener)?;
+    let end = drain(&server, vhost, &registry, &listener)?;
     // Removes the Unix sockets this server made.
     drop(listener);
     drop(control);
     Ok(end)
+}
+
+/// The vhost-user sockets of the VMs `--vhost-user` declares, made before the server says it
+/// is ready (QEMU connects at its start).
+fn serve_vhost_user(
+    args: &ServeArgs,
+    state_dir: &Path,
+    exports: Arc<dyn overspill_block::ExportProvider>,
+) -> anyhow::Result<Option<VhostExports>> {
+    if args.vhost_user.is_empty() {
+        return Ok(None);
+    }
+    let declared: Vec<VhostExport> = args
+        .vhost_user
+        .iter()
+        .map(|spec| {
+            let (vm, image) = spec.split_once('=').unwrap_or((spec.as_str(), ""));
+            VhostExport { vm: vm.to_owned(), export: format!("{image}@{vm}") }
+        })
+        .collect();
+    let dir = args.vhost_user_dir.clone().unwrap_or_else(|| state_dir.join("vhost-user"));
+    std::fs::create_dir_all(&dir).with_context(|| format!("--vhost-user-dir {}", dir.display()))?;
+    let vhost = VhostExports::start(&dir, &declared, exports, args.vhost_user_queues)
+        .with_context(|| format!("--vhost-user sockets in {}", dir.display()))?;
+    for socket in vhost.sockets() {
+        set_socket_access(socket, args.socket_mode, args.socket_group.as_deref())?;
+    }
+    tracing::info!(dir = %dir.display(), vms = declared.len(), "vhost-user sockets up");
+    Ok(Some(vhost))
 }
 
 /// Flags that contradict each other or cannot work, refused before anything starts.
@@ -425,7 +473,12 @@ fn listen(args: &ServeArgs, inherited: Option<Listener>) -> anyhow::Result<Liste
 
 /// After the accept loop returned: connections finish the request in hand, VMs in grace are
 /// handed to the next server, and the end says whether this process becomes that server.
-fn drain(server: &Server, registry: &VmRegistry, listener: &Listener) -> anyhow::Result<ServeEnd> {
+fn drain(
+    server: &Server,
+    vhost: Option<VhostExports>,
+    registry: &VmRegistry,
+    listener: &Listener,
+) -> anyhow::Result<ServeEnd> {
     if !RESTART.load(std::sync::atomic::Ordering::SeqCst) {
         notify_service_manager(&[NotifyState::Stopping, NotifyState::Status("draining connections")]);
     }
@@ -436,6 +489,11 @@ fn drain(server: &Server, registry: &VmRegistry, listener: &Listener) -> anyhow:
             connections = server.active_connections(),
             "connections still busy after {DRAIN_TIMEOUT:?}; exiting anyway (the next server removes their files)"
         );
+    }
+    // Each vhost-user connection finishes the request in hand and closes; QEMU sends the
+    // others again to the next server.
+    if let Some(vhost) = vhost {
+        vhost.stop();
     }
     // Overlays kept for VMs to reconnect go with the server; their names stay in the ledger.
     registry.hand_over_all_in_grace();

@@ -9,7 +9,7 @@ use tempfile::TempDir;
 
 mod common;
 use common::{metrics_url, sample, scrape, Serve};
-use overspill::guests::{ext4_image, Extras, Guest, GuestKit};
+use overspill::guests::{ext4_image, vhost_user_disk, BootOptions, Extras, Guest, GuestKit};
 
 const FILES: u32 = 24;
 
@@ -54,12 +54,37 @@ done
 }
 
 fn serve(dir: &Path, golden: &Path, socket: &Path) -> Serve {
+    serve_with(dir, golden, socket, &[])
+}
+
+fn serve_with(dir: &Path, golden: &Path, socket: &Path, more: &[&str]) -> Serve {
     let listen = format!("unix:{}", socket.display());
     // A 4 MiB RAM target: most of the 24 MiB the guest writes is spilled.
-    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "4M"];
+    let args = [&["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "4M"], more].concat();
     let socket = socket.to_path_buf();
     // A killed server leaves its socket file: ready is when a connection is accepted.
     Serve::start(dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
+}
+
+/// A server that serves VM `vm` over vhost-user too, its socket in `dir/vhost`; ready once that
+/// socket accepts.
+fn serve_vhost(dir: &Path, golden: &Path, vm: &str, more: &[&str]) -> Serve {
+    let vhost_dir = dir.join("vhost");
+    let vhost_socket = vhost_dir.join(format!("{vm}.sock"));
+    let listen = format!("unix:{}", dir.join("nbd.sock").display());
+    let args = [
+        &["--base", golden.to_str().expect("utf-8"), "--listen", &listen],
+        &["--vhost-user", vm, "--vhost-user-dir", vhost_dir.to_str().expect("utf-8")],
+        more,
+    ]
+    .concat();
+    Serve::start(dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&vhost_socket).is_ok())
+}
+
+fn boot_vhost(kit: &GuestKit, dir: &Path, vm: &str) -> Guest {
+    let options = BootOptions::default();
+    let disk = vhost_user_disk(&dir.join("vhost").join(format!("{vm}.sock")), options.memory_mib);
+    Guest::start(kit, dir, &disk, options).expect("guest")
 }
 
 /// The "done when": a guest writing files with checksums rides through a SIGKILL and
@@ -197,6 +222,62 @@ fn a_guest_trims_and_the_server_gives_its_ram_back() {
     let guest = Guest::boot(&kit, dir.path(), &socket, "@trimmer", 0).expect("guest");
     check_trim_run(&mut server, guest, "trimmer", dir.path());
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
+}
+
+/// The smoke test over vhost-user-blk: QEMU reads and writes the guest's memory through the
+/// server's socket, TRIM (virtio discard) reaches the overlay and gives RAM back, and the
+/// overlay goes when the guest powers off (QEMU stops the device before it closes the socket:
+/// a deliberate end, as NBD_CMD_DISC is).
+#[test]
+fn a_guest_on_vhost_user_trims_and_the_server_gives_its_ram_back() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]).expect("golden image");
+    let golden_before = std::fs::read(&golden).expect("golden image");
+    let kit = GuestKit::build(dir.path(), &trim_job("/dev/vda", "", "")).expect("guest kit");
+    let mut server = serve_vhost(dir.path(), &golden, "vtrim", &["--ram", "64M", "--metrics", "tcp:127.0.0.1:0"]);
+    let guest = boot_vhost(&kit, dir.path(), "vtrim");
+    check_trim_run(&mut server, guest, "vtrim", dir.path());
+    let log = server.log_text();
+    assert!(log.contains("vhost-user connection opened"), "{log}");
+    assert!(!log.contains("without a deliberate end"), "powering off was taken for a lost connection:\n{log}");
+    assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
+}
+
+/// Continuity over vhost-user: the guest writing files with checksums rides through a SIGKILL
+/// and a SIGTERM of the server. QEMU (`reconnect-ms`) reconnects to the next server and sends
+/// again every request it had not had back; the next server rebuilt the VM from what the last
+/// one left, so every checksum holds.
+#[test]
+fn a_guest_on_vhost_user_rides_through_a_killed_and_a_stopped_server() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]).expect("golden image");
+    let kit = GuestKit::build(dir.path(), &writer_job()).expect("guest kit");
+    let ram = ["--ram", "4M"];
+    let server = serve_vhost(dir.path(), &golden, "vwriter", &ram);
+    let mut guest = boot_vhost(&kit, dir.path(), "vwriter");
+
+    guest.wait_for("WROTE 6\n", Duration::from_secs(180)).expect("WROTE 6");
+    // One frontend at a time: the VM's name is refused to an NBD client meanwhile.
+    let uri = format!("nbd+unix:///@vwriter?socket={}", dir.path().join("nbd.sock").display());
+    let nbdinfo = std::process::Command::new("nbdinfo").arg(&uri).output().expect("nbdinfo");
+    assert!(!nbdinfo.status.success(), "an NBD client got a VM served over vhost-user");
+    let log = server.log_text();
+    assert!(log.contains("VM refused: VM vwriter is already connected"), "{log}");
+    server.kill();
+    let mut server = serve_vhost(dir.path(), &golden, "vwriter", &ram);
+    let log = server.log_text();
+    assert!(log.contains("VM overlay recovered from the previous server"), "not recovered after SIGKILL:\n{log}");
+
+    guest.wait_for("WROTE 14\n", Duration::from_secs(180)).expect("WROTE 14");
+    server.stop();
+    let server = serve_vhost(dir.path(), &golden, "vwriter", &ram);
+    let log = server.log_text();
+    assert!(log.contains("VM overlay recovered from the previous server"), "not handed over at SIGTERM:\n{log}");
+
+    let console = guest.wait_exit(Duration::from_secs(300)).expect("guest powers off");
+    assert!(console.contains(&format!("CHECKSUMS OK {FILES}")), "checksums after two restarts:\n{console}");
+    assert!(console.contains("JOB EXIT 0"), "{console}");
+    drop(server);
 }
 
 /// The same with the Linux kernel's own NBD client: `nbd-client` (Debian's, with the `nbd.ko` of

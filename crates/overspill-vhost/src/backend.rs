@@ -1,0 +1,302 @@
+//! The vhost-user backend of one connection: virtqueues served on one worker thread, each
+//! request carried out in the order it was made available and returned in that order.
+//!
+//! That order is what makes a restart safe without in-flight tracking (which the backend crate
+//! does not offer): when the connection drops, QEMU rewinds each queue to the guest's used index
+//! and the next backend is handed every request not yet returned, which it carries out again.
+//! Reads and writes of the same bytes are idempotent, and no later request was returned before
+//! an earlier one, so nothing a guest was told is done is lost or undone.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use overspill_block::{BlockDevice, DeviceError};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
+
+use crate::config::{DeviceConfig, Limits, WRITEBACK_OFFSET};
+use crate::request::{self, Buffers, GuestBytes, Segment};
+
+pub(crate) type Memory = GuestMemoryAtomic<GuestMemoryMmap>;
+
+/// Descriptors a queue may hold; QEMU's largest.
+const MAX_QUEUE_SIZE: usize = 1024;
+
+/// Opens the VM's device for a connection.
+pub(crate) type Opener = Box<dyn FnOnce() -> Result<Box<dyn BlockDevice>, DeviceError> + Send>;
+
+/// One connection's device and what the driver set.
+pub(crate) struct Blk {
+    /// Until the VMM first speaks vhost-user (GET_FEATURES): a connection that never does (a
+    /// probe of the socket) opens nothing, so it neither claims the VM nor ends it.
+    opener: Mutex<Option<Opener>>,
+    /// `None` until opened, and once the connection is over and the device handed back.
+    device: Mutex<Option<Box<dyn BlockDevice>>>,
+    memory: Memory,
+    /// The export's size and capabilities before the device is open, the device's after.
+    config: Mutex<DeviceConfig>,
+    limits: Limits,
+    /// What GET_ID answers: the VM's name.
+    id: Vec<u8>,
+    write_back: AtomicBool,
+    event_idx: AtomicBool,
+    /// Set when the server stops serving this connection: no request is taken any more, so
+    /// that those left are replayed to the next server.
+    closing: AtomicBool,
+    /// Queues that carried requests, and queues QEMU stopped, since the device was last
+    /// started (bit per queue): when every one used has been stopped before the socket closes,
+    /// QEMU stopped the device on purpose (the VM powered off or QEMU quit).
+    used_queues: AtomicU64,
+    stopped_queues: AtomicU64,
+    shutdown: Mutex<Option<vhost_user_backend::ShutdownHandle>>,
+}
+
+impl Blk {
+    pub(crate) fn new(opener: Opener, memory: Memory, config: DeviceConfig, id: Vec<u8>) -> Self {
+        Self {
+            opener: Mutex::new(Some(opener)),
+            device: Mutex::new(None),
+            memory,
+            limits: config.limits,
+            config: Mutex::new(config),
+            id,
+            write_back: AtomicBool::new(true),
+            event_idx: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            used_queues: AtomicU64::new(0),
+            stopped_queues: AtomicU64::new(0),
+            shutdown: Mutex::new(None),
+        }
+    }
+
+    /// How to close the connection. One refused before this was known is closed now.
+    pub(crate) fn set_shutdown(&self, handle: Option<vhost_user_backend::ShutdownHandle>) {
+        let mut shutdown = lock(&self.shutdown);
+        *shutdown = handle;
+        if self.closing.load(Ordering::SeqCst) {
+            if let Some(handle) = shutdown.as_ref() {
+                handle.shutdown();
+            }
+        }
+    }
+
+    /// Opens the device the first time the VMM asks about it; a refusal (the VM connected
+    /// elsewhere, its writes lost) closes the connection, and the VMM tries again later.
+    fn open_device(&self) {
+        let Some(open) = lock(&self.opener).take() else { return };
+        match open() {
+            Ok(device) => {
+                let mut config = lock(&self.config);
+                config.size = device.size();
+                config.capabilities = device.capabilities();
+                *lock(&self.device) = Some(device);
+            }
+            Err(error) => {
+                tracing::warn!(%error, "vhost-user connection refused");
+                self.close_unlocked();
+            }
+        }
+    }
+
+    /// Stops taking requests and waits for the one being carried out, then closes the
+    /// connection: every request returned to the guest by then is done, every other one will be
+    /// sent to the next server.
+    pub(crate) fn close(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        drop(lock(&self.device));
+        if let Some(handle) = lock(&self.shutdown).as_ref() {
+            handle.shutdown();
+        }
+    }
+
+    /// The device back, once the connection is over; told of a deliberate end when QEMU stopped
+    /// every queue it used before it closed the socket.
+    pub(crate) fn take_device(&self) -> Option<Box<dyn BlockDevice>> {
+        let mut device = lock(&self.device).take()?;
+        let used = self.used_queues.load(Ordering::SeqCst);
+        let stopped = self.stopped_queues.load(Ordering::SeqCst);
+        if stopped != 0 && used & !stopped == 0 && !self.closing.load(Ordering::SeqCst) {
+            device.disconnect();
+        }
+        Some(device)
+    }
+
+    fn serve_queue(&self, vring: &VringRwLock) -> io::Result<()> {
+        let mut device = lock(&self.device);
+        let Some(device) = device.as_mut() else { return Ok(()) };
+        if device.closing() {
+            // An operator reset the VM: the connection ends, its requests unanswered.
+            self.close_unlocked();
+            return Ok(());
+        }
+        let memory = self.memory.memory();
+        let event_idx = self.event_idx.load(Ordering::Relaxed);
+        let write_back = self.write_back.load(Ordering::Relaxed);
+        let mut state = vring.get_mut();
+        let queue_error = |e: virtio_queue::Error| io::Error::other(format!("virtqueue: {e}"));
+        loop {
+            if event_idx {
+                state.disable_notification().map_err(queue_error)?;
+            }
+            while !self.closing.load(Ordering::Relaxed) {
+                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(memory.clone()) else { break };
+                let head = chain.head_index();
+                let mut buffers = Buffers::default();
+                for descriptor in chain {
+                    let segment = Segment { addr: descriptor.addr().0, len: descriptor.len() };
+                    if descriptor.is_write_only() {
+                        buffers.writable.push(segment);
+                    } else {
+                        buffers.readable.push(segment);
+                    }
+                }
+                let outcome = request::serve(
+                    device.as_mut(),
+                    &GuestMemory(&memory),
+                    &buffers,
+                    &self.limits,
+                    &self.id,
+                    write_back,
+                );
+                state.add_used(head, outcome.written).map_err(queue_error)?;
+            }
+            if !event_idx
+                || self.closing.load(Ordering::Relaxed)
+                || !state.enable_notification().map_err(queue_error)?
+            {
+                break;
+            }
+        }
+        if state.needs_notification().map_err(queue_error)? {
+            state.signal_used_queue()?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::close`] from the worker, which holds the device already.
+    fn close_unlocked(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        if let Some(handle) = lock(&self.shutdown).as_ref() {
+            handle.shutdown();
+        }
+    }
+}
+
+struct GuestMemory<'a>(&'a GuestMemoryMmap);
+
+impl GuestBytes for GuestMemory<'_> {
+    fn read_at(&self, addr: u64, buf: &mut [u8]) -> bool {
+        self.0.read_slice(buf, GuestAddress(addr)).is_ok()
+    }
+
+    fn write_at(&self, addr: u64, data: &[u8]) -> bool {
+        self.0.write_slice(data, GuestAddress(addr)).is_ok()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A worker that panicked left the device as it was: serving on is no worse than refusing.
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl VhostUserBackend for Blk {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        usize::from(lock(&self.config).queues)
+    }
+
+    fn max_queue_size(&self) -> usize {
+        MAX_QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        self.open_device();
+        lock(&self.config).features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn acked_features(&self, _features: u64) {
+        // The device is being started (again): what was stopped before no longer counts.
+        self.used_queues.store(0, Ordering::SeqCst);
+        self.stopped_queues.store(0, Ordering::SeqCst);
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        // No INFLIGHT_SHMFD: requests in flight are replayed by QEMU instead (see the module).
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let space = lock(&self.config).space(self.write_back.load(Ordering::Relaxed));
+        // Exactly `size` bytes, or vhost answers with nothing: zeroes past the end.
+        (offset..offset.saturating_add(size)).map(|i| space.get(i as usize).copied().unwrap_or(0)).collect()
+    }
+
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        // Only the write-cache setting is the driver's to change.
+        match (offset as usize, buf) {
+            (WRITEBACK_OFFSET, [value]) => {
+                self.write_back.store(*value != 0, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Err(io::Error::new(io::ErrorKind::InvalidInput, format!("config write at {offset}"))),
+        }
+    }
+
+    fn update_memory(&self, _memory: Memory) -> io::Result<()> {
+        // The same atomic this backend holds a clone of: it sees the new map already.
+        Ok(())
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        // Without one, dropping the daemon would wait forever for its worker.
+        match new_event_consumer_and_notifier(EventFlag::NONBLOCK) {
+            Ok(pair) => Some(pair),
+            Err(error) => {
+                tracing::error!(%error, "vhost-user: no exit event for a worker");
+                None
+            }
+        }
+    }
+
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        // The request being carried out is returned before QEMU reads where the queue stands.
+        drop(lock(&self.device));
+        self.stopped_queues.fetch_or(1u64 << (queue_index % 64), Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        _thread: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Ok(());
+        }
+        let Some(vring) = vrings.get(usize::from(device_event)) else { return Ok(()) };
+        self.used_queues.fetch_or(1u64 << (device_event % 64), Ordering::SeqCst);
+        if let Err(error) = self.serve_queue(vring) {
+            // Returning the error would end the worker with the queue dead and no word: the
+            // connection is closed instead, and QEMU reconnects.
+            tracing::warn!(%error, queue = device_event, "vhost-user queue failed; closing the connection");
+            self.close_unlocked();
+        }
+        Ok(())
+    }
+}
