@@ -54,6 +54,8 @@ pub(crate) struct Blk {
     used_queues: AtomicU64,
     stopped_queues: AtomicU64,
     shutdown: Mutex<Option<vhost_user_backend::ShutdownHandle>>,
+    /// Reads land here before they are copied to the guest (see `request::serve`).
+    scratch: Mutex<Vec<u8>>,
 }
 
 impl Blk {
@@ -71,6 +73,7 @@ impl Blk {
             used_queues: AtomicU64::new(0),
             stopped_queues: AtomicU64::new(0),
             shutdown: Mutex::new(None),
+            scratch: Mutex::new(Vec::new()),
         }
     }
 
@@ -138,6 +141,7 @@ impl Blk {
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         let write_back = self.write_back.load(Ordering::Relaxed);
         let mut state = vring.get_mut();
+        let mut scratch = lock(&self.scratch);
         let queue_error = |e: virtio_queue::Error| io::Error::other(format!("virtqueue: {e}"));
         loop {
             if event_idx {
@@ -162,6 +166,7 @@ impl Blk {
                     &self.limits,
                     &self.id,
                     write_back,
+                    &mut scratch,
                 );
                 state.add_used(head, outcome.written).map_err(queue_error)?;
             }

@@ -3,7 +3,9 @@
 //! or the ID, then the status byte), checked, and carried out on a [`BlockDevice`]. Free of
 //! virtqueues, so that it can be tested and fuzzed over plain memory.
 
-use overspill_block::{BlockDevice, DeviceError, DeviceErrorKind, ReadRequest};
+use std::io::{self, IoSliceMut};
+
+use overspill_block::{BlockDevice, DeviceError, DeviceErrorKind, Payload, ReadRequest};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
@@ -101,6 +103,30 @@ impl Stream<'_> {
     }
 }
 
+/// A write's data still in guest memory, given out in order: the device copies it once, from
+/// guest memory straight into its own buffers (the RAM tier's pages).
+struct GuestPayload<'a> {
+    stream: &'a Stream<'a>,
+    memory: &'a dyn GuestBytes,
+    at: u64,
+}
+
+impl Payload for GuestPayload<'_> {
+    fn receive(&mut self, buffers: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+        for buffer in buffers {
+            if !self.stream.read(self.memory, self.at, buffer) {
+                return Err(io::Error::other("a write's buffer is outside guest memory"));
+            }
+            self.at += buffer.len() as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Scratch bytes a connection keeps for reads, so that a read allocates and zeroes nothing;
+/// beyond this it is given back after the request.
+const SCRATCH_KEPT_BYTES: usize = 1 << 20;
+
 /// Why a request was not carried out, as virtio says it.
 enum Failure {
     /// The request is malformed or the device failed: VIRTIO_BLK_S_IOERR.
@@ -122,6 +148,8 @@ impl From<DeviceError> for Failure {
 /// `write_back` whether the guest turned the write cache on (if not, each write is durable
 /// before it completes, as FUA). Writes the status byte; the caller returns the request to the
 /// guest with [`Outcome::written`]. A request too malformed to hold a status byte gets none.
+/// `scratch` is the connection's buffer for reads, kept from one request to the next.
+#[allow(clippy::too_many_arguments)]
 pub fn serve(
     device: &mut dyn BlockDevice,
     memory: &dyn GuestBytes,
@@ -129,6 +157,7 @@ pub fn serve(
     limits: &Limits,
     id: &[u8],
     write_back: bool,
+    scratch: &mut Vec<u8>,
 ) -> Outcome {
     let readable = Stream { segments: &buffers.readable };
     let writable = Stream { segments: &buffers.writable };
@@ -138,7 +167,12 @@ pub fn serve(
         return Outcome { written: 0, status: VIRTIO_BLK_S_IOERR as u8 };
     }
     let data_room = writable_len - 1;
-    let (written, status) = match carry_out(device, memory, &readable, &writable, data_room, limits, id, write_back) {
+    let request = Request { readable: &readable, writable: &writable, data_room, limits, id, write_back };
+    let carried_out = carry_out(device, memory, &request, scratch);
+    if scratch.capacity() > SCRATCH_KEPT_BYTES {
+        *scratch = Vec::new();
+    }
+    let (written, status) = match carried_out {
         Ok(written) => (written, VIRTIO_BLK_S_OK),
         Err(Failure::Io(why)) => {
             tracing::debug!(%why, "virtio-blk request failed");
@@ -157,17 +191,24 @@ pub fn serve(
     Outcome { written: u32::try_from(written + 1).unwrap_or(u32::MAX), status }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A request's buffers and what it is carried out with.
+struct Request<'a> {
+    readable: &'a Stream<'a>,
+    writable: &'a Stream<'a>,
+    /// Writable bytes before the status byte.
+    data_room: u64,
+    limits: &'a Limits,
+    id: &'a [u8],
+    write_back: bool,
+}
+
 fn carry_out(
     device: &mut dyn BlockDevice,
     memory: &dyn GuestBytes,
-    readable: &Stream<'_>,
-    writable: &Stream<'_>,
-    data_room: u64,
-    limits: &Limits,
-    id: &[u8],
-    write_back: bool,
+    request: &Request<'_>,
+    scratch: &mut Vec<u8>,
 ) -> Result<u64, Failure> {
+    let Request { readable, writable, data_room, limits, id, write_back } = *request;
     let mut header = [0u8; HEADER_BYTES];
     if !readable.read(memory, 0, &mut header) {
         return Err(Failure::Io("the request header is short or outside guest memory".into()));
@@ -179,10 +220,14 @@ fn carry_out(
     match kind {
         VIRTIO_BLK_T_IN => {
             let offset = checked_range(device, sector, data_room, limits)?;
-            let mut data = vec![0u8; data_room as usize];
+            let len = data_room as usize;
+            if scratch.len() < len {
+                scratch.resize(len, 0);
+            }
+            let data = &mut scratch[..len];
             let request = ReadRequest::begin(device, offset, data_room);
-            device.read(&request, offset, &mut data)?;
-            if !writable.write(memory, 0, &data) {
+            device.read(&request, offset, data)?;
+            if !writable.write(memory, 0, data) {
                 return Err(Failure::Io("a read's buffer is outside guest memory".into()));
             }
             Ok(data_room)
@@ -190,11 +235,8 @@ fn carry_out(
         VIRTIO_BLK_T_OUT => {
             let offset = checked_range(device, sector, payload, limits)?;
             read_only_check(device)?;
-            let mut data = vec![0u8; payload as usize];
-            if !readable.read(memory, HEADER_BYTES as u64, &mut data) {
-                return Err(Failure::Io("a write's buffer is outside guest memory".into()));
-            }
-            device.write(offset, &data, fua)?;
+            let mut data = GuestPayload { stream: readable, memory, at: HEADER_BYTES as u64 };
+            device.write_from(offset, payload as usize, fua, &mut data)?;
             Ok(0)
         }
         VIRTIO_BLK_T_FLUSH => {
@@ -393,7 +435,7 @@ mod tests {
     }
 
     fn serve_it(device: &mut Disk, ram: &Ram, buffers: &Buffers) -> Outcome {
-        serve(device, ram, buffers, &Limits::default(), b"desk-01", true)
+        serve(device, ram, buffers, &Limits::default(), b"desk-01", true, &mut Vec::new())
     }
 
     #[test]
@@ -416,7 +458,7 @@ mod tests {
         let (ram, buffers) = request(&[&header(VIRTIO_BLK_T_OUT, 8), &data[..100], &data[100..]], &[1]);
         assert_eq!(serve_it(&mut device, &ram, &buffers).status, VIRTIO_BLK_S_OK as u8);
         assert_eq!(&device.bytes[4096..5120], &data[..]);
-        let outcome = serve(&mut device, &ram, &buffers, &Limits::default(), b"x", false);
+        let outcome = serve(&mut device, &ram, &buffers, &Limits::default(), b"x", false, &mut Vec::new());
         assert_eq!(outcome, Outcome { written: 1, status: VIRTIO_BLK_S_OK as u8 });
         assert_eq!(device.calls, ["write 4096 1024 fua=false", "write 4096 1024 fua=true"]);
     }

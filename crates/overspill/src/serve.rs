@@ -173,7 +173,7 @@ pub struct ServeArgs {
     /// Serve VM NAME over vhost-user-blk too, at VHOST_USER_DIR/NAME.sock, on golden image
     /// IMAGE (the default one without =IMAGE): for QEMU (`-chardev
     /// socket,id=c0,path=SOCKET,reconnect-ms=1000 -device vhost-user-blk-pci,chardev=c0` with
-    /// its memory shared) and cloud-hypervisor (`--disk vhost_user=true,socket=SOCKET`). The VM
+    /// its memory shared; other VMMs that speak vhost-user-blk are untested). The VM
     /// is the same one an NBD client naming IMAGE@NAME gets, one client at a time. Repeatable.
     #[arg(long = "vhost-user", value_name = "NAME[=IMAGE]")]
     vhost_user: Vec<String>,
