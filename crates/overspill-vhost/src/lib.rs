@@ -9,6 +9,8 @@ mod backend;
 pub mod config;
 pub mod request;
 mod serve;
+#[cfg(test)]
+mod testing;
 
 pub use config::{DeviceConfig, Limits};
 pub use serve::{VhostExport, VhostExports};

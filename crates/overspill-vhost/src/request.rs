@@ -318,10 +318,10 @@ fn read_only_check(device: &dyn BlockDevice) -> Result<(), Failure> {
 mod tests {
     use std::cell::RefCell;
 
-    use overspill_block::{Capabilities, DeviceError, ReadRequest};
     use virtio_bindings::virtio_blk::VIRTIO_BLK_T_SCSI_CMD;
 
     use super::*;
+    use crate::testing::Disk;
 
     /// Guest memory: one buffer from address 0.
     struct Ram(RefCell<Vec<u8>>);
@@ -346,55 +346,8 @@ mod tests {
         }
     }
 
-    /// A disk in memory that says what it was asked.
-    struct Disk {
-        bytes: Vec<u8>,
-        calls: Vec<String>,
-    }
-
-    impl BlockDevice for Disk {
-        fn size(&self) -> u64 {
-            self.bytes.len() as u64
-        }
-        fn capabilities(&self) -> Capabilities {
-            Capabilities::ALL
-        }
-        fn read_requested(&mut self, offset: u64, length: u64) {
-            self.calls.push(format!("begin {offset} {length}"));
-        }
-        fn read(&mut self, _request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-            buf.copy_from_slice(&self.bytes[offset as usize..offset as usize + buf.len()]);
-            Ok(())
-        }
-        fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
-            self.calls.push(format!("write {offset} {} fua={fua}", data.len()));
-            self.bytes[offset as usize..offset as usize + data.len()].copy_from_slice(data);
-            Ok(())
-        }
-        fn write_zeroes(
-            &mut self,
-            offset: u64,
-            length: u64,
-            may_trim: bool,
-            _fast_only: bool,
-            _fua: bool,
-        ) -> Result<(), DeviceError> {
-            self.calls.push(format!("zero {offset} {length} trim={may_trim}"));
-            self.bytes[offset as usize..(offset + length) as usize].fill(0);
-            Ok(())
-        }
-        fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
-            self.calls.push(format!("trim {offset} {length}"));
-            Ok(())
-        }
-        fn flush(&mut self) -> Result<(), DeviceError> {
-            self.calls.push("flush".into());
-            Ok(())
-        }
-    }
-
     fn disk() -> Disk {
-        Disk { bytes: (0..64 * 1024).map(|i| (i % 251) as u8).collect(), calls: Vec::new() }
+        Disk::new(64 * 1024)
     }
 
     fn header(kind: u32, sector: u64) -> Vec<u8> {

@@ -5,7 +5,10 @@
 //! libvirt runs it as `HOOK DOMAIN OPERATION SUB-OPERATION EXTRA` with the domain's XML on
 //! standard input, and a non-zero exit stops the operation, with what the hook wrote to
 //! standard error in libvirt's error. An overspill disk is an NBD disk whose export names a VM
-//! (`IMAGE@NAME`, `@NAME` for the default image). What the hook does:
+//! (`IMAGE@NAME`, `@NAME` for the default image), or a vhost-user disk whose socket is
+//! `NAME.sock` (`serve --vhost-user NAME`; a vhost-user disk of another backend whose socket has
+//! the name of an overspill VM would be taken for it: keep overspill's sockets and names apart).
+//! What the hook does:
 //!
 //! - `migrate` (on the destination, before its QEMU starts): refuses, naming the VMs. Their
 //!   writes live in the source host's server, and the destination's server would start them
@@ -94,28 +97,39 @@ pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The VM names of the domain's overspill disks: NBD disks whose export is `IMAGE@NAME`.
+/// The VM names of the domain's overspill disks: NBD disks whose export is `IMAGE@NAME`, and
+/// vhost-user disks whose socket is `NAME.sock`.
 pub fn overspill_vms(xml: &str) -> anyhow::Result<Vec<String>> {
     let mut reader = quick_xml::Reader::from_str(xml);
-    let mut in_disk = false;
+    // Inside a <disk>, and whether it is a vhost-user one.
+    let mut disk: Option<bool> = None;
     let mut vms = Vec::new();
     loop {
         match reader.read_event()? {
-            Event::Start(e) if e.name().as_ref() == b"disk" => in_disk = true,
-            Event::End(e) if e.name().as_ref() == b"disk" => in_disk = false,
-            Event::Start(e) | Event::Empty(e) if in_disk && e.name().as_ref() == b"source" => {
+            Event::Start(e) if e.name().as_ref() == b"disk" => {
+                let kind = e.try_get_attribute(b"type")?.map(|a| a.value.into_owned());
+                disk = Some(kind.as_deref() == Some(b"vhostuser"));
+            }
+            Event::End(e) if e.name().as_ref() == b"disk" => disk = None,
+            Event::Start(e) | Event::Empty(e) if disk.is_some() && e.name().as_ref() == b"source" => {
                 let attribute = |key: &[u8]| -> anyhow::Result<Option<String>> {
                     match e.try_get_attribute(key)? {
                         Some(a) => Ok(Some(a.decode_and_unescape_value(reader.decoder())?.into_owned())),
                         None => Ok(None),
                     }
                 };
-                if attribute(b"protocol")?.as_deref() != Some("nbd") {
-                    continue;
-                }
-                if let Some((_, vm)) = attribute(b"name")?.as_deref().and_then(|name| name.split_once('@')) {
-                    if !vm.is_empty() && !vms.iter().any(|known| known == vm) {
-                        vms.push(vm.to_owned());
+                let vm = if disk == Some(true) {
+                    let path = attribute(b"path")?.map(PathBuf::from);
+                    path.filter(|p| p.extension().is_some_and(|e| e == "sock"))
+                        .and_then(|p| p.file_stem().and_then(|s| s.to_str()).map(str::to_owned))
+                } else if attribute(b"protocol")?.as_deref() == Some("nbd") {
+                    attribute(b"name")?.as_deref().and_then(|name| name.split_once('@')).map(|(_, vm)| vm.to_owned())
+                } else {
+                    None
+                };
+                if let Some(vm) = vm.filter(|vm| !vm.is_empty()) {
+                    if !vms.contains(&vm) {
+                        vms.push(vm);
                     }
                 }
             }
@@ -166,7 +180,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_nbd_disks_that_name_a_vm_are_overspill_disks() {
+    fn nbd_disks_that_name_a_vm_and_vhost_user_disks_on_a_named_socket_are_overspill_disks() {
         let xml = r#"<domain type='kvm'><name>d</name><devices>
             <disk type='network' device='disk'><driver name='qemu' type='raw'/>
               <source protocol='nbd' name='win7@vm-17'><host transport='unix' socket='/run/overspill.sock'/></source>
@@ -174,9 +188,11 @@ mod tests {
             <disk type='network' device='disk'><source protocol='nbd' name='@vm-18'/></disk>
             <disk type='network' device='disk'><source protocol='nbd' name='plain'/></disk>
             <disk type='network' device='disk'><source protocol='rbd' name='pool/img@snap'/></disk>
+            <disk type='vhostuser' device='disk'><source type='unix' path='/run/overspill/vhost/desk-3.sock'/></disk>
+            <disk type='vhostuser' device='disk'><source type='unix' path='/run/other/socket'/></disk>
             <disk type='file' device='cdrom'><source file='/x@y.iso'/></disk>
             <interface type='network'><source network='default'/></interface>
           </devices></domain>"#;
-        assert_eq!(overspill_vms(xml).expect("parsed"), ["vm-17", "vm-18"]);
+        assert_eq!(overspill_vms(xml).expect("parsed"), ["vm-17", "vm-18", "desk-3"]);
     }
 }

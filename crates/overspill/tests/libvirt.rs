@@ -148,6 +148,11 @@ impl LibvirtHost {
     /// the golden image in the given directory; the hook runs `hook_binary` if given (the
     /// test's binary otherwise).
     fn start(golden: impl FnOnce(&Path) -> PathBuf, hook_binary: Option<PathBuf>) -> Option<Self> {
+        Self::start_with(golden, hook_binary, &[])
+    }
+
+    /// [`Self::start`] with more flags for the server.
+    fn start_with(golden: impl FnOnce(&Path) -> PathBuf, hook_binary: Option<PathBuf>, more: &[&str]) -> Option<Self> {
         let one = one_libvirtd();
         if !Path::new("/usr/sbin/libvirtd").exists() && std::env::var("CI").map_or(true, |ci| ci != "true") {
             eprintln!("skipped: libvirtd is not installed");
@@ -171,6 +176,7 @@ impl LibvirtHost {
             "--control",
             control.to_str().expect("utf-8"),
         ];
+        let args = [&args[..], more].concat();
         let server = Serve::start_named_only(dir.path(), &args, &[], move || {
             std::os::unix::net::UnixStream::connect(&ready).is_ok()
         });
@@ -367,4 +373,83 @@ fn a_live_migration_is_aborted_by_the_destinations_hook_and_the_guest_runs_on() 
         .expect("vm list");
     let listed = String::from_utf8_lossy(&listed.stdout);
     assert!(listed.lines().any(|l| l.contains(&vm) && l.contains("connected")), "{listed}");
+}
+
+/// The docs' vhost-user recipe under libvirt: a domain with its memory shared (memfd) and a
+/// `<disk type='vhostuser'>` on the server's socket for its VM boots a guest that writes a file
+/// and reads it back past its page cache; the hook resets the VM at the start, as for NBD disks
+/// (the guest finds the golden filesystem, not what an earlier session wrote over it);
+/// the guest's power-off ends the VM (QEMU stops the device, then closes the socket).
+#[test]
+fn libvirt_runs_a_guest_on_a_vhost_user_disk() {
+    let golden = |dir: &Path| overspill::guests::ext4_image(dir, 16, &[("golden.txt", b"golden\n")]).expect("golden");
+    let vm = format!("lvu-{}", std::process::id());
+    // A directory QEMU (libvirt-qemu) can pass through, unlike the server's state directory.
+    let vhost_dir = std::env::temp_dir().join(format!("overspill-vhost-{}", std::process::id()));
+    let more = ["--vhost-user", &vm, "--vhost-user-dir", vhost_dir.to_str().expect("utf-8")];
+    let Some(host) = LibvirtHost::start_with(golden, None, &more) else { return };
+    // The VM wrote over its filesystem's superblock (over NBD, the same VM) and its client was
+    // killed: its overlay waits, in grace. Only the hook's reset at the start lets the guest
+    // mount the golden filesystem.
+    let uri: NbdUri = format!("nbd+unix:///@{vm}?socket={}", host.socket.display()).parse().expect("uri");
+    let mut client = Client::connect(&uri).expect("the VM connects");
+    client.write(0, &[0xab; 65536], false).expect("write");
+    drop(client);
+    let job = "mount /dev/vda /mnt || exit 1\n\
+               grep -q golden /mnt/golden.txt || { echo GOLDEN WRONG; exit 1; }\n\
+               echo written-over-vhost-user > /mnt/note.txt && sync && umount /mnt || exit 1\n\
+               echo 3 > /proc/sys/vm/drop_caches\n\
+               mount /dev/vda /mnt && grep -q written-over-vhost-user /mnt/note.txt && echo NOTE READ BACK\n";
+    let kit = overspill::guests::GuestKit::build(&host.dir.path().join("kit"), job).expect("kit");
+    let socket = vhost_dir.join(format!("{vm}.sock"));
+    let name = format!("overspill-vhost-{}", std::process::id());
+    let console = host.dir.path().join("console.log");
+    let xml = format!(
+        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>\
+         <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking>\
+         <os><type arch='x86_64' machine='pc'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
+         <cmdline>console=ttyS0 panic=-1 quiet no_timer_check</cmdline></os>\
+         <features><acpi/></features><on_poweroff>destroy</on_poweroff><devices>\
+         <disk type='vhostuser' device='disk'><driver name='qemu' type='raw'/>\
+         <source type='unix' path='{}'><reconnect enabled='yes' timeout='1'/></source>\
+         <target dev='vda' bus='virtio'/></disk>\
+         <serial type='file'><source path='{}' append='on'/></serial></devices></domain>",
+        kit.kernel.display(),
+        kit.initrd.display(),
+        socket.display(),
+        console.display()
+    );
+    let _domain = host.domain(&name, "define", &xml);
+    let started = virsh(&["start", &name]);
+    assert!(started.status.success(), "virsh start: {}", String::from_utf8_lossy(&started.stderr));
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let text = loop {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        if text.contains("JOB EXIT") {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the guest did not finish:\n{text}\n--- server ---\n{}",
+            host.server.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(text.contains("NOTE READ BACK") && text.contains("JOB EXIT 0"), "{text}");
+    let log = host.server.log_text();
+    assert!(log.lines().any(|l| l.contains("vhost-user connection opened") && l.contains(&vm)), "{log}");
+    let reset = log.lines().any(|l| l.contains("VM overlay dropped by the operator") && l.contains(&vm));
+    assert!(reset, "the start did not reset the VM:\n{log}");
+    // Powered off: QEMU stops the device before it closes the socket, a deliberate end.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !host.server.log_text().contains("vhost-user connection closed") {
+        assert!(Instant::now() < deadline, "the connection did not close:\n{}", host.server.log_text());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = host.server.log_text();
+    let (_, since_vhost) = log.split_once("vhost-user connection opened").expect("opened");
+    assert!(!since_vhost.contains("without a deliberate end"), "the power-off was taken for a lost connection:\n{log}");
+    assert!(since_vhost.contains("its cache is dropped"), "{log}");
+    drop(host);
+    let _ = std::fs::remove_dir(&vhost_dir);
 }
