@@ -10,6 +10,7 @@
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use overspill_block::{BlockDevice, DeviceError};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -56,10 +57,12 @@ pub(crate) struct Blk {
     shutdown: Mutex<Option<vhost_user_backend::ShutdownHandle>>,
     /// Reads land here before they are copied to the guest (see `request::serve`).
     scratch: Mutex<Vec<u8>>,
+    /// How long a queue is watched for the next request before its worker sleeps.
+    poll: Duration,
 }
 
 impl Blk {
-    pub(crate) fn new(opener: Opener, memory: Memory, config: DeviceConfig, id: Vec<u8>) -> Self {
+    pub(crate) fn new(opener: Opener, memory: Memory, config: DeviceConfig, id: Vec<u8>, poll: Duration) -> Self {
         Self {
             opener: Mutex::new(Some(opener)),
             device: Mutex::new(None),
@@ -74,6 +77,7 @@ impl Blk {
             stopped_queues: AtomicU64::new(0),
             shutdown: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
+            poll,
         }
     }
 
@@ -147,6 +151,7 @@ impl Blk {
             if event_idx {
                 state.disable_notification().map_err(queue_error)?;
             }
+            let mut served = false;
             while !self.closing.load(Ordering::Relaxed) {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(memory.clone()) else { break };
                 let head = chain.head_index();
@@ -159,16 +164,33 @@ impl Blk {
                         buffers.readable.push(segment);
                     }
                 }
-                let outcome = request::serve(
-                    device.as_mut(),
-                    &GuestMemory(&memory),
-                    &buffers,
-                    &self.limits,
-                    &self.id,
-                    write_back,
-                    &mut scratch,
-                );
+                let guest = GuestMemory(&memory);
+                let outcome =
+                    request::serve(device.as_mut(), &guest, &buffers, &self.limits, &self.id, write_back, &mut scratch);
                 state.add_used(head, outcome.written).map_err(queue_error)?;
+                served = true;
+            }
+            // The guest hears of what is done before this waits for more.
+            if served && state.needs_notification().map_err(queue_error)? {
+                state.signal_used_queue()?;
+            }
+            // A guest at a low queue depth sends its next request a few microseconds after the
+            // last reply: looked for here for `--poll-us`, it is taken without a kick, a wake-up
+            // of this thread or a sleep (as an NBD connection polls its socket).
+            let next = state.get_queue().next_avail();
+            let deadline = Instant::now() + self.poll;
+            let more = loop {
+                let available = state.get_queue().avail_idx(&*memory, std::sync::atomic::Ordering::Acquire);
+                if available.map_err(queue_error)?.0 != next {
+                    break true;
+                }
+                if Instant::now() >= deadline || self.closing.load(Ordering::Relaxed) {
+                    break false;
+                }
+                std::hint::spin_loop();
+            };
+            if more {
+                continue;
             }
             if !event_idx
                 || self.closing.load(Ordering::Relaxed)
@@ -176,9 +198,6 @@ impl Blk {
             {
                 break;
             }
-        }
-        if state.needs_notification().map_err(queue_error)? {
-            state.signal_used_queue()?;
         }
         Ok(())
     }
@@ -368,7 +387,7 @@ mod tests {
         let config =
             DeviceConfig { size: 1 << 20, capabilities: Capabilities::ALL, queues: 1, limits: Limits::default() };
         let opener: Opener = Box::new(|| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
-        let blk = Blk::new(opener, atomic, config, b"vm".to_vec());
+        let blk = Blk::new(opener, atomic, config, b"vm".to_vec(), Duration::from_micros(20));
         blk.open_device();
         blk.serve_queue(&vring).expect("served");
 

@@ -49,12 +49,14 @@ struct Served {
 
 impl VhostExports {
     /// Makes each VM's socket in `dir` (a stale one is replaced, a live one or anything else
-    /// is an error naming it) and starts serving them, each VM's device with `queues` queues.
+    /// is an error naming it) and starts serving them, each VM's device with `queues` queues,
+    /// each queue watched for `poll` after its last request before its thread sleeps.
     pub fn start(
         dir: &Path,
         exports: &[VhostExport],
         provider: Arc<dyn ExportProvider>,
         queues: u16,
+        poll: Duration,
     ) -> io::Result<Self> {
         let mut listeners = Vec::with_capacity(exports.len());
         for export in exports {
@@ -70,6 +72,7 @@ impl VhostExports {
                 export: export.clone(),
                 provider: provider.clone(),
                 queues,
+                poll,
                 stop: stop.clone(),
                 connection: connection.clone(),
             };
@@ -117,6 +120,7 @@ struct Serving {
     export: VhostExport,
     provider: Arc<dyn ExportProvider>,
     queues: u16,
+    poll: Duration,
     stop: Arc<AtomicBool>,
     connection: Arc<Mutex<Option<Arc<Blk>>>>,
 }
@@ -157,7 +161,7 @@ impl Serving {
         let (provider, export) = (self.provider.clone(), self.export.export.clone());
         let opener: Opener = Box::new(move || provider.open(&export, None));
         let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-        let blk = Arc::new(Blk::new(opener, memory.clone(), config, id));
+        let blk = Arc::new(Blk::new(opener, memory.clone(), config, id, self.poll));
         let result = self.run_daemon(&blk, unix, memory);
         *lock(&self.connection) = None;
         drop(blk.take_device());

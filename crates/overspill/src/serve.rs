@@ -150,9 +150,9 @@ pub struct ServeArgs {
     /// it spreads its bytes (e.g. 10s; a bare number is seconds).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     handshake_timeout: Duration,
-    /// Microseconds a VM's connection polls its socket for the next request before it sleeps:
-    /// waking a sleeping thread costs more than a 4 KiB request on virtual machines. 0 sleeps
-    /// at once (less CPU for VMs that pause between requests).
+    /// Microseconds a VM's connection polls its socket (over vhost-user: its queue) for the next
+    /// request before it sleeps: waking a sleeping thread costs more than a 4 KiB request on
+    /// virtual machines. 0 sleeps at once (less CPU for VMs that pause between requests).
     #[arg(long, default_value_t = overspill_nbd::connection::DEFAULT_POLL_BEFORE_SLEEP.as_micros() as u64)]
     poll_us: u64,
     /// Time a VM may send nothing before it is disconnected, as a lost connection (e.g. 10m; a
@@ -334,17 +334,19 @@ fn serve_vhost_user(
     if args.vhost_user.is_empty() {
         return Ok(None);
     }
-    let declared: Vec<VhostExport> = args
+    let declared = args
         .vhost_user
         .iter()
         .map(|spec| {
             let (vm, image) = spec.split_once('=').unwrap_or((spec.as_str(), ""));
-            VhostExport { vm: vm.to_owned(), export: format!("{image}@{vm}") }
+            overspill_server::error::check_name("VM", vm).with_context(|| format!("--vhost-user {spec}"))?;
+            Ok(VhostExport { vm: vm.to_owned(), export: format!("{image}@{vm}") })
         })
-        .collect();
+        .collect::<anyhow::Result<Vec<VhostExport>>>()?;
     let dir = args.vhost_user_dir.clone().unwrap_or_else(|| state_dir.join("vhost-user"));
     std::fs::create_dir_all(&dir).with_context(|| format!("--vhost-user-dir {}", dir.display()))?;
-    let vhost = VhostExports::start(&dir, &declared, exports, args.vhost_user_queues)
+    let poll = Duration::from_micros(args.poll_us);
+    let vhost = VhostExports::start(&dir, &declared, exports, args.vhost_user_queues, poll)
         .with_context(|| format!("--vhost-user sockets in {}", dir.display()))?;
     for socket in vhost.sockets() {
         set_socket_access(socket, args.socket_mode, args.socket_group.as_deref())?;

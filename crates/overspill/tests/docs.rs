@@ -172,7 +172,11 @@ fn libvirt_version() -> Option<(u32, u32)> {
 fn the_libvirt_domain_validates_and_operations_md_shows_its_disk() {
     let shipped = read_doc("libvirt-domain.xml");
     let disk = dedented_lines(&shipped, "<disk ", "</disk>");
-    let shown: Vec<String> = vm_recipes().into_iter().filter(|(lang, _)| lang == "xml").map(|(_, t)| t).collect();
+    let shown: Vec<String> = vm_recipes()
+        .into_iter()
+        .filter(|(lang, text)| lang == "xml" && text.contains("protocol='nbd'"))
+        .map(|(_, t)| t)
+        .collect();
     assert_eq!(
         shown,
         std::slice::from_ref(&disk),
@@ -419,4 +423,42 @@ fn the_proxmox_args_line_in_operations_md_opens_the_vm_disk() {
     assert!(!lines[0].contains(['\'', '"', '\\']), "{}", lines[0]);
     let words: Vec<String> = lines[0].split_whitespace().map(str::to_owned).collect();
     assert_qemu_serves_the_vm_with(&words, "the Proxmox args: line");
+}
+
+/// docs/libvirt-domain-vhost-user.xml is a domain libvirt accepts, its vhost-user disk and shared
+/// memory kept as written, and docs/operations.md shows exactly its <memoryBacking> and <disk>.
+#[test]
+fn the_vhost_user_domain_validates_and_operations_md_shows_it() {
+    let shipped = read_doc("libvirt-domain-vhost-user.xml");
+    let memory = dedented_lines(&shipped, "<memoryBacking>", "</memoryBacking>");
+    let disk = dedented_lines(&shipped, "<disk ", "</disk>");
+    let shown: Vec<String> = vm_recipes()
+        .into_iter()
+        .filter(|(lang, text)| lang == "xml" && text.contains("vhostuser"))
+        .map(|(_, t)| t)
+        .collect();
+    assert_eq!(
+        shown,
+        [format!("{memory}...\n{disk}")],
+        "docs/operations.md section 4 must show the vhost-user domain's"
+    );
+
+    let (valid, said) = virt_xml_validate(&doc_path("libvirt-domain-vhost-user.xml"));
+    assert!(valid, "virt-xml-validate rejects docs/libvirt-domain-vhost-user.xml:\n{said}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broken = dir.path().join("broken.xml");
+    std::fs::write(&broken, shipped.replace("type='memfd'", "type='overspill'")).expect("broken copy");
+    assert!(!virt_xml_validate(&broken).0, "the schema does not look at <memoryBacking>");
+
+    let out = Command::new("virsh")
+        .args(["-c", "test:///default"])
+        .arg(format!("define {}; dumpxml vm-17", doc_path("libvirt-domain-vhost-user.xml").display()))
+        .output()
+        .unwrap_or_else(|e| panic!("virsh is not installed (apt-get install libvirt-clients; scripts/test does): {e}"));
+    let dumped = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "virsh define: {dumped}{}", String::from_utf8_lossy(&out.stderr));
+    // libvirt adds that a vhost-user disk takes no snapshots (it cannot).
+    let dumped = dumped.replace(" snapshot='no'", "");
+    assert_eq!(dedented_lines(&dumped, "<disk ", "</disk>"), disk, "libvirt's definition of the disk differs");
+    assert_eq!(dedented_lines(&dumped, "<memoryBacking>", "</memoryBacking>"), memory);
 }
