@@ -243,12 +243,12 @@ fn a_guest_on_vhost_user_trims_and_the_server_gives_its_ram_back() {
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
 }
 
-/// Continuity over vhost-user: the guest writing files with checksums rides through a SIGKILL
-/// and a SIGTERM of the server. QEMU (`reconnect-ms`) reconnects to the next server and sends
+/// Continuity over vhost-user: the guest writing files with checksums rides through a SIGKILL,
+/// a SIGTERM and a SIGHUP (restart in place) of the server. QEMU (`reconnect-ms`) reconnects to the next server and sends
 /// again every request it had not had back; the next server rebuilt the VM from what the last
 /// one left, so every checksum holds.
 #[test]
-fn a_guest_on_vhost_user_rides_through_a_killed_and_a_stopped_server() {
+fn a_guest_on_vhost_user_rides_through_a_killed_a_stopped_and_a_restarted_server() {
     let dir = TempDir::new().expect("tempdir");
     let golden = ext4_image(dir.path(), 64, &[("golden.txt", b"golden file\n")]).expect("golden image");
     let kit = GuestKit::build(dir.path(), &writer_job()).expect("guest kit");
@@ -273,6 +273,22 @@ fn a_guest_on_vhost_user_rides_through_a_killed_and_a_stopped_server() {
     let server = serve_vhost(dir.path(), &golden, "vwriter", &ram);
     let log = server.log_text();
     assert!(log.contains("VM overlay recovered from the previous server"), "not handed over at SIGTERM:\n{log}");
+
+    // SIGHUP: the server drains and starts again in the same process (an upgrade).
+    guest.wait_for("WROTE 18\n", Duration::from_secs(180)).expect("WROTE 18");
+    let pid = server.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status().expect("kill").success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while server.log_text().matches("vhost-user sockets up").count() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no restart in place:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = server.log_text();
+    assert_eq!(
+        log.matches("VM overlay recovered from the previous server").count(),
+        2,
+        "not handed over at SIGHUP:\n{log}"
+    );
 
     let console = guest.wait_exit(Duration::from_secs(300)).expect("guest powers off");
     assert!(console.contains(&format!("CHECKSUMS OK {FILES}")), "checksums after two restarts:\n{console}");
