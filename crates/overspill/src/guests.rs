@@ -367,12 +367,27 @@ pub fn vhost_user_disk(socket: &Path, memory_mib: u32) -> Vec<String> {
         "-machine",
         "memory-backend=mem",
         "-chardev",
-        &format!("socket,id=vhost0,path={},reconnect-ms=1000", socket.display()),
+        &format!("socket,id=vhost0,path={},{}", socket.display(), reconnect_after_a_second()),
         "-device",
         "vhost-user-blk-pci,chardev=vhost0,num-queues=1",
     ]
     .map(String::from)
     .to_vec()
+}
+
+/// A chardev's reconnect option for one second: `reconnect-ms` since QEMU 9.2, which deprecated
+/// `reconnect` (seconds); older QEMUs know only the latter.
+fn reconnect_after_a_second() -> &'static str {
+    let version = Command::new("qemu-system-x86_64").arg("--version").output().ok().and_then(|out| {
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let number = text.split("version ").nth(1)?.split_whitespace().next()?.to_owned();
+        let mut parts = number.split('.').map(|p| p.parse::<u32>().ok());
+        Some((parts.next()??, parts.next()??))
+    });
+    match version {
+        Some(version) if version < (9, 2) => "reconnect=1",
+        _ => "reconnect-ms=1000",
+    }
 }
 
 /// A running guest. Its serial console goes to a file as it comes, through a thread that also
