@@ -41,6 +41,7 @@ pub(crate) struct Blk {
     memory: Memory,
     /// The export's size and capabilities before the device is open, the device's after.
     config: Mutex<DeviceConfig>,
+    /// `config.limits`, which never change: read per request without the lock.
     limits: Limits,
     /// What GET_ID answers: the VM's name.
     id: Vec<u8>,
@@ -116,9 +117,7 @@ impl Blk {
     pub(crate) fn close(&self) {
         self.closing.store(true, Ordering::SeqCst);
         drop(lock(&self.device));
-        if let Some(handle) = lock(&self.shutdown).as_ref() {
-            handle.shutdown();
-        }
+        self.close_unlocked();
     }
 
     /// The device back, once the connection is over; told of a deliberate end when QEMU stopped
@@ -147,6 +146,7 @@ impl Blk {
         let mut state = vring.get_mut();
         let mut scratch = lock(&self.scratch);
         let queue_error = |e: virtio_queue::Error| io::Error::other(format!("virtqueue: {e}"));
+        let mut buffers = Buffers::default();
         loop {
             if event_idx {
                 state.disable_notification().map_err(queue_error)?;
@@ -155,7 +155,8 @@ impl Blk {
             while !self.closing.load(Ordering::Relaxed) {
                 let Some(chain) = state.get_queue_mut().pop_descriptor_chain(memory.clone()) else { break };
                 let head = chain.head_index();
-                let mut buffers = Buffers::default();
+                buffers.readable.clear();
+                buffers.writable.clear();
                 for descriptor in chain {
                     let segment = Segment { addr: descriptor.addr().0, len: descriptor.len() };
                     if descriptor.is_write_only() {
@@ -164,9 +165,15 @@ impl Blk {
                         buffers.readable.push(segment);
                     }
                 }
-                let guest = GuestMemory(&memory);
-                let outcome =
-                    request::serve(device.as_mut(), &guest, &buffers, &self.limits, &self.id, write_back, &mut scratch);
+                let outcome = request::serve(
+                    device.as_mut(),
+                    &*memory,
+                    &buffers,
+                    &self.limits,
+                    &self.id,
+                    write_back,
+                    &mut scratch,
+                );
                 state.add_used(head, outcome.written).map_err(queue_error)?;
                 served = true;
             }
@@ -211,19 +218,17 @@ impl Blk {
     }
 }
 
-struct GuestMemory<'a>(&'a GuestMemoryMmap);
-
-impl GuestBytes for GuestMemory<'_> {
+impl GuestBytes for GuestMemoryMmap {
     fn read_at(&self, addr: u64, buf: &mut [u8]) -> bool {
-        self.0.read_slice(buf, GuestAddress(addr)).is_ok()
+        self.read_slice(buf, GuestAddress(addr)).is_ok()
     }
 
     fn write_at(&self, addr: u64, data: &[u8]) -> bool {
-        self.0.write_slice(data, GuestAddress(addr)).is_ok()
+        self.write_slice(data, GuestAddress(addr)).is_ok()
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A worker that panicked left the device as it was: serving on is no worse than refusing.
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -4,6 +4,7 @@
 //! virtqueues, so that it can be tested and fuzzed over plain memory.
 
 use std::io::{self, IoSliceMut};
+use std::ops::Range;
 
 use overspill_block::{BlockDevice, DeviceError, DeviceErrorKind, Payload, ReadRequest};
 use virtio_bindings::virtio_blk::{
@@ -57,49 +58,37 @@ impl Stream<'_> {
         self.segments.iter().map(|s| u64::from(s.len)).sum()
     }
 
-    /// The segments' pieces covering `[from, from + len)` of the stream.
-    fn pieces(&self, mut from: u64, mut len: u64) -> Vec<Segment> {
-        let mut pieces = Vec::new();
+    /// Calls `visit` with each piece of `[from, from + len)` of the stream, in order: its guest
+    /// address and its range within those `len` bytes. `false` if the stream is shorter, or as
+    /// soon as `visit` returns `false`.
+    fn each_piece(&self, mut from: u64, len: usize, mut visit: impl FnMut(u64, Range<usize>) -> bool) -> bool {
+        let mut at = 0usize;
         for segment in self.segments {
+            if at == len {
+                break;
+            }
             let seg_len = u64::from(segment.len);
             if from >= seg_len {
                 from -= seg_len;
                 continue;
             }
-            if len == 0 {
-                break;
-            }
-            let take = (seg_len - from).min(len);
             // Within one segment's u32 length.
-            pieces.push(Segment { addr: segment.addr.wrapping_add(from), len: take as u32 });
-            len -= take;
+            let take = ((seg_len - from) as usize).min(len - at);
+            if !visit(segment.addr.wrapping_add(from), at..at + take) {
+                return false;
+            }
+            at += take;
             from = 0;
         }
-        pieces
+        at == len
     }
 
     fn read(&self, memory: &dyn GuestBytes, from: u64, buf: &mut [u8]) -> bool {
-        let mut at = 0;
-        for piece in self.pieces(from, buf.len() as u64) {
-            let end = at + piece.len as usize;
-            if !memory.read_at(piece.addr, &mut buf[at..end]) {
-                return false;
-            }
-            at = end;
-        }
-        at == buf.len()
+        self.each_piece(from, buf.len(), |addr, range| memory.read_at(addr, &mut buf[range]))
     }
 
     fn write(&self, memory: &dyn GuestBytes, from: u64, data: &[u8]) -> bool {
-        let mut at = 0;
-        for piece in self.pieces(from, data.len() as u64) {
-            let end = at + piece.len as usize;
-            if !memory.write_at(piece.addr, &data[at..end]) {
-                return false;
-            }
-            at = end;
-        }
-        at == data.len()
+        self.each_piece(from, data.len(), |addr, range| memory.write_at(addr, &data[range]))
     }
 }
 

@@ -17,7 +17,7 @@ use vhost_user_backend::VhostUserDaemon;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
-use crate::backend::{Blk, Opener};
+use crate::backend::{lock, Blk, Opener};
 use crate::config::{DeviceConfig, Limits};
 
 /// How long an accept loop waits before it looks at its stop flag again (a waker cuts it short
@@ -200,8 +200,4 @@ impl Serving {
             Err(error) => Err(daemon_error(error)),
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
