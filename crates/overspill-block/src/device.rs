@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut};
+use std::path::PathBuf;
 
 use bytes::Bytes;
 
@@ -276,6 +277,23 @@ pub trait ExportProvider: Send + Sync + 'static {
     /// [`ExportAccess`]), `None` without one: a provider may keep what a client made for that
     /// identity alone.
     fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError>;
+}
+
+/// A frontend whose VMs each listen on a socket of their own, made before their VMM starts
+/// (vhost-user: a socket serves one device, and the VMM connects to it when it starts). The
+/// control socket declares and withdraws them at run time; a declaration outlives restarts of
+/// the server until it is withdrawn.
+pub trait VmSockets: Send + Sync + 'static {
+    /// Makes VM `vm`'s socket, serving golden image `image` (`None`: the image it is declared
+    /// with already, or the default one), or keeps the one it has; returns its path. A VM
+    /// declared on another image, or an image that does not exist, is refused.
+    fn declare(&self, vm: &str, image: Option<&str>) -> io::Result<PathBuf>;
+    /// Removes VM `vm`'s socket: `false` if it has none. Refused while a VMM is connected to it.
+    fn withdraw(&self, vm: &str) -> io::Result<bool>;
+    /// Each declared VM with its image and socket, by name.
+    fn declared(&self) -> Vec<(String, String, PathBuf)>;
+    /// Where the sockets are made.
+    fn directory(&self) -> PathBuf;
 }
 
 /// Which exports a client may list and open, by the identity TLS proved: its certificate's

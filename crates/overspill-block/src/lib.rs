@@ -15,7 +15,7 @@ pub mod trace;
 
 pub use device::{
     read_whole, BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo,
-    ExportProvider, Extent, Payload, ReadRequest, SlicesPayload, DEFAULT_BLOCK_SIZES,
+    ExportProvider, Extent, Payload, ReadRequest, SlicesPayload, VmSockets, DEFAULT_BLOCK_SIZES,
 };
 pub use layer::DeviceLayer;
 pub use op::GuestOp;

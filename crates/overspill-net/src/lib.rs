@@ -10,6 +10,6 @@ pub mod listen;
 pub mod tls;
 pub mod transport;
 
-pub use listen::{ListenAddr, Listener};
+pub use listen::{ListenAddr, Listener, SocketAccess};
 pub use tls::{ServerTls, TlsMode};
 pub use transport::{connect, ReadStopper, Transport};

@@ -226,6 +226,31 @@ fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
     }
 }
 
+/// Who may connect to a Unix socket this server makes: its mode and group, when given (others
+/// keep what the umask and the server's user give).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SocketAccess {
+    pub mode: Option<u32>,
+    pub group: Option<u32>,
+}
+
+impl SocketAccess {
+    /// Gives the socket its group, then its mode: until then it has the umask's, never more.
+    pub fn apply(&self, path: &std::path::Path) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        if let Some(gid) = self.group {
+            std::os::unix::fs::chown(path, None, Some(gid))
+                .map_err(|e| std::io::Error::new(e.kind(), format!("giving {} to group {gid}: {e}", path.display())))?;
+        }
+        if let Some(mode) = self.mode {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("setting mode {mode:o} on {}: {e}", path.display()))
+            })?;
+        }
+        Ok(())
+    }
+}
+
 /// Wakes the accept loop at once, where it may: a socket of this server's own is shut for
 /// reading, which makes a waiting poll or accept return on Linux, even when its Unix socket
 /// file is gone. One the service manager holds must stay open (shut, it would refuse the next

@@ -1,7 +1,9 @@
-//! The control socket and `overspill vm`: list the named VMs, reset or drop one.
+//! The control socket and `overspill vm`: list the named VMs, reset or drop one, declare one
+//! for a frontend that listens per VM (vhost-user).
 //!
 //! One JSON request per line on a Unix socket (`{"op":"list"}`, `{"op":"reset","vm":"NAME"}`,
-//! `{"op":"drop","vm":"NAME"}`), one JSON answer per line. The socket is made mode 0600 (the
+//! `{"op":"drop","vm":"NAME"}`, `{"op":"add","vm":"NAME","image":"IMAGE"}`), one JSON answer
+//! per line. The socket is made mode 0600 (the
 //! server's user only: a reset throws a VM's writes away); each connection gets a thread and
 //! [`TIMEOUT`] for its whole request, capped in length, and at most [`MAX_CLIENTS`] are answered
 //! at once (a script looping on `vm list` without reading its answers, or stuck, must not pile up
@@ -9,16 +11,17 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use overspill_block::VmSockets;
 use overspill_net::{ListenAddr, Listener};
 use serde::{Deserialize, Serialize};
 
-use crate::vms::{VmRegistry, VmStatus};
-use crate::ServerError;
+use crate::vms::{VmRegistry, VmState, VmStatus};
+use crate::{check_name, ServerError};
 
 /// Where `serve` puts its control socket unless told otherwise: inside its default state directory.
 pub const DEFAULT_CONTROL_SOCKET: &str = "/var/tmp/overspill/state/control.sock";
@@ -34,8 +37,19 @@ const MAX_CLIENTS: usize = 16;
 #[serde(tag = "op", rename_all = "lowercase")]
 pub enum Request {
     List,
-    Reset { vm: String },
-    Drop { vm: String },
+    Reset {
+        vm: String,
+    },
+    Drop {
+        vm: String,
+    },
+    /// Declares a VM whose frontend listens on a socket of its own (vhost-user) on an image
+    /// (none: the one it is declared with already, or the default one).
+    Add {
+        vm: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        image: Option<String>,
+    },
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -45,11 +59,37 @@ pub struct Answer {
     pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vms: Option<Vec<VmStatus>>,
+    /// The socket of a VM just declared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+    /// With a list: where the server makes vhost-user sockets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vhost_user_dir: Option<PathBuf>,
+}
+
+/// The control socket of a server: the listener (its file goes with it) and the per-VM
+/// sockets' frontend, known once it has started.
+pub struct Control {
+    _listener: Arc<Listener>,
+    sockets: Arc<OnceLock<Arc<dyn VmSockets>>>,
+}
+
+impl Control {
+    /// From now on `add` declares VMs on `sockets`, and `drop` and `list` see them.
+    pub fn serve_sockets(&self, sockets: Arc<dyn VmSockets>) {
+        let _ = self.sockets.set(sockets);
+    }
+}
+
+/// What the control socket acts on.
+struct Targets {
+    registry: Arc<VmRegistry>,
+    sockets: Arc<OnceLock<Arc<dyn VmSockets>>>,
 }
 
 /// Serves the control socket at `path` on a thread of its own; the socket goes with the
-/// returned listener.
-pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, ServerError> {
+/// returned [`Control`].
+pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Control, ServerError> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(dir) = path.parent() {
         crate::files::own_directory(dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
@@ -62,6 +102,8 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, Se
     let Listener::Unix(socket, ..) = listener.as_ref() else { unreachable!("bound a unix address") };
     let socket = socket.try_clone().map_err(|e| ServerError::io("control socket", e))?;
     let clients = Arc::new(AtomicUsize::new(0));
+    let sockets = Arc::new(OnceLock::new());
+    let targets = Arc::new(Targets { registry, sockets: sockets.clone() });
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
@@ -81,17 +123,17 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Arc<Listener>, Se
                     tracing::warn!("control socket: {MAX_CLIENTS} clients already being answered; one more closed");
                     continue;
                 }
-                let (registry, answering) = (registry.clone(), Answering(clients.clone()));
+                let (targets, answering) = (targets.clone(), Answering(clients.clone()));
                 let _ = std::thread::Builder::new().name("control-client".into()).spawn(move || {
                     let _answering = answering;
-                    if let Err(error) = answer(stream, &registry) {
+                    if let Err(error) = answer(stream, &targets) {
                         tracing::debug!(%error, "control client");
                     }
                 });
             }
         })
         .map_err(|e| ServerError::io("starting the control thread", e))?;
-    Ok(listener)
+    Ok(Control { _listener: listener, sockets })
 }
 
 /// One client being answered, counted until it is dropped: when its thread ends, however it
@@ -104,19 +146,87 @@ impl Drop for Answering {
     }
 }
 
-fn answer(stream: UnixStream, registry: &VmRegistry) -> std::io::Result<()> {
+fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
     let deadline = Instant::now() + TIMEOUT;
     let line = read_request(&stream, deadline)?;
     let answer = match serde_json::from_slice::<Request>(&line) {
-        Ok(Request::List) => Answer { ok: true, vms: Some(registry.list()), ..Answer::default() },
-        Ok(Request::Reset { vm }) => outcome(registry.reset(&vm)),
-        Ok(Request::Drop { vm }) => outcome(registry.drop_vm(&vm)),
+        Ok(Request::List) => Answer {
+            ok: true,
+            vms: Some(targets.list()),
+            vhost_user_dir: targets.sockets().map(|sockets| sockets.directory()),
+            ..Answer::default()
+        },
+        Ok(Request::Reset { vm }) => outcome(targets.registry.reset(&vm)),
+        Ok(Request::Drop { vm }) => outcome(targets.drop_vm(&vm)),
+        Ok(Request::Add { vm, image }) => match targets.add(&vm, image.as_deref()) {
+            Ok((message, socket)) => {
+                Answer { ok: true, message: Some(message), socket: Some(socket), ..Answer::default() }
+            }
+            Err(error) => outcome(Err(error)),
+        },
         Err(error) => Answer { ok: false, message: Some(format!("bad request: {error}")), ..Answer::default() },
     };
     let mut text = serde_json::to_string(&answer).map_err(std::io::Error::other)?;
     text.push('\n');
     stream.set_write_timeout(Some(TIMEOUT))?;
     (&stream).write_all(text.as_bytes())
+}
+
+impl Targets {
+    fn sockets(&self) -> Option<&Arc<dyn VmSockets>> {
+        self.sockets.get()
+    }
+
+    /// The registry's VMs, and the declared ones that have no overlay yet.
+    fn list(&self) -> Vec<VmStatus> {
+        let mut vms = self.registry.list();
+        let declared = self.sockets().map(|sockets| sockets.declared()).unwrap_or_default();
+        for (vm, image, socket) in declared {
+            if let Some(listed) = vms.iter_mut().find(|listed| listed.vm == vm) {
+                listed.socket = Some(socket);
+                continue;
+            }
+            vms.push(VmStatus {
+                vm,
+                image,
+                owner: None,
+                state: VmState::Declared,
+                memory_bytes: 0,
+                spill_bytes: 0,
+                age_s: 0,
+                detail: "its socket waits for its VMM".to_owned(),
+                socket: Some(socket),
+            });
+        }
+        vms.sort_by(|a, b| a.vm.cmp(&b.vm));
+        vms
+    }
+
+    fn add(&self, vm: &str, image: Option<&str>) -> Result<(String, PathBuf), ServerError> {
+        check_name("VM", vm)?;
+        if let Some(image) = image.filter(|image| !image.is_empty()) {
+            check_name("image", image)?;
+        }
+        let sockets =
+            self.sockets().ok_or_else(|| ServerError::Control("the server is still starting: try again".into()))?;
+        let socket = sockets.declare(vm, image).map_err(|e| ServerError::Control(e.to_string()))?;
+        Ok((format!("{vm}: vhost-user socket {}", socket.display()), socket))
+    }
+
+    /// Withdraws the VM's socket first, so that no VMM can open the VM between its overlay's
+    /// end and its socket's, then ends its overlay.
+    fn drop_vm(&self, vm: &str) -> Result<String, ServerError> {
+        let withdrawn = match self.sockets() {
+            Some(sockets) => sockets.withdraw(vm).map_err(|e| ServerError::Control(e.to_string()))?,
+            None => false,
+        };
+        match self.registry.drop_vm(vm) {
+            Err(ServerError::NoSuchVm(_)) if withdrawn => Ok(format!("{vm}: its vhost-user socket is removed")),
+            Ok(message) if withdrawn => Ok(format!("{message}; its vhost-user socket is removed")),
+            Err(error) if withdrawn => Err(ServerError::Control(format!("{error} (its vhost-user socket is removed)"))),
+            other => other,
+        }
+    }
 }
 
 /// The request line, up to its newline (or the end of the stream), within `deadline` for all

@@ -75,6 +75,9 @@ pub enum VmState {
     Resetting,
     InGrace,
     Lost,
+    /// Declared for a frontend that listens per VM (vhost-user), with no overlay yet: its
+    /// socket waits for its VMM. The control socket knows these, not the registry.
+    Declared,
 }
 
 impl VmState {
@@ -86,6 +89,7 @@ impl VmState {
             Self::Resetting => "resetting",
             Self::InGrace => "in-grace",
             Self::Lost => "lost",
+            Self::Declared => "declared",
         }
     }
 }
@@ -120,6 +124,9 @@ pub struct VmStatus {
     pub age_s: u64,
     /// Seconds of grace left (in grace), or why the VM is lost.
     pub detail: String,
+    /// Its vhost-user socket, if it is declared for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
 }
 
 /// What a named connection's end means for its overlay.
@@ -328,6 +335,7 @@ impl VmRegistry {
                     spill_bytes: e.handle.stats.cache_disk_used_bytes.get(),
                     age_s: now.duration_since(e.created).as_secs(),
                     detail,
+                    socket: None,
                 }
             })
             .collect();
@@ -340,6 +348,7 @@ impl VmRegistry {
             spill_bytes: 0,
             age_s: 0,
             detail: why.clone(),
+            socket: None,
         }));
         out.sort_by(|a, b| a.vm.cmp(&b.vm));
         out

@@ -1,18 +1,21 @@
 //! The sockets: one per VM declared for vhost-user, `DIR/NAME.sock`, made before its VMM
-//! starts (a vhost-user socket serves one device, and QEMU connects to it at start). Each has a
+//! starts (a vhost-user socket serves one device, and QEMU connects to it at start). VMs are
+//! declared at start (the server's flags) or at run time (the control socket's `add`, kept in
+//! a record file so that they come back after a restart until withdrawn). Each socket has a
 //! thread that accepts one connection at a time, opens the VM's device for it, and serves it
 //! until it ends; a VMM started with `reconnect-ms` comes back by itself after a restart.
 
-use std::io;
+use std::collections::BTreeMap;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use overspill_block::ExportProvider;
+use overspill_block::{ExportProvider, VmSockets};
 use overspill_net::listen::ListenerWaker;
-use overspill_net::{ListenAddr, Listener};
+use overspill_net::{ListenAddr, Listener, SocketAccess};
 use vhost_user_backend::VhostUserDaemon;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
@@ -29,83 +32,255 @@ const ACCEPT_LOOK_AGAIN: Duration = Duration::from_millis(500);
 pub struct VhostExport {
     /// The VM's name: its socket's name, and what GET_ID answers (cut to 20 bytes).
     pub vm: String,
-    /// What the device is opened as, the name an NBD client would give (`IMAGE@VM`).
-    pub export: String,
+    /// Its golden image's export name (empty: the default image).
+    pub image: String,
+}
+
+impl VhostExport {
+    /// What the device is opened as, the name an NBD client would give.
+    fn export_name(&self) -> String {
+        format!("{}@{}", self.image, self.vm)
+    }
+}
+
+/// Where and how the sockets are served.
+#[derive(Debug, Clone)]
+pub struct VhostSettings {
+    /// The sockets' directory.
+    pub dir: PathBuf,
+    /// Who may connect to them.
+    pub access: SocketAccess,
+    /// Queues each device offers.
+    pub queues: u16,
+    /// How long a queue is watched after its last request before its thread sleeps.
+    pub poll: Duration,
+    /// The file that keeps the VMs declared at run time (`None`: they last as long as the
+    /// process).
+    pub record: Option<PathBuf>,
 }
 
 /// The vhost-user sockets of a server and their threads.
 pub struct VhostExports {
-    stop: Arc<AtomicBool>,
-    served: Vec<Served>,
+    settings: VhostSettings,
+    provider: Arc<dyn ExportProvider>,
+    served: Mutex<BTreeMap<String, Served>>,
 }
 
 struct Served {
-    vm: String,
+    export: VhostExport,
+    /// Declared at run time, and so written in the record.
+    recorded: bool,
     socket: PathBuf,
+    stop: Arc<AtomicBool>,
     waker: ListenerWaker,
     connection: Arc<Mutex<Option<Arc<Blk>>>>,
     thread: JoinHandle<()>,
 }
 
+impl Served {
+    /// Stops accepting, closes the connection in hand (its request finished first) and waits
+    /// for the thread, whose listener removes the socket.
+    fn end(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.waker.wake();
+        if let Some(connection) = lock(&self.connection).as_ref() {
+            connection.close();
+        }
+        if self.thread.join().is_err() {
+            tracing::error!(vm = %self.export.vm, "the vhost-user thread panicked");
+        }
+    }
+}
+
 impl VhostExports {
-    /// Makes each VM's socket in `dir` (a stale one is replaced, a live one or anything else
-    /// is an error naming it) and starts serving them, each VM's device with `queues` queues,
-    /// each queue watched for `poll` after its last request before its thread sleeps.
+    /// Makes the socket of each VM in `declared` and of each VM the record holds (a stale
+    /// socket is replaced, a live one or anything else is an error naming it) and starts
+    /// serving them. A record that cannot be read is an error: a VM it declares would find no
+    /// socket when its VMM reconnects.
     pub fn start(
-        dir: &Path,
-        exports: &[VhostExport],
+        settings: VhostSettings,
+        declared: &[VhostExport],
         provider: Arc<dyn ExportProvider>,
-        queues: u16,
-        poll: Duration,
     ) -> io::Result<Self> {
-        let mut listeners = Vec::with_capacity(exports.len());
-        for export in exports {
-            let path = socket_path(dir, &export.vm)?;
-            listeners.push((export.clone(), path.clone(), Listener::bind(&ListenAddr::Unix(path))?));
+        let recorded = match &settings.record {
+            Some(record) => read_record(record)?,
+            None => Vec::new(),
+        };
+        let exports = Self { settings, provider, served: Mutex::new(BTreeMap::new()) };
+        {
+            let mut served = lock(&exports.served);
+            for (export, recorded) in declared.iter().map(|e| (e, false)).chain(recorded.iter().map(|e| (e, true))) {
+                if let Some(already) = served.get(&export.vm) {
+                    if already.export.image != export.image {
+                        tracing::warn!(
+                            vm = %export.vm, image = %export.image, serving = %already.export.image,
+                            "a VM declared twice on different images: it is served on the first"
+                        );
+                    }
+                    continue;
+                }
+                let serving = exports.serve(export.clone(), recorded)?;
+                served.insert(export.vm.clone(), serving);
+            }
         }
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut served = Vec::with_capacity(listeners.len());
-        for (export, socket, listener) in listeners {
-            let waker = listener.waker()?;
-            let connection = Arc::new(Mutex::new(None));
-            let serving = Serving {
-                export: export.clone(),
-                provider: provider.clone(),
-                queues,
-                poll,
-                stop: stop.clone(),
-                connection: connection.clone(),
-            };
-            let thread = std::thread::Builder::new()
-                .name(format!("vhost-{}", export.vm))
-                .spawn(move || serving.accept_loop(listener))?;
-            served.push(Served { vm: export.vm, socket, waker, connection, thread });
-        }
-        Ok(Self { stop, served })
+        Ok(exports)
+    }
+
+    fn serve(&self, export: VhostExport, recorded: bool) -> io::Result<Served> {
+        let socket = socket_path(&self.settings.dir, &export.vm)?;
+        let listener = Listener::bind(&ListenAddr::Unix(socket.clone()))?;
+        self.settings.access.apply(&socket)?;
+        let waker = listener.waker()?;
+        let (stop, connection) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(None)));
+        let serving = Serving {
+            export: export.clone(),
+            provider: self.provider.clone(),
+            queues: self.settings.queues,
+            poll: self.settings.poll,
+            stop: stop.clone(),
+            connection: connection.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("vhost-{}", export.vm))
+            .spawn(move || serving.accept_loop(listener))?;
+        Ok(Served { export, recorded, socket, stop, waker, connection, thread })
     }
 
     /// The sockets, one per VM.
-    pub fn sockets(&self) -> impl Iterator<Item = &Path> {
-        self.served.iter().map(|served| served.socket.as_path())
+    pub fn sockets(&self) -> Vec<PathBuf> {
+        lock(&self.served).values().map(|served| served.socket.clone()).collect()
     }
 
     /// Stops serving: no connection is accepted any more, each one open stops taking requests,
     /// finishes the one in hand and closes (those left are sent again to the next server), and
-    /// its device is dropped, the VM waiting in its reconnect grace.
-    pub fn stop(self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for served in &self.served {
+    /// its device is dropped, the VM waiting in its reconnect grace. The record stays for the
+    /// next server.
+    pub fn stop(&self) {
+        let served = std::mem::take(&mut *lock(&self.served));
+        // Every socket told first, so that they all close at once.
+        for served in served.values() {
+            served.stop.store(true, Ordering::SeqCst);
             served.waker.wake();
-            if let Some(connection) = lock(&served.connection).as_ref() {
-                connection.close();
-            }
         }
-        for served in self.served {
-            if served.thread.join().is_err() {
-                tracing::error!(vm = %served.vm, "the vhost-user thread panicked");
-            }
+        for served in served.into_values() {
+            served.end();
         }
     }
+
+    /// Writes the VMs declared at run time in the record, whole, or leaves the old one.
+    fn write_record(&self, served: &BTreeMap<String, Served>) -> io::Result<()> {
+        let Some(record) = &self.settings.record else { return Ok(()) };
+        let mut text = String::from(RECORD_HEADER);
+        for served in served.values().filter(|served| served.recorded) {
+            text += &format!("{}={}\n", served.export.vm, served.export.image);
+        }
+        write_whole(record, text.as_bytes())
+    }
+}
+
+impl VmSockets for VhostExports {
+    fn declare(&self, vm: &str, image: Option<&str>) -> io::Result<PathBuf> {
+        let mut served = lock(&self.served);
+        if let Some(already) = served.get(vm) {
+            return match image {
+                Some(image) if image != already.export.image => Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "VM {vm} is declared on image {:?} already (withdraw it first to change its image)",
+                        already.export.image
+                    ),
+                )),
+                _ => Ok(already.socket.clone()),
+            };
+        }
+        let export = VhostExport { vm: vm.to_owned(), image: image.unwrap_or_default().to_owned() };
+        if self.provider.info(&export.export_name()).is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no golden image {:?} to serve VM {vm} on", export.image),
+            ));
+        }
+        let serving = self.serve(export, true)?;
+        let socket = serving.socket.clone();
+        served.insert(vm.to_owned(), serving);
+        if let Err(error) = self.write_record(&served) {
+            // Not kept, so not made: a socket gone after the next restart would strand its VM.
+            if let Some(serving) = served.remove(vm) {
+                serving.end();
+            }
+            return Err(error);
+        }
+        tracing::info!(vm, socket = %socket.display(), "vhost-user VM declared");
+        Ok(socket)
+    }
+
+    fn withdraw(&self, vm: &str) -> io::Result<bool> {
+        let mut served = lock(&self.served);
+        let Some(serving) = served.get(vm) else { return Ok(false) };
+        if lock(&serving.connection).is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::ResourceBusy,
+                format!("VM {vm} has a VMM connected to {}: stop it first", serving.socket.display()),
+            ));
+        }
+        let serving = served.remove(vm).expect("looked up above");
+        let recorded = serving.recorded;
+        serving.end();
+        if recorded {
+            self.write_record(&served)?;
+        }
+        tracing::info!(vm, "vhost-user VM withdrawn: its socket is gone");
+        Ok(true)
+    }
+
+    fn declared(&self) -> Vec<(String, String, PathBuf)> {
+        lock(&self.served)
+            .values()
+            .map(|served| (served.export.vm.clone(), served.export.image.clone(), served.socket.clone()))
+            .collect()
+    }
+
+    fn directory(&self) -> PathBuf {
+        self.settings.dir.clone()
+    }
+}
+
+const RECORD_HEADER: &str =
+    "# VMs declared for vhost-user at run time (overspill vm add), NAME=IMAGE: written by the server\n";
+
+/// The VMs a record declares; none if it does not exist.
+fn read_record(record: &Path) -> io::Result<Vec<VhostExport>> {
+    let text = match std::fs::read_to_string(record) {
+        Ok(text) => text,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(io::Error::new(error.kind(), format!("reading {}: {error}", record.display()))),
+    };
+    let mut exports = Vec::new();
+    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.starts_with('#') && !line.is_empty()) {
+        let Some((vm, image)) = line.split_once('=') else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{} line {}: {line:?} is not NAME=IMAGE", record.display(), number + 1),
+            ));
+        };
+        socket_path(Path::new("."), vm)?;
+        exports.push(VhostExport { vm: vm.to_owned(), image: image.to_owned() });
+    }
+    Ok(exports)
+}
+
+/// Writes `path` through a temporary file renamed over it, synced, so that a crash leaves the
+/// old record or the new one.
+fn write_whole(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let context = |e: io::Error| io::Error::new(e.kind(), format!("writing {}: {e}", path.display()));
+    let temporary = path.with_extension("new");
+    let mut file = std::fs::File::create(&temporary).map_err(context)?;
+    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(context)?;
+    std::fs::rename(&temporary, path).map_err(context)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir).and_then(|dir| dir.sync_all()).map_err(context)?;
+    }
+    Ok(())
 }
 
 /// `dir/NAME.sock`, for a name that is one path component.
@@ -146,8 +321,9 @@ impl Serving {
     /// the VMM first asks about it; until then the export says what it will be.
     fn serve_one(&self, unix: &std::os::unix::net::UnixListener) -> io::Result<()> {
         let vm = self.export.vm.as_str();
-        let Some(info) = self.provider.info(&self.export.export) else {
-            tracing::warn!(vm, export = %self.export.export, "vhost-user connection refused: no such export");
+        let export = self.export.export_name();
+        let Some(info) = self.provider.info(&export) else {
+            tracing::warn!(vm, image = %self.export.image, "vhost-user connection refused: no such golden image");
             drop(unix.accept());
             return Ok(());
         };
@@ -158,7 +334,7 @@ impl Serving {
             limits: Limits::default(),
         };
         let id = vm.as_bytes()[..vm.len().min(VIRTIO_BLK_ID_BYTES as usize)].to_vec();
-        let (provider, export) = (self.provider.clone(), self.export.export.clone());
+        let provider = self.provider.clone();
         let opener: Opener = Box::new(move || provider.open(&export, None));
         let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let blk = Arc::new(Blk::new(opener, memory.clone(), config, id, self.poll));

@@ -6,9 +6,9 @@
 //! standard input, and a non-zero exit stops the operation, with what the hook wrote to
 //! standard error in libvirt's error. An overspill disk is an NBD disk whose export names a VM
 //! (`IMAGE@NAME`, `@NAME` for the default image), or a vhost-user disk whose socket is
-//! `NAME.sock` (`serve --vhost-user NAME`; a vhost-user disk of another backend whose socket has
-//! the name of an overspill VM would be taken for it: keep overspill's sockets and names apart).
-//! What the hook does:
+//! `NAME.sock` in the server's vhost-user directory (given to the hook as `--vhost-user-dir`;
+//! without it, any `NAME.sock` is taken for VM NAME where the hook refuses, and only those in
+//! the directory the server reports where it declares). What the hook does:
 //!
 //! - `migrate` (on the destination, before its QEMU starts): refuses, naming the VMs. Their
 //!   writes live in the source host's server, and the destination's server would start them
@@ -18,10 +18,12 @@
 //!   saved QEMU ends its disks' connections with NBD_CMD_DISC, which ends their overlays, so the
 //!   saved guest's memory would run on golden data; and an overlay waiting under the VM's name
 //!   then is another session's (started and killed since the save), not the saved one's.
-//! - `prepare begin` of any other start: `vm reset` of each VM, so that every power-on starts
-//!   from the golden image, as PVS does (a QEMU killed and started again within the grace would
-//!   otherwise boot into the old session's writes). A name the server does not know is fine;
-//!   a VM still connected refuses the start (another domain's QEMU has that disk).
+//! - `prepare begin` of any other start: `vm add` of each vhost-user VM (its socket must exist
+//!   before QEMU starts; one declared already keeps its image, others get the default image),
+//!   then `vm reset` of each VM, so that every power-on starts from the golden image, as PVS
+//!   does (a QEMU killed and started again within the grace would otherwise boot into the old
+//!   session's writes). A name the server does not know is fine; a VM still connected refuses
+//!   the start (another domain's QEMU has that disk).
 //! - anything else (`reconnect` and `attach` of running domains among them): nothing.
 //!
 //! Everything it prints goes to standard error: libvirt takes a `migrate` or `restore` hook's
@@ -34,7 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use overspill_server::control::{self, Request, DEFAULT_CONTROL_SOCKET};
-use overspill_server::vms::{VmState, VmStatus};
+use overspill_server::vms::VmState;
 use quick_xml::events::Event;
 
 #[derive(Debug, Args)]
@@ -46,6 +48,10 @@ pub struct LibvirtHookArgs {
     /// or restore is refused.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     wait: Duration,
+    /// The server's vhost-user directory (`serve --vhost-user-dir`): a vhost-user disk is an
+    /// overspill VM's when its socket is NAME.sock there.
+    #[arg(long, value_name = "DIR")]
+    vhost_user_dir: Option<PathBuf>,
     /// The domain's name.
     domain: String,
     /// libvirt's operation: prepare, start, started, stopped, release, migrate, restore,
@@ -60,12 +66,16 @@ pub struct LibvirtHookArgs {
 pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
     let mut xml = String::new();
     std::io::stdin().read_to_string(&mut xml).context("reading the domain XML on standard input")?;
-    let vms = overspill_vms(&xml).context("reading the domain XML")?;
-    if vms.is_empty() {
+    let disks: Vec<OverspillDisk> = overspill_disks(&xml)
+        .context("reading the domain XML")?
+        .into_iter()
+        .filter(|disk| disk.in_directory(args.vhost_user_dir.as_deref()))
+        .collect();
+    if disks.is_empty() {
         return Ok(());
     }
     let domain = &args.domain;
-    let listed = vms.join(", ");
+    let listed = names(&disks).join(", ");
     match (args.operation.as_str(), args.sub_operation.as_str()) {
         ("migrate", _) => bail!(
             "domain {domain} cannot be migrated: the writes of its overspill VM(s) {listed} live in \
@@ -77,29 +87,113 @@ pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
              saved (a saved QEMU ends its disks' connections), and the saved guest would run on golden data. \
              Start it afresh instead (virsh managedsave-remove {domain}, then virsh start {domain})."
         ),
-        ("prepare", "begin") => {
-            let states = vm_states(&args)?;
-            for vm in &vms {
-                let state = states.iter().find(|s| &s.vm == vm).map(|s| s.state);
-                if let Some(state @ (VmState::Connected | VmState::Resetting)) = state {
-                    bail!(
-                        "domain {domain} cannot start: its overspill VM {vm} is {state}, in use by another QEMU \
-                         (a second domain with the same disk?); stop that one first"
-                    );
-                }
-            }
-            for vm in &vms {
-                reset(&args, vm)?;
-            }
-            Ok(())
-        }
+        ("prepare", "begin") => prepare(&args, disks),
         _ => Ok(()),
     }
 }
 
-/// The VM names of the domain's overspill disks: NBD disks whose export is `IMAGE@NAME`, and
-/// vhost-user disks whose socket is `NAME.sock`.
+/// Before a domain starts: no VM of it in use elsewhere, each vhost-user VM's socket made, and
+/// each VM reset.
+fn prepare(args: &LibvirtHookArgs, disks: Vec<OverspillDisk>) -> anyhow::Result<()> {
+    let domain = &args.domain;
+    let listed = ask(args, &Request::List)?;
+    // Without --vhost-user-dir, a vhost-user disk is overspill's only in the server's directory;
+    // with it, one there that the server would make elsewhere is a setup to refuse.
+    let disks: Vec<OverspillDisk> = match &args.vhost_user_dir {
+        Some(_) => disks,
+        None => disks.into_iter().filter(|disk| disk.in_directory(listed.vhost_user_dir.as_deref())).collect(),
+    };
+    let states = listed.vms.unwrap_or_default();
+    for vm in names(&disks) {
+        let state = states.iter().find(|s| s.vm == vm).map(|s| s.state);
+        if let Some(state @ (VmState::Connected | VmState::Resetting)) = state {
+            bail!(
+                "domain {domain} cannot start: its overspill VM {vm} is {state}, in use by another QEMU \
+                 (a second domain with the same disk?); stop that one first"
+            );
+        }
+    }
+    for disk in &disks {
+        let Some(socket) = &disk.vhost_user_socket else { continue };
+        if let Some(dir) = listed.vhost_user_dir.as_deref().filter(|dir| !disk.in_directory(Some(dir))) {
+            bail!(
+                "domain {domain} cannot start: its vhost-user disk {} is in the hook's --vhost-user-dir, but the \
+                 server makes its sockets in {} (give both the same directory)",
+                socket.display(),
+                dir.display()
+            );
+        }
+        declare(args, &disk.vm, socket)?;
+    }
+    for vm in names(&disks) {
+        reset(args, &vm)?;
+    }
+    Ok(())
+}
+
+/// An overspill disk of a domain: the VM it names, and its socket if it is a vhost-user disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverspillDisk {
+    pub vm: String,
+    pub vhost_user_socket: Option<PathBuf>,
+}
+
+impl OverspillDisk {
+    /// An NBD disk, or a vhost-user disk whose socket is in `dir` (any, if `None`).
+    fn in_directory(&self, dir: Option<&std::path::Path>) -> bool {
+        match (&self.vhost_user_socket, dir) {
+            (Some(socket), Some(dir)) => socket.parent().is_some_and(|parent| same_path(parent, dir)),
+            _ => true,
+        }
+    }
+}
+
+/// Whether two paths name the same place, through symbolic links where they resolve.
+fn same_path(a: &std::path::Path, b: &std::path::Path) -> bool {
+    let resolved = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
+    a == b || resolved(a) == resolved(b)
+}
+
+/// The VM names, each once, in order.
+fn names(disks: &[OverspillDisk]) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for disk in disks {
+        if !names.contains(&disk.vm) {
+            names.push(disk.vm.clone());
+        }
+    }
+    names
+}
+
+/// The VM names of the domain's overspill disks (see [`overspill_disks`]).
 pub fn overspill_vms(xml: &str) -> anyhow::Result<Vec<String>> {
+    Ok(names(&overspill_disks(xml)?))
+}
+
+/// `vm add VM`, and the socket the server made must be the one the domain names.
+fn declare(args: &LibvirtHookArgs, vm: &str, socket: &std::path::Path) -> anyhow::Result<()> {
+    let answer = ask(args, &Request::Add { vm: vm.to_owned(), image: None })?;
+    let message = answer.message.unwrap_or_default();
+    if !answer.ok {
+        bail!("cannot make the vhost-user socket of VM {vm}: {message}");
+    }
+    match answer.socket {
+        Some(made) if same_path(&made, socket) => {
+            eprintln!("overspill: {message}");
+            Ok(())
+        }
+        made => bail!(
+            "the domain's vhost-user disk is {}, but the server made VM {vm}'s socket at {} (give the hook \
+             --vhost-user-dir as serve's)",
+            socket.display(),
+            made.as_deref().unwrap_or(std::path::Path::new("?")).display()
+        ),
+    }
+}
+
+/// The domain's overspill disks: NBD disks whose export is `IMAGE@NAME`, and vhost-user disks
+/// whose socket is `NAME.sock`.
+pub fn overspill_disks(xml: &str) -> anyhow::Result<Vec<OverspillDisk>> {
     let mut reader = quick_xml::Reader::from_str(xml);
     // Inside a <disk>, and whether it is a vhost-user one.
     let mut disk: Option<bool> = None;
@@ -118,19 +212,22 @@ pub fn overspill_vms(xml: &str) -> anyhow::Result<Vec<String>> {
                         None => Ok(None),
                     }
                 };
-                let vm = if disk == Some(true) {
+                let found = if disk == Some(true) {
                     let path = attribute(b"path")?.map(PathBuf::from);
-                    path.filter(|p| p.extension().is_some_and(|e| e == "sock"))
-                        .and_then(|p| p.file_stem().and_then(|s| s.to_str()).map(str::to_owned))
+                    path.filter(|p| p.extension().is_some_and(|e| e == "sock")).and_then(|p| {
+                        let vm = p.file_stem().and_then(|s| s.to_str()).map(str::to_owned)?;
+                        Some(OverspillDisk { vm, vhost_user_socket: Some(p) })
+                    })
                 } else if attribute(b"protocol")?.as_deref() == Some("nbd") {
-                    attribute(b"name")?.as_deref().and_then(|name| name.split_once('@')).map(|(_, vm)| vm.to_owned())
+                    attribute(b"name")?
+                        .as_deref()
+                        .and_then(|name| name.split_once('@'))
+                        .map(|(_, vm)| OverspillDisk { vm: vm.to_owned(), vhost_user_socket: None })
                 } else {
                     None
                 };
-                if let Some(vm) = vm.filter(|vm| !vm.is_empty()) {
-                    if !vms.contains(&vm) {
-                        vms.push(vm);
-                    }
+                if let Some(found) = found.filter(|found| !found.vm.is_empty()) {
+                    vms.push(found);
                 }
             }
             Event::Eof => break,
@@ -156,11 +253,6 @@ fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Ans
             }
         }
     }
-}
-
-/// The server's named VMs and their states.
-fn vm_states(args: &LibvirtHookArgs) -> anyhow::Result<Vec<VmStatus>> {
-    Ok(ask(args, &Request::List)?.vms.unwrap_or_default())
 }
 
 /// `vm reset VM`; a VM the server does not know has nothing to reset.
@@ -194,5 +286,11 @@ mod tests {
             <interface type='network'><source network='default'/></interface>
           </devices></domain>"#;
         assert_eq!(overspill_vms(xml).expect("parsed"), ["vm-17", "vm-18", "desk-3"]);
+        let disks = overspill_disks(xml).expect("parsed");
+        let socket = disks[2].vhost_user_socket.as_deref().expect("a vhost-user disk");
+        assert_eq!(socket, std::path::Path::new("/run/overspill/vhost/desk-3.sock"));
+        assert!(disks[2].in_directory(Some(std::path::Path::new("/run/overspill/vhost"))));
+        assert!(!disks[2].in_directory(Some(std::path::Path::new("/run/qsd"))));
+        assert!(disks[0].in_directory(Some(std::path::Path::new("/run/qsd"))), "an NBD disk is in no directory");
     }
 }

@@ -15,7 +15,7 @@ use overspill_engine::{BackingKind, GoldenImage, HostMemory, PagesRoom, WriteCac
 use overspill_nbd::counters::ProtocolCounters;
 use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Limits, Security, Server, ServerConfig};
-use overspill_net::{ListenAddr, Listener, TlsMode};
+use overspill_net::{ListenAddr, Listener, SocketAccess, TlsMode};
 use overspill_server::exports::SPILLING_VM_MINIMUM_BYTES;
 use overspill_sources::{open_source, Source, SourceError, SourceSettings};
 use sd_notify::NotifyState;
@@ -28,7 +28,7 @@ use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRI
 use overspill_server::images::ImageStore;
 use overspill_server::vms::Lifecycle;
 use overspill_server::vms::VmRegistry;
-use overspill_vhost::{VhostExport, VhostExports};
+use overspill_vhost::{VhostExport, VhostExports, VhostSettings};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -293,6 +293,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let server = Server::new(exports.clone(), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
+    let vhost = serve_vhost_user(&args, &state_dir, exports)?;
+    control.serve_sockets(vhost.clone());
     let listener = listen(&args, inherited)?;
     tracing::info!(
         uri = %listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off),
@@ -315,7 +317,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     }
     let uri = listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off);
     notify_service_manager(&[NotifyState::Ready, NotifyState::Status(&format!("serving {uri}"))]);
-    let vhost = serve_vhost_user(&args, &state_dir, exports)?;
     server.run(&listener).context("accepting connections")?;
     let end = drain(&server, vhost, &registry, &listener)?;
     // Removes the Unix sockets this server made.
@@ -324,35 +325,39 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     Ok(end)
 }
 
-/// The vhost-user sockets of the VMs `--vhost-user` declares, made before the server says it
-/// is ready (QEMU connects at its start).
+/// The vhost-user sockets of the VMs `--vhost-user` declares and of those declared at run time
+/// (`vm add`, kept in STATE_DIR/vhost-user-vms), made before the server says it is ready (QEMU
+/// connects at its start).
 fn serve_vhost_user(
     args: &ServeArgs,
     state_dir: &Path,
     exports: Arc<dyn overspill_block::ExportProvider>,
-) -> anyhow::Result<Option<VhostExports>> {
-    if args.vhost_user.is_empty() {
-        return Ok(None);
-    }
+) -> anyhow::Result<Arc<VhostExports>> {
     let declared = args
         .vhost_user
         .iter()
         .map(|spec| {
             let (vm, image) = spec.split_once('=').unwrap_or((spec.as_str(), ""));
             overspill_server::error::check_name("VM", vm).with_context(|| format!("--vhost-user {spec}"))?;
-            Ok(VhostExport { vm: vm.to_owned(), export: format!("{image}@{vm}") })
+            Ok(VhostExport { vm: vm.to_owned(), image: image.to_owned() })
         })
         .collect::<anyhow::Result<Vec<VhostExport>>>()?;
     let dir = args.vhost_user_dir.clone().unwrap_or_else(|| state_dir.join("vhost-user"));
     std::fs::create_dir_all(&dir).with_context(|| format!("--vhost-user-dir {}", dir.display()))?;
-    let poll = Duration::from_micros(args.poll_us);
-    let vhost = VhostExports::start(&dir, &declared, exports, args.vhost_user_queues, poll)
+    let settings = VhostSettings {
+        dir: dir.clone(),
+        access: socket_access(args)?,
+        queues: args.vhost_user_queues,
+        poll: Duration::from_micros(args.poll_us),
+        record: Some(state_dir.join("vhost-user-vms")),
+    };
+    let vhost = VhostExports::start(settings, &declared, exports)
         .with_context(|| format!("--vhost-user sockets in {}", dir.display()))?;
-    for socket in vhost.sockets() {
-        set_socket_access(socket, args.socket_mode, args.socket_group.as_deref())?;
+    let sockets = vhost.sockets().len();
+    if sockets > 0 {
+        tracing::info!(dir = %dir.display(), vms = sockets, "vhost-user sockets up");
     }
-    tracing::info!(dir = %dir.display(), vms = declared.len(), "vhost-user sockets up");
-    Ok(Some(vhost))
+    Ok(Arc::new(vhost))
 }
 
 /// Flags that contradict each other or cannot work, refused before anything starts.
@@ -466,7 +471,7 @@ fn listen(args: &ServeArgs, inherited: Option<Listener>) -> anyhow::Result<Liste
     }
     let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     if let ListenAddr::Unix(path) = &args.listen {
-        set_socket_access(path, args.socket_mode, args.socket_group.as_deref())?;
+        socket_access(args)?.apply(path)?;
     } else if args.socket_mode.is_some() || args.socket_group.is_some() {
         bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
     }
@@ -477,7 +482,7 @@ fn listen(args: &ServeArgs, inherited: Option<Listener>) -> anyhow::Result<Liste
 /// handed to the next server, and the end says whether this process becomes that server.
 fn drain(
     server: &Server,
-    vhost: Option<VhostExports>,
+    vhost: Arc<VhostExports>,
     registry: &VmRegistry,
     listener: &Listener,
 ) -> anyhow::Result<ServeEnd> {
@@ -494,9 +499,7 @@ fn drain(
     }
     // Each vhost-user connection finishes the request in hand and closes; QEMU sends the
     // others again to the next server.
-    if let Some(vhost) = vhost {
-        vhost.stop();
-    }
+    vhost.stop();
     // Overlays kept for VMs to reconnect go with the server; their names stay in the ledger.
     registry.hand_over_all_in_grace();
     Ok(if RESTART.load(std::sync::atomic::Ordering::SeqCst) {
@@ -722,27 +725,20 @@ fn parse_socket_mode(text: &str) -> Result<u32, String> {
     }
 }
 
-/// Gives the socket its group, then its mode: until then it has the umask's, never more.
-fn set_socket_access(path: &Path, mode: Option<u32>, group: Option<&str>) -> anyhow::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    if let Some(group) = group {
-        let gid = match group.parse::<u32>() {
-            Ok(gid) => nix::unistd::Gid::from_raw(gid),
-            Err(_) => {
-                nix::unistd::Group::from_name(group)
-                    .with_context(|| format!("looking up group {group:?}"))?
-                    .with_context(|| format!("--socket-group {group:?}: no such group"))?
-                    .gid
-            }
-        };
-        nix::unistd::chown(path, None, Some(gid))
-            .with_context(|| format!("giving {} to group {group}", path.display()))?;
-    }
-    if let Some(mode) = mode {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-            .with_context(|| format!("setting mode {mode:o} on {}", path.display()))?;
-    }
-    Ok(())
+/// `--socket-mode` and `--socket-group`, the group looked up by name unless it is a number.
+fn socket_access(args: &ServeArgs) -> anyhow::Result<SocketAccess> {
+    let group = match args.socket_group.as_deref() {
+        None => None,
+        Some(group) => Some(match group.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => nix::unistd::Group::from_name(group)
+                .with_context(|| format!("looking up group {group:?}"))?
+                .with_context(|| format!("--socket-group {group:?}: no such group"))?
+                .gid
+                .as_raw(),
+        }),
+    };
+    Ok(SocketAccess { mode: args.socket_mode, group })
 }
 
 /// The default memory directory, in /dev/shm, named after the state directory: once no VM's

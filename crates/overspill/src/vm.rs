@@ -30,8 +30,18 @@ enum VmAction {
     /// next request, or within 20 s if it sends none); its next connection starts from the golden
     /// image. Also clears a lost VM.
     Reset { vm: String },
-    /// Throw away the overlay of a VM that is not connected (in grace, or lost).
+    /// Throw away the overlay of a VM that is not connected (in grace, or lost), and remove
+    /// its vhost-user socket if it has one (a VM `serve --vhost-user` declares gets its socket
+    /// again when the server restarts).
     Drop { vm: String },
+    /// Declare VM NAME for vhost-user on golden IMAGE (default: the --base image): the server
+    /// makes its socket, VHOST_USER_DIR/NAME.sock, at once and after every restart, until
+    /// `vm drop NAME`. Declaring a VM again on its image is no error.
+    Add {
+        vm: String,
+        /// The golden image's export name (`serve --export NAME=…`, or an image store's image).
+        image: Option<String>,
+    },
 }
 
 pub fn run(args: VmArgs) -> anyhow::Result<()> {
@@ -39,6 +49,7 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::List { .. } => Request::List,
         VmAction::Reset { vm } => Request::Reset { vm: vm.clone() },
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
+        VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
     };
     let answer = control::ask(&args.control, &request)?;
     if !answer.ok {

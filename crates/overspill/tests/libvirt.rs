@@ -242,6 +242,8 @@ fn libvirt_starts_a_domain_on_a_reset_overlay_and_refuses_its_restore_once_the_o
     let log = host.server.log_text();
     let reset = log.lines().any(|l| l.contains("VM overlay dropped by the operator") && l.contains(&vm));
     assert!(reset, "the start did not reset the VM:\n{log}");
+    let declared = log.lines().any(|l| l.contains("vhost-user VM declared") && l.contains(&vm));
+    assert!(declared, "the hook did not declare the VM:\n{log}");
 
     // A save ends QEMU, and its disk's connection with NBD_CMD_DISC: the overlay is gone, and the
     // hook refuses the restore, naming the VM, rather than run the saved guest on golden data.
@@ -376,17 +378,18 @@ fn a_live_migration_is_aborted_by_the_destinations_hook_and_the_guest_runs_on() 
 }
 
 /// The docs' vhost-user recipe under libvirt: a domain with its memory shared (memfd) and a
-/// `<disk type='vhostuser'>` on the server's socket for its VM boots a guest that writes a file
-/// and reads it back past its page cache; the hook resets the VM at the start, as for NBD disks
-/// (the guest finds the golden filesystem, not what an earlier session wrote over it);
-/// the guest's power-off ends the VM (QEMU stops the device, then closes the socket).
+/// `<disk type='vhostuser'>` on a socket in the server's vhost-user directory boots a guest
+/// that writes a file and reads it back past its page cache. No flag declares the VM: the hook
+/// makes its socket at the start (`vm add`), and resets the VM, as for NBD disks (the guest
+/// finds the golden filesystem, not what an earlier session wrote over it); the guest's
+/// power-off ends the VM (QEMU stops the device, then closes the socket).
 #[test]
 fn libvirt_runs_a_guest_on_a_vhost_user_disk() {
     let golden = |dir: &Path| overspill::guests::ext4_image(dir, 16, &[("golden.txt", b"golden\n")]).expect("golden");
     let vm = format!("lvu-{}", std::process::id());
     // A directory QEMU (libvirt-qemu) can pass through, unlike the server's state directory.
     let vhost_dir = std::env::temp_dir().join(format!("overspill-vhost-{}", std::process::id()));
-    let more = ["--vhost-user", &vm, "--vhost-user-dir", vhost_dir.to_str().expect("utf-8")];
+    let more = ["--vhost-user-dir", vhost_dir.to_str().expect("utf-8")];
     let Some(host) = LibvirtHost::start_with(golden, None, &more) else { return };
     // The VM wrote over its filesystem's superblock (over NBD, the same VM) and its client was
     // killed: its overlay waits, in grace. Only the hook's reset at the start lets the guest
@@ -440,6 +443,8 @@ fn libvirt_runs_a_guest_on_a_vhost_user_disk() {
     assert!(log.lines().any(|l| l.contains("vhost-user connection opened") && l.contains(&vm)), "{log}");
     let reset = log.lines().any(|l| l.contains("VM overlay dropped by the operator") && l.contains(&vm));
     assert!(reset, "the start did not reset the VM:\n{log}");
+    let declared = log.lines().any(|l| l.contains("vhost-user VM declared") && l.contains(&vm));
+    assert!(declared, "the hook did not declare the VM:\n{log}");
     // Powered off: QEMU stops the device before it closes the socket, a deliberate end.
     let deadline = Instant::now() + Duration::from_secs(60);
     while !host.server.log_text().contains("vhost-user connection closed") {

@@ -90,9 +90,21 @@ impl Host {
     /// The hook as docs/libvirt-hook runs it for libvirt: `overspill libvirt-hook [OPTIONS] --
     /// DOMAIN OP SUB EXTRA < XML` (a domain's name may begin with `-`).
     fn hook(&self, domain: &str, operation: &str, sub: &str, xml: &str) -> (bool, String, String) {
+        self.hook_with(&[], domain, operation, sub, xml)
+    }
+
+    fn hook_with(
+        &self,
+        options: &[&str],
+        domain: &str,
+        operation: &str,
+        sub: &str,
+        xml: &str,
+    ) -> (bool, String, String) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("libvirt-hook")
             .args(["--control", self.control().to_str().expect("utf-8")])
+            .args(options)
             .args(["--wait", "1s", "--"])
             .args([domain, operation, sub, "-"])
             .stdin(Stdio::piped())
@@ -198,4 +210,40 @@ fn a_start_is_refused_while_the_vm_is_connected() {
     running.read(0, &mut buf).expect("the running guest goes on");
     assert_eq!(buf, [0xee; 65536]);
     running.disconnect().expect("disconnect");
+}
+
+/// At a start, the hook declares each vhost-user VM whose socket is in the server's vhost-user
+/// directory (QEMU connects to it as it starts, so it must exist before) and resets it; a
+/// vhost-user disk of another backend is left alone. A hook told another directory than the
+/// server's refuses the start, naming both paths.
+#[test]
+fn a_start_makes_a_vhost_user_vms_socket_and_leaves_other_backends_alone() {
+    let host = Host::new();
+    let ours = host.dir.path().join("spill/state/vhost-user/desk-5.sock");
+    let theirs = host.dir.path().join("qsd/disk0.sock");
+    let disks = |sockets: &[&Path]| -> String {
+        let disks: String = sockets
+            .iter()
+            .map(|s| {
+                format!("<disk type='vhostuser' device='disk'><source type='unix' path='{}'/></disk>", s.display())
+            })
+            .collect();
+        format!("<domain type='kvm'><name>desk</name><devices>{disks}</devices></domain>")
+    };
+    let xml = disks(&[&ours, &theirs]);
+    for start in ["first", "second"] {
+        let (ok, _, stderr) = host.hook("desk", "prepare", "begin", &xml);
+        assert!(ok, "{start} start: {stderr}");
+        assert!(std::os::unix::net::UnixStream::connect(&ours).is_ok(), "no socket after the {start} start");
+    }
+    let list = host.vm_list();
+    assert!(list.lines().any(|l| l.starts_with("desk-5 ") && l.contains("declared")), "{list}");
+    assert!(!list.contains("disk0"), "another backend's disk was declared: {list}");
+
+    let qsd = host.dir.path().join("qsd");
+    let options = ["--vhost-user-dir", qsd.to_str().expect("utf-8")];
+    let (ok, _, stderr) = host.hook_with(&options, "desk", "prepare", "begin", &disks(&[&theirs]));
+    assert!(!ok, "a start on a socket the server does not make: {stderr}");
+    assert!(stderr.contains(&theirs.display().to_string()) && stderr.contains("spill/state/vhost-user"), "{stderr}");
+    assert!(!host.vm_list().contains("disk0"), "the refused start declared a VM: {}", host.vm_list());
 }

@@ -1003,3 +1003,55 @@ fn a_vm_whose_server_outlived_the_next_ones_start_is_adopted_at_connect_or_reset
     assert!(log.contains("adopted") && log.contains("reset by the operator"), "{log}");
     host.assert_golden_untouched();
 }
+
+/// `vm add` declares a vhost-user VM at run time: its socket is made at once, with the server's
+/// socket mode, `vm list` shows it declared, a killed server's successor makes it again, and
+/// `vm drop` removes it for good (one `--vhost-user` declares comes back with the flag). A
+/// second image for a declared VM, an unknown image and a name that is no file name are
+/// refused, and nothing is made for them.
+#[test]
+fn vm_add_declares_a_vhost_user_socket_that_outlives_restarts_until_vm_drop() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let host = Host::new();
+    let vhost_dir = host.dir.path().join("vhost");
+    let dir = vhost_dir.to_str().expect("utf-8").to_owned();
+    let flags = ["--vhost-user-dir", &dir, "--socket-mode", "0660", "--vhost-user", "fixed"];
+    let server = host.serve(&flags);
+    let socket = vhost_dir.join("desk.sock");
+    let (ok, text) = host.vm_command(&["add", "desk"]);
+    assert!(ok && text.contains(&socket.display().to_string()), "{text}");
+    let metadata = std::fs::metadata(&socket).expect("the declared VM's socket");
+    assert!(metadata.file_type().is_socket());
+    assert_eq!(metadata.permissions().mode() & 0o777, 0o660, "--socket-mode on a socket made at run time");
+    host.wait_for_states(&[("desk", "declared"), ("fixed", "declared")]);
+    let (ok, text) = host.vm_command(&["add", "desk"]);
+    assert!(ok, "declaring a VM again on its image: {text}");
+    for (args, refused) in [
+        (&["add", "desk", "other"][..], "declared on image"),
+        (&["add", "d2", "nosuch"][..], "no golden image"),
+        (&["add", "../d3"][..], "VM name"),
+    ] {
+        let (ok, text) = host.vm_command(args);
+        assert!(!ok && text.contains(refused), "vm {args:?}: {text}");
+    }
+    let made: Vec<_> = std::fs::read_dir(&vhost_dir).expect("vhost dir").flatten().map(|e| e.file_name()).collect();
+    assert_eq!(made.len(), 2, "sockets made: {made:?}");
+
+    // A crash: the next server makes both sockets again before it says it is ready.
+    server.kill();
+    let mut server = host.serve(&flags);
+    assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok(), "no socket for desk after a restart");
+    host.wait_for_states(&[("desk", "declared"), ("fixed", "declared")]);
+
+    for vm in ["desk", "fixed"] {
+        let (ok, text) = host.vm_command(&["drop", vm]);
+        assert!(ok && text.contains("socket is removed"), "vm drop {vm}: {text}");
+        assert!(!vhost_dir.join(format!("{vm}.sock")).exists(), "{vm}'s socket after vm drop");
+    }
+    host.wait_for_states(&[]);
+    server.stop();
+    drop(server);
+    let _server = host.serve(&flags);
+    host.wait_for_states(&[("fixed", "declared")]);
+    assert!(!socket.exists(), "a dropped VM's socket came back after a restart");
+}
