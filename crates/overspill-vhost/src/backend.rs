@@ -153,7 +153,22 @@ impl Blk {
             }
             let mut served = false;
             while !self.closing.load(Ordering::Relaxed) {
-                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(memory.clone()) else { break };
+                let next = state.get_queue().next_avail();
+                let available = state.get_queue().avail_idx(&*memory, Ordering::Acquire).map_err(queue_error)?.0;
+                if available == next {
+                    break;
+                }
+                // The guest says requests are there, and none can be taken (its ring claims more
+                // than it holds, or lies outside its memory): waiting for them would spin here
+                // for ever.
+                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(memory.clone()) else {
+                    return Err(io::Error::other(format!(
+                        "the available ring is malformed: index {available}, {} past the next request, in a \
+                         queue of {}",
+                        available.wrapping_sub(next),
+                        state.get_queue().size()
+                    )));
+                };
                 let head = chain.head_index();
                 buffers.readable.clear();
                 buffers.writable.clear();
@@ -187,7 +202,7 @@ impl Blk {
             let next = state.get_queue().next_avail();
             let deadline = Instant::now() + self.poll;
             let more = loop {
-                let available = state.get_queue().avail_idx(&*memory, std::sync::atomic::Ordering::Acquire);
+                let available = state.get_queue().avail_idx(&*memory, Ordering::Acquire);
                 if available.map_err(queue_error)?.0 != next {
                     break true;
                 }
@@ -363,6 +378,37 @@ mod tests {
             .collect()
     }
 
+    /// A device over a 1 MiB disk in memory, its one queue the mock's.
+    fn device_on(memory: &GuestMemoryMmap, queue: &MockSplitQueue<'_, GuestMemoryMmap>) -> (Blk, VringRwLock) {
+        let atomic = GuestMemoryAtomic::new(memory.clone());
+        let vring = VringRwLock::new(atomic.clone(), 16).expect("vring");
+        vring.set_queue_size(16);
+        vring
+            .set_queue_info(queue.desc_table_addr().0, queue.avail_addr().0, queue.used_addr().0)
+            .expect("queue addresses");
+        vring.set_queue_ready(true);
+        vring.set_enabled(true);
+        let config =
+            DeviceConfig { size: 1 << 20, capabilities: Capabilities::ALL, queues: 1, limits: Limits::default() };
+        let opener: Opener = Box::new(|| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
+        let blk = Blk::new(opener, atomic, config, b"vm".to_vec(), Duration::from_micros(20));
+        blk.open_device();
+        (blk, vring)
+    }
+
+    /// A guest whose available index runs further ahead than its queue holds cannot be served:
+    /// the queue fails (and its connection is closed) instead of waiting for ever, at full
+    /// speed, for requests that cannot be taken.
+    #[test]
+    fn an_available_index_past_the_queue_size_fails_the_queue() {
+        let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
+        let queue = MockSplitQueue::new(&memory, 16);
+        queue.avail().idx().store(u16::to_le(100));
+        let (blk, vring) = device_on(&memory, &queue);
+        let error = blk.serve_queue(&vring).expect_err("a malformed available ring");
+        assert!(error.to_string().contains("100 past the next request"), "{error}");
+    }
+
     /// Three requests made available at once, served through a real split virtqueue: a write, a
     /// read of what it wrote, and one of a kind the device does not know. Each comes back in the
     /// used ring in the order it was made available (what makes a replay after a restart safe),
@@ -381,19 +427,7 @@ mod tests {
         descriptors.extend(chain(6, &[(0x3_0000, 16, false), (0x3_2000, 1, true)]));
         queue.add_desc_chains(&descriptors, 0).expect("chains");
 
-        let atomic = GuestMemoryAtomic::new(memory.clone());
-        let vring = VringRwLock::new(atomic.clone(), 16).expect("vring");
-        vring.set_queue_size(16);
-        vring
-            .set_queue_info(queue.desc_table_addr().0, queue.avail_addr().0, queue.used_addr().0)
-            .expect("queue addresses");
-        vring.set_queue_ready(true);
-        vring.set_enabled(true);
-        let config =
-            DeviceConfig { size: 1 << 20, capabilities: Capabilities::ALL, queues: 1, limits: Limits::default() };
-        let opener: Opener = Box::new(|| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
-        let blk = Blk::new(opener, atomic, config, b"vm".to_vec(), Duration::from_micros(20));
-        blk.open_device();
+        let (blk, vring) = device_on(&memory, &queue);
         blk.serve_queue(&vring).expect("served");
 
         let used = queue.used();
