@@ -178,6 +178,12 @@ impl VhostExports {
     }
 }
 
+impl Drop for VhostExports {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 impl VmSockets for VhostExports {
     fn declare(&self, vm: &str, image: Option<&str>) -> io::Result<PathBuf> {
         let mut served = lock(&self.served);

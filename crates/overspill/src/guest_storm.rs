@@ -16,7 +16,7 @@ use overspill_nbd::client::Endpoint;
 use overspill_storm::driver::{RunPlan, Target, VmResult};
 use overspill_storm::observed::{self, Observation};
 
-use crate::guests::{nbd_disk, BootOptions, ConsoleLine, Guest, GuestKit};
+use crate::guests::{nbd_disk, vhost_user_disk, BootOptions, ConsoleLine, Guest, GuestKit};
 
 /// The guests' phases, each begun by `OVERSPILL PHASE <name>` on the console (boot by QEMU's
 /// start).
@@ -35,6 +35,31 @@ const OVERLAY_GONE_WITHIN: Duration = Duration::from_secs(10);
 /// Memory per guest.
 pub const GUEST_MIB: u32 = 256;
 
+/// How a guest reaches its disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GuestFrontend {
+    /// QEMU's NBD client, on the server's socket.
+    Nbd,
+    /// vhost-user-blk: a virtio-blk device the server carries out in the guest's memory.
+    VhostUser,
+}
+
+impl GuestFrontend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nbd => "nbd",
+            Self::VhostUser => "vhost-user",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Nbd => "NBD (QEMU's client)",
+            Self::VhostUser => "vhost-user-blk (memory shared with the server)",
+        }
+    }
+}
+
 /// One configuration's guests.
 pub struct GuestStorm<'a> {
     pub kit: &'a GuestKit,
@@ -48,6 +73,9 @@ pub struct GuestStorm<'a> {
     /// Consoles and QEMU's logs go to `dir/vm-N/`.
     pub dir: PathBuf,
     pub disk_bytes: u64,
+    /// Where VM `vm-N`'s vhost-user socket is, `vm-N.sock`, if the guests reach their disk
+    /// that way; over NBD otherwise.
+    pub vhost_user_dir: Option<PathBuf>,
 }
 
 pub struct GuestOutcome {
@@ -225,7 +253,11 @@ fn start_guest(
         lines: Some((i, tx.clone())),
     };
     let dir = storm.dir.join(format!("vm-{i}"));
-    match Guest::start(storm.kit, &dir, &nbd_disk(&socket, &uri.export, 0), options) {
+    let disk = match &storm.vhost_user_dir {
+        Some(sockets) => vhost_user_disk(&sockets.join(format!("vm-{i}.sock")), GUEST_MIB),
+        None => nbd_disk(&socket, &uri.export, 0),
+    };
+    match Guest::start(storm.kit, &dir, &disk, options) {
         Ok(guest) => {
             vm.started = guest.started;
             vm.state = State::Running(Box::new(guest));

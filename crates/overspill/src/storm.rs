@@ -14,16 +14,17 @@ use overspill_engine::{GoldenImage, HostMemory, VmStats, WriteCacheMode};
 use overspill_images::open_image;
 use overspill_nbd::client::{Endpoint, NbdUri};
 use overspill_nbd::{Server, ServerConfig};
-use overspill_net::{ListenAddr, Listener};
+use overspill_net::{ListenAddr, Listener, SocketAccess};
 use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};
 use overspill_storm::report::{self, StormReport};
 use overspill_storm::Workload;
 
-use crate::guest_storm::{self, GuestStorm};
+use crate::guest_storm::{self, GuestFrontend, GuestStorm};
 use crate::guests::{self, Flavour, GuestKit, Kernel};
 use crate::size::{format_bytes, parse_bytes};
 use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use overspill_server::vms::VmRegistry;
+use overspill_vhost::{VhostExport, VhostExports, VhostSettings};
 
 #[derive(Debug, Args)]
 pub struct StormArgs {
@@ -71,6 +72,11 @@ pub struct StormArgs {
     /// of about 5 MiB) and work (`--guest-steady` seconds), all at once or `--boot-interval` apart.
     #[arg(long, value_enum)]
     guests: Option<GuestKind>,
+    /// How the guests reach their disk: nbd, vhost-user (virtio-blk over vhost-user-blk, the
+    /// guest's memory shared with the server), or both, comma-separated: each configuration then
+    /// runs once per frontend, side by side in the report.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "nbd")]
+    frontend: Vec<GuestFrontend>,
     /// The guests' root filesystem: a Debian minbase with systemd, or busybox alone (faster to
     /// boot, fewer reads).
     #[arg(long, value_enum, default_value = "systemd")]
@@ -139,6 +145,8 @@ impl Run {
 struct LocalTarget {
     socket: PathBuf,
     registry: Arc<VmRegistry>,
+    /// The VMs' vhost-user sockets, when the guests reach their disk that way (removed with it).
+    _vhost: Option<VhostExports>,
 }
 
 impl Target for LocalTarget {
@@ -180,14 +188,27 @@ fn synthetic_golden(dir: &Path, workload: &Workload) -> anyhow::Result<PathBuf> 
     Ok(path)
 }
 
-fn start_local_server(
-    golden: &Arc<dyn GoldenImage>,
+/// What a configuration's in-process server serves, beside NBD: the vhost-user sockets of
+/// `vms` VMs (`vm-N`) in a directory.
+struct VhostUserVms {
+    dir: PathBuf,
+    vms: usize,
+}
+
+/// A configuration's write cache: its mode, RAM per VM and shared read cache.
+struct Cache {
     mode: WriteCacheMode,
     ram: u64,
     read_cache: u64,
+}
+
+fn start_local_server(
+    golden: &Arc<dyn GoldenImage>,
+    Cache { mode, ram, read_cache }: Cache,
     work: &Path,
     index: usize,
     record: Option<&Path>,
+    vhost_user: Option<VhostUserVms>,
 ) -> anyhow::Result<LocalTarget> {
     let settings = CacheSettings {
         mode,
@@ -208,13 +229,30 @@ fn start_local_server(
     let registry = exports.registry();
     let socket = work.join(format!("storm-{}-{index}.sock", std::process::id()));
     let listener = Listener::bind(&ListenAddr::Unix(socket.clone()))?;
-    let server = Server::new(Arc::new(exports), ServerConfig::default());
+    let exports = Arc::new(exports);
+    let vhost = match vhost_user {
+        Some(VhostUserVms { dir, vms }) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let declared: Vec<VhostExport> =
+                (0..vms).map(|vm| VhostExport { vm: format!("vm-{vm}"), image: String::new() }).collect();
+            let settings = VhostSettings {
+                dir,
+                access: SocketAccess::default(),
+                queues: 1,
+                poll: overspill_nbd::connection::DEFAULT_POLL_BEFORE_SLEEP,
+                record: None,
+            };
+            Some(VhostExports::start(settings, &declared, exports.clone()).context("the vhost-user sockets")?)
+        }
+        None => None,
+    };
+    let server = Server::new(exports, ServerConfig::default());
     std::thread::Builder::new().name(format!("storm-server-{index}")).spawn(move || {
         if let Err(error) = server.run(&listener) {
             tracing::error!(%error, "storm server stopped");
         }
     })?;
-    Ok(LocalTarget { socket, registry })
+    Ok(LocalTarget { socket, registry, _vhost: vhost })
 }
 
 /// Prints the report's tables and writes its files.
@@ -265,6 +303,9 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
     if args.guests.is_some() {
         return run_guests(&args, vms, &work, &runs);
     }
+    if args.frontend != [GuestFrontend::Nbd] {
+        bail!("--frontend chooses how real guests reach their disk (--guests qemu): synthetic VMs are NBD clients");
+    }
     let golden: Option<Arc<dyn GoldenImage>> = if args.target.is_empty() {
         let path = match &args.golden {
             Some(path) => path.clone(),
@@ -301,7 +342,8 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         let target: Box<dyn Target> = match (run, &golden) {
             (Run::Local { mode, ram }, Some(golden)) => {
                 let read_cache = if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache };
-                Box::new(start_local_server(golden, *mode, *ram, read_cache, &work, index, None)?)
+                let cache = Cache { mode: *mode, ram: *ram, read_cache };
+                Box::new(start_local_server(golden, cache, &work, index, None, None)?)
             }
             (Run::Remote(uri), _) => Box::new(RemoteTarget(uri.clone())),
             (Run::Local { .. }, None) => unreachable!("a golden image is opened for local runs"),
@@ -343,6 +385,9 @@ fn check_guest_flags(args: &StormArgs) -> anyhow::Result<()> {
     if args.speed.is_some() {
         bail!("--speed paces synthetic requests: real guests run in real time");
     }
+    if args.frontend.is_empty() {
+        bail!("--frontend names no frontend");
+    }
     let qemu = std::process::Command::new("qemu-system-x86_64").arg("--version").output();
     if !qemu.is_ok_and(|out| out.status.success()) {
         bail!("qemu-system-x86_64 does not run: install qemu-system-x86 (scripts/install-guest-tools does)");
@@ -374,9 +419,14 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let mut configs = Vec::new();
-    for (index, run) in runs.iter().enumerate() {
+    let side_by_side = args.frontend != [GuestFrontend::Nbd];
+    let configurations = runs.iter().flat_map(|run| args.frontend.iter().map(move |frontend| (run, *frontend)));
+    for (index, (run, frontend)) in configurations.enumerate() {
         let Run::Local { mode, ram } = run else { bail!("--guests runs in-process servers only") };
-        let label = run.label();
+        let mut label = run.label();
+        if side_by_side {
+            label = format!("{label} {}", frontend.name());
+        }
         // The first configuration's requests are recorded, as for synthetic VMs: the server
         // writes a trace per connection, rewritten with the guests' phases once they are done.
         let staging =
@@ -385,7 +435,11 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
             let _ = std::fs::remove_dir_all(dir);
         }
         let read_cache = if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache };
-        let target = start_local_server(&golden, *mode, *ram, read_cache, work, index, staging.as_deref())?;
+        let vhost_user_dir = (frontend == GuestFrontend::VhostUser)
+            .then(|| work.join(format!("vhost-user-{}-{index}", std::process::id())));
+        let vhost_user = vhost_user_dir.clone().map(|dir| VhostUserVms { dir, vms });
+        let cache = Cache { mode: *mode, ram: *ram, read_cache };
+        let target = start_local_server(&golden, cache, work, index, staging.as_deref(), vhost_user)?;
         let bar = guest_storm::progress_bar(vms);
         bar.set_prefix(label.clone());
         let storm = GuestStorm {
@@ -397,11 +451,13 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
             bucket_s,
             dir: work.join(format!("guests-{index}")),
             disk_bytes: golden.size(),
+            vhost_user_dir,
         };
         let started = Instant::now();
         let outcome = guest_storm::run(&storm, &target, &bar)?;
         bar.finish();
         let wall_s = started.elapsed().as_secs_f64();
+        drop(target);
         let mut config_report = report::config_report(&label, &outcome.plan, &config, &outcome.results, wall_s);
         run.describe(&mut config_report, args.read_cache);
         config_report.boot_times_s = Some(outcome.boot_times_s);
@@ -423,9 +479,10 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         run: report::RunInfo::here(),
         workload: format!("qemu-{}", args.guest_os.name()),
         description: format!(
-            "real QEMU guests (TCG, 1 CPU, {} MiB): Debian's cloud kernel {} with its root filesystem, {os}, on the NBD disk",
+            "real QEMU guests (TCG, 1 CPU, {} MiB): Debian's cloud kernel {} with its root filesystem, {os}, on a virtio disk over {}",
             guest_storm::GUEST_MIB,
-            kernel.version
+            kernel.version,
+            args.frontend.iter().map(|f| f.describe()).collect::<Vec<_>>().join(" or ")
         ),
         seed_platform: None,
         vms,
@@ -434,7 +491,7 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         paced: Some(1.0),
         bucket_s,
         phase_sources: vec![
-            ("boot".into(), "measured: from QEMU's start to the guest's \"booted\" marker (kernel, initramfs, root filesystem and init from the NBD disk)".into()),
+            ("boot".into(), "measured: from QEMU's start to the guest's \"booted\" marker (kernel, initramfs, root filesystem and init from the server's disk)".into()),
             ("logon".into(), "measured: the guest reads 120 kernel modules and writes a user profile of about 5 MiB in 210 files".into()),
             ("steady".into(), format!("measured: {} s of temporary files written, read back and deleted every second, synced; then fstrim and power off", args.guest_steady)),
         ],

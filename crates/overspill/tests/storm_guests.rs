@@ -215,3 +215,64 @@ fn the_planner_counts_what_the_server_counted(traces: &Path, live: &Value, out: 
         );
     }
 }
+
+/// `--frontend nbd,vhost-user`: each configuration runs once per frontend, side by side; busybox
+/// guests boot over vhost-user-blk as over NBD, and the server counts their requests the same
+/// way (the same device seam under both), phase by phase. Their sockets go with the storm.
+#[test]
+fn guests_over_vhost_user_run_beside_guests_over_nbd() {
+    if !qemu_available() {
+        assert!(
+            std::env::var("CI").map_or(true, |ci| ci != "true"),
+            "CI=true and qemu-system-x86_64 is not installed: this real-guest test must run in CI"
+        );
+        eprintln!("skipped: qemu-system-x86_64 is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (out, work) = (dir.path().join("out"), dir.path().join("work"));
+    let started = std::time::Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["storm", "--guests", "qemu", "--guest-os", "busybox", "--vms", "2", "--modes", "ram+disk"])
+        .args(["--ram", "8M", "--guest-steady", "4", "--guest-timeout", "300", "--frontend", "nbd,vhost-user"])
+        .arg("--out")
+        .arg(&out)
+        .arg("--work-dir")
+        .arg(&work)
+        .output()
+        .expect("run overspill storm");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "storm failed:\n{stdout}\n{stderr}");
+    eprintln!("storm --frontend nbd,vhost-user took {:.0} s:\n{stdout}", started.elapsed().as_secs_f64());
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json")).expect("JSON");
+    assert!(report["description"].as_str().is_some_and(|d| d.contains("vhost-user-blk")), "{}", report["description"]);
+    for label in ["ram+disk 8M nbd", "ram+disk 8M vhost-user"] {
+        let c = config(&report, label);
+        assert_eq!(c["failed_vms"].as_array().map(Vec::len), Some(0), "{label}: {}", c["failed_vms"]);
+        let boots = c["boot_times_s"].as_array().expect("boot times");
+        assert!(boots.iter().all(|b| b.as_f64().is_some_and(|s| s > 0.0)), "{label}: every guest booted: {boots:?}");
+        for (p, phase) in ["boot", "logon", "steady"].iter().enumerate() {
+            assert!(in_phase(c, p, "guest", "reads_per_vm") > 0.0, "{label}: the guests read in {phase}");
+        }
+        assert!(in_phase(c, 1, "guest", "write_bytes_per_vm") > 4.0 * 1048576.0, "{label}: a profile written at logon");
+        assert!(in_phase(c, 0, "golden image", "reads_per_vm") > 0.0, "{label}: the boot read the golden image");
+    }
+    let left: Vec<_> = walk(&work).into_iter().filter(|p| p.extension().is_some_and(|e| e == "sock")).collect();
+    assert!(left.iter().all(|p| !p.to_string_lossy().contains("vhost-user")), "vhost-user sockets left: {left:?}");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
