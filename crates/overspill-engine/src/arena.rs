@@ -189,6 +189,28 @@ impl Shared {
         self.header(index, 1).store(owner.seq, Ordering::Release);
     }
 
+    /// Maps pages `from..to` (never handed out, inside the file) into the page mapping at once,
+    /// writable: the VM's first store into each then takes no page fault. One call per growth
+    /// step costs less than the step's 512 faults (no trap per page) and leaves the requests
+    /// that would have taken them without it: 4 KiB random writes into a RAM tier still filling
+    /// took a fault each, the tail of their latency at queue depth 1. Populating changes no
+    /// byte; a kernel without `MADV_POPULATE_WRITE` (before 5.14) refuses it, and the VM faults
+    /// as before.
+    fn map_in(&self, from: u32, to: u32) {
+        let to = to.min(self.capacity);
+        if from >= to {
+            return;
+        }
+        let len = (to - from) as usize * BLOCK_SIZE;
+        // SAFETY: `from..to` is inside the page mapping (below capacity) and the file (the
+        // caller's bound), and populating only faults pages in without touching their bytes.
+        let populated =
+            unsafe { rustix::mm::madvise(self.page_ptr(from).cast(), len, rustix::mm::Advice::LinuxPopulateWrite) };
+        if let Err(error) = populated {
+            tracing::debug!(%error, "could not map arena pages in ahead");
+        }
+    }
+
     fn owner(&self, index: u32) -> Option<Owner> {
         let seq = self.header(index, 1).load(Ordering::Acquire);
         (seq != 0).then(|| Owner { block: BlockIndex(self.header(index, 0).load(Ordering::Acquire)), seq })
@@ -536,6 +558,7 @@ impl Arena {
                     // this one too).
                     let from = if index == 0 { 0 } else { index + GROWTH_PAGES };
                     prefault(shared, from, (index + 2 * GROWTH_PAGES).min(shared.capacity));
+                    shared.map_in(index, (index + GROWTH_PAGES).min(lists.file_pages));
                 }
                 index
             }
@@ -825,5 +848,30 @@ mod tests {
         let again = arena.alloc_many(10).expect("pages");
         assert_eq!(settled(), punched + 10, "punched pages handed out again as holes");
         drop(again);
+    }
+
+    /// This thread's minor page faults so far (`/proc/thread-self/stat`, field 10).
+    fn minor_faults() -> u64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("stat");
+        // The fields after the command name, which is in parentheses and may hold spaces.
+        let after = &stat[stat.rfind(')').expect("comm") + 2..];
+        after.split(' ').nth(7).and_then(|f| f.parse().ok()).expect("minflt")
+    }
+
+    /// A fresh growth step's pages are mapped in when the VM enters it: its stores into them
+    /// take no page fault each (the tail of a 4 KiB write's latency while a RAM tier fills).
+    #[test]
+    fn a_fresh_steps_pages_are_mapped_in_before_the_vm_stores_into_them() {
+        let arena = Arena::in_memory(4 * GROWTH_PAGES).expect("arena");
+        let first = arena.alloc().expect("the step's first page");
+        let before = minor_faults();
+        let mut rest = arena.alloc_many(GROWTH_PAGES as usize - 1).expect("the step's other pages");
+        for page in &mut rest {
+            page[0] = 1;
+        }
+        let faults = minor_faults() - before;
+        // The Vec of pages and the stack fault a few; a fault per page would be 511.
+        assert!(faults < u64::from(GROWTH_PAGES) / 8, "{faults} faults storing into {} fresh pages", rest.len());
+        drop((first, rest));
     }
 }
