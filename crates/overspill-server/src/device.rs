@@ -4,13 +4,14 @@
 use std::io::IoSlice;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use overspill_block::{
     BlockDevice, Capabilities, DeviceError, DeviceErrorKind, DeviceLayer, Extent, Payload, ReadRequest, Recorded,
     Recorder, Timed,
 };
-use overspill_engine::Allocation;
+use overspill_engine::{Allocation, EngineError};
 
 use crate::error::device_error;
 use crate::vm_overlay::VmOverlay;
@@ -35,6 +36,7 @@ pub(crate) fn stack(
         reset,
         clean: false,
         registry: registry.clone(),
+        no_space: NoSpaceWarnings::default(),
     };
     Box::new(LedgerMarked {
         inner: Recorded::new(Timed::new(engine, stats), recorder),
@@ -60,6 +62,18 @@ struct EngineDevice {
     /// The client said it is done (NBD_CMD_DISC).
     clean: bool,
     registry: Arc<VmRegistry>,
+    no_space: NoSpaceWarnings,
+}
+
+/// How often a VM's full spill disk (or memory) is said in the log, at most.
+const NO_SPACE_WARNING_EVERY: Duration = Duration::from_secs(10);
+
+/// The writes refused for want of room since the last warning, and when that was: a VM that
+/// goes on writing to a full disk gets ENOSPC for each write, and the log one line now and then.
+#[derive(Default)]
+struct NoSpaceWarnings {
+    last: Option<Instant>,
+    since: u64,
 }
 
 impl Drop for EngineDevice {
@@ -86,6 +100,25 @@ impl Drop for EngineDevice {
 impl EngineDevice {
     fn overlay(&mut self) -> &mut overspill_engine::Overlay {
         &mut self.vm.as_mut().expect("a device has its overlay until it is dropped").overlay
+    }
+
+    /// A change refused: the client hears of it, and a refusal for want of room is said in the
+    /// log too (the operator's only sign that a spill disk is full), naming the VM.
+    fn change_refused(&mut self, error: EngineError) -> DeviceError {
+        if let EngineError::NoSpace(why) = &error {
+            let warnings = &mut self.no_space;
+            warnings.since += 1;
+            if warnings.last.is_none_or(|last| last.elapsed() >= NO_SPACE_WARNING_EVERY) {
+                let vm = self.vm.as_ref().map_or("", |vm| vm.vm.as_str());
+                tracing::warn!(
+                    vm,
+                    refused = warnings.since,
+                    "a write got ENOSPC: {why} (refused writes since the last warning; the VM keeps what it wrote)"
+                );
+                (warnings.last, warnings.since) = (Some(Instant::now()), 0);
+            }
+        }
+        device_error(error)
     }
 }
 
@@ -118,7 +151,7 @@ impl BlockDevice for EngineDevice {
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
-        self.overlay().write(offset, data).map_err(device_error)
+        self.overlay().write(offset, data).map_err(|e| self.change_refused(e))
     }
 
     fn write_from(
@@ -128,11 +161,12 @@ impl BlockDevice for EngineDevice {
         _fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
-        self.overlay().write_received(offset, length, |buffers| payload.receive(buffers)).map_err(device_error)
+        let written = self.overlay().write_received(offset, length, |buffers| payload.receive(buffers));
+        written.map_err(|e| self.change_refused(e))
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
-        self.overlay().write_zeroes(offset, length).map_err(device_error)
+        self.overlay().write_zeroes(offset, length).map_err(|e| self.change_refused(e))
     }
 
     fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {

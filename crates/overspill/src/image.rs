@@ -9,9 +9,9 @@ use crate::size::format_bytes;
 
 #[derive(Debug, Args)]
 pub struct ImageArgs {
-    /// The image store directory (as `serve --images`).
-    #[arg(long)]
-    images: PathBuf,
+    /// The image store directory (as `serve --images`); before or after the action.
+    #[arg(long, global = true)]
+    images: Option<PathBuf>,
     #[command(subcommand)]
     action: ImageAction,
 }
@@ -33,7 +33,10 @@ enum ImageAction {
 }
 
 pub fn run(args: ImageArgs) -> anyhow::Result<()> {
-    let store = ImageStore::new(&args.images);
+    let Some(images) = &args.images else {
+        anyhow::bail!("give the image store: overspill image --images DIR ... (as serve --images DIR)");
+    };
+    let store = ImageStore::new(images);
     match args.action {
         ImageAction::List => {
             for image in store.images()? {

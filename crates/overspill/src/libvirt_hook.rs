@@ -35,15 +35,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use overspill_server::control::{self, Request, DEFAULT_CONTROL_SOCKET};
+use overspill_server::control::{self, Request};
 use overspill_server::vms::VmState;
 use quick_xml::events::Event;
 
 #[derive(Debug, Args)]
 pub struct LibvirtHookArgs {
-    /// The server's control socket (`serve --control`).
-    #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
-    control: PathBuf,
+    /// The server's control socket (`serve --control`); found as `overspill vm` finds it when
+    /// not given.
+    #[arg(long)]
+    control: Option<PathBuf>,
     /// How long to keep trying a server that does not answer (restarting, say) before a start
     /// or restore is refused.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -239,9 +240,10 @@ pub fn overspill_disks(xml: &str) -> anyhow::Result<Vec<OverspillDisk>> {
 
 /// Asks the server, for at most `--wait` while it does not answer.
 fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Answer> {
+    let control_socket = crate::vm::control_socket(args.control.as_deref());
     let deadline = Instant::now() + args.wait;
     loop {
-        match control::ask(&args.control, request) {
+        match control::ask(&control_socket, request) {
             Ok(answer) => return Ok(answer),
             Err(error) if Instant::now() < deadline => {
                 tracing::debug!(%error, "the overspill server does not answer yet");
@@ -249,7 +251,7 @@ fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Ans
             }
             Err(error) => {
                 return Err(anyhow::Error::from(error)
-                    .context(format!("the server's control socket {}", args.control.display())))
+                    .context(format!("the server's control socket {}", control_socket.display())))
             }
         }
     }

@@ -80,6 +80,23 @@ fn parse_cli() -> anyhow::Result<Cli> {
     Ok(Cli::from_arg_matches(&matches)?)
 }
 
+/// The error that ends the process, on standard error: a JSON line shaped as the log's are
+/// (`--log-json`: a collector that parses every line must not meet plain text, last of all in
+/// the line that says why the server stopped), or `overspill: MESSAGE`.
+fn fatal(json: bool, message: &str) {
+    if json {
+        let line = serde_json::json!({
+            "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            "level": "ERROR",
+            "fields": { "message": message },
+            "target": "overspill",
+        });
+        eprintln!("{line}");
+    } else {
+        eprintln!("overspill: {message}");
+    }
+}
+
 fn main() -> ExitCode {
     // Where the binary is now: a restart in place runs what is at this path then, which is the
     // new release after an upgrade (the running file may be gone by then).
@@ -87,10 +104,11 @@ fn main() -> ExitCode {
     let cli = match parse_cli() {
         Ok(cli) => cli,
         Err(error) => {
-            eprintln!("overspill: {}", one_line(&error));
+            fatal(std::env::args().any(|arg| arg == "--log-json"), &one_line(&error));
             return ExitCode::from(2);
         }
     };
+    let json = cli.log_json;
     let default_level = match cli.command {
         Command::Serve(_) | Command::LibvirtReboots(_) => "info",
         Command::Storm(_)
@@ -111,7 +129,7 @@ fn main() -> ExitCode {
     let filter = match filter {
         Ok(filter) => filter,
         Err(error) => {
-            eprintln!("overspill: log filter: {error}");
+            fatal(json, &format!("log filter: {error}"));
             return ExitCode::from(2);
         }
     };
@@ -141,7 +159,7 @@ fn main() -> ExitCode {
                 // The log lines queued before it come first.
                 drop(flush_at_exit);
                 let error = restart_in_place(&executable, listener);
-                eprintln!("overspill: restarting in place: {error}");
+                fatal(json, &format!("restarting in place: {error}"));
                 return ExitCode::FAILURE;
             }
             other => other.map(|_| ()),
@@ -169,7 +187,7 @@ fn main() -> ExitCode {
         Err(error) => {
             // The log lines queued before it come first.
             drop(flush_at_exit);
-            eprintln!("overspill: {}", one_line(&error));
+            fatal(json, &one_line(&error));
             ExitCode::FAILURE
         }
     }

@@ -1,4 +1,6 @@
-//! Byte sizes on the command line: `4096`, `512K`, `256M`, `1.5G`, `2TiB` (binary units).
+//! Byte sizes on the command line: `512K`, `256M`, `1.5G`, `2TiB` (binary units), `4096B`, and
+//! `0`. Any other bare number is refused: `--ram 256` meant 256 bytes, silently, where its
+//! writer meant 256 MiB.
 
 pub use overspill_storm::report::format_bytes;
 
@@ -7,7 +9,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
     let value: f64 = number.parse().map_err(|_| format!("{s:?} is not a size like 256M or 8G"))?;
-    let shift = match unit.trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
+    let unit = unit.trim().to_ascii_uppercase();
+    if unit.is_empty() && value != 0.0 {
+        return Err(format!("{s:?} has no unit: write {s}M for {s} MiB, {s}G for GiB, or {s}B for bytes"));
+    }
+    let shift = match unit.trim_end_matches("IB").trim_end_matches('B') {
         "" => 0,
         "K" => 10,
         "M" => 20,
@@ -28,7 +34,10 @@ mod tests {
 
     #[test]
     fn parses_binary_units() {
-        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("4096B"), Ok(4096));
+        assert_eq!(parse_bytes("0"), Ok(0));
+        let bare = parse_bytes("256").expect_err("a bare number");
+        assert!(bare.contains("no unit") && bare.contains("256M"), "{bare}");
         assert_eq!(parse_bytes("256M"), Ok(256 << 20));
         assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
         assert_eq!(parse_bytes("2TiB"), Ok(2 << 40));

@@ -149,6 +149,13 @@ struct LocalTarget {
     _vhost: Option<VhostExports>,
 }
 
+impl Drop for LocalTarget {
+    /// The server's socket goes with the configuration: a storm left one behind for each.
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
 impl Target for LocalTarget {
     fn uri(&self, vm: usize) -> NbdUri {
         NbdUri { endpoint: Endpoint::Unix(self.socket.clone()), export: format!("@vm-{vm}") }
@@ -193,6 +200,62 @@ fn synthetic_golden(dir: &Path, workload: &Workload) -> anyhow::Result<PathBuf> 
 struct VhostUserVms {
     dir: PathBuf,
     vms: usize,
+}
+
+/// How often a storm whose standard error is no terminal says where it is.
+const PLAIN_PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Where a configuration's run is, as a plain line on standard error every few seconds, when
+/// standard error is not a terminal: indicatif draws its bar only on one, and a CI log would
+/// otherwise see nothing until a guest storm's twenty minutes were over.
+struct PlainProgress {
+    stop: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PlainProgress {
+    /// For configuration `number` of `of`, whose bar counts `what`; `None` on a terminal.
+    fn start(bar: &indicatif::ProgressBar, number: usize, of: usize, what: &'static str) -> Option<Self> {
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            return None;
+        }
+        let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let (bar, watching, started) = (bar.clone(), stop.clone(), Instant::now());
+        let thread = std::thread::Builder::new()
+            .name("storm-progress".into())
+            .spawn(move || {
+                let (stopped, wake) = &*watching;
+                let mut done = stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                loop {
+                    let waited = wake.wait_timeout(done, PLAIN_PROGRESS_EVERY);
+                    done = waited.unwrap_or_else(std::sync::PoisonError::into_inner).0;
+                    if *done {
+                        return;
+                    }
+                    eprintln!(
+                        "storm: configuration {number} of {of} ({}): {} of {} {what} {}, {:.0} s",
+                        bar.prefix(),
+                        bar.position(),
+                        bar.length().unwrap_or(0),
+                        bar.message(),
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+            })
+            .ok()?;
+        Some(Self { stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for PlainProgress {
+    fn drop(&mut self) {
+        let (stopped, wake) = &*self.stop;
+        *stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        wake.notify_all();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// A configuration's write cache: its mode, RAM per VM and shared read cache.
@@ -350,11 +413,13 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         };
         let bar = driver::progress_bar(plan.total_ops());
         bar.set_prefix(label.clone());
+        let plain = PlainProgress::start(&bar, index + 1, runs.len(), "requests");
         let started = Instant::now();
         // Every configuration runs the same requests, so the first one's are recorded.
         let record = if index == 0 { args.record.as_deref() } else { None };
         let results = driver::run(&plan, &config, target.as_ref(), &bar, record);
         bar.finish();
+        drop(plain);
         let wall_s = started.elapsed().as_secs_f64();
         let mut config_report = report::config_report(&label, &plan, &config, &results, wall_s);
         run.describe(&mut config_report, args.read_cache);
@@ -442,6 +507,7 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         let target = start_local_server(&golden, cache, work, index, staging.as_deref(), vhost_user)?;
         let bar = guest_storm::progress_bar(vms);
         bar.set_prefix(label.clone());
+        let plain = PlainProgress::start(&bar, index + 1, runs.len() * args.frontend.len(), "guest milestones");
         let storm = GuestStorm {
             kit: &kit,
             vms,
@@ -456,6 +522,7 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         let started = Instant::now();
         let outcome = guest_storm::run(&storm, &target, &bar)?;
         bar.finish();
+        drop(plain);
         let wall_s = started.elapsed().as_secs_f64();
         drop(target);
         let mut config_report = report::config_report(&label, &outcome.plan, &config, &outcome.results, wall_s);

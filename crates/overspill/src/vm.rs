@@ -1,6 +1,6 @@
 //! `overspill vm`: a running server's named VMs, through its control socket.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
@@ -11,9 +11,11 @@ use crate::size::format_bytes;
 
 #[derive(Debug, Args)]
 pub struct VmArgs {
-    /// The server's control socket (`serve --control`).
-    #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
-    control: PathBuf,
+    /// The server's control socket (`serve --control`), before or after the action. Without it:
+    /// $OVERSPILL_CONTROL, then `control` in /etc/overspill/overspill.toml, then
+    /// /run/overspill/control.sock if it exists (the unit's), then serve's default.
+    #[arg(long, global = true)]
+    control: Option<PathBuf>,
     #[command(subcommand)]
     action: VmAction,
 }
@@ -51,7 +53,7 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
     };
-    let answer = control::ask(&args.control, &request)?;
+    let answer = control::ask(&control_socket(args.control.as_deref()), &request)?;
     if !answer.ok {
         bail!("{}", answer.message.unwrap_or_else(|| "refused".into()));
     }
@@ -61,6 +63,40 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         _ => println!("{}", answer.message.unwrap_or_default()),
     }
     Ok(())
+}
+
+/// Where the server to talk to listens for control requests: `given`, else the environment's
+/// choice, else the host's configuration's, else the unit's socket if there is one, else the
+/// socket a `serve` with no `--control` makes.
+pub fn control_socket(given: Option<&Path>) -> PathBuf {
+    control_socket_from(given, std::env::var_os(CONTROL_VARIABLE).map(PathBuf::from), Path::new(HOST_CONFIG))
+}
+
+/// The environment variable naming the control socket.
+const CONTROL_VARIABLE: &str = "OVERSPILL_CONTROL";
+/// The host's configuration file (`serve --config`), where `control` may name the socket.
+const HOST_CONFIG: &str = "/etc/overspill/overspill.toml";
+/// The socket docs/overspill.service's server makes.
+const UNIT_CONTROL_SOCKET: &str = "/run/overspill/control.sock";
+
+fn control_socket_from(given: Option<&Path>, variable: Option<PathBuf>, config: &Path) -> PathBuf {
+    if let Some(given) = given {
+        return given.to_owned();
+    }
+    if let Some(variable) = variable.filter(|v| !v.as_os_str().is_empty()) {
+        return variable;
+    }
+    let configured = std::fs::read_to_string(config).ok().and_then(|text| {
+        let table: toml::Table = text.parse().ok()?;
+        table.get("control")?.as_str().map(PathBuf::from)
+    });
+    if let Some(configured) = configured {
+        return configured;
+    }
+    if Path::new(UNIT_CONTROL_SOCKET).exists() {
+        return PathBuf::from(UNIT_CONTROL_SOCKET);
+    }
+    PathBuf::from(DEFAULT_CONTROL_SOCKET)
 }
 
 fn table(vms: &[VmStatus]) -> String {
@@ -83,4 +119,27 @@ fn table(vms: &[VmStatus]) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--control` wins, then the variable, then the host's configuration; without any of
+    /// them, the unit's socket or serve's default.
+    #[test]
+    fn the_control_socket_is_the_flag_then_the_variable_then_the_configuration() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = dir.path().join("overspill.toml");
+        std::fs::write(&config, "control = \"/run/site/control.sock\"\nram = \"256M\"\n").expect("config");
+        let flag = Path::new("/flag.sock");
+        let variable = || Some(PathBuf::from("/variable.sock"));
+        assert_eq!(control_socket_from(Some(flag), variable(), &config), flag);
+        assert_eq!(control_socket_from(None, variable(), &config), Path::new("/variable.sock"));
+        assert_eq!(control_socket_from(None, None, &config), Path::new("/run/site/control.sock"));
+        let fallback = control_socket_from(None, None, &dir.path().join("none.toml"));
+        let expected =
+            if Path::new(UNIT_CONTROL_SOCKET).exists() { UNIT_CONTROL_SOCKET } else { DEFAULT_CONTROL_SOCKET };
+        assert_eq!(fallback, Path::new(expected));
+    }
 }

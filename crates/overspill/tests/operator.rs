@@ -828,3 +828,57 @@ fn ram_total_is_capped_at_the_memory_directorys_room() {
     assert!(!serving.contains("ram_total=1000.0 TiB") && serving.contains("ram_total="), "{serving}");
     server.stop();
 }
+
+/// A size without a unit is refused, on the command line and in a config file (`--ram 256` was
+/// 256 bytes, silently); `0` needs none. The flags of `vm` and `image` may follow the action.
+#[test]
+fn sizes_need_a_unit_and_vm_and_image_flags_may_follow_the_action() {
+    let dir = TempDir::new().expect("tempdir");
+    let image = golden(dir.path());
+    let refused = serve_must_fail(dir.path(), &["--base", image.to_str().expect("utf-8"), "--ram", "256"]);
+    assert!(refused.contains("--ram") && refused.contains("no unit") && refused.contains("256M"), "{refused}");
+    let config = dir.path().join("overspill.toml");
+    std::fs::write(&config, "ram-total = 8192\n").expect("config");
+    let refused = serve_must_fail(
+        dir.path(),
+        &["--base", image.to_str().expect("utf-8"), "--config", config.to_str().expect("utf-8")],
+    );
+    assert!(refused.contains("--ram-total") && refused.contains("no unit"), "{refused}");
+
+    let control = dir.path().join("nobody.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["vm", "list", "--control", control.to_str().expect("utf-8")])
+        .output()
+        .expect("overspill vm");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains(&control.display().to_string()), "vm list --control: {stderr}");
+    let store = dir.path().join("store");
+    std::fs::create_dir(&store).expect("store");
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["image", "list", "--images", store.to_str().expect("utf-8")])
+        .output()
+        .expect("overspill image");
+    assert!(out.status.success(), "image list --images: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Under `--log-json`, the error that stops the process is a JSON line too: a collector that
+/// parses each line would otherwise lose the one that says why the server stopped.
+#[test]
+fn a_fatal_error_under_log_json_is_a_json_line() {
+    let dir = TempDir::new().expect("tempdir");
+    let missing = dir.path().join("no-such-image.img");
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("--log-json")
+        .args(serve_args(dir.path(), &missing))
+        .args(["--listen", &format!("unix:{}", dir.path().join("nbd.sock").display())])
+        .stdin(Stdio::null())
+        .output()
+        .expect("overspill serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    let line: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("not JSON ({e}): {stderr}"));
+    assert_eq!(line["level"], "ERROR", "{last}");
+    let message = line["fields"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("no-such-image.img"), "{last}");
+}

@@ -29,6 +29,14 @@ fn run_storm(args: &[&str], out: &Path, work: &Path) -> Value {
     assert!(stdout.contains("== boot =="), "tables printed: {stdout}");
     let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
     assert!(html.contains("<svg") && html.contains("IO ops / VM"), "HTML has charts and tables");
+    // Each configuration's server socket goes with it.
+    let sockets: Vec<_> = std::fs::read_dir(work)
+        .expect("work dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sock"))
+        .collect();
+    assert!(sockets.is_empty(), "sockets left in the work directory: {sockets:?}");
     serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json")).expect("JSON parses")
 }
 

@@ -245,6 +245,8 @@ fn guests_over_vhost_user_run_beside_guests_over_nbd() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "storm failed:\n{stdout}\n{stderr}");
     eprintln!("storm --frontend nbd,vhost-user took {:.0} s:\n{stdout}", started.elapsed().as_secs_f64());
+    // Standard error is a pipe here, no terminal: plain progress lines, every few seconds.
+    assert!(stderr.contains("storm: configuration 2 of 2 (ram+disk 8M vhost-user)"), "no progress lines:\n{stderr}");
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json")).expect("JSON");
     assert!(report["description"].as_str().is_some_and(|d| d.contains("vhost-user-blk")), "{}", report["description"]);
