@@ -3,7 +3,8 @@
 //! against the real server: reads, writes, flush, TRIM and get-id; requests in flight when the
 //! frontend vanishes or the server is killed, carried out again after the reconnect as QEMU
 //! hands them back; malformed requests and rings answered with an error status, or with the end
-//! of that VM's connection, while another VM carries on.
+//! of that VM's connection, while another VM carries on; and `vm add`/`vm drop`, which make and
+//! remove a VM's socket at run time.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -289,29 +290,57 @@ impl Host {
 
     /// A server serving VMs `a` and `b` over vhost-user, with a grace for lost connections.
     fn serve(&self) -> Serve {
+        self.serve_with(&["--vhost-user", "a", "--vhost-user", "b"])
+    }
+
+    fn serve_with(&self, more: &[&str]) -> Serve {
         let path = |name: &str| self.dir.path().join(name).to_str().expect("utf-8").to_owned();
-        let listen = format!("unix:{}", self.nbd_socket.display());
-        let args = [
-            "--base",
-            &path("golden.img"),
-            "--listen",
-            &listen,
-            "--vhost-user",
-            "a",
-            "--vhost-user",
-            "b",
-            "--vhost-user-dir",
-            &path("vhost"),
-            "--reconnect-grace",
-            "1m",
-            "--ram",
-            "1M",
-        ];
+        let mut args = vec!["--base".to_owned(), path("golden.img")];
+        args.extend(["--listen".to_owned(), format!("unix:{}", self.nbd_socket.display())]);
+        args.extend(["--vhost-user-dir".to_owned(), path("vhost"), "--reconnect-grace".to_owned(), "1m".to_owned()]);
+        args.extend(["--ram", "1M"].into_iter().chain(more.iter().copied()).map(str::to_owned));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         // The vhost-user sockets are made before the NBD one.
         let ready = self.nbd_socket.clone();
         Serve::start_named_only(self.dir.path(), &args, &[], move || {
             std::os::unix::net::UnixStream::connect(&ready).is_ok()
         })
+    }
+
+    /// `overspill vm ARGS` against this host's server.
+    fn vm_command(&self, args: &[&str]) -> (bool, String) {
+        let control = self.dir.path().join("spill/state/control.sock");
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .arg("vm")
+            .arg("--control")
+            .arg(control)
+            .args(args)
+            .output()
+            .expect("overspill vm");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    }
+
+    /// Every VM `vm list` shows, with its state, by name.
+    fn states(&self) -> Vec<(String, String)> {
+        let (_, text) = self.vm_command(&["list", "--json"]);
+        let vms: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let vms = vms.as_array().cloned().unwrap_or_default();
+        let state = |v: &serde_json::Value| {
+            (v["vm"].as_str().unwrap_or("").to_owned(), v["state"].as_str().unwrap_or("").to_owned())
+        };
+        vms.iter().map(state).collect()
+    }
+
+    #[track_caller]
+    fn wait_for_states(&self, expected: &[(&str, &str)]) {
+        let expected: Vec<(String, String)> =
+            expected.iter().map(|(v, s)| ((*v).to_owned(), (*s).to_owned())).collect();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.states() != expected {
+            assert!(Instant::now() < deadline, "VM states {:?}, expected {expected:?}", self.states());
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn socket(&self, vm: &str) -> PathBuf {
@@ -495,4 +524,55 @@ fn malformed_requests_fail_alone_and_another_vm_carries_on() {
     assert_eq!(read(&connection, &mut guest, 8, 4096), host.golden_sectors(8, 4096), "VM a after its reconnect");
     b_serves(3);
     drop((connection, other_connection, server));
+}
+
+/// `vm add` declares a vhost-user VM at run time: its socket is made at once, with the server's
+/// socket mode, `vm list` shows it declared, a killed server's successor makes it again, and
+/// `vm drop` removes it for good (one `--vhost-user` declares comes back with the flag). A
+/// second image for a declared VM, an unknown image and a name that is no file name are
+/// refused, and nothing is made for them.
+#[test]
+fn vm_add_declares_a_vhost_user_socket_that_outlives_restarts_until_vm_drop() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let host = Host::new();
+    let vhost_dir = host.dir.path().join("vhost");
+    let flags = ["--socket-mode", "0660", "--vhost-user", "fixed"];
+    let server = host.serve_with(&flags);
+    let socket = vhost_dir.join("desk.sock");
+    let (ok, text) = host.vm_command(&["add", "desk"]);
+    assert!(ok && text.contains(&socket.display().to_string()), "{text}");
+    let metadata = std::fs::metadata(&socket).expect("the declared VM's socket");
+    assert!(metadata.file_type().is_socket());
+    assert_eq!(metadata.permissions().mode() & 0o777, 0o660, "--socket-mode on a socket made at run time");
+    host.wait_for_states(&[("desk", "declared"), ("fixed", "declared")]);
+    let (ok, text) = host.vm_command(&["add", "desk"]);
+    assert!(ok, "declaring a VM again on its image: {text}");
+    for (args, refused) in [
+        (&["add", "desk", "other"][..], "declared on image"),
+        (&["add", "d2", "nosuch"][..], "no golden image"),
+        (&["add", "../d3"][..], "VM name"),
+    ] {
+        let (ok, text) = host.vm_command(args);
+        assert!(!ok && text.contains(refused), "vm {args:?}: {text}");
+    }
+    let made: Vec<_> = std::fs::read_dir(&vhost_dir).expect("vhost dir").flatten().map(|e| e.file_name()).collect();
+    assert_eq!(made.len(), 2, "sockets made: {made:?}");
+
+    // A crash: the next server makes both sockets again before it says it is ready.
+    server.kill();
+    let mut server = host.serve_with(&flags);
+    assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok(), "no socket for desk after a restart");
+    host.wait_for_states(&[("desk", "declared"), ("fixed", "declared")]);
+
+    for vm in ["desk", "fixed"] {
+        let (ok, text) = host.vm_command(&["drop", vm]);
+        assert!(ok && text.contains("socket is removed"), "vm drop {vm}: {text}");
+        assert!(!vhost_dir.join(format!("{vm}.sock")).exists(), "{vm}'s socket after vm drop");
+    }
+    host.wait_for_states(&[]);
+    server.stop();
+    drop(server);
+    let _server = host.serve_with(&flags);
+    host.wait_for_states(&[("fixed", "declared")]);
+    assert!(!socket.exists(), "a dropped VM's socket came back after a restart");
 }
