@@ -24,6 +24,40 @@ fn qemu_available() -> bool {
     qemu_runs()
 }
 
+/// `overspill storm --guests qemu ARGS`, its report in `dir/out` and its scratch in `dir/work`:
+/// its standard output and error and its report, or `None` where QEMU cannot run (a skip, never
+/// in CI, which installs QEMU: there a skip would pass a test that never ran).
+fn guest_storm(dir: &Path, args: &[&str]) -> Option<(String, String, Value)> {
+    if !qemu_available() {
+        assert!(
+            std::env::var("CI").map_or(true, |ci| ci != "true"),
+            "CI=true and qemu-system-x86_64 is not installed: this real-guest test must run in CI"
+        );
+        eprintln!(
+            "skipped: qemu-system-x86_64 is not installed and scripts/install-guest-tools could not install it \
+             (apt-get install qemu-system-x86)"
+        );
+        return None;
+    }
+    let out = dir.join("out");
+    let started = std::time::Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["storm", "--guests", "qemu"])
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .arg("--work-dir")
+        .arg(dir.join("work"))
+        .output()
+        .expect("run overspill storm");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "storm failed:\n{stdout}\n{stderr}");
+    eprintln!("storm --guests qemu {args:?} took {:.0} s:\n{stdout}", started.elapsed().as_secs_f64());
+    let report = std::fs::read_to_string(out.join("report.json")).expect("report.json");
+    Some((stdout, stderr, serde_json::from_str(&report).expect("JSON")))
+}
+
 fn config<'a>(report: &'a Value, label: &str) -> &'a Value {
     report["configs"]
         .as_array()
@@ -57,39 +91,12 @@ fn in_phase(config: &Value, phase: usize, tier: &str, figure: &str) -> f64 {
 
 #[test]
 fn real_guests_boot_from_the_server_and_are_counted_per_tier() {
-    if !qemu_available() {
-        // CI installs QEMU (scripts/install-guest-tools): there, a skip would pass a test that
-        // never ran.
-        assert!(
-            std::env::var("CI").map_or(true, |ci| ci != "true"),
-            "CI=true and qemu-system-x86_64 is not installed: this real-guest test must run in CI"
-        );
-        eprintln!(
-            "skipped: qemu-system-x86_64 is not installed and scripts/install-guest-tools could not install it \
-             (apt-get install qemu-system-x86)"
-        );
-        return;
-    }
     let dir = tempfile::tempdir().expect("tempdir");
-    let (out, work, record) = (dir.path().join("out"), dir.path().join("work"), dir.path().join("traces"));
-    let started = std::time::Instant::now();
-    let output = Command::new(env!("CARGO_BIN_EXE_overspill"))
-        .args(["storm", "--guests", "qemu", "--vms", "2", "--modes", "ram+disk,shared", "--ram", "8M"])
-        .args(["--guest-steady", "8", "--guest-timeout", "600", "--record"])
-        .arg(&record)
-        .arg("--out")
-        .arg(&out)
-        .arg("--work-dir")
-        .arg(&work)
-        .output()
-        .expect("run overspill storm");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "storm failed:\n{stdout}\n{stderr}");
-    eprintln!("storm --guests qemu took {:.0} s:\n{stdout}", started.elapsed().as_secs_f64());
+    let record = dir.path().join("traces");
+    let args = ["--vms", "2", "--modes", "ram+disk,shared", "--ram", "8M", "--guest-steady", "8"];
+    let args = [&args[..], &["--guest-timeout", "600", "--record", record.to_str().expect("utf-8")]].concat();
+    let Some((stdout, _, report)) = guest_storm(dir.path(), &args) else { return };
     assert!(stdout.contains("boot: min"), "boot times in the tables:\n{stdout}");
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json")).expect("JSON");
 
     for label in ["shared", "ram+disk 8M"] {
         let c = config(&report, label);
@@ -140,7 +147,7 @@ fn real_guests_boot_from_the_server_and_are_counted_per_tier() {
 
     the_planner_counts_what_the_server_counted(&record, ram_disk, &dir.path().join("plan"));
 
-    let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
+    let html = std::fs::read_to_string(dir.path().join("out/report.html")).expect("report.html");
     let at = html.find("<h2>VMs booted over time</h2>").expect("the booted-over-time chart");
     let start = at + html[at..].find("<svg").expect("its SVG");
     let end = start + html[start..].find("</svg>").expect("the SVG ends") + "</svg>".len();
@@ -221,34 +228,13 @@ fn the_planner_counts_what_the_server_counted(traces: &Path, live: &Value, out: 
 /// way (the same device seam under both), phase by phase. Their sockets go with the storm.
 #[test]
 fn guests_over_vhost_user_run_beside_guests_over_nbd() {
-    if !qemu_available() {
-        assert!(
-            std::env::var("CI").map_or(true, |ci| ci != "true"),
-            "CI=true and qemu-system-x86_64 is not installed: this real-guest test must run in CI"
-        );
-        eprintln!("skipped: qemu-system-x86_64 is not installed");
-        return;
-    }
     let dir = tempfile::tempdir().expect("tempdir");
-    let (out, work) = (dir.path().join("out"), dir.path().join("work"));
-    let started = std::time::Instant::now();
-    let output = Command::new(env!("CARGO_BIN_EXE_overspill"))
-        .args(["storm", "--guests", "qemu", "--guest-os", "busybox", "--vms", "2", "--modes", "ram+disk"])
-        .args(["--ram", "8M", "--guest-steady", "4", "--guest-timeout", "300", "--frontend", "nbd,vhost-user"])
-        .arg("--out")
-        .arg(&out)
-        .arg("--work-dir")
-        .arg(&work)
-        .output()
-        .expect("run overspill storm");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "storm failed:\n{stdout}\n{stderr}");
-    eprintln!("storm --frontend nbd,vhost-user took {:.0} s:\n{stdout}", started.elapsed().as_secs_f64());
+    let args = ["--guest-os", "busybox", "--vms", "2", "--modes", "ram+disk", "--ram", "8M", "--guest-steady", "4"];
+    let args = [&args[..], &["--guest-timeout", "300", "--frontend", "nbd,vhost-user"]].concat();
+    let Some((_, stderr, report)) = guest_storm(dir.path(), &args) else { return };
+    let work = dir.path().join("work");
     // Standard error is a pipe here, no terminal: plain progress lines, every few seconds.
     assert!(stderr.contains("storm: configuration 2 of 2 (ram+disk 8M vhost-user)"), "no progress lines:\n{stderr}");
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json")).expect("JSON");
     assert!(report["description"].as_str().is_some_and(|d| d.contains("vhost-user-blk")), "{}", report["description"]);
     for label in ["ram+disk 8M nbd", "ram+disk 8M vhost-user"] {
         let c = config(&report, label);
