@@ -13,4 +13,4 @@ mod serve;
 mod testing;
 
 pub use config::{DeviceConfig, Limits};
-pub use serve::{VhostExport, VhostExports, VhostSettings};
+pub use serve::{VhostExport, VhostExports, VhostSettings, WriteWhole};

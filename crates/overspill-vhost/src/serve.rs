@@ -6,7 +6,7 @@
 //! until it ends; a VMM started with `reconnect-ms` comes back by itself after a restart.
 
 use std::collections::BTreeMap;
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -55,9 +55,12 @@ pub struct VhostSettings {
     /// How long a queue is watched after its last request before its thread sleeps.
     pub poll: Duration,
     /// The file that keeps the VMs declared at run time (`None`: they last as long as the
-    /// process).
-    pub record: Option<PathBuf>,
+    /// process), and how it is written whole (the server's own way with its state files).
+    pub record: Option<(PathBuf, WriteWhole)>,
 }
+
+/// Replaces a file with these bytes in one step, durably.
+pub type WriteWhole = fn(&Path, &[u8]) -> io::Result<()>;
 
 /// The vhost-user sockets of a server and their threads.
 pub struct VhostExports {
@@ -103,7 +106,7 @@ impl VhostExports {
         provider: Arc<dyn ExportProvider>,
     ) -> io::Result<Self> {
         let recorded = match &settings.record {
-            Some(record) => read_record(record)?,
+            Some((record, _)) => read_record(record)?,
             None => Vec::new(),
         };
         let exports = Self { settings, provider, served: Mutex::new(BTreeMap::new()) };
@@ -169,12 +172,13 @@ impl VhostExports {
 
     /// Writes the VMs declared at run time in the record, whole, or leaves the old one.
     fn write_record(&self, served: &BTreeMap<String, Served>) -> io::Result<()> {
-        let Some(record) = &self.settings.record else { return Ok(()) };
+        let Some((record, write_whole)) = &self.settings.record else { return Ok(()) };
         let mut text = String::from(RECORD_HEADER);
         for served in served.values().filter(|served| served.recorded) {
             text += &format!("{}={}\n", served.export.vm, served.export.image);
         }
         write_whole(record, text.as_bytes())
+            .map_err(|e| io::Error::new(e.kind(), format!("writing {}: {e}", record.display())))
     }
 }
 
@@ -273,20 +277,6 @@ fn read_record(record: &Path) -> io::Result<Vec<VhostExport>> {
         exports.push(VhostExport { vm: vm.to_owned(), image: image.to_owned() });
     }
     Ok(exports)
-}
-
-/// Writes `path` through a temporary file renamed over it, synced, so that a crash leaves the
-/// old record or the new one.
-fn write_whole(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let context = |e: io::Error| io::Error::new(e.kind(), format!("writing {}: {e}", path.display()));
-    let temporary = path.with_extension("new");
-    let mut file = std::fs::File::create(&temporary).map_err(context)?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(context)?;
-    std::fs::rename(&temporary, path).map_err(context)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir).and_then(|dir| dir.sync_all()).map_err(context)?;
-    }
-    Ok(())
 }
 
 /// `dir/NAME.sock`, for a name that is one path component.

@@ -349,7 +349,7 @@ fn serve_vhost_user(
         access: socket_access(args)?,
         queues: args.vhost_user_queues,
         poll: Duration::from_micros(args.poll_us),
-        record: Some(state_dir.join("vhost-user-vms")),
+        record: Some((state_dir.join("vhost-user-vms"), write_vhost_user_record)),
     };
     let vhost = VhostExports::start(settings, &declared, exports)
         .with_context(|| format!("--vhost-user sockets in {}", dir.display()))?;
@@ -358,6 +358,13 @@ fn serve_vhost_user(
         tracing::info!(dir = %dir.display(), vms = sockets, "vhost-user sockets up");
     }
     Ok(Arc::new(vhost))
+}
+
+/// The record of VMs declared at run time, written as the ledger's files are: through a
+/// partial file of our own (a planted link is replaced, not followed), synced, renamed.
+fn write_vhost_user_record(record: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let partial = record.with_file_name(".vhost-user-vms.partial");
+    overspill_server::files::replace_whole_durably(record, &partial, bytes, 0o600)
 }
 
 /// Flags that contradict each other or cannot work, refused before anything starts.
