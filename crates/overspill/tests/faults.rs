@@ -619,7 +619,12 @@ fn a_full_spill_filesystem_gives_enospc_to_the_writer_and_others_go_on() {
     assert_eq!(enospc.errno(), Some(ENOSPC), "A's write failed with {enospc}, not ENOSPC");
     eprintln!("A: {} KiB acknowledged, then {enospc}", acked.len() * CHUNK / 1024);
     assert!(acked.len() * CHUNK >= 8 * MIB as usize, "A got {} KiB in before ENOSPC", acked.len() * CHUNK / 1024);
-    // The operator hears of it too, naming the VM, once and not for every refused write.
+    // The operator hears of it too, naming the VM, once and not for every refused write. Log
+    // lines reach the file through the server's log thread: a moment after the reply.
+    let deadline = Instant::now() + WAIT;
+    while !server.log_text().contains("a write got ENOSPC") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let log = server.log_text();
     let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN") && l.contains("a write got ENOSPC")).collect();
     assert!(!warnings.is_empty() && warnings.iter().all(|l| l.contains("\"vm\":\"a\"")), "{log}");
