@@ -8,6 +8,7 @@ pub mod guests;
 pub mod image;
 pub mod libvirt_hook;
 pub mod libvirt_reboots;
+pub mod manual;
 pub mod metrics;
 pub mod plan;
 pub mod replay;

@@ -199,9 +199,9 @@ fn man_page(subcommand: Option<String>) -> Option<anyhow::Result<()>> {
     use clap::CommandFactory;
     let mut command = Cli::command();
     command.build();
-    let page = match subcommand {
+    let page = match &subcommand {
         None => clap_mangen::Man::new(command),
-        Some(name) => match command.find_subcommand(&name) {
+        Some(name) => match command.find_subcommand(name) {
             Some(sub) => clap_mangen::Man::new(sub.clone())
                 .title(format!("overspill-{name}"))
                 .source(format!("overspill {}", env!("CARGO_PKG_VERSION"))),
@@ -211,11 +211,39 @@ fn man_page(subcommand: Option<String>) -> Option<anyhow::Result<()>> {
             }
         },
     };
-    Some(match page.render(&mut std::io::stdout()) {
+    let mut roff = Vec::new();
+    let rendered = (|| {
+        page.render_title(&mut roff)?;
+        page.render_name_section(&mut roff)?;
+        page.render_synopsis_section(&mut roff)?;
+        page.render_description_section(&mut roff)?;
+        page.render_options_section(&mut roff)?;
+        if page_has_subcommands(&subcommand) {
+            page.render_subcommands_section(&mut roff)?;
+        }
+        roff.extend_from_slice(overspill::manual::extra_sections(subcommand.as_deref()).as_bytes());
+        // Subcommands carry no version of their own (clap_mangen would panic): theirs is in the
+        // page's footer (`source`).
+        match subcommand {
+            None => page.render_version_section(&mut roff),
+            Some(_) => Ok(()),
+        }
+    })();
+    Some(match rendered.and_then(|()| std::io::Write::write_all(&mut std::io::stdout(), &roff)) {
         // `overspill man | head`: the reader had what it wanted.
         Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => other.map_err(anyhow::Error::from),
     })
+}
+
+/// Whether the page's command has subcommands of its own (`image`, `vm`), listed on its page.
+fn page_has_subcommands(subcommand: &Option<String>) -> bool {
+    use clap::CommandFactory;
+    let command = Cli::command();
+    match subcommand {
+        None => true,
+        Some(name) => command.find_subcommand(name).is_some_and(|sub| sub.get_subcommands().next().is_some()),
+    }
 }
 
 /// Becomes the program at `executable` with this process's arguments: same pid, so systemd

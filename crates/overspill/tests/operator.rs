@@ -761,6 +761,13 @@ fn man_pages_and_completions_render() {
     for flag in ["--reconnect-grace", "--config", "--poll-us", "--pidfile", "--socket-group"] {
         assert!(text.contains(flag), "{flag} missing from the serve page:\n{text}");
     }
+    for section in ["EXAMPLES", "EXIT STATUS", "SIGNALS", "FILES", "/etc/overspill/overspill.toml"] {
+        assert!(text.contains(section), "{section} missing from the serve page:\n{text}");
+    }
+    // Every subcommand has a page (a subcommand without a version of its own once panicked).
+    for sub in ["storm", "stat", "replay", "plan", "image", "vm", "libvirt-hook", "libvirt-reboots", "completions", "man"] {
+        assert!(String::from_utf8_lossy(&run(&["man", sub])).contains("EXIT STATUS"), "overspill man {sub}");
+    }
     assert!(String::from_utf8_lossy(&run(&["man"])).contains(".TH overspill 1"));
     let script = tmp.path().join("overspill.bash");
     std::fs::write(&script, run(&["completions", "bash"])).expect("script");

@@ -1,7 +1,8 @@
 //! The shipped systemd units (docs/overspill.service, docs/overspill.socket,
 //! docs/overspill-libvirt-reboots.service) as systemd itself
 //! reads them: `systemd-analyze verify` finds nothing wrong, `systemd-analyze security` rates
-//! the service "OK" (exposure at most 4), and every flag of its ExecStart is one `serve` takes.
+//! the service "OK" (exposure at most 4), and its ExecStart with the conffile it names
+//! (packaging/overspill.toml) is a command line `serve` takes.
 //! Socket activation and readiness themselves are exercised in operator.rs.
 
 use std::path::{Path, PathBuf};
@@ -16,7 +17,7 @@ fn unit(name: &str) -> PathBuf {
 fn installed_copy(dir: &Path) -> PathBuf {
     for name in ["overspill.service", "overspill.socket", "overspill-libvirt-reboots.service"] {
         let text = std::fs::read_to_string(unit(name)).expect("unit");
-        let text = text.replace("/usr/local/bin/overspill", env!("CARGO_BIN_EXE_overspill"));
+        let text = text.replace("/usr/bin/overspill", env!("CARGO_BIN_EXE_overspill"));
         std::fs::write(dir.join(name), text).expect("copy");
     }
     dir.join("overspill.service")
@@ -60,28 +61,32 @@ fn the_service_is_rated_ok_by_systemd_analyze_security() {
     assert!(level <= 4.0, "exposure {level} above 4 (OK):\n{text}");
 }
 
-/// The ExecStart line's flags, run as they are: they must parse, so the server goes as far as
-/// opening the golden image (which is not on this machine) and says so.
+/// The ExecStart line and the conffile it names, run as they are: every key must be a flag serve
+/// takes with a value it accepts, so the server goes as far as opening the golden image (which is
+/// not on this machine) and says so.
 #[test]
-fn the_service_flags_are_ones_serve_takes() {
+fn the_service_and_its_conffile_are_ones_serve_takes() {
     let text = std::fs::read_to_string(unit("overspill.service")).expect("unit");
     let exec = text.replace("\\\n", " ");
     let line = exec.lines().find_map(|l| l.strip_prefix("ExecStart=")).expect("ExecStart");
     let mut words = line.split_whitespace();
-    assert_eq!(words.next(), Some("/usr/local/bin/overspill"));
+    assert_eq!(words.next(), Some("/usr/bin/overspill"));
     let args: Vec<&str> = words.collect();
+    assert_eq!(args, ["serve", "--config", "/etc/overspill/overspill.toml"]);
     let dir = tempfile::tempdir().expect("tempdir");
     // Paths of the host moved into a scratch directory; everything else as shipped.
-    let args: Vec<String> = args
-        .iter()
-        .map(|a| match *a {
-            a if a.starts_with("/var/cache/") || a.starts_with("/run/") => {
-                dir.path().join(a.trim_start_matches('/')).to_string_lossy().into_owned()
-            }
-            a => a.to_owned(),
-        })
-        .collect();
-    let out = Command::new(env!("CARGO_BIN_EXE_overspill")).args(&args).output().expect("overspill");
+    let conffile = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/overspill.toml");
+    let settings = std::fs::read_to_string(conffile).expect("conffile");
+    let scratch = dir.path().to_string_lossy();
+    let settings = settings.replace("\"/var/cache/", &format!("\"{scratch}/var/cache/"));
+    let settings = settings.replace("\"/run/", &format!("\"{scratch}/run/"));
+    let copy = dir.path().join("overspill.toml");
+    std::fs::write(&copy, settings).expect("copy");
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["serve", "--config"])
+        .arg(&copy)
+        .output()
+        .expect("overspill");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "not a usage error (2), not a start:\n{stderr}");
     assert!(stderr.contains("/srv/golden/current.img"), "{stderr}");
