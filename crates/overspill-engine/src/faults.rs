@@ -587,6 +587,10 @@ impl GoldenImage for FaultyImage {
         self.inner.matches_identity(recorded)
     }
 
+    fn unchanged(&self) -> io::Result<()> {
+        self.inner.unchanged()
+    }
+
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::Extent>> {
         self.inner.extents(offset, len)
     }

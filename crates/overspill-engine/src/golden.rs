@@ -70,6 +70,14 @@ pub trait GoldenImage: Send + Sync {
     fn matches_identity(&self, recorded: &str) -> bool {
         self.identity().as_deref() == Some(recorded)
     }
+    /// `Err` naming the file once a file under the image was written, cut or grown since it was
+    /// opened (its size or modification time moved), found from the open file, not its path (a
+    /// file renamed over it leaves the one served untouched). Files check it after every read,
+    /// so that no read serves bytes of a change; the server watches it to end the VMs over it.
+    /// The default has nothing to check.
+    fn unchanged(&self) -> io::Result<()> {
+        Ok(())
+    }
     /// The chunk a read cache in front should fetch at a time, if not the default: remote
     /// stores, where every request costs a round trip, want large ones.
     fn preferred_fetch_bytes(&self) -> Option<u64> {
@@ -122,6 +130,9 @@ impl<L: ImageLayer> GoldenImage for L {
     fn matches_identity(&self, recorded: &str) -> bool {
         self.below().matches_identity(recorded)
     }
+    fn unchanged(&self) -> io::Result<()> {
+        self.below().unchanged()
+    }
     fn preferred_fetch_bytes(&self) -> Option<u64> {
         self.below().preferred_fetch_bytes()
     }
@@ -166,6 +177,41 @@ pub struct RawImage {
     size: u64,
     path: PathBuf,
     identity: String,
+    opened: FileState,
+}
+
+/// What a write into a file moves: its size and modification time, as the open file tells them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileState {
+    len: u64,
+    mtime: (i64, i64),
+}
+
+impl FileState {
+    pub fn of(metadata: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self { len: metadata.len(), mtime: (metadata.mtime(), metadata.mtime_nsec()) }
+    }
+
+    /// `Err` naming `path` if `file` is no longer as it was when it was `self`. A write made
+    /// through a shared mapping moves the modification time only later (at writeback): such a
+    /// change is caught then, not at once.
+    pub fn check(&self, file: &File, path: &Path) -> io::Result<()> {
+        let now = Self::of(&file.metadata()?);
+        if now == *self {
+            return Ok(());
+        }
+        let what = if now.len != self.len {
+            format!("its size went from {} to {} bytes", self.len, now.len)
+        } else {
+            "it was written".to_owned()
+        };
+        Err(io::Error::other(format!(
+            "golden image {} changed while served ({what}): reads of it are refused rather than mix old \
+             and new bytes",
+            path.display()
+        )))
+    }
 }
 
 /// A file's identity for [`GoldenImage::identity`]: replacing the file (a new inode) or writing
@@ -192,7 +238,13 @@ impl RawImage {
         if !metadata.is_file() {
             return Err(EngineError::Config(format!("{} is not a regular file", path.display())));
         }
-        Ok(Self { file, size: metadata.len(), path: path.to_path_buf(), identity: file_identity(&metadata) })
+        Ok(Self {
+            file,
+            size: metadata.len(),
+            path: path.to_path_buf(),
+            identity: file_identity(&metadata),
+            opened: FileState::of(&metadata),
+        })
     }
 }
 
@@ -235,7 +287,8 @@ impl GoldenImage for RawImage {
             }
             done += n;
         }
-        Ok(())
+        // After the read: a write that began before it moved the modification time by now.
+        self.opened.check(&self.file, &self.path)
     }
 
     fn read_vectored_counted(&self, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<SourceReads> {
@@ -260,7 +313,12 @@ impl GoldenImage for RawImage {
                 Err(e) => return Err(e.into()),
             }
         }
+        self.opened.check(&self.file, &self.path)?;
         Ok(SourceReads { ops: 1, bytes: total as u64 })
+    }
+
+    fn unchanged(&self) -> io::Result<()> {
+        self.opened.check(&self.file, &self.path)
     }
 
     fn describe(&self) -> String {
@@ -407,12 +465,39 @@ mod tests {
         assert!(tail[..4196].iter().all(|&b| b == 0x5a) && tail[4196..].iter().all(|&b| b == 0));
         std::fs::File::options().write(true).open(&path).and_then(|f| f.set_len(2 * 4096)).expect("truncated");
         let mut buf = vec![0u8; 4096];
-        image.read_at(&mut buf, 4096).expect("still there");
+        let error = image.read_at(&mut buf, 4096).expect_err("bytes still there, of a changed file");
+        assert!(error.to_string().contains("its size went from 20580 to 8192 bytes"), "{error}");
         let error = image.read_at(&mut buf, 3 * 4096).expect_err("cut short");
         assert!(error.to_string().contains("cut short"), "{error}");
         let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
         image.read_vectored_counted(&mut [&mut a, &mut b], 4096).expect_err("cut short, vectored");
         image.extents(3 * 4096, 4096).expect_err("no hole told where the file was cut");
+    }
+
+    /// A golden file written in place under the server (same inode, same size): every read of
+    /// it fails from then on, whether or not it touches what changed, and so does the check the
+    /// server's watch makes.
+    #[test]
+    fn a_file_written_in_place_under_the_server_fails_every_read_after() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("golden.raw");
+        std::fs::write(&path, vec![0x5a; 4 * 4096]).expect("written");
+        let image = RawImage::open(&path).expect("opened");
+        let mut buf = vec![0u8; 4096];
+        image.read_at(&mut buf, 0).expect("unchanged");
+        image.unchanged().expect("unchanged");
+        // A modification time of its own, whatever the filesystem's timestamp granularity.
+        let file = std::fs::File::options().write(true).open(&path).expect("open");
+        file.write_all_at(&[0xee; 4096], 2 * 4096).expect("rewritten");
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(1);
+        file.set_modified(later).expect("mtime");
+        for offset in [0, 2 * 4096] {
+            let error = image.read_at(&mut buf, offset).expect_err("a changed file");
+            assert!(error.to_string().contains("it was written"), "{error}");
+        }
+        let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
+        image.read_vectored_counted(&mut [&mut a, &mut b], 0).expect_err("a changed file, vectored");
+        assert!(image.unchanged().is_err());
     }
 
     #[test]

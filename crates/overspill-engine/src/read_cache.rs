@@ -452,6 +452,10 @@ impl GoldenImage for CachedImage {
         self.source.matches_identity(recorded)
     }
 
+    fn unchanged(&self) -> io::Result<()> {
+        self.source.unchanged()
+    }
+
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::Extent>> {
         self.source.extents(offset, len)
     }

@@ -72,6 +72,7 @@ pub struct Qcow2Image {
     /// Host offset of a compressed cluster → its bytes, the newest last.
     decompressed: Mutex<Vec<(u64, Arc<[u8]>)>>,
     backing: Option<Arc<dyn GoldenImage>>,
+    opened: overspill_engine::golden::FileState,
     identity: String,
 }
 
@@ -249,6 +250,7 @@ impl Qcow2Image {
             decompressed: Mutex::default(),
             backing,
             identity,
+            opened: overspill_engine::golden::FileState::of(&metadata),
         })
     }
 
@@ -463,7 +465,13 @@ impl GoldenImage for Qcow2Image {
             }
             done += n;
         }
-        Ok(())
+        // The layers below checked their own files as they were read.
+        self.opened.check(&self.file, &self.path)
+    }
+
+    fn unchanged(&self) -> io::Result<()> {
+        self.opened.check(&self.file, &self.path)?;
+        self.backing.as_ref().map_or(Ok(()), |below| below.unchanged())
     }
 
     fn describe(&self) -> String {

@@ -267,6 +267,7 @@ pub struct VhdxImage {
     bitmaps: Vec<u64>,
     bitmap_cache: Mutex<lru::LruCache<u64, Arc<[u8]>>>,
     parent: Option<Box<VhdxImage>>,
+    opened: overspill_engine::golden::FileState,
     data_write_guid: Guid,
     disk_id: Guid,
     identity: String,
@@ -527,6 +528,7 @@ impl VhdxImage {
             data_write_guid: header.data_write_guid,
             disk_id,
             identity,
+            opened: overspill_engine::golden::FileState::of(&metadata),
         })
     }
 
@@ -983,7 +985,7 @@ impl GoldenImage for VhdxImage {
                 _ => {
                     flush(buf, pending.take())?;
                     buf[done..].fill(0);
-                    return Ok(());
+                    return self.opened.check(&self.file, &self.path);
                 }
             };
             let max = ((buf.len() - done) as u64).min(self.size - pos);
@@ -998,7 +1000,14 @@ impl GoldenImage for VhdxImage {
             };
             done += n;
         }
-        flush(buf, pending)
+        flush(buf, pending)?;
+        // A parent checked its own file as it was read.
+        self.opened.check(&self.file, &self.path)
+    }
+
+    fn unchanged(&self) -> io::Result<()> {
+        self.opened.check(&self.file, &self.path)?;
+        self.parent.as_ref().map_or(Ok(()), |parent| parent.unchanged())
     }
 
     fn describe(&self) -> String {

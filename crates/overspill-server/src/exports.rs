@@ -76,6 +76,8 @@ pub struct OverlayExports {
     /// Shared by every VM's files: a full filesystem heard of by one makes the others' spill
     /// logs give back the dead segments they keep for reuse.
     space_shortages: Arc<SpaceShortages>,
+    /// Labels of golden images found changed while served, each reported once.
+    changed_images: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Connections without a VM name may write (to an overlay that ends with the connection).
     /// Off by default: a reconnect, however short, would silently hand such a guest the golden
     /// image back, so they are served read-only.
@@ -144,6 +146,7 @@ impl OverlayExports {
             record_dir: None,
             segment_writers,
             space_shortages: SpaceShortages::new(),
+            changed_images: Default::default(),
             anonymous_writes: false,
         })
     }
@@ -315,6 +318,31 @@ impl OverlayExports {
         self.versions = Some(OpenVersions::new(store, self.settings.read_cache_bytes, self.read_caches.clone()));
     }
 
+    /// Checks each golden image VMs are served over (files: their size and modification time,
+    /// from the open file) and ends the VMs over one that changed: they would read a mix of old
+    /// and new bytes (reads of it are refused from the change on; see
+    /// [`GoldenImage::unchanged`]). Called once a second by the server.
+    pub fn watch_images(&self) {
+        let mut images: Vec<(String, Arc<dyn GoldenImage>)> =
+            self.images.iter().map(|(name, image)| (name.clone(), image.clone())).collect();
+        images.extend(self.versions.iter().flat_map(OpenVersions::held_now));
+        for (label, image) in images {
+            let Err(error) = image.unchanged() else { continue };
+            if !self.changed_images.lock().unwrap_or_else(|p| p.into_inner()).insert(label.clone()) {
+                continue;
+            }
+            let why = format!("its golden image {} changed while it ran ({error})", shown_image(&label));
+            let vms = self.registry.golden_image_changed(&label, &why);
+            tracing::error!(
+                image = %shown_image(&label),
+                %error,
+                vms = %vms.join(","),
+                "golden image changed while served: the VMs over it are lost (refused until `overspill vm reset`), \
+                 new VMs are refused until the server restarts with the image as it is now (`systemctl reload`)"
+            );
+        }
+    }
+
     pub fn registry(&self) -> Arc<VmRegistry> {
         self.registry.clone()
     }
@@ -453,6 +481,12 @@ impl OverlayExports {
     /// A fresh overlay over the image's current version, with the counters the registry keeps.
     fn new_overlay(&self, name: &str, number: u64) -> Result<VmOverlay, DeviceError> {
         let (image_label, image) = self.image(name)?;
+        if let Err(error) = image.unchanged() {
+            return Err(DeviceError::new(
+                DeviceErrorKind::Refused,
+                format!("{error}; the server serves it again once restarted (systemctl reload)"),
+            ));
+        }
         self.registry.label(number, &image_label);
         let vm = name.split_once('@').map_or_else(|| anonymous_label(number), |(_, vm)| vm.to_owned());
         let settings = &self.settings;

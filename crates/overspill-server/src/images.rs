@@ -358,6 +358,14 @@ impl OpenVersions {
         self.open(name, self.store.current(name)?)
     }
 
+    /// The versions VMs hold now, each with its label (`name:version`, as VMs show it).
+    pub fn held_now(&self) -> Vec<(String, Arc<dyn GoldenImage>)> {
+        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.iter()
+            .filter_map(|((name, version), (_, weak))| Some((format!("{name}:{version}"), weak.upgrade()?)))
+            .collect()
+    }
+
     /// Version `version` of `name`, current or not: a VM recovered after a restart goes on with
     /// the version its writes were made over.
     pub fn version(&self, name: &str, version: &str) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {

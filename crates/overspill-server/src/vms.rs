@@ -170,6 +170,9 @@ pub struct VmRegistry {
     state_places: std::sync::OnceLock<StateRecord>,
     /// See [`Self::orphans`].
     orphans: Mutex<()>,
+    /// Golden images found changed while VMs were served over them (see
+    /// [`Self::golden_image_changed`]).
+    golden_image_changes: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -213,6 +216,9 @@ struct Entry {
     /// Where the overlay keeps state that outlives the process, if it does.
     state: Option<StateRecord>,
     grace: Option<Grace>,
+    /// Why the VM is to be lost when its connection ends (its golden image changed under it):
+    /// its overlay goes then, not now, so that its files go by name while the name is its own.
+    lose_at_end: Option<String>,
 }
 
 struct Grace {
@@ -266,6 +272,7 @@ impl VmRegistry {
             handed_over: AtomicBool::new(false),
             state_places: std::sync::OnceLock::new(),
             orphans: Mutex::new(()),
+            golden_image_changes: Default::default(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
             spawn_grace_keeper(Arc::downgrade(&registry));
@@ -605,6 +612,9 @@ impl VmRegistry {
     /// the grace period; otherwise it is returned, for the caller to drop outside the lock.
     pub fn end(&self, number: u64, ending: Ending, mut parked: VmOverlay) -> Option<VmOverlay> {
         let mut inner = lock(&self.inner);
+        if let Some(why) = inner.vms.get(&number).and_then(|entry| entry.lose_at_end.clone()) {
+            return self.lose(&mut inner, number, Some(parked), &why);
+        }
         let grace = self.lifecycle.reconnect_grace;
         let keep = self.keeps(&inner, number, ending);
         if keep && self.handed_over.load(Ordering::SeqCst) {
@@ -650,6 +660,41 @@ impl VmRegistry {
             }
         }
         self.forget(&mut inner, number, Some(parked))
+    }
+
+    /// The golden image `image_label` (as VMs' `export` shows it) was found changed under the
+    /// VMs served over it: they would read a mix of old and new bytes, so each is lost (refused
+    /// by name until `vm reset`). A connected VM's connection closes at its next request,
+    /// unanswered, and the VM is lost as it ends; a VM in its grace is lost at once; an anonymous
+    /// one is only disconnected. Returns the named VMs, for the log.
+    pub fn golden_image_changed(&self, image_label: &str, why: &str) -> Vec<String> {
+        self.golden_image_changes.fetch_add(1, Ordering::Relaxed);
+        let mut inner = lock(&self.inner);
+        let over: Vec<u64> =
+            inner.vms.iter().filter(|(_, entry)| entry.handle.export == image_label).map(|(n, _)| *n).collect();
+        let mut named = Vec::new();
+        let mut parked = Vec::new();
+        for number in over {
+            let Some(entry) = inner.vms.get_mut(&number) else { continue };
+            entry.reset.store(true, Ordering::SeqCst);
+            if !entry.named {
+                continue;
+            }
+            named.push(entry.handle.vm.clone());
+            if entry.grace.is_some() {
+                parked.extend(self.lose(&mut inner, number, None, why));
+            } else {
+                entry.lose_at_end = Some(why.to_owned());
+            }
+        }
+        drop(inner);
+        drop(parked);
+        named
+    }
+
+    /// How many times a golden image was found changed while served.
+    pub fn golden_image_changes(&self) -> u64 {
+        self.golden_image_changes.load(Ordering::Relaxed)
     }
 
     /// A VM claimed whose overlay could not be made.
@@ -877,6 +922,7 @@ impl Entry {
             written: false,
             state: None,
             grace: None,
+            lose_at_end: None,
         }
     }
 }

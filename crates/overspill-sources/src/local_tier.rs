@@ -213,6 +213,10 @@ impl GoldenImage for LocalTier {
         self.remote.matches_identity(recorded)
     }
 
+    fn unchanged(&self) -> io::Result<()> {
+        self.remote.unchanged()
+    }
+
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<overspill_engine::Extent>> {
         self.remote.extents(offset, len)
     }

@@ -395,6 +395,12 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
     );
     w.sample("overspill_connected_vms", &[], vms_with_overlay as f64);
     w.header(
+        "overspill_golden_image_changes_total",
+        "Golden images found changed (written, cut or grown) while VMs were served over them; each one's VMs were lost.",
+        "counter",
+    );
+    w.sample("overspill_golden_image_changes_total", &[], registry.golden_image_changes() as f64);
+    w.header(
         "overspill_host_cache_memory_used_bytes",
         "Cache memory of all VMs together, with the free pages they keep for their next writes.",
         "gauge",

@@ -290,6 +290,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     spawn_memory_sampler(host, pages_dir, u64::from(config.limits.max_payload_bytes));
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let exports = Arc::new(exports);
+    spawn_image_watch(Arc::downgrade(&exports));
     let server = Server::new(exports.clone(), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
@@ -803,6 +804,21 @@ fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> 
         })
         .context("starting the signal thread")?;
     Ok(())
+}
+
+/// Once a second, the golden images VMs are served over are checked for changes made under them
+/// (see [`OverlayExports::watch_images`]), until the exports go.
+fn spawn_image_watch(exports: std::sync::Weak<OverlayExports>) {
+    let spawned = std::thread::Builder::new().name("image-watch".into()).spawn(move || loop {
+        std::thread::sleep(Duration::from_secs(1));
+        match exports.upgrade() {
+            Some(exports) => exports.watch_images(),
+            None => return,
+        }
+    });
+    if let Err(error) = spawned {
+        tracing::warn!(%error, "could not start the golden image watch: a change under running VMs is caught by their reads only");
+    }
 }
 
 /// Feeds the host's free memory (and the room left in the memory directory, where VMs' pages

@@ -765,7 +765,9 @@ fn man_pages_and_completions_render() {
         assert!(text.contains(section), "{section} missing from the serve page:\n{text}");
     }
     // Every subcommand has a page (a subcommand without a version of its own once panicked).
-    for sub in ["storm", "stat", "replay", "plan", "image", "vm", "libvirt-hook", "libvirt-reboots", "completions", "man"] {
+    for sub in
+        ["storm", "stat", "replay", "plan", "image", "vm", "libvirt-hook", "libvirt-reboots", "completions", "man"]
+    {
         assert!(String::from_utf8_lossy(&run(&["man", sub])).contains("EXIT STATUS"), "overspill man {sub}");
     }
     assert!(String::from_utf8_lossy(&run(&["man"])).contains(".TH overspill 1"));
