@@ -370,7 +370,8 @@ fn failed(vm: usize, plan: &RunPlan, buckets: usize, why: &str) -> VmResult {
 
 pub fn progress_bar(total_ops: u64) -> ProgressBar {
     let bar = ProgressBar::new(total_ops);
-    if let Ok(style) = ProgressStyle::with_template("{prefix:>18} [{bar:40}] {pos}/{len} requests {per_sec} ETA {eta}")
+    if let Ok(style) =
+        ProgressStyle::with_template("{prefix:>18} [{bar:40}] {pos}/{len} requests {per_sec} ETA {eta} {msg}")
     {
         bar.set_style(style.progress_chars("=> "));
     }
@@ -557,6 +558,12 @@ fn run_vm(ctx: &VmContext) -> VmResult {
             if unreported == 512 {
                 ctx.progress.inc(unreported);
                 unreported = 0;
+                // Whichever VM reported last: VMs move through the profile together.
+                ctx.progress.set_message(format!(
+                    "{} at {:.0} s of profile time",
+                    plan.phase_names.get(p).map_or("", String::as_str),
+                    at_ms as f64 / 1000.0
+                ));
             }
         }
     }

@@ -1,6 +1,7 @@
-//! The storm report as an HTML page: first, per phase, what reached storage per VM at each tier
-//! for every configuration, beside the seeds' published figures for the same configuration;
-//! then storage IOPS over each phase's own time axis; then the tables; run metadata at the top.
+//! The storm report as an HTML page: run metadata and any failed configuration at the top; then,
+//! per phase, this run beside the seeds' published figures where they measured the same thing,
+//! in their unit, then what reached the write caches' storage and the golden image's per VM;
+//! then storage IOPS over each phase's own time axis; then the tables.
 //! Charts are SVG (plotters); legends are HTML beside them, so they never cover data.
 
 use std::fmt::Write as _;
@@ -52,11 +53,6 @@ fn storage_iops(config: &ConfigReport, p: usize) -> [f64; 4] {
     })
 }
 
-/// Everything that reached storage per VM in phase `p`.
-fn storage_total(config: &ConfigReport, p: usize) -> f64 {
-    storage_iops(config, p).iter().sum()
-}
-
 /// The MCS baseline the reductions are measured against.
 fn baseline(report: &StormReport) -> Option<&ConfigReport> {
     report.configs.iter().find(|c| c.mode.as_deref() == Some("shared"))
@@ -78,27 +74,44 @@ fn error(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
-/// Phase `p` as a grouped bar chart: one group per configuration, a bar per storage tier and
-/// one for the seeds' figure, on a log axis with the 1 IOPS per VM line.
-fn phase_bars(report: &StormReport, p: usize) -> Result<String, String> {
-    let groups = report.configs.len().max(1);
+/// The write caches' own storage: what the seeds' PVS figures measure (their cache disk).
+const WRITE_SIDE: [usize; 3] = [0, 1, 2];
+/// The golden image's storage: PVS's vDisk streaming, which the seeds' cache figures leave out.
+const GOLDEN_SIDE: [usize; 1] = [3];
+/// Behind a configuration whose guests got errors, in every chart, and the page's banner.
+const FAILED_COLOR: RGBColor = RGBColor(255, 215, 215);
+/// This run's traffic where the seeds' figure stands beside it.
+const HERE_COLOR: RGBColor = RGBColor(90, 90, 140);
+
+/// Text for a bar's group: "FAILED" for a configuration whose guests got errors.
+fn failed_label(config: &ConfigReport) -> Option<String> {
+    config.failure().map(|_| {
+        let errors: u64 = config.phases.iter().map(|p| p.errors).sum();
+        format!("FAILED ({errors} errors)")
+    })
+}
+
+/// A grouped bar chart on a log axis with the 1 IOPS (or I/O) per VM line: one group per
+/// configuration, its bars `values(config)` in `colors`, a band behind the groups of failed
+/// configurations, `label(config)` above each group and its name below.
+fn grouped_bars(
+    configs: &[&ConfigReport],
+    colors: &[(RGBColor, bool)],
+    values: impl Fn(&ConfigReport) -> Vec<Option<f64>>,
+    label: impl Fn(&ConfigReport) -> String,
+    y_desc: &str,
+    line: &str,
+) -> Result<String, String> {
+    let groups = configs.len().max(1);
     let width = (170 * groups as u32 + 120).clamp(700, 1400);
-    let seeds: Vec<Option<SeedRow>> = report.configs.iter().map(|c| seed_figure(report, c, p)).collect();
-    let top = report
-        .configs
-        .iter()
-        .flat_map(|c| storage_iops(c, p))
-        .chain(seeds.iter().flatten().map(|s| s.iops_per_vm))
-        .fold(1.0f64, f64::max)
-        * 8.0;
-    let base = baseline(report).map(|b| storage_total(b, p));
+    let top = configs.iter().flat_map(|c| values(c)).flatten().fold(1.0f64, f64::max) * 8.0;
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (width, 380)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (width, 340)).into_drawing_area();
         root.fill(&WHITE).map_err(error)?;
         let mut chart = ChartBuilder::on(&root)
             .margin(12)
-            // Room right of the plot for the 1 IOPS line's label, clear of the groups' labels.
+            // Room right of the plot for the 1-per-VM line's label, clear of the groups' labels.
             .margin_right(96)
             .x_label_area_size(45)
             .y_label_area_size(70)
@@ -108,40 +121,34 @@ fn phase_bars(report: &StormReport, p: usize) -> Result<String, String> {
             .configure_mesh()
             .disable_x_mesh()
             .x_labels(0)
-            .y_desc("IOPS per VM (log scale)")
+            .y_desc(y_desc)
             .y_label_formatter(&|v| if *v >= 1.0 { format!("{v:.0}") } else { format!("{v}") })
             .draw()
             .map_err(error)?;
-        let slot = 0.8 / 5.0;
-        for (g, config) in report.configs.iter().enumerate() {
+        let slot = 0.8 / colors.len() as f64;
+        for (g, config) in configs.iter().enumerate() {
+            if config.failure().is_some() {
+                let band = Rectangle::new([(g as f64 + 0.02, Y_FLOOR), (g as f64 + 0.98, top)], FAILED_COLOR.filled());
+                chart.draw_series([band]).map_err(error)?;
+            }
             let x0 = g as f64 + 0.1;
-            for (i, value) in storage_iops(config, p).into_iter().enumerate() {
-                if value > Y_FLOOR {
-                    let (a, b) = (x0 + slot * i as f64, x0 + slot * (i as f64 + 0.85));
+            let bars = values(config);
+            for (i, value) in bars.iter().enumerate() {
+                let Some(value) = value.filter(|v| *v > Y_FLOOR) else { continue };
+                let (a, b) = (x0 + slot * i as f64, x0 + slot * (i as f64 + 0.85));
+                let (color, outlined) = colors[i];
+                chart.draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], color.filled())]).map_err(error)?;
+                if outlined {
                     chart
-                        .draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], TIER_COLORS[i].filled())])
+                        .draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], BLACK.stroke_width(1))])
                         .map_err(error)?;
                 }
             }
-            if let Some(seed) = &seeds[g] {
-                let (a, b) = (x0 + slot * 4.0, x0 + slot * 4.85);
-                let value = seed.iops_per_vm.max(Y_FLOOR);
-                chart.draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], SEED_COLOR.filled())]).map_err(error)?;
-                chart
-                    .draw_series([Rectangle::new([(a, Y_FLOOR), (b, value)], BLACK.stroke_width(1))])
-                    .map_err(error)?;
-            }
-            let highest = storage_iops(config, p).into_iter().fold(Y_FLOOR, f64::max);
-            let above = highest.max(seeds[g].as_ref().map_or(Y_FLOOR, |s| s.iops_per_vm)) * 1.4;
-            let label = match (base, config.mode.as_deref()) {
-                (_, Some("shared")) => "baseline (MCS)".to_owned(),
-                (Some(base), _) => reduction_text(storage_total(config, p), base)
-                    .map_or_else(String::new, |r| format!("{r} vs shared")),
-                (None, _) => String::new(),
-            };
+            let above = bars.iter().flatten().fold(Y_FLOOR, |m, v| m.max(*v)) * 1.4;
             let centre = g as f64 + 0.5;
+            let text = failed_label(config).unwrap_or_else(|| label(config));
             let style = ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Bottom));
-            chart.draw_series([Text::new(label, (centre, above), style)]).map_err(error)?;
+            chart.draw_series([Text::new(text, (centre, above), style)]).map_err(error)?;
             // The configuration's name under its group, in the label area.
             let (x, y) = chart.backend_coord(&(centre, Y_FLOOR));
             let name_style = ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
@@ -151,10 +158,86 @@ fn phase_bars(report: &StormReport, p: usize) -> Result<String, String> {
         chart.draw_series(DashedLineSeries::new(one, 6, 4, BLACK.stroke_width(1))).map_err(error)?;
         let style = ("sans-serif", 12).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center));
         let (x, y) = chart.backend_coord(&(groups as f64, 1.0));
-        root.draw(&Text::new("1 IOPS per VM", (x + 6, y), style)).map_err(error)?;
+        root.draw(&Text::new(line.to_owned(), (x + 6, y), style)).map_err(error)?;
         root.present().map_err(error)?;
     }
     Ok(svg)
+}
+
+/// IOPS per VM of phase `p` at the storage tiers `tiers` (indices into [`STORAGE_TIERS`]); for
+/// the write side, the change against `shared` above each group.
+fn tier_bars(report: &StormReport, p: usize, tiers: &[usize]) -> Result<String, String> {
+    let configs: Vec<&ConfigReport> = report.configs.iter().collect();
+    let colors: Vec<(RGBColor, bool)> = tiers.iter().map(|&i| (TIER_COLORS[i], false)).collect();
+    let sum = |config: &ConfigReport| -> f64 { tiers.iter().map(|&i| storage_iops(config, p)[i]).sum() };
+    let base = baseline(report).filter(|b| b.failure().is_none()).map(sum);
+    let write_side = tiers == WRITE_SIDE;
+    grouped_bars(
+        &configs,
+        &colors,
+        |config| tiers.iter().map(|&i| Some(storage_iops(config, p)[i])).collect(),
+        |config| match (base, config.mode.as_deref()) {
+            (_, Some("shared")) if write_side => "baseline (MCS)".to_owned(),
+            (Some(base), _) if write_side => {
+                reduction_text(sum(config), base).map_or_else(String::new, |r| format!("{r} vs shared"))
+            }
+            _ => String::new(),
+        },
+        "IOPS per VM (log scale)",
+        "1 IOPS per VM",
+    )
+}
+
+/// The seeds' figure of phase `p` beside this run's, like for like: for each configuration the
+/// seeds measured, the same tiers ([`seed_tiers`]) counted as the seeds counted them, I/Os per VM
+/// over the phase (totals: the seeds' windows and this run's differ): for `shared` the
+/// operations themselves (MCS's storage took the guests' requests as they were, and so does
+/// overspill's here), for a write cache in 4 KiB units (the seeds' caches wrote in place,
+/// "mostly 4K"; overspill's 2 MiB segments would otherwise count 512 times less for the same
+/// bytes). `None` if no configuration has a seed figure.
+fn seed_bars(report: &StormReport, p: usize) -> Result<Option<String>, String> {
+    let configs: Vec<&ConfigReport> = report.configs.iter().filter(|c| seed_figure(report, c, p).is_some()).collect();
+    if configs.is_empty() {
+        return Ok(None);
+    }
+    let colors = [(HERE_COLOR, false), (SEED_COLOR, true)];
+    let here = |config: &ConfigReport| -> f64 {
+        let Some(phase) = config.phases.get(p) else { return 0.0 };
+        let tiers = seed_tiers(config);
+        let rows = phase.tiers.iter().filter(|r| tiers.iter().any(|t| t.title() == r.tier));
+        match config.mode.as_deref() {
+            Some("shared") => rows.map(|r| r.total_ops_per_vm).sum(),
+            _ => rows.map(|r| r.ios_4k_per_vm()).sum(),
+        }
+    };
+    let svg = grouped_bars(
+        &configs,
+        &colors,
+        |config| vec![Some(here(config)), seed_figure(report, config, p).map(|s| s.total_io_per_vm)],
+        |config| match seed_figure(report, config, p) {
+            Some(seed) if seed.total_io_per_vm > 0.0 => format!("{:.2}× the seed", here(config) / seed.total_io_per_vm),
+            _ => String::new(),
+        },
+        "I/Os per VM in the phase (log scale)",
+        "1 I/O per VM",
+    )?;
+    Ok(Some(svg))
+}
+
+/// The tiers a configuration's seed figure measured: for `shared` (MCS) every tier, golden-image
+/// reads included, as on the seeds' shared storage; for a write cache only its own storage,
+/// since the seeds' PVS runs streamed the golden image from the PVS server.
+fn seed_tiers(config: &ConfigReport) -> Vec<&'static StorageTier> {
+    let shared = config.mode.as_deref() == Some("shared");
+    StorageTier::ALL.iter().filter(|t| shared || **t != StorageTier::Golden).collect()
+}
+
+/// What a seed row is, for a caption: "seed 000, PVS RAM+overflow 256 MB, 11 VMs".
+fn seed_row_text(seed: &SeedRow) -> String {
+    match seed.provisioning.as_str() {
+        "mcs" => format!("seed {}, MCS, {} VMs", seed.source, seed.vms),
+        _ => format!("seed {}, PVS RAM with overflow {} MB, {} VMs", seed.source, seed.ram_cache_mb, seed.vms),
+    }
 }
 
 /// Storage IOPS per VM over phase `p`'s own window, one line per configuration.
@@ -213,7 +296,7 @@ fn read_write_bars(report: &StormReport, p: usize) -> Result<String, String> {
         let Some(phase) = config.phases.get(p) else { continue };
         for &t in &STORAGE_TIERS {
             if let Some(row) = phase.tiers.iter().find(|r| r.tier == TIERS[t] && r.total_ops_per_vm > 0.0) {
-                let label = format!("{} · {} ({} IOPS/VM)", config.label, row.tier, compact(row.iops_per_vm));
+                let label = format!("{} · {} ({} IOPS/VM)", shown_label(config), row.tier, compact(row.iops_per_vm));
                 rows.push((label, row.read_iops_per_vm, row.write_iops_per_vm));
             }
         }
@@ -285,9 +368,7 @@ fn seeds_table(report: &StormReport) -> String {
     for (p, (phase, _)) in report.phase_sources.iter().enumerate() {
         for config in &report.configs {
             let (Some(seed), Some(ph)) = (seed_figure(report, config, p), config.phases.get(p)) else { continue };
-            let shared = config.mode.as_deref() == Some("shared");
-            let compared: Vec<&StorageTier> =
-                StorageTier::ALL.iter().filter(|t| shared || **t != StorageTier::Golden).collect();
+            let compared = seed_tiers(config);
             let rows: Vec<_> = ph.tiers.iter().filter(|r| compared.iter().any(|t| t.title() == r.tier)).collect();
             let ops: f64 = rows.iter().map(|r| r.total_ops_per_vm).sum();
             let iops: f64 = rows.iter().map(|r| r.iops_per_vm).sum();
@@ -371,6 +452,31 @@ fn boot_curve(report: &StormReport) -> Result<Option<String>, String> {
         root.present().map_err(error)?;
     }
     Ok(Some(svg))
+}
+
+/// A configuration's name as charts without room for a band show it: marked when it failed.
+fn shown_label(config: &ConfigReport) -> String {
+    match config.failure() {
+        Some(_) => format!("{} (FAILED)", config.label),
+        None => config.label.clone(),
+    }
+}
+
+/// The configurations that failed, at the top of the page, before any figure.
+fn failures_banner(report: &StormReport) -> String {
+    let failed: Vec<String> = report
+        .configs
+        .iter()
+        .filter_map(|c| Some(format!("<li><b>{}</b>: {}</li>", html_escape(&c.label), html_escape(&c.failure()?))))
+        .collect();
+    if failed.is_empty() {
+        return String::new();
+    }
+    format!(
+        "<div class=\"failed\"><b>Failed configurations</b>: their guests got errors, so their figures \
+         say what they did before failing, not what the configuration costs.<ul>{}</ul></div>",
+        failed.concat()
+    )
 }
 
 fn legend(items: &[(String, RGBColor, bool)]) -> String {
@@ -513,7 +619,8 @@ th{background:#f2f2f2}td:first-child,td:nth-child(2),th{text-align:left}\
 table.meta td{text-align:left}tr.seed td{background:#f4f4f4;font-style:italic}\
 .legend{margin:.3em 0 1.5em;font-size:13px}\
 .legend .sw{display:inline-block;width:12px;height:12px;margin:0 5px 0 16px;vertical-align:middle}\
-svg{display:block}";
+svg{display:block}\
+div.failed{background:#ffd7d7;border:2px solid #c00;padding:.5em 1em;margin:1em 0}";
 
 pub fn html(report: &StormReport) -> Result<String, String> {
     let mut out = String::new();
@@ -524,28 +631,71 @@ pub fn html(report: &StormReport) -> Result<String, String> {
          <style>{STYLE}</style></head><body><h1>overspill storm: {title}</h1>{}",
         metadata(report)
     );
+    out.push_str(&failures_banner(report));
     let _ = write!(
         out,
-        "<h2>What reaches storage, per VM</h2><p>IOPS per VM at each storage tier behind the VMs, per \
-         phase and write-cache configuration (log scale; the dashed line is 1 IOPS per VM). Grey \
-         outlined bars are the seeds' published figures for the same configuration (<code>shared</code> \
-         against MCS, <code>ram+disk</code> against PVS RAM cache with overflow to disk at the \
-         nearest RAM size), not measured here. Above each group: the change in everything that \
-         reached storage against <code>shared</code>, the MCS baseline.</p>"
+        "<h2>What reaches storage, per VM</h2><p>Per phase: first, where the seeds measured a \
+         configuration like one here (<code>shared</code> against MCS, <code>ram+disk</code> \
+         against PVS RAM cache with overflow to disk), this run's traffic at the storage the \
+         seeds' figure covers beside it, both counted as the seeds counted them (I/Os per VM over \
+         the phase: for <code>shared</code> the requests themselves, for a write cache in 4 KiB \
+         units, as the seeds' caches wrote in place; grey outlined bars are the seeds' published \
+         figures, not measured here). Then \
+         IOPS per VM at the write caches' own storage, with the change against \
+         <code>shared</code> (the MCS baseline) above each group, and last the golden image's \
+         storage (PVS's vDisk streaming, which the seeds' cache figures leave out). Log scales; \
+         the dashed line is 1 per VM. A configuration whose guests got errors is marked FAILED \
+         on a red band: its figures are not results.</p>"
     );
-    let mut tier_legend: Vec<(String, RGBColor, bool)> =
-        STORAGE_TIERS.iter().zip(TIER_COLORS).map(|(&t, c)| (TIERS[t].to_owned(), c, false)).collect();
-    tier_legend.push(("seeds' figure".to_owned(), SEED_COLOR, true));
+    let tier_legend = |tiers: &[usize]| -> Vec<(String, RGBColor, bool)> {
+        tiers.iter().map(|&i| (TIERS[STORAGE_TIERS[i]].to_owned(), TIER_COLORS[i], false)).collect()
+    };
+    let seed_legend =
+        [("this run, same tiers".to_owned(), HERE_COLOR, false), ("seeds' figure".to_owned(), SEED_COLOR, true)];
     for (p, (phase, source)) in report.phase_sources.iter().enumerate() {
         let duration = report.configs.first().and_then(|c| c.phases.get(p)).map_or(0.0, |ph| ph.duration_s);
         let _ = write!(
             out,
-            "<h3>{} ({})</h3><p class=\"source\">profile: {}</p>{}{}",
+            "<h3>{} ({})</h3><p class=\"source\">profile: {}</p>",
             html_escape(phase),
             duration_text(duration),
-            html_escape(source),
-            phase_bars(report, p)?,
-            legend(&tier_legend)
+            html_escape(source)
+        );
+        if let Some(svg) = seed_bars(report, p)? {
+            let rows: Vec<String> = report
+                .configs
+                .iter()
+                .filter_map(|c| {
+                    let seed = seed_figure(report, c, p)?;
+                    let tiers: Vec<&str> = seed_tiers(c).iter().map(|t| t.title()).collect();
+                    let nearest = match (c.ram_bytes, seed.provisioning.as_str()) {
+                        (Some(ram), "pvs-ram-overflow") if ram / (1 << 20) != seed.ram_cache_mb => {
+                            " (the seeds' nearest RAM size, not this one)"
+                        }
+                        _ => "",
+                    };
+                    Some(format!(
+                        "<code>{}</code>: {} against {}{nearest}",
+                        html_escape(&c.label),
+                        tiers.join(" + "),
+                        html_escape(&seed_row_text(&seed))
+                    ))
+                })
+                .collect();
+            let _ = write!(
+                out,
+                "<h4>Against the seeds, like for like</h4>{svg}{}<p class=\"source\">{}</p>",
+                legend(&seed_legend),
+                rows.join("; ")
+            );
+        }
+        let _ = write!(
+            out,
+            "<h4>The write caches' storage</h4>{}{}<h4>The golden image's storage</h4>{}{}",
+            tier_bars(report, p, &WRITE_SIDE)?,
+            legend(&tier_legend(&WRITE_SIDE)),
+            tier_bars(report, p, &GOLDEN_SIDE)?,
+            legend(&tier_legend(&GOLDEN_SIDE))
         );
     }
     let seeds = seeds_table(report);
@@ -567,7 +717,7 @@ pub fn html(report: &StormReport) -> Result<String, String> {
         let _ = write!(out, "<h3>{}</h3>{}{}", html_escape(phase), read_write_bars(report, p)?, legend(&rw_legend));
     }
     let config_legend: Vec<(String, RGBColor, bool)> =
-        report.configs.iter().enumerate().map(|(i, c)| (c.label.clone(), config_color(i), false)).collect();
+        report.configs.iter().enumerate().map(|(i, c)| (shown_label(c), config_color(i), false)).collect();
     if let Some(svg) = boot_curve(report)? {
         let _ = write!(
             out,

@@ -83,6 +83,26 @@ pub struct ConfigReport {
 }
 
 impl ConfigReport {
+    /// What went wrong for this configuration's guests, if anything: errors per phase, VMs that
+    /// failed. A configuration with any failed: none of its figures is a result to compare.
+    pub fn failure(&self) -> Option<String> {
+        let mut parts: Vec<String> = self
+            .phases
+            .iter()
+            .filter(|phase| phase.errors > 0)
+            .map(|phase| format!("{} guest errors ({} ENOSPC) in {}", phase.errors, phase.enospc, phase.phase))
+            .collect();
+        if !self.failed_vms.is_empty() {
+            parts.push(format!(
+                "{} of {} VMs failed ({})",
+                self.failed_vms.len(),
+                self.vms,
+                self.failed_vms.join("; ")
+            ));
+        }
+        (!parts.is_empty()).then(|| parts.join(", "))
+    }
+
     /// Minimum, mean and maximum boot time of the VMs that booted, and how many did.
     pub fn boot_summary(&self) -> Option<(f64, f64, f64, usize)> {
         let times: Vec<f64> = self.boot_times_s.as_ref()?.iter().flatten().copied().collect();
@@ -321,6 +341,7 @@ pub fn text_tables(report: &StormReport) -> String {
             Some(speed) => format!("paced at {speed}x real time; IOPS are over the profile's real durations"),
         }
     );
+    let _ = write!(out, "{}", failures_text(report));
     for (p, (phase, source)) in report.phase_sources.iter().enumerate() {
         let _ = writeln!(out, "\n== {phase} ==  (profile: {source})");
         let _ = writeln!(
@@ -375,6 +396,18 @@ pub fn text_tables(report: &StormReport) -> String {
         }
         for failure in &c.failed_vms {
             let _ = writeln!(out, "  failed: {failure}");
+        }
+    }
+    out
+}
+
+/// The configurations whose guests got errors, said before any figure: a configuration that
+/// failed has no result, only what it did before it failed. Empty when none did.
+pub fn failures_text(report: &StormReport) -> String {
+    let mut out = String::new();
+    for config in &report.configs {
+        if let Some(failure) = config.failure() {
+            let _ = writeln!(out, "FAILED {}: {failure}; its figures are not results", config.label);
         }
     }
     out

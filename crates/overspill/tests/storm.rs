@@ -230,9 +230,11 @@ fn the_storm_client_drives_nbdkit_and_qemu_nbd() {
 }
 
 /// The report page in a real browser: headless Chromium renders it, and the screenshot shows
-/// the bars (the shared-storage red, the golden-image green and the seeds' grey are all on it);
-/// every SVG chart on the page is well-formed XML; the page has the seeds' figures, the change
-/// against the MCS baseline, the seeds' comparison in both units, run metadata and real tables.
+/// the bars (the shared-storage red, the golden-image green and the seeds' grey are all on it)
+/// and the failed configuration's red band and banner; every SVG chart on the page is
+/// well-formed XML; the page has the seeds' figures beside this run's in their unit, the change
+/// against the MCS baseline, run metadata and real tables. `ram 32M` runs out of RAM (ENOSPC):
+/// it is marked failed at the top and in its charts, and never gets a "vs shared" figure.
 #[test]
 fn the_report_page_renders_in_a_real_browser() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -244,42 +246,59 @@ fn the_report_page_renders_in_a_real_browser() {
             "--vms",
             "3",
             "--modes",
-            "shared,ram+disk",
+            "shared,ram,ram+disk",
             "--ram",
-            "256M",
+            "32M",
             "--logon-interval",
             "1",
         ],
         &out,
         &dir.path().join("work"),
     );
-    assert_eq!(config(&report, "ram+disk 256M")["mode"], "ram+disk");
+    assert_eq!(config(&report, "ram+disk 32M")["mode"], "ram+disk");
     assert_eq!(report["seed_platform"], "win7-hyperv-sata7200");
+    let failed = config(&report, "ram 32M");
+    let errors: u64 =
+        failed["phases"].as_array().expect("phases").iter().map(|p| p["errors"].as_u64().expect("errors")).sum();
+    assert!(errors > 0, "ram 32M got no errors: the test needs a configuration that fails");
     let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
     for needle in [
+        "Against the seeds, like for like",
         "seeds' figure",
+        "× the seed",
         "vs shared",
         "baseline (MCS)",
+        "The golden image's storage",
+        "the seeds' nearest RAM size, not this one",
         "<table class=\"meta\">",
         "<th>IOPS / VM</th>",
         "seed 000 figure",
         "Against the seeds, in both units",
         "<th>in 4 KiB I/Os</th>",
         "Reads and writes at each storage tier",
-        "<tr><td>ram+disk 256M</td><td>read cache</td>",
+        "<tr><td>ram+disk 32M</td><td>read cache</td>",
+        "<div class=\"failed\"><b>Failed configurations</b>",
+        "<li><b>ram 32M</b>:",
+        &format!("FAILED ({errors} errors)"),
+        "ram 32M (FAILED)",
     ] {
         assert!(html.contains(needle), "the page lacks {needle:?}");
     }
     // `shared` has no read cache: its golden reads are not shown twice.
     assert!(!html.contains("<tr><td>shared</td><td>read cache</td>"), "a read-cache row for shared");
+    // Only the good configurations get a change against shared: one per phase.
+    assert_eq!(html.matches("% vs shared").count(), 3, "a failed configuration was given a result");
     let svgs = page::parsed_svgs(&html);
-    assert_eq!(svgs, 9, "per phase a bar chart, a read/write chart and a timeline");
+    assert_eq!(svgs, 15, "per phase the seeds' chart, the write side, the golden image, read/write and a timeline");
 
-    let pixels = page::rendered_pixels(&out.join("report.html"), &dir.path().join("report.png"), 1300, 2400);
+    let pixels = page::rendered_pixels(&out.join("report.html"), &dir.path().join("report.png"), 1300, 4200);
     let count = |rgb: [u8; 3]| pixels.iter().filter(|&&p| p == rgb).count();
-    for (name, rgb) in
-        [("shared storage", [214, 39, 40]), ("golden image", [44, 160, 44]), ("seeds' figure", [190, 190, 190])]
-    {
+    for (name, rgb) in [
+        ("shared storage", [214, 39, 40]),
+        ("golden image", [44, 160, 44]),
+        ("seeds' figure", [190, 190, 190]),
+        ("failed band", [255, 215, 215]),
+    ] {
         assert!(count(rgb) > 500, "{name} bars are not on the screenshot ({} pixels)", count(rgb));
     }
 }

@@ -235,6 +235,12 @@ fn guests_over_vhost_user_run_beside_guests_over_nbd() {
     let work = dir.path().join("work");
     // Standard error is a pipe here, no terminal: plain progress lines, every few seconds.
     assert!(stderr.contains("storm: configuration 2 of 2 (ram+disk 8M vhost-user)"), "no progress lines:\n{stderr}");
+    // Each line says where the guests are (phase by phase) and the storm's clock.
+    let line = stderr.lines().find(|l| l.starts_with("storm: configuration 2 of 2")).expect("a line");
+    assert!(
+        line.contains("boot ") && line.contains("steady ") && line.contains("ended ") && line.contains(" of 2 at "),
+        "{line}"
+    );
     assert!(report["description"].as_str().is_some_and(|d| d.contains("vhost-user-blk")), "{}", report["description"]);
     for label in ["ram+disk 8M nbd", "ram+disk 8M vhost-user"] {
         let c = config(&report, label);
