@@ -27,6 +27,12 @@ pub trait Target: Sync {
     fn uri(&self, vm: usize) -> NbdUri;
     /// The engine's counters of a connected VM, when the server runs in this process.
     fn stats(&self, vm: usize) -> Option<Arc<VmStats>>;
+    /// Whether the guests keep their event logs on a disk of their own (see [`DIRECT`]): true
+    /// for an in-process write cache, false for `shared` (MCS) and for a server elsewhere, which
+    /// gets every request.
+    fn event_logs_apart(&self) -> bool {
+        false
+    }
 }
 
 /// A server outside this process, and no engine counters. Every VM connects to the same URI,
@@ -93,8 +99,8 @@ impl Ops {
 /// The tiers a request can reach, in report order: the guest's requests, what the overlay asked
 /// of the golden image (all served by its shared read cache when there is one), then each
 /// [`StorageTier`], where operations actually reached storage.
-pub const TIERS: [&str; 2 + StorageTier::ALL.len()] = {
-    let mut names = ["guest", "read cache", "", "", "", ""];
+pub const TIERS: [&str; 3 + StorageTier::ALL.len()] = {
+    let mut names = ["guest", "read cache", "", "", "", "", "event-log disk"];
     let mut i = 0;
     while i < StorageTier::ALL.len() {
         names[2 + i] = StorageTier::ALL[i].title();
@@ -110,13 +116,19 @@ pub const READ_CACHE: usize = 1;
 pub const fn tier_index(tier: StorageTier) -> usize {
     2 + tier as usize
 }
+/// The guest's own persistent disk for its event logs (a workload's `direct` areas), outside
+/// the write cache: PVS deployments redirect the event logs to the cache disk "so that they
+/// persist and their I/O would not be cached in RAM" (seed 000). Counted here, not sent to
+/// overspill, whose VMs would keep them in RAM; `shared` (MCS) has no such disk.
+pub const DIRECT: usize = 2 + StorageTier::ALL.len();
 
 /// Counts per tier, indexed like [`TIERS`].
 pub type TierOps = [Ops; TIERS.len()];
 
-/// The storage tiers' operations between two samples; tier 0 (the guest's own) is left alone.
+/// The storage tiers' operations between two samples of the engine's counters; the guest's own
+/// and the event-log disk's (counted by the tally) are left alone.
 fn set_storage_since(delta: &mut TierOps, now: &TierOps, last: &TierOps) {
-    for (tier, (n, l)) in now.iter().zip(last).enumerate().skip(GUEST + 1) {
+    for (tier, (n, l)) in now.iter().zip(last).enumerate().skip(GUEST + 1).take(DIRECT - GUEST - 1) {
         delta[tier] = n.minus(l);
     }
 }
@@ -239,6 +251,9 @@ impl Timeline {
 pub struct RunPlan {
     pub phase_names: Vec<String>,
     pub disk_bytes: u64,
+    /// The byte ranges of the workload's `direct` areas (event logs): requests there go to the
+    /// [`DIRECT`] disk when the target keeps event logs apart. Recorded traces have none.
+    pub direct: Vec<(u64, u64)>,
     /// `ops[vm][phase]`, times relative to the VM's start of the phase.
     pub ops: Vec<Vec<Vec<Op>>>,
     pub timeline: Timeline,
@@ -268,6 +283,7 @@ impl RunPlan {
         Self {
             phase_names: workload.phases.iter().map(|p| p.name.clone()).collect(),
             disk_bytes: workload.disk_bytes(),
+            direct: workload.direct_ranges(),
             ops: (0..config.vms).map(|vm| workload.generate(config.workload_seed, vm as u64)).collect(),
             timeline: Timeline { starts_ms, windows_ms },
         }
@@ -303,6 +319,7 @@ impl RunPlan {
         Self {
             phase_names: if phase_names.is_empty() { vec!["recorded".into()] } else { phase_names },
             disk_bytes: traces.iter().map(|t| t.header.disk_bytes).max().unwrap_or(0),
+            direct: Vec::new(),
             ops,
             timeline: Timeline { starts_ms, windows_ms },
         }
@@ -314,6 +331,12 @@ impl RunPlan {
 
     pub fn total_ops(&self) -> u64 {
         self.ops.iter().flatten().map(|p| p.len() as u64).sum()
+    }
+
+    /// Whether `op` is a read or write of an event-log (`direct`) area.
+    pub fn is_direct(&self, op: &Op) -> bool {
+        matches!(op.kind, GuestOp::Read | GuestOp::Write)
+            && self.direct.iter().any(|&(start, end)| op.offset >= start && op.offset + u64::from(op.len) <= end)
     }
 }
 
@@ -391,7 +414,11 @@ fn open_recorder(ctx: &VmContext, dir: &Path) -> Result<TraceWriter, String> {
 /// the VM goes on), or the connection failed (the VM stops).
 pub(crate) enum Outcome {
     Done,
-    Refused { errno: u32 },
+    /// Served by the guest's event-log disk ([`DIRECT`]), not by the write cache.
+    Direct,
+    Refused {
+        errno: u32,
+    },
     Failed(String),
 }
 
@@ -430,7 +457,9 @@ impl VmTally {
             GuestOp::Trim => result.phases[p].trims += 1,
             GuestOp::Flush => result.phases[p].flushes += 1,
         }
+        let mut direct = None;
         match outcome {
+            Outcome::Direct => direct = Some(delta[GUEST]),
             Outcome::Done => match op.kind {
                 GuestOp::Read => result.blocks.guest_read_blocks += len.div_ceil(4096),
                 GuestOp::Write => result.blocks.guest_write_blocks += len.div_ceil(4096),
@@ -451,6 +480,9 @@ impl VmTally {
             let now = storage_tiers(stats);
             set_storage_since(&mut delta, &now, &self.last);
             self.last = now;
+        }
+        if let Some(ops) = direct {
+            delta[DIRECT] = ops;
         }
         add_tiers(&mut result.phases[p].tiers, &delta);
         let buckets = result.timeline.len();
@@ -502,6 +534,7 @@ fn run_vm(ctx: &VmContext) -> VmResult {
         Err(e) => return failed(vm, plan, buckets, &format!("connect: {e}")),
     };
     let mut tally = VmTally::new(vm, plan, buckets, config.bucket_s, ctx.target.stats(vm));
+    let event_logs_apart = ctx.target.event_logs_apart();
     let mut buffer = Vec::new();
     let mut unreported = 0u64;
     'phases: for (p, ops) in plan.ops[vm].iter().enumerate() {
@@ -528,6 +561,12 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     tally.result.failure = Some(format!("record: {e}"));
                     break 'phases;
                 }
+            }
+            if event_logs_apart && plan.is_direct(op) {
+                if !tally.issued(p, at_ms, op, Outcome::Direct) {
+                    break 'phases;
+                }
+                continue;
             }
             let outcome = match op.kind {
                 GuestOp::Read => {

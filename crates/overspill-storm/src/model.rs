@@ -84,9 +84,15 @@ pub fn simulate_on(
     order.sort_unstable();
     let largest = plan.ops.iter().flatten().flatten().map(|op| op.len).max().unwrap_or(0);
     let mut buffer = vec![0u8; largest as usize];
+    let event_logs_apart = config.mode != WriteCacheMode::Shared;
     for (at_ms, vm, p, i) in order {
         let op = &plan.ops[vm][p][i];
         let (overlay, tally) = &mut vms[vm];
+        if event_logs_apart && plan.is_direct(op) {
+            tally.issued(p, at_ms, op, Outcome::Direct);
+            observe(vm, p, op, &all_stats[vm]);
+            continue;
+        }
         let len = op.len as usize;
         let outcome = match op.kind {
             GuestOp::Read => overlay.read(op.offset, &mut buffer[..len]),

@@ -217,6 +217,7 @@ pub fn results(
     let plan = RunPlan {
         phase_names: phase_names.to_vec(),
         disk_bytes,
+        direct: Vec::new(),
         ops: vec![vec![Vec::new(); phases]; observations.len()],
         timeline: Timeline { starts_ms, windows_ms },
     };

@@ -12,20 +12,28 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use overspill_engine::StorageTier;
 
-use crate::driver::{tier_index, TIERS};
-use crate::report::{duration_text, read_write_text, served_text, shown_rows, text_tables, ConfigReport, StormReport};
+use crate::driver::{tier_index, DIRECT, TIERS};
+use crate::report::{
+    duration_text, read_write_text, served_text, shown_rows, text_tables, ConfigReport, StormReport, TierRow,
+};
 use crate::seeds::{self, SeedRow};
 
 /// The tiers behind the VMs, as indices into [`TIERS`], in the order the bars are drawn: the
-/// write caches' storage first, the golden image's last.
-const STORAGE_TIERS: [usize; 4] = [
+/// write caches' storage first, the golden image's, then the guests' event-log disk.
+const STORAGE_TIERS: [usize; 5] = [
     tier_index(StorageTier::Shared),
     tier_index(StorageTier::CacheFile),
     tier_index(StorageTier::Spill),
     tier_index(StorageTier::Golden),
+    DIRECT,
 ];
-const TIER_COLORS: [RGBColor; 4] =
-    [RGBColor(214, 39, 40), RGBColor(255, 127, 14), RGBColor(31, 119, 180), RGBColor(44, 160, 44)];
+const TIER_COLORS: [RGBColor; 5] = [
+    RGBColor(214, 39, 40),
+    RGBColor(255, 127, 14),
+    RGBColor(31, 119, 180),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+];
 const SEED_COLOR: RGBColor = RGBColor(190, 190, 190);
 const READ_COLOR: RGBColor = RGBColor(70, 130, 180);
 const WRITE_COLOR: RGBColor = RGBColor(230, 150, 60);
@@ -46,7 +54,7 @@ fn html_escape(s: &str) -> String {
 }
 
 /// IOPS per VM at each storage tier in phase `p`, in [`STORAGE_TIERS`] order.
-fn storage_iops(config: &ConfigReport, p: usize) -> [f64; 4] {
+fn storage_iops(config: &ConfigReport, p: usize) -> [f64; 5] {
     let phase = config.phases.get(p);
     STORAGE_TIERS.map(|t| {
         phase.and_then(|ph| ph.tiers.iter().find(|row| row.tier == TIERS[t])).map_or(0.0, |row| row.iops_per_vm)
@@ -74,8 +82,9 @@ fn error(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
-/// The write caches' own storage: what the seeds' PVS figures measure (their cache disk).
-const WRITE_SIDE: [usize; 3] = [0, 1, 2];
+/// The write caches' own storage, and the event-log disk beside them: what the seeds' PVS
+/// figures measure (their cache disk held both).
+const WRITE_SIDE: [usize; 4] = [0, 1, 2, 4];
 /// The golden image's storage: PVS's vDisk streaming, which the seeds' cache figures leave out.
 const GOLDEN_SIDE: [usize; 1] = [3];
 /// Behind a configuration whose guests got errors, in every chart, and the page's banner.
@@ -204,11 +213,11 @@ fn seed_bars(report: &StormReport, p: usize) -> Result<Option<String>, String> {
     let here = |config: &ConfigReport| -> f64 {
         let Some(phase) = config.phases.get(p) else { return 0.0 };
         let tiers = seed_tiers(config);
-        let rows = phase.tiers.iter().filter(|r| tiers.iter().any(|t| t.title() == r.tier));
-        match config.mode.as_deref() {
-            Some("shared") => rows.map(|r| r.total_ops_per_vm).sum(),
-            _ => rows.map(|r| r.ios_4k_per_vm()).sum(),
-        }
+        let rows = phase.tiers.iter().filter(|r| tiers.contains(&r.tier.as_str()));
+        // The event-log disk took the guests' requests in place, as the seeds' did: counted as
+        // they are.
+        let in_place = |r: &TierRow| r.tier == TIERS[DIRECT] || config.mode.as_deref() == Some("shared");
+        rows.map(|r| if in_place(r) { r.total_ops_per_vm } else { r.ios_4k_per_vm() }).sum()
     };
     let svg = grouped_bars(
         &configs,
@@ -224,12 +233,13 @@ fn seed_bars(report: &StormReport, p: usize) -> Result<Option<String>, String> {
     Ok(Some(svg))
 }
 
-/// The tiers a configuration's seed figure measured: for `shared` (MCS) every tier, golden-image
-/// reads included, as on the seeds' shared storage; for a write cache only its own storage,
-/// since the seeds' PVS runs streamed the golden image from the PVS server.
-fn seed_tiers(config: &ConfigReport) -> Vec<&'static StorageTier> {
+/// The tiers (names in [`TIERS`]) a configuration's seed figure measured: for `shared` (MCS)
+/// every tier, golden-image reads included, as on the seeds' shared storage; for a write cache
+/// its own storage and the event-log disk (the seeds' cache disk held both), not the golden
+/// image, which the seeds' PVS runs streamed from the PVS server.
+fn seed_tiers(config: &ConfigReport) -> Vec<&'static str> {
     let shared = config.mode.as_deref() == Some("shared");
-    StorageTier::ALL.iter().filter(|t| shared || **t != StorageTier::Golden).collect()
+    STORAGE_TIERS.iter().filter(|&&t| shared || t != tier_index(StorageTier::Golden)).map(|&t| TIERS[t]).collect()
 }
 
 /// What a seed row is, for a caption: "seed 000, PVS RAM+overflow 256 MB, 11 VMs".
@@ -369,11 +379,11 @@ fn seeds_table(report: &StormReport) -> String {
         for config in &report.configs {
             let (Some(seed), Some(ph)) = (seed_figure(report, config, p), config.phases.get(p)) else { continue };
             let compared = seed_tiers(config);
-            let rows: Vec<_> = ph.tiers.iter().filter(|r| compared.iter().any(|t| t.title() == r.tier)).collect();
+            let rows: Vec<_> = ph.tiers.iter().filter(|r| compared.contains(&r.tier.as_str())).collect();
             let ops: f64 = rows.iter().map(|r| r.total_ops_per_vm).sum();
             let iops: f64 = rows.iter().map(|r| r.iops_per_vm).sum();
             let ios_4k: f64 = rows.iter().map(|r| r.ios_4k_per_vm()).sum();
-            let names: Vec<&str> = compared.iter().map(|t| t.title()).collect();
+            let names = compared;
             any = true;
             let _ = write!(
                 out,
@@ -667,7 +677,7 @@ pub fn html(report: &StormReport) -> Result<String, String> {
                 .iter()
                 .filter_map(|c| {
                     let seed = seed_figure(report, c, p)?;
-                    let tiers: Vec<&str> = seed_tiers(c).iter().map(|t| t.title()).collect();
+                    let tiers = seed_tiers(c);
                     let nearest = match (c.ram_bytes, seed.provisioning.as_str()) {
                         (Some(ram), "pvs-ram-overflow") if ram / (1 << 20) != seed.ram_cache_mb => {
                             " (the seeds' nearest RAM size, not this one)"

@@ -38,6 +38,12 @@ pub struct Workload {
     #[serde(default)]
     pub seed_platform: Option<String>,
     pub disk: DiskLayout,
+    /// Share of every phase's reads and writes that are the guest's event-log I/O, in its
+    /// `direct` area (0: none). Seed 000's PVS guests had their event logs "redirected directly
+    /// to the write cache disk so that they persist and their I/O would not be cached in RAM",
+    /// which is what its PVS rows show under a cache that never overflowed.
+    #[serde(default)]
+    pub direct_share: f64,
     pub phases: Vec<Phase>,
 }
 
@@ -57,6 +63,10 @@ pub struct Area {
     pub name: String,
     pub start_mib: u64,
     pub size_mib: u64,
+    /// The guest keeps this area on a persistent disk of its own, outside the write cache (event
+    /// logs; see [`Workload::direct_share`]). Written only through that share, never trimmed.
+    #[serde(default)]
+    pub direct: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -137,6 +147,16 @@ impl Workload {
         self.disk.size_mib * MIB
     }
 
+    /// The byte ranges of the `direct` areas.
+    pub fn direct_ranges(&self) -> Vec<(u64, u64)> {
+        self.disk
+            .areas
+            .iter()
+            .filter(|a| a.direct)
+            .map(|a| (a.start_mib * MIB, (a.start_mib + a.size_mib) * MIB))
+            .collect()
+    }
+
     fn check(&self) -> Result<(), String> {
         let d = &self.disk;
         if d.system_mib == 0 || d.system_mib > d.size_mib {
@@ -146,6 +166,12 @@ impl Workload {
             if area.size_mib == 0 || area.start_mib + area.size_mib > d.size_mib || area.start_mib < d.system_mib {
                 return Err(format!("area {} must lie inside the disk, after the system region", area.name));
             }
+        }
+        if !(0.0..1.0).contains(&self.direct_share) {
+            return Err("direct_share must lie in 0..1".into());
+        }
+        if self.direct_share > 0.0 && !d.areas.iter().any(|a| a.direct) {
+            return Err("direct_share needs an area with direct = true".into());
         }
         for phase in &self.phases {
             let fractions = [phase.read_fraction, phase.read_shared, phase.read_own, phase.write_overwrite];
@@ -164,8 +190,15 @@ impl Workload {
                 }
             }
             for (area, _) in &phase.write_areas {
-                if !d.areas.iter().any(|a| &a.name == area) {
-                    return Err(format!("phase {}: unknown write area {area}", phase.name));
+                match d.areas.iter().find(|a| &a.name == area) {
+                    None => return Err(format!("phase {}: unknown write area {area}", phase.name)),
+                    Some(a) if a.direct => {
+                        return Err(format!(
+                            "phase {}: {area} is direct: it is written through direct_share",
+                            phase.name
+                        ))
+                    }
+                    Some(_) => {}
                 }
             }
             if phase.read_sizes.is_empty() || phase.write_sizes.is_empty() || phase.write_areas.is_empty() {
@@ -185,7 +218,7 @@ impl Workload {
             .map(|(index, phase)| {
                 let shared_seed = workload_seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
                 let vm_seed = shared_seed ^ (vm + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                state.phase(&self.disk, phase, shared_seed, vm_seed)
+                state.phase(&self.disk, phase, self.direct_share, shared_seed, vm_seed)
             })
             .collect()
     }
@@ -217,22 +250,56 @@ fn pick<'a, T>(rng: &mut SmallRng, weighted: &'a [(T, f64)]) -> &'a T {
     &weighted[weighted.len() - 1].0
 }
 
-/// What a VM has written so far, per area, so that overwrites, re-reads and deletes hit it.
+/// What a VM has written so far, per area, so that overwrites, re-reads and deletes hit it; the
+/// event-log areas' writes apart, read back only by event-log reads.
 struct VmState {
     cursors: BTreeMap<String, u64>,
     written: BTreeMap<String, Vec<(u64, u32)>>,
+    direct_written: Vec<(u64, u32)>,
 }
 
 impl VmState {
     fn new(disk: &DiskLayout) -> Self {
         Self {
             cursors: disk.areas.iter().map(|a| (a.name.clone(), a.start_mib * MIB)).collect(),
-            written: disk.areas.iter().map(|a| (a.name.clone(), Vec::new())).collect(),
+            written: disk.areas.iter().filter(|a| !a.direct).map(|a| (a.name.clone(), Vec::new())).collect(),
+            direct_written: Vec::new(),
         }
     }
 
-    fn phase(&mut self, disk: &DiskLayout, phase: &Phase, shared_seed: u64, vm_seed: u64) -> Vec<Op> {
+    /// An event-log write: appended to the (first) direct area, which wraps as a log does.
+    fn direct_write(&mut self, rng: &mut SmallRng, disk: &DiskLayout, p: &Phase, at_ms: u64) -> Op {
+        let area = disk.areas.iter().find(|a| a.direct).expect("checked at load: direct_share needs one");
+        let len = *pick(rng, &p.write_sizes);
+        let (start, end) = (area.start_mib * MIB, (area.start_mib + area.size_mib) * MIB);
+        let cursor = self.cursors.get_mut(&area.name).expect("one per area");
+        if *cursor + u64::from(len) > end {
+            *cursor = start;
+        }
+        let offset = *cursor;
+        *cursor += u64::from(len);
+        self.direct_written.push((offset, len));
+        Op { at_ms, kind: GuestOp::Write, offset, len }
+    }
+
+    /// An event-log read: a recent event-log write read back; `None` before the first.
+    fn direct_read(&mut self, rng: &mut SmallRng, at_ms: u64) -> Option<Op> {
+        let written = &self.direct_written;
+        let (offset, len) = *written.get(recent_index(rng, written.len().max(1), 4.0))?;
+        Some(Op { at_ms, kind: GuestOp::Read, offset, len })
+    }
+
+    fn phase(
+        &mut self,
+        disk: &DiskLayout,
+        phase: &Phase,
+        direct_share: f64,
+        shared_seed: u64,
+        vm_seed: u64,
+    ) -> Vec<Op> {
         let mut rng = SmallRng::seed_from_u64(vm_seed);
+        // Its own stream, so that a workload without event-log I/O draws what it always drew.
+        let mut direct_rng = SmallRng::seed_from_u64(vm_seed ^ 0x6576_656e_746c_6f67);
         // The boot sequence all VMs share: the same offsets and sizes in the same order.
         let mut shared_rng = SmallRng::seed_from_u64(shared_seed);
         let system_bytes = disk.system_mib * MIB;
@@ -259,10 +326,20 @@ impl VmState {
             } else {
                 GuestOp::Flush
             };
+            let direct = direct_share > 0.0
+                && matches!(kind, GuestOp::Read | GuestOp::Write)
+                && direct_rng.gen::<f64>() < direct_share;
             let op = match kind {
                 GuestOp::Read => {
                     reads_left -= 1;
-                    self.read(&mut rng, &mut shared_rng, phase, system_bytes, at_ms)
+                    match direct.then(|| self.direct_read(&mut direct_rng, at_ms)).flatten() {
+                        Some(op) => op,
+                        None => self.read(&mut rng, &mut shared_rng, phase, system_bytes, at_ms),
+                    }
+                }
+                GuestOp::Write if direct => {
+                    writes_left -= 1;
+                    self.direct_write(&mut direct_rng, disk, phase, at_ms)
                 }
                 GuestOp::Write => {
                     writes_left -= 1;

@@ -47,7 +47,8 @@ fn host_caches_cut_what_the_golden_store_serves() {
         mode: WriteCacheMode::RamDisk,
         ram_bytes: 8 << 20,
         read_cache_bytes: 1 << 30,
-        stagger_s: 10.0,
+        // Boots take 120 s: 30 s apart, at most 4 of a host's 6 VMs boot at once.
+        stagger_s: 30.0,
         interval_s: 10,
     };
     let plan = plan_fleet(&boots(3), &options).expect("plans");
@@ -63,8 +64,9 @@ fn host_caches_cut_what_the_golden_store_serves() {
         assert!(cache.total_bytes >= tier.total_bytes && tier.total_bytes < none.total_bytes, "{storm:?}");
         assert!(none.peak_iops >= none.avg_iops && none.peak_mib_s >= none.avg_mib_s, "{storm:?}");
     }
-    // Spreading the power-ons lowers the peak the store sees without the caches.
-    assert!(plan.store[3].peak_iops < plan.store[0].peak_iops, "{:?}", plan.store);
+    // Spreading the power-ons lowers the peak the store sees without the caches: 4 boots at
+    // once at most instead of 6 (and the boots' own rates vary, hence 0.8, not 4/6).
+    assert!(plan.store[3].peak_iops < 0.8 * plan.store[0].peak_iops, "{:?}", plan.store);
     // Without a read cache the store serves exactly the blocks no VM holds when it reads them,
     // counted here from the requests alone (a block is the VM's once written or zeroed, the
     // golden image's again once trimmed), for every host: the engine's golden reads and the

@@ -145,6 +145,8 @@ impl Run {
 struct LocalTarget {
     socket: PathBuf,
     registry: Arc<VmRegistry>,
+    /// Not `shared` (MCS): the guests' event logs go to a disk of their own, as PVS's do.
+    event_logs_apart: bool,
     /// The VMs' vhost-user sockets, when the guests reach their disk that way (removed with it).
     _vhost: Option<VhostExports>,
 }
@@ -164,6 +166,10 @@ impl Target for LocalTarget {
     fn stats(&self, vm: usize) -> Option<Arc<VmStats>> {
         let name = format!("vm-{vm}");
         self.registry.snapshot().into_iter().find(|h| h.vm == name).map(|h| h.stats)
+    }
+
+    fn event_logs_apart(&self) -> bool {
+        self.event_logs_apart
     }
 }
 
@@ -315,7 +321,7 @@ fn start_local_server(
             tracing::error!(%error, "storm server stopped");
         }
     })?;
-    Ok(LocalTarget { socket, registry, _vhost: vhost })
+    Ok(LocalTarget { socket, registry, event_logs_apart: mode != WriteCacheMode::Shared, _vhost: vhost })
 }
 
 /// Prints the report's tables and writes its files.
