@@ -548,6 +548,14 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     std::thread::sleep(due - now);
                 }
             }
+            // The event logs' requests go to a disk of the guest's own, not to the server: not
+            // sent, and not in the trace of what the server got (the planner replays that).
+            if event_logs_apart && plan.is_direct(op) {
+                if !tally.issued(p, at_ms, op, Outcome::Direct) {
+                    break 'phases;
+                }
+                continue;
+            }
             if let Some(w) = recorder.as_mut() {
                 let record = Record {
                     time_us: at_ms * 1000,
@@ -561,12 +569,6 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     tally.result.failure = Some(format!("record: {e}"));
                     break 'phases;
                 }
-            }
-            if event_logs_apart && plan.is_direct(op) {
-                if !tally.issued(p, at_ms, op, Outcome::Direct) {
-                    break 'phases;
-                }
-                continue;
             }
             let outcome = match op.kind {
                 GuestOp::Read => {
