@@ -3,11 +3,13 @@
 //! overlay to that trait. Between the two sit layers any device can wear ([`DeviceLayer`]: a
 //! layer overrides what it adds and passes every other call on), each on its own:
 //! [`Recorded`] writes every request to a trace ([`trace`], the format the storm replays and the
-//! planner sizes from) and [`Timed`] measures service times. One list of guest operations
+//! planner sizes from), [`Timed`] measures service times and [`Throttled`] holds a VM to its
+//! limits ([`limit`]). One list of guest operations
 //! ([`GuestOp`]) serves the whole workspace.
 
 pub mod device;
 pub mod layer;
+pub mod limit;
 pub mod op;
 pub mod recorded;
 pub mod timed;
@@ -18,6 +20,7 @@ pub use device::{
     ExportProvider, Extent, Payload, ReadRequest, SlicesPayload, VmSockets, DEFAULT_BLOCK_SIZES,
 };
 pub use layer::DeviceLayer;
+pub use limit::{Limiter, Limits, Rate, Throttled};
 pub use op::GuestOp;
 pub use recorded::{Recorded, Recorder};
 pub use timed::{Latencies, Timed};

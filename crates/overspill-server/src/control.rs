@@ -50,6 +50,38 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         image: Option<String>,
     },
+    /// Sets a VM's limits (its operations and bytes per second), live; with neither changed,
+    /// says them.
+    Limit {
+        vm: String,
+        #[serde(default)]
+        ops: RateChange,
+        #[serde(default)]
+        bytes: RateChange,
+    },
+}
+
+/// A limit as `vm limit` changes it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RateChange {
+    #[default]
+    Keep,
+    Off,
+    Set {
+        per_second: u64,
+        burst: u64,
+    },
+}
+
+impl RateChange {
+    fn change(self) -> Option<Option<overspill_block::Rate>> {
+        match self {
+            Self::Keep => None,
+            Self::Off => Some(None),
+            Self::Set { per_second, burst } => Some(Some(overspill_block::Rate { per_second, burst })),
+        }
+    }
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -158,6 +190,13 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
         },
         Ok(Request::Reset { vm }) => outcome(targets.registry.reset(&vm)),
         Ok(Request::Drop { vm }) => outcome(targets.drop_vm(&vm)),
+        Ok(Request::Limit { vm, ops, bytes }) => match crate::check_name("VM", &vm) {
+            Ok(()) => {
+                let limits = targets.registry.limits().set(&vm, ops.change(), bytes.change());
+                Answer { ok: true, message: Some(format!("{vm}: {limits}")), ..Answer::default() }
+            }
+            Err(error) => outcome(Err(error)),
+        },
         Ok(Request::Add { vm, image }) => match targets.add(&vm, image.as_deref()) {
             Ok((message, socket)) => {
                 Answer { ok: true, message: Some(message), socket: Some(socket), ..Answer::default() }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use overspill_block::{
-    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, DeviceLayer, Extent, Payload, ReadRequest, Recorded,
-    Recorder, Timed,
+    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, DeviceLayer, Extent, Limiter, Payload, ReadRequest,
+    Recorded, Recorder, Throttled, Timed,
 };
 use overspill_engine::{Allocation, EngineError};
 
@@ -25,6 +25,7 @@ pub(crate) fn stack(
     number: u64,
     reset: Arc<AtomicBool>,
     registry: Arc<VmRegistry>,
+    limiter: Option<Arc<Limiter>>,
 ) -> Box<dyn BlockDevice> {
     let stats = vm.overlay.stats().clone();
     let recorder: Option<Arc<Mutex<Recorder>>> = vm.recorder.clone();
@@ -38,12 +39,13 @@ pub(crate) fn stack(
         registry: registry.clone(),
         no_space: NoSpaceWarnings::default(),
     };
-    Box::new(LedgerMarked {
-        inner: Recorded::new(Timed::new(engine, stats), recorder),
-        registry,
-        number,
-        marked: false,
-    })
+    let device =
+        LedgerMarked { inner: Recorded::new(Timed::new(engine, stats), recorder), registry, number, marked: false };
+    // Outermost: the time a request waits for its limits is not the device's service time.
+    match limiter {
+        Some(limiter) => Box::new(Throttled::new(device, vec![limiter])),
+        None => Box::new(device),
+    }
 }
 
 /// One VM's overlay behind the device trait, for one connection. Dropping it ends the

@@ -469,7 +469,8 @@ impl ExportProvider for OverlayExports {
             },
         };
         let capabilities = if self.read_only(name) { ANONYMOUS_CAPABILITIES } else { CAPABILITIES };
-        Ok(crate::device::stack(vm, capabilities, number, reset, self.registry.clone()))
+        let limiter = self.registry.limits().limiter_for(vm_name);
+        Ok(crate::device::stack(vm, capabilities, number, reset, self.registry.clone(), limiter))
     }
 }
 

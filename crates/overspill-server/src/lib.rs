@@ -1,8 +1,9 @@
 //! Serving VMs' disks: what sits between a frontend's connection and an engine overlay. It owns
 //! the adapter from exports to overlays (`exports`), each connection's device and the layers it
 //! wears (`device`), a VM's overlay as it waits between connections (`vm_overlay`), the registry
-//! of named VMs with their reconnect grace (`vms`), the ledger that lets their state outlive the
-//! process and the naming of state files (`ledger`), the files it writes whole (`files`), the
+//! of named VMs with their reconnect grace (`vms`) and their I/O limits (`vm_limits`), the
+//! ledger that lets their state outlive the process and the naming of state files (`ledger`),
+//! the files it writes whole (`files`), the
 //! versioned golden-image store (`images`) and the control socket (`control`). It knows neither
 //! the command line, nor a frontend's protocol, nor how the engine caches; the `overspill`
 //! command parses flags and wires these parts together.
@@ -14,6 +15,7 @@ pub mod exports;
 pub mod files;
 pub mod images;
 pub mod ledger;
+pub mod vm_limits;
 pub mod vm_overlay;
 pub mod vms;
 

@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use crate::ledger::{
     remove_leftover_state_files, remove_state_files, Ledger, LeftBehind, Marks, Recoverable, StateRecord,
 };
+use crate::vm_limits::VmLimits;
 use crate::vm_overlay::VmOverlay;
 use crate::ServerError;
 
@@ -173,6 +174,7 @@ pub struct VmRegistry {
     /// Golden images found changed while VMs were served over them (see
     /// [`Self::golden_image_changed`]).
     golden_image_changes: std::sync::atomic::AtomicU64,
+    limits: VmLimits,
 }
 
 #[derive(Default)]
@@ -273,6 +275,7 @@ impl VmRegistry {
             state_places: std::sync::OnceLock::new(),
             orphans: Mutex::new(()),
             golden_image_changes: Default::default(),
+            limits: VmLimits::default(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
             spawn_grace_keeper(Arc::downgrade(&registry));
@@ -690,6 +693,11 @@ impl VmRegistry {
         drop(inner);
         drop(parked);
         named
+    }
+
+    /// Each VM's I/O limits.
+    pub fn limits(&self) -> &VmLimits {
+        &self.limits
     }
 
     /// How many times a golden image was found changed while served.

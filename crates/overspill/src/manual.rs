@@ -48,6 +48,8 @@ fn examples(subcommand: Option<&str>) -> Option<Vec<(&'static str, &'static str)
              "overspill vm reset vm1\noverspill vm drop vm1"),
             ("Give a vhost-user-blk VM its socket while the server runs:",
              "overspill vm add vm2 default"),
+            ("Hold one VM to 500 operations and 20 MiB per second, live; lift it again:",
+             "overspill vm limit vm1 --iops 500 --bandwidth 20M\noverspill vm limit vm1 --iops off --bandwidth off"),
         ],
         Some("image") => vec![
             ("Publish a new version and make it the one new VMs boot (running VMs keep theirs):",

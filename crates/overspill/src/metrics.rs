@@ -400,6 +400,21 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
         "counter",
     );
     w.sample("overspill_golden_image_changes_total", &[], registry.golden_image_changes() as f64);
+    let throttling = registry.limits().throttling();
+    if !throttling.is_empty() {
+        w.header(
+            "overspill_vm_throttled_seconds_total",
+            "Time the VM's requests waited for its limits (vm limit, serve --limit-iops/--limit-bandwidth), summed.",
+            "counter",
+        );
+        for (vm, waited, _) in &throttling {
+            w.sample("overspill_vm_throttled_seconds_total", &[("vm", vm.clone())], waited.as_secs_f64());
+        }
+        w.header("overspill_vm_throttled_requests", "The VM's requests waiting for its limits now.", "gauge");
+        for (vm, _, waiting) in &throttling {
+            w.sample("overspill_vm_throttled_requests", &[("vm", vm.clone())], *waiting as f64);
+        }
+    }
     w.header(
         "overspill_host_cache_memory_used_bytes",
         "Cache memory of all VMs together, with the free pages they keep for their next writes.",

@@ -185,6 +185,14 @@ pub struct ServeArgs {
     /// be at most this. All of a VM's queues are served by one thread.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     vhost_user_queues: u16,
+    /// Each VM's operations per second (reads, writes, zeroes, trims), with a burst: `1000`
+    /// (a burst of one second's worth) or `1000:5000`. Requests over it wait, over NBD and
+    /// vhost-user alike. `overspill vm limit NAME` changes one VM's, live. Default: none.
+    #[arg(long, value_name = "RATE[:BURST]", value_parser = crate::size::parse_ops_rate)]
+    limit_iops: Option<overspill_block::Rate>,
+    /// Each VM's bytes per second read and written, with a burst: `50M` or `50M:200M`.
+    #[arg(long, value_name = "SIZE[:BURST]", value_parser = crate::size::parse_bytes_rate)]
+    limit_bandwidth: Option<overspill_block::Rate>,
     #[command(flatten)]
     security: SecurityArgs,
 }
@@ -266,6 +274,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let host = HostMemory::new(ram_total, args.ram_floor);
     let (mut exports, cache_dirs) = overlay_exports(&args, images, host.clone(), &state_dir, &memory_dir)?;
     let registry = exports.registry();
+    registry.limits().set_default(overspill_block::Limits { ops: args.limit_iops, bytes: args.limit_bandwidth });
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
     if let Some(dir) = &args.record {

@@ -28,9 +28,40 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// A VM's operations per second as `serve --limit-iops` and `vm limit --iops` take it:
+/// `1000` (a burst of one second's worth) or `1000:5000`.
+pub fn parse_ops_rate(s: &str) -> Result<overspill_block::Rate, String> {
+    parse_rate(s, |n| n.trim().parse::<u64>().map_err(|_| format!("{n:?} is not a number of operations")))
+}
+
+/// A VM's bytes per second: `50M` (a burst of one second's worth) or `50M:200M`.
+pub fn parse_bytes_rate(s: &str) -> Result<overspill_block::Rate, String> {
+    parse_rate(s, parse_bytes)
+}
+
+fn parse_rate(s: &str, amount: impl Fn(&str) -> Result<u64, String>) -> Result<overspill_block::Rate, String> {
+    let (rate, burst) = match s.split_once(':') {
+        Some((rate, burst)) => (amount(rate)?, Some(amount(burst)?)),
+        None => (amount(s)?, None),
+    };
+    if rate == 0 {
+        return Err(format!("{s:?}: a rate of 0 would stop the VM; leave the limit out (or `off`) for none"));
+    }
+    Ok(overspill_block::Rate { per_second: rate, burst: burst.unwrap_or(rate).max(1) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rates_take_a_burst_or_a_seconds_worth() {
+        assert_eq!(parse_ops_rate("1000"), Ok(overspill_block::Rate { per_second: 1000, burst: 1000 }));
+        assert_eq!(parse_ops_rate("1000:50"), Ok(overspill_block::Rate { per_second: 1000, burst: 50 }));
+        assert_eq!(parse_bytes_rate("50M:1G"), Ok(overspill_block::Rate { per_second: 50 << 20, burst: 1 << 30 }));
+        assert!(parse_bytes_rate("50").expect_err("no unit").contains("no unit"));
+        assert!(parse_ops_rate("0").expect_err("zero").contains("stop the VM"));
+    }
 
     #[test]
     fn parses_binary_units() {

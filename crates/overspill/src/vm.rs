@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
-use overspill_server::control::{self, Request, DEFAULT_CONTROL_SOCKET};
+use overspill_server::control::{self, RateChange, Request, DEFAULT_CONTROL_SOCKET};
 use overspill_server::vms::VmStatus;
 
 use crate::size::format_bytes;
@@ -44,6 +44,28 @@ enum VmAction {
         /// The golden image's export name (`serve --export NAME=…`, or an image store's image).
         image: Option<String>,
     },
+    /// Set VM NAME's limits, live (its connection holds to them from its next request; a VM not
+    /// connected yet gets them when it comes); with neither option, print them. They last
+    /// while the server runs: put lasting ones in `serve --limit-iops`/`--limit-bandwidth`.
+    Limit {
+        vm: String,
+        /// Operations per second, `RATE[:BURST]` (e.g. 1000 or 1000:5000), or `off`.
+        #[arg(long, value_name = "RATE[:BURST]|off", value_parser = rate_change(crate::size::parse_ops_rate))]
+        iops: Option<RateChange>,
+        /// Bytes per second, `SIZE[:BURST]` (e.g. 50M or 50M:200M), or `off`.
+        #[arg(long, value_name = "SIZE[:BURST]|off", value_parser = rate_change(crate::size::parse_bytes_rate))]
+        bandwidth: Option<RateChange>,
+    },
+}
+
+/// A limit as the command line changes it: `off`, or a rate.
+fn rate_change(
+    rate: fn(&str) -> Result<overspill_block::Rate, String>,
+) -> impl Fn(&str) -> Result<RateChange, String> + Clone + Send + Sync + 'static {
+    move |s: &str| match s {
+        "off" => Ok(RateChange::Off),
+        s => rate(s).map(|r| RateChange::Set { per_second: r.per_second, burst: r.burst }),
+    }
 }
 
 pub fn run(args: VmArgs) -> anyhow::Result<()> {
@@ -52,6 +74,9 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Reset { vm } => Request::Reset { vm: vm.clone() },
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
+        VmAction::Limit { vm, iops, bandwidth } => {
+            Request::Limit { vm: vm.clone(), ops: iops.unwrap_or_default(), bytes: bandwidth.unwrap_or_default() }
+        }
     };
     let answer = control::ask(&control_socket(args.control.as_deref()), &request)?;
     if !answer.ok {
