@@ -1,0 +1,134 @@
+use super::*;
+
+fn disk(name: &str) -> DeviceSpec {
+    DeviceSpec::built_in(name).expect("built in")
+}
+
+/// `n` 4 KiB reads, `gap` seconds apart, at VM-private offsets.
+fn reads(n: usize, gap: f64, golden: bool) -> VmBoot {
+    let mut boot = VmBoot::default();
+    for i in 0..n {
+        boot.push(i as f64 * gap, [Request { write: false, golden, offset: i as u64 * 1_048_576, bytes: 4096 }]);
+    }
+    boot
+}
+
+#[test]
+fn a_storage_file_names_or_describes_its_device() {
+    let spec = StorageSpec::from_toml(
+        "device = \"hdd10k\"\ndisks = 8\nraid = \"5\"\ncache_mib = 512\nqueue_depth = 32\npower_on_interval_s = 1.5\n",
+    )
+    .expect("valid");
+    assert_eq!((spec.disks, spec.raid, spec.cache_bytes, spec.queue_depth), (8, Raid::R5, 512 << 20, Some(32)));
+    assert_eq!((spec.power_on_group, spec.power_on_interval_s), (1, 1.5));
+    let custom = "device = { name = \"mine\", mb_per_s = 250.0, iops = [[1.0, 200.0], [16.0, 400.0]] }\n";
+    assert_eq!(StorageSpec::from_toml(custom).expect("valid").device.iops_at(16), 400.0);
+    let err = StorageSpec::from_toml("device = \"floppy\"\n").expect_err("unknown device");
+    assert!(err.contains("hdd7200"), "{err}");
+    let err = StorageSpec::from_toml("device = \"ssd\"\nraid = \"5\"\n").expect_err("one disk");
+    assert!(err.contains("RAID 5 needs at least 3"), "{err}");
+    assert!(StorageSpec::from_toml("device = \"ssd\"\nbogus = 1\n").is_err());
+    let full = StorageSpec::from_toml("device = \"ssd\"\nclones = \"full\"\n").expect("valid");
+    assert_eq!((full.clones, spec.clones), (Clones::Full, Clones::Linked));
+}
+
+#[test]
+fn the_latency_curve_interpolates_between_its_points() {
+    let d = disk("hdd7200");
+    assert_eq!(d.iops_at(1), 80.0);
+    assert_eq!(d.iops_at(10), 130.0);
+    assert_eq!(d.iops_at(100), 165.0);
+}
+
+#[test]
+fn one_vm_on_an_idle_disk_waits_only_for_each_read() {
+    let spec = StorageSpec { vm_queue_depth: 1, ..StorageSpec::single(disk("hdd7200")) };
+    let e = simulate_boots(&spec, &[reads(100, 0.0, false)], 1, 0).expect("a boot");
+    let one = 1.0 / 80.0 + 4096.0 / 150e6 + ARRAY_LATENCY_S;
+    assert!((e.avg_s - 100.0 * one).abs() < 1e-6, "{e:?}");
+    // A slow trace is paced by its own gaps, not the disk.
+    let e = simulate_boots(&spec, &[reads(100, 0.1, false)], 1, 0).expect("a boot");
+    assert!((e.avg_s - (9.9 + one)).abs() < 1e-6, "{e:?}");
+}
+
+#[test]
+fn vms_sharing_a_disk_queue_and_their_boot_times_spread() {
+    let spec = StorageSpec { power_on_group: 1, power_on_interval_s: 1.0, ..StorageSpec::single(disk("hdd7200")) };
+    let e = simulate_boots(&spec, &[reads(200, 0.01, false)], 10, 0).expect("boots");
+    assert!(e.max_s > e.avg_s && e.avg_s > e.min_s, "{e:?}");
+    assert!((e.power_on_s - 9.0).abs() < 1e-9, "{e:?}");
+    assert_eq!(e.booted_per_interval.iter().sum::<usize>(), 10);
+}
+
+#[test]
+fn a_queue_depth_limit_slows_a_wide_array() {
+    let array = StorageSpec { disks: 8, ..StorageSpec::single(disk("hdd15k")) };
+    let boots = [reads(300, 0.0, false)];
+    let open = simulate_boots(&array, &boots, 20, 0).expect("boots");
+    let narrow = simulate_boots(&StorageSpec { queue_depth: Some(4), ..array.clone() }, &boots, 20, 0).expect("boots");
+    assert!(narrow.avg_s > open.avg_s * 1.5, "{narrow:?} against {open:?}");
+}
+
+#[test]
+fn shared_reads_hit_the_controller_cache_and_the_read_cache() {
+    // One at a time, so that the first has read everything before the next asks.
+    let plain = StorageSpec { power_on_group: 1, power_on_interval_s: 5.0, ..StorageSpec::single(disk("hdd7200")) };
+    let spec = StorageSpec { cache_bytes: 64 << 20, ..plain.clone() };
+    let boots = [reads(200, 0.0, true)];
+    let cold = simulate_boots(&plain, &boots, 10, 0).expect("boots");
+    let cached = simulate_boots(&spec, &boots, 10, 0).expect("boots");
+    assert!(cached.avg_s < cold.avg_s / 3.0, "{cached:?} against {cold:?}");
+    let host_cached = simulate_boots(&plain, &boots, 10, 1 << 30).expect("boots");
+    assert!(host_cached.avg_s < cold.avg_s / 3.0, "{host_cached:?} against {cold:?}");
+}
+
+#[test]
+fn full_clones_do_not_share_the_controller_cache() {
+    let linked = StorageSpec {
+        power_on_group: 1,
+        power_on_interval_s: 5.0,
+        cache_bytes: 64 << 20,
+        ..StorageSpec::single(disk("hdd7200"))
+    };
+    let full = StorageSpec { clones: Clones::Full, ..linked.clone() };
+    let boots = [reads(200, 0.0, true)];
+    let shared = simulate_boots(&linked, &boots, 10, 0).expect("boots");
+    let own = simulate_boots(&full, &boots, 10, 0).expect("boots");
+    assert!(own.avg_s > 3.0 * shared.avg_s, "{own:?} against {shared:?}");
+    // Behind overspill's read cache the VMs read the one golden image, whatever the clones.
+    let cached = simulate_boots(&full, &boots, 10, 1 << 30).expect("boots");
+    assert!(cached.avg_s < own.avg_s / 3.0, "{cached:?} against {own:?}");
+    assert!(full.describe().ends_with("full clones"), "{}", full.describe());
+}
+
+#[test]
+fn a_smaller_write_part_of_the_cache_holds_fewer_writes_back() {
+    let mut boot = VmBoot::default();
+    for i in 0..2_000u64 {
+        boot.push(0.0, [Request { write: true, golden: false, offset: i * 1_048_576, bytes: 4096 }]);
+    }
+    let half = StorageSpec { cache_bytes: 64 << 20, ..StorageSpec::single(disk("hdd10k")) };
+    let small = StorageSpec { write_cache_bytes: Some(1 << 20), ..half.clone() };
+    let roomy = simulate_boots(&half, std::slice::from_ref(&boot), 4, 0).expect("boots");
+    let tight = simulate_boots(&small, &[boot], 4, 0).expect("boots");
+    // 8,000 writes of 4 KiB fit half of 64 MiB, and are answered at once; 1 MiB holds 256.
+    assert!(tight.avg_s > 10.0 * roomy.avg_s, "{tight:?} against {roomy:?}");
+    assert!(small.describe().ends_with("(1 MiB for writes)"), "{}", small.describe());
+    let too_big = StorageSpec { write_cache_bytes: Some(128 << 20), ..half };
+    assert!(too_big.check().is_err());
+    let file = "device = \"hdd10k\"\ncache_mib = 64\nwrite_cache_mib = 16\n";
+    assert_eq!(StorageSpec::from_toml(file).expect("parses").write_cache_bytes, Some(16 << 20));
+}
+
+#[test]
+fn raid5_small_writes_cost_more_than_raid10() {
+    let mut boot = VmBoot::default();
+    for i in 0..200u64 {
+        boot.push(0.0, [Request { write: true, golden: false, offset: i * 1_048_576, bytes: 4096 }]);
+    }
+    let r10 = StorageSpec { disks: 4, raid: Raid::R10, ..StorageSpec::single(disk("hdd10k")) };
+    let r5 = StorageSpec { raid: Raid::R5, ..r10.clone() };
+    let a = simulate_boots(&r10, std::slice::from_ref(&boot), 8, 0).expect("boots");
+    let b = simulate_boots(&r5, &[boot], 8, 0).expect("boots");
+    assert!(b.avg_s > a.avg_s * 1.5, "{b:?} against {a:?}");
+}
