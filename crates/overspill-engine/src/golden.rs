@@ -328,41 +328,47 @@ impl GoldenImage for RawImage {
     /// The file's holes, from `SEEK_DATA`/`SEEK_HOLE`: a sparse golden image (what `qemu-img
     /// convert` and `cp --sparse` make) tells its clients which parts were never written.
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        use rustix::fs::{seek, SeekFrom};
-        let end = offset + len;
-        // A file cut short under the server would report a hole, which a client takes for
-        // zeroes without reading (as `read_at` refuses to serve them).
-        let file_len = self.file.metadata()?.len();
-        if end.min(self.size) > file_len {
-            self.ended_at(file_len)?;
-        }
-        let mut extents = Vec::new();
-        let mut at = offset;
-        while at < end {
-            let data = match seek(&self.file, SeekFrom::Data(at)) {
-                Ok(data) => data.min(end),
-                // Past the last data: a hole to the end of the file.
-                Err(rustix::io::Errno::NXIO) => end,
-                // A file system without hole reporting: all data, as the default says.
-                Err(rustix::io::Errno::INVAL | rustix::io::Errno::OPNOTSUPP) => {
-                    push_extent(&mut extents, end - at, Allocation::Data);
+        // Checked after the look, as a read is: a map of a file changed under the server
+        // would tell holes where the guest reads data.
+        let mapped = (|| -> io::Result<Vec<Extent>> {
+            use rustix::fs::{seek, SeekFrom};
+            let end = offset + len;
+            // A file cut short under the server would report a hole, which a client takes for
+            // zeroes without reading (as `read_at` refuses to serve them).
+            let file_len = self.file.metadata()?.len();
+            if end.min(self.size) > file_len {
+                self.ended_at(file_len)?;
+            }
+            let mut extents = Vec::new();
+            let mut at = offset;
+            while at < end {
+                let data = match seek(&self.file, SeekFrom::Data(at)) {
+                    Ok(data) => data.min(end),
+                    // Past the last data: a hole to the end of the file.
+                    Err(rustix::io::Errno::NXIO) => end,
+                    // A file system without hole reporting: all data, as the default says.
+                    Err(rustix::io::Errno::INVAL | rustix::io::Errno::OPNOTSUPP) => {
+                        push_extent(&mut extents, end - at, Allocation::Data);
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                push_extent(&mut extents, data - at, Allocation::Hole);
+                if data >= end {
                     break;
                 }
-                Err(e) => return Err(e.into()),
-            };
-            push_extent(&mut extents, data - at, Allocation::Hole);
-            if data >= end {
-                break;
+                let hole = match seek(&self.file, SeekFrom::Hole(data)) {
+                    Ok(hole) => hole.min(end),
+                    Err(rustix::io::Errno::NXIO) => end,
+                    Err(e) => return Err(e.into()),
+                };
+                push_extent(&mut extents, hole - data, Allocation::Data);
+                at = hole;
             }
-            let hole = match seek(&self.file, SeekFrom::Hole(data)) {
-                Ok(hole) => hole.min(end),
-                Err(rustix::io::Errno::NXIO) => end,
-                Err(e) => return Err(e.into()),
-            };
-            push_extent(&mut extents, hole - data, Allocation::Data);
-            at = hole;
-        }
-        Ok(extents)
+            Ok(extents)
+        })();
+        self.opened.check(&self.file, &self.path)?;
+        mapped
     }
 
     fn identity(&self) -> Option<String> {
@@ -497,6 +503,8 @@ mod tests {
         }
         let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
         image.read_vectored_counted(&mut [&mut a, &mut b], 0).expect_err("a changed file, vectored");
+        // Nor is a map of its holes told (an NBD read sends holes as zeroes without reading).
+        image.extents(0, 4 * 4096).expect_err("a changed file's extents");
         assert!(image.unchanged().is_err());
     }
 

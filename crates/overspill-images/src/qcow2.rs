@@ -486,54 +486,61 @@ impl GoldenImage for Qcow2Image {
     }
 
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        let cluster = 1u64 << self.cluster_bits;
-        let end = (offset + len).min(self.size);
-        let mut extents = Vec::new();
-        let mut pos = offset;
-        while pos < end {
-            let mut n = (cluster - pos % cluster).min(end - pos);
-            let entry = self.l2_entry(pos)?;
-            if entry == 0 {
-                // One L2 table's whole span is unallocated when its L1 entry is empty: step over
-                // it at once rather than cluster by cluster.
-                let span = cluster * (cluster / 8);
-                let l1_index = (pos / span) as usize;
-                if self.l1.get(l1_index).copied().unwrap_or(0) & OFFSET_MASK == 0 {
-                    n = (span - pos % span).min(end - pos);
-                }
-            }
-            match self.cluster_of(entry) {
-                Cluster::Data(_) | Cluster::Compressed { .. } => push_extent(&mut extents, n, Allocation::Data),
-                Cluster::Zero { stored: true } => push_extent(&mut extents, n, Allocation::Zero),
-                Cluster::Zero { stored: false } => push_extent(&mut extents, n, Allocation::Hole),
-                Cluster::Unallocated => match &self.backing {
-                    Some(below) if pos < below.size() => {
-                        // The unallocated clusters that follow, in one question to the layer
-                        // below: asked cluster by cluster, an almost empty L2 table cost 8,192
-                        // of them (two seeks each for a raw file).
-                        while pos + n < end && matches!(self.cluster_of(self.l2_entry(pos + n)?), Cluster::Unallocated)
-                        {
-                            n = (n + cluster).min(end - pos);
-                        }
-                        let inside = n.min(below.size() - pos);
-                        let mut covered = 0;
-                        while covered < inside {
-                            let parts = below.extents(pos + covered, inside - covered)?;
-                            if parts.is_empty() {
-                                return Err(corrupt(&self.path, "the backing file reported no extents"));
-                            }
-                            for part in parts {
-                                push_extent(&mut extents, part.len, part.state);
-                                covered += part.len;
-                            }
-                        }
-                        push_extent(&mut extents, n - inside, Allocation::Hole);
+        // Checked after the look, as a read is: a map of a file changed under the server
+        // would tell holes where the guest reads data.
+        let mapped = (|| -> io::Result<Vec<Extent>> {
+            let cluster = 1u64 << self.cluster_bits;
+            let end = (offset + len).min(self.size);
+            let mut extents = Vec::new();
+            let mut pos = offset;
+            while pos < end {
+                let mut n = (cluster - pos % cluster).min(end - pos);
+                let entry = self.l2_entry(pos)?;
+                if entry == 0 {
+                    // One L2 table's whole span is unallocated when its L1 entry is empty: step over
+                    // it at once rather than cluster by cluster.
+                    let span = cluster * (cluster / 8);
+                    let l1_index = (pos / span) as usize;
+                    if self.l1.get(l1_index).copied().unwrap_or(0) & OFFSET_MASK == 0 {
+                        n = (span - pos % span).min(end - pos);
                     }
-                    _ => push_extent(&mut extents, n, Allocation::Hole),
-                },
+                }
+                match self.cluster_of(entry) {
+                    Cluster::Data(_) | Cluster::Compressed { .. } => push_extent(&mut extents, n, Allocation::Data),
+                    Cluster::Zero { stored: true } => push_extent(&mut extents, n, Allocation::Zero),
+                    Cluster::Zero { stored: false } => push_extent(&mut extents, n, Allocation::Hole),
+                    Cluster::Unallocated => match &self.backing {
+                        Some(below) if pos < below.size() => {
+                            // The unallocated clusters that follow, in one question to the layer
+                            // below: asked cluster by cluster, an almost empty L2 table cost 8,192
+                            // of them (two seeks each for a raw file).
+                            while pos + n < end
+                                && matches!(self.cluster_of(self.l2_entry(pos + n)?), Cluster::Unallocated)
+                            {
+                                n = (n + cluster).min(end - pos);
+                            }
+                            let inside = n.min(below.size() - pos);
+                            let mut covered = 0;
+                            while covered < inside {
+                                let parts = below.extents(pos + covered, inside - covered)?;
+                                if parts.is_empty() {
+                                    return Err(corrupt(&self.path, "the backing file reported no extents"));
+                                }
+                                for part in parts {
+                                    push_extent(&mut extents, part.len, part.state);
+                                    covered += part.len;
+                                }
+                            }
+                            push_extent(&mut extents, n - inside, Allocation::Hole);
+                        }
+                        _ => push_extent(&mut extents, n, Allocation::Hole),
+                    },
+                }
+                pos += n;
             }
-            pos += n;
-        }
-        Ok(extents)
+            Ok(extents)
+        })();
+        self.opened.check(&self.file, &self.path)?;
+        mapped
     }
 }

@@ -1028,44 +1028,50 @@ impl GoldenImage for VhdxImage {
     /// Blocks this file does not store are holes (or the parent's answer, in a differencing
     /// disk), zero blocks are zeroes, the rest data.
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        let mut extents = Vec::new();
-        let end = offset.saturating_add(len).min(self.size);
-        if offset >= end {
-            push_extent(&mut extents, len, Allocation::Hole);
-            return Ok(extents);
-        }
-        let mut pos = offset;
-        let mut parent_run: Option<(u64, u64)> = None;
-        let mut steps = 0usize;
-        while pos < end && steps < MAX_EXTENT_STEPS && extents.len() < MAX_EXTENTS {
-            steps += 1;
-            let (n, source) = self.map(pos, end - pos)?;
-            match source {
-                Source::Parent => {
-                    parent_run = match parent_run {
-                        Some((start, run)) => Some((start, run + n)),
-                        None => Some((pos, n)),
-                    };
-                }
-                other => {
-                    if let Some((start, run)) = parent_run.take() {
-                        if !self.parent_extents(&mut extents, start, run)? {
-                            return Ok(extents);
-                        }
-                    }
-                    let state = match other {
-                        Source::Zeroes(state) => state,
-                        _ => Allocation::Data,
-                    };
-                    push_extent(&mut extents, n, state);
-                }
+        // Checked after the look, as a read is: a map of a file changed under the server
+        // would tell holes where the guest reads data.
+        let mapped = (|| -> io::Result<Vec<Extent>> {
+            let mut extents = Vec::new();
+            let end = offset.saturating_add(len).min(self.size);
+            if offset >= end {
+                push_extent(&mut extents, len, Allocation::Hole);
+                return Ok(extents);
             }
-            pos += n;
-        }
-        if let Some((start, run)) = parent_run {
-            self.parent_extents(&mut extents, start, run)?;
-        }
-        Ok(extents)
+            let mut pos = offset;
+            let mut parent_run: Option<(u64, u64)> = None;
+            let mut steps = 0usize;
+            while pos < end && steps < MAX_EXTENT_STEPS && extents.len() < MAX_EXTENTS {
+                steps += 1;
+                let (n, source) = self.map(pos, end - pos)?;
+                match source {
+                    Source::Parent => {
+                        parent_run = match parent_run {
+                            Some((start, run)) => Some((start, run + n)),
+                            None => Some((pos, n)),
+                        };
+                    }
+                    other => {
+                        if let Some((start, run)) = parent_run.take() {
+                            if !self.parent_extents(&mut extents, start, run)? {
+                                return Ok(extents);
+                            }
+                        }
+                        let state = match other {
+                            Source::Zeroes(state) => state,
+                            _ => Allocation::Data,
+                        };
+                        push_extent(&mut extents, n, state);
+                    }
+                }
+                pos += n;
+            }
+            if let Some((start, run)) = parent_run {
+                self.parent_extents(&mut extents, start, run)?;
+            }
+            Ok(extents)
+        })();
+        self.opened.check(&self.file, &self.path)?;
+        mapped
     }
 }
 

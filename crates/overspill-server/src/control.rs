@@ -190,6 +190,12 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
         },
         Ok(Request::Reset { vm }) => outcome(targets.registry.reset(&vm)),
         Ok(Request::Drop { vm }) => outcome(targets.drop_vm(&vm)),
+        Ok(Request::Limit { ops: RateChange::Set { per_second: 0, .. }, .. })
+        | Ok(Request::Limit { bytes: RateChange::Set { per_second: 0, .. }, .. }) => Answer {
+            ok: false,
+            message: Some("a rate of 0 would stop the VM; use off for no limit".into()),
+            ..Answer::default()
+        },
         Ok(Request::Limit { vm, ops, bytes }) => match crate::check_name("VM", &vm) {
             Ok(()) => {
                 let limits = targets.registry.limits().set(&vm, ops.change(), bytes.change());

@@ -482,13 +482,14 @@ impl OverlayExports {
     /// A fresh overlay over the image's current version, with the counters the registry keeps.
     fn new_overlay(&self, name: &str, number: u64) -> Result<VmOverlay, DeviceError> {
         let (image_label, image) = self.image(name)?;
+        // Labelled first: the watch, finding the image changed from now on, finds this VM too.
+        self.registry.label(number, &image_label);
         if let Err(error) = image.unchanged() {
             return Err(DeviceError::new(
                 DeviceErrorKind::Refused,
                 format!("{error}; the server serves it again once restarted (systemctl reload)"),
             ));
         }
-        self.registry.label(number, &image_label);
         let vm = name.split_once('@').map_or_else(|| anonymous_label(number), |(_, vm)| vm.to_owned());
         let settings = &self.settings;
         // A spilling VM holds its open segment and the index of what it spilled whatever its

@@ -616,7 +616,7 @@ impl VmRegistry {
     pub fn end(&self, number: u64, ending: Ending, mut parked: VmOverlay) -> Option<VmOverlay> {
         let mut inner = lock(&self.inner);
         if let Some(why) = inner.vms.get(&number).and_then(|entry| entry.lose_at_end.clone()) {
-            return self.lose(&mut inner, number, Some(parked), &why);
+            return self.lose_keeping_files(&mut inner, number, Some(parked), &why);
         }
         let grace = self.lifecycle.reconnect_grace;
         let keep = self.keeps(&inner, number, ending);
@@ -685,7 +685,7 @@ impl VmRegistry {
             }
             named.push(entry.handle.vm.clone());
             if entry.grace.is_some() {
-                parked.extend(self.lose(&mut inner, number, None, why));
+                parked.extend(self.lose_keeping_files(&mut inner, number, None, why));
             } else {
                 entry.lose_at_end = Some(why.to_owned());
             }
@@ -762,6 +762,8 @@ impl VmRegistry {
                 return Err(ServerError::VmConnected(vm.to_owned()));
             }
             entry.reset.store(true, Ordering::SeqCst);
+            // Its writes go with the reset, as with any reset: not lost, started over.
+            entry.lose_at_end = None;
             tracing::info!(vm, "VM reset by the operator: its connection closes at its next request or within 20 s");
             return Ok(format!("{vm}: reset; its connection closes at its next request (within 20 s if it sends none) and it starts over"));
         }
@@ -849,6 +851,30 @@ impl VmRegistry {
     /// back, and its name is refused until `vm reset` (a tombstone in the ledger keeps it so
     /// across restarts). Returns its overlay, for the caller to drop outside the lock.
     fn lose(&self, inner: &mut Registered, number: u64, overlay: Option<VmOverlay>, why: &str) -> Option<VmOverlay> {
+        self.lose_with(inner, number, overlay, why, true)
+    }
+
+    /// As [`Self::lose`], but its files stay until `vm reset` (as a recovery that failed
+    /// leaves them): a golden image found changed may be a false alarm (a `touch`), and the
+    /// VM's writes are then still there to look at.
+    fn lose_keeping_files(
+        &self,
+        inner: &mut Registered,
+        number: u64,
+        overlay: Option<VmOverlay>,
+        why: &str,
+    ) -> Option<VmOverlay> {
+        self.lose_with(inner, number, overlay, why, false)
+    }
+
+    fn lose_with(
+        &self,
+        inner: &mut Registered,
+        number: u64,
+        overlay: Option<VmOverlay>,
+        why: &str,
+        remove_files: bool,
+    ) -> Option<VmOverlay> {
         let Some(entry) = inner.vms.remove(&number) else { return overlay };
         let vm = entry.handle.vm.clone();
         tracing::error!(vm, why, "VM lost: its writes are given up and its name refused until `overspill vm reset`");
@@ -864,7 +890,9 @@ impl VmRegistry {
                 tracing::warn!(vm, %error, "could not write the lost VM's tombstone: a restart finds its old entry");
             }
             if let Some(state) = &entry.state {
-                remove_state_files(&vm, state);
+                if remove_files {
+                    remove_state_files(&vm, state);
+                }
                 if let Some(overlay) = &mut overlay {
                     overlay.keep_state();
                 }

@@ -548,15 +548,18 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     std::thread::sleep(due - now);
                 }
             }
-            // The event logs' requests go to a disk of the guest's own, not to the server: not
-            // sent, and not in the trace of what the server got (the planner replays that).
-            if event_logs_apart && plan.is_direct(op) {
+            // The event logs' requests go to a disk of the guest's own under a write cache, not
+            // to the server. Never recorded, whichever configuration records (the first, often
+            // `shared`, which does send them): the planner replays a trace into write caches.
+            let direct = plan.is_direct(op);
+            if direct && event_logs_apart {
                 if !tally.issued(p, at_ms, op, Outcome::Direct) {
                     break 'phases;
                 }
+                unreported += 1;
                 continue;
             }
-            if let Some(w) = recorder.as_mut() {
+            if let Some(w) = recorder.as_mut().filter(|_| !direct) {
                 let record = Record {
                     time_us: at_ms * 1000,
                     offset: op.offset,

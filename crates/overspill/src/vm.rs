@@ -46,7 +46,8 @@ enum VmAction {
     },
     /// Set VM NAME's limits, live (its connection holds to them from its next request; a VM not
     /// connected yet gets them when it comes); with neither option, print them. They last
-    /// while the server runs: put lasting ones in `serve --limit-iops`/`--limit-bandwidth`.
+    /// while the server runs (not across a restart or reload): put lasting ones in `serve
+    /// --limit-iops`/`--limit-bandwidth`.
     Limit {
         vm: String,
         /// Operations per second, `RATE[:BURST]` (e.g. 1000 or 1000:5000), or `off`.
