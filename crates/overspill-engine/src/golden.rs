@@ -194,8 +194,8 @@ impl FileState {
     }
 
     /// `Err` naming `path` if `file` is no longer as it was when it was `self`. A write made
-    /// through a shared mapping moves the modification time only later (at writeback): such a
-    /// change is caught then, not at once.
+    /// through a shared mapping moves the modification time at its first fault on a clean page
+    /// only: further writes to a page already dirty before the open go unseen.
     pub fn check(&self, file: &File, path: &Path) -> io::Result<()> {
         let now = Self::of(&file.metadata()?);
         if now == *self {
