@@ -27,7 +27,7 @@ pub mod units;
 pub use budget::{HostMemory, PagesRoom};
 pub use error::{EngineError, Result};
 pub use golden::{push_extent, Allocation, Extent, GoldenImage, ImageLayer, MemImage, RawImage, SourceReads};
-pub use overlay::{BackingKind, Overlay, OverlayConfig, WriteCacheMode};
+pub use overlay::{BackingKind, MovedRun, Overlay, OverlayConfig, WriteCacheMode};
 pub use read_cache::CachedImage;
 pub use stats::{StorageTier, VmStats};
 pub use store::{BackingFile, ScratchFile, SegmentWriters, SpaceShortages};

@@ -46,12 +46,14 @@ mod budget;
 mod config;
 mod extents;
 mod in_place;
+mod moving;
 mod reads;
 mod recovery;
 mod tiered;
 
 pub use config::{BackingKind, OverlayConfig, WriteCacheMode};
 use in_place::InPlace;
+pub use moving::MovedRun;
 use recovery::SpillFound;
 use tiered::Tiered;
 
@@ -136,6 +138,8 @@ struct Core {
     /// The segment summaries of a VM without a spill log: empty, held so that their file is
     /// kept or removed with the rest of the VM's state (a recovery opens it).
     unused_summaries: Option<SegmentSummaries>,
+    /// Blocks still to be sent while the overlay moves to another server (see `moving`).
+    moving: Option<RangeSet>,
 }
 
 pub struct Overlay {
@@ -239,6 +243,7 @@ impl Overlay {
             seq: 0,
             zero_log,
             unused_summaries: summaries,
+            moving: None,
         };
         core.stats.cache_memory_target_bytes.set(core.config.ram_target_bytes);
         core.stats.cache_disk_size_bytes.set(store.disk_size_bytes());
@@ -304,6 +309,7 @@ impl Overlay {
         let len = data.len() as u64;
         self.core.check_range(offset, len)?;
         self.core.stats.guest_write.add(len);
+        self.core.note_changed(offset, len);
         self.store.before_change(&mut self.core, Some(block_count(offset, len)));
         let result = self.store.write(&mut self.core, offset, data);
         self.after_mutation();
@@ -324,6 +330,7 @@ impl Overlay {
         receive: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<()>,
     ) -> Result<()> {
         self.core.check_range(offset, len as u64)?;
+        self.core.note_changed(offset, len as u64);
         self.store.before_change(&mut self.core, Some(block_count(offset, len as u64)));
         let mut receive = Some(receive);
         let mut received = false;
@@ -350,6 +357,7 @@ impl Overlay {
     pub fn write_zeroes(&mut self, offset: u64, len: u64) -> Result<()> {
         self.core.check_range(offset, len)?;
         self.core.stats.guest_zero.add(len);
+        self.core.note_changed(offset, len);
         self.store.before_change(&mut self.core, None);
         let result = self.zero_spans(offset, len);
         self.after_mutation();
@@ -388,6 +396,7 @@ impl Overlay {
     pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
         self.core.check_range(offset, len)?;
         self.core.stats.guest_trim.add(len);
+        self.core.note_changed(offset, len);
         let (first, end) = whole_blocks(offset, len);
         let result = if first < end {
             self.core.zeros.remove(first, end);
