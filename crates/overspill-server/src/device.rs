@@ -14,25 +14,32 @@ use overspill_block::{
 use overspill_engine::{Allocation, EngineError};
 
 use crate::error::device_error;
-use crate::vm_overlay::VmOverlay;
+use crate::live::Live;
 use crate::vms::{Ending, VmRegistry};
 
 /// What a connection to a VM is served by: its overlay, timed, recorded if the server records,
 /// and marked in the ledger before its first change.
 pub(crate) fn stack(
-    vm: VmOverlay,
+    live: Arc<Live>,
     capabilities: Capabilities,
     number: u64,
     reset: Arc<AtomicBool>,
     registry: Arc<VmRegistry>,
     limiter: Option<Arc<Limiter>>,
 ) -> Box<dyn BlockDevice> {
-    let stats = vm.overlay.stats().clone();
-    let recorder: Option<Arc<Mutex<Recorder>>> = vm.recorder.clone();
+    let (stats, recorder, size, name) = {
+        let vm = live.vm();
+        let vm = vm.as_ref().expect("a connection's overlay is there when it starts");
+        let recorder: Option<Arc<Mutex<Recorder>>> = vm.recorder.clone();
+        (vm.overlay.stats().clone(), recorder, vm.overlay.size(), vm.vm.clone())
+    };
+    registry.attach_live(number, &live);
     let engine = EngineDevice {
         capabilities,
         idle_cut: false,
-        vm: Some(vm),
+        live,
+        size,
+        name,
         number,
         reset,
         clean: false,
@@ -55,8 +62,11 @@ struct EngineDevice {
     capabilities: Capabilities,
     /// The connection was cut for idleness (`--idle-timeout`): the VM is not gone, only quiet.
     idle_cut: bool,
-    /// Taken out only when the connection ends.
-    vm: Option<VmOverlay>,
+    /// Shared with a move of the VM to or from a peer; taken out when the connection ends, or
+    /// when the VM has moved away.
+    live: Arc<Live>,
+    size: u64,
+    name: String,
     number: u64,
     /// Set by an operator's reset: the connection closes at its next request, or at the next
     /// wake-up of its wait if the client sends none.
@@ -87,8 +97,12 @@ impl Drop for EngineDevice {
         } else {
             Ending::Lost
         };
+        if self.live.end_settled_by_move(ending) {
+            return;
+        }
         // Dropped here, outside the registry's lock, unless the registry keeps it for a reconnect.
-        if let Some(mut vm) = self.vm.take() {
+        let vm = self.live.vm().take();
+        if let Some(mut vm) = vm {
             // An overlay about to wait gives back the spill space it kept for writes; one about
             // to be dropped would only punch a file about to be removed.
             if self.registry.would_keep(self.number, ending) {
@@ -99,9 +113,38 @@ impl Drop for EngineDevice {
     }
 }
 
+/// What a request does with the overlay, and whether it changes it.
+enum Use {
+    Reads,
+    Changes,
+}
+
 impl EngineDevice {
-    fn overlay(&mut self) -> &mut overspill_engine::Overlay {
-        &mut self.vm.as_mut().expect("a device has its overlay until it is dropped").overlay
+    /// Runs `op` on the overlay: once the VM's state here is current (a VM moving in waits for
+    /// it), and unless the VM has moved away (then the connection closes).
+    fn serve<T>(
+        &mut self,
+        purpose: Use,
+        op: impl FnOnce(&mut overspill_engine::Overlay) -> Result<T, EngineError>,
+    ) -> Result<T, DeviceError> {
+        if let Err(why) = self.live.wait_until_current() {
+            self.reset.store(true, Ordering::SeqCst);
+            return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
+        }
+        let result = match self.live.vm().as_mut() {
+            Some(vm) => op(&mut vm.overlay),
+            None => {
+                self.reset.store(true, Ordering::SeqCst);
+                return Err(DeviceError::new(
+                    DeviceErrorKind::Io,
+                    format!("VM {} has moved to another server; this connection closes", self.name),
+                ));
+            }
+        };
+        result.map_err(|error| match purpose {
+            Use::Changes => self.change_refused(error),
+            Use::Reads => device_error(error),
+        })
     }
 
     /// A change refused: the client hears of it, and a refusal for want of room is said in the
@@ -111,7 +154,7 @@ impl EngineDevice {
             let warnings = &mut self.no_space;
             warnings.since += 1;
             if warnings.last.is_none_or(|last| last.elapsed() >= NO_SPACE_WARNING_EVERY) {
-                let vm = self.vm.as_ref().map_or("", |vm| vm.vm.as_str());
+                let vm = self.name.as_str();
                 tracing::warn!(
                     vm,
                     refused = warnings.since,
@@ -126,7 +169,7 @@ impl EngineDevice {
 
 impl BlockDevice for EngineDevice {
     fn size(&self) -> u64 {
-        self.vm.as_ref().map_or(0, |vm| vm.overlay.size())
+        self.size
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -135,25 +178,27 @@ impl BlockDevice for EngineDevice {
 
     // A request is counted once, here; the calls that answer it count their bytes and blocks.
     fn read_requested(&mut self, _offset: u64, _length: u64) {
-        self.overlay().count_read_request();
+        if let Some(vm) = self.live.vm().as_ref() {
+            vm.overlay.count_read_request();
+        }
     }
 
     fn read_sent_as_zeroes(&mut self, _: &ReadRequest, offset: u64, length: u64) {
-        if let Err(error) = self.overlay().count_unread(offset, length) {
+        if let Err(error) = self.serve(Use::Reads, |overlay| overlay.count_unread(offset, length)) {
             tracing::debug!(%error, offset, length, "a read sent as a hole could not be counted");
         }
     }
 
     fn read(&mut self, _: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.overlay().read_part(offset, buf).map_err(device_error)
+        self.serve(Use::Reads, |overlay| overlay.read_part(offset, buf))
     }
 
     fn read_shared(&mut self, _: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
-        self.overlay().read_shared_part(offset, length).map_err(device_error)
+        self.serve(Use::Reads, |overlay| overlay.read_shared_part(offset, length))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
-        self.overlay().write(offset, data).map_err(|e| self.change_refused(e))
+        self.serve(Use::Changes, |overlay| overlay.write(offset, data))
     }
 
     fn write_from(
@@ -163,24 +208,23 @@ impl BlockDevice for EngineDevice {
         _fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
-        let written = self.overlay().write_received(offset, length, |buffers| payload.receive(buffers));
-        written.map_err(|e| self.change_refused(e))
+        self.serve(Use::Changes, |overlay| overlay.write_received(offset, length, |buffers| payload.receive(buffers)))
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
-        self.overlay().write_zeroes(offset, length).map_err(|e| self.change_refused(e))
+        self.serve(Use::Changes, |overlay| overlay.write_zeroes(offset, length))
     }
 
     fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
-        self.overlay().trim(offset, length).map_err(device_error)
+        self.serve(Use::Reads, |overlay| overlay.trim(offset, length))
     }
 
     fn flush(&mut self) -> Result<(), DeviceError> {
-        self.overlay().flush().map_err(device_error)
+        self.serve(Use::Reads, |overlay| overlay.flush())
     }
 
     fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
-        let extents = self.overlay().extents(offset, length).map_err(device_error)?;
+        let extents = self.serve(Use::Reads, |overlay| overlay.extents(offset, length))?;
         Ok(extents
             .into_iter()
             .map(|extent| Extent {
@@ -196,7 +240,7 @@ impl BlockDevice for EngineDevice {
     }
 
     fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
-        self.overlay().prefetch(offset, length).map(drop).map_err(device_error)
+        self.serve(Use::Reads, |overlay| overlay.prefetch(offset, length).map(drop))
     }
 
     fn disconnect(&mut self) {
@@ -206,7 +250,9 @@ impl BlockDevice for EngineDevice {
     /// A VM that sends nothing has no use for the dead spill segments it kept for its next
     /// writes; another VM on the filesystem may.
     fn idle(&mut self) {
-        self.overlay().give_back_idle_disk();
+        if let Some(vm) = self.live.vm().as_mut() {
+            vm.overlay.give_back_idle_disk();
+        }
     }
 
     fn closing(&self) -> bool {

@@ -25,6 +25,8 @@ pub enum ServerError {
     NoSuchVm(String),
     #[error("{0} is connected: `vm reset {0}` disconnects it and drops its overlay")]
     VmConnected(String),
+    #[error("{0} is moving between this server and peer {1}: try again once the move is done or given up")]
+    VmMoving(String, String),
     #[error("{context}: {source}")]
     Io {
         context: String,

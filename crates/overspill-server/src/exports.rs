@@ -27,6 +27,8 @@ use overspill_engine::{
 use crate::error::device_error;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
 use crate::ledger::{state_file_paths, state_file_stem, Recoverable, StateRecord};
+use crate::live::Live;
+use crate::migration::{self, Incoming, Located, Peers};
 use crate::vm_overlay::VmOverlay;
 use crate::vms::{anonymous_label, shown_image, Claim, Lifecycle, VmRegistry};
 use crate::{check_name, ServerError};
@@ -82,6 +84,8 @@ pub struct OverlayExports {
     /// Off by default: a reconnect, however short, would silently hand such a guest the golden
     /// image back, so they are served read-only.
     anonymous_writes: bool,
+    /// Servers a named VM may be running on when it connects here (live migration).
+    peers: Option<Peers>,
 }
 
 // Everything, and cheaply: the cache lives as long as the VM's connection by design, so an
@@ -148,7 +152,14 @@ impl OverlayExports {
             space_shortages: SpaceShortages::new(),
             changed_images: Default::default(),
             anonymous_writes: false,
+            peers: None,
         })
+    }
+
+    /// Asks `peers` for each named VM that connects, and takes it from the one that holds it
+    /// live (see `migration`).
+    pub fn with_peers(&mut self, peers: Peers) {
+        self.peers = Some(peers);
     }
 
     /// Lets connections without a VM name write, each to a private overlay that ends with the
@@ -456,6 +467,16 @@ impl ExportProvider for OverlayExports {
         };
         if let Some(vm) = vm_name {
             self.adopt_orphan(vm);
+            if let Some(peers) = &self.peers {
+                match peers.locate(vm) {
+                    Located::Nowhere => {}
+                    Located::Refused(why) => {
+                        tracing::warn!(vm, "VM refused: {why}");
+                        return Err(DeviceError::new(DeviceErrorKind::Refused, why));
+                    }
+                    Located::Live(address) => return self.open_incoming(name, vm, identity, peers, &address),
+                }
+            }
         }
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
         let (number, reset, vm) = match self.registry.claim(vm_name, Self::image_name(name), identity)? {
@@ -470,7 +491,88 @@ impl ExportProvider for OverlayExports {
         };
         let capabilities = if self.read_only(name) { ANONYMOUS_CAPABILITIES } else { CAPABILITIES };
         let limiter = self.registry.limits().limiter_for(vm_name);
-        Ok(crate::device::stack(vm, capabilities, number, reset, self.registry.clone(), limiter))
+        let live = Arc::new(Live::new(vm));
+        Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiter))
+    }
+}
+
+impl OverlayExports {
+    /// A VM that peer `address` holds live connects here: it is taken from there (see
+    /// `migration`), over the very image version it runs on, and its requests wait until it is
+    /// this server's.
+    fn open_incoming(
+        &self,
+        name: &str,
+        vm: &str,
+        identity: Option<&str>,
+        peers: &Peers,
+        address: &Path,
+    ) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        let refused = |why: String| {
+            tracing::warn!(vm, peer = %address.display(), "VM refused: {why}");
+            DeviceError::new(DeviceErrorKind::Refused, why)
+        };
+        let image_name = Self::image_name(name);
+        let (offer, link) = migration::ask_for(peers, address, vm, image_name).map_err(refused)?;
+        let image = self.image_made_over(image_name, &offer.image_label).and_then(|(label, image)| {
+            if offer.image_identity.as_deref().is_some_and(|recorded| !image.matches_identity(recorded)) {
+                return Err(format!("{} here is not the image it runs over at the peer", shown_image(&label)));
+            }
+            if image.size() != offer.disk_bytes {
+                return Err(format!(
+                    "its disk has {} bytes, {} here {}",
+                    offer.disk_bytes,
+                    shown_image(&label),
+                    image.size()
+                ));
+            }
+            Ok((label, image))
+        });
+        let (label, image) = match image {
+            Ok(found) => found,
+            Err(why) => {
+                link.refuse(&why);
+                return Err(refused(format!(
+                    "VM {vm} runs on peer {}, and cannot move here: {why}",
+                    address.display()
+                )));
+            }
+        };
+        let peer = address.display().to_string();
+        let (number, progress, reset) = match self.registry.claim_incoming(vm, image_name, &offer, &peer, identity) {
+            Ok(claimed) => claimed,
+            Err(error) => {
+                link.refuse(&error.message);
+                return Err(error);
+            }
+        };
+        self.registry.label(number, &label);
+        let overlay = match self.overlay_over(name, number, &label, image, true) {
+            Ok(overlay) => overlay,
+            Err(error) => {
+                link.refuse(&error.message);
+                self.registry.incoming_failed(number, None, None);
+                return Err(error);
+            }
+        };
+        let live = Arc::new(Live::incoming(overlay));
+        let incoming = Incoming {
+            number,
+            live: live.clone(),
+            progress,
+            registry: self.registry.clone(),
+            peers: peers.clone(),
+            peer: address.to_owned(),
+            vm: vm.to_owned(),
+        };
+        if let Err(error) = incoming.start(link) {
+            let overlay = live.vm().take();
+            self.registry.incoming_failed(number, overlay, None);
+            return Err(DeviceError::new(DeviceErrorKind::Io, format!("taking VM {vm} from its peer: {error}")));
+        }
+        tracing::info!(vm, peer, image = label, "VM moving here from its peer: pre-copy begins");
+        let limiter = self.registry.limits().limiter_for(Some(vm));
+        Ok(crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiter))
     }
 }
 
@@ -484,6 +586,20 @@ impl OverlayExports {
         let (image_label, image) = self.image(name)?;
         // Labelled first: the watch, finding the image changed from now on, finds this VM too.
         self.registry.label(number, &image_label);
+        self.overlay_over(name, number, &image_label, image, false)
+    }
+
+    /// A fresh overlay over `image`. `incoming`: the VM moves here from a peer, and its
+    /// ledger entry stays "being made" (removed with its files by a next server) until the
+    /// move says otherwise.
+    fn overlay_over(
+        &self,
+        name: &str,
+        number: u64,
+        image_label: &str,
+        image: Arc<dyn GoldenImage>,
+        incoming: bool,
+    ) -> Result<VmOverlay, DeviceError> {
         if let Err(error) = image.unchanged() {
             return Err(DeviceError::new(
                 DeviceErrorKind::Refused,
@@ -509,7 +625,7 @@ impl OverlayExports {
         let stats = self.registry.stats(number).unwrap_or_default();
         let persistent = name.contains('@') && self.lifecycle.persistent();
         let overlay = if persistent {
-            self.persistent_overlay(&vm, number, &image_label, image.clone(), config, stats)?
+            self.persistent_overlay(&vm, number, image_label, image.clone(), config, stats)?
         } else {
             let backing = match settings.mode.backing_file() {
                 Some(kind) => Some(
@@ -528,7 +644,7 @@ impl OverlayExports {
                 })?),
                 None => None,
             };
-        if persistent {
+        if persistent && !incoming {
             // The last step that can fail is behind: from here the VM is served.
             let recorded = self.registry.mark_made(number);
             recorded.map_err(|e| device_error(EngineError::from_io("recording the VM in the ledger", e)))?;

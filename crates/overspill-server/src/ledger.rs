@@ -23,8 +23,13 @@ pub(crate) struct Ledger {
 /// summaries, zero log), which it is written before: 1 for entries without the field (servers
 /// before it), 2 since tombstones (`lost`). A server reads every format up to its own and
 /// refuses, by VM name, one it does not know (a newer release's, after a downgrade), keeping its
-/// files for a server that knows it: never a guess.
-pub const STATE_FORMAT: u32 = 2;
+/// files for a server that knows it: never a guess. 3 for entries of a VM moving between
+/// servers (`moved`, `incoming`), which a server of format 2 would take for its own; other
+/// entries are still written as 2, so that a downgrade refuses only those.
+pub const STATE_FORMAT: u32 = 3;
+
+/// The format of entries that are not about a move.
+const UNMOVED_FORMAT: u32 = 2;
 
 /// The format of an entry written before the field existed.
 pub(crate) fn first_format() -> u32 {
@@ -72,6 +77,15 @@ pub(crate) struct LedgerEntry {
     /// rather than lose its writes once a grace meant for lost connections runs out.
     #[serde(default, skip_serializing_if = "is_false")]
     pub(crate) quiet: bool,
+    /// The VM was handed to this peer server (live migration), which holds it from then on: its
+    /// state here, if any is left, is stale and never resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) moved: Option<String>,
+    /// The VM's state here was being taken from this peer server and the peer had not yet said
+    /// the move was done: whether this state or the peer's is the VM's is unknown, so a next
+    /// server refuses the name (never a guess) until `vm reset`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) incoming: Option<String>,
 }
 
 pub(crate) fn is_false(value: &bool) -> bool {
@@ -102,6 +116,8 @@ pub(crate) struct Marks {
     pub(crate) unwritten: bool,
     pub(crate) lost: Option<String>,
     pub(crate) quiet: bool,
+    pub(crate) moved: Option<String>,
+    pub(crate) incoming: Option<String>,
 }
 
 /// A VM an earlier server of this boot left state for.
@@ -158,10 +174,10 @@ impl Ledger {
         image: &str,
         owner: Option<&str>,
         state: Option<StateRecord>,
-        Marks { making, unwritten, lost, quiet }: Marks,
+        Marks { making, unwritten, lost, quiet, moved, incoming }: Marks,
     ) -> std::io::Result<()> {
         let entry = LedgerEntry {
-            format: STATE_FORMAT,
+            format: if moved.is_some() || incoming.is_some() { STATE_FORMAT } else { UNMOVED_FORMAT },
             vm: vm.to_owned(),
             image: image.to_owned(),
             owner: owner.map(str::to_owned),
@@ -174,6 +190,8 @@ impl Ledger {
             unwritten,
             lost,
             quiet,
+            moved,
+            incoming,
         };
         let partial = self.dir.join(format!(".vm-{vm}.json.partial"));
         let text = serde_json::to_vec(&entry).map_err(std::io::Error::other)?;
@@ -184,6 +202,12 @@ impl Ledger {
     pub(crate) fn state_of(&self, vm: &str) -> Option<StateRecord> {
         let bytes = std::fs::read(self.path(vm)).ok()?;
         serde_json::from_slice::<LedgerEntry>(&bytes).ok()?.state
+    }
+
+    /// The peer a VM was handed to, if its entry here says so (see [`LedgerEntry::moved`]).
+    pub(crate) fn moved_to(&self, vm: &str) -> Option<String> {
+        let bytes = std::fs::read(self.path(vm)).ok()?;
+        serde_json::from_slice::<LedgerEntry>(&bytes).ok()?.moved
     }
 
     /// Where a VM's ledger entry waits while its state files are removed.
@@ -266,6 +290,19 @@ impl Ledger {
         match entry {
             LedgerEntry { format, .. } if !known_format(format) => Some(Err(unknown_format(format))),
             LedgerEntry { lost: Some(why), .. } => Some(Err(why)),
+            LedgerEntry { moved: Some(to), state, .. } => {
+                // The peer holds the VM: what is left here is stale. The entry stays (without
+                // its files), so that this server can say where the VM went.
+                if let Some(state) = &state {
+                    tracing::info!(vm, peer = to, "state files of a VM handed to a peer removed");
+                    remove_leftover_state_files(vm, state);
+                }
+                None
+            }
+            LedgerEntry { incoming: Some(from), .. } => Some(Err(format!(
+                "it was moving here from peer {from} when its server ended, before the peer said the move was \
+                 done: whether its writes are here or there is unknown (its files here are kept)"
+            ))),
             LedgerEntry { state: Some(state), making: true, .. } => {
                 if remove_leftover_state_files(vm, &state).is_empty() {
                     tracing::info!(vm, "state files of a VM an earlier server was making removed (it served nothing)");

@@ -15,6 +15,8 @@ pub mod exports;
 pub mod files;
 pub mod images;
 pub mod ledger;
+mod live;
+pub mod migration;
 pub mod vm_limits;
 pub mod vm_overlay;
 pub mod vms;

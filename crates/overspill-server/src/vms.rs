@@ -40,9 +40,15 @@ use serde::{Deserialize, Serialize};
 use crate::ledger::{
     remove_leftover_state_files, remove_state_files, Ledger, LeftBehind, Marks, Recoverable, StateRecord,
 };
+use crate::live::Live;
 use crate::vm_limits::VmLimits;
 use crate::vm_overlay::VmOverlay;
 use crate::ServerError;
+
+#[path = "vms_moves.rs"]
+mod moves;
+pub use moves::{Direction, Holding, MoveCounters, MoveProgress, Offer};
+pub(crate) use moves::{Moving, Outgoing};
 
 /// How long overlays outlive their connections, and where the ledger is kept.
 #[derive(Debug, Clone, Default)]
@@ -79,10 +85,15 @@ pub enum VmState {
     /// Declared for a frontend that listens per VM (vhost-user), with no overlay yet: its
     /// socket waits for its VMM. The control socket knows these, not the registry.
     Declared,
+    /// Being sent to a peer server (live migration): still this server's until the switchover.
+    Outgoing,
+    /// Being taken from a peer server: its requests here wait until the switchover.
+    Incoming,
 }
 
 impl VmState {
-    pub const ALL: [VmState; 4] = [Self::Connected, Self::Resetting, Self::InGrace, Self::Lost];
+    pub const ALL: [VmState; 6] =
+        [Self::Connected, Self::Resetting, Self::InGrace, Self::Lost, Self::Outgoing, Self::Incoming];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -91,6 +102,8 @@ impl VmState {
             Self::InGrace => "in-grace",
             Self::Lost => "lost",
             Self::Declared => "declared",
+            Self::Outgoing => "outgoing",
+            Self::Incoming => "incoming",
         }
     }
 }
@@ -175,6 +188,7 @@ pub struct VmRegistry {
     /// [`Self::golden_image_changed`]).
     golden_image_changes: std::sync::atomic::AtomicU64,
     limits: VmLimits,
+    moves: MoveCounters,
 }
 
 #[derive(Default)]
@@ -221,6 +235,10 @@ struct Entry {
     /// Why the VM is to be lost when its connection ends (its golden image changed under it):
     /// its overlay goes then, not now, so that its files go by name while the name is its own.
     lose_at_end: Option<String>,
+    /// The overlay while a connection serves it (see `live`), for a move to find.
+    live: Option<Weak<Live>>,
+    /// A move of the VM to or from a peer server, under way.
+    moving: Option<Moving>,
 }
 
 struct Grace {
@@ -276,6 +294,7 @@ impl VmRegistry {
             orphans: Mutex::new(()),
             golden_image_changes: Default::default(),
             limits: VmLimits::default(),
+            moves: MoveCounters::default(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
             spawn_grace_keeper(Arc::downgrade(&registry));
@@ -331,10 +350,13 @@ impl VmRegistry {
             .filter(|e| e.named)
             .map(|e| {
                 let state = entry_state(e);
-                let detail = match e.grace.as_ref().map(|g| g.until) {
-                    Some(Some(until)) => format!("{}s of grace left", until.saturating_duration_since(now).as_secs()),
-                    Some(None) => "cut for idleness: waits for its client".to_owned(),
-                    None => String::new(),
+                let detail = match (e.grace.as_ref().map(|g| g.until), &e.moving) {
+                    (_, Some(moving)) => Self::move_detail(moving),
+                    (Some(Some(until)), _) => {
+                        format!("{}s of grace left", until.saturating_duration_since(now).as_secs())
+                    }
+                    (Some(None), _) => "cut for idleness: waits for its client".to_owned(),
+                    (None, _) => String::new(),
                 };
                 VmStatus {
                     vm: e.handle.vm.clone(),
@@ -409,6 +431,9 @@ impl VmRegistry {
             if entry.owner.as_deref().is_some_and(|owner| identity != Some(owner)) {
                 // Neither its state nor its image is told: they are the other client's.
                 return refuse(format!("VM {vm} belongs to another client identity"));
+            }
+            if let Some(moving) = &entry.moving {
+                return refuse(format!("VM {vm} is moving between this server and peer {}", moving.peer));
             }
             if entry.grace.is_none() {
                 return refuse(format!("VM {vm} is already connected; one connection per VM"));
@@ -574,6 +599,11 @@ impl VmRegistry {
         let Some(ledger) = &self.ledger else { return Ok(()) };
         let mut inner = lock(&self.inner);
         let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
+        if entry.moving.as_ref().is_some_and(|m| m.direction == moves::Direction::Incoming) {
+            // Its ledger entry is the move's to write (it serves nothing before the move commits).
+            entry.written = true;
+            return Ok(());
+        }
         if entry.named && !entry.marked {
             ledger.mark_with(&entry.handle.vm, &entry.handle.export, entry.owner.as_deref(), None)?;
             entry.marked = true;
@@ -757,6 +787,9 @@ impl VmRegistry {
             return if orphans { self.reset_orphan(vm) } else { Err(ServerError::NoSuchVm(vm.to_owned())) };
         };
         let entry = inner.vms.get_mut(&number).expect("names point at entries");
+        if let Some(moving) = &entry.moving {
+            return Err(ServerError::VmMoving(vm.to_owned(), moving.peer.clone()));
+        }
         if entry.grace.is_none() {
             if !even_connected {
                 return Err(ServerError::VmConnected(vm.to_owned()));
@@ -959,11 +992,18 @@ impl Entry {
             state: None,
             grace: None,
             lose_at_end: None,
+            live: None,
+            moving: None,
         }
     }
 }
 
 fn entry_state(entry: &Entry) -> VmState {
+    match &entry.moving {
+        Some(moving) if moving.direction == moves::Direction::Outgoing => return VmState::Outgoing,
+        Some(_) => return VmState::Incoming,
+        None => {}
+    }
     match (&entry.grace, entry.reset.load(Ordering::Relaxed)) {
         (Some(_), _) => VmState::InGrace,
         (None, true) => VmState::Resetting,

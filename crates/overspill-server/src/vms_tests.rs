@@ -21,6 +21,8 @@ fn the_ledger_names_what_a_dead_server_of_this_boot_left_and_forgets_other_boots
             unwritten: false,
             lost: None,
             quiet: false,
+            moved: None,
+            incoming: None,
         };
         std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
     };
@@ -117,6 +119,8 @@ fn a_dead_servers_pid_taken_by_another_process_does_not_hold_its_entries() {
             unwritten: false,
             lost: None,
             quiet: false,
+            moved: None,
+            incoming: None,
         };
         std::fs::write(ledger.path(vm), serde_json::to_vec(&entry).expect("json")).expect("write");
     }

@@ -193,6 +193,17 @@ pub struct ServeArgs {
     /// Each VM's bytes per second read and written, with a burst: `50M` or `50M:200M`.
     #[arg(long, value_name = "SIZE[:BURST]", value_parser = crate::size::parse_bytes_rate)]
     limit_bandwidth: Option<overspill_block::Rate>,
+    /// This server's socket for its peers (live migration; see --peer): unix:PATH, made mode
+    /// 0600. A peer that connects may take any VM this server holds.
+    #[arg(long, value_name = "unix:PATH")]
+    peer_listen: Option<ListenAddr>,
+    /// Another overspill server's peer socket (its --peer-listen): a named VM that connects here
+    /// while that server holds it live is moved here, its writes with it (live migration);
+    /// repeatable. While a peer cannot be asked, VMs this server does not hold are refused
+    /// (one of them may be running there). Only unix: peers for now (one host): between hosts
+    /// the link is to be TLS with mutual authentication.
+    #[arg(long = "peer", value_name = "unix:PATH")]
+    peers: Vec<ListenAddr>,
     #[command(flatten)]
     security: SecurityArgs,
 }
@@ -277,6 +288,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     registry.limits().set_default(overspill_block::Limits { ops: args.limit_iops, bytes: args.limit_bandwidth });
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
+    let _peer_listener = serve_peers(&args, &mut exports, &registry)?;
     if let Some(dir) = &args.record {
         exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
     }
@@ -333,6 +345,39 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     drop(listener);
     drop(control);
     Ok(end)
+}
+
+/// The peer socket (`--peer-listen`) and the peers asked for VMs (`--peer`).
+fn serve_peers(
+    args: &ServeArgs,
+    exports: &mut OverlayExports,
+    registry: &Arc<VmRegistry>,
+) -> anyhow::Result<Option<overspill_server::migration::PeerListener>> {
+    let unix_path = |flag: &str, addr: &ListenAddr| match addr {
+        ListenAddr::Unix(path) => Ok(path.clone()),
+        other => bail!(
+            "{flag} {other}: only unix: peers for now; between hosts the peer link is to be TLS with mutual \
+             authentication, which it does not do yet"
+        ),
+    };
+    let own = args.peer_listen.as_ref().map(|addr| unix_path("--peer-listen", addr)).transpose()?;
+    let name = match &own {
+        Some(path) => std::path::absolute(path).unwrap_or_else(|_| path.clone()).display().to_string(),
+        None => {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}:{}", host.trim(), std::process::id())
+        }
+    };
+    let addresses = args.peers.iter().map(|addr| unix_path("--peer", addr)).collect::<anyhow::Result<Vec<_>>>()?;
+    if !addresses.is_empty() {
+        tracing::info!(peers = addresses.len(), "named VMs that connect are asked for at the peers first");
+        exports.with_peers(overspill_server::migration::Peers { name: name.clone(), addresses });
+    }
+    let Some(path) = own else { return Ok(None) };
+    let listener = overspill_server::migration::listen(&path, name, registry.clone())
+        .with_context(|| format!("--peer-listen {}", path.display()))?;
+    tracing::info!(peer_listen = %path.display(), "peer socket up");
+    Ok(Some(listener))
 }
 
 /// The vhost-user sockets of the VMs `--vhost-user` declares and of those declared at run time

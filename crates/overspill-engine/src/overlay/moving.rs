@@ -118,10 +118,7 @@ impl Overlay {
                     });
                 }
                 Source::Ram(_) | Source::Spill(_) | Source::File => {
-                    while run_end < end
-                        && run_end - block < *data_left
-                        && self.core.map.contains(BlockIndex(run_end))
-                    {
+                    while run_end < end && run_end - block < *data_left && self.core.map.contains(BlockIndex(run_end)) {
                         run_end += 1;
                     }
                     let mut data = vec![0u8; ((run_end - block) * BLOCK_BYTES) as usize];

@@ -1,0 +1,142 @@
+//! A VM's overlay while a connection serves it, shared with a move to or from a peer server
+//! (see `migration`): the connection's device and the move take turns at it, request by request
+//! and run by run, through one lock.
+//!
+//! A move adds two things to a plain connection. At the sending end, the move may hold the lock
+//! through the switchover (the VM's requests wait: the fence), and the overlay may leave
+//! (`vm` becomes `None`: every later request fails and the connection closes). At the receiving
+//! end, the connection is *gated*: its requests wait until the VM's state here is the current
+//! one (the move committed), and the first of them asks for the switchover.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::vm_overlay::VmOverlay;
+use crate::vms::Ending;
+
+/// The overlay and the state of a move of it, if any.
+pub(crate) struct Live {
+    pub(crate) vm: Mutex<Option<VmOverlay>>,
+    /// Whether requests must pass [`Self::wait_until_current`] first (cleared once open).
+    gated: AtomicBool,
+    state: Mutex<LiveState>,
+    changed: Condvar,
+}
+
+/// Where a receiving end's connection stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Gate {
+    /// Requests are served.
+    Open,
+    /// The VM's state is still on its way: requests wait.
+    Incoming,
+    /// The move failed: requests fail, and the connection closes.
+    Failed(String),
+}
+
+#[derive(Debug)]
+pub(crate) struct LiveState {
+    pub(crate) gate: Gate,
+    /// A request is waiting at the gate: the receiving end asks the sender to switch over.
+    pub(crate) switch_wanted: bool,
+    /// A move is sending this overlay: the connection's end is the move's to settle.
+    pub(crate) outgoing: bool,
+    /// The connection ended (how), while a move had a say in what follows.
+    pub(crate) ended: Option<Ending>,
+}
+
+/// How long a request waits at the gate before it is answered with an error: longer than any
+/// switchover, shorter than a guest's own I/O timeout (30 s for Linux's SCSI and virtio disks).
+pub(crate) const GATE_WAIT: Duration = Duration::from_secs(25);
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Live {
+    pub(crate) fn new(vm: VmOverlay) -> Self {
+        Self::with_gate(vm, Gate::Open)
+    }
+
+    /// A receiving end's overlay, filled by the move before its connection is served.
+    pub(crate) fn incoming(vm: VmOverlay) -> Self {
+        Self::with_gate(vm, Gate::Incoming)
+    }
+
+    fn with_gate(vm: VmOverlay, gate: Gate) -> Self {
+        Self {
+            vm: Mutex::new(Some(vm)),
+            gated: AtomicBool::new(gate != Gate::Open),
+            state: Mutex::new(LiveState { gate, switch_wanted: false, outgoing: false, ended: None }),
+            changed: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn vm(&self) -> MutexGuard<'_, Option<VmOverlay>> {
+        lock(&self.vm)
+    }
+
+    pub(crate) fn state(&self) -> MutexGuard<'_, LiveState> {
+        lock(&self.state)
+    }
+
+    /// Changes the state and wakes whoever waits on it.
+    pub(crate) fn update<T>(&self, change: impl FnOnce(&mut LiveState) -> T) -> T {
+        let result = change(&mut self.state());
+        self.changed.notify_all();
+        result
+    }
+
+    /// Waits up to `timeout` for the state to change; returns the guard again.
+    pub(crate) fn wait<'a>(&self, guard: MutexGuard<'a, LiveState>, timeout: Duration) -> MutexGuard<'a, LiveState> {
+        match self.changed.wait_timeout(guard, timeout) {
+            Ok((guard, _)) => guard,
+            Err(poisoned) => poisoned.into_inner().0,
+        }
+    }
+
+    /// Opens or fails the gate.
+    pub(crate) fn set_gate(&self, gate: Gate) {
+        self.update(|state| state.gate = gate.clone());
+        if gate == Gate::Open {
+            self.gated.store(false, Ordering::Release);
+        }
+    }
+
+    /// Before a request: at a gated connection, asks for the switchover and waits until the
+    /// VM's state here is current. `Err` says why it never will be.
+    pub(crate) fn wait_until_current(&self) -> Result<(), String> {
+        if !self.gated.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let deadline = std::time::Instant::now() + GATE_WAIT;
+        let mut state = self.state();
+        if state.gate == Gate::Incoming && !state.switch_wanted {
+            state.switch_wanted = true;
+            self.changed.notify_all();
+        }
+        loop {
+            match &state.gate {
+                Gate::Open => return Ok(()),
+                Gate::Failed(why) => return Err(why.clone()),
+                Gate::Incoming => {}
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(format!("its state did not arrive from the peer within {} s", GATE_WAIT.as_secs()));
+            }
+            state = self.wait(state, left);
+        }
+    }
+
+    /// Whether the connection's end is the move's to settle: a move is sending the overlay,
+    /// or bringing it in. If so, the end is recorded for it.
+    pub(crate) fn end_settled_by_move(&self, ending: Ending) -> bool {
+        self.update(|state| {
+            let moving = state.outgoing || state.gate == Gate::Incoming;
+            state.ended = Some(ending);
+            moving
+        })
+    }
+}

@@ -1,0 +1,719 @@
+//! Moving a running VM's overlay to another server (live migration), over a link between peer
+//! servers.
+//!
+//! NBD has no handover points: QEMU's destination connects at its start (`-incoming`), long
+//! before the guest runs there, and the source's connection ends when libvirt stops it, which
+//! may be before or after the destination's first request. So the switchover is found here:
+//!
+//! 1. A connection for a named VM this server does not hold asks every peer; one that holds it
+//!    live sends it (`Take`). The receiving end makes an overlay over the very image version
+//!    the VM runs on (or refuses it) and serves the connection's handshake; its requests wait.
+//! 2. Pre-copy: the sending end sends every block that is not the golden image's, then, round
+//!    after round, the blocks the VM changed meanwhile, for as long as the move lasts.
+//! 3. Switchover, at whichever comes first: the receiving end's first request (its guest runs,
+//!    so QEMU has stopped the source's), or the end of the sending end's connection. The sender
+//!    takes the VM's lock and keeps it (the fence: the source's requests wait), sends the last
+//!    changes, and the receiver records that it holds the whole state ("in doubt") and says
+//!    `Ready`. The sender records "moved to peer" in its ledger, says `Committed`, and gives
+//!    up its copy: its connection fails its requests and closes. The receiver records the VM
+//!    as its own and serves it.
+//!
+//! Exactly one server accepts the VM's writes at any moment: the sender until its ledger says
+//! moved (its requests wait from the fence on), the receiver only after `Committed`. A move
+//! given up before `Ready` (the receiver's connection ended, the link dropped, a peer died)
+//! leaves the VM where it was; one given up after it leaves the receiver not knowing, and it
+//! asks the sender; a sender that cannot be asked makes the name lost here (refused until
+//! `vm reset`), never golden data. The peer link is a Unix socket: between hosts it is to be
+//! TLS with mutual authentication, which this module does not do yet.
+//!
+//! Messages are a JSON header and a binary payload (the data of the runs), each with its length.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use overspill_engine::{MovedRun, BLOCK_BYTES};
+use serde::{Deserialize, Serialize};
+
+use crate::live::{Gate, Live};
+use crate::vms::{Holding, MoveProgress, Offer, Outgoing, VmRegistry};
+
+/// The peer protocol's version: a peer that speaks another is refused.
+const PROTOCOL: u32 = 1;
+const MAX_HEADER_BYTES: u32 = 1 << 20;
+const MAX_PAYLOAD_BYTES: u64 = 64 << 20;
+/// Data blocks per message: 2 MiB, a spill segment's worth.
+const RUN_BLOCKS: u64 = 512;
+/// How long a peer may take to answer a question (a query, an offer).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the switchover may take at either end (the sender's VM fenced meanwhile).
+const SWITCH_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often an idle move looks for changes, and a receiver for its first request.
+const POLL: Duration = Duration::from_millis(5);
+/// How long a receiver in doubt keeps asking the sender how the move ended.
+const IN_DOUBT_ASKING: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+enum Message {
+    Hello {
+        server: String,
+        protocol: u32,
+    },
+    Query {
+        vm: String,
+    },
+    Holds {
+        holding: Holding,
+    },
+    /// Sends VM `vm`, asked for over image `image`.
+    Take {
+        vm: String,
+        image: String,
+    },
+    Offer {
+        offer: Offer,
+    },
+    Refuse {
+        why: String,
+    },
+    Accept,
+    /// Runs of blocks; the data runs' bytes are the payload, in order.
+    Runs {
+        runs: Vec<RunHeader>,
+        round_done: bool,
+        blocks_left: u64,
+    },
+    /// The receiver's guest runs: switch over now.
+    Switch,
+    /// The last runs are sent and the VM is fenced; `source_ended`: the sender's connection
+    /// ended (the receiver, if its own connection is gone too, declines).
+    Final {
+        source_ended: bool,
+    },
+    Ready,
+    Committed,
+    Done,
+    Decline,
+    Abort {
+        why: String,
+    },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "run", rename_all = "kebab-case")]
+enum RunHeader {
+    Golden { first: u64, end: u64 },
+    Zero { first: u64, end: u64 },
+    Data { first: u64, blocks: u64 },
+}
+
+/// What the other end of a link sends, as its reader thread passes it on.
+type Replies = Receiver<io::Result<(Message, Vec<u8>)>>;
+
+/// This server's peers: the servers it may take VMs from, and its own name among them.
+#[derive(Debug, Clone)]
+pub struct Peers {
+    /// How this server is named to its peers (its peer socket's path).
+    pub name: String,
+    pub addresses: Vec<PathBuf>,
+}
+
+/// Where a VM that connects here is, as its peers say.
+pub(crate) enum Located {
+    /// No peer holds it.
+    Nowhere,
+    /// This peer holds it live: it is to be taken from there.
+    Live(PathBuf),
+    /// A peer refuses it, or cannot be asked: so is it here.
+    Refused(String),
+}
+
+impl Peers {
+    /// Asks every peer whether it holds VM `vm`.
+    pub(crate) fn locate(&self, vm: &str) -> Located {
+        for address in &self.addresses {
+            let answer = Link::connect(address, &self.name).and_then(|mut link| {
+                link.send(&Message::Query { vm: vm.to_owned() }, &[])?;
+                match link.receive()?.0 {
+                    Message::Holds { holding } => Ok(holding),
+                    other => Err(unexpected(&other)),
+                }
+            });
+            match answer {
+                Ok(Holding::Live) => return Located::Live(address.clone()),
+                Ok(Holding::Lost { why }) => {
+                    return Located::Refused(format!(
+                        "peer {} lost VM {vm}'s writes ({why}); run `overspill vm reset {vm}` there",
+                        address.display()
+                    ))
+                }
+                Ok(Holding::Nothing | Holding::Moved { .. }) => {}
+                Err(error) => {
+                    return Located::Refused(format!(
+                        "peer {} cannot be asked whether VM {vm} runs there ({error}); if that server is gone \
+                         for good, take it out of --peer",
+                        address.display()
+                    ))
+                }
+            }
+        }
+        Located::Nowhere
+    }
+}
+
+/// One end of a link to a peer.
+struct Link {
+    stream: UnixStream,
+    peer: String,
+}
+
+impl Link {
+    fn connect(address: &Path, our_name: &str) -> io::Result<Self> {
+        let stream = UnixStream::connect(address)?;
+        stream.set_read_timeout(Some(ANSWER_TIMEOUT))?;
+        stream.set_write_timeout(Some(SWITCH_TIMEOUT))?;
+        let mut link = Self { stream, peer: address.display().to_string() };
+        link.send(&Message::Hello { server: our_name.to_owned(), protocol: PROTOCOL }, &[])?;
+        match link.receive()?.0 {
+            Message::Hello { protocol: PROTOCOL, .. } => Ok(link),
+            Message::Hello { protocol, .. } => Err(io::Error::other(format!("the peer speaks protocol {protocol}"))),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The accepting end: says hello back to a peer that said hello.
+    fn accept(stream: UnixStream, our_name: &str) -> io::Result<Self> {
+        stream.set_read_timeout(Some(ANSWER_TIMEOUT))?;
+        stream.set_write_timeout(Some(SWITCH_TIMEOUT))?;
+        let mut link = Self { stream, peer: String::new() };
+        match link.receive()?.0 {
+            Message::Hello { server, protocol: PROTOCOL } => link.peer = server,
+            Message::Hello { protocol, .. } => {
+                return Err(io::Error::other(format!("a peer speaks protocol {protocol}")))
+            }
+            other => return Err(unexpected(&other)),
+        }
+        link.send(&Message::Hello { server: our_name.to_owned(), protocol: PROTOCOL }, &[])?;
+        Ok(link)
+    }
+
+    fn send(&mut self, message: &Message, payload: &[u8]) -> io::Result<()> {
+        let header = serde_json::to_vec(message).map_err(io::Error::other)?;
+        let mut frame = Vec::with_capacity(12 + header.len());
+        frame.extend_from_slice(&(header.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&header);
+        frame.extend_from_slice(&(payload.len() as u64).to_be_bytes());
+        self.stream.write_all(&frame)?;
+        self.stream.write_all(payload)
+    }
+
+    fn receive(&mut self) -> io::Result<(Message, Vec<u8>)> {
+        receive_from(&mut self.stream)
+    }
+
+    /// Hands the reading to a thread of its own, so that the move can send while it waits;
+    /// the thread ends with the link.
+    fn spawn_reader(&self) -> io::Result<Replies> {
+        let mut stream = self.stream.try_clone()?;
+        stream.set_read_timeout(None)?;
+        let (send, receive) = mpsc::channel();
+        std::thread::Builder::new().name("peer-reader".into()).spawn(move || loop {
+            let message = receive_from(&mut stream);
+            let failed = message.is_err();
+            if send.send(message).is_err() || failed {
+                return;
+            }
+        })?;
+        Ok(receive)
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // The reader thread holds a clone of the socket: shut down, it sees the end.
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn receive_from(stream: &mut UnixStream) -> io::Result<(Message, Vec<u8>)> {
+    let mut length = [0u8; 4];
+    stream.read_exact(&mut length)?;
+    let header_len = u32::from_be_bytes(length);
+    if header_len > MAX_HEADER_BYTES {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a peer message header of {header_len} bytes")));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    stream.read_exact(&mut header)?;
+    let message: Message = serde_json::from_slice(&header)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("a peer message that does not parse: {e}")))?;
+    let mut length = [0u8; 8];
+    stream.read_exact(&mut length)?;
+    let payload_len = u64::from_be_bytes(length);
+    if payload_len > MAX_PAYLOAD_BYTES {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a peer payload of {payload_len} bytes")));
+    }
+    let mut payload = vec![0u8; payload_len as usize];
+    stream.read_exact(&mut payload)?;
+    Ok((message, payload))
+}
+
+fn unexpected(message: &Message) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("unexpected peer message {message:?}"))
+}
+
+fn encode_runs(runs: Vec<MovedRun>) -> (Vec<RunHeader>, Vec<u8>) {
+    let mut payload = Vec::new();
+    let headers = runs
+        .into_iter()
+        .map(|run| match run {
+            MovedRun::Golden { first, end } => RunHeader::Golden { first, end },
+            MovedRun::Zero { first, end } => RunHeader::Zero { first, end },
+            MovedRun::Data { first, data } => {
+                let blocks = data.len() as u64 / BLOCK_BYTES;
+                payload.extend_from_slice(&data);
+                RunHeader::Data { first, blocks }
+            }
+        })
+        .collect();
+    (headers, payload)
+}
+
+fn decode_runs(headers: Vec<RunHeader>, payload: &[u8]) -> io::Result<Vec<MovedRun>> {
+    let mut at = 0usize;
+    let runs = headers
+        .into_iter()
+        .map(|header| {
+            Ok(match header {
+                RunHeader::Golden { first, end } => MovedRun::Golden { first, end },
+                RunHeader::Zero { first, end } => MovedRun::Zero { first, end },
+                RunHeader::Data { first, blocks } => {
+                    let len = usize::try_from(blocks * BLOCK_BYTES).map_err(io::Error::other)?;
+                    let data = payload
+                        .get(at..at + len)
+                        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "runs longer than their payload"))?;
+                    at += len;
+                    MovedRun::Data { first, data: data.to_vec() }
+                }
+            })
+        })
+        .collect::<io::Result<Vec<MovedRun>>>()?;
+    if at != payload.len() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "a payload longer than its runs"));
+    }
+    Ok(runs)
+}
+
+/// Listens for peers on a Unix socket, made mode 0600 (a peer can take any VM).
+pub struct PeerListener {
+    path: PathBuf,
+}
+
+impl Drop for PeerListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Answers peers at `path`: their questions, and their requests for VMs.
+pub fn listen(path: &Path, name: String, registry: Arc<VmRegistry>) -> io::Result<PeerListener> {
+    if path.exists() && UnixStream::connect(path).is_err() {
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    std::thread::Builder::new().name("peer-listener".into()).spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let (registry, name) = (registry.clone(), name.clone());
+            let spawned = std::thread::Builder::new().name("peer".into()).spawn(move || {
+                if let Err(error) = serve_peer(stream, &name, &registry) {
+                    tracing::debug!(%error, "peer connection ended");
+                }
+            });
+            if let Err(error) = spawned {
+                tracing::warn!(%error, "could not serve a peer");
+            }
+        }
+    })?;
+    Ok(PeerListener { path: path.to_owned() })
+}
+
+fn serve_peer(stream: UnixStream, name: &str, registry: &Arc<VmRegistry>) -> io::Result<()> {
+    let mut link = Link::accept(stream, name)?;
+    loop {
+        match link.receive()?.0 {
+            Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
+            Message::Take { vm, image } => return send_vm(link, registry, &vm, &image),
+            Message::Done => {}
+            other => return Err(unexpected(&other)),
+        }
+    }
+}
+
+/// Why a sending end's pre-copy stopped.
+enum PreCopyEnd {
+    SwitchAsked,
+    SourceEnded,
+    Failed(String),
+}
+
+/// The sending end of a move.
+fn send_vm(mut link: Link, registry: &Arc<VmRegistry>, vm: &str, image: &str) -> io::Result<()> {
+    let peer = link.peer.clone();
+    let out = match registry.start_outgoing(vm, image, &peer) {
+        Ok(out) => out,
+        Err(why) => return link.send(&Message::Refuse { why }, &[]),
+    };
+    let accepted = link.send(&Message::Offer { offer: out.offer.clone() }, &[]).and_then(|()| link.receive());
+    let replies = match accepted {
+        Ok((Message::Accept, _)) => link.spawn_reader(),
+        Ok((Message::Abort { why }, _)) => Err(io::Error::other(format!("the peer refused it: {why}"))),
+        Ok((other, _)) => Err(unexpected(&other)),
+        Err(error) => Err(error),
+    };
+    let outcome = match &replies {
+        Ok(replies) => send_vm_to(&mut link, replies, registry, &out),
+        Err(error) => Err(format!("offering the VM: {error}")),
+    };
+    let moved = match outcome {
+        Ok(moved) => Some(moved),
+        Err(why) => {
+            tracing::warn!(vm, peer, why, "move to a peer given up: the VM goes on here");
+            let _ = link.send(&Message::Abort { why }, &[]);
+            None
+        }
+    };
+    let done = moved.is_some();
+    registry.finish_outgoing(out, moved);
+    if let (true, Ok(replies)) = (done, replies) {
+        // The receiver acknowledges; until then the ledger keeps where the VM went.
+        if matches!(replies.recv_timeout(ANSWER_TIMEOUT), Ok(Ok((Message::Done, _)))) {
+            registry.moved_acknowledged(vm);
+        }
+    }
+    Ok(())
+}
+
+/// Sends the VM; `Ok(overlay)` once the peer holds it (the overlay taken out of the shared
+/// slot), `Err` why the move failed.
+fn send_vm_to(
+    link: &mut Link,
+    replies: &Replies,
+    registry: &VmRegistry,
+    out: &Outgoing,
+) -> Result<crate::vm_overlay::VmOverlay, String> {
+    let failed = |what: &str, error: io::Error| format!("{what}: {error}");
+    if let Some(vm) = out.live.vm().as_mut() {
+        vm.overlay.start_moving();
+    }
+    let end = pre_copy(link, replies, out, registry);
+    let source_ended = match end {
+        PreCopyEnd::SwitchAsked => false,
+        PreCopyEnd::SourceEnded => true,
+        PreCopyEnd::Failed(why) => return Err(why),
+    };
+    // The fence: from here the VM's requests wait for this lock, until it has moved or not.
+    let mut fenced = out.live.vm();
+    let Some(vm) = fenced.as_mut() else { return Err("the VM's overlay is gone".into()) };
+    loop {
+        let runs = vm.overlay.take_moved(RUN_BLOCKS).map_err(|e| format!("reading the VM's blocks: {e}"))?;
+        if runs.is_empty() {
+            break;
+        }
+        send_runs(link, runs, &out.progress, registry, false, 0).map_err(|e| failed("sending the last changes", e))?;
+    }
+    link.send(&Message::Final { source_ended }, &[]).map_err(|e| failed("sending the switchover", e))?;
+    match replies.recv_timeout(SWITCH_TIMEOUT) {
+        Ok(Ok((Message::Ready, _))) => {}
+        Ok(Ok((Message::Decline, _))) => return Err("the peer has no guest for it any more".into()),
+        Ok(Ok((Message::Abort { why }, _))) => return Err(format!("the peer gave up: {why}")),
+        Ok(Ok((other, _))) => return Err(unexpected(&other).to_string()),
+        Ok(Err(error)) => return Err(failed("waiting for the peer to be ready", error)),
+        Err(_) => return Err("the peer was not ready in time".into()),
+    }
+    // The commit point: the ledger says the VM is the peer's before the peer serves it.
+    registry.outgoing_committed(out, &link.peer).map_err(|e| failed("recording the move in the ledger", e))?;
+    if let Err(error) = link.send(&Message::Committed, &[]) {
+        // The peer asks, and the ledger answers: moved.
+        tracing::warn!(vm = out.vm, %error, "could not tell the peer the move is done; it will ask");
+    }
+    fenced.take().ok_or_else(|| "the VM's overlay is gone".to_owned())
+}
+
+/// Rounds of changes until the switchover is asked for or the VM's connection here ends.
+fn pre_copy(
+    link: &mut Link,
+    replies: &Replies,
+    out: &Outgoing,
+    registry: &VmRegistry,
+) -> PreCopyEnd {
+    let mut idle = false;
+    let mut round_open = true;
+    loop {
+        let message = if idle {
+            match replies.recv_timeout(POLL) {
+                Ok(message) => Some(message),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return PreCopyEnd::Failed("the peer link closed".into()),
+            }
+        } else {
+            match replies.try_recv() {
+                Ok(message) => Some(message),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => return PreCopyEnd::Failed("the peer link closed".into()),
+            }
+        };
+        match message {
+            None => {}
+            Some(Ok((Message::Switch, _))) => return PreCopyEnd::SwitchAsked,
+            Some(Ok((Message::Abort { why }, _))) => return PreCopyEnd::Failed(format!("the peer gave up: {why}")),
+            Some(Ok((other, _))) => return PreCopyEnd::Failed(unexpected(&other).to_string()),
+            Some(Err(error)) => return PreCopyEnd::Failed(format!("the peer link failed: {error}")),
+        }
+        if out.live.state().ended.is_some() {
+            return PreCopyEnd::SourceEnded;
+        }
+        let (runs, left) = {
+            let mut vm = out.live.vm();
+            let Some(vm) = vm.as_mut() else { return PreCopyEnd::Failed("the VM's overlay is gone".into()) };
+            match vm.overlay.take_moved(RUN_BLOCKS) {
+                Ok(runs) => (runs, vm.overlay.blocks_to_move()),
+                Err(error) => return PreCopyEnd::Failed(format!("reading the VM's blocks: {error}")),
+            }
+        };
+        idle = runs.is_empty();
+        if idle && !round_open {
+            continue;
+        }
+        // A round ends when nothing is left to send: the receiver counts it.
+        let round_done = left == 0;
+        if let Err(error) = send_runs(link, runs, &out.progress, registry, round_done, left) {
+            return PreCopyEnd::Failed(format!("sending to the peer: {error}"));
+        }
+        round_open = !round_done;
+    }
+}
+
+fn send_runs(
+    link: &mut Link,
+    runs: Vec<MovedRun>,
+    progress: &MoveProgress,
+    registry: &VmRegistry,
+    round_done: bool,
+    blocks_left: u64,
+) -> io::Result<()> {
+    let (runs, payload) = encode_runs(runs);
+    link.send(&Message::Runs { runs, round_done, blocks_left }, &payload)?;
+    progress.bytes.fetch_add(payload.len() as u64, Ordering::Relaxed);
+    progress.blocks_left.store(blocks_left, Ordering::Relaxed);
+    let counters = registry.move_counters();
+    counters.bytes_sent.fetch_add(payload.len() as u64, Ordering::Relaxed);
+    if round_done {
+        progress.rounds.fetch_add(1, Ordering::Relaxed);
+        counters.rounds.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// The receiving end of a move, from the peer's offer on.
+pub(crate) struct Incoming {
+    pub(crate) number: u64,
+    pub(crate) live: Arc<Live>,
+    pub(crate) progress: Arc<MoveProgress>,
+    pub(crate) registry: Arc<VmRegistry>,
+    pub(crate) peers: Peers,
+    pub(crate) peer: PathBuf,
+    pub(crate) vm: String,
+}
+
+/// Asks peer `address` to send VM `vm` (over image `image`): its offer, and the link to take
+/// it on.
+pub(crate) fn ask_for(peers: &Peers, address: &Path, vm: &str, image: &str) -> Result<(Offer, PeerLink), String> {
+    let shown = address.display();
+    let mut link = Link::connect(address, &peers.name).map_err(|e| format!("peer {shown}: {e}"))?;
+    link.send(&Message::Take { vm: vm.to_owned(), image: image.to_owned() }, &[])
+        .map_err(|e| format!("peer {shown}: {e}"))?;
+    match link.receive().map_err(|e| format!("peer {shown}: {e}"))?.0 {
+        Message::Offer { offer } => Ok((offer, PeerLink(link))),
+        Message::Refuse { why } => Err(format!("peer {shown} does not send it: {why}")),
+        other => Err(format!("peer {shown}: {}", unexpected(&other))),
+    }
+}
+
+/// A link on which a peer offered a VM.
+pub(crate) struct PeerLink(Link);
+
+impl PeerLink {
+    /// Declines the offer.
+    pub(crate) fn refuse(mut self, why: &str) {
+        let _ = self.0.send(&Message::Abort { why: why.to_owned() }, &[]);
+    }
+}
+
+impl Incoming {
+    /// Accepts the offer and takes the VM in, in a thread of its own; the connection's requests
+    /// wait at its gate meanwhile.
+    pub(crate) fn start(self, link: PeerLink) -> io::Result<()> {
+        let mut link = link.0;
+        link.send(&Message::Accept, &[])?;
+        let replies = link.spawn_reader()?;
+        std::thread::Builder::new().name("vm-incoming".into()).spawn(move || {
+            let outcome = self.take_in(&mut link, &replies);
+            self.settle(outcome, &mut link);
+        })?;
+        Ok(())
+    }
+
+    fn take_in(&self, link: &mut Link, replies: &Replies) -> Outcome {
+        let mut switch_asked: Option<Instant> = None;
+        loop {
+            match replies.recv_timeout(POLL) {
+                Ok(Ok((Message::Runs { runs, round_done, blocks_left }, payload))) => {
+                    if let Err(error) = self.apply(runs, &payload, round_done, blocks_left) {
+                        return Outcome::Failed(format!("applying what the peer sent: {error}"));
+                    }
+                }
+                Ok(Ok((Message::Final { .. }, _))) => break,
+                Ok(Ok((Message::Abort { why }, _))) => return Outcome::Failed(format!("the peer gave up: {why}")),
+                Ok(Ok((other, _))) => return Outcome::Failed(unexpected(&other).to_string()),
+                Ok(Err(error)) => return Outcome::Failed(format!("the peer link failed: {error}")),
+                Err(RecvTimeoutError::Disconnected) => return Outcome::Failed("the peer link closed".into()),
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            let (ended, wanted) = {
+                let state = self.live.state();
+                (state.ended.is_some(), state.switch_wanted)
+            };
+            if ended {
+                return Outcome::Failed("the VM's connection here ended before the switchover".into());
+            }
+            if wanted && switch_asked.is_none() {
+                switch_asked = Some(Instant::now());
+                if let Err(error) = link.send(&Message::Switch, &[]) {
+                    return Outcome::Failed(format!("asking the peer to switch over: {error}"));
+                }
+            }
+        }
+        let started = switch_asked.unwrap_or_else(Instant::now);
+        if self.live.state().ended.is_some() {
+            let _ = link.send(&Message::Decline, &[]);
+            return Outcome::Failed("the VM's connection here ended before the switchover".into());
+        }
+        if let Err(error) = self.registry.incoming_ready(self.number) {
+            return Outcome::Failed(format!("recording the VM in the ledger: {error}"));
+        }
+        if let Err(error) = link.send(&Message::Ready, &[]) {
+            return self.in_doubt(format!("saying ready to the peer: {error}"), started);
+        }
+        match replies.recv_timeout(SWITCH_TIMEOUT) {
+            Ok(Ok((Message::Committed, _))) => Outcome::Moved(started),
+            Ok(Ok((Message::Abort { why }, _))) => Outcome::Failed(format!("the peer gave up: {why}")),
+            Ok(Ok((other, _))) => self.in_doubt(unexpected(&other).to_string(), started),
+            Ok(Err(error)) => self.in_doubt(error.to_string(), started),
+            Err(_) => self.in_doubt("the peer did not answer".into(), started),
+        }
+    }
+
+    fn apply(&self, runs: Vec<RunHeader>, payload: &[u8], round_done: bool, blocks_left: u64) -> io::Result<()> {
+        let runs = decode_runs(runs, payload)?;
+        {
+            let mut vm = self.live.vm();
+            let vm = vm.as_mut().ok_or_else(|| io::Error::other("the VM's overlay is gone"))?;
+            for run in &runs {
+                vm.overlay.apply_moved(run).map_err(io::Error::other)?;
+            }
+        }
+        let bytes = payload.len() as u64;
+        self.progress.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.progress.blocks_left.store(blocks_left, Ordering::Relaxed);
+        self.registry.move_counters().bytes_received.fetch_add(bytes, Ordering::Relaxed);
+        if round_done {
+            self.progress.rounds.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The link failed after `Ready`: the sender may have committed or not. Asks it, for a while.
+    fn in_doubt(&self, why: String, started: Instant) -> Outcome {
+        tracing::warn!(vm = self.vm, peer = %self.peer.display(), why, "VM move in doubt: asking the peer how it ended");
+        let until = Instant::now() + IN_DOUBT_ASKING;
+        while Instant::now() < until {
+            let answer = Link::connect(&self.peer, &self.peers.name).and_then(|mut link| {
+                link.send(&Message::Query { vm: self.vm.clone() }, &[])?;
+                match link.receive()?.0 {
+                    Message::Holds { holding } => Ok(holding),
+                    other => Err(unexpected(&other)),
+                }
+            });
+            match answer {
+                // Moved (here: the peer names this server as it was told), or the peer keeps no
+                // record of it: its copy is gone either way, and this one is the VM's.
+                Ok(Holding::Moved { .. } | Holding::Nothing) => return Outcome::Moved(started),
+                Ok(Holding::Live) => return Outcome::Failed("the peer kept the VM".into()),
+                Ok(Holding::Lost { why }) => return Outcome::Failed(format!("the peer lost the VM: {why}")),
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+        Outcome::InDoubt(why)
+    }
+
+    /// Makes the outcome so: the VM served here, or its copy here dropped (or its name lost).
+    fn settle(self, outcome: Outcome, link: &mut Link) {
+        match outcome {
+            Outcome::Moved(started) => {
+                if let Err(error) = self.registry.incoming_committed(self.number) {
+                    // The ledger still says in doubt: a next server refuses the name, no worse.
+                    tracing::warn!(vm = self.vm, %error, "could not record the moved VM as this server's");
+                }
+                let _ = link.send(&Message::Done, &[]);
+                if let Some(vm) = self.live.vm().as_mut() {
+                    vm.overlay.stop_moving();
+                }
+                self.registry.move_counters().switchover(started.elapsed());
+                tracing::info!(
+                    vm = self.vm,
+                    peer = %self.peer.display(),
+                    switchover_ms = started.elapsed().as_secs_f64() * 1000.0,
+                    "VM moved here from its peer: served from now on"
+                );
+                self.live.set_gate(Gate::Open);
+                // A connection that ended meanwhile left its end to the move.
+                if let Some(ending) = self.live.state().ended {
+                    let vm = self.live.vm().take();
+                    if let Some(vm) = vm {
+                        drop(self.registry.end(self.number, ending, vm));
+                    }
+                }
+            }
+            Outcome::Failed(why) => {
+                tracing::warn!(vm = self.vm, peer = %self.peer.display(), why, "VM move from a peer failed: its copy here is dropped");
+                let _ = link.send(&Message::Abort { why: why.clone() }, &[]);
+                self.live.set_gate(Gate::Failed(format!("its move from peer {} failed: {why}", self.peer.display())));
+                let vm = self.live.vm().take();
+                self.registry.incoming_failed(self.number, vm, None);
+            }
+            Outcome::InDoubt(why) => {
+                let why = format!(
+                    "its move from peer {} was interrupted at the switchover ({why}) and the peer cannot be asked \
+                     how it ended",
+                    self.peer.display()
+                );
+                self.live.set_gate(Gate::Failed(why.clone()));
+                let vm = self.live.vm().take();
+                self.registry.incoming_failed(self.number, vm, Some(&why));
+            }
+        }
+    }
+}
+
+enum Outcome {
+    /// The VM is this server's; the switchover began then.
+    Moved(Instant),
+    Failed(String),
+    InDoubt(String),
+}
