@@ -113,10 +113,10 @@ impl Drop for EngineDevice {
     }
 }
 
-/// What a request does with the overlay, and whether it changes it.
-enum Use {
-    Reads,
-    Changes,
+/// How a request's errors are told: a change refused for want of room is said in the log too.
+enum Errors {
+    Plain,
+    SpaceWarned,
 }
 
 impl EngineDevice {
@@ -124,7 +124,7 @@ impl EngineDevice {
     /// it), and unless the VM has moved away (then the connection closes).
     fn serve<T>(
         &mut self,
-        purpose: Use,
+        errors: Errors,
         op: impl FnOnce(&mut overspill_engine::Overlay) -> Result<T, EngineError>,
     ) -> Result<T, DeviceError> {
         if let Err(why) = self.live.wait_until_current() {
@@ -141,9 +141,9 @@ impl EngineDevice {
                 ));
             }
         };
-        result.map_err(|error| match purpose {
-            Use::Changes => self.change_refused(error),
-            Use::Reads => device_error(error),
+        result.map_err(|error| match errors {
+            Errors::SpaceWarned => self.change_refused(error),
+            Errors::Plain => device_error(error),
         })
     }
 
@@ -184,21 +184,31 @@ impl BlockDevice for EngineDevice {
     }
 
     fn read_sent_as_zeroes(&mut self, _: &ReadRequest, offset: u64, length: u64) {
-        if let Err(error) = self.serve(Use::Reads, |overlay| overlay.count_unread(offset, length)) {
+        if self.live.gated() {
+            return;
+        }
+        if let Err(error) = self.serve(Errors::Plain, |overlay| overlay.count_unread(offset, length)) {
             tracing::debug!(%error, offset, length, "a read sent as a hole could not be counted");
         }
     }
 
     fn read(&mut self, _: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        self.serve(Use::Reads, |overlay| overlay.read_part(offset, buf))
+        if self.live.read_elsewhere(offset, buf) {
+            return Ok(());
+        }
+        self.serve(Errors::Plain, |overlay| overlay.read_part(offset, buf))
     }
 
     fn read_shared(&mut self, _: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
-        self.serve(Use::Reads, |overlay| overlay.read_shared_part(offset, length))
+        let mut elsewhere = vec![0u8; length];
+        if self.live.read_elsewhere(offset, &mut elsewhere) {
+            return Ok(vec![Bytes::from(elsewhere)]);
+        }
+        self.serve(Errors::Plain, |overlay| overlay.read_shared_part(offset, length))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
-        self.serve(Use::Changes, |overlay| overlay.write(offset, data))
+        self.serve(Errors::SpaceWarned, |overlay| overlay.write(offset, data))
     }
 
     fn write_from(
@@ -208,23 +218,33 @@ impl BlockDevice for EngineDevice {
         _fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
-        self.serve(Use::Changes, |overlay| overlay.write_received(offset, length, |buffers| payload.receive(buffers)))
+        self.serve(Errors::SpaceWarned, |overlay| {
+            overlay.write_received(offset, length, |buffers| payload.receive(buffers))
+        })
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
-        self.serve(Use::Changes, |overlay| overlay.write_zeroes(offset, length))
+        self.serve(Errors::SpaceWarned, |overlay| overlay.write_zeroes(offset, length))
     }
 
     fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
-        self.serve(Use::Reads, |overlay| overlay.trim(offset, length))
+        self.serve(Errors::Plain, |overlay| overlay.trim(offset, length))
     }
 
     fn flush(&mut self) -> Result<(), DeviceError> {
-        self.serve(Use::Reads, |overlay| overlay.flush())
+        if self.live.gated() {
+            // Nothing was written here yet: the sender's writes are its own to keep.
+            return Ok(());
+        }
+        self.serve(Errors::Plain, |overlay| overlay.flush())
     }
 
     fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
-        let extents = self.serve(Use::Reads, |overlay| overlay.extents(offset, length))?;
+        if self.live.gated() {
+            // Still the sender's: all data, which is always true (a client then reads it).
+            return Ok(vec![Extent { length, hole: false, zero: false }]);
+        }
+        let extents = self.serve(Errors::Plain, |overlay| overlay.extents(offset, length))?;
         Ok(extents
             .into_iter()
             .map(|extent| Extent {
@@ -240,7 +260,10 @@ impl BlockDevice for EngineDevice {
     }
 
     fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
-        self.serve(Use::Reads, |overlay| overlay.prefetch(offset, length).map(drop))
+        if self.live.gated() {
+            return Ok(());
+        }
+        self.serve(Errors::Plain, |overlay| overlay.prefetch(offset, length).map(drop))
     }
 
     fn disconnect(&mut self) {

@@ -555,7 +555,8 @@ impl OverlayExports {
                 return Err(error);
             }
         };
-        let live = Arc::new(Live::incoming(overlay));
+        let elsewhere = Box::new(migration::ReadAtSender::new(peers, address, vm));
+        let live = Arc::new(Live::incoming(overlay, elsewhere));
         let incoming = Incoming {
             number,
             live: live.clone(),

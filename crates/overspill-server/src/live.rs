@@ -5,8 +5,10 @@
 //! A move adds two things to a plain connection. At the sending end, the move may hold the lock
 //! through the switchover (the VM's requests wait: the fence), and the overlay may leave
 //! (`vm` becomes `None`: every later request fails and the connection closes). At the receiving
-//! end, the connection is *gated*: its requests wait until the VM's state here is the current
-//! one (the move committed), and the first of them asks for the switchover.
+//! end, the connection is *gated* until the VM's state here is the current one (the move
+//! committed): its reads are read at the sender, which holds the current state (QEMU reads a
+//! destination's first sector when it starts, long before its guest runs), and its first change
+//! asks for the switchover and waits for it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -15,9 +17,18 @@ use std::time::Duration;
 use crate::vm_overlay::VmOverlay;
 use crate::vms::Ending;
 
+/// Reads of a VM that is still another server's, at that server.
+pub(crate) trait ReadElsewhere: Send + Sync {
+    /// Reads `buf` at `offset` there; `Ok(false)` when the VM is no longer there (it has moved
+    /// here, or is moving: the gate opens soon).
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String>;
+}
+
 /// The overlay and the state of a move of it, if any.
 pub(crate) struct Live {
     pub(crate) vm: Mutex<Option<VmOverlay>>,
+    /// Where a gated connection's reads go meanwhile.
+    elsewhere: Option<Box<dyn ReadElsewhere>>,
     /// Whether requests must pass [`Self::wait_until_current`] first (cleared once open).
     gated: AtomicBool,
     state: Mutex<LiveState>,
@@ -59,14 +70,16 @@ impl Live {
         Self::with_gate(vm, Gate::Open)
     }
 
-    /// A receiving end's overlay, filled by the move before its connection is served.
-    pub(crate) fn incoming(vm: VmOverlay) -> Self {
-        Self::with_gate(vm, Gate::Incoming)
+    /// A receiving end's overlay, filled by the move before its connection is served; reads
+    /// go `elsewhere` meanwhile.
+    pub(crate) fn incoming(vm: VmOverlay, elsewhere: Box<dyn ReadElsewhere>) -> Self {
+        Self { elsewhere: Some(elsewhere), ..Self::with_gate(vm, Gate::Incoming) }
     }
 
     fn with_gate(vm: VmOverlay, gate: Gate) -> Self {
         Self {
             vm: Mutex::new(Some(vm)),
+            elsewhere: None,
             gated: AtomicBool::new(gate != Gate::Open),
             state: Mutex::new(LiveState { gate, switch_wanted: false, outgoing: false, ended: None }),
             changed: Condvar::new(),
@@ -96,11 +109,32 @@ impl Live {
         }
     }
 
+    /// Whether the connection is still gated (the VM not this server's yet).
+    pub(crate) fn gated(&self) -> bool {
+        self.gated.load(Ordering::Acquire)
+    }
+
     /// Opens or fails the gate.
     pub(crate) fn set_gate(&self, gate: Gate) {
         self.update(|state| state.gate = gate.clone());
         if gate == Gate::Open {
             self.gated.store(false, Ordering::Release);
+        }
+    }
+
+    /// A read of a gated connection, answered where the VM's state is current: `true` if it
+    /// was (at the sender); `false` when it is to be read here, once the gate opens.
+    pub(crate) fn read_elsewhere(&self, offset: u64, buf: &mut [u8]) -> bool {
+        if !self.gated.load(Ordering::Acquire) || self.state().gate != Gate::Incoming {
+            return false;
+        }
+        let Some(elsewhere) = &self.elsewhere else { return false };
+        match elsewhere.read(offset, buf) {
+            Ok(read) => read,
+            Err(error) => {
+                tracing::debug!(error, offset, "a read at the sending end failed: read here once the move is done");
+                false
+            }
         }
     }
 

@@ -102,6 +102,16 @@ enum Message {
     Abort {
         why: String,
     },
+    /// Reads the VM's disk where it is current (a receiver's reads before the switchover).
+    Read {
+        vm: String,
+        offset: u64,
+        length: u32,
+    },
+    /// What a read read: the payload.
+    Data,
+    /// The VM is not here (any more) to be read.
+    NotHere,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -349,6 +359,17 @@ fn serve_peer(stream: UnixStream, name: &str, registry: &Arc<VmRegistry>) -> io:
         match link.receive()?.0 {
             Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
             Message::Take { vm, image } => return send_vm(link, registry, &vm, &image),
+            Message::Read { vm, offset, length } => {
+                let mut buf = vec![0u8; length as usize];
+                match registry.read_for_peer(&vm, offset, &mut buf) {
+                    Ok(true) => link.send(&Message::Data, &buf)?,
+                    Ok(false) => link.send(&Message::NotHere, &[])?,
+                    Err(error) => {
+                        tracing::debug!(vm, offset, error, "a peer's read failed");
+                        link.send(&Message::NotHere, &[])?;
+                    }
+                }
+            }
             Message::Done => {}
             other => return Err(unexpected(&other)),
         }
@@ -446,15 +467,14 @@ fn send_vm_to(
 }
 
 /// Rounds of changes until the switchover is asked for or the VM's connection here ends.
-fn pre_copy(
-    link: &mut Link,
-    replies: &Replies,
-    out: &Outgoing,
-    registry: &VmRegistry,
-) -> PreCopyEnd {
+fn pre_copy(link: &mut Link, replies: &Replies, out: &Outgoing, registry: &VmRegistry) -> PreCopyEnd {
     let mut idle = false;
     let mut round_open = true;
     loop {
+        if out.had_no_connection() {
+            // No connection here to wait for: everything goes in the final delta.
+            return PreCopyEnd::SourceEnded;
+        }
         let message = if idle {
             match replies.recv_timeout(POLL) {
                 Ok(message) => Some(message),
@@ -542,6 +562,52 @@ pub(crate) fn ask_for(peers: &Peers, address: &Path, vm: &str, image: &str) -> R
         Message::Offer { offer } => Ok((offer, PeerLink(link))),
         Message::Refuse { why } => Err(format!("peer {shown} does not send it: {why}")),
         other => Err(format!("peer {shown}: {}", unexpected(&other))),
+    }
+}
+
+/// Reads of a VM moving here, at the peer that sends it, until the switchover.
+pub(crate) struct ReadAtSender {
+    name: String,
+    address: PathBuf,
+    vm: String,
+    link: std::sync::Mutex<Option<Link>>,
+}
+
+impl ReadAtSender {
+    pub(crate) fn new(peers: &Peers, address: &Path, vm: &str) -> Self {
+        Self { name: peers.name.clone(), address: address.to_owned(), vm: vm.to_owned(), link: Default::default() }
+    }
+}
+
+impl crate::live::ReadElsewhere for ReadAtSender {
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
+        let mut link = self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if link.is_none() {
+            let connected = Link::connect(&self.address, &self.name).map_err(|e| e.to_string())?;
+            // The sender's fence may hold a read for its whole switchover.
+            connected.stream.set_read_timeout(Some(SWITCH_TIMEOUT + ANSWER_TIMEOUT)).map_err(|e| e.to_string())?;
+            *link = Some(connected);
+        }
+        let connected = link.as_mut().expect("made above");
+        let length = u32::try_from(buf.len()).map_err(|e| e.to_string())?;
+        let answer = connected
+            .send(&Message::Read { vm: self.vm.clone(), offset, length }, &[])
+            .and_then(|()| connected.receive());
+        match answer {
+            Ok((Message::Data, payload)) if payload.len() == buf.len() => {
+                buf.copy_from_slice(&payload);
+                Ok(true)
+            }
+            Ok((Message::NotHere, _)) => Ok(false),
+            Ok((other, _)) => {
+                *link = None;
+                Err(unexpected(&other).to_string())
+            }
+            Err(error) => {
+                *link = None;
+                Err(error.to_string())
+            }
+        }
     }
 }
 

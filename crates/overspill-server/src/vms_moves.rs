@@ -119,6 +119,13 @@ pub(crate) struct Outgoing {
     from_grace: bool,
 }
 
+impl Outgoing {
+    /// The VM was in its grace here when its move began: no connection here to wait for.
+    pub(crate) fn had_no_connection(&self) -> bool {
+        self.from_grace
+    }
+}
+
 impl VmRegistry {
     /// The overlay a connection of VM `number` serves, for a move to find.
     pub(crate) fn attach_live(&self, number: u64, live: &Arc<Live>) {
@@ -174,6 +181,8 @@ impl VmRegistry {
                 .and_then(Weak::upgrade)
                 .ok_or_else(|| format!("VM {vm} is connecting: try again"))?,
         };
+        // A peer's reads find it there, whether it came from a connection or from its grace.
+        entry.live = Some(Arc::downgrade(&live));
         let started = live.update(|state| {
             let free = state.ended.is_none() && !state.outgoing;
             state.outgoing |= free;
@@ -197,6 +206,23 @@ impl VmRegistry {
         offer.disk_bytes = live.vm().as_ref().map_or(0, |vm| vm.overlay.size());
         tracing::info!(vm, peer, "VM moving to a peer server: pre-copy begins");
         Ok(Outgoing { number, vm: vm.to_owned(), live, offer, progress, from_grace })
+    }
+
+    /// Reads VM `vm`'s disk for the peer it is moving to (its reads before the switchover):
+    /// `Ok(false)` when it is not moving from here (any more).
+    pub(crate) fn read_for_peer(&self, vm: &str, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
+        let live = {
+            let inner = lock(&self.inner);
+            let Some(entry) = inner.names.get(vm).and_then(|number| inner.vms.get(number)) else { return Ok(false) };
+            if entry.moving.as_ref().map(|m| m.direction) != Some(Direction::Outgoing) {
+                return Ok(false);
+            }
+            entry.live.as_ref().and_then(Weak::upgrade)
+        };
+        let Some(live) = live else { return Ok(false) };
+        let mut vm = live.vm();
+        let Some(vm) = vm.as_mut() else { return Ok(false) };
+        vm.overlay.read(offset, buf).map(|()| true).map_err(|e| e.to_string())
     }
 
     /// The receiving end has the VM's whole state, the VM's requests here held back: the

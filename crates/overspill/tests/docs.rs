@@ -7,12 +7,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::qmp::Qmp;
 use common::{pseudo_random, Serve};
 use serde_json::Value;
 
@@ -217,98 +216,6 @@ fn the_libvirt_domain_validates_and_operations_md_shows_its_disk() {
     let dumped = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "virsh define: {dumped}{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(dedented_lines(&dumped, "<disk ", "</disk>"), disk, "libvirt's definition of the disk differs");
-}
-
-/// A QEMU with `-qmp stdio`, killed when dropped.
-struct Qmp {
-    child: Child,
-    input: ChildStdin,
-    lines: Receiver<String>,
-    /// What QEMU printed on stdout besides QMP (qemu-io's output, for one).
-    printed: Vec<String>,
-    log: PathBuf,
-}
-
-impl Qmp {
-    /// QEMU paused before the guest runs (-S), with no devices but those of `args`, under TCG.
-    fn start(dir: &Path, args: &[String]) -> Self {
-        let log = dir.join("qemu.log");
-        let mut child = Command::new("qemu-system-x86_64")
-            .args(["-accel", "tcg", "-nodefaults", "-no-user-config", "-display", "none", "-S", "-qmp", "stdio"])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("qemu log"))
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86; scripts/test does): {e}")
-            });
-        let input = child.stdin.take().expect("qemu stdin");
-        let output = BufReader::new(child.stdout.take().expect("qemu stdout"));
-        let (send, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in output.lines().map_while(Result::ok) {
-                if send.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut qmp = Self { child, input, lines, printed: Vec::new(), log };
-        let greeting = qmp.next_line();
-        assert!(greeting.contains("\"QMP\""), "no QMP greeting: {greeting}");
-        qmp.execute(serde_json::json!({"execute": "qmp_capabilities"}));
-        qmp
-    }
-
-    fn next_line(&mut self) -> String {
-        self.lines.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
-            let status = self.child.try_wait().ok().flatten();
-            panic!("QEMU said nothing on QMP ({status:?}):\n{}", std::fs::read_to_string(&self.log).unwrap_or_default())
-        })
-    }
-
-    /// Runs one command; its "return" value (events in between are skipped).
-    fn execute(&mut self, command: Value) -> Value {
-        // One write: QEMU acts on a command at its closing brace, and after `quit` it is gone
-        // before a separate write of the newline could reach it (EPIPE, seen in CI).
-        self.input.write_all(format!("{command}\n").as_bytes()).expect("writing to QMP");
-        loop {
-            let line = self.next_line();
-            if !line.starts_with('{') {
-                self.printed.push(line);
-                continue;
-            }
-            let reply: Value = serde_json::from_str(&line).expect("QMP speaks JSON");
-            if let Some(value) = reply.get("return") {
-                return value.clone();
-            }
-            assert!(reply.get("event").is_some(), "{command} failed: {reply}");
-        }
-    }
-
-    /// `quit`, and QEMU exits; everything it printed besides QMP.
-    fn quit(mut self) -> Vec<String> {
-        self.execute(serde_json::json!({"execute": "quit"}));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.child.try_wait().expect("try_wait").is_none() {
-            assert!(Instant::now() < deadline, "QEMU did not quit");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // qemu-io prints through stdio, whose buffer reaches the pipe at the latest when QEMU exits.
-        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(10)) {
-            if !line.starts_with('{') {
-                self.printed.push(line);
-            }
-        }
-        std::mem::take(&mut self.printed)
-    }
-}
-
-impl Drop for Qmp {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The value of `key=` in a comma-separated QEMU option among `args`, in the option that also holds

@@ -14,6 +14,7 @@ use serde_json::Value;
 use tempfile::TempDir;
 
 mod common;
+use common::qmp::Qmp;
 use common::{assert_same, pseudo_random, Serve};
 
 const GOLDEN_BYTES: usize = 32 << 20;
@@ -165,9 +166,11 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// The destination's first request asks for the switchover while the source still writes: it
-/// is answered from the moved state, and the source's next request fails (the source server
-/// has given the VM up).
+/// Before the switchover the destination's reads are read at the source (QEMU reads a
+/// destination's first sector at its start): they see the source's latest writes. The
+/// destination's first write asks for the switchover while the source still writes: it lands
+/// over the moved state, and the source's next request fails (the source server has given the
+/// VM up).
 #[test]
 fn a_vm_moves_to_the_peer_its_destination_connects_to_and_its_writes_go_with_it() {
     let pair = Pair::new();
@@ -182,7 +185,12 @@ fn a_vm_moves_to_the_peer_its_destination_connects_to_and_its_writes_go_with_it(
     assert_eq!(a.state_of("desk").as_deref(), Some("outgoing"), "A while the move runs");
     assert_eq!(b.state_of("desk").as_deref(), Some("incoming"), "B while the move runs");
     writes_during_pre_copy(&mut model, &mut source);
+    model.assert_reads_back(&mut destination, "the destination before the switchover");
+    model.write(&mut source, 5 << 20, &pseudo_random(8192, 150));
+    model.assert_reads_back(&mut destination, "the destination, after a write at the source");
+    assert_eq!(a.state_of("desk").as_deref(), Some("outgoing"), "reads moved the VM");
 
+    model.write(&mut destination, 30 << 20, &pseudo_random(4096, 160));
     model.assert_reads_back(&mut destination, "the destination after the switchover");
     assert!(source.write(0, &[1; 4096], false).is_err(), "the source wrote after the switchover");
     assert_eq!(a.state_of("desk"), None, "A gave the VM up");
@@ -268,6 +276,7 @@ fn a_restarted_source_never_resumes_a_vm_it_handed_over() {
     let mut source = a.connect("desk");
     first_writes(&mut model, &mut source, &pair.golden_bytes);
     let mut destination = b.connect("desk");
+    model.write(&mut destination, 20 << 20, &pseudo_random(4096, 170));
     model.assert_reads_back(&mut destination, "the destination");
     drop(source);
     server_a.kill();
@@ -278,6 +287,143 @@ fn a_restarted_source_never_resumes_a_vm_it_handed_over() {
     wait_for("the VM waits in its grace at B", || b.state_of("desk").as_deref() == Some("in-grace"));
     let mut back = a.connect("desk");
     model.assert_reads_back(&mut back, "the VM moved back to the restarted source");
-    let _ = Path::new("");
+    pair.assert_golden_unchanged();
+}
+
+/// A QEMU whose disk is VM `desk` at `side`, as libvirt would give it: `-incoming` makes it a
+/// migration's destination.
+fn qemu(side: &Side, incoming: Option<&Path>) -> Qmp {
+    let drive =
+        format!("driver=nbd,server.type=unix,server.path={},export=@desk,if=none,id=d0", side.socket().display());
+    let mut args: Vec<String> = ["-m", "64", "-drive", &drive, "-device", "virtio-blk-pci,drive=d0,id=disk0"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    if let Some(socket) = incoming {
+        args.extend(["-incoming".to_owned(), format!("unix:{}", socket.display())]);
+    }
+    // The source's guest runs (SeaBIOS: no kernel is needed for a disk's move); the destination
+    // starts when the migration ends.
+    Qmp::start_logged(&side.dir, "qemu.log", &args, false)
+}
+
+/// `qemu-io` on the VM's disk in QEMU, through the monitor.
+fn qemu_io(qemu: &mut Qmp, command: &str) {
+    let said = qemu.human(&format!("qemu-io d0 \"{command}\""));
+    assert!(!said.to_lowercase().contains("error"), "qemu-io {command}: {said}");
+}
+
+#[track_caller]
+fn wait_migration(qemu: &mut Qmp, status: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let state = qemu.execute(serde_json::json!({"execute": "query-migrate"}));
+        let now = state["status"].as_str().unwrap_or_default().to_owned();
+        if now == status {
+            return;
+        }
+        assert!(!matches!(now.as_str(), "failed" | "cancelled"), "migration {now}, waiting for {status}: {state}");
+        assert!(Instant::now() < deadline, "migration still {now}, waiting for {status}:\n{}", qemu.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Pattern reads of the disk in QEMU: each must have read its bytes whole, none mismatched
+/// (qemu-io prints through QEMU's stdout, read once QEMU has quit).
+#[track_caller]
+fn assert_patterns_read(printed: &[String], reads: usize) {
+    let failed: Vec<&String> = printed.iter().filter(|l| l.contains("Pattern verification failed")).collect();
+    assert!(failed.is_empty(), "qemu-io read back other bytes: {failed:?}\n{printed:?}");
+    let read = printed.iter().filter(|l| l.starts_with("read ") && l.contains(" bytes at offset ")).count();
+    assert_eq!(read, reads, "qemu-io reads that completed: {printed:?}");
+}
+
+/// QEMU migrates a running VM whose disk is at server A to a QEMU whose disk is at B: writes
+/// before the migration (spilling at A), writes while QEMU holds the migration before its
+/// switchover (overspill's pre-copy running), and all of them read back through the
+/// destination QEMU, before the source QEMU ends (read at A) and after (at B, which then
+/// holds the VM).
+#[test]
+fn qemu_migrates_a_running_vm_between_peer_servers() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let _server_a = pair.serve("a");
+    let _server_b = pair.serve("b");
+    let mut source = qemu(&a, None);
+    for write in ["write -P 0x11 0 4M", "write -P 0x22 4M 4M", "write -z 8M 1M"] {
+        qemu_io(&mut source, write);
+    }
+    let migration = pair.dir.path().join("migration.sock");
+    let destination = qemu(&b, Some(&migration));
+    wait_for("B takes the VM in", || b.state_of("desk").as_deref() == Some("incoming"));
+    source.execute(serde_json::json!({"execute": "migrate-set-capabilities", "arguments": {
+        "capabilities": [{"capability": "pause-before-switchover", "state": true}]}}));
+    source.execute(
+        serde_json::json!({"execute": "migrate", "arguments": {"uri": format!("unix:{}", migration.display())}}),
+    );
+    wait_migration(&mut source, "pre-switchover");
+    for write in ["write -P 0x33 2M 1M", "write -P 0x44 12M 2M"] {
+        qemu_io(&mut source, write);
+    }
+    source.execute(serde_json::json!({"execute": "migrate-continue", "arguments": {"state": "pre-switchover"}}));
+    wait_migration(&mut source, "completed");
+    let mut destination = destination;
+    let reads = [
+        "read -P 0x11 0 2M",
+        "read -P 0x33 2M 1M",
+        "read -P 0x11 3M 1M",
+        "read -P 0x22 4M 4M",
+        "read -P 0 8M 1M",
+        "read -P 0x44 12M 2M",
+    ];
+    // Read at A: the VM is still A's while the source QEMU lives (libvirt stops it next).
+    for read in reads {
+        qemu_io(&mut destination, read);
+    }
+    assert_eq!(a.state_of("desk").as_deref(), Some("outgoing"));
+    // The source's end (NBD_CMD_DISC) is the switchover.
+    drop(source.quit());
+    wait_for("A gives the VM up", || a.state_of("desk").is_none());
+    assert_eq!(b.state_of("desk").as_deref(), Some("connected"));
+    for read in reads {
+        qemu_io(&mut destination, read);
+    }
+    qemu_io(&mut destination, "write -P 0x88 20M 1M");
+    qemu_io(&mut destination, "read -P 0x88 20M 1M");
+    assert_patterns_read(&destination.quit(), 2 * reads.len() + 1);
+    pair.assert_golden_unchanged();
+}
+
+/// A migration cancelled at its switchover (`migrate_cancel`): the destination QEMU exits, B
+/// drops its copy, and the VM goes on at A with every write.
+#[test]
+fn a_cancelled_qemu_migration_leaves_the_vm_at_the_source() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let _server_a = pair.serve("a");
+    let _server_b = pair.serve("b");
+    let mut source = qemu(&a, None);
+    qemu_io(&mut source, "write -P 0x55 0 6M");
+    let migration = pair.dir.path().join("migration.sock");
+    let mut destination = qemu(&b, Some(&migration));
+    wait_for("B takes the VM in", || b.state_of("desk").as_deref() == Some("incoming"));
+    source.execute(serde_json::json!({"execute": "migrate-set-capabilities", "arguments": {
+        "capabilities": [{"capability": "pause-before-switchover", "state": true}]}}));
+    source.execute(
+        serde_json::json!({"execute": "migrate", "arguments": {"uri": format!("unix:{}", migration.display())}}),
+    );
+    wait_migration(&mut source, "pre-switchover");
+    qemu_io(&mut source, "write -P 0x66 1M 1M");
+    source.execute(serde_json::json!({"execute": "migrate_cancel"}));
+    wait_migration(&mut source, "cancelled");
+    source.execute(serde_json::json!({"execute": "cont"}));
+    wait_for("the destination QEMU exits", || destination.child.try_wait().expect("try_wait").is_some());
+    wait_for("B drops its copy", || b.state_of("desk").is_none());
+    assert_eq!(a.state_of("desk").as_deref(), Some("connected"));
+    qemu_io(&mut source, "write -P 0x77 5M 1M");
+    for read in ["read -P 0x55 0 1M", "read -P 0x66 1M 1M", "read -P 0x55 2M 3M", "read -P 0x77 5M 1M"] {
+        qemu_io(&mut source, read);
+    }
+    assert_patterns_read(&source.quit(), 4);
     pair.assert_golden_unchanged();
 }

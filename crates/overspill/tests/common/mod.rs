@@ -1,6 +1,8 @@
 //! Helpers shared by this crate's integration tests (each test file includes it as a module).
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod qmp;
+
 use std::io::{ErrorKind, Read, Write};
 
 use overspill::stat::Samples;
