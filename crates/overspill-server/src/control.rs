@@ -20,6 +20,7 @@ use overspill_block::VmSockets;
 use overspill_net::{ListenAddr, Listener};
 use serde::{Deserialize, Serialize};
 
+use crate::migration::{Located, Peers};
 use crate::vms::{VmRegistry, VmState, VmStatus};
 use crate::{check_name, ServerError};
 
@@ -49,6 +50,11 @@ pub enum Request {
         vm: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         image: Option<String>,
+    },
+    /// Where VM `vm` runs among this server's peers: a peer that holds it live (`peer` in the
+    /// answer) is where a migration to this host takes it from (the libvirt hook asks).
+    Locate {
+        vm: String,
     },
     /// Sets a VM's limits (its operations and bytes per second), live; with neither changed,
     /// says them.
@@ -97,6 +103,9 @@ pub struct Answer {
     /// With a list: where the server makes vhost-user sockets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vhost_user_dir: Option<PathBuf>,
+    /// With a locate: the peer that holds the VM live.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
 }
 
 /// The control socket of a server: the listener (its file goes with it) and the per-VM
@@ -104,6 +113,7 @@ pub struct Answer {
 pub struct Control {
     _listener: Arc<Listener>,
     sockets: Arc<OnceLock<Arc<dyn VmSockets>>>,
+    peers: Arc<OnceLock<Peers>>,
 }
 
 impl Control {
@@ -111,12 +121,18 @@ impl Control {
     pub fn serve_sockets(&self, sockets: Arc<dyn VmSockets>) {
         let _ = self.sockets.set(sockets);
     }
+
+    /// From now on `locate` asks `peers`.
+    pub fn serve_peers(&self, peers: Peers) {
+        let _ = self.peers.set(peers);
+    }
 }
 
 /// What the control socket acts on.
 struct Targets {
     registry: Arc<VmRegistry>,
     sockets: Arc<OnceLock<Arc<dyn VmSockets>>>,
+    peers: Arc<OnceLock<Peers>>,
 }
 
 /// Serves the control socket at `path` on a thread of its own; the socket goes with the
@@ -135,7 +151,8 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Control, ServerEr
     let socket = socket.try_clone().map_err(|e| ServerError::io("control socket", e))?;
     let clients = Arc::new(AtomicUsize::new(0));
     let sockets = Arc::new(OnceLock::new());
-    let targets = Arc::new(Targets { registry, sockets: sockets.clone() });
+    let peers = Arc::new(OnceLock::new());
+    let targets = Arc::new(Targets { registry, sockets: sockets.clone(), peers: peers.clone() });
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
@@ -165,7 +182,7 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Control, ServerEr
             }
         })
         .map_err(|e| ServerError::io("starting the control thread", e))?;
-    Ok(Control { _listener: listener, sockets })
+    Ok(Control { _listener: listener, sockets, peers })
 }
 
 /// One client being answered, counted until it is dropped: when its thread ends, however it
@@ -189,6 +206,7 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             ..Answer::default()
         },
         Ok(Request::Reset { vm }) => outcome(targets.registry.reset(&vm)),
+        Ok(Request::Locate { vm }) => targets.locate(&vm),
         Ok(Request::Drop { vm }) => outcome(targets.drop_vm(&vm)),
         Ok(Request::Limit { ops: RateChange::Set { per_second: 0, .. }, .. })
         | Ok(Request::Limit { bytes: RateChange::Set { per_second: 0, .. }, .. }) => Answer {
@@ -220,6 +238,29 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
 impl Targets {
     fn sockets(&self) -> Option<&Arc<dyn VmSockets>> {
         self.sockets.get()
+    }
+
+    fn locate(&self, vm: &str) -> Answer {
+        if let Err(error) = check_name("VM", vm) {
+            return outcome(Err(error));
+        }
+        let Some(peers) = self.peers.get() else {
+            return Answer {
+                ok: true,
+                message: Some("this server has no peers (serve --peer)".into()),
+                ..Answer::default()
+            };
+        };
+        match peers.locate(vm) {
+            Located::Live(address) => Answer {
+                ok: true,
+                message: Some(format!("{vm} runs at peer {}", address.display())),
+                peer: Some(address.display().to_string()),
+                ..Answer::default()
+            },
+            Located::Nowhere => Answer { ok: true, message: Some(format!("no peer holds {vm}")), ..Answer::default() },
+            Located::Refused(why) => Answer { ok: false, message: Some(why), ..Answer::default() },
+        }
     }
 
     /// The registry's VMs, and the declared ones that have no overlay yet.

@@ -134,7 +134,7 @@ pub struct Peers {
 }
 
 /// Where a VM that connects here is, as its peers say.
-pub(crate) enum Located {
+pub enum Located {
     /// No peer holds it.
     Nowhere,
     /// This peer holds it live: it is to be taken from there.
@@ -145,7 +145,7 @@ pub(crate) enum Located {
 
 impl Peers {
     /// Asks every peer whether it holds VM `vm`.
-    pub(crate) fn locate(&self, vm: &str) -> Located {
+    pub fn locate(&self, vm: &str) -> Located {
         for address in &self.addresses {
             let answer = Link::connect(address, &self.name).and_then(|mut link| {
                 link.send(&Message::Query { vm: vm.to_owned() }, &[])?;

@@ -78,11 +78,7 @@ pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
     let domain = &args.domain;
     let listed = names(&disks).join(", ");
     match (args.operation.as_str(), args.sub_operation.as_str()) {
-        ("migrate", _) => bail!(
-            "domain {domain} cannot be migrated: the writes of its overspill VM(s) {listed} live in \
-             the overspill server of the host it runs on, and this host's server would start them from the \
-             golden image under the running guest. The guest stays where it is; shut it down to move it."
-        ),
+        ("migrate", _) => migrate(&args, &disks),
         ("restore", _) => bail!(
             "domain {domain} cannot be restored: the overlay of its overspill VM(s) {listed} ended when it was \
              saved (a saved QEMU ends its disks' connections), and the saved guest would run on golden data. \
@@ -91,6 +87,34 @@ pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
         ("prepare", "begin") => prepare(&args, disks),
         _ => Ok(()),
     }
+}
+
+/// A live migration to this host: let through only if every overspill VM of the domain is an
+/// NBD VM that a peer of this host's server holds live (the server then takes it from there as
+/// the destination QEMU connects); refused otherwise, the guest staying where it is.
+fn migrate(args: &LibvirtHookArgs, disks: &[OverspillDisk]) -> anyhow::Result<()> {
+    let domain = &args.domain;
+    if let Some(disk) = disks.iter().find(|disk| disk.vhost_user_socket.is_some()) {
+        bail!(
+            "domain {domain} cannot be migrated: its overspill VM {} is a vhost-user disk, which QEMU cannot \
+             migrate (no dirty logging); shut it down to move it",
+            disk.vm
+        );
+    }
+    for vm in names(disks) {
+        let answer = ask(args, &Request::Locate { vm: vm.clone() })?;
+        match (answer.ok, answer.peer) {
+            (true, Some(peer)) => eprintln!("overspill: VM {vm} moves here from peer {peer}"),
+            (ok, _) => bail!(
+                "domain {domain} cannot be migrated: the writes of its overspill VM {vm} live in the overspill \
+                 server of the host it runs on, and this host's server cannot take them from there ({}). Give \
+                 each server the other as a peer (serve --peer, --peer-listen) to migrate it; the guest stays \
+                 where it is.",
+                if ok { "no peer of this server holds it".to_owned() } else { answer.message.unwrap_or_default() }
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// Before a domain starts: no VM of it in use elsewhere, each vhost-user VM's socket made, and

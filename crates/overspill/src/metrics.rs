@@ -298,6 +298,38 @@ fn vm_labels(export: &str, vm: &str) -> Vec<(&'static str, String)> {
     vec![("export", export.to_owned()), ("vm", vm.to_owned())]
 }
 
+/// VMs moved to and from peer servers (live migration).
+fn move_figures(w: &mut Writer, moves: &overspill_server::vms::MoveCounters) {
+    use std::sync::atomic::Ordering::Relaxed;
+    w.header(
+        "overspill_vm_moves_total",
+        "VMs moved to (out) or from (in) a peer server, and moves given up (aborted, at either end).",
+        "counter",
+    );
+    for (outcome, count) in [("out", &moves.moved_out), ("in", &moves.moved_in), ("aborted", &moves.aborted)] {
+        w.sample("overspill_vm_moves_total", &[("outcome", outcome.to_owned())], count.load(Relaxed) as f64);
+    }
+    w.header("overspill_vm_move_bytes_total", "Block data sent to and received from peer servers by moves.", "counter");
+    for (direction, bytes) in [("sent", &moves.bytes_sent), ("received", &moves.bytes_received)] {
+        w.sample("overspill_vm_move_bytes_total", &[("direction", direction.to_owned())], bytes.load(Relaxed) as f64);
+    }
+    w.header(
+        "overspill_vm_move_rounds_total",
+        "Pre-copy rounds sent: each ends when every changed block was sent once.",
+        "counter",
+    );
+    w.sample("overspill_vm_move_rounds_total", &[], moves.rounds.load(Relaxed) as f64);
+    w.header(
+        "overspill_vm_switchover_seconds",
+        "Switchovers of VMs moved here: from the first change that asked for it (or the sender's end) to the VM served here.",
+        "summary",
+    );
+    w.sample("overspill_vm_switchover_seconds_count", &[], moves.switchovers.load(Relaxed) as f64);
+    w.sample("overspill_vm_switchover_seconds_sum", &[], moves.switchover_micros_sum.load(Relaxed) as f64 / 1e6);
+    w.header("overspill_vm_switchover_max_seconds", "The longest switchover of a VM moved here.", "gauge");
+    w.sample("overspill_vm_switchover_max_seconds", &[], moves.switchover_micros_max.load(Relaxed) as f64 / 1e6);
+}
+
 /// The counters and gauges of [`FIGURES`], per VM and summed over the server (counters of VMs
 /// that left included).
 fn counter_figures(w: &mut Writer, vms: &[VmHandle], departed: &VmStats) {
@@ -400,6 +432,7 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
         "counter",
     );
     w.sample("overspill_golden_image_changes_total", &[], registry.golden_image_changes() as f64);
+    move_figures(w, registry.move_counters());
     let throttling = registry.limits().throttling();
     if !throttling.is_empty() {
         w.header(

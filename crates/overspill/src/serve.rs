@@ -288,7 +288,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     registry.limits().set_default(overspill_block::Limits { ops: args.limit_iops, bytes: args.limit_bandwidth });
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
-    let _peer_listener = serve_peers(&args, &mut exports, &registry)?;
+    let _peer_listener = serve_peers(&args, &mut exports, &registry, &control)?;
     if let Some(dir) = &args.record {
         exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
     }
@@ -352,6 +352,7 @@ fn serve_peers(
     args: &ServeArgs,
     exports: &mut OverlayExports,
     registry: &Arc<VmRegistry>,
+    control: &control::Control,
 ) -> anyhow::Result<Option<overspill_server::migration::PeerListener>> {
     let unix_path = |flag: &str, addr: &ListenAddr| match addr {
         ListenAddr::Unix(path) => Ok(path.clone()),
@@ -371,7 +372,9 @@ fn serve_peers(
     let addresses = args.peers.iter().map(|addr| unix_path("--peer", addr)).collect::<anyhow::Result<Vec<_>>>()?;
     if !addresses.is_empty() {
         tracing::info!(peers = addresses.len(), "named VMs that connect are asked for at the peers first");
-        exports.with_peers(overspill_server::migration::Peers { name: name.clone(), addresses });
+        let peers = overspill_server::migration::Peers { name: name.clone(), addresses };
+        control.serve_peers(peers.clone());
+        exports.with_peers(peers);
     }
     let Some(path) = own else { return Ok(None) };
     let listener = overspill_server::migration::listen(&path, name, registry.clone())

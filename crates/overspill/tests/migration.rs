@@ -15,7 +15,7 @@ use tempfile::TempDir;
 
 mod common;
 use common::qmp::Qmp;
-use common::{assert_same, pseudo_random, Serve};
+use common::{assert_same, metrics_url, pseudo_random, sample, scrape, Serve};
 
 const GOLDEN_BYTES: usize = 32 << 20;
 const WAIT: Duration = Duration::from_secs(20);
@@ -100,6 +100,8 @@ impl Pair {
             &peer_listen,
             "--peer",
             &peer,
+            "--metrics",
+            "tcp:127.0.0.1:0",
         ];
         let socket = this.socket();
         Serve::start_named_only(&this.dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
@@ -175,8 +177,8 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 fn a_vm_moves_to_the_peer_its_destination_connects_to_and_its_writes_go_with_it() {
     let pair = Pair::new();
     let (a, b) = (pair.side("a"), pair.side("b"));
-    let _server_a = pair.serve("a");
-    let _server_b = pair.serve("b");
+    let server_a = pair.serve("a");
+    let server_b = pair.serve("b");
     let mut model = Model(pair.golden_bytes.clone());
     let mut source = a.connect("desk");
     first_writes(&mut model, &mut source, &pair.golden_bytes);
@@ -199,6 +201,15 @@ fn a_vm_moves_to_the_peer_its_destination_connects_to_and_its_writes_go_with_it(
     model.write(&mut destination, 20 << 20, &pseudo_random(1 << 20, 300));
     model.assert_reads_back(&mut destination, "the destination after more writes");
     pair.assert_golden_unchanged();
+
+    let (at_a, at_b) = (scrape(&metrics_url(&server_a)), scrape(&metrics_url(&server_b)));
+    let moves = |samples, outcome: &str| sample(samples, "overspill_vm_moves_total", &[("outcome", outcome)]);
+    assert_eq!((moves(&at_a, "out"), moves(&at_a, "in"), moves(&at_b, "in")), (1.0, 0.0, 1.0));
+    let sent = sample(&at_a, "overspill_vm_move_bytes_total", &[("direction", "sent")]);
+    let received = sample(&at_b, "overspill_vm_move_bytes_total", &[("direction", "received")]);
+    // Everything written before the move (8 MiB of data), some of it again.
+    assert!(sent >= (8 << 20) as f64 && sent == received, "sent {sent}, received {received}");
+    assert_eq!(sample(&at_b, "overspill_vm_switchover_seconds_count", &[]), 1.0);
 }
 
 /// The source's clean end (QEMU's NBD_CMD_DISC as libvirt stops it) comes before the
@@ -426,4 +437,51 @@ fn a_cancelled_qemu_migration_leaves_the_vm_at_the_source() {
     }
     assert_patterns_read(&source.quit(), 4);
     pair.assert_golden_unchanged();
+}
+
+/// `overspill libvirt-hook` at the destination, as libvirt runs it for an incoming migration
+/// (`DOMAIN migrate begin -`, the domain XML on standard input): exit status and what it said.
+fn migrate_hook(side: &Side, vm: &str) -> (bool, String) {
+    use std::io::Write;
+    let xml = format!(
+        "<domain type='kvm'><name>dom-{vm}</name><devices><disk type='network' device='disk'>\
+         <driver name='qemu' type='raw'/><source protocol='nbd' name='@{vm}'><host transport='unix' socket='{}'/>\
+         </source><target dev='vda' bus='virtio'/></disk></devices></domain>",
+        side.socket().display()
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["libvirt-hook", "--control"])
+        .arg(side.dir.join("spill/state/control.sock"))
+        .args(["--wait", "1s", "--", &format!("dom-{vm}"), "migrate", "begin", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("overspill libvirt-hook");
+    child.stdin.take().expect("stdin").write_all(xml.as_bytes()).expect("XML on stdin");
+    let out = child.wait_with_output().expect("hook output");
+    assert!(out.stdout.is_empty(), "libvirt takes a migrate hook's output for new XML: {:?}", out.stdout);
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The libvirt hook lets a migration through to a host whose server has the source's server as
+/// a peer holding the VM live, and refuses one of a VM no peer holds (a migration from a host
+/// that is not a peer would start it from the golden image).
+#[test]
+fn the_libvirt_hook_lets_a_migration_through_only_from_a_peer_that_holds_the_vm() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let _server_a = pair.serve("a");
+    let _server_b = pair.serve("b");
+    let mut source = a.connect("desk");
+    source.write(0, &[7; 4096], false).expect("write");
+    let (ok, said) = migrate_hook(&b, "desk");
+    assert!(ok, "the hook refused a migration from a peer holding the VM: {said}");
+    assert!(said.contains("desk") && said.contains(&a.peer_socket().display().to_string()), "{said}");
+    let (ok, said) = migrate_hook(&b, "elsewhere");
+    assert!(!ok, "the hook let through a VM no peer holds: {said}");
+    assert!(said.contains("cannot be migrated") && said.contains("elsewhere"), "{said}");
+    // Asking moved nothing.
+    assert_eq!(a.state_of("desk").as_deref(), Some("connected"));
+    assert_eq!(b.state_of("desk"), None);
 }
