@@ -485,3 +485,80 @@ fn the_libvirt_hook_lets_a_migration_through_only_from_a_peer_that_holds_the_vm(
     assert_eq!(a.state_of("desk").as_deref(), Some("connected"));
     assert_eq!(b.state_of("desk"), None);
 }
+
+/// The source's server killed during the pre-copy: the destination's move fails (its requests
+/// get errors, never golden data), the restarted source recovers the VM, and the destination's
+/// next connection takes it from there whole.
+#[test]
+fn a_source_killed_during_the_move_keeps_the_vm_and_a_later_move_takes_it() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = pair.serve("a");
+    let _server_b = pair.serve("b");
+    let mut model = Model(pair.golden_bytes.clone());
+    let mut source = a.connect("desk");
+    // No TRIM: what a trimmed block reads after a restart is unspecified (docs/lifecycle.md).
+    model.write(&mut source, 0, &pseudo_random(8 << 20, 11));
+    model.zero(&mut source, 9 << 20, 1 << 20);
+    let mut destination = b.connect("desk");
+    writes_during_pre_copy(&mut model, &mut source);
+    server_a.kill();
+    drop(source);
+    assert!(destination.write(0, &[9; 4096], false).is_err(), "a write at B with the move's source gone");
+    drop(destination);
+    wait_for("B drops its copy", || b.state_of("desk").is_none());
+    let _server_a = pair.serve("a");
+    assert_eq!(a.state_of("desk").as_deref(), Some("in-grace"), "the restarted source recovered the VM");
+    let mut destination = b.connect("desk");
+    model.assert_reads_back(&mut destination, "the destination after the source's restart");
+    assert_eq!(b.state_of("desk").as_deref(), Some("connected"));
+    assert_eq!(a.state_of("desk"), None);
+    pair.assert_golden_unchanged();
+}
+
+/// The destination's server killed during the pre-copy: the source gives the move up and its
+/// VM goes on with every write; the restarted destination holds nothing of it.
+#[test]
+fn a_destination_killed_during_the_move_leaves_the_vm_at_the_source() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let _server_a = pair.serve("a");
+    let server_b = pair.serve("b");
+    let mut model = Model(pair.golden_bytes.clone());
+    let mut source = a.connect("desk");
+    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let destination = b.connect("desk");
+    writes_during_pre_copy(&mut model, &mut source);
+    server_b.kill();
+    drop(destination);
+    wait_for("A keeps the VM", || a.state_of("desk").as_deref() == Some("connected"));
+    writes_during_pre_copy(&mut model, &mut source);
+    model.assert_reads_back(&mut source, "the source after the destination died");
+    let _server_b = pair.serve("b");
+    assert_eq!(b.state_of("desk"), None, "the restarted destination holds a copy");
+    pair.assert_golden_unchanged();
+}
+
+/// The destination's server killed after the switchover: the VM is its own (the source's ledger
+/// says moved), so its restart recovers it and the VM's next connection resumes it there.
+#[test]
+fn a_destination_killed_after_the_switchover_keeps_the_vm() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let _server_a = pair.serve("a");
+    let server_b = pair.serve("b");
+    let mut model = Model(pair.golden_bytes.clone());
+    let mut source = a.connect("desk");
+    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let mut destination = b.connect("desk");
+    model.write(&mut destination, 24 << 20, &pseudo_random(4096, 180));
+    drop(source);
+    wait_for("A gives the VM up", || a.state_of("desk").is_none());
+    server_b.kill();
+    drop(destination);
+    let _server_b = pair.serve("b");
+    assert_eq!(b.state_of("desk").as_deref(), Some("in-grace"), "the restarted destination recovered the VM");
+    let mut back = b.connect("desk");
+    model.assert_reads_back(&mut back, "the VM after its destination's restart");
+    pair.assert_golden_unchanged();
+}
