@@ -113,10 +113,11 @@ impl Drop for EngineDevice {
     }
 }
 
-/// How a request's errors are told: a change refused for want of room is said in the log too.
-enum Errors {
-    Plain,
-    SpaceWarned,
+/// What a request does: a change asks for a moving VM's switchover, and one refused for want
+/// of room is said in the log too.
+enum Purpose {
+    Read,
+    Change,
 }
 
 impl EngineDevice {
@@ -124,10 +125,10 @@ impl EngineDevice {
     /// it), and unless the VM has moved away (then the connection closes).
     fn serve<T>(
         &mut self,
-        errors: Errors,
+        purpose: Purpose,
         op: impl FnOnce(&mut overspill_engine::Overlay) -> Result<T, EngineError>,
     ) -> Result<T, DeviceError> {
-        if let Err(why) = self.live.wait_until_current() {
+        if let Err(why) = self.live.wait_until_current(matches!(purpose, Purpose::Change)) {
             self.reset.store(true, Ordering::SeqCst);
             return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
         }
@@ -141,9 +142,9 @@ impl EngineDevice {
                 ));
             }
         };
-        result.map_err(|error| match errors {
-            Errors::SpaceWarned => self.change_refused(error),
-            Errors::Plain => device_error(error),
+        result.map_err(|error| match purpose {
+            Purpose::Change => self.change_refused(error),
+            Purpose::Read => device_error(error),
         })
     }
 
@@ -187,28 +188,28 @@ impl BlockDevice for EngineDevice {
         if self.live.gated() {
             return;
         }
-        if let Err(error) = self.serve(Errors::Plain, |overlay| overlay.count_unread(offset, length)) {
+        if let Err(error) = self.serve(Purpose::Read, |overlay| overlay.count_unread(offset, length)) {
             tracing::debug!(%error, offset, length, "a read sent as a hole could not be counted");
         }
     }
 
     fn read(&mut self, _: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
-        if self.live.read_elsewhere(offset, buf) {
+        if self.live.read_elsewhere(offset, buf).map_err(|why| DeviceError::new(DeviceErrorKind::Io, why))? {
             return Ok(());
         }
-        self.serve(Errors::Plain, |overlay| overlay.read_part(offset, buf))
+        self.serve(Purpose::Read, |overlay| overlay.read_part(offset, buf))
     }
 
     fn read_shared(&mut self, _: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
         let mut elsewhere = vec![0u8; length];
-        if self.live.read_elsewhere(offset, &mut elsewhere) {
+        if self.live.read_elsewhere(offset, &mut elsewhere).map_err(|why| DeviceError::new(DeviceErrorKind::Io, why))? {
             return Ok(vec![Bytes::from(elsewhere)]);
         }
-        self.serve(Errors::Plain, |overlay| overlay.read_shared_part(offset, length))
+        self.serve(Purpose::Read, |overlay| overlay.read_shared_part(offset, length))
     }
 
     fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> Result<(), DeviceError> {
-        self.serve(Errors::SpaceWarned, |overlay| overlay.write(offset, data))
+        self.serve(Purpose::Change, |overlay| overlay.write(offset, data))
     }
 
     fn write_from(
@@ -218,17 +219,17 @@ impl BlockDevice for EngineDevice {
         _fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
-        self.serve(Errors::SpaceWarned, |overlay| {
+        self.serve(Purpose::Change, |overlay| {
             overlay.write_received(offset, length, |buffers| payload.receive(buffers))
         })
     }
 
     fn write_zeroes(&mut self, offset: u64, length: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
-        self.serve(Errors::SpaceWarned, |overlay| overlay.write_zeroes(offset, length))
+        self.serve(Purpose::Change, |overlay| overlay.write_zeroes(offset, length))
     }
 
     fn trim(&mut self, offset: u64, length: u64, _fua: bool) -> Result<(), DeviceError> {
-        self.serve(Errors::Plain, |overlay| overlay.trim(offset, length))
+        self.serve(Purpose::Change, |overlay| overlay.trim(offset, length))
     }
 
     fn flush(&mut self) -> Result<(), DeviceError> {
@@ -236,7 +237,7 @@ impl BlockDevice for EngineDevice {
             // Nothing was written here yet: the sender's writes are its own to keep.
             return Ok(());
         }
-        self.serve(Errors::Plain, |overlay| overlay.flush())
+        self.serve(Purpose::Read, |overlay| overlay.flush())
     }
 
     fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
@@ -244,7 +245,7 @@ impl BlockDevice for EngineDevice {
             // Still the sender's: all data, which is always true (a client then reads it).
             return Ok(vec![Extent { length, hole: false, zero: false }]);
         }
-        let extents = self.serve(Errors::Plain, |overlay| overlay.extents(offset, length))?;
+        let extents = self.serve(Purpose::Read, |overlay| overlay.extents(offset, length))?;
         Ok(extents
             .into_iter()
             .map(|extent| Extent {
@@ -263,7 +264,7 @@ impl BlockDevice for EngineDevice {
         if self.live.gated() {
             return Ok(());
         }
-        self.serve(Errors::Plain, |overlay| overlay.prefetch(offset, length).map(drop))
+        self.serve(Purpose::Read, |overlay| overlay.prefetch(offset, length).map(drop))
     }
 
     fn disconnect(&mut self) {
@@ -295,13 +296,12 @@ struct LedgerMarked<D> {
 impl<D: BlockDevice> LedgerMarked<D> {
     fn about_to_change(&mut self) -> Result<&mut D, DeviceError> {
         if !self.marked {
-            self.registry.mark_written(self.number).map_err(|e| {
+            self.marked = self.registry.mark_written(self.number).map_err(|e| {
                 DeviceError::new(
                     DeviceErrorKind::Io,
                     format!("cannot record in the state directory that this VM has writes: {e}"),
                 )
             })?;
-            self.marked = true;
         }
         Ok(&mut self.inner)
     }

@@ -20,7 +20,7 @@ use crate::vms::Ending;
 /// Reads of a VM that is still another server's, at that server.
 pub(crate) trait ReadElsewhere: Send + Sync {
     /// Reads `buf` at `offset` there; `Ok(false)` when the VM is no longer there (it has moved
-    /// here, or is moving: the gate opens soon).
+    /// here: the gate opens soon); `Err` when the read failed there or could not be made.
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String>;
 }
 
@@ -122,31 +122,27 @@ impl Live {
         }
     }
 
-    /// A read of a gated connection, answered where the VM's state is current: `true` if it
-    /// was (at the sender); `false` when it is to be read here, once the gate opens.
-    pub(crate) fn read_elsewhere(&self, offset: u64, buf: &mut [u8]) -> bool {
+    /// A read of a gated connection, answered where the VM's state is current: `Ok(true)` if
+    /// it was (at the sender); `Ok(false)` when it is to be read here (the gate is open, or
+    /// about to be: [`Self::wait_until_current`] without asking for the switchover). A read
+    /// never asks for it: QEMU reads at a destination's start, before its guest runs.
+    pub(crate) fn read_elsewhere(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
         if !self.gated.load(Ordering::Acquire) || self.state().gate != Gate::Incoming {
-            return false;
+            return Ok(false);
         }
-        let Some(elsewhere) = &self.elsewhere else { return false };
-        match elsewhere.read(offset, buf) {
-            Ok(read) => read,
-            Err(error) => {
-                tracing::debug!(error, offset, "a read at the sending end failed: read here once the move is done");
-                false
-            }
-        }
+        let Some(elsewhere) = &self.elsewhere else { return Ok(false) };
+        elsewhere.read(offset, buf)
     }
 
-    /// Before a request: at a gated connection, asks for the switchover and waits until the
-    /// VM's state here is current. `Err` says why it never will be.
-    pub(crate) fn wait_until_current(&self) -> Result<(), String> {
+    /// Before a request: at a gated connection, waits until the VM's state here is current,
+    /// asking for the switchover if `ask` (a change). `Err` says why it never will be.
+    pub(crate) fn wait_until_current(&self, ask: bool) -> Result<(), String> {
         if !self.gated.load(Ordering::Acquire) {
             return Ok(());
         }
         let deadline = std::time::Instant::now() + GATE_WAIT;
         let mut state = self.state();
-        if state.gate == Gate::Incoming && !state.switch_wanted {
+        if ask && state.gate == Gate::Incoming && !state.switch_wanted {
             state.switch_wanted = true;
             self.changed.notify_all();
         }

@@ -94,6 +94,8 @@ enum Message {
     /// ended (the receiver, if its own connection is gone too, declines).
     Final {
         source_ended: bool,
+        /// The VM had written at the sending end (its receiver's ledger must know).
+        written: bool,
     },
     Ready,
     Committed,
@@ -112,6 +114,10 @@ enum Message {
     Data,
     /// The VM is not here (any more) to be read.
     NotHere,
+    /// The read failed here, as it would have for the VM.
+    ReadFailed {
+        why: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -147,21 +153,36 @@ impl Peers {
     /// Asks every peer whether it holds VM `vm`.
     pub fn locate(&self, vm: &str) -> Located {
         for address in &self.addresses {
-            let answer = Link::connect(address, &self.name).and_then(|mut link| {
-                link.send(&Message::Query { vm: vm.to_owned() }, &[])?;
-                match link.receive()?.0 {
-                    Message::Holds { holding } => Ok(holding),
-                    other => Err(unexpected(&other)),
-                }
-            });
-            match answer {
+            match query(address, &self.name, vm) {
                 Ok(Holding::Live) => return Located::Live(address.clone()),
+                Ok(Holding::Moving) => {
+                    return Located::Refused(format!(
+                        "VM {vm} is moving from peer {} to another server; try again",
+                        address.display()
+                    ))
+                }
+                // Handed here, and this server has nothing of it (it was lost with a crash):
+                // never a fresh VM in its place.
+                Ok(Holding::Moved { to }) if to == self.name => {
+                    return Located::Refused(format!(
+                        "VM {vm} was moved here from peer {}, and this server holds nothing of it",
+                        address.display()
+                    ))
+                }
+                // Somewhere no peer of this server is: it cannot be asked for.
+                Ok(Holding::Moved { to }) if !self.is_peer(&to) => {
+                    return Located::Refused(format!(
+                        "VM {vm} was moved from peer {} to {to}, which is not a peer of this server",
+                        address.display()
+                    ))
+                }
                 Ok(Holding::Lost { why }) => {
                     return Located::Refused(format!(
                         "peer {} lost VM {vm}'s writes ({why}); run `overspill vm reset {vm}` there",
                         address.display()
                     ))
                 }
+                // A peer of this server's: asked in its turn.
                 Ok(Holding::Nothing | Holding::Moved { .. }) => {}
                 Err(error) => {
                     return Located::Refused(format!(
@@ -173,6 +194,24 @@ impl Peers {
             }
         }
         Located::Nowhere
+    }
+
+    /// Whether `name` (as a server names itself: its peer socket's absolute path) is one of
+    /// this server's peers.
+    fn is_peer(&self, name: &str) -> bool {
+        self.addresses
+            .iter()
+            .any(|address| std::path::absolute(address).unwrap_or_else(|_| address.clone()) == Path::new(name))
+    }
+}
+
+/// Asks the peer at `address` what it holds of VM `vm`.
+fn query(address: &Path, our_name: &str, vm: &str) -> io::Result<Holding> {
+    let mut link = Link::connect(address, our_name)?;
+    link.send(&Message::Query { vm: vm.to_owned() }, &[])?;
+    match link.receive()?.0 {
+        Message::Holds { holding } => Ok(holding),
+        other => Err(unexpected(&other)),
     }
 }
 
@@ -231,7 +270,9 @@ impl Link {
     fn spawn_reader(&self) -> io::Result<Replies> {
         let mut stream = self.stream.try_clone()?;
         stream.set_read_timeout(None)?;
-        let (send, receive) = mpsc::channel();
+        // Bounded: a receiver that applies slower than the link delivers holds back the link,
+        // not the whole overlay in memory.
+        let (send, receive) = mpsc::sync_channel(4);
         std::thread::Builder::new().name("peer-reader".into()).spawn(move || loop {
             let message = receive_from(&mut stream);
             let failed = message.is_err();
@@ -360,14 +401,15 @@ fn serve_peer(stream: UnixStream, name: &str, registry: &Arc<VmRegistry>) -> io:
             Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
             Message::Take { vm, image } => return send_vm(link, registry, &vm, &image),
             Message::Read { vm, offset, length } => {
+                if u64::from(length) > MAX_PAYLOAD_BYTES {
+                    link.send(&Message::ReadFailed { why: format!("a read of {length} bytes") }, &[])?;
+                    continue;
+                }
                 let mut buf = vec![0u8; length as usize];
                 match registry.read_for_peer(&vm, offset, &mut buf) {
                     Ok(true) => link.send(&Message::Data, &buf)?,
                     Ok(false) => link.send(&Message::NotHere, &[])?,
-                    Err(error) => {
-                        tracing::debug!(vm, offset, error, "a peer's read failed");
-                        link.send(&Message::NotHere, &[])?;
-                    }
+                    Err(why) => link.send(&Message::ReadFailed { why }, &[])?,
                 }
             }
             Message::Done => {}
@@ -448,7 +490,8 @@ fn send_vm_to(
         }
         send_runs(link, runs, &out.progress, registry, false, 0).map_err(|e| failed("sending the last changes", e))?;
     }
-    link.send(&Message::Final { source_ended }, &[]).map_err(|e| failed("sending the switchover", e))?;
+    let written = registry.has_written(out.number);
+    link.send(&Message::Final { source_ended, written }, &[]).map_err(|e| failed("sending the switchover", e))?;
     match replies.recv_timeout(SWITCH_TIMEOUT) {
         Ok(Ok((Message::Ready, _))) => {}
         Ok(Ok((Message::Decline, _))) => return Err("the peer has no guest for it any more".into()),
@@ -471,10 +514,6 @@ fn pre_copy(link: &mut Link, replies: &Replies, out: &Outgoing, registry: &VmReg
     let mut idle = false;
     let mut round_open = true;
     loop {
-        if out.had_no_connection() {
-            // No connection here to wait for: everything goes in the final delta.
-            return PreCopyEnd::SourceEnded;
-        }
         let message = if idle {
             match replies.recv_timeout(POLL) {
                 Ok(message) => Some(message),
@@ -516,6 +555,11 @@ fn pre_copy(link: &mut Link, replies: &Replies, out: &Outgoing, registry: &VmReg
             return PreCopyEnd::Failed(format!("sending to the peer: {error}"));
         }
         round_open = !round_done;
+        if round_done && out.had_no_connection() {
+            // No connection here changes it: one round sent it all, unfenced, and the final
+            // delta is empty.
+            return PreCopyEnd::SourceEnded;
+        }
     }
 }
 
@@ -581,6 +625,16 @@ impl ReadAtSender {
 
 impl crate::live::ReadElsewhere for ReadAtSender {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
+        self.read_there(offset, buf).map_err(|error| {
+            // Read again over a new link next time.
+            *self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+            error
+        })
+    }
+}
+
+impl ReadAtSender {
+    fn read_there(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
         let mut link = self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if link.is_none() {
             let connected = Link::connect(&self.address, &self.name).map_err(|e| e.to_string())?;
@@ -593,20 +647,16 @@ impl crate::live::ReadElsewhere for ReadAtSender {
         let answer = connected
             .send(&Message::Read { vm: self.vm.clone(), offset, length }, &[])
             .and_then(|()| connected.receive());
-        match answer {
-            Ok((Message::Data, payload)) if payload.len() == buf.len() => {
+        match answer.map_err(|e| format!("reading at peer {}: {e}", self.address.display()))? {
+            (Message::Data, payload) if payload.len() == buf.len() => {
                 buf.copy_from_slice(&payload);
                 Ok(true)
             }
-            Ok((Message::NotHere, _)) => Ok(false),
-            Ok((other, _)) => {
-                *link = None;
-                Err(unexpected(&other).to_string())
+            (Message::NotHere, _) => Ok(false),
+            (Message::ReadFailed { why }, _) => {
+                Err(format!("the read failed at peer {}: {why}", self.address.display()))
             }
-            Err(error) => {
-                *link = None;
-                Err(error.to_string())
-            }
+            (other, _) => Err(unexpected(&other).to_string()),
         }
     }
 }
@@ -637,14 +687,14 @@ impl Incoming {
 
     fn take_in(&self, link: &mut Link, replies: &Replies) -> Outcome {
         let mut switch_asked: Option<Instant> = None;
-        loop {
+        let written = loop {
             match replies.recv_timeout(POLL) {
                 Ok(Ok((Message::Runs { runs, round_done, blocks_left }, payload))) => {
                     if let Err(error) = self.apply(runs, &payload, round_done, blocks_left) {
                         return Outcome::Failed(format!("applying what the peer sent: {error}"));
                     }
                 }
-                Ok(Ok((Message::Final { .. }, _))) => break,
+                Ok(Ok((Message::Final { written, .. }, _))) => break written,
                 Ok(Ok((Message::Abort { why }, _))) => return Outcome::Failed(format!("the peer gave up: {why}")),
                 Ok(Ok((other, _))) => return Outcome::Failed(unexpected(&other).to_string()),
                 Ok(Err(error)) => return Outcome::Failed(format!("the peer link failed: {error}")),
@@ -664,13 +714,13 @@ impl Incoming {
                     return Outcome::Failed(format!("asking the peer to switch over: {error}"));
                 }
             }
-        }
+        };
         let started = switch_asked.unwrap_or_else(Instant::now);
         if self.live.state().ended.is_some() {
             let _ = link.send(&Message::Decline, &[]);
             return Outcome::Failed("the VM's connection here ended before the switchover".into());
         }
-        if let Err(error) = self.registry.incoming_ready(self.number) {
+        if let Err(error) = self.registry.incoming_ready(self.number, written) {
             return Outcome::Failed(format!("recording the VM in the ledger: {error}"));
         }
         if let Err(error) = link.send(&Message::Ready, &[]) {
@@ -709,20 +759,14 @@ impl Incoming {
         tracing::warn!(vm = self.vm, peer = %self.peer.display(), why, "VM move in doubt: asking the peer how it ended");
         let until = Instant::now() + IN_DOUBT_ASKING;
         while Instant::now() < until {
-            let answer = Link::connect(&self.peer, &self.peers.name).and_then(|mut link| {
-                link.send(&Message::Query { vm: self.vm.clone() }, &[])?;
-                match link.receive()?.0 {
-                    Message::Holds { holding } => Ok(holding),
-                    other => Err(unexpected(&other)),
-                }
-            });
-            match answer {
-                // Moved (here: the peer names this server as it was told), or the peer keeps no
-                // record of it: its copy is gone either way, and this one is the VM's.
-                Ok(Holding::Moved { .. } | Holding::Nothing) => return Outcome::Moved(started),
+            match query(&self.peer, &self.peers.name, &self.vm) {
+                // Its ledger says moved (to this server, as it was told it): this copy is the VM's.
+                Ok(Holding::Moved { .. }) => return Outcome::Moved(started),
                 Ok(Holding::Live) => return Outcome::Failed("the peer kept the VM".into()),
                 Ok(Holding::Lost { why }) => return Outcome::Failed(format!("the peer lost the VM: {why}")),
-                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+                // Still deciding; or no record (its ledger gone with its host?), which cannot
+                // tell a move done from one given up: asked again, and in doubt in the end.
+                Ok(Holding::Moving | Holding::Nothing) | Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         }
         Outcome::InDoubt(why)
@@ -748,8 +792,10 @@ impl Incoming {
                     "VM moved here from its peer: served from now on"
                 );
                 self.live.set_gate(Gate::Open);
-                // A connection that ended meanwhile left its end to the move.
-                if let Some(ending) = self.live.state().ended {
+                // A connection that ended meanwhile left its end to the move. (The state's lock
+                // is let go first: ending takes the registry's.)
+                let ended = self.live.state().ended;
+                if let Some(ending) = ended {
                     let vm = self.live.vm().take();
                     if let Some(vm) = vm {
                         drop(self.registry.end(self.number, ending, vm));

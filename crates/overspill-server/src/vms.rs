@@ -595,14 +595,24 @@ impl VmRegistry {
     }
 
     /// Records in the ledger that a named VM has writes, before the first is acknowledged.
-    pub fn mark_written(&self, number: u64) -> std::io::Result<()> {
-        let Some(ledger) = &self.ledger else { return Ok(()) };
+    /// `Ok(false)`: not recorded yet, as the VM is moving here (the move records it when it
+    /// commits; ask again for the next change).
+    pub fn mark_written(&self, number: u64) -> std::io::Result<bool> {
+        let Some(ledger) = &self.ledger else { return Ok(true) };
         let mut inner = lock(&self.inner);
-        let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
-        if entry.moving.as_ref().is_some_and(|m| m.direction == moves::Direction::Incoming) {
-            // Its ledger entry is the move's to write (it serves nothing before the move commits).
-            entry.written = true;
-            return Ok(());
+        let Some(entry) = inner.vms.get_mut(&number) else { return Ok(true) };
+        match &entry.moving {
+            Some(moving) if moving.direction == moves::Direction::Incoming => {
+                // Its ledger entry is the move's to write (it serves nothing before the move
+                // commits), with this write counted.
+                entry.written = true;
+                return Ok(false);
+            }
+            // The ledger says the VM is the peer's: it must go on saying so.
+            Some(moving) if moving.committed => {
+                return Err(std::io::Error::other(format!("the VM has moved to peer {}", moving.peer)));
+            }
+            _ => {}
         }
         if entry.named && !entry.marked {
             ledger.mark_with(&entry.handle.vm, &entry.handle.export, entry.owner.as_deref(), None)?;
@@ -611,7 +621,7 @@ impl VmRegistry {
             ledger.mark_with(&entry.handle.vm, &entry.image, entry.owner.as_deref(), entry.state.clone())?;
         }
         entry.written = true;
-        Ok(())
+        Ok(true)
     }
 
     /// The server is about to close its connections (SIGTERM, a restart): called before it

@@ -50,6 +50,9 @@ pub(crate) struct Moving {
     pub(crate) direction: Direction,
     pub(crate) peer: String,
     pub(crate) progress: Arc<MoveProgress>,
+    /// Sending end: the ledger says the VM is the peer's (see
+    /// [`VmRegistry::outgoing_committed`]); nothing here may change it any more.
+    pub(crate) committed: bool,
 }
 
 /// Moves since the server started, for the metrics.
@@ -84,6 +87,8 @@ pub enum Holding {
     Nothing,
     /// Its overlay, connected or in grace: its writes are here.
     Live,
+    /// It is moving from here to a peer and may be that peer's any moment: ask again.
+    Moving,
     /// Its writes were lost here, for this reason: it is refused until `vm reset`.
     Lost {
         why: String,
@@ -146,9 +151,13 @@ impl VmRegistry {
             return Holding::Lost { why: why.clone() };
         }
         if let Some(number) = inner.names.get(vm) {
-            let incoming = inner.vms.get(number).and_then(|e| e.moving.as_ref()).map(|m| m.direction);
-            // Not this server's yet: the peer that sends it holds it.
-            return if incoming == Some(Direction::Incoming) { Holding::Nothing } else { Holding::Live };
+            return match inner.vms.get(number).and_then(|e| e.moving.as_ref()) {
+                // Not this server's yet: the peer that sends it holds it.
+                Some(moving) if moving.direction == Direction::Incoming => Holding::Nothing,
+                Some(moving) if moving.committed => Holding::Moved { to: moving.peer.clone() },
+                Some(_) => Holding::Moving,
+                None => Holding::Live,
+            };
         }
         drop(inner);
         match self.ledger.as_ref().and_then(|ledger| ledger.moved_to(vm)) {
@@ -192,8 +201,12 @@ impl VmRegistry {
             return Err(format!("VM {vm}'s connection is ending: try again"));
         }
         let progress = Arc::new(MoveProgress::default());
-        entry.moving =
-            Some(Moving { direction: Direction::Outgoing, peer: peer.to_owned(), progress: progress.clone() });
+        entry.moving = Some(Moving {
+            direction: Direction::Outgoing,
+            peer: peer.to_owned(),
+            progress: progress.clone(),
+            committed: false,
+        });
         let mut offer = Offer {
             image_label: entry.handle.export.clone(),
             image_identity: entry.state.as_ref().and_then(|state| state.image_identity.clone()),
@@ -228,11 +241,24 @@ impl VmRegistry {
     /// The receiving end has the VM's whole state, the VM's requests here held back: the
     /// ledger says the VM is the peer's from now on, before the peer is told so.
     pub(crate) fn outgoing_committed(&self, out: &Outgoing, peer: &str) -> std::io::Result<()> {
-        let Some(ledger) = &self.ledger else { return Ok(()) };
-        let inner = lock(&self.inner);
-        let Some(entry) = inner.vms.get(&out.number) else { return Ok(()) };
-        let marks = Marks { moved: Some(peer.to_owned()), unwritten: !entry.written, ..Marks::default() };
-        ledger.write_entry(&out.vm, &entry.image, entry.owner.as_deref(), entry.state.clone(), marks)
+        let mut inner = lock(&self.inner);
+        let Some(entry) = inner.vms.get_mut(&out.number) else {
+            return Err(std::io::Error::other("the VM is no longer registered"));
+        };
+        if let Some(ledger) = &self.ledger {
+            let marks = Marks { moved: Some(peer.to_owned()), unwritten: !entry.written, ..Marks::default() };
+            ledger.write_entry(&out.vm, &entry.image, entry.owner.as_deref(), entry.state.clone(), marks)?;
+        }
+        if let Some(moving) = entry.moving.as_mut() {
+            moving.committed = true;
+        }
+        Ok(())
+    }
+
+    /// Whether VM `number` has written (the sending end tells the receiving end at the
+    /// switchover).
+    pub(crate) fn has_written(&self, number: u64) -> bool {
+        lock(&self.inner).vms.get(&number).is_some_and(|entry| entry.written)
     }
 
     /// Ends a move from here. `moved`: the peer holds the VM; its overlay (`vm`, taken out of
@@ -350,8 +376,12 @@ impl VmRegistry {
         entry.owner = offer.owner.clone();
         entry.written = offer.written;
         let progress = Arc::new(MoveProgress::default());
-        entry.moving =
-            Some(Moving { direction: Direction::Incoming, peer: peer.to_owned(), progress: progress.clone() });
+        entry.moving = Some(Moving {
+            direction: Direction::Incoming,
+            peer: peer.to_owned(),
+            progress: progress.clone(),
+            committed: false,
+        });
         inner.vms.insert(number, entry);
         inner.names.insert(vm.to_owned(), number);
         drop(inner);
@@ -361,7 +391,11 @@ impl VmRegistry {
 
     /// The receiving end has the VM's whole state and is about to say so: from now on a next
     /// server here cannot tell whether the move was done, and refuses the name.
-    pub(crate) fn incoming_ready(&self, number: u64) -> std::io::Result<()> {
+    /// `written`: the VM had written at the sending end.
+    pub(crate) fn incoming_ready(&self, number: u64, written: bool) -> std::io::Result<()> {
+        if let Some(entry) = lock(&self.inner).vms.get_mut(&number) {
+            entry.written |= written;
+        }
         self.rewrite_incoming(number, true)
     }
 
@@ -377,10 +411,16 @@ impl VmRegistry {
 
     fn rewrite_incoming(&self, number: u64, in_doubt: bool) -> std::io::Result<()> {
         let Some(ledger) = &self.ledger else { return Ok(()) };
-        let inner = lock(&self.inner);
-        let Some(entry) = inner.vms.get(&number) else { return Ok(()) };
+        let mut inner = lock(&self.inner);
+        let Some(entry) = inner.vms.get_mut(&number) else { return Ok(()) };
         if entry.state.is_none() {
-            // A VM whose state does not outlive the process: nothing for a next server.
+            // A VM whose state does not outlive the process: a next server refuses its name
+            // once it has written (as `mark_written` does for any VM), rather than serve golden
+            // data; the sender's ledger says where it went meanwhile.
+            if !in_doubt && entry.written {
+                ledger.mark_with(&entry.handle.vm, &entry.handle.export, entry.owner.as_deref(), None)?;
+                entry.marked = true;
+            }
             return Ok(());
         }
         let incoming = in_doubt.then(|| entry.moving.as_ref().map(|m| m.peer.clone())).flatten();
