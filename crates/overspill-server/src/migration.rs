@@ -625,10 +625,9 @@ impl ReadAtSender {
 
 impl crate::live::ReadElsewhere for ReadAtSender {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
-        self.read_there(offset, buf).map_err(|error| {
+        self.read_there(offset, buf).inspect_err(|_| {
             // Read again over a new link next time.
             *self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
-            error
         })
     }
 }
