@@ -86,31 +86,36 @@ impl Pair {
     /// Serves side `name`, the other side its peer; 1 MiB of RAM per VM, so that VMs spill.
     fn serve(&self, name: &'static str) -> Serve {
         let (this, other) = (self.side(name), self.side(if name == "a" { "b" } else { "a" }));
-        let listen = format!("unix:{}", this.socket().display());
-        let peer_listen = format!("unix:{}", this.peer_socket().display());
-        let peer = format!("unix:{}", other.peer_socket().display());
-        let args = [
-            "--base",
-            self.golden.to_str().expect("utf-8"),
-            "--listen",
-            &listen,
-            "--ram",
-            "1M",
-            "--peer-listen",
-            &peer_listen,
-            "--peer",
-            &peer,
-            "--metrics",
-            "tcp:127.0.0.1:0",
-        ];
-        let socket = this.socket();
-        Serve::start_named_only(&this.dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
+        serve_side(&self.golden, &this, &other, "1M")
     }
 
     #[track_caller]
     fn assert_golden_unchanged(&self) {
         assert_same(&std::fs::read(&self.golden).expect("golden"), &self.golden_bytes, "the golden image");
     }
+}
+
+/// Serves `this` side over `golden`, `other` its peer, with `ram` per VM and metrics.
+fn serve_side(golden: &Path, this: &Side, other: &Side, ram: &str) -> Serve {
+    let listen = format!("unix:{}", this.socket().display());
+    let peer_listen = format!("unix:{}", this.peer_socket().display());
+    let peer = format!("unix:{}", other.peer_socket().display());
+    let args = [
+        "--base",
+        golden.to_str().expect("utf-8"),
+        "--listen",
+        &listen,
+        "--ram",
+        ram,
+        "--peer-listen",
+        &peer_listen,
+        "--peer",
+        &peer,
+        "--metrics",
+        "tcp:127.0.0.1:0",
+    ];
+    let socket = this.socket();
+    Serve::start_named_only(&this.dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
 }
 
 /// What the VM's disk should read: the golden image with its writes.
@@ -652,26 +657,8 @@ fn a_guest_writing_files_is_live_migrated_and_every_checksum_holds() {
     let (a, b) = (pair.side("a"), pair.side("b"));
     let golden = ext4_image(pair.dir.path(), 64, &[("golden.txt", b"golden file\n")]).expect("golden image");
     let golden_before = std::fs::read(&golden).expect("golden image");
-    let serve = |side: &Side, other: &Side| {
-        let args = [
-            "--base",
-            golden.to_str().expect("utf-8"),
-            "--listen",
-            &format!("unix:{}", side.socket().display()),
-            "--ram",
-            "4M",
-            "--peer-listen",
-            &format!("unix:{}", side.peer_socket().display()),
-            "--peer",
-            &format!("unix:{}", other.peer_socket().display()),
-        ]
-        .map(String::from);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let socket = side.socket();
-        Serve::start_named_only(&side.dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
-    };
-    let _server_a = serve(&a, &b);
-    let _server_b = serve(&b, &a);
+    let _server_a = serve_side(&golden, &a, &b, "4M");
+    let _server_b = serve_side(&golden, &b, &a, "4M");
     let kit = GuestKit::build(pair.dir.path(), &writer_job(FILES)).expect("guest kit");
     let machine = |side: &Side, extra: &[String]| {
         let mut args = nbd_disk(&side.socket(), "@desk", 30);
@@ -711,4 +698,162 @@ fn a_guest_writing_files_is_live_migrated_and_every_checksum_holds() {
     assert!(written_at_source < FILES, "the migration came after the guest's last write");
     assert_eq!(a.state_of("desk"), None, "A still holds the VM");
     assert_eq!(std::fs::read(&golden).expect("golden image"), golden_before, "the golden image was written");
+}
+
+/// Latencies of 4 KiB writes, one every millisecond (about 1,000 IOPS), at random offsets in
+/// the first GiB, until one fails or `stop` is set: each write's start (since `epoch`) and how
+/// long it took, and the error that ended it.
+fn paced_writes(
+    mut client: Client,
+    seed: u64,
+    epoch: Instant,
+    stop: &std::sync::atomic::AtomicBool,
+) -> (Vec<(Duration, Duration)>, Option<String>) {
+    let mut samples = Vec::new();
+    let mut state = seed | 1;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let offset = (state % (1 << 18)) * 4096;
+        let started = Instant::now();
+        if let Err(error) = client.write(offset, &[(state & 0xff) as u8; 4096], false) {
+            return (samples, Some(error.to_string()));
+        }
+        samples.push((started - epoch, started.elapsed()));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (samples, None)
+}
+
+fn ms(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1000.0
+}
+
+/// `bench/migrate`: moves a VM with 256 MiB in RAM and 1 GiB spilled from A to B over the peer
+/// link on this machine, and measures the pre-copy's time and the pause overspill adds at the
+/// switchover (QEMU's own downtime for guest RAM apart): our NBD client writes 4 KiB at about
+/// 1,000 IOPS at the source through the pre-copy, then at the destination, whose first write
+/// asks for the switchover. Results to bench/results/migrate-<rev>.md. Run in release.
+#[test]
+#[ignore = "a benchmark: bench/migrate runs it"]
+fn bench_move_256m_in_ram_and_1g_spilled() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = TempDir::new_in("/var/tmp").expect("tempdir");
+    let golden = dir.path().join("golden.img");
+    std::fs::File::create(&golden).and_then(|f| f.set_len(2 << 30)).expect("sparse golden image");
+    for side in ["a", "b"] {
+        std::fs::create_dir_all(dir.path().join(side)).expect("side dir");
+    }
+    let (a, b) = (Side { name: "a", dir: dir.path().join("a") }, Side { name: "b", dir: dir.path().join("b") });
+    let _server_a = serve_side(&golden, &a, &b, "256M");
+    let _server_b = serve_side(&golden, &b, &a, "256M");
+    let mut source = a.connect("bench");
+    let chunk = pseudo_random(4 << 20, 21);
+    let written = Instant::now();
+    for i in 0..320u64 {
+        source.write(i * (4 << 20), &chunk, false).expect("filling the VM");
+    }
+    source.flush().expect("flush");
+    let fill_s = written.elapsed().as_secs_f64();
+    let listed = a.list();
+    let entry = listed.iter().find(|v| v["vm"] == "bench").expect("the VM at A");
+    let (ram_mib, spill_mib) =
+        (entry["memory_bytes"].as_u64().unwrap_or(0) >> 20, entry["spill_bytes"].as_u64().unwrap_or(0) >> 20);
+
+    let epoch = Instant::now();
+    let stop = AtomicBool::new(false);
+    let (source_samples, source_end, first_write, dest_samples, precopy) = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| paced_writes(source, 1, epoch, &stop));
+        let connect_started = Instant::now();
+        let mut destination = b.connect("bench");
+        let connected = connect_started.elapsed();
+        // Pre-copy done: A has sent every block once and keeps up with the writes.
+        let precopy = loop {
+            let detail = a.list().iter().find(|v| v["vm"] == "bench").map(|v| v["detail"].to_string());
+            if detail.as_deref().is_some_and(|d| d.contains(" 0 blocks left") && !d.contains(" 0 rounds")) {
+                break connect_started.elapsed();
+            }
+            assert!(connect_started.elapsed() < Duration::from_secs(300), "pre-copy not done: {detail:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        std::thread::sleep(Duration::from_secs(1));
+        let switch_started = Instant::now();
+        destination.write(1 << 30, &[0x77; 4096], false).expect("the destination's first write");
+        let first_write = (switch_started - epoch, switch_started.elapsed());
+        let (source_samples, source_end) = writer.join().expect("source writer");
+        let stop_after = std::thread::spawn(|| std::thread::sleep(Duration::from_secs(2)));
+        let dest = scope.spawn(|| paced_writes(destination, 2, epoch, &stop));
+        stop_after.join().expect("timer");
+        stop.store(true, Ordering::Relaxed);
+        let (dest_samples, dest_end) = dest.join().expect("destination writer");
+        assert!(dest_end.is_none(), "a destination write failed: {dest_end:?}");
+        (source_samples, source_end, first_write, dest_samples, (connected, precopy))
+    });
+    assert!(source_end.is_some(), "the source never stopped writing");
+    // Requests at the source that started within 100 ms of the switchover: those the fence held.
+    let around = |samples: &[(Duration, Duration)]| {
+        samples
+            .iter()
+            .filter(|(at, _)| at.abs_diff(first_write.0) < Duration::from_millis(100))
+            .map(|(_, took)| *took)
+            .max()
+            .unwrap_or_default()
+    };
+    let worst_source = around(&source_samples);
+    let mut dest_latencies: Vec<Duration> = dest_samples.iter().map(|(_, took)| *took).collect();
+    dest_latencies.sort();
+    let percentile = |p: usize| dest_latencies.get(dest_latencies.len() * p / 100).copied().unwrap_or_default();
+    let at_a = scrape(&metrics_url(&_server_a));
+    let sent = sample(&at_a, "overspill_vm_move_bytes_total", &[("direction", "sent")]);
+    let rounds = sample(&at_a, "overspill_vm_move_rounds_total", &[]);
+    let at_b = scrape(&metrics_url(&_server_b));
+    let switchover = sample(&at_b, "overspill_vm_switchover_max_seconds", &[]);
+
+    // A sample of what moved reads back at B.
+    let mut check = b.connect("bench");
+    let mut back = vec![0u8; 4 << 20];
+    for i in (0..320u64).step_by(37) {
+        check.read(i * (4 << 20), &mut back).expect("read back");
+        if i * (4 << 20) < (1 << 30) {
+            // The paced writes changed blocks of the first GiB: count the chunk's untouched bytes.
+            let same = back.iter().zip(&chunk).filter(|(x, y)| x == y).count();
+            assert!(same > back.len() * 9 / 10, "chunk {i} at B is not what A held");
+        } else {
+            assert_same(&back, &chunk, &format!("chunk {i} at B"));
+        }
+    }
+    let rev = Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().expect("git");
+    let rev = String::from_utf8_lossy(&rev.stdout).trim().to_owned();
+    let report = format!(
+        "# Moving a VM between two servers on one host ({rev})\n\n\
+         `bench/migrate` (crates/overspill/tests/migration.rs, `bench_move_256m_in_ram_and_1g_spilled`, release \
+         build); two `overspill serve` with `--ram 256M`, each the other's peer over a Unix socket, spill and memory \
+         directories under /var/tmp; 2 cores, noisy. The VM was filled with 1,280 MiB by our NBD client \
+         ({fill_s:.1} s); then it held {ram_mib} MiB of cache memory and {spill_mib} MiB spilled at A.\n\n\
+         | figure | value |\n|---|---|\n\
+         | destination's connection (handshake, peer query, offer) | {connect:.1} ms |\n\
+         | pre-copy: every block sent once, the source writing 4 KiB at ~1,000 IOPS | {precopy:.2} s |\n\
+         | block data sent (all rounds) | {sent_mib:.0} MiB in {rounds} rounds |\n\
+         | the destination's first write (asks for the switchover, waits for it) | {first:.1} ms |\n\
+         | switchover at B, from the ask to the VM served there (metric) | {switchover_ms:.1} ms |\n\
+         | worst source write within 100 ms of the switchover (held by the fence) | {worst:.1} ms |\n\
+         | source writes acknowledged before it was cut off | {source_writes} |\n\
+         | destination writes after the switchover: p50 / p99 / max | {p50:.2} / {p99:.2} / {max:.2} ms |\n\n\
+         Target: under 100 ms for the switchover pause. The source's last request failed with: {source_end}.\n",
+        connect = ms(precopy.0),
+        precopy = precopy.1.as_secs_f64(),
+        sent_mib = sent / 1048576.0,
+        first = ms(first_write.1),
+        switchover_ms = switchover * 1000.0,
+        worst = ms(worst_source),
+        source_writes = source_samples.len(),
+        p50 = ms(percentile(50)),
+        p99 = ms(percentile(99)),
+        max = ms(dest_latencies.last().copied().unwrap_or_default()),
+        source_end = source_end.unwrap_or_default(),
+    );
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../bench/results/migrate-{rev}.md"));
+    std::fs::write(&out, &report).expect("writing the results");
+    println!("{report}");
 }
