@@ -102,7 +102,14 @@ fn migrate(args: &LibvirtHookArgs, disks: &[OverspillDisk]) -> anyhow::Result<()
         );
     }
     for vm in names(disks) {
-        let answer = ask(args, &Request::Locate { vm: vm.clone() })?;
+        // A server that cannot be asked cannot take the VM either: refused, saying why.
+        let answer = ask(args, &Request::Locate { vm: vm.clone() }).map_err(|error| {
+            anyhow::anyhow!(
+                "domain {domain} cannot be migrated: the writes of its overspill VM {vm} live in the overspill \
+                 server of the host it runs on, and this host's server cannot be asked whether a peer holds \
+                 them ({error:#}); the guest stays where it is."
+            )
+        })?;
         match (answer.ok, answer.peer) {
             (true, Some(peer)) => eprintln!("overspill: VM {vm} moves here from peer {peer}"),
             (ok, _) => bail!(
