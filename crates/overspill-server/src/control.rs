@@ -251,7 +251,7 @@ impl Targets {
                 ..Answer::default()
             };
         };
-        match peers.locate(vm) {
+        match peers.locate(vm, self.registry.holding(vm) == crate::vms::Holding::Live) {
             Located::Live(address) => Answer {
                 ok: true,
                 message: Some(format!("{vm} runs at peer {}", address.display())),

@@ -162,6 +162,16 @@ impl OverlayExports {
         self.peers = Some(peers);
     }
 
+    /// Settles the VMs recovered in doubt (see `ledger`'s `incoming`) by asking the peer each
+    /// was moving from: kept, dropped, or refused by name when it cannot tell. Call after
+    /// [`Self::with_lifecycle`] and [`Self::with_peers`], before serving.
+    pub fn settle_in_doubt(&self) {
+        for (vm, peer) in self.registry.in_doubt() {
+            let outcome = migration::settle_in_doubt(self.peers.as_ref(), Path::new(&peer), &vm);
+            self.registry.settle_in_doubt(&vm, outcome);
+        }
+    }
+
     /// Lets connections without a VM name write, each to a private overlay that ends with the
     /// connection (any reconnect reverts it to the golden image): for tests and benchmarks.
     pub fn allow_anonymous_writes(&mut self) {
@@ -220,6 +230,9 @@ impl OverlayExports {
         match self.recover(&orphan) {
             Ok(()) => tracing::info!(vm, "VM overlay left by a server gone since this one started: adopted"),
             Err(why) => self.registry.refuse_unrecoverable(&orphan, why),
+        }
+        if orphan.incoming.is_some() {
+            self.settle_in_doubt();
         }
     }
 
@@ -468,7 +481,8 @@ impl ExportProvider for OverlayExports {
         if let Some(vm) = vm_name {
             self.adopt_orphan(vm);
             if let Some(peers) = &self.peers {
-                match peers.locate(vm) {
+                let held_here = self.registry.holding(vm) == crate::vms::Holding::Live;
+                match peers.locate(vm, held_here) {
                     Located::Nowhere => {}
                     Located::Refused(why) => {
                         tracing::warn!(vm, "VM refused: {why}");
@@ -987,6 +1001,73 @@ mod tests {
         open.write(0, &[1; 4096], false).expect("write");
         drop(open);
         exports.open("golden@open", Some("bob")).expect("a VM made without an identity is anyone's");
+    }
+
+    /// A receiving server killed between saying it had a moving VM's whole state and hearing
+    /// the move was done leaves the VM in doubt: its next start asks the sending peer, and keeps
+    /// the VM if the peer's ledger says it moved here, drops its copy if the peer kept the VM,
+    /// and refuses the name (never golden data) if the peer cannot tell.
+    #[test]
+    fn a_vm_left_in_doubt_is_settled_by_asking_the_peer_it_was_moving_from() {
+        use crate::ledger::{Ledger, Marks};
+        use crate::migration::{self, Peers};
+        for peer_says in ["moved here", "kept it", "nothing"] {
+            let dirs = tempfile::tempdir().expect("tempdir");
+            let (here, there) = (dirs.path().join("here"), dirs.path().join("there"));
+            let peer_socket = dirs.path().join("peer.sock");
+            // What the receiver left: a VM with a write, its ledger entry marked in doubt.
+            let exports = exports_in(&here);
+            let mut device = exports.open("golden@x", None).expect("open");
+            device.write(0, &[7; 4096], false).expect("write");
+            exports.registry.hand_over_all_in_grace();
+            drop(device);
+            drop(exports);
+            let ledger = Ledger::open(&here.join("state")).expect("ledger");
+            let state = ledger.state_of("x").expect("the VM's state");
+            let marks = Marks { incoming: Some(peer_socket.display().to_string()), ..Marks::default() };
+            ledger.write_entry("x", "golden", None, Some(state), marks).expect("in doubt");
+            // The sending peer, as its ledger and registry stand.
+            let sender = VmRegistry::new(Lifecycle {
+                reconnect_grace: Duration::from_secs(60),
+                state_dir: Some(there.join("state")),
+                memory_dir: None,
+            })
+            .expect("sender registry");
+            match peer_says {
+                "moved here" => {
+                    let marks = Marks { moved: Some("receiver".into()), ..Marks::default() };
+                    Ledger::open(&there.join("state")).expect("ledger").write_entry("x", "golden", None, None, marks)
+                }
+                "kept it" => sender.claim(Some("x"), "golden", None).map(drop).map_err(std::io::Error::other),
+                _ => Ok(()),
+            }
+            .expect("the sender's side");
+            let _listener = migration::listen(&peer_socket, "sender".into(), sender.clone()).expect("peer socket");
+
+            let mut exports = exports_in(&here);
+            assert_eq!(exports.registry.list()[0].state, VmState::Incoming, "{peer_says}: refused until settled");
+            exports.with_peers(Peers { name: "receiver".into(), addresses: vec![peer_socket.clone()] });
+            exports.settle_in_doubt();
+            let listed = exports.registry.list();
+            match peer_says {
+                "moved here" => {
+                    assert_eq!(listed[0].state, VmState::InGrace, "{listed:?}");
+                    let mut device = exports.open("golden@x", None).expect("the VM, settled here");
+                    let mut back = vec![0; 4096];
+                    read_whole(device.as_mut(), 0, &mut back).expect("read");
+                    assert_eq!(back, vec![7; 4096], "the VM's write");
+                }
+                "kept it" => {
+                    assert!(listed.is_empty(), "the copy here stayed: {listed:?}");
+                    assert!(files_of("x", &[&here.join("memory"), &here.join("spill")]).is_empty());
+                }
+                _ => {
+                    assert_eq!(listed[0].state, VmState::Lost, "{listed:?}");
+                    assert!(listed[0].detail.contains("keeps no record"), "{listed:?}");
+                    assert!(exports.open("golden@x", None).is_err(), "a VM in doubt was served");
+                }
+            }
+        }
     }
 
     #[test]

@@ -82,8 +82,9 @@ pub(crate) struct LedgerEntry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) moved: Option<String>,
     /// The VM's state here was being taken from this peer server and the peer had not yet said
-    /// the move was done: whether this state or the peer's is the VM's is unknown, so a next
-    /// server refuses the name (never a guess) until `vm reset`.
+    /// the move was done: a next server rebuilds it but serves it only once the peer says its
+    /// ledger has the VM moved here (it drops it if the peer kept the VM, and refuses the name
+    /// until `vm reset` if the peer cannot tell: never a guess).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) incoming: Option<String>,
 }
@@ -133,6 +134,9 @@ pub struct Recoverable {
     pub unwritten: bool,
     /// It was cut for idleness and waits with no end (see [`LedgerEntry::quiet`]).
     pub quiet: bool,
+    /// It was moving here from this peer, in doubt (see [`LedgerEntry::incoming`]): whose copy
+    /// is the VM's is settled by asking the peer before it is served.
+    pub incoming: Option<String>,
 }
 
 impl Ledger {
@@ -299,9 +303,12 @@ impl Ledger {
                 }
                 None
             }
+            LedgerEntry { incoming: Some(from), state: Some(state), image, owner, unwritten, quiet, .. } => {
+                Some(Ok(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten, quiet, incoming: Some(from) }))
+            }
             LedgerEntry { incoming: Some(from), .. } => Some(Err(format!(
                 "it was moving here from peer {from} when its server ended, before the peer said the move was \
-                 done: whether its writes are here or there is unknown (its files here are kept)"
+                 done: whether its writes are here or there is unknown"
             ))),
             LedgerEntry { state: Some(state), making: true, .. } => {
                 if remove_leftover_state_files(vm, &state).is_empty() {
@@ -314,7 +321,7 @@ impl Ledger {
                 None
             }
             LedgerEntry { state: Some(state), image, owner, unwritten, quiet, .. } => {
-                Some(Ok(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten, quiet }))
+                Some(Ok(Recoverable { vm: vm.to_owned(), image, owner, state, unwritten, quiet, incoming: None }))
             }
             LedgerEntry { pid, image, .. } => {
                 Some(Err(format!("server pid {pid} ended while it held them, over {}", shown_image(&image))))

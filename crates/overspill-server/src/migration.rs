@@ -150,8 +150,8 @@ pub enum Located {
 }
 
 impl Peers {
-    /// Asks every peer whether it holds VM `vm`.
-    pub fn locate(&self, vm: &str) -> Located {
+    /// Asks every peer whether it holds VM `vm`; `held_here`: this server holds it (in grace).
+    pub fn locate(&self, vm: &str, held_here: bool) -> Located {
         for address in &self.addresses {
             match query(address, &self.name, vm) {
                 Ok(Holding::Live) => return Located::Live(address.clone()),
@@ -163,12 +163,14 @@ impl Peers {
                 }
                 // Handed here, and this server has nothing of it (it was lost with a crash):
                 // never a fresh VM in its place.
-                Ok(Holding::Moved { to }) if to == self.name => {
+                Ok(Holding::Moved { to }) if to == self.name && !held_here => {
                     return Located::Refused(format!(
                         "VM {vm} was moved here from peer {}, and this server holds nothing of it",
                         address.display()
                     ))
                 }
+                // Handed here, and here it is.
+                Ok(Holding::Moved { to }) if to == self.name => {}
                 // Somewhere no peer of this server is: it cannot be asked for.
                 Ok(Holding::Moved { to }) if !self.is_peer(&to) => {
                     return Located::Refused(format!(
@@ -202,6 +204,23 @@ impl Peers {
         self.addresses
             .iter()
             .any(|address| std::path::absolute(address).unwrap_or_else(|_| address.clone()) == Path::new(name))
+    }
+}
+
+/// Whose copy of VM `vm` is the VM's, for a server that recovered it in doubt from `address`:
+/// `Ok(true)` this server's (the peer's ledger says moved here), `Ok(false)` the peer's (it holds
+/// it live, or moved it elsewhere since), `Err` why nobody can tell.
+pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &Path, vm: &str) -> Result<bool, String> {
+    let shown = address.display();
+    let Some(peers) = peers else {
+        return Err(format!("this server has no peers to ask peer {shown} with"));
+    };
+    match query(address, &peers.name, vm) {
+        Ok(Holding::Moved { to }) => Ok(to == peers.name),
+        Ok(Holding::Live | Holding::Moving) => Ok(false),
+        Ok(Holding::Nothing) => Err(format!("peer {shown} keeps no record of it")),
+        Ok(Holding::Lost { why }) => Err(format!("peer {shown} lost it ({why})")),
+        Err(error) => Err(format!("peer {shown} cannot be asked ({error})")),
     }
 }
 

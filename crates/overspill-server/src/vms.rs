@@ -504,7 +504,12 @@ impl VmRegistry {
         // which holds the files, so that no other process takes them for a dead server's.
         if let Some(ledger) = &self.ledger {
             let (vm, owner) = (&recovered.vm, recovered.owner.as_deref());
-            let marks = Marks { unwritten: recovered.unwritten, quiet: recovered.quiet, ..Marks::default() };
+            let marks = Marks {
+                unwritten: recovered.unwritten,
+                quiet: recovered.quiet,
+                incoming: recovered.incoming.clone(),
+                ..Marks::default()
+            };
             if let Err(error) = ledger.write_entry(vm, &recovered.image, owner, Some(recovered.state.clone()), marks) {
                 tracing::warn!(vm, %error, "could not name this server in the VM's ledger file");
             }
@@ -521,6 +526,13 @@ impl VmRegistry {
         // A VM cut for idleness waits with no end here too: its guest is paused, not gone.
         let until = (!recovered.quiet).then(|| Instant::now() + self.lifecycle.reconnect_grace);
         entry.grace = Some(Grace { until, parked });
+        // Served to no one until the peer it was moving from says whose copy is the VM's.
+        entry.moving = recovered.incoming.as_ref().map(|peer| moves::Moving {
+            direction: moves::Direction::Incoming,
+            peer: peer.clone(),
+            progress: Arc::default(),
+            committed: false,
+        });
         inner.names.insert(recovered.vm.clone(), number);
         inner.vms.insert(number, entry);
     }

@@ -442,6 +442,49 @@ impl VmRegistry {
         drop(overlay);
     }
 
+    /// VMs recovered in doubt (their server ended between saying it had a moving VM's whole
+    /// state and hearing the move was done): each name, and the peer it was moving from.
+    pub(crate) fn in_doubt(&self) -> Vec<(String, String)> {
+        lock(&self.inner)
+            .vms
+            .values()
+            .filter(|entry| entry.grace.is_some())
+            .filter_map(|entry| {
+                let moving = entry.moving.as_ref().filter(|m| m.direction == Direction::Incoming)?;
+                Some((entry.handle.vm.clone(), moving.peer.clone()))
+            })
+            .collect()
+    }
+
+    /// Settles a VM recovered in doubt: `Ok(true)`, the copy here is the VM's (in grace as any
+    /// recovered VM); `Ok(false)`, the peer kept it (the copy here goes); `Err`, nobody can tell
+    /// (the name is refused, its files kept).
+    pub(crate) fn settle_in_doubt(&self, vm: &str, outcome: Result<bool, String>) {
+        let Some(number) = lock(&self.inner).names.get(vm).copied() else { return };
+        match outcome {
+            Ok(true) => {
+                if let Err(error) = self.incoming_committed(number) {
+                    tracing::warn!(vm, %error, "could not record the VM as this server's");
+                }
+                tracing::info!(vm, "VM recovered in doubt: its peer says it moved here; it waits for its client");
+            }
+            Ok(false) => {
+                tracing::info!(vm, "VM recovered in doubt: its peer kept it; the copy here is dropped");
+                let mut inner = lock(&self.inner);
+                let overlay = self.forget(&mut inner, number, None);
+                drop(inner);
+                drop(overlay);
+            }
+            Err(why) => {
+                let why = format!("its move here was interrupted at the switchover, and {why}");
+                let mut inner = lock(&self.inner);
+                let overlay = self.lose_keeping_files(&mut inner, number, None, &why);
+                drop(inner);
+                drop(overlay);
+            }
+        }
+    }
+
     /// How a VM's move shows in `vm list`.
     pub(crate) fn move_detail(moving: &Moving) -> String {
         let progress = &moving.progress;

@@ -289,6 +289,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
     let _peer_listener = serve_peers(&args, &mut exports, &registry, &control)?;
+    exports.settle_in_doubt();
     if let Some(dir) = &args.record {
         exports.record_to(dir.clone()).with_context(|| format!("recording to {}", dir.display()))?;
     }
