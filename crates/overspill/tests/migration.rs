@@ -89,6 +89,16 @@ impl Pair {
         serve_side(&self.golden, &this, &other, "1M")
     }
 
+    /// Both servers, and VM `desk` at A with its first writes (our client's).
+    fn start(&self) -> Started {
+        let (a, b) = (self.side("a"), self.side("b"));
+        let (server_a, server_b) = (self.serve("a"), self.serve("b"));
+        let mut model = Model(self.golden_bytes.clone());
+        let mut source = a.connect("desk");
+        first_writes(&mut model, &mut source, &self.golden_bytes);
+        Started { a, b, server_a, server_b, model, source }
+    }
+
     #[track_caller]
     fn assert_golden_unchanged(&self) {
         assert_same(&std::fs::read(&self.golden).expect("golden"), &self.golden_bytes, "the golden image");
@@ -116,6 +126,16 @@ fn serve_side(golden: &Path, this: &Side, other: &Side, ram: &str) -> Serve {
     ];
     let socket = this.socket();
     Serve::start_named_only(&this.dir, &args, &[], move || std::os::unix::net::UnixStream::connect(&socket).is_ok())
+}
+
+/// Two servers each the other's peer, and a VM at the first with writes that spilled.
+struct Started {
+    a: Side,
+    b: Side,
+    server_a: Serve,
+    server_b: Serve,
+    model: Model,
+    source: Client,
 }
 
 /// What the VM's disk should read: the golden image with its writes.
@@ -181,12 +201,7 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 #[test]
 fn a_vm_moves_to_the_peer_its_destination_connects_to_and_its_writes_go_with_it() {
     let pair = Pair::new();
-    let (a, b) = (pair.side("a"), pair.side("b"));
-    let server_a = pair.serve("a");
-    let server_b = pair.serve("b");
-    let mut model = Model(pair.golden_bytes.clone());
-    let mut source = a.connect("desk");
-    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let Started { a, b, server_a, server_b, mut model, mut source } = pair.start();
 
     let mut destination = b.connect("desk");
     assert_eq!(a.state_of("desk").as_deref(), Some("outgoing"), "A while the move runs");
@@ -222,12 +237,7 @@ fn a_vm_moves_to_the_peer_its_destination_connects_to_and_its_writes_go_with_it(
 #[test]
 fn the_sources_end_before_the_destinations_first_request_hands_the_vm_over() {
     let pair = Pair::new();
-    let (a, b) = (pair.side("a"), pair.side("b"));
-    let _server_a = pair.serve("a");
-    let _server_b = pair.serve("b");
-    let mut model = Model(pair.golden_bytes.clone());
-    let mut source = a.connect("desk");
-    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let Started { a, b, server_a: _server_a, server_b: _server_b, mut model, mut source } = pair.start();
     let mut destination = b.connect("desk");
     writes_during_pre_copy(&mut model, &mut source);
     source.disconnect().expect("NBD_CMD_DISC");
@@ -242,12 +252,7 @@ fn the_sources_end_before_the_destinations_first_request_hands_the_vm_over() {
 #[test]
 fn a_move_given_up_leaves_the_vm_at_the_source() {
     let pair = Pair::new();
-    let (a, b) = (pair.side("a"), pair.side("b"));
-    let _server_a = pair.serve("a");
-    let _server_b = pair.serve("b");
-    let mut model = Model(pair.golden_bytes.clone());
-    let mut source = a.connect("desk");
-    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let Started { a, b, server_a: _server_a, server_b: _server_b, mut model, mut source } = pair.start();
     let destination = b.connect("desk");
     writes_during_pre_copy(&mut model, &mut source);
     drop(destination);
@@ -266,12 +271,7 @@ fn a_move_given_up_leaves_the_vm_at_the_source() {
 #[test]
 fn a_vm_in_its_grace_at_the_source_moves_to_the_destination() {
     let pair = Pair::new();
-    let (a, b) = (pair.side("a"), pair.side("b"));
-    let _server_a = pair.serve("a");
-    let _server_b = pair.serve("b");
-    let mut model = Model(pair.golden_bytes.clone());
-    let mut source = a.connect("desk");
-    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let Started { a, b, server_a: _server_a, server_b: _server_b, model, source } = pair.start();
     drop(source);
     wait_for("the VM waits in its grace at A", || a.state_of("desk").as_deref() == Some("in-grace"));
     let mut destination = b.connect("desk");
@@ -285,12 +285,7 @@ fn a_vm_in_its_grace_at_the_source_moves_to_the_destination() {
 #[test]
 fn a_restarted_source_never_resumes_a_vm_it_handed_over() {
     let pair = Pair::new();
-    let (a, b) = (pair.side("a"), pair.side("b"));
-    let server_a = pair.serve("a");
-    let _server_b = pair.serve("b");
-    let mut model = Model(pair.golden_bytes.clone());
-    let mut source = a.connect("desk");
-    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let Started { a, b, server_a, server_b: _server_b, mut model, source } = pair.start();
     let mut destination = b.connect("desk");
     model.write(&mut destination, 20 << 20, &pseudo_random(4096, 170));
     model.assert_reads_back(&mut destination, "the destination");
@@ -526,12 +521,7 @@ fn a_source_killed_during_the_move_keeps_the_vm_and_a_later_move_takes_it() {
 #[test]
 fn a_destination_killed_during_the_move_leaves_the_vm_at_the_source() {
     let pair = Pair::new();
-    let (a, b) = (pair.side("a"), pair.side("b"));
-    let _server_a = pair.serve("a");
-    let server_b = pair.serve("b");
-    let mut model = Model(pair.golden_bytes.clone());
-    let mut source = a.connect("desk");
-    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let Started { a, b, server_a: _server_a, server_b, mut model, mut source } = pair.start();
     let destination = b.connect("desk");
     writes_during_pre_copy(&mut model, &mut source);
     server_b.kill();
@@ -549,12 +539,7 @@ fn a_destination_killed_during_the_move_leaves_the_vm_at_the_source() {
 #[test]
 fn a_destination_killed_after_the_switchover_keeps_the_vm() {
     let pair = Pair::new();
-    let (a, b) = (pair.side("a"), pair.side("b"));
-    let _server_a = pair.serve("a");
-    let server_b = pair.serve("b");
-    let mut model = Model(pair.golden_bytes.clone());
-    let mut source = a.connect("desk");
-    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    let Started { a, b, server_a: _server_a, server_b, mut model, source } = pair.start();
     let mut destination = b.connect("desk");
     model.write(&mut destination, 24 << 20, &pseudo_random(4096, 180));
     drop(source);
