@@ -232,6 +232,48 @@ impl GuestKit {
     }
 }
 
+/// A guest job (for [`GuestKit::build`]): remounts `device` with the page cache dropped, so that
+/// the files come from the disk, and checks them against the `sums` file written with them
+/// ("CHECKSUMS OK n" or "CHECKSUMS FAILED").
+pub fn check_sums_job(device: &str) -> String {
+    format!(
+        r#"umount /mnt
+echo 3 > /proc/sys/vm/drop_caches
+mount {device} /mnt || exit 1
+if (cd /mnt && sha256sum -c sums > /tmp/check 2>&1); then
+  echo "CHECKSUMS OK $(wc -l < /mnt/sums)"
+else
+  cat /tmp/check
+  echo "CHECKSUMS FAILED"
+fi
+umount /mnt
+"#
+    )
+}
+
+/// A guest job: mounts /dev/vda (an [`ext4_image`] holding golden.txt, "golden file"), writes
+/// `files` files of 1 MiB of random bytes, each followed by its checksum, a `sync` (so that
+/// "WROTE n" means the server acknowledged files 1..n) and a pause of `pause_s` seconds (so that
+/// what the test does at "WROTE n" lands while the guest writes on), then checks every checksum
+/// against what the disk holds ([`check_sums_job`]).
+pub fn checksummed_writes_job(files: u32, pause_s: &str) -> String {
+    format!(
+        r#"mount /dev/vda /mnt || exit 1
+grep -q "golden file" /mnt/golden.txt || {{ echo "GOLDEN FILE WRONG"; exit 1; }}
+i=1
+while [ $i -le {files} ]; do
+  dd if=/dev/urandom of=/mnt/f$i bs=64k count=16 2>/dev/null
+  (cd /mnt && sha256sum f$i >> sums)
+  sync
+  echo "WROTE $i"
+  sleep {pause_s}
+  i=$((i+1))
+done
+{check}"#,
+        check = check_sums_job("/dev/vda")
+    )
+}
+
 /// An ext4 golden image of `mib` MiB with 4 KiB blocks holding `files` (name, contents), made
 /// with mkfs.ext4.
 pub fn ext4_image(dir: &Path, mib: u64, files: &[(&str, &[u8])]) -> anyhow::Result<PathBuf> {

@@ -9,48 +9,14 @@ use tempfile::TempDir;
 
 mod common;
 use common::{metrics_url, sample, scrape, Serve};
-use overspill::guests::{ext4_image, vhost_user_disk, BootOptions, Extras, Guest, GuestKit};
+use overspill::guests::{
+    check_sums_job, checksummed_writes_job, ext4_image, vhost_user_disk, BootOptions, Extras, Guest, GuestKit,
+};
 
 const FILES: u32 = 24;
 
-/// Writes 24 files of 1 MiB of random bytes to the golden filesystem, each followed by its
-/// checksum, a `sync` (so that "WROTE n" means the server acknowledged files 1..n) and a short
-/// pause (so that a server killed at "WROTE n" dies while the guest writes on), then remounts
-/// with the page cache dropped and checks every checksum against what the disk holds.
-/// Remounts `device` with the page cache dropped, so that the files come from the disk, and
-/// checks them against the `sums` file written with them ("CHECKSUMS OK n" or "CHECKSUMS FAILED").
-fn check_sums(device: &str) -> String {
-    format!(
-        r#"umount /mnt
-echo 3 > /proc/sys/vm/drop_caches
-mount {device} /mnt || exit 1
-if (cd /mnt && sha256sum -c sums > /tmp/check 2>&1); then
-  echo "CHECKSUMS OK $(wc -l < /mnt/sums)"
-else
-  cat /tmp/check
-  echo "CHECKSUMS FAILED"
-fi
-umount /mnt
-"#
-    )
-}
-
 fn writer_job() -> String {
-    format!(
-        r#"mount /dev/vda /mnt || exit 1
-grep -q "golden file" /mnt/golden.txt || {{ echo "GOLDEN FILE WRONG"; exit 1; }}
-i=1
-while [ $i -le {FILES} ]; do
-  dd if=/dev/urandom of=/mnt/f$i bs=64k count=16 2>/dev/null
-  (cd /mnt && sha256sum f$i >> sums)
-  sync
-  echo "WROTE $i"
-  sleep 0.3
-  i=$((i+1))
-done
-{check}"#,
-        check = check_sums("/dev/vda")
-    )
+    checksummed_writes_job(FILES, "0.3")
 }
 
 fn serve(dir: &Path, golden: &Path, socket: &Path) -> Serve {
@@ -145,7 +111,7 @@ echo TRIMMED
 sleep 5
 {check}{teardown}
 "#,
-        check = check_sums(device)
+        check = check_sums_job(device)
     )
 }
 

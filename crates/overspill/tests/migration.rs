@@ -601,42 +601,12 @@ impl QmpSocket {
     }
 }
 
-/// A guest job: writes 16 files of 1 MiB of random bytes, each followed by its checksum and a
-/// `sync` ("WROTE n": the server acknowledged files 1..n), pausing between files so that a
-/// migration lands among them, then reads every file back past the page cache.
-fn writer_job(files: u32) -> String {
-    format!(
-        r#"mount /dev/vda /mnt || exit 1
-grep -q "golden file" /mnt/golden.txt || {{ echo "GOLDEN FILE WRONG"; exit 1; }}
-i=1
-while [ $i -le {files} ]; do
-  dd if=/dev/urandom of=/mnt/f$i bs=64k count=16 2>/dev/null
-  (cd /mnt && sha256sum f$i >> sums)
-  sync
-  echo "WROTE $i"
-  sleep 0.5
-  i=$((i+1))
-done
-umount /mnt
-echo 3 > /proc/sys/vm/drop_caches
-mount /dev/vda /mnt || exit 1
-if (cd /mnt && sha256sum -c sums > /tmp/check 2>&1); then
-  echo "CHECKSUMS OK $(wc -l < /mnt/sums)"
-else
-  cat /tmp/check
-  echo "CHECKSUMS FAILED"
-fi
-umount /mnt
-"#
-    )
-}
-
 /// The issue's "done when": a real guest (busybox, TCG) writing checksummed files is migrated
 /// by QEMU from server A to server B while it writes, with its writes spilling at both (4 MiB
 /// of RAM per VM), and every checksum holds when it reads its files back at B.
 #[test]
 fn a_guest_writing_files_is_live_migrated_and_every_checksum_holds() {
-    use overspill::guests::{ext4_image, nbd_disk, BootOptions, Guest, GuestKit};
+    use overspill::guests::{checksummed_writes_job, ext4_image, nbd_disk, BootOptions, Guest, GuestKit};
     const FILES: u32 = 16;
     let pair = Pair::new();
     let (a, b) = (pair.side("a"), pair.side("b"));
@@ -644,7 +614,7 @@ fn a_guest_writing_files_is_live_migrated_and_every_checksum_holds() {
     let golden_before = std::fs::read(&golden).expect("golden image");
     let _server_a = serve_side(&golden, &a, &b, "4M");
     let _server_b = serve_side(&golden, &b, &a, "4M");
-    let kit = GuestKit::build(pair.dir.path(), &writer_job(FILES)).expect("guest kit");
+    let kit = GuestKit::build(pair.dir.path(), &checksummed_writes_job(FILES, "0.5")).expect("guest kit");
     let machine = |side: &Side, extra: &[String]| {
         let mut args = nbd_disk(&side.socket(), "@desk", 30);
         args.extend(["-qmp".to_owned(), format!("unix:{},server=on,wait=off", side.dir.join("qmp.sock").display())]);
