@@ -579,6 +579,8 @@ impl OverlayExports {
             peers: peers.clone(),
             peer: address.to_owned(),
             vm: vm.to_owned(),
+            image: image_name.to_owned(),
+            offer,
         };
         if let Err(error) = incoming.start(link) {
             let overlay = live.vm().take();

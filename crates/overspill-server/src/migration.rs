@@ -54,6 +54,9 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 const SWITCH_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often an idle move looks for changes, and a receiver for its first request.
 const POLL: Duration = Duration::from_millis(5);
+/// How long a receiver whose move failed before the switchover (the link dropped, the sender
+/// died and restarts) tries it again from scratch, while its connection lives.
+const RETRY_FOR: Duration = Duration::from_secs(30);
 /// How long a receiver in doubt keeps asking the sender how the move ended.
 const IN_DOUBT_ASKING: Duration = Duration::from_secs(20);
 
@@ -612,6 +615,10 @@ pub(crate) struct Incoming {
     pub(crate) peers: Peers,
     pub(crate) peer: PathBuf,
     pub(crate) vm: String,
+    /// The image name the VM's connection asked for, and the offer first taken: a move tried
+    /// again must be of the same image version and disk.
+    pub(crate) image: String,
+    pub(crate) offer: Offer,
 }
 
 /// Asks peer `address` to send VM `vm` (over image `image`): its offer, and the link to take
@@ -696,11 +703,55 @@ impl Incoming {
         let mut link = link.0;
         link.send(&Message::Accept, &[])?;
         let replies = link.spawn_reader()?;
-        std::thread::Builder::new().name("vm-incoming".into()).spawn(move || {
-            let outcome = self.take_in(&mut link, &replies);
-            self.settle(outcome, &mut link);
-        })?;
+        std::thread::Builder::new().name("vm-incoming".into()).spawn(move || self.run(link, replies))?;
         Ok(())
+    }
+
+    /// Takes the VM in; a move that fails before the switchover is tried again from scratch
+    /// (the sender's copy is still the VM's) for [`RETRY_FOR`], while the connection here lives.
+    fn run(self, mut link: Link, mut replies: Replies) {
+        let mut retrying_until: Option<Instant> = None;
+        loop {
+            let outcome = self.take_in(&mut link, &replies);
+            let Outcome::Failed(why) = &outcome else { return self.settle(outcome, &mut link) };
+            if self.live.state().ended.is_some() {
+                return self.settle(outcome, &mut link);
+            }
+            let _ = link.send(&Message::Abort { why: why.clone() }, &[]);
+            let until = *retrying_until.get_or_insert_with(|| Instant::now() + RETRY_FOR);
+            tracing::warn!(vm = self.vm, peer = %self.peer.display(), why, "VM move from a peer failed before the switchover: trying it again");
+            match self.again(until) {
+                Some((next_link, next_replies)) => (link, replies) = (next_link, next_replies),
+                None => return self.settle(outcome, &mut link),
+            }
+        }
+    }
+
+    /// Asks the peer for the VM again until `until`, while the connection here lives: the copy
+    /// here starts over (every block back to the golden image) and a new link takes it in.
+    fn again(&self, until: Instant) -> Option<(Link, Replies)> {
+        while Instant::now() < until && self.live.state().ended.is_none() {
+            std::thread::sleep(Duration::from_millis(300));
+            let Ok((offer, link)) = ask_for(&self.peers, &self.peer, &self.vm, &self.image) else { continue };
+            if offer.image_label != self.offer.image_label || offer.disk_bytes != self.offer.disk_bytes {
+                link.refuse("the VM's image changed since its move began");
+                return None;
+            }
+            {
+                let mut vm = self.live.vm();
+                let vm = vm.as_mut()?;
+                let blocks = vm.overlay.size().div_ceil(BLOCK_BYTES);
+                vm.overlay.apply_moved(&MovedRun::Golden { first: 0, end: blocks }).ok()?;
+            }
+            self.progress.bytes.store(0, Ordering::Relaxed);
+            self.progress.rounds.store(0, Ordering::Relaxed);
+            let mut link = link.0;
+            link.send(&Message::Accept, &[]).ok()?;
+            let replies = link.spawn_reader().ok()?;
+            tracing::info!(vm = self.vm, peer = %self.peer.display(), "VM move from a peer begins again");
+            return Some((link, replies));
+        }
+        None
     }
 
     fn take_in(&self, link: &mut Link, replies: &Replies) -> Outcome {
