@@ -1,0 +1,285 @@
+use super::*;
+use crate::vms::Ending;
+use crate::vms::VmState;
+use bytes::Bytes;
+use overspill_block::{read_whole, ReadRequest};
+use std::time::Duration;
+
+#[test]
+fn only_cache_file_names_carry_a_pid() {
+    assert_eq!(cache_file_pid("overspill-123-7.spill"), Some(123));
+    assert_eq!(cache_file_pid("overspill-123-7.diff"), Some(123));
+    assert_eq!(cache_file_pid("overspill-123-7.txt"), None);
+    assert_eq!(cache_file_pid("golden.img"), None);
+}
+
+/// Files named `vm-NAME.*` in the memory and spill directories of a test.
+fn files_of(vm: &str, dirs: &[&Path]) -> Vec<PathBuf> {
+    let prefix = format!("{}.", state_file_stem(vm));
+    let mut files: Vec<PathBuf> = dirs
+        .iter()
+        .flat_map(|dir| std::fs::read_dir(dir).expect("read dir").flatten())
+        .filter(|f| f.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|f| f.path())
+        .collect();
+    files.sort();
+    files
+}
+
+/// Mode `ram+disk` with an 8 MiB target, spilling into `dir/spill` (made here).
+fn settings_in(dir: &Path, read_cache_bytes: u64) -> CacheSettings {
+    let spill_dir = dir.join("spill");
+    std::fs::create_dir_all(&spill_dir).expect("spill dir");
+    CacheSettings {
+        mode: WriteCacheMode::RamDisk,
+        ram_target_bytes: 8 << 20,
+        spill_max_bytes: None,
+        spill_direct: false,
+        spill_writers: 0,
+        spill_dir: spill_dir.clone(),
+        shared_dir: spill_dir,
+        read_cache_bytes,
+    }
+}
+
+/// Exports of one 64 MiB image, `golden`, whose named VMs keep their state in `dir` and wait
+/// a minute for a reconnect.
+fn exports_in(dir: &Path) -> OverlayExports {
+    let (state_dir, memory_dir) = (dir.join("state"), dir.join("memory"));
+    let settings = settings_in(dir, 0);
+    let golden: Arc<dyn GoldenImage> = Arc::new(overspill_engine::golden::ZeroImage { size: 64 << 20 });
+    let images = BTreeMap::from([("golden".to_owned(), golden)]);
+    let mut exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
+    exports
+        .with_lifecycle(Lifecycle {
+            reconnect_grace: Duration::from_secs(60),
+            state_dir: Some(state_dir),
+            memory_dir: Some(memory_dir),
+        })
+        .expect("lifecycle");
+    exports
+}
+
+/// A golden read of 64 KiB is lent by the image's read cache (two reads of the same range
+/// hand out the same bytes) whether the image is a `--base` file or a version in the image
+/// store: a wrapper around a version once forwarded everything but the lending read, so
+/// every large golden read through the store was copied.
+#[test]
+fn a_large_golden_read_is_lent_by_the_read_cache_from_the_image_store_as_from_a_base_image() {
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let file = dirs.path().join("golden.raw");
+    std::fs::write(&file, (0..4u32 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>()).expect("image");
+    let store = ImageStore::new(&dirs.path().join("images"));
+    store.publish("stored", &file, true).expect("publish");
+    let settings = settings_in(dirs.path(), 16 << 20);
+    let base: Arc<dyn GoldenImage> = Arc::new(overspill_engine::RawImage::open(&file).expect("raw"));
+    let images = BTreeMap::from([("base".to_owned(), base)]);
+    let mut exports = OverlayExports::new(images, settings, HostMemory::unlimited()).expect("exports");
+    exports.with_image_store(&dirs.path().join("images"));
+    for export in ["base@a", "stored@b"] {
+        let mut device = exports.open(export, None).expect("open");
+        let length = 64 << 10;
+        let read = |device: &mut Box<dyn BlockDevice>| {
+            let request = ReadRequest::begin(device.as_mut(), 1 << 20, length as u64);
+            device.read_shared(&request, 1 << 20, length).expect("read")
+        };
+        let (first, second) = (read(&mut device), read(&mut device));
+        let expected: Vec<u8> = (1u32 << 20..(1 << 20) + length as u32).map(|i| (i % 251) as u8).collect();
+        assert_eq!(first.concat(), expected, "{export}: the image's bytes");
+        let pointers = |pieces: &[Bytes]| pieces.iter().map(|piece| piece.as_ptr()).collect::<Vec<_>>();
+        assert_eq!(pointers(&first), pointers(&second), "{export}: the second read was copied, not lent");
+    }
+}
+
+#[test]
+fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_that_name() {
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let (state_dir, memory_dir, spill_dir) =
+        (dirs.path().join("state"), dirs.path().join("memory"), dirs.path().join("spill"));
+    let exports = exports_in(dirs.path());
+    let fresh = |exports: &OverlayExports| match exports.registry.claim(Some("x"), "golden", None).expect("claim") {
+        Claim::Fresh { number, .. } => (number, exports.new_overlay("golden@x", number).expect("overlay")),
+        Claim::Resume { .. } => panic!("no overlay of x waits"),
+    };
+    let dirs = [memory_dir.as_path(), spill_dir.as_path()];
+    let ledger_file = state_dir.join("vm-x.json");
+
+    let (number, first) = fresh(&exports);
+    let made = files_of("x", &dirs);
+    assert!(made.len() >= 5 && ledger_file.exists(), "state files and ledger file made: {made:?}");
+    // The overlay ends deliberately; its drop comes later (it may wait for a segment write).
+    let ended = exports.registry.end(number, Ending::Deliberate, first).expect("ended overlays are handed back");
+    assert_eq!(files_of("x", &dirs), Vec::<PathBuf>::new(), "state files outlive the end of the VM");
+    assert!(!ledger_file.exists());
+
+    let (number, second) = fresh(&exports);
+    assert_eq!(files_of("x", &dirs), made, "the next VM of the name makes the same files");
+    drop(ended);
+    assert_eq!(files_of("x", &dirs), made, "the first overlay's drop removed the next VM's files");
+    assert!(ledger_file.exists());
+
+    drop(exports.registry.end(number, Ending::Deliberate, second));
+    assert_eq!(files_of("x", &dirs), Vec::<PathBuf>::new());
+    assert!(!ledger_file.exists());
+}
+
+/// A connection the stopping server's drain gave up on may end after the hand-over of the
+/// VMs in grace: its VM is handed over then, not parked in a registry about to go, which
+/// would take its files with it and leave the next server a ledger entry and no writes.
+#[test]
+fn a_vm_whose_connection_ends_after_the_hand_over_is_kept_for_the_next_server() {
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let exports = exports_in(dirs.path());
+    let mut device = exports.open("golden@x", None).expect("open");
+    device.write(0, &[7; 4096], false).expect("write");
+    exports.registry.hand_over_all_in_grace();
+    drop(device);
+    drop(exports);
+    let exports = exports_in(dirs.path());
+    let mut device = exports.open("golden@x", None).expect("the next server rebuilds the VM");
+    let mut back = vec![0; 4096];
+    read_whole(device.as_mut(), 0, &mut back).expect("read");
+    assert_eq!(back, vec![7; 4096], "the VM's write after the next server's start");
+}
+
+/// A named VM is the TLS identity's that made it: another identity, or a client without one,
+/// cannot open it, connected or in grace, nor once a next server has rebuilt it. A VM made
+/// without an identity (no TLS) has no one to be told apart from.
+#[test]
+fn a_vm_is_opened_only_by_the_identity_that_made_it() {
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let refused = |exports: &OverlayExports, identity: Option<&str>| {
+        let Err(error) = exports.open("golden@desk", identity) else {
+            panic!("{identity:?} opened alice's VM");
+        };
+        assert_eq!(error.kind, DeviceErrorKind::Refused);
+        assert!(error.message.contains("another client identity"), "{error}");
+    };
+    let read_back = |device: &mut Box<dyn BlockDevice>| {
+        let mut back = vec![0; 4096];
+        read_whole(device.as_mut(), 0, &mut back).expect("read");
+        assert_eq!(back, vec![7; 4096], "alice's write");
+    };
+    let exports = exports_in(dirs.path());
+    let mut device = exports.open("golden@desk", Some("alice")).expect("open");
+    device.write(0, &[7; 4096], false).expect("write");
+    refused(&exports, Some("bob"));
+    drop(device);
+    let listed = exports.registry.list();
+    assert_eq!((listed[0].state, listed[0].owner.as_deref()), (VmState::InGrace, Some("alice")));
+    refused(&exports, Some("bob"));
+    refused(&exports, None);
+    let mut device = exports.open("golden@desk", Some("alice")).expect("alice resumes her VM");
+    read_back(&mut device);
+
+    exports.registry.hand_over_all_in_grace();
+    drop(device);
+    drop(exports);
+    let exports = exports_in(dirs.path());
+    refused(&exports, Some("bob"));
+    let mut device = exports.open("golden@desk", Some("alice")).expect("the next server rebuilds it for alice");
+    read_back(&mut device);
+
+    let mut open = exports.open("golden@open", None).expect("open");
+    open.write(0, &[1; 4096], false).expect("write");
+    drop(open);
+    exports.open("golden@open", Some("bob")).expect("a VM made without an identity is anyone's");
+}
+
+/// A receiving server killed between saying it had a moving VM's whole state and hearing
+/// the move was done leaves the VM in doubt: its next start asks the sending peer, and keeps
+/// the VM if the peer's ledger says it moved here, drops its copy if the peer kept the VM,
+/// and refuses the name (never golden data) if the peer cannot tell.
+#[test]
+fn a_vm_left_in_doubt_is_settled_by_asking_the_peer_it_was_moving_from() {
+    use crate::ledger::{Ledger, Marks};
+    use crate::migration::{self, Peers};
+    for peer_says in ["moved here", "kept it", "nothing"] {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        let (here, there) = (dirs.path().join("here"), dirs.path().join("there"));
+        let peer_socket = dirs.path().join("peer.sock");
+        // What the receiver left: a VM with a write, its ledger entry marked in doubt.
+        let exports = exports_in(&here);
+        let mut device = exports.open("golden@x", None).expect("open");
+        device.write(0, &[7; 4096], false).expect("write");
+        exports.registry.hand_over_all_in_grace();
+        drop(device);
+        drop(exports);
+        let ledger = Ledger::open(&here.join("state")).expect("ledger");
+        let state = ledger.state_of("x").expect("the VM's state");
+        let marks = Marks { incoming: Some(peer_socket.display().to_string()), ..Marks::default() };
+        ledger.write_entry("x", "golden", None, Some(state), marks).expect("in doubt");
+        // The sending peer, as its ledger and registry stand.
+        let sender = VmRegistry::new(Lifecycle {
+            reconnect_grace: Duration::from_secs(60),
+            state_dir: Some(there.join("state")),
+            memory_dir: None,
+        })
+        .expect("sender registry");
+        match peer_says {
+            "moved here" => {
+                let marks = Marks { moved: Some("receiver".into()), ..Marks::default() };
+                Ledger::open(&there.join("state")).expect("ledger").write_entry("x", "golden", None, None, marks)
+            }
+            "kept it" => sender.claim(Some("x"), "golden", None).map(drop).map_err(std::io::Error::other),
+            _ => Ok(()),
+        }
+        .expect("the sender's side");
+        let _listener = migration::listen(&peer_socket, "sender".into(), sender.clone()).expect("peer socket");
+
+        let mut exports = exports_in(&here);
+        assert_eq!(exports.registry.list()[0].state, VmState::Incoming, "{peer_says}: refused until settled");
+        exports.with_peers(Peers { name: "receiver".into(), addresses: vec![peer_socket.clone()] });
+        exports.settle_in_doubt();
+        let listed = exports.registry.list();
+        match peer_says {
+            "moved here" => {
+                assert_eq!(listed[0].state, VmState::InGrace, "{listed:?}");
+                let mut device = exports.open("golden@x", None).expect("the VM, settled here");
+                let mut back = vec![0; 4096];
+                read_whole(device.as_mut(), 0, &mut back).expect("read");
+                assert_eq!(back, vec![7; 4096], "the VM's write");
+            }
+            "kept it" => {
+                assert!(listed.is_empty(), "the copy here stayed: {listed:?}");
+                assert!(files_of("x", &[&here.join("memory"), &here.join("spill")]).is_empty());
+            }
+            _ => {
+                assert_eq!(listed[0].state, VmState::Lost, "{listed:?}");
+                assert!(listed[0].detail.contains("keeps no record"), "{listed:?}");
+                assert!(exports.open("golden@x", None).is_err(), "a VM in doubt was served");
+            }
+        }
+    }
+}
+
+#[test]
+fn stale_files_of_dead_servers_go_and_live_ones_stay() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = |name: &str| dir.path().join(name);
+    // A pid above the kernel's maximum (4194304) is never alive here; held, it is a live
+    // server's in another PID namespace.
+    let (dead, elsewhere) = (path("overspill-4294967-1.spill"), path("overspill-4294967-2.spill"));
+    let pid = std::process::id();
+    let (ours, left_by_our_program) =
+        (path(&format!("overspill-{pid}-1.spill")), path(&format!("overspill-{pid}-2.spill")));
+    let other = path("keep.img");
+    for f in [&dead, &elsewhere, &ours, &left_by_our_program, &other] {
+        std::fs::write(f, b"x").expect("write");
+    }
+    let holders: Vec<std::fs::File> = [&elsewhere, &ours]
+        .iter()
+        .map(|f| {
+            let file = std::fs::File::open(f).expect("open");
+            overspill_engine::store::hold(&file, f).expect("hold");
+            file
+        })
+        .collect();
+    remove_stale_cache_files(dir.path(), false);
+    assert!(!dead.exists());
+    assert!(elsewhere.exists() && ours.exists() && left_by_our_program.exists() && other.exists());
+    remove_stale_cache_files(dir.path(), true);
+    assert!(!left_by_our_program.exists(), "a file our pid's earlier program left");
+    assert!(elsewhere.exists() && ours.exists() && other.exists());
+    drop(holders);
+}
