@@ -3,7 +3,8 @@
 //! wears (`device`), a VM's overlay as it waits between connections (`vm_overlay`), the registry
 //! of named VMs with their reconnect grace (`vms`) and their I/O limits (`vm_limits`), the
 //! ledger that lets their state outlive the process and the naming of state files (`ledger`),
-//! the files it writes whole (`files`), the
+//! the moving of a running VM's overlay to a peer server (`migration`, over the overlay a
+//! connection shares with a move: `live`), the files it writes whole (`files`), the
 //! versioned golden-image store (`images`) and the control socket (`control`). It knows neither
 //! the command line, nor a frontend's protocol, nor how the engine caches; the `overspill`
 //! command parses flags and wires these parts together.
