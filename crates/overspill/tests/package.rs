@@ -229,10 +229,22 @@ fn the_package_installs_into_a_clean_root_and_serves() {
     let status = server.wait().expect("wait");
     assert!(status.success(), "the installed server stopped with {status}:\n{}", server_log());
 
-    // Removal keeps the conffile; a purge takes it.
+    // Enabled as operations.md says, offline (no systemd runs in the root).
+    let units = ["overspill.socket", "overspill.service", "overspill-libvirt-reboots.service"];
+    run(Command::new("systemctl").arg(format!("--root={}", root.display())).arg("enable").args(units));
+    let links = || -> Vec<PathBuf> {
+        let found =
+            run(Command::new("find").arg(root.join("etc/systemd/system")).args(["-type", "l", "-name", "overspill*"]));
+        text(&found).lines().map(PathBuf::from).collect()
+    };
+    assert!(links().len() >= units.len(), "systemctl enable made no links: {:?}", links());
+
+    // Removal keeps the conffile (and the links: a reinstall finds the units enabled); a purge
+    // takes both.
     run(&mut in_root(&root, "dpkg", &["--remove", "overspill-dbgsym", "overspill"]));
     assert!(!installed.exists());
     assert!(root.join("etc/overspill/overspill.toml").exists(), "a removal took the conffile");
     run(&mut in_root(&root, "dpkg", &["--purge", "overspill"]));
     assert!(!root.join("etc/overspill/overspill.toml").exists(), "a purge left the conffile");
+    assert_eq!(links(), Vec::<PathBuf>::new(), "a purge left the units' enable links");
 }
