@@ -139,7 +139,7 @@ struct Core {
     /// kept or removed with the rest of the VM's state (a recovery opens it).
     unused_summaries: Option<SegmentSummaries>,
     /// Blocks still to be sent while the overlay moves to another server (see `moving`).
-    moving: Option<RangeSet>,
+    moving: Option<moving::ToMove>,
 }
 
 pub struct Overlay {

@@ -56,6 +56,14 @@ impl RangeSet {
         }
     }
 
+    /// How many of `[start, end)` the set holds.
+    pub fn covered(&self, start: u64, end: u64) -> u64 {
+        if start >= end {
+            return 0;
+        }
+        self.ranges.range(..end).rev().take_while(|(_, &e)| e > start).map(|(&s, &e)| e.min(end) - s.max(start)).sum()
+    }
+
     /// The ranges, in order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.ranges.iter().map(|(&start, &end)| (start, end))
@@ -87,6 +95,10 @@ mod tests {
                 for bit in &mut model[start as usize..end as usize] { *bit = insert; }
                 for (x, &bit) in model.iter().enumerate() {
                     prop_assert_eq!(set.contains(x as u64), bit, "block {}", x);
+                }
+                for (first, end) in [(0, 96), (start, end), (start / 2, end + 7)] {
+                    let held = model[first as usize..end as usize].iter().filter(|&&bit| bit).count() as u64;
+                    prop_assert_eq!(set.covered(first, end), held, "[{}, {})", first, end);
                 }
                 // Stored ranges stay disjoint and non-adjacent.
                 let mut last_end = None;

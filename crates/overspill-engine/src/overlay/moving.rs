@@ -35,6 +35,27 @@ impl MovedRun {
     }
 }
 
+/// The blocks still to be sent, and how many they are (kept as they change: a sender asks after
+/// every message, and summing a set fragmented by random writes each time would cost more than
+/// the message).
+#[derive(Default)]
+pub(super) struct ToMove {
+    ranges: RangeSet,
+    blocks: u64,
+}
+
+impl ToMove {
+    fn insert(&mut self, first: u64, end: u64) {
+        self.blocks += end.saturating_sub(first) - self.ranges.covered(first, end);
+        self.ranges.insert(first, end);
+    }
+
+    fn remove(&mut self, first: u64, end: u64) {
+        self.blocks -= self.ranges.covered(first, end);
+        self.ranges.remove(first, end);
+    }
+}
+
 /// Ranges scanned block by block per take, at most, beyond which a range is cut: a take holds
 /// the VM's lock, and a guest that zeroed a whole large disk must not stall behind one.
 const SCAN_BLOCKS_PER_TAKE: u64 = 1 << 20;
@@ -43,7 +64,7 @@ impl Overlay {
     /// Starts a move: every block that does not read from the golden image is to be sent, and
     /// from now on each change adds the blocks it touches. Starting again starts over.
     pub fn start_moving(&mut self) {
-        let mut to_move = RangeSet::default();
+        let mut to_move = ToMove::default();
         for (first, end) in self.core.zeros.iter() {
             to_move.insert(first, end);
         }
@@ -78,7 +99,7 @@ impl Overlay {
 
     /// Blocks still to be sent (data, zeroes and golden alike); 0 when no move is under way.
     pub fn blocks_to_move(&self) -> u64 {
-        self.core.moving.as_ref().map_or(0, |set| set.iter().map(|(first, end)| end - first).sum())
+        self.core.moving.as_ref().map_or(0, |set| set.blocks)
     }
 
     /// Takes blocks still to be sent, from the lowest, as runs of what they hold now: up to
@@ -89,7 +110,9 @@ impl Overlay {
         let mut data_left = max_data_blocks.max(1);
         let mut scan_left = SCAN_BLOCKS_PER_TAKE;
         while data_left > 0 && scan_left > 0 {
-            let Some((first, end)) = self.core.moving.as_ref().and_then(|set| set.iter().next()) else { break };
+            let Some((first, end)) = self.core.moving.as_ref().and_then(|set| set.ranges.iter().next()) else {
+                break;
+            };
             let end = end.min(first + scan_left);
             let taken_end = self.classify(first, end, &mut data_left, &mut runs)?;
             scan_left = scan_left.saturating_sub(taken_end - first);
