@@ -61,7 +61,7 @@ pub enum TlsError {
     Config(String),
 }
 
-fn invalid(path: &Path, message: impl std::fmt::Display) -> TlsError {
+pub(crate) fn invalid(path: &Path, message: impl std::fmt::Display) -> TlsError {
     TlsError::Invalid { path: path.display().to_string(), message: message.to_string() }
 }
 
@@ -119,16 +119,38 @@ fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| TlsError::File { path: path.display().to_string(), source })
 }
 
+/// A certificate chain (PEM), the holder's own certificate first.
+pub(crate) fn read_chain(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let chain: Vec<CertificateDer<'static>> =
+        CertificateDer::pem_slice_iter(&read_pem(path)?).collect::<Result<_, _>>().map_err(|e| invalid(path, e))?;
+    if chain.is_empty() {
+        return Err(invalid(path, "no certificate in the file"));
+    }
+    Ok(chain)
+}
+
+pub(crate) fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(&read_pem(path)?).map_err(|e| invalid(path, e))
+}
+
+/// The CA certificates (PEM) a peer's certificate must chain to.
+pub(crate) fn read_roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for der in CertificateDer::pem_slice_iter(&read_pem(path)?) {
+        roots.add(der.map_err(|e| invalid(path, e))?).map_err(|e| invalid(path, e))?;
+    }
+    if roots.is_empty() {
+        return Err(invalid(path, "no CA certificate in the file"));
+    }
+    Ok(roots)
+}
+
 impl ServerTls {
     /// x509: the server's certificate chain and private key (PEM); with `client_ca`, every client
     /// must present a certificate that CA signed.
     pub fn x509(mode: TlsMode, cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Self, TlsError> {
-        let chain: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_slice_iter(&read_pem(cert)?).collect::<Result<_, _>>().map_err(|e| invalid(cert, e))?;
-        if chain.is_empty() {
-            return Err(invalid(cert, "no certificate in the file"));
-        }
-        let key_der = PrivateKeyDer::from_pem_slice(&read_pem(key)?).map_err(|e| invalid(key, e))?;
+        let chain = read_chain(cert)?;
+        let key_der = read_key(key)?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
@@ -136,14 +158,7 @@ impl ServerTls {
         let builder = match client_ca {
             None => builder.with_no_client_auth(),
             Some(ca) => {
-                let mut roots = RootCertStore::empty();
-                for der in CertificateDer::pem_slice_iter(&read_pem(ca)?) {
-                    roots.add(der.map_err(|e| invalid(ca, e))?).map_err(|e| invalid(ca, e))?;
-                }
-                if roots.is_empty() {
-                    return Err(invalid(ca, "no CA certificate in the file"));
-                }
-                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(read_roots(ca)?), provider)
                     .build()
                     .map_err(|e| TlsError::Config(e.to_string()))?;
                 builder.with_client_cert_verifier(verifier)
@@ -211,7 +226,7 @@ impl ServerTls {
     }
 }
 
-fn common_name(der: &CertificateDer<'_>) -> Option<String> {
+pub(crate) fn common_name(der: &CertificateDer<'_>) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
     let name = cert.subject().iter_common_name().next()?.as_str().ok()?.to_owned();
     Some(name)

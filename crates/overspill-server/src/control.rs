@@ -254,8 +254,8 @@ impl Targets {
         match peers.locate(vm, self.registry.holding(vm) == crate::vms::Holding::Live) {
             Located::Live(address) => Answer {
                 ok: true,
-                message: Some(format!("{vm} runs at peer {}", address.display())),
-                peer: Some(address.display().to_string()),
+                message: Some(format!("{vm} runs at peer {address}")),
+                peer: Some(address.to_string()),
                 ..Answer::default()
             },
             Located::Nowhere => Answer { ok: true, message: Some(format!("no peer holds {vm}")), ..Answer::default() },

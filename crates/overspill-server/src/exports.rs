@@ -33,6 +33,7 @@ use crate::vm_overlay::VmOverlay;
 use crate::vms::{anonymous_label, shown_image, Claim, Lifecycle, VmRegistry};
 use crate::{check_name, ServerError};
 use overspill_block::Recorder;
+use overspill_net::ListenAddr;
 
 /// Where and how every VM's write cache is kept.
 /// Spill segments written in the background at once by default, host-wide.
@@ -167,7 +168,7 @@ impl OverlayExports {
     /// [`Self::with_lifecycle`] and [`Self::with_peers`], before serving.
     pub fn settle_in_doubt(&self) {
         for (vm, peer) in self.registry.in_doubt() {
-            let outcome = migration::settle_in_doubt(self.peers.as_ref(), Path::new(&peer), &vm);
+            let outcome = migration::settle_in_doubt(self.peers.as_ref(), &migration::recorded_address(&peer), &vm);
             self.registry.settle_in_doubt(&vm, outcome);
         }
     }
@@ -520,10 +521,10 @@ impl OverlayExports {
         vm: &str,
         identity: Option<&str>,
         peers: &Peers,
-        address: &Path,
+        address: &ListenAddr,
     ) -> Result<Box<dyn BlockDevice>, DeviceError> {
         let refused = |why: String| {
-            tracing::warn!(vm, peer = %address.display(), "VM refused: {why}");
+            tracing::warn!(vm, peer = %address, "VM refused: {why}");
             DeviceError::new(DeviceErrorKind::Refused, why)
         };
         let image_name = Self::image_name(name);
@@ -546,13 +547,10 @@ impl OverlayExports {
             Ok(found) => found,
             Err(why) => {
                 link.refuse(&why);
-                return Err(refused(format!(
-                    "VM {vm} runs on peer {}, and cannot move here: {why}",
-                    address.display()
-                )));
+                return Err(refused(format!("VM {vm} runs on peer {address}, and cannot move here: {why}")));
             }
         };
-        let peer = address.display().to_string();
+        let peer = address.to_string();
         let (number, progress, reset) = match self.registry.claim_incoming(vm, image_name, &offer, &peer, identity) {
             Ok(claimed) => claimed,
             Err(error) => {
@@ -577,7 +575,7 @@ impl OverlayExports {
             progress,
             registry: self.registry.clone(),
             peers: peers.clone(),
-            peer: address.to_owned(),
+            peer: address.clone(),
             vm: vm.to_owned(),
             image: image_name.to_owned(),
             offer,

@@ -225,11 +225,12 @@ fn a_vm_left_in_doubt_is_settled_by_asking_the_peer_it_was_moving_from() {
             _ => Ok(()),
         }
         .expect("the sender's side");
-        let _listener = migration::listen(&peer_socket, "sender".into(), sender.clone()).expect("peer socket");
+        let address = overspill_net::ListenAddr::Unix(peer_socket.clone());
+        let _listener = migration::listen(&address, "sender".into(), None, sender.clone()).expect("peer socket");
 
         let mut exports = exports_in(&here);
         assert_eq!(exports.registry.list()[0].state, VmState::Incoming, "{peer_says}: refused until settled");
-        exports.with_peers(Peers { name: "receiver".into(), addresses: vec![peer_socket.clone()] });
+        exports.with_peers(Peers { name: "receiver".into(), addresses: vec![address], tls: None });
         exports.settle_in_doubt();
         let listed = exports.registry.list();
         match peer_says {

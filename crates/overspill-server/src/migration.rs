@@ -23,20 +23,23 @@
 //! given up before `Ready` (the receiver's connection ended, the link dropped, a peer died)
 //! leaves the VM where it was; one given up after it leaves the receiver not knowing, and it
 //! asks the sender; a sender that cannot be asked makes the name lost here (refused until
-//! `vm reset`), never golden data. The peer link is a Unix socket: between hosts it is to be
-//! TLS with mutual authentication, which this module does not do yet.
+//! `vm reset`), never golden data. The peer link is a Unix socket on one host and TLS over TCP
+//! between hosts, where each end proves itself with a certificate of the fleet's CA and is
+//! known by its common name (`overspill_net::peer_tls`).
 //!
 //! Messages are a JSON header and a binary payload (the data of the runs), each with its length.
 
 use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use overspill_engine::{MovedRun, BLOCK_BYTES};
+use overspill_net::{ListenAddr, PeerTls};
 use serde::{Deserialize, Serialize};
 
 use crate::live::{Gate, Live};
@@ -137,9 +140,12 @@ type Replies = Receiver<io::Result<(Message, Vec<u8>)>>;
 /// This server's peers: the servers it may take VMs from, and its own name among them.
 #[derive(Debug, Clone)]
 pub struct Peers {
-    /// How this server is named to its peers (its peer socket's path).
+    /// How this server is named to its peers: its certificate's common name with TLS, else its
+    /// peer socket's absolute path.
     pub name: String,
-    pub addresses: Vec<PathBuf>,
+    pub addresses: Vec<ListenAddr>,
+    /// This server's credentials, for `tcp:` peers (which are refused without).
+    pub tls: Option<Arc<PeerTls>>,
 }
 
 /// Where a VM that connects here is, as its peers say.
@@ -147,7 +153,7 @@ pub enum Located {
     /// No peer holds it.
     Nowhere,
     /// This peer holds it live: it is to be taken from there.
-    Live(PathBuf),
+    Live(ListenAddr),
     /// A peer refuses it, or cannot be asked: so is it here.
     Refused(String),
 }
@@ -155,13 +161,20 @@ pub enum Located {
 impl Peers {
     /// Asks every peer whether it holds VM `vm`; `held_here`: this server holds it (in grace).
     pub fn locate(&self, vm: &str, held_here: bool) -> Located {
+        // The peers' names as they said hello, and a move to a server not (yet) among them.
+        let mut names = Vec::new();
+        let mut moved_elsewhere = None;
         for address in &self.addresses {
-            match query(address, &self.name, vm) {
+            let answer = query(address, self, vm).map(|(name, holding)| {
+                names.push(name);
+                holding
+            });
+            match answer {
                 Ok(Holding::Live) => return Located::Live(address.clone()),
                 Ok(Holding::Moving) => {
                     return Located::Refused(format!(
                         "VM {vm} is moving from peer {} to another server; try again",
-                        address.display()
+                        address
                     ))
                 }
                 // Handed here, and this server has nothing of it (it was lost with a crash):
@@ -169,56 +182,56 @@ impl Peers {
                 Ok(Holding::Moved { to }) if to == self.name && !held_here => {
                     return Located::Refused(format!(
                         "VM {vm} was moved here from peer {}, and this server holds nothing of it",
-                        address.display()
+                        address
                     ))
                 }
                 // Handed here, and here it is.
                 Ok(Holding::Moved { to }) if to == self.name => {}
-                // Somewhere no peer of this server is: it cannot be asked for.
-                Ok(Holding::Moved { to }) if !self.is_peer(&to) => {
-                    return Located::Refused(format!(
-                        "VM {vm} was moved from peer {} to {to}, which is not a peer of this server",
-                        address.display()
-                    ))
+                // Asked for at that server, if it is a peer of this one (below).
+                Ok(Holding::Moved { to }) => {
+                    moved_elsewhere.get_or_insert((address, to));
                 }
                 Ok(Holding::Lost { why }) => {
                     return Located::Refused(format!(
                         "peer {} lost VM {vm}'s writes ({why}); run `overspill vm reset {vm}` there",
-                        address.display()
+                        address
                     ))
                 }
-                // A peer of this server's: asked in its turn.
-                Ok(Holding::Nothing | Holding::Moved { .. }) => {}
+                Ok(Holding::Nothing) => {}
                 Err(error) => {
                     return Located::Refused(format!(
                         "peer {} cannot be asked whether VM {vm} runs there ({error}); if that server is gone \
                          for good, take it out of --peer",
-                        address.display()
+                        address
                     ))
                 }
             }
         }
-        Located::Nowhere
+        match moved_elsewhere {
+            // Somewhere no peer of this server is: it cannot be asked for.
+            Some((address, to)) if !names.contains(&to) => Located::Refused(format!(
+                "VM {vm} was moved from peer {address} to {to}, which is not a peer of this server"
+            )),
+            _ => Located::Nowhere,
+        }
     }
+}
 
-    /// Whether `name` (as a server names itself: its peer socket's absolute path) is one of
-    /// this server's peers.
-    fn is_peer(&self, name: &str) -> bool {
-        self.addresses
-            .iter()
-            .any(|address| std::path::absolute(address).unwrap_or_else(|_| address.clone()) == Path::new(name))
-    }
+/// How a server records a peer's address (in its ledger): as `unix:PATH` or `tcp:HOST:PORT`, or,
+/// before tcp: peers, as a bare socket path.
+pub(crate) fn recorded_address(recorded: &str) -> ListenAddr {
+    recorded.parse().unwrap_or_else(|_| ListenAddr::Unix(recorded.into()))
 }
 
 /// Whose copy of VM `vm` is the VM's, for a server that recovered it in doubt from `address`:
 /// `Ok(true)` this server's (the peer's ledger says moved here), `Ok(false)` the peer's (it holds
 /// it live, or moved it elsewhere since), `Err` why nobody can tell.
-pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &Path, vm: &str) -> Result<bool, String> {
-    let shown = address.display();
+pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &ListenAddr, vm: &str) -> Result<bool, String> {
+    let shown = address;
     let Some(peers) = peers else {
         return Err(format!("this server has no peers to ask peer {shown} with"));
     };
-    match query(address, &peers.name, vm) {
+    match query(address, peers, vm).map(|(_, holding)| holding) {
         Ok(Holding::Moved { to }) => Ok(to == peers.name),
         Ok(Holding::Live | Holding::Moving) => Ok(false),
         Ok(Holding::Nothing) => Err(format!("peer {shown} keeps no record of it")),
@@ -227,43 +240,87 @@ pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &Path, vm: &str) -
     }
 }
 
-/// Asks the peer at `address` what it holds of VM `vm`.
-fn query(address: &Path, our_name: &str, vm: &str) -> io::Result<Holding> {
-    let mut link = Link::connect(address, our_name)?;
+/// Asks the peer at `address` what it holds of VM `vm`: its name, and that.
+fn query(address: &ListenAddr, peers: &Peers, vm: &str) -> io::Result<(String, Holding)> {
+    let mut link = Link::connect(address, peers)?;
     link.send(&Message::Query { vm: vm.to_owned() }, &[])?;
     match link.receive()?.0 {
-        Message::Holds { holding } => Ok(holding),
+        Message::Holds { holding } => Ok((std::mem::take(&mut link.peer), holding)),
         other => Err(unexpected(&other)),
+    }
+}
+
+/// A stream to the peer at `address`, and the name its certificate proves (over TCP).
+fn open(address: &ListenAddr, tls: Option<&PeerTls>) -> io::Result<(UnixStream, Option<String>)> {
+    let host_port = match address {
+        ListenAddr::Unix(path) => return Ok((UnixStream::connect(path)?, None)),
+        ListenAddr::Tcp(host_port) => host_port,
+    };
+    let tls = tls.ok_or_else(|| io::Error::other("a tcp: peer needs this server's TLS credentials"))?;
+    let host = host_port.rsplit_once(':').map_or(host_port.as_str(), |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let mut last_error = io::Error::new(io::ErrorKind::NotFound, format!("{host_port}: no address"));
+    for socket in host_port.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&socket, ANSWER_TIMEOUT) {
+            Ok(tcp) => {
+                tcp.set_read_timeout(Some(ANSWER_TIMEOUT))?;
+                tcp.set_write_timeout(Some(ANSWER_TIMEOUT))?;
+                let peer = tls.connect(tcp, host)?;
+                return Ok((peer.stream, Some(peer.identity)));
+            }
+            Err(error) => last_error = error,
+        }
+    }
+    Err(last_error)
+}
+
+/// Refuses a peer whose hello names another server than its certificate does.
+fn check_name(said: &str, proven: Option<&str>) -> io::Result<()> {
+    match proven {
+        Some(proven) if proven != said => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("a peer says it is {said:?}, and its certificate says {proven:?}"),
+        )),
+        _ => Ok(()),
     }
 }
 
 /// One end of a link to a peer.
 struct Link {
     stream: UnixStream,
+    /// The peer's name as it said hello (its certificate's common name over TCP).
     peer: String,
 }
 
 impl Link {
-    fn connect(address: &Path, our_name: &str) -> io::Result<Self> {
-        let stream = UnixStream::connect(address)?;
+    fn connect(address: &ListenAddr, peers: &Peers) -> io::Result<Self> {
+        let (stream, proven) = open(address, peers.tls.as_deref())?;
         stream.set_read_timeout(Some(ANSWER_TIMEOUT))?;
         stream.set_write_timeout(Some(SWITCH_TIMEOUT))?;
-        let mut link = Self { stream, peer: address.display().to_string() };
-        link.send(&Message::Hello { server: our_name.to_owned(), protocol: PROTOCOL }, &[])?;
+        let mut link = Self { stream, peer: address.to_string() };
+        link.send(&Message::Hello { server: peers.name.clone(), protocol: PROTOCOL }, &[])?;
         match link.receive()?.0 {
-            Message::Hello { protocol: PROTOCOL, .. } => Ok(link),
+            Message::Hello { server, protocol: PROTOCOL } => {
+                check_name(&server, proven.as_deref())?;
+                link.peer = server;
+                Ok(link)
+            }
             Message::Hello { protocol, .. } => Err(io::Error::other(format!("the peer speaks protocol {protocol}"))),
             other => Err(unexpected(&other)),
         }
     }
 
-    /// The accepting end: says hello back to a peer that said hello.
-    fn accept(stream: UnixStream, our_name: &str) -> io::Result<Self> {
+    /// The accepting end: says hello back to a peer that said hello (as the server its
+    /// certificate proves it is, over TCP).
+    fn accept(stream: UnixStream, our_name: &str, proven: Option<&str>) -> io::Result<Self> {
         stream.set_read_timeout(Some(ANSWER_TIMEOUT))?;
         stream.set_write_timeout(Some(SWITCH_TIMEOUT))?;
         let mut link = Self { stream, peer: String::new() };
         match link.receive()?.0 {
-            Message::Hello { server, protocol: PROTOCOL } => link.peer = server,
+            Message::Hello { server, protocol: PROTOCOL } => {
+                check_name(&server, proven)?;
+                link.peer = server;
+            }
             Message::Hello { protocol, .. } => {
                 return Err(io::Error::other(format!("a peer speaks protocol {protocol}")))
             }
@@ -381,43 +438,95 @@ fn decode_runs(headers: Vec<RunHeader>, payload: &[u8]) -> io::Result<Vec<MovedR
     Ok(runs)
 }
 
-/// Listens for peers on a Unix socket, made mode 0600 (a peer can take any VM).
+/// Listens for peers: on a Unix socket, made mode 0600 (a peer can take any VM), or on TCP,
+/// where only a peer with a certificate of the CA gets past the TLS handshake.
 pub struct PeerListener {
-    path: PathBuf,
+    /// The socket file this server made.
+    path: Option<PathBuf>,
 }
 
 impl Drop for PeerListener {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Some(path) = &self.path {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
-/// Answers peers at `path`: their questions, and their requests for VMs.
-pub fn listen(path: &Path, name: String, registry: Arc<VmRegistry>) -> io::Result<PeerListener> {
-    if path.exists() && UnixStream::connect(path).is_err() {
-        std::fs::remove_file(path)?;
-    }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-    std::thread::Builder::new().name("peer-listener".into()).spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { continue };
-            let (registry, name) = (registry.clone(), name.clone());
-            let spawned = std::thread::Builder::new().name("peer".into()).spawn(move || {
-                if let Err(error) = serve_peer(stream, &name, &registry) {
-                    tracing::debug!(%error, "peer connection ended");
-                }
-            });
-            if let Err(error) = spawned {
-                tracing::warn!(%error, "could not serve a peer");
+/// Answers peers at `address`: their questions, and their requests for VMs. A `tcp:` address
+/// needs `tls`.
+pub fn listen(
+    address: &ListenAddr,
+    name: String,
+    tls: Option<Arc<PeerTls>>,
+    registry: Arc<VmRegistry>,
+) -> io::Result<PeerListener> {
+    let serve = move |stream: UnixStream, proven: Option<String>| {
+        if let Err(error) = serve_peer(stream, &name, proven.as_deref(), &registry) {
+            tracing::debug!(%error, "peer connection ended");
+        }
+    };
+    match address {
+        ListenAddr::Unix(path) => {
+            if path.exists() && UnixStream::connect(path).is_err() {
+                std::fs::remove_file(path)?;
             }
+            let listener = UnixListener::bind(path)?;
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+            accept_loop(
+                move || listener.accept().map(|(stream, _)| stream),
+                move |stream| {
+                    serve(stream, None);
+                },
+            )?;
+            Ok(PeerListener { path: Some(path.clone()) })
+        }
+        ListenAddr::Tcp(host_port) => {
+            let tls = tls.ok_or_else(|| io::Error::other("a tcp: peer socket needs TLS credentials"))?;
+            let listener = TcpListener::bind(host_port.as_str())?;
+            accept_loop(
+                move || listener.accept().map(|(tcp, _)| tcp),
+                move |tcp: TcpStream| {
+                    let authenticated = tcp
+                        .set_read_timeout(Some(ANSWER_TIMEOUT))
+                        .and_then(|()| tcp.set_write_timeout(Some(ANSWER_TIMEOUT)))
+                        .and_then(|()| tls.accept(tcp));
+                    match authenticated {
+                        Ok(peer) => serve(peer.stream, Some(peer.identity)),
+                        Err(error) => tracing::warn!(%error, "a peer connection was refused"),
+                    }
+                },
+            )?;
+            Ok(PeerListener { path: None })
+        }
+    }
+}
+
+/// Serves each connection `incoming` accepts in a thread of its own.
+fn accept_loop<S: Send + 'static>(
+    mut accept: impl FnMut() -> io::Result<S> + Send + 'static,
+    serve: impl Fn(S) + Clone + Send + 'static,
+) -> io::Result<()> {
+    std::thread::Builder::new().name("peer-listener".into()).spawn(move || loop {
+        let stream = match accept() {
+            Ok(stream) => stream,
+            Err(error) => {
+                // Out of descriptors, say: not a reason to spin.
+                tracing::warn!(%error, "could not accept a peer");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let serve = serve.clone();
+        if let Err(error) = std::thread::Builder::new().name("peer".into()).spawn(move || serve(stream)) {
+            tracing::warn!(%error, "could not serve a peer");
         }
     })?;
-    Ok(PeerListener { path: path.to_owned() })
+    Ok(())
 }
 
-fn serve_peer(stream: UnixStream, name: &str, registry: &Arc<VmRegistry>) -> io::Result<()> {
-    let mut link = Link::accept(stream, name)?;
+fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &Arc<VmRegistry>) -> io::Result<()> {
+    let mut link = Link::accept(stream, name, proven)?;
     loop {
         match link.receive()?.0 {
             Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
@@ -613,7 +722,7 @@ pub(crate) struct Incoming {
     pub(crate) progress: Arc<MoveProgress>,
     pub(crate) registry: Arc<VmRegistry>,
     pub(crate) peers: Peers,
-    pub(crate) peer: PathBuf,
+    pub(crate) peer: ListenAddr,
     pub(crate) vm: String,
     /// The image name the VM's connection asked for, and the offer first taken: a move tried
     /// again must be of the same image version and disk.
@@ -623,9 +732,9 @@ pub(crate) struct Incoming {
 
 /// Asks peer `address` to send VM `vm` (over image `image`): its offer, and the link to take
 /// it on.
-pub(crate) fn ask_for(peers: &Peers, address: &Path, vm: &str, image: &str) -> Result<(Offer, PeerLink), String> {
-    let shown = address.display();
-    let mut link = Link::connect(address, &peers.name).map_err(|e| format!("peer {shown}: {e}"))?;
+pub(crate) fn ask_for(peers: &Peers, address: &ListenAddr, vm: &str, image: &str) -> Result<(Offer, PeerLink), String> {
+    let shown = address;
+    let mut link = Link::connect(address, peers).map_err(|e| format!("peer {shown}: {e}"))?;
     link.send(&Message::Take { vm: vm.to_owned(), image: image.to_owned() }, &[])
         .map_err(|e| format!("peer {shown}: {e}"))?;
     match link.receive().map_err(|e| format!("peer {shown}: {e}"))?.0 {
@@ -637,15 +746,15 @@ pub(crate) fn ask_for(peers: &Peers, address: &Path, vm: &str, image: &str) -> R
 
 /// Reads of a VM moving here, at the peer that sends it, until the switchover.
 pub(crate) struct ReadAtSender {
-    name: String,
-    address: PathBuf,
+    peers: Peers,
+    address: ListenAddr,
     vm: String,
     link: std::sync::Mutex<Option<Link>>,
 }
 
 impl ReadAtSender {
-    pub(crate) fn new(peers: &Peers, address: &Path, vm: &str) -> Self {
-        Self { name: peers.name.clone(), address: address.to_owned(), vm: vm.to_owned(), link: Default::default() }
+    pub(crate) fn new(peers: &Peers, address: &ListenAddr, vm: &str) -> Self {
+        Self { peers: peers.clone(), address: address.clone(), vm: vm.to_owned(), link: Default::default() }
     }
 }
 
@@ -662,7 +771,7 @@ impl ReadAtSender {
     fn read_there(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
         let mut link = self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if link.is_none() {
-            let connected = Link::connect(&self.address, &self.name).map_err(|e| e.to_string())?;
+            let connected = Link::connect(&self.address, &self.peers).map_err(|e| e.to_string())?;
             // The sender's fence may hold a read for its whole switchover.
             connected.stream.set_read_timeout(Some(SWITCH_TIMEOUT + ANSWER_TIMEOUT)).map_err(|e| e.to_string())?;
             *link = Some(connected);
@@ -672,15 +781,13 @@ impl ReadAtSender {
         let answer = connected
             .send(&Message::Read { vm: self.vm.clone(), offset, length }, &[])
             .and_then(|()| connected.receive());
-        match answer.map_err(|e| format!("reading at peer {}: {e}", self.address.display()))? {
+        match answer.map_err(|e| format!("reading at peer {}: {e}", self.address))? {
             (Message::Data, payload) if payload.len() == buf.len() => {
                 buf.copy_from_slice(&payload);
                 Ok(true)
             }
             (Message::NotHere, _) => Ok(false),
-            (Message::ReadFailed { why }, _) => {
-                Err(format!("the read failed at peer {}: {why}", self.address.display()))
-            }
+            (Message::ReadFailed { why }, _) => Err(format!("the read failed at peer {}: {why}", self.address)),
             (other, _) => Err(unexpected(&other).to_string()),
         }
     }
@@ -719,7 +826,7 @@ impl Incoming {
             }
             let _ = link.send(&Message::Abort { why: why.clone() }, &[]);
             let until = *retrying_until.get_or_insert_with(|| Instant::now() + RETRY_FOR);
-            tracing::warn!(vm = self.vm, peer = %self.peer.display(), why, "VM move from a peer failed before the switchover: trying it again");
+            tracing::warn!(vm = self.vm, peer = %self.peer, why, "VM move from a peer failed before the switchover: trying it again");
             match self.again(until) {
                 Some((next_link, next_replies)) => (link, replies) = (next_link, next_replies),
                 None => return self.settle(outcome, &mut link),
@@ -748,7 +855,7 @@ impl Incoming {
             let mut link = link.0;
             link.send(&Message::Accept, &[]).ok()?;
             let replies = link.spawn_reader().ok()?;
-            tracing::info!(vm = self.vm, peer = %self.peer.display(), "VM move from a peer begins again");
+            tracing::info!(vm = self.vm, peer = %self.peer, "VM move from a peer begins again");
             return Some((link, replies));
         }
         None
@@ -825,10 +932,10 @@ impl Incoming {
 
     /// The link failed after `Ready`: the sender may have committed or not. Asks it, for a while.
     fn in_doubt(&self, why: String, started: Instant) -> Outcome {
-        tracing::warn!(vm = self.vm, peer = %self.peer.display(), why, "VM move in doubt: asking the peer how it ended");
+        tracing::warn!(vm = self.vm, peer = %self.peer, why, "VM move in doubt: asking the peer how it ended");
         let until = Instant::now() + IN_DOUBT_ASKING;
         while Instant::now() < until {
-            match query(&self.peer, &self.peers.name, &self.vm) {
+            match query(&self.peer, &self.peers, &self.vm).map(|(_, holding)| holding) {
                 // Its ledger says moved (to this server, as it was told it): this copy is the VM's.
                 Ok(Holding::Moved { .. }) => return Outcome::Moved(started),
                 Ok(Holding::Live) => return Outcome::Failed("the peer kept the VM".into()),
@@ -856,7 +963,7 @@ impl Incoming {
                 self.registry.move_counters().switchover(started.elapsed());
                 tracing::info!(
                     vm = self.vm,
-                    peer = %self.peer.display(),
+                    peer = %self.peer,
                     switchover_ms = started.elapsed().as_secs_f64() * 1000.0,
                     "VM moved here from its peer: served from now on"
                 );
@@ -872,9 +979,9 @@ impl Incoming {
                 }
             }
             Outcome::Failed(why) => {
-                tracing::warn!(vm = self.vm, peer = %self.peer.display(), why, "VM move from a peer failed: its copy here is dropped");
+                tracing::warn!(vm = self.vm, peer = %self.peer, why, "VM move from a peer failed: its copy here is dropped");
                 let _ = link.send(&Message::Abort { why: why.clone() }, &[]);
-                self.live.set_gate(Gate::Failed(format!("its move from peer {} failed: {why}", self.peer.display())));
+                self.live.set_gate(Gate::Failed(format!("its move from peer {} failed: {why}", self.peer)));
                 let vm = self.live.vm().take();
                 self.registry.incoming_failed(self.number, vm, None);
             }
@@ -882,7 +989,7 @@ impl Incoming {
                 let why = format!(
                     "its move from peer {} was interrupted at the switchover ({why}) and the peer cannot be asked \
                      how it ended",
-                    self.peer.display()
+                    self.peer
                 );
                 self.live.set_gate(Gate::Failed(why.clone()));
                 let vm = self.live.vm().take();

@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use overspill_block::ExportAccess;
 use overspill_nbd::Security;
-use overspill_net::{ServerTls, TlsMode};
+use overspill_net::{PeerTls, ServerTls, TlsMode};
 
 #[derive(Debug, Args)]
 pub struct SecurityArgs {
@@ -41,6 +41,12 @@ pub struct SecurityArgs {
     /// for more identities; `*` matches any identity or any image).
     #[arg(long = "allow", value_name = "IDENTITY=IMAGES")]
     allow: Vec<String>,
+    /// The CA that signed every peer server's certificate (PEM), for tcp: peers (--peer,
+    /// --peer-listen): each end of a peer link presents --tls-cert and checks the other's
+    /// against this CA, and a server is known to its peers by its certificate's common name.
+    /// Default: --tls-client-ca.
+    #[arg(long, value_name = "PEM")]
+    peer_ca: Option<PathBuf>,
 }
 
 impl SecurityArgs {
@@ -58,6 +64,19 @@ impl SecurityArgs {
             tracing::warn!("--allow without TLS: clients have no identity, so only `*=` rules can apply");
         }
         Ok(Security { tls: tls.map(Arc::new), access: access.map(|list| Arc::new(list) as Arc<dyn ExportAccess>) })
+    }
+
+    /// The credentials of the peer link between hosts, if the flags give them (whatever --tls
+    /// says of NBD clients).
+    pub fn peer_tls(&self) -> anyhow::Result<Option<PeerTls>> {
+        let ca = self.peer_ca.as_ref().or(self.tls_client_ca.as_ref());
+        match (&self.tls_cert, &self.tls_key, ca) {
+            (Some(cert), Some(key), Some(ca)) => Ok(Some(PeerTls::new(cert, key, ca)?)),
+            (None, _, Some(_)) if self.peer_ca.is_some() => {
+                bail!("--peer-ca needs this server's certificate: --tls-cert and --tls-key")
+            }
+            _ => Ok(None),
+        }
     }
 }
 

@@ -194,15 +194,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE[:BURST]", value_parser = crate::size::parse_bytes_rate)]
     limit_bandwidth: Option<overspill_block::Rate>,
     /// This server's socket for its peers (live migration; see --peer): unix:PATH, made mode
-    /// 0600. A peer that connects may take any VM this server holds.
-    #[arg(long, value_name = "unix:PATH")]
+    /// 0600, or tcp:HOST:PORT, over TLS where both ends prove themselves with a certificate of
+    /// the peer CA (--tls-cert, --tls-key, --peer-ca). A peer that connects may take any VM this
+    /// server holds.
+    #[arg(long, value_name = "ADDRESS")]
     peer_listen: Option<ListenAddr>,
     /// Another overspill server's peer socket (its --peer-listen): a named VM that connects here
     /// while that server holds it live is moved here, its writes with it (live migration);
     /// repeatable. While a peer cannot be asked, VMs this server does not hold are refused
-    /// (one of them may be running there). Only unix: peers for now (one host): between hosts
-    /// the link is to be TLS with mutual authentication.
-    #[arg(long = "peer", value_name = "unix:PATH")]
+    /// (one of them may be running there). A tcp:HOST:PORT peer's certificate must name HOST
+    /// and chain to the peer CA.
+    #[arg(long = "peer", value_name = "ADDRESS")]
     peers: Vec<ListenAddr>,
     #[command(flatten)]
     security: SecurityArgs,
@@ -355,32 +357,39 @@ fn serve_peers(
     registry: &Arc<VmRegistry>,
     control: &control::Control,
 ) -> anyhow::Result<Option<overspill_server::migration::PeerListener>> {
-    let unix_path = |flag: &str, addr: &ListenAddr| match addr {
-        ListenAddr::Unix(path) => Ok(path.clone()),
-        other => bail!(
-            "{flag} {other}: only unix: peers for now; between hosts the peer link is to be TLS with mutual \
-             authentication, which it does not do yet"
-        ),
+    let tcp = args.peer_listen.iter().chain(&args.peers).find(|addr| matches!(addr, ListenAddr::Tcp(_)));
+    let tls = match tcp {
+        Some(addr) => Some(Arc::new(args.security.peer_tls().context("peer TLS")?.with_context(|| {
+            format!(
+                "{addr}: a peer link over TCP is TLS with a certificate at each end: give --tls-cert, --tls-key \
+                 and --peer-ca (or --tls-client-ca), the CA that signed every peer's certificate \
+                 (pre-shared keys are for NBD clients only)"
+            )
+        })?)),
+        None => None,
     };
-    let own = args.peer_listen.as_ref().map(|addr| unix_path("--peer-listen", addr)).transpose()?;
-    let name = match &own {
-        Some(path) => std::path::absolute(path).unwrap_or_else(|_| path.clone()).display().to_string(),
-        None => {
+    // With TLS the name is proven by the certificate; else it is the peer socket's path.
+    let name = match (&tls, &args.peer_listen) {
+        (Some(tls), _) => tls.name().to_owned(),
+        (None, Some(ListenAddr::Unix(path))) => {
+            std::path::absolute(path).unwrap_or_else(|_| path.clone()).display().to_string()
+        }
+        (None, _) => {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             format!("{}:{}", host.trim(), std::process::id())
         }
     };
-    let addresses = args.peers.iter().map(|addr| unix_path("--peer", addr)).collect::<anyhow::Result<Vec<_>>>()?;
-    if !addresses.is_empty() {
-        tracing::info!(peers = addresses.len(), "named VMs that connect are asked for at the peers first");
-        let peers = overspill_server::migration::Peers { name: name.clone(), addresses };
+    if !args.peers.is_empty() {
+        tracing::info!(peers = args.peers.len(), name, "named VMs that connect are asked for at the peers first");
+        let peers =
+            overspill_server::migration::Peers { name: name.clone(), addresses: args.peers.clone(), tls: tls.clone() };
         control.serve_peers(peers.clone());
         exports.with_peers(peers);
     }
-    let Some(path) = own else { return Ok(None) };
-    let listener = overspill_server::migration::listen(&path, name, registry.clone())
-        .with_context(|| format!("--peer-listen {}", path.display()))?;
-    tracing::info!(peer_listen = %path.display(), "peer socket up");
+    let Some(address) = &args.peer_listen else { return Ok(None) };
+    let listener = overspill_server::migration::listen(address, name, tls, registry.clone())
+        .with_context(|| format!("--peer-listen {address}"))?;
+    tracing::info!(peer_listen = %address, "peer socket up");
     Ok(Some(listener))
 }
 
