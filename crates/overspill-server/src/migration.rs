@@ -60,6 +60,8 @@ const POLL: Duration = Duration::from_millis(5);
 /// How long a receiver whose move failed before the switchover (the link dropped, the sender
 /// died and restarts) tries it again from scratch, while its connection lives.
 const RETRY_FOR: Duration = Duration::from_secs(30);
+/// How long a receiver's read before the switchover tries to reach the sender again.
+const READ_RETRY_FOR: Duration = Duration::from_secs(5);
 /// How long a receiver in doubt keeps asking the sender how the move ended.
 const IN_DOUBT_ASKING: Duration = Duration::from_secs(20);
 
@@ -392,6 +394,19 @@ fn receive_from(stream: &mut UnixStream) -> io::Result<(Message, Vec<u8>)> {
     Ok((message, payload))
 }
 
+/// A test's hold on a handover: with `OVERSPILL_TEST_MOVE_PAUSE=STEP` in its environment, a
+/// server stops for 3 s at STEP and says so in its log, so that a test can SIGKILL it at that
+/// very moment. Steps: `final` (the sender has sent the last changes and `Final`), `committed`
+/// (the sender's ledger says moved; the receiver is not told yet), `ready` (the receiver's
+/// ledger says in doubt; the sender is not told yet).
+fn test_pause(step: &str) {
+    static PAUSE_AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    if PAUSE_AT.get_or_init(|| std::env::var("OVERSPILL_TEST_MOVE_PAUSE").ok()).as_deref() == Some(step) {
+        tracing::warn!(step, "move paused for a test (OVERSPILL_TEST_MOVE_PAUSE)");
+        std::thread::sleep(Duration::from_secs(3));
+    }
+}
+
 fn unexpected(message: &Message) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, format!("unexpected peer message {message:?}"))
 }
@@ -623,6 +638,7 @@ fn send_vm_to(
     }
     let written = registry.has_written(out.number);
     link.send(&Message::Final { source_ended, written }, &[]).map_err(|e| failed("sending the switchover", e))?;
+    test_pause("final");
     match replies.recv_timeout(SWITCH_TIMEOUT) {
         Ok(Ok((Message::Ready, _))) => {}
         Ok(Ok((Message::Decline, _))) => return Err("the peer has no guest for it any more".into()),
@@ -633,6 +649,7 @@ fn send_vm_to(
     }
     // The commit point: the ledger says the VM is the peer's before the peer serves it.
     registry.outgoing_committed(out, &link.peer).map_err(|e| failed("recording the move in the ledger", e))?;
+    test_pause("committed");
     if let Err(error) = link.send(&Message::Committed, &[]) {
         // The peer asks, and the ledger answers: moved.
         tracing::warn!(vm = out.vm, %error, "could not tell the peer the move is done; it will ask");
@@ -759,37 +776,49 @@ impl ReadAtSender {
 }
 
 impl crate::live::ReadElsewhere for ReadAtSender {
+    /// A link that fails is made again for [`READ_RETRY_FOR`]; after that the read waits at the
+    /// gate like a change (the move, tried again, makes the state here current or fails).
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
-        self.read_there(offset, buf).inspect_err(|_| {
-            // Read again over a new link next time.
-            *self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
-        })
+        let until = Instant::now() + READ_RETRY_FOR;
+        loop {
+            match self.read_there(offset, buf) {
+                Ok(answer) => return answer,
+                Err(error) => {
+                    *self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+                    if Instant::now() >= until {
+                        tracing::warn!(vm = self.vm, peer = %self.address, %error, "the VM's reads wait for its move");
+                        return Ok(false);
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
     }
 }
 
 impl ReadAtSender {
-    fn read_there(&self, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
+    /// The sender's answer (`Err` inside: the read failed there, as it would have for the VM),
+    /// or why the link failed.
+    fn read_there(&self, offset: u64, buf: &mut [u8]) -> io::Result<Result<bool, String>> {
         let mut link = self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if link.is_none() {
-            let connected = Link::connect(&self.address, &self.peers).map_err(|e| e.to_string())?;
+            let connected = Link::connect(&self.address, &self.peers)?;
             // The sender's fence may hold a read for its whole switchover.
-            connected.stream.set_read_timeout(Some(SWITCH_TIMEOUT + ANSWER_TIMEOUT)).map_err(|e| e.to_string())?;
+            connected.stream.set_read_timeout(Some(SWITCH_TIMEOUT + ANSWER_TIMEOUT))?;
             *link = Some(connected);
         }
-        let connected = link.as_mut().expect("made above");
-        let length = u32::try_from(buf.len()).map_err(|e| e.to_string())?;
-        let answer = connected
-            .send(&Message::Read { vm: self.vm.clone(), offset, length }, &[])
-            .and_then(|()| connected.receive());
-        match answer.map_err(|e| format!("reading at peer {}: {e}", self.address))? {
+        let Some(connected) = link.as_mut() else { return Err(io::Error::other("no link")) };
+        let length = u32::try_from(buf.len()).map_err(io::Error::other)?;
+        connected.send(&Message::Read { vm: self.vm.clone(), offset, length }, &[])?;
+        Ok(match connected.receive()? {
             (Message::Data, payload) if payload.len() == buf.len() => {
                 buf.copy_from_slice(&payload);
                 Ok(true)
             }
             (Message::NotHere, _) => Ok(false),
             (Message::ReadFailed { why }, _) => Err(format!("the read failed at peer {}: {why}", self.address)),
-            (other, _) => Err(unexpected(&other).to_string()),
-        }
+            (other, _) => return Err(unexpected(&other)),
+        })
     }
 }
 
@@ -899,6 +928,7 @@ impl Incoming {
         if let Err(error) = self.registry.incoming_ready(self.number, written) {
             return Outcome::Failed(format!("recording the VM in the ledger: {error}"));
         }
+        test_pause("ready");
         if let Err(error) = link.send(&Message::Ready, &[]) {
             return self.in_doubt(format!("saying ready to the peer: {error}"), started);
         }

@@ -1,0 +1,276 @@
+//! Moves that meet trouble: either server SIGKILLed at the very steps of the switchover (held
+//! there by `OVERSPILL_TEST_MOVE_PAUSE`), the peer link cut while both servers live, and the
+//! peer link between hosts (TLS over TCP), which a server of another CA cannot use. In every
+//! case the VM ends up at exactly one server with every acknowledged write.
+
+use std::net::TcpListener;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+
+use crate::common::{pseudo_random, Serve};
+use crate::harness::*;
+
+/// Side `name` of `pair`, the other its peer, holding each move at `step` for 3 s.
+fn serve_pausing(pair: &Pair, name: &'static str, step: &str) -> Serve {
+    let (this, other) = (pair.side(name), pair.side(if name == "a" { "b" } else { "a" }));
+    let peer_listen = format!("unix:{}", this.peer_socket().display());
+    let peer = format!("unix:{}", other.peer_socket().display());
+    serve_side_with(&pair.golden, &this, [&peer_listen, &peer], "1M", &[], &[("OVERSPILL_TEST_MOVE_PAUSE", step)])
+}
+
+#[track_caller]
+fn wait_for_log(server: &Serve, line: &str) {
+    wait_for(&format!("{line:?} in the server's log"), || server.log_text().contains(line));
+}
+
+const PAUSED: &str = "move paused for a test";
+
+/// Writes before the move (RAM and spill, a zeroed range; no TRIM, whose reads after a restart
+/// are unspecified), and the destination's connection, whose move is in its pre-copy.
+fn moving(pair: &Pair, a: &Side, b: &Side) -> (Model, overspill_nbd::client::Client, overspill_nbd::client::Client) {
+    let mut model = Model(pair.golden_bytes.clone());
+    let mut source = a.connect("desk");
+    model.write(&mut source, 0, &pseudo_random(8 << 20, 11));
+    model.zero(&mut source, 9 << 20, 1 << 20);
+    let destination = b.connect("desk");
+    writes_during_pre_copy(&mut model, &mut source);
+    (model, source, destination)
+}
+
+/// The source killed after it sent its final delta, before the destination's `Ready` reached
+/// it: its ledger never said moved, so the VM is its restart's. The destination, in doubt,
+/// asks, hears that the source holds it, and takes it from there again; its write, which
+/// asked for the switchover, waits through all of it and lands on the whole state.
+#[test]
+fn a_source_killed_at_its_final_delta_keeps_the_vm_and_the_destination_takes_it_again() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = serve_pausing(&pair, "a", "final");
+    let server_b = pair.serve("b");
+    let (mut model, source, mut destination) = moving(&pair, &a, &b);
+    let _server_a = std::thread::scope(|scope| {
+        let restarted = scope.spawn(|| {
+            wait_for_log(&server_a, PAUSED);
+            server_a.kill();
+            std::thread::sleep(Duration::from_secs(1));
+            pair.serve("a")
+        });
+        model.write(&mut destination, 30 << 20, &pseudo_random(4096, 190));
+        restarted.join().expect("restarted source")
+    });
+    drop(source);
+    model.assert_reads_back(&mut destination, "the destination after the source died at its final delta");
+    assert_eq!(b.state_of("desk").as_deref(), Some("connected"));
+    assert_eq!(a.state_of("desk"), None, "the restarted source kept a copy");
+    let log = server_b.log_text();
+    assert!(log.contains("VM move in doubt") && log.contains("begins again"), "not in doubt, then again:\n{log}");
+    pair.assert_golden_unchanged();
+}
+
+/// The source killed after its ledger said moved, before it told the destination: the
+/// destination, in doubt, asks the restarted source, whose ledger answers "moved to you".
+#[test]
+fn a_source_killed_after_its_commit_leaves_the_vm_at_the_destination() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = serve_pausing(&pair, "a", "committed");
+    let server_b = pair.serve("b");
+    let (mut model, source, mut destination) = moving(&pair, &a, &b);
+    let _server_a = std::thread::scope(|scope| {
+        let restarted = scope.spawn(|| {
+            wait_for_log(&server_a, PAUSED);
+            server_a.kill();
+            std::thread::sleep(Duration::from_secs(1));
+            pair.serve("a")
+        });
+        model.write(&mut destination, 30 << 20, &pseudo_random(4096, 191));
+        restarted.join().expect("restarted source")
+    });
+    drop(source);
+    model.assert_reads_back(&mut destination, "the destination after the source died after its commit");
+    assert_eq!(b.state_of("desk").as_deref(), Some("connected"));
+    assert_eq!(a.state_of("desk"), None, "the restarted source resumed a VM it handed over");
+    assert!(server_b.log_text().contains("VM move in doubt"), "the destination was never in doubt");
+    pair.assert_golden_unchanged();
+}
+
+/// The destination killed after its ledger said "in doubt", before it said `Ready`: the source
+/// never committed, gives the move up, and its VM goes on with every write; the restarted
+/// destination asks the source, hears it holds the VM, and drops its copy.
+#[test]
+fn a_destination_killed_before_it_says_ready_leaves_the_vm_at_the_source() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = pair.serve("a");
+    let server_b = serve_pausing(&pair, "b", "ready");
+    let (mut model, mut source, destination) = moving(&pair, &a, &b);
+    let asking = std::thread::spawn(move || {
+        let mut destination = destination;
+        destination.write(30 << 20, &[9; 4096], false).is_ok()
+    });
+    wait_for_log(&server_b, PAUSED);
+    server_b.kill();
+    assert!(!asking.join().expect("the destination's write"), "a write acknowledged by a killed destination");
+    wait_for("A keeps the VM", || a.state_of("desk").as_deref() == Some("connected"));
+    writes_during_pre_copy(&mut model, &mut source);
+    let _server_b = pair.serve("b");
+    wait_for("the restarted destination drops its copy", || b.state_of("desk").is_none());
+    model.assert_reads_back(&mut source, "the source after its destination died");
+    assert!(server_a.log_text().contains("move to a peer given up"), "{}", server_a.log_text());
+    pair.assert_golden_unchanged();
+}
+
+/// A Unix-socket relay between a server and its peer's socket, whose connections can be cut
+/// while both servers live.
+struct Relay {
+    links: Arc<Mutex<Vec<UnixStream>>>,
+}
+
+impl Relay {
+    fn start(at: &Path, to: PathBuf) -> Self {
+        let listener = UnixListener::bind(at).expect("relay socket");
+        let links: Arc<Mutex<Vec<UnixStream>>> = Arc::default();
+        let held = links.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = UnixStream::connect(&to) else { continue };
+                let ends = [&client, &server].map(|s| s.try_clone().expect("clone"));
+                held.lock().expect("links").extend(ends);
+                for (mut from, mut into) in
+                    [(client.try_clone().expect("clone"), server.try_clone().expect("clone")), (server, client)]
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut into);
+                        let _ = into.shutdown(std::net::Shutdown::Both);
+                        let _ = from.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Self { links }
+    }
+
+    /// Cuts every link open now; new ones still go through.
+    fn cut(&self) {
+        for link in self.links.lock().expect("links").drain(..) {
+            let _ = link.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// The peer link cut in the middle of the pre-copy, both servers alive: the source gives the
+/// move up and its VM goes on writing; the destination asks for it again and takes it whole.
+#[test]
+fn a_peer_link_cut_during_the_move_leaves_the_vm_at_the_source_until_the_move_is_made_again() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let relay_socket = pair.dir.path().join("relay.sock");
+    let relay = Relay::start(&relay_socket, a.peer_socket());
+    let server_a = pair.serve("a");
+    let b_listen = format!("unix:{}", b.peer_socket().display());
+    let server_b =
+        serve_side_with(&pair.golden, &b, [&b_listen, &format!("unix:{}", relay_socket.display())], "1M", &[], &[]);
+    let (mut model, mut source, mut destination) = moving(&pair, &a, &b);
+    relay.cut();
+    writes_during_pre_copy(&mut model, &mut source);
+    wait_for_log(&server_b, "VM move from a peer begins again");
+    // The move made again: reads at the source see its latest writes, a write switches over.
+    writes_during_pre_copy(&mut model, &mut source);
+    model.assert_reads_back(&mut destination, "the destination, its move made again");
+    model.write(&mut destination, 30 << 20, &pseudo_random(4096, 192));
+    model.assert_reads_back(&mut destination, "the destination after the switchover");
+    assert!(source.write(0, &[1; 4096], false).is_err(), "the source wrote after the switchover");
+    assert_eq!(a.state_of("desk"), None);
+    assert!(server_a.log_text().contains("move to a peer given up"), "the cut did not end a move");
+    pair.assert_golden_unchanged();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Between hosts: TLS over TCP
+
+struct Authority {
+    cert: rcgen::Certificate,
+    key: KeyPair,
+}
+
+impl Authority {
+    fn new(name: &str) -> Self {
+        let mut params = CertificateParams::new(Vec::new()).expect("params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().expect("key");
+        Self { cert: params.self_signed(&key).expect("CA"), key }
+    }
+
+    /// Writes `dir/host.crt`, `dir/host.key` and `dir/ca.crt`, for a host known as `name` and
+    /// reached at 127.0.0.1: the flags that give them.
+    fn credentials(&self, dir: &Path, name: &str) -> Vec<String> {
+        let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate().expect("key");
+        let cert = params.signed_by(&key, &self.cert, &self.key).expect("certificate");
+        let file = |name: &str, text: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).expect("credentials");
+            path.display().to_string()
+        };
+        vec![
+            "--tls".into(),
+            "off".into(),
+            "--tls-cert".into(),
+            file("host.crt", cert.pem()),
+            "--tls-key".into(),
+            file("host.key", key.serialize_pem()),
+            "--peer-ca".into(),
+            file("ca.crt", self.cert.pem()),
+        ]
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("address").port()
+}
+
+/// Two servers each the other's peer over TCP with certificates of one CA: the VM moves as
+/// over a Unix socket. A third server, whose certificate another CA signed, names the first
+/// as its peer: the TLS handshake refuses it, so it refuses the VM (it cannot ask), and the
+/// first server's VM is untouched.
+#[test]
+fn a_vm_moves_over_tls_between_hosts_and_a_server_of_another_ca_gets_nothing() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let stranger = Side { name: "x", dir: pair.dir.path().join("x") };
+    std::fs::create_dir_all(&stranger.dir).expect("dir");
+    let (fleet, elsewhere) = (Authority::new("fleet"), Authority::new("elsewhere"));
+    let (port_a, port_b) = (free_port(), free_port());
+    let tcp = |port: u16| format!("tcp:127.0.0.1:{port}");
+    let serve = |side: &Side, ca: &Authority, name: &str, [listen, peer]: [String; 2]| {
+        let flags = ca.credentials(&side.dir, name);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        serve_side_with(&pair.golden, side, [&listen, &peer], "1M", &flags, &[])
+    };
+    let server_a = serve(&a, &fleet, "host-a", [tcp(port_a), tcp(port_b)]);
+    let _server_b = serve(&b, &fleet, "host-b", [tcp(port_b), tcp(port_a)]);
+    let stranger_peer = format!("unix:{}", stranger.peer_socket().display());
+    let _server_x = serve(&stranger, &elsewhere, "host-x", [stranger_peer, tcp(port_a)]);
+
+    let (mut model, mut source, mut destination) = moving(&pair, &a, &b);
+    model.assert_reads_back(&mut destination, "the destination before the switchover, read over TLS");
+    let refused = overspill_nbd::client::Client::connect(&stranger.uri("desk"));
+    assert!(refused.is_err(), "a server of another CA took the VM");
+    wait_for_log(&server_a, "a peer connection was refused");
+
+    model.write(&mut destination, 30 << 20, &pseudo_random(4096, 193));
+    model.assert_reads_back(&mut destination, "the destination after the switchover");
+    assert!(source.write(0, &[1; 4096], false).is_err(), "the source wrote after the switchover");
+    assert_eq!(a.state_of("desk"), None);
+    assert_eq!(b.state_of("desk").as_deref(), Some("connected"));
+    assert!(server_a.log_text().contains("host-b"), "A does not know B by its certificate's name");
+    pair.assert_golden_unchanged();
+}
