@@ -71,6 +71,43 @@ fn a_source_killed_at_its_final_delta_keeps_the_vm_and_the_destination_takes_it_
     pair.assert_golden_unchanged();
 }
 
+/// The same with QEMU: the migration completes and the source QEMU quits (its NBD_CMD_DISC is
+/// the switchover, not the VM's end), and the source's server dies at its final delta. Its
+/// restart holds the VM (in its grace), the destination takes it from there, and the
+/// destination QEMU reads every write and writes on.
+#[test]
+fn a_qemu_migration_whose_source_server_dies_at_the_final_delta_ends_at_the_destination() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = serve_pausing(&pair, "a", "final");
+    let server_b = pair.serve("b");
+    let mut source = crate::qemu(&a, None);
+    for write in ["write -P 0x11 0 4M", "write -P 0x22 4M 4M", "write -z 8M 1M"] {
+        crate::qemu_io(&mut source, write);
+    }
+    let migration = pair.dir.path().join("migration.sock");
+    let mut destination = crate::qemu(&b, Some(&migration));
+    wait_for("B takes the VM in", || b.state_of("desk").as_deref() == Some("incoming"));
+    source.execute(
+        serde_json::json!({"execute": "migrate", "arguments": {"uri": format!("unix:{}", migration.display())}}),
+    );
+    crate::wait_migration(&mut source, "completed");
+    drop(source.quit());
+    wait_for_log(&server_a, PAUSED);
+    server_a.kill();
+    let _server_a = pair.serve("a");
+    let reads = ["read -P 0x11 0 4M", "read -P 0x22 4M 4M", "read -P 0 8M 1M"];
+    crate::qemu_io(&mut destination, "write -P 0x88 20M 1M");
+    for read in reads {
+        crate::qemu_io(&mut destination, read);
+    }
+    crate::qemu_io(&mut destination, "read -P 0x88 20M 1M");
+    crate::assert_patterns_read(&destination.quit(), reads.len() + 1);
+    assert_eq!(a.state_of("desk"), None, "the restarted source kept a copy");
+    assert!(server_b.log_text().contains("begins again"), "B did not take the VM again:\n{}", server_b.log_text());
+    pair.assert_golden_unchanged();
+}
+
 /// The source killed after its ledger said moved, before it told the destination: the
 /// destination, in doubt, asks the restarted source, whose ledger answers "moved to you".
 #[test]
