@@ -14,7 +14,7 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags};
 use rustls::pki_types::ServerName;
@@ -27,6 +27,8 @@ use crate::tls::{common_name, invalid, read_chain, read_key, read_roots, TlsErro
 /// network (so a slow reader holds back its peer, not memory).
 const HELD_FOR_READER: usize = 1 << 20;
 const RELAY_BUFFER: usize = 64 << 10;
+/// How long a connecting peer has to finish the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// This server's credentials on the peer link: its certificate and key, and the CA every
 /// peer's certificate must chain to, whichever end connects.
@@ -104,14 +106,38 @@ impl PeerTls {
     }
 }
 
+/// Runs the handshake to its end within [`HANDSHAKE_TIMEOUT`], however the other end spreads
+/// its bytes (an unauthenticated caller must not hold a thread longer).
 fn handshake(connection: &mut Connection, tcp: &mut TcpStream) -> io::Result<()> {
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let refused = |e: rustls::Error| io::Error::new(io::ErrorKind::PermissionDenied, format!("TLS handshake: {e}"));
     while connection.is_handshaking() {
-        connection.complete_io(tcp).map_err(|e| match e.kind() {
-            io::ErrorKind::InvalidData => {
-                io::Error::new(io::ErrorKind::PermissionDenied, format!("TLS handshake: {e}"))
-            }
+        while connection.wants_write() {
+            connection.write_tls(tcp)?;
+        }
+        if !connection.is_handshaking() {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the TLS handshake took too long"));
+        }
+        tcp.set_read_timeout(Some(left))?;
+        let read = connection.read_tls(tcp).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock => io::Error::new(io::ErrorKind::TimedOut, "the TLS handshake took too long"),
             _ => e,
         })?;
+        if read == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer left during the TLS handshake"));
+        }
+        if let Err(error) = connection.process_new_packets() {
+            // Tells the other end why, if it still listens.
+            let _ = connection.write_tls(tcp);
+            return Err(refused(error));
+        }
+    }
+    while connection.wants_write() {
+        connection.write_tls(tcp)?;
     }
     Ok(())
 }
@@ -125,11 +151,13 @@ fn relayed(mut connection: Connection, tcp: TcpStream) -> io::Result<PeerStream>
     // The relay bounds what it takes from its user itself (see `relay`).
     connection.set_buffer_limit(None);
     let (near, far) = UnixStream::pair()?;
-    // A peer host that vanishes without a word ends the link in about a minute, not never.
+    // A peer host that vanishes ends the link in about a minute, not never: idle, by
+    // keepalive probes; with data unacknowledged, by the user timeout.
     rustix::net::sockopt::set_socket_keepalive(&tcp, true)?;
     rustix::net::sockopt::set_tcp_keepidle(&tcp, Duration::from_secs(30))?;
     rustix::net::sockopt::set_tcp_keepintvl(&tcp, Duration::from_secs(10))?;
     rustix::net::sockopt::set_tcp_keepcnt(&tcp, 3)?;
+    rustix::net::sockopt::set_tcp_user_timeout(&tcp, 60_000)?;
     tcp.set_nonblocking(true)?;
     far.set_nonblocking(true)?;
     std::thread::Builder::new().name("peer-tls".into()).spawn(move || {
@@ -140,113 +168,159 @@ fn relayed(mut connection: Connection, tcp: TcpStream) -> io::Result<PeerStream>
     Ok(PeerStream { stream: near, identity })
 }
 
-/// Moves bytes between the TLS session on `tcp` and the plain stream `local` until either
-/// ends. Takes more from `local` only once the last of it is on the network, and more from the
-/// network only while `local`'s reader keeps up.
+/// Where a relay stands, each way.
+struct Ends {
+    /// The user has not shut its end down for writing: what it sends goes to the peer.
+    local_sends: bool,
+    /// The user has not hung up: what the peer sends is delivered.
+    local_reads: bool,
+    /// The peer has sent neither close_notify nor the connection's end.
+    peer_sends: bool,
+    /// The connection still carries what this end sends.
+    network_up: bool,
+    /// The user was shown the end of what the peer sends.
+    local_told_end: bool,
+}
+
+/// Moves bytes between the TLS session on `tcp` and the plain stream `local` until both ways
+/// are done (or neither can go on). Takes more from `local` only once the last of it is on the
+/// network, and more from the network only while `local`'s reader keeps up; polls only the
+/// ends it waits for, so a hung-up end never makes it spin. Plain bytes already received are
+/// delivered even when the connection then fails.
 fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::Result<()> {
     let mut for_local: Vec<u8> = Vec::new();
     let mut buffer = vec![0u8; RELAY_BUFFER];
-    let mut local_sends = true;
-    // The user closed its end (or shut it down both ways): nobody reads what the peer sends.
-    let mut local_gone = false;
-    let mut peer_sends = true;
+    let mut ends =
+        Ends { local_sends: true, local_reads: true, peer_sends: true, network_up: true, local_told_end: false };
+    let mut failure: Option<io::Error> = None;
+    let mut fail = |ends: &mut Ends, error: io::Error| {
+        ends.network_up = false;
+        ends.peer_sends = false;
+        failure.get_or_insert(error);
+    };
     loop {
-        while tls.wants_write() {
+        // Plain bytes the session holds: some may have come with the handshake's last flight.
+        take_plaintext(&mut tls, &mut buffer, &mut for_local, &mut ends.peer_sends);
+        while ends.network_up && tls.wants_write() {
             match tls.write_tls(&mut tcp) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e),
+                Err(e) => fail(&mut ends, e),
             }
         }
-        while !for_local.is_empty() {
+        while ends.local_reads && !for_local.is_empty() {
             match local.write(&for_local) {
                 Ok(n) => drop(for_local.drain(..n)),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    local_gone = true;
-                    for_local.clear();
-                }
+                Err(_) => ends.local_reads = false,
             }
         }
-        // Dropping `local` then shows its reader the end.
-        if !peer_sends && for_local.is_empty() {
-            return Ok(());
+        if !ends.local_reads {
+            for_local.clear();
         }
-        if local_gone && !local_sends && !tls.wants_write() {
-            return Ok(());
+        let receiving_done = !ends.peer_sends && for_local.is_empty();
+        if receiving_done && !ends.local_told_end {
+            // Half-closed: the user reads the end, and may still send.
+            let _ = local.shutdown(std::net::Shutdown::Write);
+            ends.local_told_end = true;
+        }
+        let sending_done = !ends.local_sends && !tls.wants_write();
+        if (receiving_done || !ends.local_reads) && (sending_done || !ends.network_up) {
+            return failure.map_or(Ok(()), Err);
         }
 
         let mut tcp_events = PollFlags::empty();
-        if peer_sends && for_local.len() < HELD_FOR_READER {
+        if ends.peer_sends && for_local.len() < HELD_FOR_READER {
             tcp_events |= PollFlags::IN;
         }
-        if tls.wants_write() {
+        if ends.network_up && tls.wants_write() {
             tcp_events |= PollFlags::OUT;
         }
         let mut local_events = PollFlags::empty();
-        if local_sends && !tls.wants_write() {
+        if ends.local_sends && ends.network_up && !tls.wants_write() {
             local_events |= PollFlags::IN;
         }
-        if !for_local.is_empty() {
+        if ends.local_reads && !for_local.is_empty() {
             local_events |= PollFlags::OUT;
         }
-        // A hang-up is reported whatever was asked for.
+        if tcp_events.is_empty() && local_events.is_empty() {
+            // Nothing can move any more (the network is gone with the user still sending).
+            return failure.map_or(Ok(()), Err);
+        }
         let (tcp_ready, local_ready) = {
-            let mut fds = [PollFd::new(&tcp, tcp_events), PollFd::new(&local, local_events)];
+            let mut fds = Vec::with_capacity(2);
+            if !tcp_events.is_empty() {
+                fds.push(PollFd::new(&tcp, tcp_events));
+            }
+            if !local_events.is_empty() {
+                fds.push(PollFd::new(&local, local_events));
+            }
             match poll(&mut fds, None) {
                 Ok(_) => {}
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
             }
-            (fds[0].revents(), fds[1].revents())
+            let tcp_ready = if tcp_events.is_empty() { PollFlags::empty() } else { fds[0].revents() };
+            let local_ready = if local_events.is_empty() { PollFlags::empty() } else { fds[fds.len() - 1].revents() };
+            (tcp_ready, local_ready)
         };
 
-        let broken = PollFlags::HUP | PollFlags::ERR;
-        if tcp_events.contains(PollFlags::IN) && tcp_ready.intersects(PollFlags::IN | broken) {
-            let network_ended = match tls.read_tls(&mut tcp) {
-                Ok(0) => true,
-                Ok(_) => false,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
-                Err(e) => return Err(e),
-            };
-            if let Err(error) = tls.process_new_packets() {
-                // Tells the peer why, if it can still hear it.
-                let _ = tls.write_tls(&mut tcp);
-                return Err(io::Error::new(io::ErrorKind::InvalidData, error));
-            }
-            loop {
-                match tls.reader().read(&mut buffer) {
-                    Ok(0) => {
-                        peer_sends = false;
-                        break;
-                    }
-                    Ok(n) => for_local.extend_from_slice(&buffer[..n]),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        peer_sends &= !network_ended;
-                        break;
-                    }
-                    // Cut off without close_notify: the reader sees a truncated stream.
-                    Err(_) => {
-                        peer_sends = false;
-                        break;
+        let woken = PollFlags::IN | PollFlags::HUP | PollFlags::ERR;
+        if tcp_events.contains(PollFlags::IN) && tcp_ready.intersects(woken) {
+            match tls.read_tls(&mut tcp) {
+                Ok(0) => ends.peer_sends = false,
+                Ok(_) => {
+                    if let Err(error) = tls.process_new_packets() {
+                        let _ = tls.write_tls(&mut tcp);
+                        fail(&mut ends, io::Error::new(io::ErrorKind::InvalidData, error));
                     }
                 }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => fail(&mut ends, e),
             }
+        } else if tcp_ready.contains(PollFlags::ERR) {
+            fail(&mut ends, io::Error::new(io::ErrorKind::BrokenPipe, "the peer link broke"));
         }
-        local_gone |= local_ready.contains(PollFlags::HUP);
-        if local_sends && local_ready.intersects(PollFlags::IN | broken) {
+        if local_ready.contains(PollFlags::HUP) {
+            ends.local_reads = false;
+        }
+        if local_events.contains(PollFlags::IN) && local_ready.intersects(woken) {
             match local.read(&mut buffer) {
                 Ok(0) => {
                     tls.send_close_notify();
-                    local_sends = false;
+                    ends.local_sends = false;
                 }
                 Ok(n) => tls.writer().write_all(&buffer[..n])?,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
+                Err(_) => {
+                    tls.send_close_notify();
+                    ends.local_sends = false;
+                    ends.local_reads = false;
+                }
             }
         }
-        if tcp_ready.contains(PollFlags::ERR) && !tcp_events.contains(PollFlags::IN) {
-            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the peer link broke"));
+    }
+}
+
+/// Moves the plain bytes the session has decrypted into `for_local`; `peer_sends` goes false at
+/// the peer's close_notify or a connection cut without one (the reader then sees the stream
+/// end where it was cut).
+fn take_plaintext(tls: &mut Connection, buffer: &mut [u8], for_local: &mut Vec<u8>, peer_sends: &mut bool) {
+    if !*peer_sends {
+        return;
+    }
+    loop {
+        match tls.reader().read(buffer) {
+            Ok(0) => {
+                *peer_sends = false;
+                return;
+            }
+            Ok(n) => for_local.extend_from_slice(&buffer[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(_) => {
+                *peer_sends = false;
+                return;
+            }
         }
     }
 }
@@ -336,6 +410,46 @@ mod tests {
         }
         assert!(at_a == to_a, "a received {} bytes, not what b sent", at_a.len());
         assert!(at_b == to_b, "b received {} bytes, not what a sent", at_b.len());
+    }
+
+    /// The connecting end's first bytes may reach the accepting end with its last handshake
+    /// flight, decrypted before the relay starts: they are delivered all the same.
+    #[test]
+    fn bytes_sent_at_once_after_the_handshake_arrive() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fleet = ca("fleet");
+        let (a, b) = (Arc::new(host(dir.path(), &fleet, "host-a")), host(dir.path(), &fleet, "host-b"));
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        for round in 0..20u8 {
+            let a = a.clone();
+            let listener = listener.try_clone().expect("clone");
+            let accepting = std::thread::spawn(move || {
+                let (tcp, _) = listener.accept().expect("accept");
+                let mut accepted = a.accept(tcp).expect("accepted");
+                accepted.stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+                let mut hello = [0u8; 5];
+                accepted.stream.read_exact(&mut hello).map(|()| hello)
+            });
+            // The connecting end by hand, so that its Finished and its first bytes leave in one
+            // write, as a fast peer's may.
+            let mut tcp = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+            let name = ServerName::try_from("localhost").expect("name");
+            let mut connecting = ClientConnection::new(b.client.clone(), name).expect("client");
+            while connecting.is_handshaking() {
+                while connecting.wants_write() {
+                    connecting.write_tls(&mut tcp).expect("write");
+                }
+                connecting.read_tls(&mut tcp).expect("read");
+                connecting.process_new_packets().expect("the server's flight");
+            }
+            connecting.writer().write_all(&[round; 5]).expect("queue");
+            while connecting.wants_write() {
+                connecting.write_tls(&mut tcp).expect("Finished and the first bytes");
+            }
+            let received = accepting.join().expect("accepting thread");
+            assert_eq!(received.expect("the first bytes, not a timeout"), [round; 5], "round {round}");
+        }
     }
 
     #[test]

@@ -284,3 +284,56 @@ fn stale_files_of_dead_servers_go_and_live_ones_stay() {
     assert!(elsewhere.exists() && ours.exists() && other.exists());
     drop(holders);
 }
+
+/// Where peers' ledgers disagree: peer A says it moved the VM to B (its acknowledgement lost),
+/// and B says it moved it on to Y, which is no peer of this server. Every such answer counts:
+/// the VM is refused by name, never started here from the golden image while it runs at Y.
+#[test]
+fn a_vm_moved_on_to_a_server_that_is_no_peer_is_refused_whatever_the_order_of_the_answers() {
+    use crate::ledger::{Ledger, Marks};
+    use crate::migration::{self, Located, Peers};
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let mut listeners = Vec::new();
+    let mut addresses = Vec::new();
+    for (name, moved_to) in [("server-a", "server-b"), ("server-b", "server-y")] {
+        let state = dirs.path().join(name);
+        let registry = VmRegistry::new(Lifecycle {
+            reconnect_grace: Duration::from_secs(60),
+            state_dir: Some(state.clone()),
+            memory_dir: None,
+        })
+        .expect("registry");
+        let marks = Marks { moved: Some(moved_to.into()), ..Marks::default() };
+        Ledger::open(&state).expect("ledger").write_entry("x", "golden", None, None, marks).expect("moved");
+        let address = overspill_net::ListenAddr::Unix(dirs.path().join(format!("{name}.sock")));
+        listeners.push(migration::listen(&address, name.into(), None, registry).expect("peer socket"));
+        addresses.push(address);
+    }
+    for order in [addresses.clone(), addresses.iter().rev().cloned().collect()] {
+        let peers = Peers { name: "here".into(), addresses: order, tls: None };
+        match peers.locate("x", false) {
+            Located::Refused(why) => assert!(why.contains("server-y"), "{why}"),
+            Located::Nowhere => panic!("a VM running at a server that is no peer would start here afresh"),
+            Located::Live(at) => panic!("located live at {at}"),
+        }
+    }
+    // With Y among the peers, it is asked in its turn: it holds nothing, so the VM is nowhere.
+    let registry = VmRegistry::new(Lifecycle {
+        reconnect_grace: Duration::from_secs(60),
+        state_dir: Some(dirs.path().join("server-y")),
+        memory_dir: None,
+    })
+    .expect("registry");
+    let address = overspill_net::ListenAddr::Unix(dirs.path().join("server-y.sock"));
+    listeners.push(migration::listen(&address, "server-y".into(), None, registry).expect("peer socket"));
+    addresses.push(address);
+    let first = addresses[0].clone();
+    let peers = Peers { name: "here".into(), addresses, tls: None };
+    assert!(matches!(peers.locate("x", false), Located::Nowhere));
+    // A peer with this server's own name is no peer: "moved to NAME" must name one server.
+    let peers = Peers { name: "server-a".into(), addresses: vec![first], tls: None };
+    match peers.locate("x", false) {
+        Located::Refused(why) => assert!(why.contains("own name"), "{why}"),
+        _ => panic!("a peer of this server's own name was asked"),
+    }
+}

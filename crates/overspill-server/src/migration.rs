@@ -163,9 +163,9 @@ pub enum Located {
 impl Peers {
     /// Asks every peer whether it holds VM `vm`; `held_here`: this server holds it (in grace).
     pub fn locate(&self, vm: &str, held_here: bool) -> Located {
-        // The peers' names as they said hello, and a move to a server not (yet) among them.
+        // The peers' names as they said hello, and the servers peers say they moved it to.
         let mut names = Vec::new();
-        let mut moved_elsewhere = None;
+        let mut moved_elsewhere = Vec::new();
         for address in &self.addresses {
             let answer = query(address, self, vm).map(|(name, holding)| {
                 names.push(name);
@@ -190,9 +190,7 @@ impl Peers {
                 // Handed here, and here it is.
                 Ok(Holding::Moved { to }) if to == self.name => {}
                 // Asked for at that server, if it is a peer of this one (below).
-                Ok(Holding::Moved { to }) => {
-                    moved_elsewhere.get_or_insert((address, to));
-                }
+                Ok(Holding::Moved { to }) => moved_elsewhere.push((address, to)),
                 Ok(Holding::Lost { why }) => {
                     return Located::Refused(format!(
                         "peer {} lost VM {vm}'s writes ({why}); run `overspill vm reset {vm}` there",
@@ -209,12 +207,13 @@ impl Peers {
                 }
             }
         }
-        match moved_elsewhere {
-            // Somewhere no peer of this server is: it cannot be asked for.
-            Some((address, to)) if !names.contains(&to) => Located::Refused(format!(
+        // Moved somewhere no peer of this server is (each answer counts: an old "moved to B" at
+        // one peer must not hide B's "moved to Y"): it cannot be asked for there.
+        match moved_elsewhere.into_iter().find(|(_, to)| !names.contains(to)) {
+            Some((address, to)) => Located::Refused(format!(
                 "VM {vm} was moved from peer {address} to {to}, which is not a peer of this server"
             )),
-            _ => Located::Nowhere,
+            None => Located::Nowhere,
         }
     }
 }
@@ -276,13 +275,16 @@ fn open(address: &ListenAddr, tls: Option<&PeerTls>) -> io::Result<(UnixStream, 
     Err(last_error)
 }
 
-/// Refuses a peer whose hello names another server than its certificate does.
-fn check_name(said: &str, proven: Option<&str>) -> io::Result<()> {
+/// Refuses a peer whose hello names another server than its certificate does, or this server
+/// itself (two servers sharing a certificate, or one named its own peer): "moved to NAME" in a
+/// ledger must name one server.
+fn check_name(said: &str, proven: Option<&str>, ours: &str) -> io::Result<()> {
+    let refused = |why: String| Err(io::Error::new(io::ErrorKind::PermissionDenied, why));
     match proven {
-        Some(proven) if proven != said => Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("a peer says it is {said:?}, and its certificate says {proven:?}"),
-        )),
+        Some(proven) if proven != said => {
+            refused(format!("a peer says it is {said:?}, and its certificate says {proven:?}"))
+        }
+        _ if said == ours => refused(format!("a peer has this server's own name {ours:?}: give each server its own")),
         _ => Ok(()),
     }
 }
@@ -303,11 +305,14 @@ impl Link {
         link.send(&Message::Hello { server: peers.name.clone(), protocol: PROTOCOL }, &[])?;
         match link.receive()?.0 {
             Message::Hello { server, protocol: PROTOCOL } => {
-                check_name(&server, proven.as_deref())?;
+                check_name(&server, proven.as_deref(), &peers.name)?;
                 link.peer = server;
                 Ok(link)
             }
             Message::Hello { protocol, .. } => Err(io::Error::other(format!("the peer speaks protocol {protocol}"))),
+            Message::Refuse { why } => {
+                Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("the peer refuses this server: {why}")))
+            }
             other => Err(unexpected(&other)),
         }
     }
@@ -320,7 +325,10 @@ impl Link {
         let mut link = Self { stream, peer: String::new() };
         match link.receive()?.0 {
             Message::Hello { server, protocol: PROTOCOL } => {
-                check_name(&server, proven)?;
+                if let Err(error) = check_name(&server, proven, our_name) {
+                    let _ = link.send(&Message::Refuse { why: error.to_string() }, &[]);
+                    return Err(error);
+                }
                 link.peer = server;
             }
             Message::Hello { protocol, .. } => {
@@ -476,11 +484,15 @@ pub fn listen(
     tls: Option<Arc<PeerTls>>,
     registry: Arc<VmRegistry>,
 ) -> io::Result<PeerListener> {
-    let serve = move |stream: UnixStream, proven: Option<String>| {
-        if let Err(error) = serve_peer(stream, &name, proven.as_deref(), &registry) {
-            tracing::debug!(%error, "peer connection ended");
-        }
-    };
+    let serve =
+        move |stream: UnixStream, proven: Option<String>| match serve_peer(stream, &name, proven.as_deref(), &registry)
+        {
+            Err(error) if error.kind() == io::ErrorKind::PermissionDenied => {
+                tracing::warn!(%error, "a peer connection was refused")
+            }
+            Err(error) => tracing::debug!(%error, "peer connection ended"),
+            Ok(()) => {}
+        };
     match address {
         ListenAddr::Unix(path) => {
             if path.exists() && UnixStream::connect(path).is_err() {

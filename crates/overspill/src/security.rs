@@ -44,7 +44,7 @@ pub struct SecurityArgs {
     /// The CA that signed every peer server's certificate (PEM), for tcp: peers (--peer,
     /// --peer-listen): each end of a peer link presents --tls-cert and checks the other's
     /// against this CA, and a server is known to its peers by its certificate's common name.
-    /// Default: --tls-client-ca.
+    /// A peer may take any VM: use a CA that signs servers only, not NBD clients.
     #[arg(long, value_name = "PEM")]
     peer_ca: Option<PathBuf>,
 }
@@ -69,12 +69,9 @@ impl SecurityArgs {
     /// The credentials of the peer link between hosts, if the flags give them (whatever --tls
     /// says of NBD clients).
     pub fn peer_tls(&self) -> anyhow::Result<Option<PeerTls>> {
-        let ca = self.peer_ca.as_ref().or(self.tls_client_ca.as_ref());
-        match (&self.tls_cert, &self.tls_key, ca) {
+        match (&self.tls_cert, &self.tls_key, &self.peer_ca) {
             (Some(cert), Some(key), Some(ca)) => Ok(Some(PeerTls::new(cert, key, ca)?)),
-            (None, _, Some(_)) if self.peer_ca.is_some() => {
-                bail!("--peer-ca needs this server's certificate: --tls-cert and --tls-key")
-            }
+            (None, _, Some(_)) => bail!("--peer-ca needs this server's certificate: --tls-cert and --tls-key"),
             _ => Ok(None),
         }
     }

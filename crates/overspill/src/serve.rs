@@ -362,8 +362,8 @@ fn serve_peers(
         Some(addr) => Some(Arc::new(args.security.peer_tls().context("peer TLS")?.with_context(|| {
             format!(
                 "{addr}: a peer link over TCP is TLS with a certificate at each end: give --tls-cert, --tls-key \
-                 and --peer-ca (or --tls-client-ca), the CA that signed every peer's certificate \
-                 (pre-shared keys are for NBD clients only)"
+                 and --peer-ca, the CA that signed every peer's certificate (pre-shared keys are for NBD \
+                 clients only)"
             )
         })?)),
         None => None,
