@@ -27,6 +27,8 @@ use crate::tls::{common_name, invalid, read_chain, read_key, read_roots, TlsErro
 /// network (so a slow reader holds back its peer, not memory).
 const HELD_FOR_READER: usize = 1 << 20;
 const RELAY_BUFFER: usize = 64 << 10;
+/// How long a relay that is done waits for the peer's end of the connection.
+const LINGER: Duration = Duration::from_secs(2);
 /// How long a connecting peer has to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -126,7 +128,11 @@ fn handshake(connection: &mut Connection, tcp: &mut TcpStream) -> io::Result<()>
         let read = connection.read_tls(tcp).map_err(|e| match e.kind() {
             io::ErrorKind::WouldBlock => io::Error::new(io::ErrorKind::TimedOut, "the TLS handshake took too long"),
             _ => e,
-        })?;
+        });
+        let read = match read {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => other?,
+        };
         if read == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer left during the TLS handshake"));
         }
@@ -192,6 +198,7 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
     let mut buffer = vec![0u8; RELAY_BUFFER];
     let mut ends =
         Ends { local_sends: true, local_reads: true, peer_sends: true, network_up: true, local_told_end: false };
+    let mut local_refuses = false;
     let mut failure: Option<io::Error> = None;
     let mut fail = |ends: &mut Ends, error: io::Error| {
         ends.network_up = false;
@@ -218,6 +225,11 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
         if !ends.local_reads {
             for_local.clear();
         }
+        if !ends.network_up && !local_refuses {
+            // A user blocked sending learns at once that nothing goes out any more.
+            let _ = local.shutdown(std::net::Shutdown::Read);
+            local_refuses = true;
+        }
         let receiving_done = !ends.peer_sends && for_local.is_empty();
         if receiving_done && !ends.local_told_end {
             // Half-closed: the user reads the end, and may still send.
@@ -226,7 +238,7 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
         }
         let sending_done = !ends.local_sends && !tls.wants_write();
         if (receiving_done || !ends.local_reads) && (sending_done || !ends.network_up) {
-            return failure.map_or(Ok(()), Err);
+            break;
         }
 
         let mut tcp_events = PollFlags::empty();
@@ -245,7 +257,7 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
         }
         if tcp_events.is_empty() && local_events.is_empty() {
             // Nothing can move any more (the network is gone with the user still sending).
-            return failure.map_or(Ok(()), Err);
+            break;
         }
         let (tcp_ready, local_ready) = {
             let mut fds = Vec::with_capacity(2);
@@ -271,6 +283,8 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
                 Ok(0) => ends.peer_sends = false,
                 Ok(_) => {
                     if let Err(error) = tls.process_new_packets() {
+                        // The records before the bad one were decrypted: they are delivered.
+                        take_plaintext(&mut tls, &mut buffer, &mut for_local, &mut ends.peer_sends);
                         let _ = tls.write_tls(&mut tcp);
                         fail(&mut ends, io::Error::new(io::ErrorKind::InvalidData, error));
                     }
@@ -298,6 +312,28 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
                     ends.local_reads = false;
                 }
             }
+        }
+    }
+    if ends.network_up {
+        linger(&mut tcp);
+    }
+    failure.map_or(Ok(()), Err)
+}
+
+/// Ends the connection with a FIN, not a reset: closing a socket with unread bytes in it would
+/// throw away what this end still had queued (its close_notify last). Waits a little for the
+/// peer's end, discarding what comes.
+fn linger(tcp: &mut TcpStream) {
+    let _ = tcp.shutdown(std::net::Shutdown::Write);
+    let deadline = Instant::now() + LINGER;
+    if tcp.set_nonblocking(false).and_then(|()| tcp.set_read_timeout(Some(LINGER))).is_err() {
+        return;
+    }
+    let mut sink = [0u8; 4096];
+    while Instant::now() < deadline {
+        match tcp.read(&mut sink) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
         }
     }
 }
