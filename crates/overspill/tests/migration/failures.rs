@@ -3,13 +3,10 @@
 //! peer link between hosts (TLS over TCP), which a server of another CA cannot use. In every
 //! case the VM ends up at exactly one server with every acknowledged write.
 
-use std::net::TcpListener;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 
 use crate::common::{pseudo_random, Serve};
 use crate::harness::*;
@@ -229,50 +226,6 @@ fn a_peer_link_cut_during_the_move_leaves_the_vm_at_the_source_until_the_move_is
 
 // ---------------------------------------------------------------------------------------------
 // Between hosts: TLS over TCP
-
-struct Authority {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-impl Authority {
-    fn new(name: &str) -> Self {
-        let mut params = CertificateParams::new(Vec::new()).expect("params");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().expect("key");
-        Self { cert: params.self_signed(&key).expect("CA"), key }
-    }
-
-    /// Writes `dir/host.crt`, `dir/host.key` and `dir/ca.crt`, for a host known as `name` and
-    /// reached at 127.0.0.1: the flags that give them.
-    fn credentials(&self, dir: &Path, name: &str) -> Vec<String> {
-        let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        let key = KeyPair::generate().expect("key");
-        let cert = params.signed_by(&key, &self.cert, &self.key).expect("certificate");
-        let file = |name: &str, text: String| {
-            let path = dir.join(name);
-            std::fs::write(&path, text).expect("credentials");
-            path.display().to_string()
-        };
-        vec![
-            "--tls".into(),
-            "off".into(),
-            "--tls-cert".into(),
-            file("host.crt", cert.pem()),
-            "--tls-key".into(),
-            file("host.key", key.serialize_pem()),
-            "--peer-ca".into(),
-            file("ca.crt", self.cert.pem()),
-        ]
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("address").port()
-}
 
 /// Two servers each the other's peer over TCP with certificates of one CA: the VM moves as
 /// over a Unix socket. A third server, whose certificate another CA signed, names the first

@@ -1,5 +1,6 @@
 //! The two servers of a move and what the VM's disk should read: each test's harness.
 
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -7,6 +8,8 @@ use std::time::{Duration, Instant};
 use overspill_nbd::client::{Client, NbdUri};
 use serde_json::Value;
 use tempfile::TempDir;
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 
 use crate::common::{assert_same, pseudo_random, Serve};
 
@@ -198,4 +201,49 @@ pub fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "{what}: not within {WAIT:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A CA for peer servers' certificates (rcgen).
+pub struct Authority {
+    cert: rcgen::Certificate,
+    key: KeyPair,
+}
+
+impl Authority {
+    pub fn new(name: &str) -> Self {
+        let mut params = CertificateParams::new(Vec::new()).expect("params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().expect("key");
+        Self { cert: params.self_signed(&key).expect("CA"), key }
+    }
+
+    /// Writes `dir/host.crt`, `dir/host.key` and `dir/ca.crt`, for a host known as `name` and
+    /// reached at 127.0.0.1: the flags that give them.
+    pub fn credentials(&self, dir: &Path, name: &str) -> Vec<String> {
+        let mut params = CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate().expect("key");
+        let cert = params.signed_by(&key, &self.cert, &self.key).expect("certificate");
+        let file = |name: &str, text: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).expect("credentials");
+            path.display().to_string()
+        };
+        vec![
+            "--tls".into(),
+            "off".into(),
+            "--tls-cert".into(),
+            file("host.crt", cert.pem()),
+            "--tls-key".into(),
+            file("host.key", key.serialize_pem()),
+            "--peer-ca".into(),
+            file("ca.crt", self.cert.pem()),
+        ]
+    }
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("address").port()
 }

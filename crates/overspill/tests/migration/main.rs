@@ -521,7 +521,9 @@ fn ms(duration: Duration) -> f64 {
 /// link on this machine, and measures the pre-copy's time and the pause overspill adds at the
 /// switchover (QEMU's own downtime for guest RAM apart): our NBD client writes 4 KiB at about
 /// 1,000 IOPS at the source through the pre-copy, then at the destination, whose first write
-/// asks for the switchover. Results to bench/results/migrate-<rev>.md. Run in release.
+/// asks for the switchover. Over a Unix socket, or with `OVERSPILL_BENCH_LINK=tls` over TLS on
+/// TCP (loopback), as between hosts. Results to bench/results/migrate-<rev>[-tls].md. Run in
+/// release.
 #[test]
 #[ignore = "a benchmark: bench/migrate runs it"]
 fn bench_move_256m_in_ram_and_1g_spilled() {
@@ -533,8 +535,22 @@ fn bench_move_256m_in_ram_and_1g_spilled() {
         std::fs::create_dir_all(dir.path().join(side)).expect("side dir");
     }
     let (a, b) = (Side { name: "a", dir: dir.path().join("a") }, Side { name: "b", dir: dir.path().join("b") });
-    let _server_a = serve_side(&golden, &a, &b, "256M");
-    let _server_b = serve_side(&golden, &b, &a, "256M");
+    let tls = std::env::var("OVERSPILL_BENCH_LINK").is_ok_and(|link| link == "tls");
+    let (_server_a, _server_b) = if tls {
+        let fleet = Authority::new("fleet");
+        let (port_a, port_b) = (free_port(), free_port());
+        let tcp = |port: u16| format!("tcp:127.0.0.1:{port}");
+        let serve = |side: &Side, name: &str, [listen, peer]: [String; 2]| {
+            let flags = fleet.credentials(&side.dir, name);
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            serve_side_with(&golden, side, [&listen, &peer], "256M", &flags, &[])
+        };
+        (serve(&a, "host-a", [tcp(port_a), tcp(port_b)]), serve(&b, "host-b", [tcp(port_b), tcp(port_a)]))
+    } else {
+        (serve_side(&golden, &a, &b, "256M"), serve_side(&golden, &b, &a, "256M"))
+    };
+    let link =
+        if tls { "TLS 1.3 on TCP over loopback (rustls, ring; a relay thread per link)" } else { "a Unix socket" };
     let mut source = a.connect("bench");
     let chunk = pseudo_random(4 << 20, 21);
     let written = Instant::now();
@@ -614,8 +630,8 @@ fn bench_move_256m_in_ram_and_1g_spilled() {
     let rev = String::from_utf8_lossy(&rev.stdout).trim().to_owned();
     let report = format!(
         "# Moving a VM between two servers on one host ({rev})\n\n\
-         `bench/migrate` (crates/overspill/tests/migration.rs, `bench_move_256m_in_ram_and_1g_spilled`, release \
-         build); two `overspill serve` with `--ram 256M`, each the other's peer over a Unix socket, spill and memory \
+         `bench/migrate` (crates/overspill/tests/migration/main.rs, `bench_move_256m_in_ram_and_1g_spilled`, release \
+         build); two `overspill serve` with `--ram 256M`, each the other's peer over {link}, spill and memory \
          directories under /var/tmp; 2 cores, noisy. The VM was filled with 1,280 MiB by our NBD client \
          ({fill_s:.1} s); then it held {ram_mib} MiB of cache memory and {spill_mib} MiB spilled at A.\n\n\
          | figure | value |\n|---|---|\n\
@@ -640,7 +656,8 @@ fn bench_move_256m_in_ram_and_1g_spilled() {
         max = ms(dest_latencies.last().copied().unwrap_or_default()),
         source_end = source_end.unwrap_or_default(),
     );
-    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../bench/results/migrate-{rev}.md"));
+    let out = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../../bench/results/migrate-{rev}{}.md", if tls { "-tls" } else { "" }));
     std::fs::write(&out, &report).expect("writing the results");
     println!("{report}");
 }
