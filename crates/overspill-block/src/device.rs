@@ -95,6 +95,15 @@ pub struct Extent {
     pub zero: bool,
 }
 
+/// A run of a device's bytes by the layer that holds them, as `qemu:allocation-depth` reports
+/// it: 0 no layer (reads as zeroes nobody stored), 1 the device's own (a VM's overlay), 2 the
+/// image below it, and so on down a chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DepthExtent {
+    pub length: u64,
+    pub depth: u32,
+}
+
 /// Why a device refused or failed a command; each frontend maps it to its own error in one place
 /// (NBD: `overspill_nbd::request::errno_of`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,6 +234,13 @@ pub trait BlockDevice: Send {
     fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
         let _ = offset;
         Ok(vec![Extent { length, hole: false, zero: false }])
+    }
+    /// Which layer holds each part of `[offset, offset + length)`, in order from `offset`: at
+    /// least one extent, which may cover less than asked but never more. The default calls it
+    /// all the device's own (depth 1), which is true of a device with no image below it.
+    fn allocation_depth(&mut self, offset: u64, length: u64) -> Result<Vec<DepthExtent>, DeviceError> {
+        let _ = offset;
+        Ok(vec![DepthExtent { length, depth: 1 }])
     }
     /// The client will read this range soon (NBD_CMD_CACHE): a device may fetch it. Doing
     /// nothing is a correct answer, and the default.

@@ -6,7 +6,7 @@ use std::io::{IoSlice, IoSliceMut};
 
 use bytes::Bytes;
 
-use crate::device::{BlockDevice, Capabilities, DeviceError, Extent, Payload, ReadRequest};
+use crate::device::{BlockDevice, Capabilities, DepthExtent, DeviceError, Extent, Payload, ReadRequest};
 
 /// A [`BlockDevice`] made of another one and something added to some of its calls. Each method
 /// here is the device method of the same name, passed to [`Self::below`] unless overridden. A
@@ -76,6 +76,9 @@ pub trait DeviceLayer: Send {
     }
     fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
         self.below_mut().block_status(offset, length)
+    }
+    fn allocation_depth(&mut self, offset: u64, length: u64) -> Result<Vec<DepthExtent>, DeviceError> {
+        self.below_mut().allocation_depth(offset, length)
     }
     fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
         self.below_mut().cache(offset, length)
@@ -154,6 +157,9 @@ impl<L: DeviceLayer> BlockDevice for L {
     }
     fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, DeviceError> {
         DeviceLayer::block_status(self, offset, length)
+    }
+    fn allocation_depth(&mut self, offset: u64, length: u64) -> Result<Vec<DepthExtent>, DeviceError> {
+        DeviceLayer::allocation_depth(self, offset, length)
     }
     fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
         DeviceLayer::cache(self, offset, length)

@@ -16,8 +16,8 @@ pub mod timed;
 pub mod trace;
 
 pub use device::{
-    read_whole, BlockDevice, BlockSizes, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo,
-    ExportProvider, Extent, Payload, ReadRequest, SlicesPayload, VmSockets, DEFAULT_BLOCK_SIZES,
+    read_whole, BlockDevice, BlockSizes, Capabilities, DepthExtent, DeviceError, DeviceErrorKind, ExportAccess,
+    ExportInfo, ExportProvider, Extent, Payload, ReadRequest, SlicesPayload, VmSockets, DEFAULT_BLOCK_SIZES,
 };
 pub use layer::DeviceLayer;
 pub use limit::{Limiter, Limits, Rate, Throttled};

@@ -8,8 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use overspill_block::trace::Trace;
 use overspill_block::{
-    read_whole, BlockDevice, Capabilities, DeviceError, Extent, GuestOp, Latencies, Payload, ReadRequest, Recorded,
-    Recorder, SlicesPayload, Timed,
+    read_whole, BlockDevice, Capabilities, DepthExtent, DeviceError, Extent, GuestOp, Latencies, Payload, ReadRequest,
+    Recorded, Recorder, SlicesPayload, Timed,
 };
 
 /// A disk in memory that notes every call it gets.
@@ -95,6 +95,10 @@ impl BlockDevice for Probe {
         self.note("block_status");
         Ok(vec![Extent { length, hole: false, zero: false }])
     }
+    fn allocation_depth(&mut self, _: u64, length: u64) -> Result<Vec<DepthExtent>, DeviceError> {
+        self.note("allocation_depth");
+        Ok(vec![DepthExtent { length, depth: 2 }])
+    }
     fn cache(&mut self, _: u64, _: u64) -> Result<(), DeviceError> {
         self.note("cache");
         Ok(())
@@ -114,7 +118,7 @@ impl BlockDevice for Probe {
     }
 }
 
-const EVERY_CALL: [&str; 19] = [
+const EVERY_CALL: [&str; 20] = [
     "size",
     "capabilities",
     "read_requested",
@@ -129,6 +133,7 @@ const EVERY_CALL: [&str; 19] = [
     "trim",
     "flush",
     "block_status",
+    "allocation_depth",
     "cache",
     "disconnect",
     "idle",
@@ -153,6 +158,7 @@ fn call_everything(device: &mut dyn BlockDevice) {
     device.trim(0, 4096, false).expect("trim");
     device.flush().expect("flush");
     device.block_status(0, 4096).expect("block_status");
+    device.allocation_depth(0, 4096).expect("allocation_depth");
     device.cache(0, 4096).expect("cache");
     device.disconnect();
     device.idle();

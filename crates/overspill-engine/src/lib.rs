@@ -27,7 +27,9 @@ pub mod units;
 pub use budget::{HostMemory, PagesRoom};
 pub use error::{EngineError, Result};
 pub use golden::{push_extent, Allocation, Extent, GoldenImage, ImageLayer, MemImage, RawImage, SourceReads};
-pub use overlay::{BackingKind, MovedRun, Overlay, OverlayConfig, WriteCacheMode};
+pub use overlay::{
+    BackingKind, LayerRun, MovedRun, Overlay, OverlayConfig, WriteCacheMode, DEPTH_GOLDEN, DEPTH_OVERLAY,
+};
 pub use read_cache::CachedImage;
 pub use stats::{StorageTier, VmStats};
 pub use store::{BackingFile, ScratchFile, SegmentWriters, SpaceShortages};

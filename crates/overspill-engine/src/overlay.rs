@@ -52,6 +52,7 @@ mod recovery;
 mod tiered;
 
 pub use config::{BackingKind, OverlayConfig, WriteCacheMode};
+pub use extents::{LayerRun, DEPTH_GOLDEN, DEPTH_OVERLAY};
 use in_place::InPlace;
 pub use moving::MovedRun;
 use recovery::SpillFound;

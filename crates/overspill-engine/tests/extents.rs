@@ -7,7 +7,8 @@ use std::io;
 use std::sync::Arc;
 
 use overspill_engine::{
-    push_extent, Allocation, Extent, GoldenImage, HostMemory, MemImage, Overlay, OverlayConfig, VmStats, WriteCacheMode,
+    push_extent, Allocation, Extent, GoldenImage, HostMemory, LayerRun, MemImage, Overlay, OverlayConfig, VmStats,
+    WriteCacheMode, DEPTH_GOLDEN, DEPTH_OVERLAY,
 };
 
 const SIZE: u64 = 64 << 10;
@@ -86,5 +87,44 @@ fn golden_extents_are_reported_in_whole_blocks_under_the_vms_own() {
             (4096, Data),
             (SIZE - 36864, Hole)
         ]
+    );
+}
+
+fn depths(runs: &[LayerRun]) -> Vec<(u64, u32)> {
+    runs.iter().map(|r| (r.len, r.depth)).collect()
+}
+
+/// `qemu:allocation-depth`: the VM's own blocks (written or zeroed, in RAM or spilled) are the
+/// overlay's, a trimmed block is the golden image's again, and the golden image's holes are
+/// no layer's; in whole blocks, as block status.
+#[test]
+fn each_block_is_reported_by_the_layer_that_holds_it() {
+    let mut vm = overlay();
+    // Golden blocks: 0 hole, 1-3 data or zero (golden), 4 hole, 5 data, 6.. hole.
+    assert_eq!(
+        depths(&vm.allocation_depth(0, SIZE).expect("depths")),
+        [(4096, 0), (3 * 4096, DEPTH_GOLDEN), (4096, 0), (4096, DEPTH_GOLDEN), (SIZE - 24576, 0)]
+    );
+    vm.write(8 * 4096, &[7; 4096]).expect("write over a hole");
+    vm.write(4096, &[7; 4096]).expect("write over data");
+    vm.write_zeroes(3 * 4096, 4096).expect("zeroes over zeroes");
+    vm.trim(4096, 4096).expect("trim: golden again");
+    assert_eq!(
+        depths(&vm.allocation_depth(0, SIZE).expect("depths")),
+        [
+            (4096, 0),
+            (2 * 4096, DEPTH_GOLDEN),
+            (4096, DEPTH_OVERLAY),
+            (4096, 0),
+            (4096, DEPTH_GOLDEN),
+            (2 * 4096, 0),
+            (4096, DEPTH_OVERLAY),
+            (SIZE - 36864, 0)
+        ]
+    );
+    // Part of a range: the first and last runs are cut at its ends.
+    assert_eq!(
+        depths(&vm.allocation_depth(12500, 10000).expect("depths")),
+        [(3884, DEPTH_OVERLAY), (4096, 0), (2020, DEPTH_GOLDEN)]
     );
 }

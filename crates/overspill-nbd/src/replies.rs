@@ -6,7 +6,7 @@ use overspill_net::Transport;
 
 use crate::connection::ConnectionError;
 use crate::counters::command_name;
-use crate::handshake::{Negotiated, ALLOCATION_CONTEXT_ID};
+use crate::handshake::{Negotiated, ALLOCATION_CONTEXT_ID, DEPTH_CONTEXT_ID};
 use crate::request::{errno_of, Command, RequestHeader};
 use crate::stream::Wire;
 use crate::wire::*;
@@ -75,9 +75,10 @@ const MAX_STATUS_DESCRIPTORS: usize = 1 << 20;
 /// long extents (an empty disk) into many more round trips.
 const STATUS_WINDOW_BYTES: u64 = 256 << 20;
 
-/// Answers NBD_CMD_BLOCK_STATUS for `base:allocation`: one chunk of (length, flags)
-/// descriptors, never past the request's end (so REQ_ONE's limit holds too), merged where
-/// neighbours agree.
+/// Answers NBD_CMD_BLOCK_STATUS: a chunk of (length, flags) descriptors for each context the
+/// client selected (`base:allocation`, then `qemu:allocation-depth`), each never past the
+/// request's end (so REQ_ONE's limit holds too) and merged where neighbours agree; the last
+/// chunk carries DONE. A device error fails the whole request before any chunk.
 pub(crate) fn block_status<T>(
     wire: &mut Wire<T>,
     session: &mut Negotiated,
@@ -86,31 +87,72 @@ pub(crate) fn block_status<T>(
     length: u32,
     req_one: bool,
 ) {
-    if !session.block_status {
+    if !session.contexts.any() {
         let why = "no metadata context was selected (NBD_OPT_SET_META_CONTEXT base:allocation)";
         reply_status(wire, session, header, Err((Errno::Inval, why.into())));
         return;
     }
-    let extents = match session.device.block_status(offset, u64::from(length).min(STATUS_WINDOW_BYTES)) {
-        Ok(extents) => extents,
-        Err(error) => {
-            reply_status(wire, session, header, Err((errno_of(error.kind), error.message)));
-            return;
+    let window = u64::from(length).min(STATUS_WINDOW_BYTES);
+    let mut chunks: Vec<(u32, Descriptors)> = Vec::with_capacity(2);
+    if session.contexts.allocation {
+        let flags = |hole: bool, zero: bool| if hole { STATE_HOLE } else { 0 } | if zero { STATE_ZERO } else { 0 };
+        let answer = match session.device.block_status(offset, window) {
+            Ok(extents) => descriptors(extents.iter().map(|e| (e.length, flags(e.hole, e.zero))), length, req_one),
+            Err(error) => failed(error),
+        };
+        chunks.push((ALLOCATION_CONTEXT_ID, answer));
+    }
+    if session.contexts.depth {
+        let answer = match session.device.allocation_depth(offset, window) {
+            Ok(runs) => descriptors(runs.iter().map(|run| (run.length, run.depth)), length, req_one),
+            Err(error) => failed(error),
+        };
+        chunks.push((DEPTH_CONTEXT_ID, answer));
+    }
+    let mut answered = Vec::with_capacity(chunks.len());
+    for (id, result) in chunks {
+        match result {
+            Ok(descriptors) => answered.push((id, descriptors)),
+            Err((errno, why)) => {
+                reply_status(wire, session, header, Err((errno, why)));
+                return;
+            }
         }
-    };
+    }
+    let out = &mut wire.output;
+    let last = answered.len() - 1;
+    for (i, (id, descriptors)) in answered.into_iter().enumerate() {
+        let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+        chunk_header(out, flags, REPLY_TYPE_BLOCK_STATUS, header.cookie, 4 + 8 * descriptors.len() as u32);
+        put_u32(out, id);
+        for (len, value) in descriptors {
+            put_u32(out, len);
+            put_u32(out, value);
+        }
+    }
+}
+
+type Descriptors = Result<Vec<(u32, u32)>, (Errno, String)>;
+
+fn failed(error: DeviceError) -> Descriptors {
+    Err((errno_of(error.kind), error.message))
+}
+
+/// A device's runs as one context's descriptors: cut at the request's `length`, merged where
+/// neighbours agree, at most [`MAX_STATUS_DESCRIPTORS`], one with REQ_ONE.
+fn descriptors(runs: impl Iterator<Item = (u64, u32)>, length: u32, req_one: bool) -> Descriptors {
     let mut descriptors: Vec<(u32, u32)> = Vec::new();
     let mut left = length;
-    for extent in extents {
-        let len = extent.length.min(u64::from(left)) as u32;
+    for (run, value) in runs {
+        let len = run.min(u64::from(left)) as u32;
         if len == 0 {
             break;
         }
-        let flags = if extent.hole { STATE_HOLE } else { 0 } | if extent.zero { STATE_ZERO } else { 0 };
         let full = descriptors.len() == MAX_STATUS_DESCRIPTORS;
         match descriptors.last_mut() {
-            Some((last_len, last_flags)) if *last_flags == flags => *last_len += len,
+            Some((last_len, last_value)) if *last_value == value => *last_len += len,
             _ if full => break,
-            _ => descriptors.push((len, flags)),
+            _ => descriptors.push((len, value)),
         }
         left -= len;
         if req_one {
@@ -118,17 +160,9 @@ pub(crate) fn block_status<T>(
         }
     }
     if descriptors.is_empty() {
-        let why = "the device reported no extents";
-        reply_status(wire, session, header, Err((Errno::Io, why.into())));
-        return;
+        return Err((Errno::Io, "the device reported no extents".into()));
     }
-    let out = &mut wire.output;
-    chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, header.cookie, 4 + 8 * descriptors.len() as u32);
-    put_u32(out, ALLOCATION_CONTEXT_ID);
-    for (len, flags) in descriptors {
-        put_u32(out, len);
-        put_u32(out, flags);
-    }
+    Ok(descriptors)
 }
 
 /// Structured reads at least this long ask the device which parts read as zeroes, and send

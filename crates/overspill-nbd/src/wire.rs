@@ -80,6 +80,9 @@ pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
 
 // The base:allocation metadata context.
 pub const BASE_ALLOCATION: &str = "base:allocation";
+/// QEMU's context of which layer of an image chain holds each range (docs/interop/nbd.rst in
+/// QEMU): a 32-bit depth per extent, 0 for none, 1 for the top layer.
+pub const ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
 pub const STATE_HOLE: u32 = 1 << 0;
 pub const STATE_ZERO: u32 = 1 << 1;
 

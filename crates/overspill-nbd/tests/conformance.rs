@@ -1599,10 +1599,18 @@ fn metadata_contexts_are_listed_and_selected_as_the_spec_says() {
     assert_eq!(conn.ask_final(OPT_LIST_META_CONTEXT, &wanted), REP_ERR_INVALID, "LIST before structured replies");
     assert_eq!(conn.ask_final(OPT_STRUCTURED_REPLY, &[]), REP_ACK);
     let base = vec![(0, BASE_ALLOCATION.to_owned())];
-    for queries in [&[][..], &["base:"][..], &[BASE_ALLOCATION][..], &["x-other:thing", "base:"][..]] {
+    for queries in [&["base:"][..], &[BASE_ALLOCATION][..], &["x-other:thing", "base:"][..]] {
         let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_context_request(NAME, queries)));
         assert_eq!(listed, (base.clone(), REP_ACK), "LIST {queries:?}");
     }
+    let depth = vec![(0, ALLOCATION_DEPTH.to_owned())];
+    for queries in [&["qemu:"][..], &[ALLOCATION_DEPTH][..], &["qemu:dirty-bitmap:x", "qemu:"][..]] {
+        let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_context_request(NAME, queries)));
+        assert_eq!(listed, (depth.clone(), REP_ACK), "LIST {queries:?}");
+    }
+    let both = [base.clone(), depth].concat();
+    let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_context_request(NAME, &[])));
+    assert_eq!(listed, (both, REP_ACK), "LIST of everything");
     for queries in [&["x-other:thing"][..], &["base:nonesuch"][..], &["qemu:dirty-bitmap:x"][..]] {
         let listed = contexts(&conn.ask(OPT_LIST_META_CONTEXT, &meta_context_request(NAME, queries)));
         assert_eq!(listed, (vec![], REP_ACK), "LIST {queries:?} finds nothing");
@@ -1674,6 +1682,46 @@ fn block_status_describes_the_range_asked_for_and_no_more() {
     assert_eq!(conn.command(CMD_BLOCK_STATUS, 0, SIZE as u64 - 512, 1024), EINVAL, "past the end");
     assert_eq!(conn.command(CMD_BLOCK_STATUS, 0, 0, 0), EINVAL, "zero length");
     assert_eq!(conn.command(CMD_BLOCK_STATUS, CMD_FLAG_DF, 0, 4096), EINVAL, "a flag BLOCK_STATUS has not");
+    assert_eq!(conn.read(0, 512, true), Ok(vec![0; 512]), "the connection goes on");
+}
+
+/// With both contexts selected, BLOCK_STATUS answers a chunk for each, in the order of their
+/// IDs, DONE on the last: `base:allocation`'s holes and `qemu:allocation-depth`'s layers (this
+/// device has no image below it: all its own, depth 1).
+#[test]
+fn block_status_answers_a_chunk_per_selected_context() {
+    let server = serve(&Disk::new(Capabilities::ALL));
+    let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES);
+    assert_eq!(conn.ask_final(OPT_STRUCTURED_REPLY, &[]), REP_ACK);
+    let request = meta_context_request(NAME, &[ALLOCATION_DEPTH, BASE_ALLOCATION]);
+    let (selected, last) = contexts(&conn.ask(OPT_SET_META_CONTEXT, &request));
+    assert_eq!(last, REP_ACK);
+    let names: Vec<&str> = selected.iter().map(|(_, name)| name.as_str()).collect();
+    assert_eq!(names, [BASE_ALLOCATION, ALLOCATION_DEPTH]);
+    let (base_id, depth_id) = (selected[0].0, selected[1].0);
+    assert_ne!(base_id, depth_id);
+    conn.negotiate(false);
+    for (flags, expected_base, expected_depth) in [
+        (
+            0,
+            vec![(3096, 0), (4096, STATE_HOLE | STATE_ZERO), (4096, 0), (712, STATE_HOLE | STATE_ZERO)],
+            vec![(12000, 1)],
+        ),
+        (CMD_FLAG_REQ_ONE, vec![(3096, 0)], vec![(12000, 1)]),
+    ] {
+        conn.request(CMD_BLOCK_STATUS, flags, 0xd7, 1000, 12000, &[]);
+        let mut answers = Vec::new();
+        for _ in 0..2 {
+            let chunk = conn.chunk(0xd7);
+            assert_eq!(chunk.kind, REPLY_TYPE_BLOCK_STATUS, "{chunk:?}");
+            let payload = &chunk.payload;
+            let descriptors: Vec<(u32, u32)> =
+                payload[4..].chunks_exact(8).map(|d| (be_u32(d), be_u32(&d[4..]))).collect();
+            answers.push((be_u32(payload), chunk.flags, descriptors));
+        }
+        assert_eq!(answers[0], (base_id, 0, expected_base), "base:allocation first, not the last chunk");
+        assert_eq!(answers[1], (depth_id, REPLY_FLAG_DONE, expected_depth), "then the depths, DONE");
+    }
     assert_eq!(conn.read(0, 512, true), Ok(vec![0; 512]), "the connection goes on");
 }
 

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use overspill_block::{
-    BlockDevice, Capabilities, DeviceError, DeviceErrorKind, DeviceLayer, Extent, Limiter, Payload, ReadRequest,
-    Recorded, Recorder, Throttled, Timed,
+    BlockDevice, Capabilities, DepthExtent, DeviceError, DeviceErrorKind, DeviceLayer, Extent, Limiter, Payload,
+    ReadRequest, Recorded, Recorder, Throttled, Timed,
 };
 use overspill_engine::{Allocation, EngineError};
 
@@ -254,6 +254,15 @@ impl BlockDevice for EngineDevice {
                 zero: extent.state != Allocation::Data,
             })
             .collect())
+    }
+
+    fn allocation_depth(&mut self, offset: u64, length: u64) -> Result<Vec<DepthExtent>, DeviceError> {
+        if self.live.gated() {
+            // Still the sender's: its own, which is always true of a VM moving here.
+            return Ok(vec![DepthExtent { length, depth: overspill_engine::DEPTH_OVERLAY }]);
+        }
+        let runs = self.serve(Purpose::Read, |overlay| overlay.allocation_depth(offset, length))?;
+        Ok(runs.into_iter().map(|run| DepthExtent { length: run.len, depth: run.depth }).collect())
     }
 
     fn idle_timed_out(&mut self) {

@@ -215,6 +215,44 @@ fn block_status_shows_what_a_vm_wrote_zeroed_and_trimmed_over_the_golden_images_
     }));
     assert_eq!(seen, expected, "qemu-img map");
 
+    // qemu:allocation-depth: what the VM wrote or zeroed is its own (1), the golden image's data
+    // is the layer below (2, the trimmed range again), its holes no layer's (0).
+    let depths = merged([
+        (0, MIB, 0),
+        (MIB, MIB, 1),
+        (2 * MIB, MIB, 2),
+        (3 * MIB, 7 * MIB, 0),
+        (10 * MIB, 64 << 10, 2),
+        (10 * MIB + (64 << 10), 10 * MIB - (64 << 10), 0),
+        (20 * MIB, 8192, 1),
+        (20 * MIB + 8192, 44 * MIB - 8192, 0),
+    ]);
+    prepare();
+    let out = run_ok(d, "nbdinfo", &["--map=qemu:allocation-depth", "--json", &uri(&socket, "@vm1")]);
+    let seen = merged(json(&out.stdout).iter().map(|e| {
+        let depth = e["type"].as_u64().expect("depth") as u32;
+        (e["offset"].as_u64().expect("offset"), e["length"].as_u64().expect("length"), depth)
+    }));
+    assert_eq!(seen, depths, "nbdinfo --map=qemu:allocation-depth");
+    // QEMU reads it through x-dirty-bitmap, folded into its map's flags (0: data, 1: neither,
+    // 2 and deeper: data and zero; QEMU's docs/interop/nbd.rst).
+    prepare();
+    let opts = format!(
+        "driver=nbd,server.type=unix,server.path={},export=@vm1,x-dirty-bitmap=qemu:allocation-depth",
+        socket.display()
+    );
+    let out = run_ok(d, "qemu-img", &["map", "--output=json", "--image-opts", &opts]);
+    let seen = merged(json(&out.stdout).iter().map(|e| {
+        let depth = match (e["data"].as_bool().expect("data"), e["zero"].as_bool().expect("zero")) {
+            (true, false) => 0,
+            (false, false) => 1,
+            (true, true) => 2,
+            other => panic!("a map entry QEMU does not make of depths: {other:?}"),
+        };
+        (e["start"].as_u64().expect("start"), e["length"].as_u64().expect("length"), depth)
+    }));
+    assert_eq!(seen, depths, "qemu-img map with qemu:allocation-depth");
+
     // Large structured reads send what reads as zeroes as hole chunks: the whole 24 MiB read in
     // 1 MiB requests comes back right, counted whole as the guest's reads, while the golden
     // image is read for little more than its data.

@@ -1,5 +1,5 @@
 //! Block status: how each range of the VM's disk is stored, the golden image's own allocation
-//! where the VM has not written.
+//! where the VM has not written; and which layer holds each range (`qemu:allocation-depth`).
 
 use std::io;
 
@@ -23,7 +23,60 @@ fn strongest(a: Allocation, b: Allocation) -> Allocation {
     }
 }
 
+/// A run of the VM's disk by the layer that holds it: [`DEPTH_OVERLAY`], [`DEPTH_GOLDEN`], or 0
+/// where neither does (a hole of the golden image, or past its end).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerRun {
+    pub len: u64,
+    pub depth: u32,
+}
+
+/// The VM's own writes, zeroes included, wherever they are kept.
+pub const DEPTH_OVERLAY: u32 = 1;
+/// The golden image's stored data or zeroes.
+pub const DEPTH_GOLDEN: u32 = 2;
+
+fn push_run(runs: &mut Vec<LayerRun>, len: u64, depth: u32) {
+    match runs.last_mut() {
+        _ if len == 0 => {}
+        Some(last) if last.depth == depth => last.len += len,
+        _ => runs.push(LayerRun { len, depth }),
+    }
+}
+
 impl Overlay {
+    /// Which layer holds each part of `[offset, offset + len)`: the VM's overlay for what it
+    /// wrote or zeroed (a TRIMmed block is the golden image's again), the golden image where it
+    /// stores data or zeroes, no layer where it has a hole; in whole blocks, as [`Self::extents`].
+    pub fn allocation_depth(&self, offset: u64, len: u64) -> Result<Vec<LayerRun>> {
+        self.core.check_range(offset, len)?;
+        let mut runs = Vec::new();
+        let end = offset + len;
+        let mut block = offset / BLOCK_BYTES;
+        let end_block = end.div_ceil(BLOCK_BYTES);
+        let golden_at = |block: u64| self.core.source(BlockIndex(block)) == Source::Golden;
+        while block < end_block {
+            let golden = golden_at(block);
+            let mut run_end = block + 1;
+            while run_end < end_block && golden_at(run_end) == golden {
+                run_end += 1;
+            }
+            let (from, to) = ((block * BLOCK_BYTES).max(offset), (run_end * BLOCK_BYTES).min(end));
+            if golden {
+                let mut extents = Vec::new();
+                self.golden_extents(from, to, &mut extents)?;
+                for extent in extents {
+                    let depth = if extent.state == Allocation::Hole { 0 } else { DEPTH_GOLDEN };
+                    push_run(&mut runs, extent.len, depth);
+                }
+            } else {
+                push_run(&mut runs, to - from, DEPTH_OVERLAY);
+            }
+            block = run_end;
+        }
+        Ok(runs)
+    }
+
     /// How `[offset, offset + len)` of the VM's disk is stored, for block status: what the VM
     /// wrote is data wherever it lives (RAM, spill, cache file); what it zeroed is `Zero` (it
     /// reads as zeroes, and a client that zeroed with NO_HOLE is never told of a hole it did not
