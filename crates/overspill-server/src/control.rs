@@ -103,6 +103,10 @@ pub struct Answer {
     /// With a list: where the server makes vhost-user sockets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vhost_user_dir: Option<PathBuf>,
+    /// With a list: where the server listens for NBD clients (`unix:PATH`, `tcp:HOST:PORT`),
+    /// so that a libvirt hook tells its disks from another NBD server's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_listen: Option<Vec<String>>,
     /// With a locate: the peer that holds the VM live.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<String>,
@@ -114,9 +118,15 @@ pub struct Control {
     _listener: Arc<Listener>,
     sockets: Arc<OnceLock<Arc<dyn VmSockets>>>,
     peers: Arc<OnceLock<Peers>>,
+    nbd_listen: Arc<OnceLock<Vec<String>>>,
 }
 
 impl Control {
+    /// From now on `list` tells where the server listens for NBD clients.
+    pub fn serve_nbd_listen(&self, addresses: Vec<String>) {
+        let _ = self.nbd_listen.set(addresses);
+    }
+
     /// From now on `add` declares VMs on `sockets`, and `drop` and `list` see them.
     pub fn serve_sockets(&self, sockets: Arc<dyn VmSockets>) {
         let _ = self.sockets.set(sockets);
@@ -133,6 +143,7 @@ struct Targets {
     registry: Arc<VmRegistry>,
     sockets: Arc<OnceLock<Arc<dyn VmSockets>>>,
     peers: Arc<OnceLock<Peers>>,
+    nbd_listen: Arc<OnceLock<Vec<String>>>,
 }
 
 /// Serves the control socket at `path` on a thread of its own; the socket goes with the
@@ -152,7 +163,9 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Control, ServerEr
     let clients = Arc::new(AtomicUsize::new(0));
     let sockets = Arc::new(OnceLock::new());
     let peers = Arc::new(OnceLock::new());
-    let targets = Arc::new(Targets { registry, sockets: sockets.clone(), peers: peers.clone() });
+    let nbd_listen = Arc::new(OnceLock::new());
+    let targets =
+        Arc::new(Targets { registry, sockets: sockets.clone(), peers: peers.clone(), nbd_listen: nbd_listen.clone() });
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
@@ -182,7 +195,7 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Control, ServerEr
             }
         })
         .map_err(|e| ServerError::io("starting the control thread", e))?;
-    Ok(Control { _listener: listener, sockets, peers })
+    Ok(Control { _listener: listener, sockets, peers, nbd_listen })
 }
 
 /// One client being answered, counted until it is dropped: when its thread ends, however it
@@ -203,6 +216,7 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             ok: true,
             vms: Some(targets.list()),
             vhost_user_dir: targets.sockets().map(|sockets| sockets.directory()),
+            nbd_listen: targets.nbd_listen.get().cloned(),
             ..Answer::default()
         },
         Ok(Request::Reset { vm }) => outcome(targets.registry.reset(&vm)),

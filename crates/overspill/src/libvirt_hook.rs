@@ -5,10 +5,12 @@
 //! libvirt runs it as `HOOK DOMAIN OPERATION SUB-OPERATION EXTRA` with the domain's XML on
 //! standard input, and a non-zero exit stops the operation, with what the hook wrote to
 //! standard error in libvirt's error. An overspill disk is an NBD disk whose export names a VM
-//! (`IMAGE@NAME`, `@NAME` for the default image), or a vhost-user disk whose socket is
-//! `NAME.sock` in the server's vhost-user directory (given to the hook as `--vhost-user-dir`;
-//! without it, any `NAME.sock` is taken for VM NAME where the hook refuses, and only those in
-//! the directory the server reports where it declares). What the hook does:
+//! (`IMAGE@NAME`, `@NAME` for the default image) at the socket or TCP port the server listens
+//! on, or a vhost-user disk whose socket is `NAME.sock` in the server's vhost-user directory
+//! (given to the hook as `--vhost-user-dir`, or as the server reports it). Another NBD server's
+//! disk or another backend's vhost-user disk is left alone. Where the server cannot be asked,
+//! every disk that looks like one counts as overspill's, so that a migration or restore is
+//! refused rather than let through onto golden data. What the hook does:
 //!
 //! - `migrate` (on the destination, before its QEMU starts): refuses, naming the VMs. Their
 //!   writes live in the source host's server, and the destination's server would start them
@@ -72,19 +74,41 @@ pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
         .into_iter()
         .filter(|disk| disk.in_directory(args.vhost_user_dir.as_deref()))
         .collect();
+    let acts = matches!(
+        (args.operation.as_str(), args.sub_operation.as_str()),
+        ("migrate" | "restore", _) | ("prepare", "begin")
+    );
+    if disks.is_empty() || !acts {
+        return Ok(());
+    }
+    // Which of them are this server's: another NBD server's export may hold an '@', another
+    // backend's vhost-user socket may end in .sock.
+    let server = ask(&args, &Request::List);
+    let disks: Vec<OverspillDisk> = match &server {
+        Ok(answer) => disks.into_iter().filter(|disk| disk.served_by(answer, args.vhost_user_dir.is_some())).collect(),
+        Err(_) => disks,
+    };
     if disks.is_empty() {
         return Ok(());
     }
     let domain = &args.domain;
     let listed = names(&disks).join(", ");
     match (args.operation.as_str(), args.sub_operation.as_str()) {
-        ("migrate", _) => migrate(&args, &disks),
+        ("migrate", _) => match &server {
+            Ok(_) => migrate(&args, &disks),
+            // Asked once already, for as long as --wait allows.
+            Err(error) => bail!(
+                "domain {domain} cannot be migrated: the writes of its overspill VM(s) {listed} live in the \
+                 overspill server of the host it runs on, and this host's server cannot be asked whether a peer \
+                 holds them ({error:#}); the guest stays where it is."
+            ),
+        },
         ("restore", _) => bail!(
             "domain {domain} cannot be restored: the overlay of its overspill VM(s) {listed} ended when it was \
              saved (a saved QEMU ends its disks' connections), and the saved guest would run on golden data. \
              Start it afresh instead (virsh managedsave-remove {domain}, then virsh start {domain})."
         ),
-        ("prepare", "begin") => prepare(&args, disks),
+        ("prepare", "begin") => prepare(&args, disks, server?),
         _ => Ok(()),
     }
 }
@@ -126,15 +150,8 @@ fn migrate(args: &LibvirtHookArgs, disks: &[OverspillDisk]) -> anyhow::Result<()
 
 /// Before a domain starts: no VM of it in use elsewhere, each vhost-user VM's socket made, and
 /// each VM reset.
-fn prepare(args: &LibvirtHookArgs, disks: Vec<OverspillDisk>) -> anyhow::Result<()> {
+fn prepare(args: &LibvirtHookArgs, disks: Vec<OverspillDisk>, listed: control::Answer) -> anyhow::Result<()> {
     let domain = &args.domain;
-    let listed = ask(args, &Request::List)?;
-    // Without --vhost-user-dir, a vhost-user disk is overspill's only in the server's directory;
-    // with it, one there that the server would make elsewhere is a setup to refuse.
-    let disks: Vec<OverspillDisk> = match &args.vhost_user_dir {
-        Some(_) => disks,
-        None => disks.into_iter().filter(|disk| disk.in_directory(listed.vhost_user_dir.as_deref())).collect(),
-    };
     let states = listed.vms.unwrap_or_default();
     for vm in names(&disks) {
         let state = states.iter().find(|s| s.vm == vm).map(|s| s.state);
@@ -163,14 +180,43 @@ fn prepare(args: &LibvirtHookArgs, disks: Vec<OverspillDisk>) -> anyhow::Result<
     Ok(())
 }
 
-/// An overspill disk of a domain: the VM it names, and its socket if it is a vhost-user disk.
+/// An overspill disk of a domain: the VM it names, and its socket if it is a vhost-user disk,
+/// or where its NBD server is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OverspillDisk {
     pub vm: String,
     pub vhost_user_socket: Option<PathBuf>,
+    pub nbd_server: Option<NbdServer>,
+}
+
+/// Where an NBD disk's `<host>` says its server is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NbdServer {
+    Unix(PathBuf),
+    /// libvirt's default port is NBD's, 10809.
+    Tcp {
+        port: u16,
+    },
 }
 
 impl OverspillDisk {
+    /// Whether the server that `listed` answered serves this disk: an NBD disk at one of its
+    /// listen addresses (any, for a server too old to say), a vhost-user disk in its
+    /// directory (already checked when the hook was given one: `dir_given`).
+    fn served_by(&self, listed: &control::Answer, dir_given: bool) -> bool {
+        if self.vhost_user_socket.is_some() {
+            return dir_given || listed.vhost_user_dir.as_deref().is_some_and(|dir| self.in_directory(Some(dir)));
+        }
+        let Some(addresses) = &listed.nbd_listen else { return true };
+        addresses.iter().any(|address| match (&self.nbd_server, address.parse::<overspill_net::ListenAddr>()) {
+            (Some(NbdServer::Unix(socket)), Ok(overspill_net::ListenAddr::Unix(path))) => same_path(socket, &path),
+            (Some(NbdServer::Tcp { port }), Ok(overspill_net::ListenAddr::Tcp(bound))) => {
+                bound.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok()) == Some(*port)
+            }
+            _ => false,
+        })
+    }
+
     /// An NBD disk, or a vhost-user disk whose socket is in `dir` (any, if `None`).
     fn in_directory(&self, dir: Option<&std::path::Path>) -> bool {
         match (&self.vhost_user_socket, dir) {
@@ -223,46 +269,84 @@ fn declare(args: &LibvirtHookArgs, vm: &str, socket: &std::path::Path) -> anyhow
     }
 }
 
-/// The domain's overspill disks: NBD disks whose export is `IMAGE@NAME`, and vhost-user disks
-/// whose socket is `NAME.sock`.
+/// The domain's overspill disks: NBD disks whose export is `IMAGE@NAME` (with where their
+/// `<host>` says the server is), and vhost-user disks whose socket is `NAME.sock`.
 pub fn overspill_disks(xml: &str) -> anyhow::Result<Vec<OverspillDisk>> {
     let mut reader = quick_xml::Reader::from_str(xml);
     // Inside a <disk>, and whether it is a vhost-user one.
     let mut disk: Option<bool> = None;
+    // An NBD source naming a VM, whose <host> may follow.
+    let mut nbd: Option<OverspillDisk> = None;
     let mut vms = Vec::new();
+    let default_server = NbdServer::Tcp { port: 10809 };
     loop {
-        match reader.read_event()? {
-            Event::Start(e) if e.name().as_ref() == b"disk" => {
+        let event = reader.read_event()?;
+        let (element, empty) = match &event {
+            Event::Start(e) => (Some(e), false),
+            Event::Empty(e) => (Some(e), true),
+            _ => (None, false),
+        };
+        match (&event, element) {
+            (_, Some(e)) if e.name().as_ref() == b"disk" => {
                 let kind = e.try_get_attribute(b"type")?.map(|a| a.value.into_owned());
                 disk = Some(kind.as_deref() == Some(b"vhostuser"));
             }
-            Event::End(e) if e.name().as_ref() == b"disk" => disk = None,
-            Event::Start(e) | Event::Empty(e) if disk.is_some() && e.name().as_ref() == b"source" => {
+            (_, Some(e)) if disk.is_some() && e.name().as_ref() == b"source" => {
                 let attribute = |key: &[u8]| -> anyhow::Result<Option<String>> {
                     match e.try_get_attribute(key)? {
                         Some(a) => Ok(Some(a.decode_and_unescape_value(reader.decoder())?.into_owned())),
                         None => Ok(None),
                     }
                 };
-                let found = if disk == Some(true) {
+                if disk == Some(true) {
                     let path = attribute(b"path")?.map(PathBuf::from);
-                    path.filter(|p| p.extension().is_some_and(|e| e == "sock")).and_then(|p| {
+                    let found = path.filter(|p| p.extension().is_some_and(|e| e == "sock")).and_then(|p| {
                         let vm = p.file_stem().and_then(|s| s.to_str()).map(str::to_owned)?;
-                        Some(OverspillDisk { vm, vhost_user_socket: Some(p) })
-                    })
+                        Some(OverspillDisk { vm, vhost_user_socket: Some(p), nbd_server: None })
+                    });
+                    vms.extend(found.filter(|found| !found.vm.is_empty()));
                 } else if attribute(b"protocol")?.as_deref() == Some("nbd") {
-                    attribute(b"name")?
+                    let vm = attribute(b"name")?
                         .as_deref()
                         .and_then(|name| name.split_once('@'))
-                        .map(|(_, vm)| OverspillDisk { vm: vm.to_owned(), vhost_user_socket: None })
-                } else {
-                    None
+                        .map(|(_, vm)| vm.to_owned());
+                    let found = vm.filter(|vm| !vm.is_empty()).map(|vm| OverspillDisk {
+                        vm,
+                        vhost_user_socket: None,
+                        nbd_server: None,
+                    });
+                    match (found, empty) {
+                        (Some(mut found), true) => {
+                            found.nbd_server = Some(default_server.clone());
+                            vms.push(found);
+                        }
+                        (found, _) => nbd = found,
+                    }
+                }
+            }
+            (_, Some(e)) if nbd.is_some() && e.name().as_ref() == b"host" => {
+                let attribute = |key: &[u8]| -> anyhow::Result<Option<String>> {
+                    match e.try_get_attribute(key)? {
+                        Some(a) => Ok(Some(a.decode_and_unescape_value(reader.decoder())?.into_owned())),
+                        None => Ok(None),
+                    }
                 };
-                if let Some(found) = found.filter(|found| !found.vm.is_empty()) {
+                let server = match (attribute(b"transport")?.as_deref(), attribute(b"socket")?) {
+                    (Some("unix"), Some(socket)) => NbdServer::Unix(socket.into()),
+                    _ => NbdServer::Tcp { port: attribute(b"port")?.and_then(|p| p.parse().ok()).unwrap_or(10809) },
+                };
+                if let Some(found) = nbd.as_mut() {
+                    found.nbd_server.get_or_insert(server);
+                }
+            }
+            (Event::End(e), _) if e.name().as_ref() == b"source" => {
+                if let Some(mut found) = nbd.take() {
+                    found.nbd_server.get_or_insert(default_server.clone());
                     vms.push(found);
                 }
             }
-            Event::Eof => break,
+            (Event::End(e), _) if e.name().as_ref() == b"disk" => disk = None,
+            (Event::Eof, _) => break,
             _ => {}
         }
     }
@@ -325,5 +409,35 @@ mod tests {
         assert!(disks[2].in_directory(Some(std::path::Path::new("/run/overspill/vhost"))));
         assert!(!disks[2].in_directory(Some(std::path::Path::new("/run/qsd"))));
         assert!(disks[0].in_directory(Some(std::path::Path::new("/run/qsd"))), "an NBD disk is in no directory");
+        assert_eq!(disks[0].nbd_server, Some(NbdServer::Unix("/run/overspill.sock".into())));
+        assert_eq!(disks[1].nbd_server, Some(NbdServer::Tcp { port: 10809 }), "libvirt's default");
+    }
+
+    /// Only the disks of the server that answers are overspill's: NBD disks at its socket or
+    /// TCP port, vhost-user disks in its directory.
+    #[test]
+    fn the_disks_of_another_nbd_server_or_vhost_user_backend_are_not_overspills() {
+        let xml = r#"<domain type='kvm'><name>d</name><devices>
+            <disk type='network' device='disk'><source protocol='nbd' name='@a'><host transport='unix' socket='/run/overspill.sock'/></source></disk>
+            <disk type='network' device='disk'><source protocol='nbd' name='img@b'><host transport='unix' socket='/run/other-nbd.sock'/></source></disk>
+            <disk type='network' device='disk'><source protocol='nbd' name='@c'><host name='storage1' port='10900'/></source></disk>
+            <disk type='vhostuser' device='disk'><source type='unix' path='/run/overspill/vhost/d.sock'/></disk>
+            <disk type='vhostuser' device='disk'><source type='unix' path='/var/tmp/spdk/e.sock'/></disk>
+          </devices></domain>"#;
+        let disks = overspill_disks(xml).expect("parsed");
+        let answer = |listen: &[&str]| control::Answer {
+            ok: true,
+            nbd_listen: Some(listen.iter().map(|a| a.to_string()).collect()),
+            vhost_user_dir: Some("/run/overspill/vhost".into()),
+            ..control::Answer::default()
+        };
+        let served = |answer: &control::Answer| -> Vec<&str> {
+            disks.iter().filter(|d| d.served_by(answer, false)).map(|d| d.vm.as_str()).collect()
+        };
+        assert_eq!(served(&answer(&["unix:/run/overspill.sock"])), ["a", "d"]);
+        assert_eq!(served(&answer(&["tcp:0.0.0.0:10900"])), ["c", "d"]);
+        // A server too old to say where it listens: every NBD disk naming a VM counts.
+        let old = control::Answer { nbd_listen: None, ..answer(&[]) };
+        assert_eq!(served(&old), ["a", "b", "c", "d"]);
     }
 }

@@ -247,3 +247,40 @@ fn a_start_makes_a_vhost_user_vms_socket_and_leaves_other_backends_alone() {
     assert!(stderr.contains(&theirs.display().to_string()) && stderr.contains("spill/state/vhost-user"), "{stderr}");
     assert!(!host.vm_list().contains("disk0"), "the refused start declared a VM: {}", host.vm_list());
 }
+
+/// Disks of another NBD server (an export naming `@vm` at another socket) or of another
+/// vhost-user backend (a `.sock` elsewhere) are not the hook's: their domains migrate and
+/// restore as if it were not installed. The same disk at this server's socket is refused; and
+/// with no server to ask, the hook cannot tell and refuses rather than risk golden data.
+#[test]
+fn other_servers_disks_are_left_alone_unless_the_server_cannot_be_asked() {
+    let host = Host::new();
+    let elsewhere = domain_xml("elsewhere", "vm-9", &host.dir.path().join("other-nbd.sock"));
+    let spdk = "<domain type='kvm'><name>spdk</name><devices><disk type='vhostuser' device='disk'>\
+                <source type='unix' path='/var/tmp/spdk/vhost.0.sock'/></disk></devices></domain>";
+    for operation in ["migrate", "restore"] {
+        for (domain, xml) in [("elsewhere", elsewhere.as_str()), ("spdk", spdk)] {
+            let (ok, stdout, stderr) = host.hook(domain, operation, "begin", xml);
+            assert!(ok && stdout.is_empty(), "{operation} of {domain}, another server's disk: {stderr}");
+        }
+    }
+    let ours = domain_xml("ours", "vm-9", &host.socket);
+    let (ok, _, stderr) = host.hook("ours", "migrate", "begin", &ours);
+    assert!(!ok && stderr.contains("vm-9"), "this server's disk: {stderr}");
+
+    let gone = host.dir.path().join("no-server.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["libvirt-hook", "--control", gone.to_str().expect("utf-8"), "--wait", "1s", "--"])
+        .args(["elsewhere", "restore", "begin", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            child.stdin.take().expect("stdin").write_all(elsewhere.as_bytes())?;
+            child.wait_with_output()
+        })
+        .expect("overspill libvirt-hook");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("vm-9"), "no server to ask, and let through: {stderr}");
+}
