@@ -435,38 +435,44 @@ impl GoldenImage for Qcow2Image {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let cluster = 1u64 << self.cluster_bits;
-        let mut done = 0usize;
-        while done < buf.len() {
-            let pos = offset + done as u64;
-            if pos >= self.size {
-                buf[done..].fill(0);
-                break;
-            }
-            let n = ((cluster - pos % cluster) as usize).min(buf.len() - done).min((self.size - pos) as usize);
-            let part = &mut buf[done..done + n];
-            match self.cluster_of(self.l2_entry(pos)?) {
-                // The spec wants data clusters aligned (qemu calls anything else corruption):
-                // read at face value, it would serve bytes shifted into the next cluster.
-                Cluster::Data(host) if host % cluster != 0 => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("qcow2 data cluster at unaligned offset {host}: the image is corrupt"),
-                    ));
+        // A file changed under the reader fails in many ways (a table pointing past the end, an
+        // unaligned cluster, a short read): the change is what the operator must hear of, not
+        // "corrupt". The layers below checked their own files as they were read.
+        let read = (|| -> io::Result<()> {
+            let cluster = 1u64 << self.cluster_bits;
+            let mut done = 0usize;
+            while done < buf.len() {
+                let pos = offset + done as u64;
+                if pos >= self.size {
+                    buf[done..].fill(0);
+                    break;
                 }
-                Cluster::Data(host) => self.file.read_exact_at(part, host + pos % cluster)?,
-                Cluster::Zero { .. } => part.fill(0),
-                Cluster::Unallocated => self.read_below(part, pos)?,
-                Cluster::Compressed { offset, len } => {
-                    let bytes = self.decompress(offset, len)?;
-                    let from = (pos % cluster) as usize;
-                    part.copy_from_slice(&bytes[from..from + n]);
+                let n = ((cluster - pos % cluster) as usize).min(buf.len() - done).min((self.size - pos) as usize);
+                let part = &mut buf[done..done + n];
+                match self.cluster_of(self.l2_entry(pos)?) {
+                    // The spec wants data clusters aligned (qemu calls anything else corruption):
+                    // read at face value, it would serve bytes shifted into the next cluster.
+                    Cluster::Data(host) if host % cluster != 0 => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            format!("qcow2 data cluster at unaligned offset {host}: the image is corrupt"),
+                        ));
+                    }
+                    Cluster::Data(host) => self.file.read_exact_at(part, host + pos % cluster)?,
+                    Cluster::Zero { .. } => part.fill(0),
+                    Cluster::Unallocated => self.read_below(part, pos)?,
+                    Cluster::Compressed { offset, len } => {
+                        let bytes = self.decompress(offset, len)?;
+                        let from = (pos % cluster) as usize;
+                        part.copy_from_slice(&bytes[from..from + n]);
+                    }
                 }
+                done += n;
             }
-            done += n;
-        }
-        // The layers below checked their own files as they were read.
-        self.opened.check(&self.file, &self.path)
+            Ok(())
+        })();
+        self.opened.check(&self.file, &self.path)?;
+        read
     }
 
     fn unchanged(&self) -> io::Result<()> {

@@ -34,210 +34,10 @@ use std::sync::{Arc, Mutex};
 use overspill_engine::golden::file_identity;
 use overspill_engine::{push_extent, Allocation, EngineError, Extent, GoldenImage, Result};
 
-const MIB: u64 = 1 << 20;
-const KIB64: u64 = 64 * 1024;
-const SIGNATURE: &[u8; 8] = b"vhdxfile";
-const HEADER_OFFSETS: [u64; 2] = [KIB64, 2 * KIB64];
-const HEADER_BYTES: usize = 4096;
-const REGION_TABLE_OFFSETS: [u64; 2] = [3 * KIB64, 4 * KIB64];
-const REGION_TABLE_BYTES: usize = 64 * 1024;
-/// At most 2,047 entries of 32 bytes after a 32-byte header: the metadata table's 64 KiB.
-const METADATA_TABLE_BYTES: u64 = 64 * 1024;
-const MAX_TABLE_ENTRIES: u32 = 2047;
-const MAX_METADATA_ITEM: u32 = 1 << 20;
-/// Sectors described by one sector bitmap block (1 MiB of bits): what sets the chunk ratio.
-const SECTORS_PER_BITMAP_BLOCK: u64 = 1 << 23;
-const MAX_VIRTUAL_SIZE: u64 = 64 << 40;
-/// A chain deeper than this is taken for a loop the inode check missed (hard links across
-/// bind mounts, say) rather than recursed into.
-pub const MAX_CHAIN_DEPTH: usize = 64;
-/// Extents one call reports at most: a heavily fragmented differencing disk asked about its
-/// whole length answers in parts, as the trait allows, rather than build a huge list.
-const MAX_EXTENTS: usize = 4096;
-/// Bytes of sector bitmaps kept in memory per layer, the most recently used: every partially
-/// present block read would otherwise keep its bitmap for good (512 MiB for a 2 TiB disk of
-/// 512-byte sectors read end to end).
-const BITMAP_CACHE_BYTES: u64 = 16 << 20;
-/// Blocks one extents call looks at at most, for the same reason on a large empty disk.
-const MAX_EXTENT_STEPS: usize = 1 << 20;
+mod format;
 
-// Payload block states (the low three bits of a BAT entry).
-const PAYLOAD_NOT_PRESENT: u64 = 0;
-const PAYLOAD_UNDEFINED: u64 = 1;
-const PAYLOAD_ZERO: u64 = 2;
-const PAYLOAD_UNMAPPED: u64 = 3;
-/// UNMAPPED as the 0.95 draft of the spec numbered it; qemu reads it as zeroes too, and so do
-/// we, for files written to that draft.
-const PAYLOAD_UNMAPPED_V095: u64 = 5;
-const PAYLOAD_FULLY_PRESENT: u64 = 6;
-const PAYLOAD_PARTIALLY_PRESENT: u64 = 7;
-const SB_BLOCK_PRESENT: u64 = 6;
-const STATE_MASK: u64 = 7;
-/// FileOffsetMB: bits 20–63, so the entry masked is the byte offset.
-const OFFSET_MASK: u64 = !(MIB - 1);
-
-type Guid = [u8; 16];
-
-/// A GUID in the mixed-endian binary form the file holds (the first three fields little-endian).
-const fn guid(d1: u32, d2: u16, d3: u16, d4: [u8; 8]) -> Guid {
-    let a = d1.to_le_bytes();
-    let b = d2.to_le_bytes();
-    let c = d3.to_le_bytes();
-    [a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], d4[0], d4[1], d4[2], d4[3], d4[4], d4[5], d4[6], d4[7]]
-}
-
-const BAT_REGION: Guid = guid(0x2dc2_7766, 0xf623, 0x4200, [0x9d, 0x64, 0x11, 0x5e, 0x9b, 0xfd, 0x4a, 0x08]);
-const METADATA_REGION: Guid = guid(0x8b7c_a206, 0x4790, 0x4b9a, [0xb8, 0xfe, 0x57, 0x5f, 0x05, 0x0f, 0x88, 0x6e]);
-const FILE_PARAMETERS: Guid = guid(0xcaa1_6737, 0xfa36, 0x4d43, [0xb3, 0xb6, 0x33, 0xf0, 0xaa, 0x44, 0xe7, 0x6b]);
-const VIRTUAL_DISK_SIZE: Guid = guid(0x2fa5_4224, 0xcd1b, 0x4876, [0xb2, 0x11, 0x5d, 0xbe, 0xd8, 0x3b, 0xf4, 0xb8]);
-/// The virtual disk ID, which a VM sees as its disk's SCSI page 83 identifier.
-const PAGE_83_DATA: Guid = guid(0xbeca_12ab, 0xb2e6, 0x4523, [0x93, 0xef, 0xc3, 0x09, 0xe0, 0x00, 0xc7, 0x46]);
-const LOGICAL_SECTOR_SIZE: Guid = guid(0x8141_bf1d, 0xa96f, 0x4709, [0xba, 0x47, 0xf2, 0x33, 0xa8, 0xfa, 0xab, 0x5f]);
-const PHYSICAL_SECTOR_SIZE: Guid = guid(0xcda3_48c7, 0x445d, 0x4471, [0x9c, 0xc9, 0xe9, 0x88, 0x52, 0x51, 0xc5, 0x56]);
-const PARENT_LOCATOR: Guid = guid(0xa8d3_5f2d, 0xb30b, 0x454d, [0xab, 0xf7, 0xd3, 0xd8, 0x48, 0x34, 0xab, 0x0c]);
-const VHDX_PARENT_TYPE: Guid = guid(0xb04a_efb7, 0xd19e, 0x4a81, [0xb7, 0x89, 0x25, 0xb8, 0xe9, 0x44, 0x59, 0x13]);
-
-/// Whether a file's first bytes are the VHDX file type identifier.
-pub fn has_magic(first: &[u8]) -> bool {
-    first.get(..8) == Some(&SIGNATURE[..])
-}
-
-/// A GUID as the parent locator writes it: lowercase, in braces.
-pub fn guid_string(g: &Guid) -> String {
-    let d1 = u32::from_le_bytes([g[0], g[1], g[2], g[3]]);
-    let d2 = u16::from_le_bytes([g[4], g[5]]);
-    let d3 = u16::from_le_bytes([g[6], g[7]]);
-    let tail: String = g[10..].iter().map(|b| format!("{b:02x}")).collect();
-    format!("{{{d1:08x}-{d2:04x}-{d3:04x}-{:02x}{:02x}-{tail}}}", g[8], g[9])
-}
-
-/// Reads `{xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx}` (braces optional, any case) into binary form.
-fn parse_guid(text: &str) -> Option<Guid> {
-    let text = text.trim();
-    let text = text.strip_prefix('{').and_then(|t| t.strip_suffix('}')).unwrap_or(text);
-    let parts: Vec<&str> = text.split('-').collect();
-    let [p1, p2, p3, p4, p5] = parts.as_slice() else { return None };
-    if p1.len() != 8 || p2.len() != 4 || p3.len() != 4 || p4.len() != 4 || p5.len() != 12 {
-        return None;
-    }
-    let hex = |s: &str| -> Option<Vec<u8>> {
-        (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|pair| u8::from_str_radix(pair, 16).ok())).collect()
-    };
-    let d1 = u32::from_str_radix(p1, 16).ok()?;
-    let d2 = u16::from_str_radix(p2, 16).ok()?;
-    let d3 = u16::from_str_radix(p3, 16).ok()?;
-    let mut d4 = [0u8; 8];
-    for (slot, byte) in d4.iter_mut().zip(hex(p4)?.into_iter().chain(hex(p5)?)) {
-        *slot = byte;
-    }
-    Some(guid(d1, d2, d3, d4))
-}
-
-/// What a malformed structure says, before it is given the file's name.
-type Why = String;
-
-fn bytes<const N: usize>(b: &[u8], at: usize) -> std::result::Result<[u8; N], Why> {
-    at.checked_add(N)
-        .and_then(|end| b.get(at..end))
-        .and_then(|s| s.try_into().ok())
-        .ok_or_else(|| format!("a structure ends early (field at byte {at})"))
-}
-
-fn le16(b: &[u8], at: usize) -> std::result::Result<u16, Why> {
-    Ok(u16::from_le_bytes(bytes(b, at)?))
-}
-
-fn le32(b: &[u8], at: usize) -> std::result::Result<u32, Why> {
-    Ok(u32::from_le_bytes(bytes(b, at)?))
-}
-
-fn le64(b: &[u8], at: usize) -> std::result::Result<u64, Why> {
-    Ok(u64::from_le_bytes(bytes(b, at)?))
-}
-
-/// CRC-32C of `buf` with its checksum field (at `at`) taken as zero, as the spec computes it.
-fn checksum_ok(buf: &[u8], at: usize) -> bool {
-    let (Some(head), Some(stored), Some(tail)) = (buf.get(..at), buf.get(at..at + 4), buf.get(at + 4..)) else {
-        return false;
-    };
-    let crc = crc32c::crc32c_append(crc32c::crc32c_append(crc32c::crc32c(head), &[0; 4]), tail);
-    stored == crc.to_le_bytes()
-}
-
-fn refuse(path: &Path, why: impl std::fmt::Display) -> EngineError {
-    EngineError::Config(format!("{}: {why}", path.display()))
-}
-
-/// One of the two headers, when its signature and checksum are right.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Header {
-    sequence: u64,
-    data_write_guid: Guid,
-    log_guid: Guid,
-    version: u16,
-    log_offset: u64,
-    log_length: u32,
-}
-
-fn parse_header(buf: &[u8]) -> Option<Header> {
-    if buf.get(..4) != Some(b"head") || !checksum_ok(buf, 4) {
-        return None;
-    }
-    Some(Header {
-        sequence: le64(buf, 8).ok()?,
-        data_write_guid: bytes(buf, 32).ok()?,
-        log_guid: bytes(buf, 48).ok()?,
-        version: le16(buf, 66).ok()?,
-        log_length: le32(buf, 68).ok()?,
-        log_offset: le64(buf, 72).ok()?,
-    })
-}
-
-/// Where a structure lies in the file, for the overlap checks.
-#[derive(Debug, Clone, Copy)]
-struct Span {
-    what: &'static str,
-    offset: u64,
-    len: u64,
-}
-
-impl Span {
-    fn overlaps(&self, offset: u64, len: u64) -> bool {
-        offset < self.offset.saturating_add(self.len) && self.offset < offset.saturating_add(len)
-    }
-}
-
-/// The known metadata items, as read.
-#[derive(Debug, Default)]
-struct Metadata {
-    block_size: Option<u32>,
-    leave_blocks_allocated: bool,
-    has_parent: bool,
-    virtual_size: Option<u64>,
-    disk_id: Option<Guid>,
-    logical_sector: Option<u32>,
-    physical_sector: Option<u32>,
-    /// The item's bytes: parsed only for a differencing disk, so that a stray one in another
-    /// disk refuses nothing.
-    parent_locator: Option<Vec<u8>>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Fixed,
-    Dynamic,
-    Differencing,
-}
-
-impl Kind {
-    fn name(self) -> &'static str {
-        match self {
-            Self::Fixed => "fixed",
-            Self::Dynamic => "dynamic",
-            Self::Differencing => "differencing",
-        }
-    }
-}
+use format::*;
+pub use format::{guid_string, has_magic};
 
 /// Where a run of guest bytes comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -960,49 +760,55 @@ impl GoldenImage for VhdxImage {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        // Neighbouring runs from one source are read at once: the blocks of a fixed disk lie in
-        // order in the file, and a parent is asked once for a run of blocks it holds.
-        let mut pending: Option<(usize, usize, Source)> = None;
-        let flush = |buf: &mut [u8], run: Option<(usize, usize, Source)>| -> io::Result<()> {
-            let Some((start, len, source)) = run else { return Ok(()) };
-            let part = &mut buf[start..start + len];
-            match source {
-                Source::File(at) => self.file.read_exact_at(part, at),
-                Source::Zeroes(_) => {
-                    part.fill(0);
-                    Ok(())
+        // A file changed under the reader fails in many ways (a table pointing past the end, an
+        // unaligned cluster, a short read): the change is what the operator must hear of, not
+        // "corrupt". The layers below checked their own files as they were read.
+        let read = (|| -> io::Result<()> {
+            // Neighbouring runs from one source are read at once: the blocks of a fixed disk lie in
+            // order in the file, and a parent is asked once for a run of blocks it holds.
+            let mut pending: Option<(usize, usize, Source)> = None;
+            let flush = |buf: &mut [u8], run: Option<(usize, usize, Source)>| -> io::Result<()> {
+                let Some((start, len, source)) = run else { return Ok(()) };
+                let part = &mut buf[start..start + len];
+                match source {
+                    Source::File(at) => self.file.read_exact_at(part, at),
+                    Source::Zeroes(_) => {
+                        part.fill(0);
+                        Ok(())
+                    }
+                    Source::Parent => match &self.parent {
+                        Some(parent) => parent.read_at(part, offset + start as u64),
+                        None => Err(corrupt(self)),
+                    },
                 }
-                Source::Parent => match &self.parent {
-                    Some(parent) => parent.read_at(part, offset + start as u64),
-                    None => Err(corrupt(self)),
-                },
+            };
+            let mut done = 0usize;
+            while done < buf.len() {
+                let pos = match offset.checked_add(done as u64) {
+                    Some(pos) if pos < self.size => pos,
+                    _ => {
+                        flush(buf, pending.take())?;
+                        buf[done..].fill(0);
+                        return self.opened.check(&self.file, &self.path);
+                    }
+                };
+                let max = ((buf.len() - done) as u64).min(self.size - pos);
+                let (n, source) = self.map(pos, max)?;
+                let n = n as usize;
+                pending = match pending {
+                    Some((start, len, run)) if follows(run, len, source) => Some((start, len + n, run)),
+                    other => {
+                        flush(buf, other)?;
+                        Some((done, n, source))
+                    }
+                };
+                done += n;
             }
-        };
-        let mut done = 0usize;
-        while done < buf.len() {
-            let pos = match offset.checked_add(done as u64) {
-                Some(pos) if pos < self.size => pos,
-                _ => {
-                    flush(buf, pending.take())?;
-                    buf[done..].fill(0);
-                    return self.opened.check(&self.file, &self.path);
-                }
-            };
-            let max = ((buf.len() - done) as u64).min(self.size - pos);
-            let (n, source) = self.map(pos, max)?;
-            let n = n as usize;
-            pending = match pending {
-                Some((start, len, run)) if follows(run, len, source) => Some((start, len + n, run)),
-                other => {
-                    flush(buf, other)?;
-                    Some((done, n, source))
-                }
-            };
-            done += n;
-        }
-        flush(buf, pending)?;
-        // A parent checked its own file as it was read.
-        self.opened.check(&self.file, &self.path)
+            flush(buf, pending)?;
+            Ok(())
+        })();
+        self.opened.check(&self.file, &self.path)?;
+        read
     }
 
     fn unchanged(&self) -> io::Result<()> {
@@ -1111,103 +917,5 @@ impl VhdxImage {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn guids_read_as_the_locator_writes_them() {
-        let text = "{83ed0ec3-24c8-49a6-a959-5e4bf1288bfb}";
-        let g = parse_guid(text).expect("parses");
-        assert_eq!(guid_string(&g), text);
-        assert_eq!(parse_guid("83ED0EC3-24C8-49A6-A959-5E4BF1288BFB"), Some(g));
-        assert_eq!(&g[..4], &[0xc3, 0x0e, 0xed, 0x83], "first field little-endian");
-        for bad in [
-            "",
-            "{}",
-            "{83ed0ec3-24c8-49a6-a959-5e4bf1288bf}",
-            "{83ed0ec3-24c8-49a6-a959-5e4bf1288bfg}",
-            "{é3ed0ec3-24c8-49a6-a959-5e4bf1288bfb}",
-        ] {
-            assert_eq!(parse_guid(bad), None, "{bad}");
-        }
-        assert_eq!(guid_string(&BAT_REGION), "{2dc27766-f623-4200-9d64-115e9bfd4a08}");
-    }
-
-    /// A parent locator item: the VHDX type, then `entries` as (key offset, value offset, key
-    /// length, value length), then `strings` at offset 20 + 12 × entries.
-    fn locator_item(entries: &[(u32, u32, u16, u16)], strings: &[u8]) -> Vec<u8> {
-        let mut item = VHDX_PARENT_TYPE.to_vec();
-        item.extend_from_slice(&[0, 0]);
-        item.extend_from_slice(&(entries.len() as u16).to_le_bytes());
-        for &(key_offset, value_offset, key_len, value_len) in entries {
-            item.extend_from_slice(&key_offset.to_le_bytes());
-            item.extend_from_slice(&value_offset.to_le_bytes());
-            item.extend_from_slice(&key_len.to_le_bytes());
-            item.extend_from_slice(&value_len.to_le_bytes());
-        }
-        item.extend_from_slice(strings);
-        item
-    }
-
-    fn utf16le(text: &str) -> Vec<u8> {
-        text.encode_utf16().flat_map(u16::to_le_bytes).collect()
-    }
-
-    /// Honest strings parse; strings that overlap (so that a small item would decode to far more
-    /// than it holds) and a key given twice are refused.
-    #[test]
-    fn parent_locator_strings_must_fit_the_item_once() {
-        let (key, value) = (utf16le("relative_path"), utf16le("..\\base.vhdx"));
-        let base = 20 + 12;
-        let strings = [key.clone(), value.clone()].concat();
-        let honest = locator_item(&[(base, base + key.len() as u32, key.len() as u16, value.len() as u16)], &strings);
-        let pairs = parse_parent_locator(&honest).expect("an honest locator");
-        assert_eq!(pairs, vec![("relative_path".to_owned(), "..\\base.vhdx".to_owned())]);
-
-        // 200 entries whose keys are windows, 2 bytes apart, into one 600-byte run of text: each
-        // key is distinct, together they are 200 times what the item holds.
-        let text: Vec<u8> = (0..300u16).flat_map(|i| (0x4e00 + i).to_le_bytes()).collect();
-        let base = 20 + 12 * 200;
-        let entries: Vec<_> = (0..200u32).map(|i| (base + 2 * i, base + 2 * i, 200, 200)).collect();
-        let error = parse_parent_locator(&locator_item(&entries, &text)).expect_err("overlapping strings");
-        assert!(error.contains("overlap"), "{error}");
-
-        let strings = [key.clone(), value.clone(), key.clone(), value.clone()].concat();
-        let (k, v) = (key.len() as u32, value.len() as u32);
-        let twice = locator_item(
-            &[(44, 44 + k, k as u16, v as u16), (44 + k + v, 44 + 2 * k + v, k as u16, v as u16)],
-            &strings,
-        );
-        let error = parse_parent_locator(&twice).expect_err("a key twice");
-        assert!(error.contains("twice"), "{error}");
-    }
-
-    #[test]
-    fn locator_paths_resolve_from_the_childs_directory() {
-        let child = Path::new("/store/versions/v2.vhdx");
-        assert_eq!(
-            locate(child, "relative_path", "..\\base.vhdx"),
-            Some(PathBuf::from("/store/versions/../base.vhdx"))
-        );
-        assert_eq!(locate(child, "relative_path", ".\\v1.vhdx"), Some(PathBuf::from("/store/versions/v1.vhdx")));
-        assert_eq!(locate(child, "relative_path", "C:\\x.vhdx"), None);
-        assert_eq!(locate(child, "absolute_win32_path", "\\\\?\\D:\\store\\base.vhdx"), None);
-        assert_eq!(
-            locate(child, "absolute_win32_path", "\\\\?\\/srv/base.vhdx"),
-            Some(PathBuf::from("/srv/base.vhdx"))
-        );
-        assert_eq!(locate(child, "volume_path", "\\\\?\\Volume{26a21bda-a627-11d7-9931-806e6f6e6963}\\b.vhdx"), None);
-    }
-
-    #[test]
-    fn checksums_are_crc32c_with_the_field_zeroed() {
-        let mut buf = vec![7u8; 64];
-        buf[4..8].fill(0);
-        let crc = crc32c::crc32c(&buf);
-        buf[4..8].copy_from_slice(&crc.to_le_bytes());
-        assert!(checksum_ok(&buf, 4));
-        buf[20] ^= 1;
-        assert!(!checksum_ok(&buf, 4));
-        assert!(!checksum_ok(&buf[..6], 4), "too short to hold the field");
-    }
-}
+#[path = "vhdx_tests.rs"]
+mod tests;

@@ -218,6 +218,23 @@ fn a_data_cluster_off_a_cluster_boundary_is_refused_when_read() {
     assert!(err.to_string().contains("unaligned"), "{err}");
 }
 
+/// A file changed under the reader (here cut short, its last data cluster gone) fails the read
+/// in whatever way its new bytes lead to: the error says the image changed, not that a read
+/// ran past the end of a corrupt file.
+#[test]
+fn a_file_changed_under_the_reader_is_reported_as_changed_not_corrupt() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("changing.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&image), "8M"]);
+    run("qemu-io", &["-f", "qcow2", "-c", "write -P 0x33 0 64k", "-c", "write -P 0x44 4m 64k", s(&image)]);
+    let opened = open_image(&image).expect("opens");
+    opened.read_at(&mut vec![0u8; 4096], 4 << 20).expect("a read before the change");
+    let len = std::fs::metadata(&image).expect("size").len();
+    std::fs::OpenOptions::new().write(true).open(&image).and_then(|f| f.set_len(len - (64 << 10))).expect("cut");
+    let err = opened.read_at(&mut vec![0u8; 4096], 4 << 20).expect_err("a read of the cluster cut off");
+    assert!(err.to_string().contains("changed while served"), "{err}");
+}
+
 #[test]
 fn refuses_what_it_does_not_support() {
     let dir = tempfile::tempdir().expect("tempdir");

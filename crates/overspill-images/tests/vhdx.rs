@@ -108,6 +108,12 @@ fn reads_what_qemu_io_wrote_into_a_dynamic_disk() {
     assert_eq!((image.logical_sector_size(), image.depth()), (512, 1));
     assert_reads_match(&image, &expected);
     assert_extents_agree(&image, &expected);
+
+    // The file cut short under the reader: the read says the image changed, not that its
+    // block lies past the end of a corrupt file.
+    std::fs::OpenOptions::new().write(true).open(&vhdx).and_then(|f| f.set_len(2 * MIB)).expect("truncate");
+    let err = image.read_at(&mut vec![0u8; 4096], 12 * MIB).expect_err("a read past the new end");
+    assert!(err.to_string().contains("changed while served"), "{err}");
 }
 
 /// What a chain of builder layers over a raw base reads as, sector by sector: the top-most layer
