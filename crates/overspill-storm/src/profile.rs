@@ -173,6 +173,15 @@ impl Workload {
         if self.direct_share > 0.0 && !d.areas.iter().any(|a| a.direct) {
             return Err("direct_share needs an area with direct = true".into());
         }
+        // A direct area's bytes are told apart by where they lie: another area over them would
+        // have its writes counted as event-log writes, and dropped from the server's tally.
+        let span = |a: &Area| (a.start_mib, a.start_mib + a.size_mib);
+        for direct in d.areas.iter().filter(|a| a.direct) {
+            let (start, end) = span(direct);
+            if let Some(other) = d.areas.iter().filter(|a| !a.direct).find(|a| span(a).0 < end && start < span(a).1) {
+                return Err(format!("area {} overlaps the direct area {}", other.name, direct.name));
+            }
+        }
         for phase in &self.phases {
             let fractions = [phase.read_fraction, phase.read_shared, phase.read_own, phase.write_overwrite];
             if fractions.iter().any(|f| !(0.0..=1.0).contains(f)) || phase.read_shared + phase.read_own > 1.0 {
@@ -487,5 +496,15 @@ mod tests {
         assert!(err.to_string().contains("fractions"), "{err}");
         let unknown_field = format!("{good}\nbogus = 1\n");
         assert!(Workload::parse("x", &unknown_field).is_err());
+        // An area over the event log's would have its writes taken for event-log writes.
+        let win7 = include_str!("../workloads/win7-vdi.toml");
+        assert!(Workload::parse("x", win7).is_ok());
+        let overlapping = win7.replace(
+            r#"{ name = "logs", start_mib = 3072, size_mib = 128 }"#,
+            r#"{ name = "logs", start_mib = 3072, size_mib = 200 }"#,
+        );
+        assert_ne!(overlapping, win7, "the test edits the logs area");
+        let err = Workload::parse("x", &overlapping).expect_err("logs over the event log");
+        assert!(err.to_string().contains("overlaps the direct area eventlog"), "{err}");
     }
 }
