@@ -28,10 +28,14 @@ pub struct Capabilities {
     pub can_zero: bool,
     /// WRITE_ZEROES with NBD_CMD_FLAG_FAST_ZERO can be honoured (zeroing is never slower than a write).
     pub can_fast_zero: bool,
+    /// Several connections to the export serve one disk, and a flush on any of them covers the
+    /// writes completed on all (NBD_FLAG_CAN_MULTI_CONN).
+    pub can_multi_conn: bool,
 }
 
 impl Capabilities {
-    /// A writable device that does everything.
+    /// A writable device that does every command (one connection's: multi-conn is a property of
+    /// an export's connections together, not of a device).
     pub const ALL: Capabilities = Capabilities {
         read_only: false,
         can_flush: true,
@@ -39,6 +43,7 @@ impl Capabilities {
         can_trim: true,
         can_zero: true,
         can_fast_zero: true,
+        can_multi_conn: false,
     };
 }
 

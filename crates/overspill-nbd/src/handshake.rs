@@ -170,6 +170,7 @@ pub fn transmission_flags(caps: Capabilities) -> u16 {
         (caps.can_trim, TFLAG_SEND_TRIM),
         (caps.can_zero, TFLAG_SEND_WRITE_ZEROES),
         (caps.can_zero && caps.can_fast_zero, TFLAG_SEND_FAST_ZERO),
+        (caps.can_multi_conn, TFLAG_CAN_MULTI_CONN),
     ] {
         if on {
             flags |= flag;

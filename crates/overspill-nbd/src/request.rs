@@ -165,6 +165,7 @@ mod tests {
         can_trim: true,
         can_zero: true,
         can_fast_zero: false,
+        can_multi_conn: false,
     };
 
     fn header(kind: u16, flags: u16, offset: u64, length: u32) -> RequestHeader {

@@ -51,6 +51,7 @@ pub const TFLAG_READ_ONLY: u16 = 1 << 1;
 pub const TFLAG_SEND_FLUSH: u16 = 1 << 2;
 pub const TFLAG_SEND_FUA: u16 = 1 << 3;
 pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
+pub const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
 pub const TFLAG_SEND_CACHE: u16 = 1 << 10;
 pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;

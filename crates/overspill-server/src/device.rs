@@ -90,6 +90,10 @@ struct NoSpaceWarnings {
 
 impl Drop for EngineDevice {
     fn drop(&mut self) {
+        // One of several connections (multi-conn): the VM's connection goes on in the others.
+        if self.registry.leave(self.number) {
+            return;
+        }
         let ending = if self.clean || self.reset.load(Ordering::SeqCst) {
             Ending::Deliberate
         } else if self.idle_cut {

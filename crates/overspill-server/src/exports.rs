@@ -185,6 +185,16 @@ impl OverlayExports {
         !name.contains('@') && !self.anonymous_writes
     }
 
+    /// What a connection to export `name` may do: a VM whose name `--multi-conn` allows is
+    /// offered several connections at once, one overlay under them.
+    fn capabilities(&self, name: &str) -> Capabilities {
+        if self.read_only(name) {
+            return ANONYMOUS_CAPABILITIES;
+        }
+        let multi_conn = name.split_once('@').is_some_and(|(_, vm)| self.registry.multi_conn_allowed(vm));
+        Capabilities { can_multi_conn: multi_conn, ..CAPABILITIES }
+    }
+
     /// Keeps named VMs' overlays over lost connections, and their ledger, as `lifecycle` says;
     /// rebuilds the overlays an earlier server left state for, each in grace until its VM
     /// reconnects. Call before serving (and after `with_image_store`): VMs registered before
@@ -458,11 +468,12 @@ impl ExportProvider for OverlayExports {
             Some(image) => (image.size(), image.describe()),
             None => self.versions.as_ref()?.describe(image_name).ok()?,
         };
-        let (description, capabilities) = if self.read_only(name) {
-            (format!("{ANONYMOUS_READ_ONLY}; {description}"), ANONYMOUS_CAPABILITIES)
+        let description = if self.read_only(name) {
+            format!("{ANONYMOUS_READ_ONLY}; {description}")
         } else {
-            (format!("{} write cache over {description}", self.settings.mode), CAPABILITIES)
+            format!("{} write cache over {description}", self.settings.mode)
         };
+        let capabilities = self.capabilities(name);
         Some(ExportInfo { name: name.to_owned(), description, size, capabilities, block_sizes: DEFAULT_BLOCK_SIZES })
     }
 
@@ -494,7 +505,12 @@ impl ExportProvider for OverlayExports {
             }
         }
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
+        let capabilities = self.capabilities(name);
+        let limiter = self.registry.limits().limiter_for(vm_name);
         let (number, reset, vm) = match self.registry.claim(vm_name, Self::image_name(name), identity)? {
+            Claim::Join { number, reset, live } => {
+                return Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiter))
+            }
             Claim::Resume { number, reset, parked } => (number, reset, *parked),
             Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
                 Ok(vm) => (number, reset, vm),
@@ -504,8 +520,6 @@ impl ExportProvider for OverlayExports {
                 }
             },
         };
-        let capabilities = if self.read_only(name) { ANONYMOUS_CAPABILITIES } else { CAPABILITIES };
-        let limiter = self.registry.limits().limiter_for(vm_name);
         let live = Arc::new(Live::new(vm));
         Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiter))
     }

@@ -99,7 +99,7 @@ fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_t
     let exports = exports_in(dirs.path());
     let fresh = |exports: &OverlayExports| match exports.registry.claim(Some("x"), "golden", None).expect("claim") {
         Claim::Fresh { number, .. } => (number, exports.new_overlay("golden@x", number).expect("overlay")),
-        Claim::Resume { .. } => panic!("no overlay of x waits"),
+        Claim::Resume { .. } | Claim::Join { .. } => panic!("no overlay of x waits"),
     };
     let dirs = [memory_dir.as_path(), spill_dir.as_path()];
     let ledger_file = state_dir.join("vm-x.json");
@@ -336,4 +336,47 @@ fn a_vm_moved_on_to_a_server_that_is_no_peer_is_refused_whatever_the_order_of_th
         Located::Refused(why) => assert!(why.contains("own name"), "{why}"),
         _ => panic!("a peer of this server's own name was asked"),
     }
+}
+
+/// A VM that `--multi-conn` allows takes several connections at once, all one disk, advertised
+/// as multi-conn; it waits in its grace only when the last of them is lost, and ends only with
+/// the last. A VM not allowed refuses a second connection.
+#[test]
+fn several_connections_of_a_multi_conn_vm_share_its_overlay_and_it_ends_with_the_last() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exports = exports_in(dir.path());
+    exports.registry.allow_multi_conn(vec!["build-*".into()]);
+    assert!(exports.info("golden@build-7").expect("info").capabilities.can_multi_conn);
+    assert!(!exports.info("golden@desk").expect("info").capabilities.can_multi_conn);
+    assert!(!exports.info("golden").expect("info").capabilities.can_multi_conn, "anonymous, read-only");
+
+    let mut first = exports.open("golden@build-7", None).expect("first connection");
+    let mut second = exports.open("golden@build-7", None).expect("second connection");
+    let mut third = exports.open("golden@build-7", None).expect("third connection");
+    first.write(0, &[5; 4096], false).expect("write on the first");
+    second.flush().expect("a flush on the second");
+    let mut back = vec![0; 4096];
+    read_whole(third.as_mut(), 0, &mut back).expect("read on the third");
+    assert_eq!(back, vec![5; 4096], "one disk under every connection");
+    let state =
+        |exports: &OverlayExports| exports.registry.list().into_iter().find(|s| s.vm == "build-7").map(|s| s.state);
+
+    // The first lost, the second ended cleanly: the VM goes on in the third.
+    drop(first);
+    second.disconnect();
+    drop(second);
+    assert_eq!(state(&exports), Some(VmState::Connected));
+    third.write(8192, &[6; 4096], false).expect("the last connection writes on");
+    drop(third);
+    assert_eq!(state(&exports), Some(VmState::InGrace), "lost with its last connection");
+    let mut again = exports.open("golden@build-7", None).expect("it resumes");
+    read_whole(again.as_mut(), 0, &mut back).expect("read");
+    assert_eq!(back, vec![5; 4096]);
+    again.disconnect();
+    drop(again);
+    assert_eq!(state(&exports), None, "ended cleanly by its last connection");
+
+    let _desk = exports.open("golden@desk", None).expect("desk");
+    let refused = exports.open("golden@desk", None).err().expect("a second connection of a VM not allowed");
+    assert!(refused.message.contains("--multi-conn"), "{}", refused.message);
 }

@@ -93,11 +93,14 @@ pub fn anonymous_label(number: u64) -> String {
 }
 
 /// What a VM's connection got from [`VmRegistry::claim`].
-pub enum Claim {
+pub(crate) enum Claim {
     /// A new overlay is to be made; the VM is registered as connected under `number`.
     Fresh { number: u64, reset: Arc<AtomicBool> },
     /// The overlay the VM left behind, with its counters.
     Resume { number: u64, reset: Arc<AtomicBool>, parked: Box<VmOverlay> },
+    /// Another connection of a VM that allows several (`serve --multi-conn`): it shares the
+    /// overlay its first connection serves.
+    Join { number: u64, reset: Arc<AtomicBool>, live: Arc<Live> },
 }
 
 #[derive(Debug, Default)]
@@ -119,6 +122,7 @@ pub struct VmRegistry {
     /// [`Self::golden_image_changed`]).
     golden_image_changes: std::sync::atomic::AtomicU64,
     limits: VmLimits,
+    multi_conn: MultiConn,
     moves: MoveCounters,
 }
 
@@ -170,6 +174,9 @@ struct Entry {
     live: Option<Weak<Live>>,
     /// A move of the VM to or from a peer server, under way.
     moving: Option<Moving>,
+    /// Connections beyond the first that share the overlay (`serve --multi-conn`): the VM's
+    /// connection ends with the last of them.
+    extra_connections: u32,
 }
 
 struct Grace {
@@ -225,6 +232,7 @@ impl VmRegistry {
             orphans: Mutex::new(()),
             golden_image_changes: Default::default(),
             limits: VmLimits::default(),
+            multi_conn: MultiConn::default(),
             moves: MoveCounters::default(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
@@ -276,7 +284,7 @@ impl VmRegistry {
     /// refused while another connection has it, when its writes were lost, or when the client
     /// is not the identity that made it (a name is no secret: without this, any client allowed
     /// the image could read and write another's disk by naming its VM).
-    pub fn claim(&self, vm: Option<&str>, export: &str, identity: Option<&str>) -> Result<Claim, DeviceError> {
+    pub(crate) fn claim(&self, vm: Option<&str>, export: &str, identity: Option<&str>) -> Result<Claim, DeviceError> {
         let refuse = |message: String| {
             tracing::warn!(vm = ?vm.unwrap_or_default(), export, "VM refused: {message}");
             Err(DeviceError::new(DeviceErrorKind::Refused, message))
@@ -306,7 +314,24 @@ impl VmRegistry {
                 return refuse(format!("VM {vm} is moving between this server and peer {}", moving.peer));
             }
             if entry.grace.is_none() {
-                return refuse(format!("VM {vm} is already connected; one connection per VM"));
+                let shared = entry.live.as_ref().and_then(Weak::upgrade);
+                match shared {
+                    Some(live) if self.multi_conn.allows(vm) && entry.image == export => {
+                        entry.extra_connections += 1;
+                        tracing::info!(
+                            vm,
+                            connections = entry.extra_connections + 1,
+                            "VM connection added (multi-conn)"
+                        );
+                        return Ok(Claim::Join { number: existing, reset: entry.reset.clone(), live });
+                    }
+                    _ => {
+                        return refuse(format!(
+                            "VM {vm} is already connected; one connection per VM (serve --multi-conn {vm} lets \
+                             several clients share it)"
+                        ))
+                    }
+                }
             }
             if entry.image != export {
                 return refuse(format!(
@@ -622,6 +647,30 @@ impl VmRegistry {
         &self.limits
     }
 
+    /// The VM names whose connections may be several at once, sharing one overlay.
+    pub fn allow_multi_conn(&self, patterns: Vec<String>) {
+        self.multi_conn.set(patterns);
+    }
+
+    /// Whether VM `vm`'s clients may connect several times at once.
+    pub fn multi_conn_allowed(&self, vm: &str) -> bool {
+        self.multi_conn.allows(vm)
+    }
+
+    /// One of several connections of a VM ends: `true` while others still serve it (the VM's
+    /// connection has not ended), `false` for its last (or only) one.
+    pub(crate) fn leave(&self, number: u64) -> bool {
+        let mut inner = lock(&self.inner);
+        match inner.vms.get_mut(&number) {
+            Some(entry) if entry.extra_connections > 0 => {
+                entry.extra_connections -= 1;
+                tracing::info!(vm = %entry.handle.vm, connections = entry.extra_connections + 1, "VM connection ended; others go on");
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// How many times a golden image was found changed while served.
     pub fn golden_image_changes(&self) -> u64 {
         self.golden_image_changes.load(Ordering::Relaxed)
@@ -886,7 +935,35 @@ impl Entry {
             lose_at_end: None,
             live: None,
             moving: None,
+            extra_connections: 0,
         }
+    }
+}
+
+/// The VM names (shell-style patterns: `*` any run, `?` one character) whose clients may open
+/// several connections at once, all serving one overlay (NBD multi-conn). The server cannot tell
+/// a second connection of the same client from a second QEMU, so a VM opts in by name.
+#[derive(Debug, Default)]
+struct MultiConn(Mutex<Vec<String>>);
+
+impl MultiConn {
+    fn set(&self, patterns: Vec<String>) {
+        *lock(&self.0) = patterns;
+    }
+
+    fn allows(&self, vm: &str) -> bool {
+        lock(&self.0).iter().any(|pattern| glob_matches(pattern.as_bytes(), vm.as_bytes()))
+    }
+}
+
+/// Whether `name` matches `pattern`, `*` standing for any run of characters and `?` for one.
+fn glob_matches(pattern: &[u8], name: &[u8]) -> bool {
+    match (pattern.split_first(), name.split_first()) {
+        (None, None) => true,
+        (Some((b'*', rest)), _) => glob_matches(rest, name) || (!name.is_empty() && glob_matches(pattern, &name[1..])),
+        (Some((b'?', rest)), Some((_, tail))) => glob_matches(rest, tail),
+        (Some((p, rest)), Some((n, tail))) if p == n => glob_matches(rest, tail),
+        _ => false,
     }
 }
 

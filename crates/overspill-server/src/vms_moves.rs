@@ -181,6 +181,10 @@ impl VmRegistry {
         if entry.reset.load(Ordering::SeqCst) || entry.lose_at_end.is_some() {
             return Err(format!("VM {vm} is being reset or lost here"));
         }
+        if entry.extra_connections > 0 {
+            // Its connections would end one by one, each a switchover: it stays.
+            return Err(format!("VM {vm} has several connections (multi-conn), and does not move"));
+        }
         let from_grace = entry.grace.is_some();
         let live = match entry.grace.take() {
             Some(grace) => Arc::new(Live::new(grace.parked)),

@@ -206,3 +206,22 @@ fn a_retirement_cut_short_by_a_crash_is_finished_by_the_next_server_unless_the_n
     assert!(files_of("reused").iter().all(|f| !f.exists()));
     assert!(!ledger.path("reused").exists() && !ledger.retiring_path("reused").exists());
 }
+
+#[test]
+fn multi_conn_patterns_match_names_as_a_shell_does() {
+    for (pattern, name, matches) in [
+        ("build-*", "build-7", true),
+        ("build-*", "build-", true),
+        ("build-*", "desk-build-7", false),
+        ("*-ci", "nightly-ci", true),
+        ("vm-??", "vm-17", true),
+        ("vm-??", "vm-1", false),
+        ("*", "anything", true),
+        ("desk", "desk", true),
+        ("desk", "desk2", false),
+        ("a*b*c", "axxbyyc", true),
+        ("a*b*c", "axxbyy", false),
+    ] {
+        assert_eq!(super::glob_matches(pattern.as_bytes(), name.as_bytes()), matches, "{pattern} {name}");
+    }
+}

@@ -185,6 +185,14 @@ pub struct ServeArgs {
     /// be at most this. All of a VM's queues are served by one thread.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     vhost_user_queues: u16,
+    /// VM names (shell patterns: `*`, `?`) whose clients may open several connections at once,
+    /// all serving the VM's one overlay: NBD multi-conn, advertised to them (nbdcopy and
+    /// libnbd open up to 4, the Linux nbd client one queue per connection). A flush on any
+    /// connection covers the writes completed on all. Without it a second connection of a
+    /// connected VM is refused: the server cannot tell it from a second QEMU. Repeatable;
+    /// such a VM does not move to a peer while it has several connections.
+    #[arg(long = "multi-conn", value_name = "GLOB")]
+    multi_conn: Vec<String>,
     /// Each VM's operations per second (reads, writes, zeroes, trims), with a burst: `1000`
     /// (a burst of one second's worth) or `1000:5000`. Requests over it wait, over NBD and
     /// vhost-user alike. `overspill vm limit NAME` changes one VM's, live. Default: none.
@@ -288,6 +296,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let (mut exports, cache_dirs) = overlay_exports(&args, images, host.clone(), &state_dir, &memory_dir)?;
     let registry = exports.registry();
     registry.limits().set_default(overspill_block::Limits { ops: args.limit_iops, bytes: args.limit_bandwidth });
+    registry.allow_multi_conn(args.multi_conn.clone());
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
     let _peer_listener = serve_peers(&args, &mut exports, &registry, &control)?;

@@ -1,0 +1,65 @@
+//! NBD multi-conn for the VMs `serve --multi-conn` names: advertised to them only, and nbdcopy
+//! writes a VM's disk over 4 connections at once, all one overlay, which a connection held
+//! through the copy reads back whole.
+
+use std::path::Path;
+
+use overspill_nbd::client::{Client, NbdUri};
+
+mod common;
+use common::{assert_same, pseudo_random, run_ok, Serve};
+
+const DISK: usize = 64 << 20;
+
+fn uri(socket: &Path, vm: &str) -> String {
+    format!("nbd+unix:///@{vm}?socket={}", socket.display())
+}
+
+#[test]
+fn nbdcopy_writes_a_multi_conn_vm_over_four_connections_into_one_overlay() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let golden = d.join("golden.img");
+    std::fs::write(&golden, pseudo_random(DISK, 1)).expect("golden image");
+    let socket = d.join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args =
+        ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--multi-conn", "copy-*", "--ram", "8M"];
+    let ready = socket.clone();
+    let server =
+        Serve::start_named_only(d, &args, &[], move || std::os::unix::net::UnixStream::connect(&ready).is_ok());
+
+    let can_multi_conn = |vm: &str| {
+        let out = run_ok(d, "nbdinfo", &["--json", &uri(&socket, vm)]);
+        let info: serde_json::Value = serde_json::from_str(&out.stdout).expect("nbdinfo --json");
+        info["exports"][0]["can_multi_conn"].as_bool().expect("can_multi_conn")
+    };
+    assert!(can_multi_conn("copy-1"), "a VM --multi-conn names");
+    assert!(!can_multi_conn("desk"), "any other VM");
+
+    // A connection held through the copy keeps the VM while nbdcopy's end theirs.
+    let vm_uri: NbdUri = uri(&socket, "copy-1").parse().expect("uri");
+    let mut held = Client::connect(&vm_uri).expect("the first connection");
+    let source = d.join("source.raw");
+    let data = pseudo_random(32 << 20, 2);
+    std::fs::write(&source, &data).expect("source");
+    let copy = ["--connections=4", "--threads=4", "--flush", source.to_str().expect("utf-8"), &uri(&socket, "copy-1")];
+    run_ok(d, "nbdcopy", &copy);
+    // nbdcopy's 4 connections joined the held one (the log is written by a thread of its own).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let joined = || server.log_text().matches("VM connection added (multi-conn)").count();
+    while joined() < 4 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(joined(), 4, "connections nbdcopy added:\n{}", server.log_text());
+
+    let mut back = vec![0u8; 32 << 20];
+    for (i, piece) in back.chunks_mut(4 << 20).enumerate() {
+        held.read((i * (4 << 20)) as u64, piece).expect("read back");
+    }
+    assert_same(&back, &data, "what nbdcopy wrote over 4 connections, read on another");
+    let mut rest = vec![0u8; 4 << 20];
+    held.read(32 << 20, &mut rest).expect("read past the copy");
+    assert_same(&rest, &pseudo_random(DISK, 1)[32 << 20..36 << 20], "the golden image past the copy");
+    held.disconnect().expect("disconnect");
+}
