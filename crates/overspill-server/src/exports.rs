@@ -507,9 +507,20 @@ impl ExportProvider for OverlayExports {
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
         let capabilities = self.capabilities(name);
         let limiter = self.registry.limits().limiter_for(vm_name);
-        let (number, reset, vm) = match self.registry.claim(vm_name, Self::image_name(name), identity)? {
+        let mut claimed = self.registry.claim(vm_name, Self::image_name(name), identity)?;
+        let waiting_until = Instant::now() + JOIN_WAIT;
+        while matches!(claimed, Claim::Connecting) && Instant::now() < waiting_until {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            claimed = self.registry.claim(vm_name, Self::image_name(name), identity)?;
+        }
+        let (number, reset, vm) = match claimed {
             Claim::Join { number, reset, live } => {
                 return Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiter))
+            }
+            Claim::Connecting => {
+                let why =
+                    format!("VM {} is still connecting its first connection; try again", vm_name.unwrap_or_default());
+                return Err(DeviceError::new(DeviceErrorKind::Refused, why));
             }
             Claim::Resume { number, reset, parked } => (number, reset, *parked),
             Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
@@ -524,6 +535,10 @@ impl ExportProvider for OverlayExports {
         Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiter))
     }
 }
+
+/// How long a further connection of a multi-conn VM waits for its first to have made the
+/// overlay (a golden image's first read may be remote).
+const JOIN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl OverlayExports {
     /// A VM that peer `address` holds live connects here: it is taken from there (see

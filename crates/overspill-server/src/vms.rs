@@ -101,6 +101,9 @@ pub(crate) enum Claim {
     /// Another connection of a VM that allows several (`serve --multi-conn`): it shares the
     /// overlay its first connection serves.
     Join { number: u64, reset: Arc<AtomicBool>, live: Arc<Live> },
+    /// Another connection of such a VM while its first is still making the overlay (a client
+    /// opens its connections at once): ask again in a moment.
+    Connecting,
 }
 
 #[derive(Debug, Default)]
@@ -325,6 +328,7 @@ impl VmRegistry {
                         );
                         return Ok(Claim::Join { number: existing, reset: entry.reset.clone(), live });
                     }
+                    None if self.multi_conn.allows(vm) && entry.image == export => return Ok(Claim::Connecting),
                     _ => {
                         return refuse(format!(
                             "VM {vm} is already connected; one connection per VM (serve --multi-conn {vm} lets \

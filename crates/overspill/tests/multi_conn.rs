@@ -62,4 +62,24 @@ fn nbdcopy_writes_a_multi_conn_vm_over_four_connections_into_one_overlay() {
     held.read(32 << 20, &mut rest).expect("read past the copy");
     assert_same(&rest, &pseudo_random(DISK, 1)[32 << 20..36 << 20], "the golden image past the copy");
     held.disconnect().expect("disconnect");
+
+    // Four clients opening a fresh VM at once, as a multi-conn client does: the first makes the
+    // overlay, the others wait for it and join; each writes a quarter, one reads it all.
+    let quarter = 4 << 20;
+    let clients: Vec<Client> = std::thread::scope(|scope| {
+        let opening: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| Client::connect(&uri(&socket, "copy-2").parse::<NbdUri>().expect("uri"))))
+            .collect();
+        opening.into_iter().map(|o| o.join().expect("thread").expect("every connection opens")).collect()
+    });
+    let mut clients = clients;
+    for (i, client) in clients.iter_mut().enumerate() {
+        client.write((i * quarter) as u64, &pseudo_random(quarter, 10 + i as u64), false).expect("write a quarter");
+    }
+    clients[3].flush().expect("flush on one");
+    let mut whole = vec![0u8; 4 * quarter];
+    clients[0].read(0, &mut whole).expect("read all on another");
+    for i in 0..4 {
+        assert_same(&whole[i * quarter..(i + 1) * quarter], &pseudo_random(quarter, 10 + i as u64), "a quarter");
+    }
 }
