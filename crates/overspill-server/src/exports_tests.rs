@@ -380,3 +380,25 @@ fn several_connections_of_a_multi_conn_vm_share_its_overlay_and_it_ends_with_the
     let refused = exports.open("golden@desk", None).err().expect("a second connection of a VM not allowed");
     assert!(refused.message.contains("--multi-conn"), "{}", refused.message);
 }
+
+/// The last connection of a multi-conn VM ending: from the moment it leaves, a new connection
+/// does not join its overlay on its way to grace, but waits and then resumes it there.
+#[test]
+fn a_connection_arriving_as_the_last_one_leaves_resumes_the_vm_rather_than_join_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exports = exports_in(dir.path());
+    exports.registry.allow_multi_conn(vec!["build-*".into()]);
+    let registry = &exports.registry;
+    let Claim::Fresh { number, .. } = registry.claim(Some("build-1"), "golden", None).expect("claim") else {
+        panic!("a fresh VM");
+    };
+    let live = Arc::new(Live::new(exports.new_overlay("golden@build-1", number).expect("overlay")));
+    registry.attach_live(number, &live);
+    assert!(matches!(registry.claim(Some("build-1"), "golden", None), Ok(Claim::Join { .. })));
+    assert!(registry.leave(number), "the joined connection leaves; the first goes on");
+    assert!(!registry.leave(number), "the first, the last, leaves");
+    assert!(matches!(registry.claim(Some("build-1"), "golden", None), Ok(Claim::Connecting)), "no join now");
+    let overlay = live.vm().take().expect("the overlay");
+    assert!(registry.end(number, Ending::Lost, overlay).is_none(), "kept in grace");
+    assert!(matches!(registry.claim(Some("build-1"), "golden", None), Ok(Claim::Resume { .. })));
+}

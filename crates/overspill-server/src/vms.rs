@@ -317,7 +317,8 @@ impl VmRegistry {
                 return refuse(format!("VM {vm} is moving between this server and peer {}", moving.peer));
             }
             if entry.grace.is_none() {
-                let shared = entry.live.as_ref().and_then(Weak::upgrade);
+                // Not one whose connection has ended (its overlay on its way to grace).
+                let shared = entry.live.as_ref().and_then(Weak::upgrade).filter(|live| live.state().ended.is_none());
                 match shared {
                     Some(live) if self.multi_conn.allows(vm) && entry.image == export => {
                         entry.extra_connections += 1;
@@ -349,6 +350,8 @@ impl VmRegistry {
                 self.mark_quiet(entry, false);
             }
             tracing::info!(vm, export, "VM reconnected: its overlay resumes");
+            // A reset meant for a connection that has ended since is not this one's.
+            entry.reset.store(false, Ordering::SeqCst);
             return Ok(Claim::Resume { number: existing, reset: entry.reset.clone(), parked: Box::new(grace.parked) });
         }
         inner.next_number += 1;
@@ -671,7 +674,15 @@ impl VmRegistry {
                 tracing::info!(vm = %entry.handle.vm, connections = entry.extra_connections + 1, "VM connection ended; others go on");
                 true
             }
-            _ => false,
+            Some(entry) => {
+                // The last: its overlay is about to be parked or ended, so nobody joins it now
+                // (a claim waits until it is in grace, then resumes it). A move keeps its hold.
+                if entry.moving.is_none() {
+                    entry.live = None;
+                }
+                false
+            }
+            None => false,
         }
     }
 

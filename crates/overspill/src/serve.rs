@@ -330,7 +330,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let vhost = serve_vhost_user(&args, &state_dir, exports)?;
     control.serve_sockets(vhost.clone());
     let listener = listen(&args, inherited)?;
-    control.serve_nbd_listen(vec![listener.local_addr().to_string()]);
+    // Absolute, as a hook comparing a domain's socket with it resolves paths from elsewhere.
+    let nbd_listen = match listener.local_addr() {
+        ListenAddr::Unix(path) => ListenAddr::Unix(std::path::absolute(&path).unwrap_or(path)),
+        tcp => tcp,
+    };
+    control.serve_nbd_listen(vec![nbd_listen.to_string()]);
     tracing::info!(
         uri = %listener.local_addr().nbd_uri(EXAMPLE_EXPORT, config_tls_mode != TlsMode::Off),
         anonymous = if args.anonymous_writes { "writable, reverted at any reconnect" } else { "read-only" },
