@@ -40,6 +40,7 @@ use crate::ledger::{
     remove_leftover_state_files, remove_state_files, Ledger, LeftBehind, Marks, Recoverable, StateRecord,
 };
 use crate::live::Live;
+use crate::multi_conn::MultiConn;
 use crate::vm_limits::VmLimits;
 use crate::vm_overlay::VmOverlay;
 use crate::ServerError;
@@ -202,7 +203,7 @@ fn hand_over(entry: &mut Entry, parked: &mut VmOverlay) {
 }
 
 /// Registry locks guard plain bookkeeping: a panic elsewhere leaves it usable.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
@@ -952,33 +953,6 @@ impl Entry {
             moving: None,
             extra_connections: 0,
         }
-    }
-}
-
-/// The VM names (shell-style patterns: `*` any run, `?` one character) whose clients may open
-/// several connections at once, all serving one overlay (NBD multi-conn). The server cannot tell
-/// a second connection of the same client from a second QEMU, so a VM opts in by name.
-#[derive(Debug, Default)]
-struct MultiConn(Mutex<Vec<String>>);
-
-impl MultiConn {
-    fn set(&self, patterns: Vec<String>) {
-        *lock(&self.0) = patterns;
-    }
-
-    fn allows(&self, vm: &str) -> bool {
-        lock(&self.0).iter().any(|pattern| glob_matches(pattern.as_bytes(), vm.as_bytes()))
-    }
-}
-
-/// Whether `name` matches `pattern`, `*` standing for any run of characters and `?` for one.
-fn glob_matches(pattern: &[u8], name: &[u8]) -> bool {
-    match (pattern.split_first(), name.split_first()) {
-        (None, None) => true,
-        (Some((b'*', rest)), _) => glob_matches(rest, name) || (!name.is_empty() && glob_matches(pattern, &name[1..])),
-        (Some((b'?', rest)), Some((_, tail))) => glob_matches(rest, tail),
-        (Some((p, rest)), Some((n, tail))) if p == n => glob_matches(rest, tail),
-        _ => false,
     }
 }
 

@@ -222,6 +222,6 @@ fn multi_conn_patterns_match_names_as_a_shell_does() {
         ("a*b*c", "axxbyyc", true),
         ("a*b*c", "axxbyy", false),
     ] {
-        assert_eq!(super::glob_matches(pattern.as_bytes(), name.as_bytes()), matches, "{pattern} {name}");
+        assert_eq!(crate::multi_conn::glob_matches(pattern.as_bytes(), name.as_bytes()), matches, "{pattern} {name}");
     }
 }
