@@ -14,9 +14,18 @@ fn flags(no_zeroes: bool) -> Vec<u8> {
 
 /// qemu-nbd/qemu-img as a client: structured replies, a meta context, GO asking block sizes.
 fn qemu(export: &str) -> Vec<u8> {
+    qemu_with(export, &[BASE_ALLOCATION], false)
+}
+
+/// A client selecting `contexts`, after listing them all when `list` (`nbdinfo
+/// --map=qemu:allocation-depth`; qemu-img map over a layered export asks both).
+fn qemu_with(export: &str, contexts: &[&str], list: bool) -> Vec<u8> {
     let mut out = flags(true);
     option(&mut out, OPT_STRUCTURED_REPLY, &[]);
-    option(&mut out, OPT_SET_META_CONTEXT, &meta_context_request(export, &[BASE_ALLOCATION]));
+    if list {
+        option(&mut out, OPT_LIST_META_CONTEXT, &meta_context_request(export, &[]));
+    }
+    option(&mut out, OPT_SET_META_CONTEXT, &meta_context_request(export, contexts));
     option(&mut out, OPT_GO, &go_data(export, &[INFO_BLOCK_SIZE]));
     out
 }
@@ -257,6 +266,11 @@ fn main() -> std::io::Result<()> {
         ("handshake", "qemu", handshake_input(&[], 0, &qemu(EXPORT_NAME))),
         ("handshake", "qemu-bytewise", handshake_input(&[1], 0, &qemu(EXPORT_NAME))),
         ("handshake", "qemu-default-export", handshake_input(&[3, 0, 17], HS_DEFAULT_EXPORT, &qemu(""))),
+        (
+            "handshake",
+            "qemu-depth",
+            handshake_input(&[], 0, &qemu_with(EXPORT_NAME, &[BASE_ALLOCATION, ALLOCATION_DEPTH], true)),
+        ),
         ("handshake", "nbdinfo-list", handshake_input(&[7, 20], 0, &nbdinfo_list())),
         ("handshake", "refusals", handshake_input(&[], 0, &refusals())),
         ("handshake", "oversized", handshake_input(&[200, 0, 97], 0, &oversized())),
@@ -281,6 +295,11 @@ fn main() -> std::io::Result<()> {
         ("request", "disc", request_seed(CMD_DISC, 0, u64::MAX, u32::MAX, 0, 0, 0)),
         ("request", "read-overflow", request_seed(CMD_READ, 0, u64::MAX - 1, 4096, u64::MAX, u32::MAX, all)),
         ("server", "qemu-session", [vec![0], qemu(EXPORT_NAME), session()].concat()),
+        (
+            "server",
+            "depth-session",
+            [vec![0], qemu_with(EXPORT_NAME, &[ALLOCATION_DEPTH, BASE_ALLOCATION], true), session()].concat(),
+        ),
         ("server", "go-session", [vec![1], session()].concat()),
         ("server", "structured-bad-requests", [vec![2], bad_requests(), session()].concat()),
         ("server", "export-name-session", [vec![3], session()].concat()),

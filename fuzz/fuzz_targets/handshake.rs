@@ -11,7 +11,9 @@ use std::sync::{Arc, OnceLock};
 use libfuzzer_sys::fuzz_target;
 use overspill_block::{Capabilities, ExportAccess, ExportProvider};
 use overspill_fuzz::*;
-use overspill_nbd::handshake::{transmission_flags, Handshake, HandshakeError, Progress, MAX_OPTION_BYTES};
+use overspill_nbd::handshake::{
+    transmission_flags, Handshake, HandshakeError, MetaContexts, Progress, MAX_OPTION_BYTES,
+};
 use overspill_nbd::memory::OneExport;
 use overspill_nbd::wire::*;
 use overspill_net::TlsMode;
@@ -44,8 +46,8 @@ struct Model {
     flags_done: bool,
     no_zeroes: bool,
     structured: bool,
-    /// The export the last successful SET_META_CONTEXT selected `base:allocation` for.
-    allocation: Option<String>,
+    /// The export the last successful SET_META_CONTEXT selected contexts for, and which.
+    meta: Option<(String, MetaContexts)>,
     /// An option over MAX_OPTION_BYTES whose data is being skipped, and how much of it is left.
     skipping: Option<(u32, u32)>,
 }
@@ -91,11 +93,14 @@ fn meta_target(data: &[u8]) -> Option<(&str, Vec<&str>)> {
     rest.is_empty().then_some((name, queries))
 }
 
-/// How many contexts a well-formed META_CONTEXT request finds: `base:allocation` is the only one.
-fn contexts_found(option: u32, queries: &[&str]) -> usize {
-    let named = queries.contains(&"base:allocation");
-    let listed = option == OPT_LIST_META_CONTEXT && (queries.is_empty() || queries.contains(&"base:"));
-    usize::from(named || listed)
+/// The contexts a well-formed META_CONTEXT request finds, of the two this server has
+/// (`base:allocation`, `qemu:allocation-depth`): SET takes whole names, LIST also a namespace
+/// and, with no query, everything.
+fn contexts_found(option: u32, queries: &[&str]) -> MetaContexts {
+    let list = option == OPT_LIST_META_CONTEXT;
+    let found =
+        |name, namespace| queries.contains(&name) || (list && (queries.is_empty() || queries.contains(&namespace)));
+    MetaContexts { allocation: found("base:allocation", "base:"), depth: found("qemu:allocation-depth", "qemu:") }
 }
 
 impl Model {
@@ -221,6 +226,7 @@ impl Model {
                 continue;
             }
             let (mut servers, mut infos, mut contexts) = (0, 0, 0);
+            let (mut named, mut ids) = (MetaContexts::default(), Vec::new());
             let (acked, kind) = loop {
                 let (o, kind, payload) = replies.next().expect("every option is answered");
                 assert_eq!(o, option, "reply for another option");
@@ -237,9 +243,16 @@ impl Model {
                     }
                     REP_META_CONTEXT => {
                         assert!(option == OPT_LIST_META_CONTEXT || option == OPT_SET_META_CONTEXT);
-                        assert_eq!(payload.get(4..), Some(&b"base:allocation"[..]), "context name");
+                        let seen = match payload.get(4..) {
+                            Some(b"base:allocation") => &mut named.allocation,
+                            Some(b"qemu:allocation-depth") => &mut named.depth,
+                            other => panic!("unknown context name {other:?}"),
+                        };
+                        assert!(!std::mem::replace(seen, true), "a context named twice");
                         let id = be_u32(payload);
                         assert_eq!(id == 0, option == OPT_LIST_META_CONTEXT, "LIST's IDs are zero, SET's not");
+                        assert!(id == 0 || !ids.contains(&id), "two contexts share ID {id}");
+                        ids.push(id);
                         contexts += 1;
                     }
                     REP_ACK => break (true, kind),
@@ -255,13 +268,13 @@ impl Model {
             assert!(acked || infos + servers + contexts == 0, "INFO/SERVER/META_CONTEXT replies before an error");
             if option == OPT_SET_META_CONTEXT && !self.gated() {
                 // SET replaces the selection, even when it fails.
-                self.allocation = None;
+                self.meta = None;
             }
             if acked && (option == OPT_LIST_META_CONTEXT || option == OPT_SET_META_CONTEXT) {
                 let (_, queries) = data.and_then(meta_target).expect("acknowledged, so well formed");
-                assert_eq!(contexts, contexts_found(option, &queries), "contexts for {queries:?}");
-                if option == OPT_SET_META_CONTEXT && contexts == 1 {
-                    self.allocation = Some(self.export.to_owned());
+                assert_eq!(named, contexts_found(option, &queries), "contexts for {queries:?}");
+                if option == OPT_SET_META_CONTEXT && named.any() {
+                    self.meta = Some((self.export.to_owned(), named));
                 }
             }
             if self.gated() && !acked && option != OPT_STARTTLS {
@@ -320,7 +333,7 @@ fuzz_target!(|data: &[u8]| {
         flags_done: false,
         no_zeroes: false,
         structured: false,
-        allocation: None,
+        meta: None,
         skipping: None,
     };
     let access: Option<Arc<dyn ExportAccess>> = model.access.then(|| Arc::new(OnlyAlice) as _);
@@ -363,7 +376,11 @@ fuzz_target!(|data: &[u8]| {
             let sizes = (n.info.size, n.device.size());
             assert_eq!((n.export.as_str(), sizes), (export, (EXPORT_SIZE as u64, EXPORT_SIZE as u64)));
             assert_eq!(n.structured_replies, model.structured, "structured replies as acknowledged");
-            assert_eq!(n.block_status, model.allocation.as_deref() == Some(export), "block status as selected");
+            let selected = match &model.meta {
+                Some((name, contexts)) if name == export => *contexts,
+                _ => MetaContexts::default(),
+            };
+            assert_eq!(n.contexts, selected, "contexts as selected");
         }
         match outcome {
             Outcome::NeedMore if fed < stream.len() => {}
@@ -371,7 +388,7 @@ fuzz_target!(|data: &[u8]| {
             Outcome::StartTls => {
                 hs.tls_started(Some(if model.alice { "alice" } else { "mallory" }.into()));
                 // What was negotiated in plain text could have been tampered with.
-                (model.tls_active, model.structured, model.allocation) = (true, false, None);
+                (model.tls_active, model.structured, model.meta) = (true, false, None);
             }
             // Over (or broken, or out of input): the socket loop stops calling it.
             _ => break,

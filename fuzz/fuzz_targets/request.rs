@@ -23,6 +23,8 @@ fuzz_target!(|data: &[u8]| {
         can_trim: bit(3),
         can_zero: bit(4),
         can_fast_zero: bit(5),
+        // Only the transmission flags read it: no request is valid or invalid for it.
+        can_multi_conn: bit(6),
     };
 
     let h = match RequestHeader::parse(&raw) {
