@@ -15,7 +15,7 @@
 //! block each, which the next rebalance corrects.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 const NO_CAP: u64 = u64::MAX;
@@ -31,6 +31,11 @@ pub struct HostMemory {
     available_bytes: AtomicU64,
     /// What the memory directory had room for at the last rebalance (`NO_CAP` where not told).
     room_cap_bytes: AtomicU64,
+    /// A VM under its own target was refused RAM because all together were at the cap, since
+    /// the last [`HostMemory::take_held`].
+    held: AtomicBool,
+    /// What VMs gave back without a write of theirs to make them (see [`crate::relief`]).
+    given_back_bytes: AtomicU64,
 }
 
 const NOT_SAMPLED: u64 = u64::MAX;
@@ -45,6 +50,8 @@ impl HostMemory {
             per_vm_cap_bytes: AtomicU64::new(NO_CAP),
             available_bytes: AtomicU64::new(NOT_SAMPLED),
             room_cap_bytes: AtomicU64::new(NO_CAP),
+            held: AtomicBool::new(false),
+            given_back_bytes: AtomicU64::new(0),
         })
     }
 
@@ -102,6 +109,25 @@ impl HostMemory {
     /// room was short at the last rebalance.
     pub fn total_cap_bytes(&self) -> u64 {
         self.cap_bytes.min(self.room_cap_bytes.load(Ordering::Relaxed))
+    }
+
+    /// A VM wanted RAM within its own target and the host had none left for it.
+    pub(crate) fn note_held(&self) {
+        self.held.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a VM was held back since the last call (which clears it).
+    pub fn take_held(&self) -> bool {
+        self.held.swap(false, Ordering::Relaxed)
+    }
+
+    pub fn note_given_back(&self, bytes: u64) {
+        self.given_back_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Memory VMs gave back so far without a write of theirs to make them.
+    pub fn given_back_bytes(&self) -> u64 {
+        self.given_back_bytes.load(Ordering::Relaxed)
     }
 
     pub(crate) fn attach(&self) {

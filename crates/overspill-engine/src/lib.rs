@@ -18,6 +18,7 @@ pub mod overlay;
 pub mod ram;
 mod ranges;
 pub mod read_cache;
+pub mod relief;
 pub mod spill;
 pub mod state;
 pub mod stats;

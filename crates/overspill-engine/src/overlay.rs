@@ -86,6 +86,9 @@ trait Store: Send {
     /// A write touching `written` blocks, or a zeroing (`None`), is about to change the overlay:
     /// room may be made.
     fn before_change(&mut self, core: &mut Core, written: Option<usize>);
+    /// Moves the coldest RAM blocks to the spill log until the VM's memory is at most
+    /// `limit_bytes` or its RAM tier is empty (nothing where there is no log to move them to).
+    fn shrink_to(&mut self, core: &mut Core, limit_bytes: u64);
     /// Stores `data` at `offset`, inside the disk.
     fn write(&mut self, core: &mut Core, offset: u64, data: &[u8]) -> Result<()>;
     /// Stores the `len` bytes at `offset` that `receive` fills in.

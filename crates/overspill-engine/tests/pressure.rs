@@ -149,3 +149,57 @@ fn a_vm_about_to_wait_gives_back_its_spare_spill_segments() {
         assert_eq!(back, block(seed, (from + 5) * 256), "data at {} MiB", from + 5);
     }
 }
+
+/// The host at its cap: a quiet VM holding most of it gives its RAM back when a busy one is held
+/// below its own target (as the server's background pass has it do), the busy one then writes
+/// to RAM again, and every block of the quiet one reads back.
+#[test]
+fn a_quiet_vm_gives_ram_to_a_held_one_and_keeps_its_data() {
+    use overspill_engine::relief::{plan, VmMemory, STEP_BYTES};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let host = HostMemory::new(40 * MIB, 0);
+    let (mut quiet, mut busy) = (overlay(&host, dir.path(), "quiet"), overlay(&host, dir.path(), "busy"));
+    let blocks = 28 * MIB / 4096;
+    for i in 0..blocks {
+        quiet.write(i * 4096, &block(1, i)).expect("write");
+    }
+    assert_eq!(quiet.stats().spill_segments_written.get(), 0, "all in RAM: the host had room");
+    assert!(!host.take_held(), "no one held yet");
+    for i in 0..blocks {
+        busy.write(i * 4096, &block(2, i)).expect("write");
+    }
+    assert!(host.take_held(), "the busy VM was held below its 32 MiB target");
+    assert!(busy.stats().spill_segments_written.get() > 0, "and spilled");
+
+    let seen = |vm: &Overlay, id, quiet| VmMemory {
+        id,
+        accounted_bytes: vm.memory_accounted_bytes(),
+        target_bytes: vm.memory_target_bytes(),
+        quiet,
+        can_spill: vm.can_spill(),
+    };
+    let given = plan(&[seen(&quiet, 1, true), seen(&busy, 2, false)], true, STEP_BYTES);
+    assert_eq!(given.len(), 1, "only the quiet VM gives back: {given:?}");
+    assert_eq!((given[0].id, given[0].limit_bytes), (1, 0), "all its RAM: it holds less than a step");
+    let before = quiet.memory_accounted_bytes();
+    let freed = quiet.give_back_memory(given[0].limit_bytes);
+    host.note_given_back(freed);
+    assert!(freed >= 24 * MIB, "{freed} of {before} bytes given back");
+    assert_eq!(host.used_bytes(), quiet.memory_accounted_bytes() + busy.memory_accounted_bytes());
+    assert!(quiet.memory_resident_bytes() <= quiet.memory_accounted_bytes(), "its pages left memory too");
+
+    let (used_before, segments_before) = (busy.memory_used_bytes(), busy.stats().spill_segments_written.get());
+    for i in 0..(8 * MIB / 4096) {
+        busy.write((blocks + i) * 4096, &block(2, blocks + i)).expect("write");
+    }
+    assert_eq!(busy.stats().spill_segments_written.get(), segments_before, "no more of the busy VM's blocks spilled");
+    assert!(busy.memory_used_bytes() >= used_before + 8 * MIB, "its RAM tier grew by what it wrote");
+    assert!(!host.take_held(), "and it was not held");
+    let mut buf = vec![0u8; 4096];
+    for i in 0..blocks {
+        quiet.read(i * 4096, &mut buf).expect("read");
+        assert_eq!(buf, block(1, i), "quiet VM block {i}");
+        busy.read(i * 4096, &mut buf).expect("read");
+        assert_eq!(buf, block(2, i), "busy VM block {i}");
+    }
+}

@@ -47,6 +47,8 @@ use crate::ServerError;
 
 #[path = "vms_moves.rs"]
 mod moves;
+#[path = "vms_relief.rs"]
+mod relief;
 #[path = "vms_status.rs"]
 mod status;
 pub use moves::{Direction, Holding, MoveCounters, MoveProgress, Offer};

@@ -460,6 +460,12 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
         "gauge",
     );
     w.sample("overspill_host_cache_memory_cap_bytes", &[], host.total_cap_bytes() as f64);
+    w.header(
+        "overspill_host_memory_given_back_bytes_total",
+        "Cache memory VMs gave back without a write of theirs to make them: quiet or waiting VMs for VMs held below their targets, and VMs above targets cut by pressure.",
+        "counter",
+    );
+    w.sample("overspill_host_memory_given_back_bytes_total", &[], host.given_back_bytes() as f64);
     w.header("overspill_host_memory_floor_bytes", "Free memory the caches leave to the host (--ram-floor).", "gauge");
     w.sample("overspill_host_memory_floor_bytes", &[], host.floor_bytes() as f64);
     let per_vm_cap = host.per_vm_cap_bytes();

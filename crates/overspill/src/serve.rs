@@ -320,7 +320,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     // Where the VMs' pages are files: a memory directory that other users fill after the start
     // must make VMs spill, not refuse their writes.
     let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir.clone());
-    spawn_memory_sampler(host, pages_dir, u64::from(config.limits.max_payload_bytes));
+    spawn_memory_sampler(host, Arc::downgrade(&registry), pages_dir, u64::from(config.limits.max_payload_bytes));
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let exports = Arc::new(exports);
     spawn_image_watch(Arc::downgrade(&exports));
@@ -904,9 +904,16 @@ fn spawn_image_watch(exports: std::sync::Weak<OverlayExports>) {
 }
 
 /// Feeds the host's free memory (and the room left in the memory directory, where VMs' pages
-/// are files) to the budget once a second, so VMs shrink under pressure, and hands memory the
-/// VMs gave back to the system.
-fn spawn_memory_sampler(host: Arc<HostMemory>, pages_dir: Option<PathBuf>, largest_request: u64) {
+/// are files) to the budget once a second, so VMs shrink under pressure, has VMs that write
+/// nothing give memory back where it is needed (`VmRegistry::give_back_memory`), and hands
+/// memory the VMs gave back to the system.
+fn spawn_memory_sampler(
+    host: Arc<HostMemory>,
+    registry: std::sync::Weak<VmRegistry>,
+    pages_dir: Option<PathBuf>,
+    largest_request: u64,
+) {
+    let mut quiet = overspill_engine::relief::QuietWatch::default();
     let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || loop {
         match read_mem_available() {
             // Under a cgroup limit (MemoryMax=, a container) the room left in it is what counts
@@ -920,6 +927,10 @@ fn spawn_memory_sampler(host: Arc<HostMemory>, pages_dir: Option<PathBuf>, large
                 return;
             }
         }
+        match registry.upgrade() {
+            Some(registry) => registry.give_back_memory(&host, &mut quiet),
+            None => return,
+        };
         release_freed_memory();
         std::thread::sleep(Duration::from_secs(1));
     });

@@ -66,7 +66,31 @@ impl Overlay {
         self.store.disk_used_bytes()
     }
 
+    /// Gives memory back without a write of the VM's to make it (see [`crate::relief`]): the
+    /// coldest RAM blocks go to the spill log until the VM holds at most `limit_bytes`, and the
+    /// pages they leave free go back to the system, none kept warm for writes to come. A VM
+    /// without a spill log (mode `ram`) gives back only the free pages it kept. Returns how much
+    /// less the host's budget counts for the VM.
+    pub fn give_back_memory(&mut self, limit_bytes: u64) -> u64 {
+        let before = self.core.accounted_bytes;
+        self.store.shrink_to(&mut self.core, limit_bytes);
+        self.settle_memory(Some(limit_bytes));
+        before.saturating_sub(self.core.accounted_bytes)
+    }
+
+    /// Whether the VM can give RAM back by moving it to disk (it has a spill log; the modes
+    /// that write in place hold no RAM tier, and mode `ram` has nowhere to move it).
+    pub fn can_spill(&self) -> bool {
+        self.core.config.mode == super::WriteCacheMode::RamDisk
+    }
+
     pub(super) fn after_mutation(&mut self) {
+        self.settle_memory(None);
+    }
+
+    /// Settles the store and counts the VM's memory for the host; `limit_bytes` is a limit the
+    /// VM is giving memory back down to, below its target.
+    fn settle_memory(&mut self, limit_bytes: Option<u64>) {
         self.store.settle(&mut self.core);
         self.core.map.shrink_if_empty();
         let used = self.memory_used_bytes();
@@ -81,8 +105,8 @@ impl Overlay {
         // room, exactly: it is to give memory back, not to go fast.
         let core = &mut self.core;
         let target = core.memory_target_bytes();
-        let unused = (target.saturating_sub(used) / BLOCK_BYTES) as usize;
-        let pressed = target < core.config.ram_target_bytes || !core.host.has_room(0);
+        let unused = (limit_bytes.unwrap_or(target).min(target).saturating_sub(used) / BLOCK_BYTES) as usize;
+        let pressed = limit_bytes.is_some() || target < core.config.ram_target_bytes || !core.host.has_room(0);
         let (soon, covered) = self.store.pages_wanted(pressed);
         let slack = if pressed { 0 } else { COOLING_SLACK_PAGES };
         let kept = core.arena.cool_beyond(unused + soon, slack);

@@ -62,6 +62,8 @@ impl InPlace {
 impl Store for InPlace {
     fn before_change(&mut self, _core: &mut Core, _written: Option<usize>) {}
 
+    fn shrink_to(&mut self, _core: &mut Core, _limit_bytes: u64) {}
+
     /// Partial blocks are read, patched and written whole; the aligned body goes down in one
     /// write at its own offset.
     fn write(&mut self, core: &mut Core, offset: u64, data: &[u8]) -> Result<()> {

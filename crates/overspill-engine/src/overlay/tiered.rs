@@ -384,7 +384,14 @@ impl Tiered {
 
     fn ram_has_room(&self, core: &Core) -> bool {
         let need = BLOCK_BYTES + map::ENTRY_BYTES;
-        core.index_bytes() + self.memory_bytes() + need <= core.memory_target_bytes() && core.host.has_room(need)
+        if core.index_bytes() + self.memory_bytes() + need > core.memory_target_bytes() {
+            return false;
+        }
+        // Under its own target but not the host's: quiet VMs may be holding what it needs.
+        core.host.has_room(need) || {
+            core.host.note_held();
+            false
+        }
     }
 
     /// Makes room in the spill log's open segment for guest data; when the space is exhausted,
@@ -494,12 +501,16 @@ impl Store for Tiered {
         if let Some(blocks) = written {
             self.note_write_size(blocks);
         }
+        self.shrink_to(core, core.memory_target_bytes());
+    }
+
+    fn shrink_to(&mut self, core: &mut Core, limit_bytes: u64) {
         if self.spill.is_none() {
             return;
         }
-        while self.ram.blocks() > 0 && core.index_bytes() + self.memory_bytes() > core.memory_target_bytes() {
+        while self.ram.blocks() > 0 && core.index_bytes() + self.memory_bytes() > limit_bytes {
             if let Err(error) = self.evict_coldest(core) {
-                tracing::debug!(%error, "could not spill down to the memory target");
+                tracing::debug!(%error, "could not spill down to the memory limit");
                 break;
             }
         }

@@ -410,10 +410,24 @@ pub const ZEROING: Profile = Profile { zero_share: 50, large_writes: false };
 /// One request of the workload, on whole blocks.
 #[derive(Debug, Clone)]
 pub enum Workload {
-    Write { first: u64, blocks: u64, received: bool },
-    Zero { first: u64, blocks: u64 },
-    Trim { first: u64, blocks: u64 },
+    Write {
+        first: u64,
+        blocks: u64,
+        received: bool,
+    },
+    Zero {
+        first: u64,
+        blocks: u64,
+    },
+    Trim {
+        first: u64,
+        blocks: u64,
+    },
     Flush,
+    /// The server's background pass has the VM give memory back down to this many bytes.
+    GiveBack {
+        limit_bytes: u64,
+    },
 }
 
 impl Workload {
@@ -445,7 +459,8 @@ impl Workload {
                 let blocks = rng.gen_range(1..96);
                 Self::Trim { first: anywhere(rng, blocks), blocks }
             }
-            _ => Self::Flush,
+            95..=97 => Self::Flush,
+            _ => Self::GiveBack { limit_bytes: rng.gen_range(0..=4) * (1 << 20) },
         }
     }
 
@@ -456,6 +471,7 @@ impl Workload {
             Self::Zero { .. } => "zero",
             Self::Trim { .. } => "trim",
             Self::Flush => "flush",
+            Self::GiveBack { .. } => "give back",
         }
     }
 
@@ -464,7 +480,7 @@ impl Workload {
             Self::Write { first, blocks, .. } | Self::Zero { first, blocks } | Self::Trim { first, blocks } => {
                 first..first + blocks
             }
-            Self::Flush => 0..0,
+            Self::Flush | Self::GiveBack { .. } => 0..0,
         }
     }
 
@@ -473,7 +489,7 @@ impl Workload {
             Self::Write { .. } => Content::Data(version),
             Self::Zero { .. } => Content::Zero,
             Self::Trim { .. } => Content::Any,
-            Self::Flush => Content::Any,
+            Self::Flush | Self::GiveBack { .. } => Content::Any,
         }
     }
 
@@ -493,6 +509,10 @@ impl Workload {
             Self::Zero { .. } => vm.write_zeroes(offset, len),
             Self::Trim { .. } => vm.trim(offset, len),
             Self::Flush => vm.flush(),
+            Self::GiveBack { limit_bytes } => {
+                vm.give_back_memory(limit_bytes);
+                Ok(())
+            }
         }
     }
 }
