@@ -186,8 +186,8 @@ impl Limiter {
 /// each is charged, and the request waits for the slowest. Returns the time it waited.
 pub fn admit(chain: &[Arc<Limiter>], bytes: u64) -> Duration {
     let Some(first) = chain.first() else { return Duration::ZERO };
-    let waits: Vec<Duration> = chain.iter().map(|limiter| limiter.charge(bytes)).collect();
-    let wait = waits.iter().copied().max().unwrap_or_default();
+    // Every limiter is charged, whatever the others say (no allocation: this is every request).
+    let wait = chain.iter().fold(Duration::ZERO, |wait, limiter| wait.max(limiter.charge(bytes)));
     if wait.is_zero() {
         return wait;
     }

@@ -57,9 +57,11 @@ pub enum Request {
         vm: String,
     },
     /// Sets a VM's limits (its operations and bytes per second), live; with neither changed,
-    /// says them.
+    /// says them. With `group`, `vm` names a group, whose limits its VMs share.
     Limit {
         vm: String,
+        #[serde(default)]
+        group: bool,
         #[serde(default)]
         ops: RateChange,
         #[serde(default)]
@@ -228,7 +230,14 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             message: Some("a rate of 0 would stop the VM; use off for no limit".into()),
             ..Answer::default()
         },
-        Ok(Request::Limit { vm, ops, bytes }) => match crate::check_name("VM", &vm) {
+        Ok(Request::Limit { vm: group, group: true, ops, bytes }) => match crate::vm_limits::check_group(&group) {
+            Ok(()) => {
+                let limits = targets.registry.limits().set_group(&group, ops.change(), bytes.change());
+                Answer { ok: true, message: Some(format!("group {group:?}: {limits}")), ..Answer::default() }
+            }
+            Err(error) => outcome(Err(error)),
+        },
+        Ok(Request::Limit { vm, group: false, ops, bytes }) => match crate::check_name("VM", &vm) {
             Ok(()) => {
                 let limits = targets.registry.limits().set(&vm, ops.change(), bytes.change());
                 Answer { ok: true, message: Some(format!("{vm}: {limits}")), ..Answer::default() }

@@ -25,7 +25,7 @@ pub(crate) fn stack(
     number: u64,
     reset: Arc<AtomicBool>,
     registry: Arc<VmRegistry>,
-    limiter: Option<Arc<Limiter>>,
+    limiters: Vec<Arc<Limiter>>,
 ) -> Box<dyn BlockDevice> {
     let (stats, recorder, size, name) = {
         let vm = live.vm();
@@ -49,9 +49,10 @@ pub(crate) fn stack(
     let device =
         LedgerMarked { inner: Recorded::new(Timed::new(engine, stats), recorder), registry, number, marked: false };
     // Outermost: the time a request waits for its limits is not the device's service time.
-    match limiter {
-        Some(limiter) => Box::new(Throttled::new(device, vec![limiter])),
-        None => Box::new(device),
+    if limiters.is_empty() {
+        Box::new(device)
+    } else {
+        Box::new(Throttled::new(device, limiters))
     }
 }
 

@@ -506,7 +506,7 @@ impl ExportProvider for OverlayExports {
         }
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
         let capabilities = self.capabilities(name);
-        let limiter = self.registry.limits().limiter_for(vm_name);
+        let limiters = self.registry.limits().limiters_for(vm_name, Self::image_name(name));
         let mut claimed = self.registry.claim(vm_name, Self::image_name(name), identity)?;
         let waiting_until = Instant::now() + JOIN_WAIT;
         while matches!(claimed, Claim::Connecting) && Instant::now() < waiting_until {
@@ -515,7 +515,7 @@ impl ExportProvider for OverlayExports {
         }
         let (number, reset, vm) = match claimed {
             Claim::Join { number, reset, live } => {
-                return Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiter))
+                return Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters))
             }
             Claim::Connecting => {
                 let why =
@@ -532,7 +532,7 @@ impl ExportProvider for OverlayExports {
             },
         };
         let live = Arc::new(Live::new(vm));
-        Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiter))
+        Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters))
     }
 }
 
@@ -615,8 +615,8 @@ impl OverlayExports {
             return Err(DeviceError::new(DeviceErrorKind::Io, format!("taking VM {vm} from its peer: {error}")));
         }
         tracing::info!(vm, peer, image = label, "VM moving here from its peer: pre-copy begins");
-        let limiter = self.registry.limits().limiter_for(Some(vm));
-        Ok(crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiter))
+        let limiters = self.registry.limits().limiters_for(Some(vm), image_name);
+        Ok(crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiters))
     }
 }
 

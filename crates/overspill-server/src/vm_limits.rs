@@ -1,5 +1,8 @@
-//! Each VM's I/O limits, kept by name for the server's life: a VM that reconnects keeps its
-//! buckets (its debt too), and `vm limit` may set a VM's limits before it connects. The buckets
+//! Each VM's I/O limits, and its group's, kept by name for the server's life: a VM that
+//! reconnects keeps its buckets (its debt too), and `vm limit` may set a VM's or a group's
+//! limits before it connects. A VM's requests pass its own limits and its group's, which all
+//! the group's VMs share. A VM's group is the first named group (`serve --group
+//! NAME=GLOB,…`) whose patterns match its name, else its image's (`image:NAME`). The buckets
 //! themselves, and the layer that makes requests wait, are overspill-block's ([`Limiter`]).
 
 use std::collections::HashMap;
@@ -8,6 +11,21 @@ use std::time::Duration;
 
 use overspill_block::limit::SystemClock;
 use overspill_block::{Limiter, Limits, Rate};
+
+use crate::multi_conn::glob_matches;
+
+/// The prefix of an image's group, which holds the VMs of that image in no named group.
+pub const IMAGE_GROUP_PREFIX: &str = "image:";
+
+/// Whether `group` names a group: a named one's name, or an image's (`image:` and the image's
+/// export name, `image:` alone for the default image).
+pub fn check_group(group: &str) -> Result<(), crate::ServerError> {
+    match group.strip_prefix(IMAGE_GROUP_PREFIX) {
+        Some("") => Ok(()),
+        Some(image) => crate::check_name("image", image),
+        None => crate::check_name("group", group),
+    }
+}
 
 #[derive(Default)]
 pub struct VmLimits {
@@ -24,6 +42,18 @@ impl std::fmt::Debug for VmLimits {
 struct Book {
     default: Limits,
     by_vm: HashMap<String, Arc<Limiter>>,
+    /// Named groups and their VM name patterns, in the order given: the first match wins.
+    groups: Vec<(String, Vec<String>)>,
+    by_group: HashMap<String, Arc<Limiter>>,
+}
+
+impl Book {
+    fn group_limiter(&mut self, group: &str) -> Arc<Limiter> {
+        self.by_group
+            .entry(group.to_owned())
+            .or_insert_with(|| Limiter::new(Limits::default(), SystemClock::shared()))
+            .clone()
+    }
 }
 
 impl VmLimits {
@@ -37,32 +67,59 @@ impl VmLimits {
         self.lock().default = limits;
     }
 
-    /// The limiter a connection of VM `vm` passes (made with the default limits at the name's
-    /// first use, and kept); an unnamed VM gets one of its own, or none without default limits.
-    pub fn limiter_for(&self, vm: Option<&str>) -> Option<Arc<Limiter>> {
+    /// Sets the named groups: each a name and the VM name patterns (`*`, `?`) of its members.
+    pub fn set_groups(&self, groups: Vec<(String, Vec<String>)>) {
+        self.lock().groups = groups;
+    }
+
+    /// The group of VM `vm` (none: an unnamed VM) over image `image`.
+    pub fn group_of(&self, vm: Option<&str>, image: &str) -> String {
+        let book = self.lock();
+        let named = vm.and_then(|vm| {
+            book.groups.iter().find(|(_, patterns)| patterns.iter().any(|p| glob_matches(p.as_bytes(), vm.as_bytes())))
+        });
+        match named {
+            Some((group, _)) => group.clone(),
+            None => format!("{IMAGE_GROUP_PREFIX}{image}"),
+        }
+    }
+
+    /// The limiters a connection of VM `vm` over image `image` passes: the VM's own (made with
+    /// the default limits at the name's first use, and kept; an unnamed VM gets one of its own
+    /// only with default limits), then its group's. A limiter without limits lets requests by
+    /// without a lock, so the group's is always there, for `vm limit --group` to set live.
+    pub fn limiters_for(&self, vm: Option<&str>, image: &str) -> Vec<Arc<Limiter>> {
+        let group = self.group_of(vm, image);
         let mut book = self.lock();
         let default = book.default;
-        match vm {
-            Some(vm) => {
-                let limiter =
-                    book.by_vm.entry(vm.to_owned()).or_insert_with(|| Limiter::new(default, SystemClock::shared()));
-                Some(limiter.clone())
-            }
+        let own = match vm {
+            Some(vm) => Some(
+                book.by_vm.entry(vm.to_owned()).or_insert_with(|| Limiter::new(default, SystemClock::shared())).clone(),
+            ),
             None => (!default.is_none()).then(|| Limiter::new(default, SystemClock::shared())),
-        }
+        };
+        own.into_iter().chain([book.group_limiter(&group)]).collect()
+    }
+
+    /// Sets group `group`'s limits, shared by its VMs (`None`: unchanged; `Some(None)`: off).
+    /// Returns the group's limits now.
+    pub fn set_group(&self, group: &str, ops: Option<Option<Rate>>, bytes: Option<Option<Rate>>) -> Limits {
+        let limiter = self.lock().group_limiter(group);
+        let limits = changed(limiter.limits(), ops, bytes);
+        limiter.set(limits);
+        tracing::info!(group, %limits, "group limits set");
+        limits
     }
 
     /// Sets VM `vm`'s limits (`None`: that limit unchanged; `Some(None)`: off); its connection
     /// holds to them from its next request. Returns the VM's limits now.
     pub fn set(&self, vm: &str, ops: Option<Option<Rate>>, bytes: Option<Option<Rate>>) -> Limits {
-        let limiter = self.limiter_for(Some(vm)).expect("a named VM always has one");
-        let mut limits = limiter.limits();
-        if let Some(ops) = ops {
-            limits.ops = ops;
-        }
-        if let Some(bytes) = bytes {
-            limits.bytes = bytes;
-        }
+        let limiter = {
+            let mut book = self.lock();
+            let default = book.default;
+            book.by_vm.entry(vm.to_owned()).or_insert_with(|| Limiter::new(default, SystemClock::shared())).clone()
+        };
+        let limits = changed(limiter.limits(), ops, bytes);
         limiter.set(limits);
         tracing::info!(vm, %limits, "VM limits set");
         limits
@@ -71,16 +128,78 @@ impl VmLimits {
     /// Each named VM's time spent waiting for its limits, summed, and its requests waiting now,
     /// for the metrics (VMs never limited are left out).
     pub fn throttling(&self) -> Vec<(String, Duration, u64)> {
-        let book = self.lock();
-        let mut all: Vec<(String, Duration, u64)> = book
-            .by_vm
-            .iter()
-            .filter_map(|(vm, limiter)| {
-                let (waited, waiting) = limiter.throttled();
-                (!limiter.limits().is_none() || !waited.is_zero()).then(|| (vm.clone(), waited, waiting))
-            })
-            .collect();
-        all.sort();
-        all
+        throttling(&self.lock().by_vm)
+    }
+
+    /// The same for each group.
+    pub fn group_throttling(&self) -> Vec<(String, Duration, u64)> {
+        throttling(&self.lock().by_group)
+    }
+}
+
+/// `limits` with the changes `vm limit` asked for.
+fn changed(mut limits: Limits, ops: Option<Option<Rate>>, bytes: Option<Option<Rate>>) -> Limits {
+    if let Some(ops) = ops {
+        limits.ops = ops;
+    }
+    if let Some(bytes) = bytes {
+        limits.bytes = bytes;
+    }
+    limits
+}
+
+/// Time waited and requests waiting of each limiter that is or was ever limited, by name.
+fn throttling(limiters: &HashMap<String, Arc<Limiter>>) -> Vec<(String, Duration, u64)> {
+    let mut all: Vec<(String, Duration, u64)> = limiters
+        .iter()
+        .filter_map(|(name, limiter)| {
+            let (waited, waiting) = limiter.throttled();
+            (!limiter.limits().is_none() || !waited.is_zero()).then(|| (name.clone(), waited, waiting))
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rate(per_second: u64) -> Option<Option<Rate>> {
+        Some(Some(Rate { per_second, burst: per_second }))
+    }
+
+    #[test]
+    fn a_vm_is_in_the_first_named_group_that_matches_else_its_images() {
+        let limits = VmLimits::default();
+        limits.set_groups(vec![
+            ("office".into(), vec!["desk-*".into(), "kiosk-?".into()]),
+            ("all-desks".into(), vec!["desk-*".into()]),
+        ]);
+        assert_eq!(limits.group_of(Some("desk-7"), "win10"), "office");
+        assert_eq!(limits.group_of(Some("kiosk-1"), "win10"), "office");
+        assert_eq!(limits.group_of(Some("kiosk-12"), "win10"), "image:win10");
+        assert_eq!(limits.group_of(None, "win10"), "image:win10", "an unnamed VM: its image's");
+    }
+
+    #[test]
+    fn a_groups_vms_share_one_limiter_set_live() {
+        let limits = VmLimits::default();
+        limits.set_groups(vec![("pair".into(), vec!["a".into(), "b".into()])]);
+        let (a, b, c) = (
+            limits.limiters_for(Some("a"), "img"),
+            limits.limiters_for(Some("b"), "img"),
+            limits.limiters_for(Some("c"), "img"),
+        );
+        assert_eq!((a.len(), b.len(), c.len()), (2, 2, 2), "each its own, then its group's");
+        assert!(Arc::ptr_eq(&a[1], &b[1]), "a and b share their group's");
+        assert!(!Arc::ptr_eq(&a[1], &c[1]) && !Arc::ptr_eq(&a[0], &b[0]));
+        assert_eq!(limits.limiters_for(None, "img").len(), 1, "an unnamed VM without defaults: its group's only");
+        limits.set_group("pair", rate(1000), None);
+        assert_eq!(a[1].limits().ops.map(|r| r.per_second), Some(1000), "a connected VM's group limiter changed live");
+        assert!(a[0].limits().is_none(), "its own untouched");
+        assert_eq!(limits.group_throttling().len(), 1, "the limited group is listed");
+        limits.set_group("pair", Some(None), None);
+        assert!(b[1].limits().is_none());
     }
 }

@@ -448,6 +448,21 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
             w.sample("overspill_vm_throttled_requests", &[("vm", vm.clone())], *waiting as f64);
         }
     }
+    let throttling = registry.limits().group_throttling();
+    if !throttling.is_empty() {
+        w.header(
+            "overspill_group_throttled_seconds_total",
+            "Time requests of the group's VMs waited while the group's limits held them (serve --group-limit-iops/--group-limit-bandwidth, vm limit --group), summed over requests.",
+            "counter",
+        );
+        for (group, waited, _) in &throttling {
+            w.sample("overspill_group_throttled_seconds_total", &[("group", group.clone())], waited.as_secs_f64());
+        }
+        w.header("overspill_group_throttled_requests", "Requests of the group's VMs waiting now.", "gauge");
+        for (group, _, waiting) in &throttling {
+            w.sample("overspill_group_throttled_requests", &[("group", group.clone())], *waiting as f64);
+        }
+    }
     w.header(
         "overspill_host_cache_memory_used_bytes",
         "Cache memory of all VMs together, with the free pages they keep for their next writes.",

@@ -201,6 +201,21 @@ pub struct ServeArgs {
     /// Each VM's bytes per second read and written, with a burst: `50M` or `50M:200M`.
     #[arg(long, value_name = "SIZE[:BURST]", value_parser = crate::size::parse_bytes_rate)]
     limit_bandwidth: Option<overspill_block::Rate>,
+    /// A named group of VMs: `office=desk-*,kiosk-?` (shell patterns of VM names). A VM is in
+    /// the first group whose patterns match its name, else in its image's group (`image:NAME`,
+    /// `image:` for the default image). Its requests pass its own limits and its group's,
+    /// which the group's VMs share. Repeatable.
+    #[arg(long = "group", value_name = "NAME=GLOB[,GLOB…]", value_parser = parse_group)]
+    groups: Vec<(String, Vec<String>)>,
+    /// A group's operations per second, shared by its VMs: `office=2000` or `office=2000:500`
+    /// (`image:win10=…` for an image's). `overspill vm limit --group NAME` changes it live.
+    /// Repeatable.
+    #[arg(long = "group-limit-iops", value_name = "GROUP=RATE[:BURST]", value_parser = parse_group_ops)]
+    group_limit_iops: Vec<(String, overspill_block::Rate)>,
+    /// A group's bytes per second, shared by its VMs: `office=200M` or `office=200M:1G`.
+    /// Repeatable.
+    #[arg(long = "group-limit-bandwidth", value_name = "GROUP=SIZE[:BURST]", value_parser = parse_group_bytes)]
+    group_limit_bandwidth: Vec<(String, overspill_block::Rate)>,
     /// This server's socket for its peers (live migration; see --peer): unix:PATH, made mode
     /// 0600, or tcp:HOST:PORT, over TLS where both ends prove themselves with a certificate of
     /// the peer CA (--tls-cert, --tls-key, --peer-ca). A peer that connects may take any VM this
@@ -296,6 +311,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let (mut exports, cache_dirs) = overlay_exports(&args, images, host.clone(), &state_dir, &memory_dir)?;
     let registry = exports.registry();
     registry.limits().set_default(overspill_block::Limits { ops: args.limit_iops, bytes: args.limit_bandwidth });
+    registry.limits().set_groups(args.groups.clone());
+    for (group, rate) in &args.group_limit_iops {
+        registry.limits().set_group(group, Some(Some(*rate)), None);
+    }
+    for (group, rate) in &args.group_limit_bandwidth {
+        registry.limits().set_group(group, None, Some(Some(*rate)));
+    }
     registry.allow_multi_conn(args.multi_conn.clone());
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
@@ -886,6 +908,39 @@ fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> 
         })
         .context("starting the signal thread")?;
     Ok(())
+}
+
+/// `NAME=GLOB[,GLOB…]`: a named group of VMs and the patterns of its members' names.
+fn parse_group(s: &str) -> Result<(String, Vec<String>), String> {
+    let (name, patterns) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAME=GLOB[,GLOB…]"))?;
+    if name.starts_with(overspill_server::vm_limits::IMAGE_GROUP_PREFIX) {
+        return Err(format!("{name:?}: image groups are made by the server; name yours otherwise"));
+    }
+    overspill_server::vm_limits::check_group(name).map_err(|e| e.to_string())?;
+    let patterns: Vec<String> = patterns.split(',').filter(|p| !p.is_empty()).map(str::to_owned).collect();
+    if patterns.is_empty() {
+        return Err(format!("{s:?}: group {name} has no VM name patterns"));
+    }
+    Ok((name.to_owned(), patterns))
+}
+
+/// `GROUP=RATE[:BURST]`, the rate read by `rate`.
+fn parse_group_rate(
+    s: &str,
+    rate: fn(&str) -> Result<overspill_block::Rate, String>,
+) -> Result<(String, overspill_block::Rate), String> {
+    // The rate holds no `=`; an image group's name may hold a `:`.
+    let (group, value) = s.rsplit_once('=').ok_or_else(|| format!("{s:?}: expected GROUP=RATE[:BURST]"))?;
+    overspill_server::vm_limits::check_group(group).map_err(|e| e.to_string())?;
+    Ok((group.to_owned(), rate(value)?))
+}
+
+fn parse_group_ops(s: &str) -> Result<(String, overspill_block::Rate), String> {
+    parse_group_rate(s, crate::size::parse_ops_rate)
+}
+
+fn parse_group_bytes(s: &str) -> Result<(String, overspill_block::Rate), String> {
+    parse_group_rate(s, crate::size::parse_bytes_rate)
 }
 
 /// Once a second, the golden images VMs are served over are checked for changes made under them

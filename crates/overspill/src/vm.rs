@@ -45,11 +45,16 @@ enum VmAction {
         image: Option<String>,
     },
     /// Set VM NAME's limits, live (its connection holds to them from its next request; a VM not
-    /// connected yet gets them when it comes); with neither option, print them. They last
-    /// while the server runs (not across a restart or reload): put lasting ones in `serve
-    /// --limit-iops`/`--limit-bandwidth`.
+    /// connected yet gets them when it comes); with neither option, print them. With --group,
+    /// NAME is a group (`serve --group`, or `image:IMAGE` for an image's VMs in no named
+    /// group), whose VMs share its limits beside their own. They last while the server runs
+    /// (not across a restart or reload): put lasting ones in `serve --limit-iops`,
+    /// `--group-limit-iops` and the like.
     Limit {
         vm: String,
+        /// NAME is a group of VMs, not a VM.
+        #[arg(long)]
+        group: bool,
         /// Operations per second, `RATE[:BURST]` (e.g. 1000 or 1000:5000), or `off`.
         #[arg(long, value_name = "RATE[:BURST]|off", value_parser = rate_change(crate::size::parse_ops_rate))]
         iops: Option<RateChange>,
@@ -75,9 +80,12 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Reset { vm } => Request::Reset { vm: vm.clone() },
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
-        VmAction::Limit { vm, iops, bandwidth } => {
-            Request::Limit { vm: vm.clone(), ops: iops.unwrap_or_default(), bytes: bandwidth.unwrap_or_default() }
-        }
+        VmAction::Limit { vm, group, iops, bandwidth } => Request::Limit {
+            vm: vm.clone(),
+            group: *group,
+            ops: iops.unwrap_or_default(),
+            bytes: bandwidth.unwrap_or_default(),
+        },
     };
     let answer = control::ask(&control_socket(args.control.as_deref()), &request)?;
     if !answer.ok {

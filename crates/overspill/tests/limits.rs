@@ -111,3 +111,83 @@ fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
         .expect("overspill vm");
     assert_eq!(refused.status.code(), Some(2), "a rate of 0 is a usage error");
 }
+
+/// Two VMs of a named group share the group's 1,000 operations per second (set at `serve`),
+/// while a VM outside it is not held; `vm limit --group` changes the group's limit live.
+#[test]
+fn a_groups_vms_share_its_rate_and_others_do_not_wait() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = dir.path().join("golden.img");
+    std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden");
+    let socket = dir.path().join("nbd.sock");
+    let control = dir.path().join("control.sock");
+    let listen = format!("unix:{}", socket.display());
+    let server = Serve::start_named_only(
+        dir.path(),
+        &[
+            "--base",
+            golden.to_str().expect("utf-8"),
+            "--listen",
+            &listen,
+            "--control",
+            control.to_str().expect("utf-8"),
+            "--metrics",
+            "tcp:127.0.0.1:0",
+            "--group",
+            "office=desk-*",
+            "--group-limit-iops",
+            &format!("office={RATE}:{BURST}"),
+        ],
+        &[],
+        || socket.exists() && control.exists(),
+    );
+    let fio = |vm: &str| {
+        let uri = format!("--uri=nbd+unix:///@{vm}?socket={}", socket.display());
+        spawn_tool(
+            dir.path(),
+            "fio",
+            &[
+                &format!("--name={vm}"),
+                "--ioengine=nbd",
+                &uri,
+                "--rw=randrw",
+                "--bs=4k",
+                "--size=32m",
+                &format!("--iodepth={IODEPTH}"),
+                "--time_based",
+                "--runtime=3",
+                "--output-format=json",
+            ],
+        )
+    };
+    // The two fio runs' windows do not quite coincide: the bound is over the time from the
+    // first's start to the last's end, which holds every request of both.
+    let started = std::time::Instant::now();
+    let runs: Vec<_> = ["desk-1", "desk-2", "other"].into_iter().map(|vm| (vm, fio(vm))).collect();
+    let mut done = Vec::new();
+    for (vm, run) in runs {
+        let out = run.wait_with_output().expect("fio");
+        assert!(out.status.success(), "{vm}: {}", String::from_utf8_lossy(&out.stderr));
+        done.push(fio_ops(&String::from_utf8_lossy(&out.stdout)));
+    }
+    let span_ms = started.elapsed().as_millis() as u64;
+    let [(ops1, ms1), (ops2, ms2), (other_ops, other_ms)] = done[..] else { panic!("three runs") };
+    eprintln!("desk-1: {ops1} ops in {ms1} ms; desk-2: {ops2} in {ms2} ms; other: {other_ops} in {other_ms} ms; all within {span_ms} ms");
+    let most = RATE * span_ms / 1000 + BURST + 2 * IODEPTH;
+    assert!(ops1 + ops2 <= most, "the group's VMs did {} operations together; at most {most}", ops1 + ops2);
+    assert!(ops1 > 0 && ops2 > 0, "both of the group's VMs got through");
+    assert!(other_ops > ops1 + ops2, "the VM outside the group did {other_ops}, the group {}", ops1 + ops2);
+
+    let samples = scrape(&metrics_url(&server));
+    let waited = sample(&samples, "overspill_group_throttled_seconds_total", &[("group", "office")]);
+    assert!(waited > 1.0, "the group's requests waited {waited} s in all");
+    let image_listed = samples.iter().any(|((family, labels), _)| {
+        family == "overspill_group_throttled_seconds_total" && labels.get("group").map(String::as_str) == Some("image:")
+    });
+    assert!(!image_listed, "the unlimited image group of `other` is listed as throttled");
+
+    let said = overspill_vm(&control, &["limit", "office", "--group", "--iops", "off"]);
+    assert!(said.contains(r#"group "office": no ops limit, no bytes limit"#), "{said}");
+    let said = overspill_vm(&control, &["limit", "image:", "--group", "--bandwidth", "100M"]);
+    assert!(said.contains(r#"group "image:": no ops limit, 104857600 bytes/s"#), "{said}");
+}
