@@ -10,6 +10,10 @@
 //!   above it they grow back by the surplus (gradually, so that the cache does not oscillate
 //!   around the floor).
 //!
+//! The shared read caches of the golden images count against the cap too, beside the VMs: they
+//! grow only into room the VMs leave (or while all of them together hold less than their
+//! floor), and give back first when a VM is held (see [`crate::relief`]).
+//!
 //! The engine never reads /proc itself, so a simulation drives pressure deterministically.
 //! Checks are not reservations: overlays racing on different threads can overshoot the cap by a
 //! block each, which the next rebalance corrects.
@@ -31,11 +35,15 @@ pub struct HostMemory {
     available_bytes: AtomicU64,
     /// What the memory directory had room for at the last rebalance (`NO_CAP` where not told).
     room_cap_bytes: AtomicU64,
-    /// A VM under its own target was refused RAM because all together were at the cap, since
-    /// the last [`HostMemory::take_held`].
+    /// A VM under its own target was refused RAM because of the host (its target cut, or all
+    /// together at the cap), since the last [`HostMemory::take_held`].
     held: AtomicBool,
     /// What VMs gave back without a write of theirs to make them (see [`crate::relief`]).
     given_back_bytes: AtomicU64,
+    /// What the golden images' read caches hold together, and what they may hold whatever the
+    /// VMs need.
+    read_cache_bytes: AtomicU64,
+    read_cache_floor_bytes: AtomicU64,
 }
 
 const NOT_SAMPLED: u64 = u64::MAX;
@@ -52,6 +60,8 @@ impl HostMemory {
             room_cap_bytes: AtomicU64::new(NO_CAP),
             held: AtomicBool::new(false),
             given_back_bytes: AtomicU64::new(0),
+            read_cache_bytes: AtomicU64::new(0),
+            read_cache_floor_bytes: AtomicU64::new(0),
         })
     }
 
@@ -100,9 +110,38 @@ impl HostMemory {
         self.vms() < self.vms_that_fit(minimum_bytes)
     }
 
-    /// Whether the host has room for `bytes` more.
+    /// Whether the host has room for `bytes` more: what the VMs and the read caches hold
+    /// together stays within the cap.
     pub fn has_room(&self, bytes: u64) -> bool {
-        self.used_bytes().saturating_add(bytes) <= self.total_cap_bytes()
+        self.used_bytes().saturating_add(self.read_cache_bytes()).saturating_add(bytes) <= self.total_cap_bytes()
+    }
+
+    /// What the read caches hold together.
+    pub fn read_cache_bytes(&self) -> u64 {
+        self.read_cache_bytes.load(Ordering::Relaxed)
+    }
+
+    pub fn read_cache_floor_bytes(&self) -> u64 {
+        self.read_cache_floor_bytes.load(Ordering::Relaxed)
+    }
+
+    /// What the read caches together may hold whatever the VMs need (they give back first, but
+    /// not below it).
+    pub fn set_read_cache_floor(&self, bytes: u64) {
+        self.read_cache_floor_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Whether a read cache may hold `bytes` more: below the floor, or in room the VMs leave.
+    pub fn read_cache_may_grow(&self, bytes: u64) -> bool {
+        self.read_cache_bytes().saturating_add(bytes) <= self.read_cache_floor_bytes() || self.has_room(bytes)
+    }
+
+    pub(crate) fn account_read_cache(&self, before: u64, after: u64) {
+        if after >= before {
+            self.read_cache_bytes.fetch_add(after - before, Ordering::Relaxed);
+        } else {
+            self.read_cache_bytes.fetch_sub(before - after, Ordering::Relaxed);
+        }
     }
 
     /// The cap on all VMs together now: `--ram-total`, or less where the memory directory's
@@ -111,7 +150,8 @@ impl HostMemory {
         self.cap_bytes.min(self.room_cap_bytes.load(Ordering::Relaxed))
     }
 
-    /// A VM wanted RAM within its own target and the host had none left for it.
+    /// A VM wanted RAM within its own target and the host had none left for it (or had cut its
+    /// target below).
     pub(crate) fn note_held(&self) {
         self.held.store(true, Ordering::Relaxed);
     }

@@ -21,6 +21,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use bytes::Bytes;
 
+use crate::budget::HostMemory;
 use crate::chunk_pool::{ChunkBuf, ChunkPool};
 use crate::golden::{GoldenImage, SourceReads};
 use crate::map::RunHasher;
@@ -127,7 +128,9 @@ struct S3Fifo {
     ghost_set: HashSet<u64>,
     small_bytes: u64,
     main_bytes: u64,
+    /// What the cache may hold now: `configured_bytes`, or less after it gave memory back.
     capacity_bytes: u64,
+    configured_bytes: u64,
     chunk_bytes: u64,
 }
 
@@ -138,11 +141,25 @@ impl S3Fifo {
         Some(entry.data.clone())
     }
 
-    fn insert(&mut self, chunk: u64, data: Chunk, stats: &ReadCacheStats) {
-        if self.entries.contains_key(&chunk) || data.len() as u64 > self.capacity_bytes {
+    fn held_bytes(&self) -> u64 {
+        self.small_bytes + self.main_bytes
+    }
+
+    /// Caches `chunk`; within `budget`, only in room the host has, or in place of chunks this
+    /// cache holds, or below the read caches' floor.
+    fn insert(&mut self, chunk: u64, data: Chunk, stats: &ReadCacheStats, budget: Option<&HostMemory>) {
+        let len = data.len() as u64;
+        if self.entries.contains_key(&chunk) || len > self.capacity_bytes {
             return;
         }
-        let len = data.len() as u64;
+        let before = self.held_bytes();
+        let capacity = match budget {
+            Some(host) if !host.read_cache_may_grow(len) => before,
+            _ => self.capacity_bytes,
+        };
+        if len > capacity {
+            return;
+        }
         let in_main = self.ghost_set.remove(&chunk);
         if in_main {
             self.main.push_back(chunk);
@@ -152,14 +169,21 @@ impl S3Fifo {
             self.small_bytes += len;
         }
         self.entries.insert(chunk, Entry { data, freq: 0, in_main });
-        while self.small_bytes + self.main_bytes > self.capacity_bytes {
-            if self.small_bytes > self.capacity_bytes / 10 || self.main.is_empty() {
+        self.evict_to(capacity, stats);
+        if let Some(host) = budget {
+            host.account_read_cache(before, self.held_bytes());
+        }
+    }
+
+    fn evict_to(&mut self, capacity: u64, stats: &ReadCacheStats) {
+        while self.held_bytes() > capacity {
+            if self.small_bytes > capacity / 10 || self.main.is_empty() {
                 self.evict_small(stats);
             } else {
                 self.evict_main(stats);
             }
         }
-        stats.cached_bytes.set(self.small_bytes + self.main_bytes);
+        stats.cached_bytes.set(self.held_bytes());
     }
 
     fn evict_small(&mut self, stats: &ReadCacheStats) {
@@ -212,6 +236,17 @@ pub struct CachedImage {
     chunk_bytes: u64,
     pool: ChunkPool,
     stats: Arc<ReadCacheStats>,
+    /// The host's memory budget, which the read caches share with the VMs (see
+    /// [`Self::within`]).
+    budget: Option<Arc<HostMemory>>,
+}
+
+impl Drop for CachedImage {
+    fn drop(&mut self) {
+        if let Some(host) = &self.budget {
+            host.account_read_cache(self.lock().held_bytes(), 0);
+        }
+    }
 }
 
 impl CachedImage {
@@ -230,10 +265,58 @@ impl CachedImage {
             small_bytes: 0,
             main_bytes: 0,
             capacity_bytes,
+            configured_bytes: capacity_bytes,
             chunk_bytes,
         };
         let pool = ChunkPool::new(chunk_bytes as usize, capacity_bytes, stats.resident_bytes.clone());
-        Self { source, cache: Mutex::new(cache), chunk_bytes, pool, stats }
+        Self { source, cache: Mutex::new(cache), chunk_bytes, pool, stats, budget: None }
+    }
+
+    /// Holds the cache within the host's memory budget, beside the VMs': it grows only into
+    /// room they leave (or below the read caches' floor), and its chunks count against
+    /// `--ram-total` ([`HostMemory::has_room`]).
+    pub fn within(mut self, host: Arc<HostMemory>) -> Self {
+        self.budget = Some(host);
+        self
+    }
+
+    /// What the cache holds now.
+    pub fn held_bytes(&self) -> u64 {
+        self.lock().held_bytes()
+    }
+
+    /// Evicts chunks until the cache holds `bytes` less (its coldest first, as S3-FIFO has
+    /// them), lowers what it may hold to that until [`Self::grow_back`], and gives the freed
+    /// slots' pages back to the system. Returns the bytes it holds less.
+    pub fn give_back(&self, bytes: u64) -> u64 {
+        let (before, after) = {
+            let mut cache = self.lock();
+            let before = cache.held_bytes();
+            cache.capacity_bytes = before.saturating_sub(bytes);
+            let capacity = cache.capacity_bytes;
+            cache.evict_to(capacity, &self.stats);
+            (before, cache.held_bytes())
+        };
+        self.stats.capacity_bytes.set(after);
+        if let Some(host) = &self.budget {
+            host.account_read_cache(before, after);
+        }
+        // Chunks being copied out by readers keep their slots until the readers are done.
+        self.pool.release_free();
+        before - after
+    }
+
+    /// Lets the cache hold up to `bytes` more again, as far as it was configured to.
+    pub fn grow_back(&self, bytes: u64) {
+        let mut cache = self.lock();
+        cache.capacity_bytes = cache.capacity_bytes.saturating_add(bytes).min(cache.configured_bytes);
+        self.stats.capacity_bytes.set(cache.capacity_bytes);
+    }
+
+    /// Whether the cache may hold less now than it was configured to.
+    pub fn shrunk(&self) -> bool {
+        let cache = self.lock();
+        cache.capacity_bytes < cache.configured_bytes
     }
 
     pub fn stats(&self) -> &Arc<ReadCacheStats> {
@@ -357,7 +440,7 @@ impl CachedImage {
             }
             if let Ok((chunks, _)) = &chunks {
                 for (k, chunk) in chunks.iter().enumerate() {
-                    cache.insert(first + k as u64, chunk.clone(), &self.stats);
+                    cache.insert(first + k as u64, chunk.clone(), &self.stats, self.budget.as_deref());
                 }
             }
         }
@@ -487,6 +570,49 @@ mod tests {
         let fetched = cache.read_counted(&mut buf, 4000).expect("read");
         assert_eq!(fetched, SourceReads::default(), "second read costs the source nothing");
         assert_eq!(cache.stats().misses.get(), misses);
+    }
+
+    /// Within the host's budget the cache takes only room the VMs leave (or its floor), gives
+    /// back on demand, frees the pages, reads right throughout, and is counted out when it goes.
+    #[test]
+    fn a_cache_within_the_budget_takes_what_the_vms_leave_and_gives_it_back() {
+        const MIB: u64 = 1 << 20;
+        let bytes: Vec<u8> = (0..16 * MIB).map(|i| (i / 4096) as u8 ^ (i % 251) as u8).collect();
+        let source = Arc::new(MemImage::new(bytes.clone()));
+        let host = HostMemory::new(4 * MIB, 0);
+        host.set_read_cache_floor(MIB);
+        let cache = CachedImage::new(source, 16 * MIB, 16 * 1024).within(host.clone());
+        let check = |offset: u64, len: u64| {
+            let mut buf = vec![0u8; len as usize];
+            cache.read_at(&mut buf, offset).expect("read");
+            assert!(buf == bytes[offset as usize..(offset + len) as usize], "bytes at {offset}");
+        };
+        check(0, 8 * MIB);
+        assert_eq!(cache.held_bytes(), 4 * MIB, "as much as the cap, no VM holding any");
+        assert_eq!(host.read_cache_bytes(), 4 * MIB);
+        assert!(!host.has_room(4096), "the VMs see the cap taken");
+
+        host.account(0, 3 * MIB); // a VM takes 3 MiB, over the cap together
+        let fetched = cache.stats().fetched_bytes.get();
+        check(8 * MIB, 2 * MIB);
+        assert_eq!(cache.stats().fetched_bytes.get() - fetched, 2 * MIB);
+        assert_eq!(cache.held_bytes(), 4 * MIB, "no room: new chunks take the place of old ones");
+
+        let resident = cache.stats().resident_bytes.get();
+        assert_eq!(cache.give_back(3 * MIB), 3 * MIB);
+        assert_eq!((cache.held_bytes(), host.read_cache_bytes()), (MIB, MIB));
+        assert!(host.has_room(0), "VMs and cache within the cap again");
+        assert!(cache.stats().resident_bytes.get() <= resident - 3 * MIB, "the pages left memory");
+        assert!(cache.shrunk());
+        check(0, 16 * MIB);
+        assert_eq!(cache.held_bytes(), MIB, "it stays down until it grows back");
+        host.account(3 * MIB, 0);
+        cache.grow_back(64 * MIB);
+        assert!(!cache.shrunk(), "back to its configured 16 MiB");
+        check(0, 4 * MIB);
+        assert_eq!(cache.held_bytes(), 4 * MIB, "and up to the cap again");
+        drop(cache);
+        assert_eq!(host.read_cache_bytes(), 0, "a cache dropped is counted out");
     }
 
     /// A source that counts reads and is slow, so that concurrent readers overlap.

@@ -155,7 +155,7 @@ fn a_vm_about_to_wait_gives_back_its_spare_spill_segments() {
 /// to RAM again, and every block of the quiet one reads back.
 #[test]
 fn a_quiet_vm_gives_ram_to_a_held_one_and_keeps_its_data() {
-    use overspill_engine::relief::{plan, VmMemory, STEP_BYTES};
+    use overspill_engine::relief::{plan, VmMemory, SPILLING_MINIMUM_BYTES, STEP_BYTES};
     let dir = tempfile::tempdir().expect("tempdir");
     let host = HostMemory::new(40 * MIB, 0);
     let (mut quiet, mut busy) = (overlay(&host, dir.path(), "quiet"), overlay(&host, dir.path(), "busy"));
@@ -175,12 +175,17 @@ fn a_quiet_vm_gives_ram_to_a_held_one_and_keeps_its_data() {
         id,
         accounted_bytes: vm.memory_accounted_bytes(),
         target_bytes: vm.memory_target_bytes(),
+        own_target_bytes: vm.memory_own_target_bytes(),
         quiet,
         can_spill: vm.can_spill(),
     };
-    let given = plan(&[seen(&quiet, 1, true), seen(&busy, 2, false)], true, STEP_BYTES);
+    let given = plan(&[seen(&quiet, 1, true), seen(&busy, 2, false)], true, STEP_BYTES, STEP_BYTES);
     assert_eq!(given.len(), 1, "only the quiet VM gives back: {given:?}");
-    assert_eq!((given[0].id, given[0].limit_bytes), (1, 0), "all its RAM: it holds less than a step");
+    assert_eq!(
+        (given[0].id, given[0].limit_bytes),
+        (1, SPILLING_MINIMUM_BYTES),
+        "all it can: it holds less than a step"
+    );
     let before = quiet.memory_accounted_bytes();
     let freed = quiet.give_back_memory(given[0].limit_bytes);
     host.note_given_back(freed);

@@ -133,9 +133,10 @@ impl OverlayExports {
                 .map(|(name, image)| {
                     let chunk_bytes = image.preferred_fetch_bytes().unwrap_or(DEFAULT_CHUNK_BYTES);
                     let source = image.describe();
-                    let cached = CachedImage::new(image, settings.read_cache_bytes, chunk_bytes);
-                    read_caches.add(name.clone(), source, cached.stats());
-                    (name, Arc::new(cached) as Arc<dyn GoldenImage>)
+                    let cached =
+                        Arc::new(CachedImage::new(image, settings.read_cache_bytes, chunk_bytes).within(host.clone()));
+                    read_caches.add(name.clone(), source, &cached);
+                    (name, cached as Arc<dyn GoldenImage>)
                 })
                 .collect()
         };
@@ -350,7 +351,8 @@ impl OverlayExports {
     /// version and keeps it until it disconnects.
     pub fn with_image_store(&mut self, dir: &Path) {
         let store = ImageStore::new(dir);
-        self.versions = Some(OpenVersions::new(store, self.settings.read_cache_bytes, self.read_caches.clone()));
+        self.versions =
+            Some(OpenVersions::new(store, self.settings.read_cache_bytes, self.read_caches.clone(), self.host.clone()));
     }
 
     /// Checks each golden image VMs are served over (files: their size and modification time,

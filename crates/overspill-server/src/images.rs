@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
 use overspill_engine::read_cache::{ReadCacheStats, DEFAULT_CHUNK_BYTES};
-use overspill_engine::{CachedImage, GoldenImage, ImageLayer};
+use overspill_engine::{CachedImage, GoldenImage, HostMemory, ImageLayer};
 use overspill_images::open_image;
 
 use crate::{check_name, ServerError};
@@ -248,6 +248,8 @@ pub struct OpenVersions {
     /// modification time, in case a version was removed by hand and its name published again.
     described: Mutex<HashMap<(String, String), Description>>,
     caches: Arc<ReadCacheList>,
+    /// The memory budget each version's read cache holds within.
+    host: Arc<HostMemory>,
 }
 
 /// A shared read cache, for metrics: the export (and version) it serves, what it reads from
@@ -257,16 +259,21 @@ pub type CacheEntry = (String, String, Arc<ReadCacheStats>);
 /// Every shared read cache a server has, for metrics; entries of released versions fade out.
 #[derive(Debug, Default)]
 pub struct ReadCacheList {
-    caches: Mutex<Vec<(String, String, Weak<ReadCacheStats>)>>,
+    caches: Mutex<Vec<(String, String, Weak<CachedImage>)>>,
 }
 
 impl ReadCacheList {
-    pub fn add(&self, label: String, source: String, stats: &Arc<ReadCacheStats>) {
-        self.lock().push((label, source, Arc::downgrade(stats)));
+    pub fn add(&self, label: String, source: String, cache: &Arc<CachedImage>) {
+        self.lock().push((label, source, Arc::downgrade(cache)));
     }
 
     /// The caches still alive, dropping the others.
     pub fn live(&self) -> Vec<CacheEntry> {
+        self.caches().into_iter().map(|(label, source, cache)| (label, source, cache.stats().clone())).collect()
+    }
+
+    /// The caches still alive themselves (the memory pass has them give back and grow back).
+    pub fn caches(&self) -> Vec<(String, String, Arc<CachedImage>)> {
         let mut caches = self.lock();
         caches.retain(|(_, _, weak)| weak.strong_count() > 0);
         caches
@@ -275,7 +282,7 @@ impl ReadCacheList {
             .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, String, Weak<ReadCacheStats>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, String, Weak<CachedImage>)>> {
         self.caches.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -325,8 +332,8 @@ fn file_stamp(path: &Path) -> FileStamp {
 }
 
 impl OpenVersions {
-    pub fn new(store: ImageStore, read_cache_bytes: u64, caches: Arc<ReadCacheList>) -> Self {
-        Self { store, read_cache_bytes, open: Mutex::default(), described: Mutex::default(), caches }
+    pub fn new(store: ImageStore, read_cache_bytes: u64, caches: Arc<ReadCacheList>, host: Arc<HostMemory>) -> Self {
+        Self { store, read_cache_bytes, open: Mutex::default(), described: Mutex::default(), caches, host }
     }
 
     pub fn names(&self) -> Vec<String> {
@@ -386,9 +393,10 @@ impl OpenVersions {
             .map_err(|source| ServerError::Engine { context: format!("opening {label}"), source })?;
         if self.read_cache_bytes > 0 {
             let source = image.describe();
-            let cached = CachedImage::new(image, self.read_cache_bytes, DEFAULT_CHUNK_BYTES);
-            self.caches.add(label.clone(), source, cached.stats());
-            image = Arc::new(cached);
+            let cached =
+                Arc::new(CachedImage::new(image, self.read_cache_bytes, DEFAULT_CHUNK_BYTES).within(self.host.clone()));
+            self.caches.add(label.clone(), source, &cached);
+            image = cached;
         }
         let held: Arc<dyn GoldenImage> = Arc::new(HeldVersion { inner: image, label });
         open.retain(|_, (_, weak)| weak.strong_count() > 0);
@@ -499,7 +507,7 @@ mod tests {
         let file = dir.path().join("a.img");
         std::fs::write(&file, vec![1u8; 8192]).expect("write");
         store.publish("win7", &file, true).expect("publish");
-        let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default());
+        let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default(), HostMemory::unlimited());
         assert_eq!(open.describe("win7").expect("describe").0, 8192);
         // What is kept is what is answered while the file is unchanged.
         for (_, size, _) in open.described.lock().expect("lock").values_mut() {
@@ -555,7 +563,7 @@ mod tests {
         assert!(store.activate("win7", "v9").is_err());
 
         let caches = Arc::new(ReadCacheList::default());
-        let open = OpenVersions::new(store.clone(), 1 << 20, caches.clone());
+        let open = OpenVersions::new(store.clone(), 1 << 20, caches.clone(), HostMemory::unlimited());
         let (v, first) = open.current("win7").expect("current");
         let (_, again) = open.current("win7").expect("current");
         assert_eq!(v, "v1");
@@ -584,7 +592,7 @@ mod tests {
             store.publish("win7", &file, true).expect("publish")
         };
         assert_eq!((publish(1, 8192), publish(2, 8192)), ("v1".to_owned(), "v2".to_owned()));
-        let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default());
+        let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default(), HostMemory::unlimited());
         let read_first = |image: &Arc<dyn GoldenImage>| {
             let mut byte = [0u8; 1];
             image.read_at(&mut byte, 0).expect("read");

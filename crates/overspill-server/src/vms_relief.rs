@@ -1,18 +1,28 @@
-//! The background pass that has VMs give memory back without a write of theirs to make them
-//! (the policy is `overspill_engine::relief`): quiet VMs and those in their reconnect grace
-//! for VMs held below their targets, and any VM above a target cut by host pressure.
+//! The background pass that has VMs and read caches give memory back without a write to make
+//! them (the policy is `overspill_engine::relief`): the golden images' read caches, then quiet
+//! VMs and those in their reconnect grace, for VMs held below their targets; and any VM above
+//! a target cut by host pressure.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
-use overspill_engine::relief::{self, GiveBack, QuietWatch, VmMemory};
-use overspill_engine::{HostMemory, Overlay, VmStats};
+use overspill_engine::relief::{self, CacheMemory, GiveBack, QuietWatch, VmMemory};
+use overspill_engine::{CachedImage, HostMemory, Overlay, VmStats, SEGMENT_BYTES};
 
 use super::{lock, VmRegistry};
-use crate::live::Live;
+use crate::live::{Gate, Live};
 
-/// What a VM has changed so far: quiet is a VM whose count stands still.
-fn changes(stats: &VmStats) -> u64 {
-    stats.guest_write.ops.get() + stats.guest_zero.ops.get()
+/// What an in-grace VM gives back per hold of the registry's lock: a few segments sealed, so
+/// that connections, first writes and a move's switchover, which take that lock, do not wait
+/// for many.
+const GRACE_CHUNK_BYTES: u64 = 4 * SEGMENT_BYTES as u64;
+
+/// The requests a VM has made so far: quiet is a VM whose count stands still.
+fn requests(stats: &VmStats) -> u64 {
+    [&stats.guest_read, &stats.guest_write, &stats.guest_zero, &stats.guest_trim, &stats.guest_flush]
+        .iter()
+        .map(|counter| counter.ops.get())
+        .sum()
 }
 
 fn seen(id: u64, overlay: &Overlay, quiet: bool) -> VmMemory {
@@ -20,29 +30,55 @@ fn seen(id: u64, overlay: &Overlay, quiet: bool) -> VmMemory {
         id,
         accounted_bytes: overlay.memory_accounted_bytes(),
         target_bytes: overlay.memory_target_bytes(),
+        own_target_bytes: overlay.memory_own_target_bytes(),
         quiet,
         can_spill: overlay.can_spill(),
     }
 }
 
+/// Whether a connected VM is moving to or from a peer: the move owns where its blocks are.
+fn moving(live: &Live) -> bool {
+    let state = live.state();
+    state.outgoing || state.gate == Gate::Incoming
+}
+
 impl VmRegistry {
     /// One pass of giving memory back; `watch` carries what earlier passes saw of each VM's
-    /// writes. Returns the bytes given back (also counted by `host`).
+    /// requests; `read_caches` are the golden images' read caches within `host`'s budget.
+    /// Returns the bytes given back (also counted by `host`).
     ///
     /// A connected VM's overlay is locked only when free and never under the registry's lock
     /// (a request path takes that lock while holding the overlay's): a VM busy with a request
     /// is not quiet, and gives back as it writes. A VM moving to or from a peer is left alone:
     /// the move owns where its blocks are. One in its grace is worked on under the registry's
-    /// lock, for at most a step's worth of blocks.
-    pub fn give_back_memory(&self, host: &HostMemory, watch: &mut QuietWatch) -> u64 {
+    /// lock, a few segments at a time.
+    pub fn give_back_memory(&self, host: &HostMemory, watch: &mut QuietWatch, read_caches: &[Arc<CachedImage>]) -> u64 {
         let held = host.take_held();
+        let calm = watch.calm(held);
+        let caches: Vec<CacheMemory> = read_caches
+            .iter()
+            .enumerate()
+            .map(|(id, cache)| CacheMemory { id: id as u64, held_bytes: cache.held_bytes() })
+            .collect();
+        let (cache_plan, step_left) =
+            relief::plan_read_caches(&caches, held, host.read_cache_floor_bytes(), relief::STEP_BYTES);
+        let mut given = 0;
+        for GiveBack { id, limit_bytes } in cache_plan {
+            let cache = &read_caches[id as usize];
+            given += cache.give_back(cache.held_bytes().saturating_sub(limit_bytes));
+        }
+        if calm {
+            for cache in read_caches.iter().filter(|cache| cache.shrunk()) {
+                cache.grow_back(relief::STEP_BYTES);
+            }
+        }
         let mut connected: Vec<(u64, Arc<Live>, bool)> = Vec::new();
         let mut in_grace = Vec::new();
         {
             let inner = lock(&self.inner);
-            let numbers: Vec<u64> = inner.vms.keys().copied().collect();
+            let numbers: HashSet<u64> = inner.vms.keys().copied().collect();
             for (&number, entry) in &inner.vms {
-                let quiet = watch.observe(number, changes(&entry.handle.stats));
+                let quiet = watch.observe(number, requests(&entry.handle.stats));
                 if entry.moving.is_some() {
                     continue;
                 }
@@ -56,29 +92,43 @@ impl VmRegistry {
         }
         let mut vms = in_grace;
         for (number, live, quiet) in &connected {
+            // Checked before the overlay's lock is tried, not under it: the pass never holds two
+            // locks at once. A move that begins in between finds blocks moved within the
+            // overlay, which it copies as they are.
+            if moving(live) {
+                continue;
+            }
             if let Ok(vm) = live.vm.try_lock() {
                 vms.extend(vm.as_ref().map(|vm| seen(*number, &vm.overlay, *quiet)));
             }
         }
-        let mut given = 0;
-        for GiveBack { id, limit_bytes } in relief::plan(&vms, held, relief::STEP_BYTES) {
+        for GiveBack { id, limit_bytes } in relief::plan(&vms, held, relief::STEP_BYTES, step_left) {
             match connected.iter().find(|(number, ..)| *number == id) {
                 Some((_, live, _)) => {
                     if let Ok(mut vm) = live.vm.try_lock() {
                         given += vm.as_mut().map_or(0, |vm| vm.overlay.give_back_memory(limit_bytes));
                     }
                 }
-                None => {
+                None => loop {
                     let mut inner = lock(&self.inner);
-                    if let Some(grace) = inner.vms.get_mut(&id).and_then(|entry| entry.grace.as_mut()) {
-                        given += grace.parked.overlay.give_back_memory(limit_bytes);
+                    let Some(entry) = inner.vms.get_mut(&id).filter(|entry| entry.moving.is_none()) else { break };
+                    let Some(grace) = entry.grace.as_mut() else { break };
+                    let overlay = &mut grace.parked.overlay;
+                    let held = overlay.memory_accounted_bytes();
+                    if held <= limit_bytes {
+                        break;
                     }
-                }
+                    let freed = overlay.give_back_memory(limit_bytes.max(held.saturating_sub(GRACE_CHUNK_BYTES)));
+                    given += freed;
+                    if freed == 0 {
+                        break;
+                    }
+                },
             }
         }
         if given > 0 {
             host.note_given_back(given);
-            tracing::debug!(given, held, "VMs gave memory back");
+            tracing::debug!(given, held, "VMs and read caches gave memory back");
         }
         given
     }

@@ -476,8 +476,20 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
     );
     w.sample("overspill_host_cache_memory_cap_bytes", &[], host.total_cap_bytes() as f64);
     w.header(
+        "overspill_host_read_cache_bytes",
+        "What the golden images' read caches hold together, within --ram-total beside the VMs.",
+        "gauge",
+    );
+    w.sample("overspill_host_read_cache_bytes", &[], host.read_cache_bytes() as f64);
+    w.header(
+        "overspill_host_read_cache_floor_bytes",
+        "What the read caches together keep whatever the VMs need (--read-cache-floor).",
+        "gauge",
+    );
+    w.sample("overspill_host_read_cache_floor_bytes", &[], host.read_cache_floor_bytes() as f64);
+    w.header(
         "overspill_host_memory_given_back_bytes_total",
-        "Cache memory VMs gave back without a write of theirs to make them: quiet or waiting VMs for VMs held below their targets, and VMs above targets cut by pressure.",
+        "Cache memory given back without a write to make it: read caches and quiet or waiting VMs for VMs held below their targets, and VMs above targets cut by pressure.",
         "counter",
     );
     w.sample("overspill_host_memory_given_back_bytes_total", &[], host.given_back_bytes() as f64);

@@ -79,8 +79,9 @@ pub struct ServeArgs {
     /// Cache memory target per VM (RAM tier, open spill segment and index).
     #[arg(long, default_value = "256M", value_parser = parse_bytes)]
     ram: u64,
-    /// Cap on the cache memory of all VMs together. A spilling VM keeps 2.25 MiB of it at the
-    /// least (its open segment and index), so it also bounds how many are served at once.
+    /// Cap on the cache memory of all VMs and the golden images' read caches together (the
+    /// read caches take what the VMs leave). A spilling VM keeps 2.25 MiB of it at the least
+    /// (its open segment and index), so it also bounds how many are served at once.
     #[arg(long, default_value = "8G", value_parser = parse_bytes)]
     ram_total: u64,
     /// Free memory the caches leave to the host (MemAvailable, or the room under the cgroup's
@@ -115,9 +116,15 @@ pub struct ServeArgs {
     /// new clients wait and the oldest handshake is cut off once it has had a second.
     #[arg(long, default_value_t = 128)]
     max_handshakes: usize,
-    /// Shared read cache per golden image (all its VMs read through it); 0 turns it off.
+    /// Shared read cache per golden image version (all its VMs read through it); 0 turns it
+    /// off. The read caches hold within --ram-total beside the VMs: they take only memory the
+    /// VMs leave, and give it back first when a VM needs it (down to --read-cache-floor).
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     read_cache: u64,
+    /// What the read caches together keep whatever the VMs need: a boot storm's golden reads
+    /// still find the image's hot blocks. Default: a quarter of --ram-total, at most 256M.
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    read_cache_floor: Option<u64>,
     /// Record every VM's requests (no data) to DIR/<vm>-<n>.trace, for `replay` and `plan`.
     #[arg(long, value_name = "DIR")]
     record: Option<PathBuf>,
@@ -308,6 +315,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let mut litter =
         args.memory_dir.is_none().then(|| EmptyDirRemoved { dir: memory_dir.clone(), armed: !memory_dir.exists() });
     let host = HostMemory::new(ram_total, args.ram_floor);
+    host.set_read_cache_floor(args.read_cache_floor.unwrap_or((ram_total / 4).min(256 << 20)));
+    if args.read_cache > ram_total {
+        tracing::info!(
+            read_cache = %format_bytes(args.read_cache),
+            ram_total = %format_bytes(ram_total),
+            "a read cache may hold only what --ram-total leaves it beside the VMs"
+        );
+    }
     let (mut exports, cache_dirs) = overlay_exports(&args, images, host.clone(), &state_dir, &memory_dir)?;
     let registry = exports.registry();
     registry.limits().set_default(overspill_block::Limits { ops: args.limit_iops, bytes: args.limit_bandwidth });
@@ -342,7 +357,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     // Where the VMs' pages are files: a memory directory that other users fill after the start
     // must make VMs spill, not refuse their writes.
     let pages_dir = (!args.reconnect_grace.is_zero()).then(|| memory_dir.clone());
-    spawn_memory_sampler(host, Arc::downgrade(&registry), pages_dir, u64::from(config.limits.max_payload_bytes));
+    spawn_memory_sampler(
+        host,
+        Arc::downgrade(&registry),
+        exports.read_caches(),
+        pages_dir,
+        u64::from(config.limits.max_payload_bytes),
+    );
     let config_tls_mode = config.security.tls.as_ref().map_or(TlsMode::Off, |tls| tls.mode());
     let exports = Arc::new(exports);
     spawn_image_watch(Arc::downgrade(&exports));
@@ -965,6 +986,7 @@ fn spawn_image_watch(exports: std::sync::Weak<OverlayExports>) {
 fn spawn_memory_sampler(
     host: Arc<HostMemory>,
     registry: std::sync::Weak<VmRegistry>,
+    read_caches: Arc<overspill_server::images::ReadCacheList>,
     pages_dir: Option<PathBuf>,
     largest_request: u64,
 ) {
@@ -983,7 +1005,10 @@ fn spawn_memory_sampler(
             }
         }
         match registry.upgrade() {
-            Some(registry) => registry.give_back_memory(&host, &mut quiet),
+            Some(registry) => {
+                let caches: Vec<_> = read_caches.caches().into_iter().map(|(_, _, cache)| cache).collect();
+                registry.give_back_memory(&host, &mut quiet, &caches)
+            }
             None => return,
         };
         release_freed_memory();

@@ -1,7 +1,10 @@
-//! Memory that yields, against the real server and real clients: a VM that has written nothing
+//! Memory that yields, against the real server and real clients: a VM that has made no request
 //! for a while gives its RAM tier to a neighbour held below its own `--ram` by `--ram-total`,
-//! without a write of its own to make it, and both read back every byte they wrote.
+//! without a write of its own to make it; the golden image's read cache, which holds within
+//! `--ram-total` too, gives back first, down to its floor; and every byte reads back.
 
+use std::path::Path;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -11,15 +14,10 @@ use common::{metrics_url, sample, scrape, spawn_tool, Serve};
 
 const MIB: f64 = (1 << 20) as f64;
 
-#[test]
-fn a_quiet_vm_gives_its_ram_to_a_held_neighbour() {
-    let dir = TempDir::new().expect("tempdir");
-    let golden = dir.path().join("golden.img");
-    std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden");
-    let socket = dir.path().join("nbd.sock");
+/// `overspill serve` over `golden` with 32 MiB per VM and 48 MiB for all, and `extra`.
+fn serve(dir: &Path, golden: &Path, socket: &Path, extra: &[&str]) -> Serve {
     let listen = format!("unix:{}", socket.display());
-    let server = Serve::start_named_only(
-        dir.path(),
+    let args = [
         &[
             "--base",
             golden.to_str().expect("utf-8"),
@@ -31,73 +29,150 @@ fn a_quiet_vm_gives_its_ram_to_a_held_neighbour() {
             "48M",
             "--metrics",
             "tcp:127.0.0.1:0",
-        ],
-        &[],
-        || socket.exists(),
-    );
-    let url = metrics_url(&server);
-    // A VM's series appear with its first request: nothing before that.
-    let used = |vm: &str| {
-        let samples = scrape(&url);
-        let listed = samples.keys().any(|(family, labels)| {
-            family == "overspill_vm_cache_memory_used_bytes" && labels.get("vm").map(String::as_str) == Some(vm)
-        });
-        if listed {
-            sample(&samples, "overspill_vm_cache_memory_used_bytes", &[("vm", vm)])
-        } else {
-            0.0
-        }
-    };
-    let qemu_io = |vm: &str, commands: &[String]| {
-        let uri = format!("nbd+unix:///@{vm}?socket={}", socket.display());
-        let mut args = vec!["-f".to_string(), "raw".to_string()];
-        for command in commands {
-            args.extend(["-c".to_string(), command.clone()]);
-        }
-        args.push(uri);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        spawn_tool(dir.path(), "qemu-io", &args)
-    };
+        ][..],
+        extra,
+    ]
+    .concat();
+    Serve::start_named_only(dir, &args, &[], || socket.exists())
+}
 
-    // The quiet VM writes 28 MiB, all into RAM, then waits connected (30 s) before it reads
+/// A host-wide figure, or a VM's (0 before its series appear with its first request).
+fn figure(url: &str, family: &str, vm: Option<&str>) -> f64 {
+    let samples = scrape(url);
+    let labels: Vec<(&str, &str)> = vm.map(|vm| ("vm", vm)).into_iter().collect();
+    let listed = samples
+        .keys()
+        .any(|(name, l)| name == family && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v)));
+    if listed {
+        sample(&samples, family, &labels)
+    } else {
+        0.0
+    }
+}
+
+fn vm_memory(url: &str, vm: &str) -> f64 {
+    figure(url, "overspill_vm_cache_memory_used_bytes", Some(vm))
+}
+
+/// qemu-io running `commands` on `export` (`@NAME` for a named VM, empty for the read-only
+/// golden image).
+fn qemu_io(dir: &Path, socket: &Path, export: &str, commands: &[String]) -> Child {
+    let mut args = vec!["-f".to_string(), "raw".to_string()];
+    if export.is_empty() {
+        args.push("-r".into());
+    }
+    for command in commands {
+        args.extend(["-c".to_string(), command.clone()]);
+    }
+    args.push(format!("nbd+unix:///{export}?socket={}", socket.display()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    spawn_tool(dir, "qemu-io", &args)
+}
+
+/// Waits for a qemu-io run that must have read back `read` bytes at offset 0 as it expected.
+fn read_back(what: &str, child: Child, read: &str) {
+    let out = child.wait_with_output().expect("qemu-io");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{what}: {text}");
+    assert!(!text.contains("failed"), "{what}: {text}");
+    assert!(text.contains(&format!("read {read}/{read} bytes at offset 0")), "{what}: {text}");
+}
+
+/// A VM writing 28 MiB, then 4 MiB a second `seconds` times, then reading its 28 MiB back.
+/// A MiB a request: the budget is checked as a request's blocks land but counted at its end, so
+/// one 28 MiB request would land whole whatever the others hold.
+fn busy_writer(seconds: usize) -> Vec<String> {
+    let mut commands: Vec<String> = (0..28).map(|mib| format!("write -P 0x62 {mib}M 1M")).collect();
+    for k in 0..seconds {
+        commands.extend(["sleep 1000".to_string(), format!("write -P 0x63 {}M 4M", 28 + 4 * (k % 8))]);
+    }
+    commands.push("read -P 0x62 0 28M".into());
+    commands
+}
+
+/// Waits until `done` says so, at most `limit`; `state` says what it saw if not.
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool, state: impl Fn() -> String) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "after {limit:?}: {}", state());
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn a_quiet_vm_gives_its_ram_to_a_held_neighbour() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = dir.path().join("golden.img");
+    std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden");
+    let socket = dir.path().join("nbd.sock");
+    let server = serve(dir.path(), &golden, &socket, &[]);
+    let url = metrics_url(&server);
+
+    // The quiet VM writes 28 MiB, all into RAM, then waits connected (45 s) before it reads
     // them back.
-    let quiet = qemu_io("quiet", &["write -P 0x51 0 28M".into(), "sleep 30000".into(), "read -P 0x51 0 28M".into()]);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while used("quiet") < 28.0 * MIB {
-        assert!(Instant::now() < deadline, "the quiet VM's 28 MiB never reached RAM");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // Its neighbour writes 28 MiB (held at the 48 MiB cap, it spills), then 4 MiB a second.
-    let mut busy_commands = vec!["write -P 0x62 0 28M".to_string()];
-    for k in 0..25 {
-        busy_commands.extend(["sleep 1000".to_string(), format!("write -P 0x63 {}M 4M", 28 + 4 * (k % 8))]);
-    }
-    busy_commands.push("read -P 0x62 0 28M".into());
-    let busy = qemu_io("busy", &busy_commands);
+    let commands = ["write -P 0x51 0 28M".into(), "sleep 45000".into(), "read -P 0x51 0 28M".into()];
+    let quiet = qemu_io(dir.path(), &socket, "@quiet", &commands);
+    wait_until(
+        Duration::from_secs(20),
+        || vm_memory(&url, "quiet") >= 28.0 * MIB,
+        || "the quiet VM's 28 MiB never reached RAM".into(),
+    );
+    // Its neighbour writes 28 MiB (held at the 48 MiB cap, it spills), then 4 MiB a second for
+    // 40 s: both are still there at the deadline below.
+    let busy = qemu_io(dir.path(), &socket, "@busy", &busy_writer(40));
 
     // Within the quiet period (10 s) and a few passes, the quiet VM gives its RAM back and the
     // busy one grows past what the cap left it (20 MiB).
-    let deadline = Instant::now() + Duration::from_secs(25);
-    let (mut quiet_used, mut busy_used) = (used("quiet"), used("busy"));
-    while quiet_used > 4.0 * MIB || busy_used < 28.0 * MIB {
-        assert!(
-            Instant::now() < deadline,
-            "after 25 s the quiet VM holds {:.1} MiB, the busy one {:.1} MiB\n{}",
-            quiet_used / MIB,
-            busy_used / MIB,
-            server.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(250));
-        (quiet_used, busy_used) = (used("quiet"), used("busy"));
-    }
-    let given = sample(&scrape(&url), "overspill_host_memory_given_back_bytes_total", &[]);
+    wait_until(
+        Duration::from_secs(35),
+        || vm_memory(&url, "quiet") <= 4.0 * MIB && vm_memory(&url, "busy") >= 28.0 * MIB,
+        || {
+            let (quiet, busy) = (vm_memory(&url, "quiet"), vm_memory(&url, "busy"));
+            format!(
+                "the quiet VM holds {:.1} MiB, the busy one {:.1} MiB\n{}",
+                quiet / MIB,
+                busy / MIB,
+                server.log_text()
+            )
+        },
+    );
+    let given = figure(&url, "overspill_host_memory_given_back_bytes_total", None);
     assert!(given >= 24.0 * MIB, "{:.1} MiB given back", given / MIB);
+    read_back("quiet", quiet, "29360128");
+    read_back("busy", busy, "29360128");
+}
 
-    for (vm, child) in [("quiet", quiet), ("busy", busy)] {
-        let out = child.wait_with_output().expect("qemu-io");
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success(), "{vm}: {text}");
-        assert!(!text.contains("failed"), "{vm}: {text}");
-        assert!(text.contains("read 29360128/29360128 bytes at offset 0"), "{vm}: {text}");
-    }
+/// The golden image's read cache fills the room the VMs leave, then gives it back (down to its
+/// floor) as soon as a VM is held, with no quiet period to wait for.
+#[test]
+fn the_read_cache_gives_back_first_down_to_its_floor() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = dir.path().join("golden.img");
+    std::fs::write(&golden, vec![0x6c; 64 << 20]).expect("golden");
+    let socket = dir.path().join("nbd.sock");
+    let server = serve(dir.path(), &golden, &socket, &["--read-cache-floor", "8M"]);
+    let url = metrics_url(&server);
+    let cached = || figure(&url, "overspill_host_read_cache_bytes", None);
+
+    read_back("reader", qemu_io(dir.path(), &socket, "", &["read -P 0x6c 0 40M".into()]), "41943040");
+    let held = cached();
+    assert!((39.0 * MIB..=48.0 * MIB).contains(&held), "the read cache holds {:.1} MiB of the 48", held / MIB);
+
+    let busy = qemu_io(dir.path(), &socket, "@busy", &busy_writer(15));
+    wait_until(
+        Duration::from_secs(12),
+        || vm_memory(&url, "busy") >= 28.0 * MIB,
+        || {
+            format!(
+                "the busy VM holds {:.1} MiB, the read cache {:.1} MiB",
+                vm_memory(&url, "busy") / MIB,
+                cached() / MIB
+            )
+        },
+    );
+    let left = cached();
+    assert!(left >= 8.0 * MIB - 1.0, "the read cache kept its floor: {:.1} MiB", left / MIB);
+    assert!(left <= 20.0 * MIB, "the read cache holds {:.1} MiB beside a VM at its target", left / MIB);
+    read_back("reader again", qemu_io(dir.path(), &socket, "", &["read -P 0x6c 0 40M".into()]), "41943040");
+    read_back("busy", busy, "29360128");
 }

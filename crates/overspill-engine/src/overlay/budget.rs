@@ -62,6 +62,11 @@ impl Overlay {
         self.core.memory_target_bytes()
     }
 
+    /// The VM's own target (`--ram`), before any cut.
+    pub fn memory_own_target_bytes(&self) -> u64 {
+        self.core.config.ram_target_bytes
+    }
+
     pub fn disk_used_bytes(&self) -> u64 {
         self.store.disk_used_bytes()
     }
@@ -74,6 +79,9 @@ impl Overlay {
     pub fn give_back_memory(&mut self, limit_bytes: u64) -> u64 {
         let before = self.core.accounted_bytes;
         self.store.shrink_to(&mut self.core, limit_bytes);
+        // The last segment sealed holds its pages until written: a quiet VM would keep them
+        // (uncounted) until its next request.
+        self.store.finish_writes(&self.core.stats);
         self.settle_memory(Some(limit_bytes));
         before.saturating_sub(self.core.accounted_bytes)
     }

@@ -384,14 +384,21 @@ impl Tiered {
 
     fn ram_has_room(&self, core: &Core) -> bool {
         let need = BLOCK_BYTES + map::ENTRY_BYTES;
-        if core.index_bytes() + self.memory_bytes() + need > core.memory_target_bytes() {
-            return false;
-        }
-        // Under its own target but not the host's: quiet VMs may be holding what it needs.
-        core.host.has_room(need) || {
+        let wanted = core.index_bytes() + self.memory_bytes() + need;
+        // Within its own target but not what the host allows it (its target cut to a fair
+        // share or by the free floor, or all VMs and read caches at the cap): read caches and
+        // quiet VMs may be holding what it needs.
+        let held = if wanted > core.memory_target_bytes() {
+            wanted <= core.config.ram_target_bytes
+        } else if core.host.has_room(need) {
+            return true;
+        } else {
+            true
+        };
+        if held {
             core.host.note_held();
-            false
         }
+        false
     }
 
     /// Makes room in the spill log's open segment for guest data; when the space is exhausted,
