@@ -10,16 +10,19 @@
 //!   above it they grow back by the surplus (gradually, so that the cache does not oscillate
 //!   around the floor).
 //!
-//! The shared read caches of the golden images count against the cap too, beside the VMs: they
-//! grow only into room the VMs leave (or while all of them together hold less than their
-//! floor), and give back first when a VM is held (see [`crate::relief`]).
+//! The shared read caches of the golden images count against `--ram-total` too, beside the
+//! VMs (not against the memory directory's room: their chunks are anonymous memory): they grow
+//! only into room the VMs leave and while free memory is above the floor (or while they hold
+//! less than their own floor), and give back first, when a VM is held by the budget or free
+//! memory falls below the floor (see [`crate::relief`]); the VMs are cut only for what the
+//! caches cannot give.
 //!
 //! The engine never reads /proc itself, so a simulation drives pressure deterministically.
 //! Checks are not reservations: overlays racing on different threads can overshoot the cap by a
 //! block each, which the next rebalance corrects.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 const NO_CAP: u64 = u64::MAX;
@@ -35,16 +38,25 @@ pub struct HostMemory {
     available_bytes: AtomicU64,
     /// What the memory directory had room for at the last rebalance (`NO_CAP` where not told).
     room_cap_bytes: AtomicU64,
-    /// A VM under its own target was refused RAM because of the host (its target cut, or all
-    /// together at the cap), since the last [`HostMemory::take_held`].
-    held: AtomicBool,
+    /// Since the last [`HostMemory::take_held`], a VM under its own target was refused RAM
+    /// because all together were at the budget (`HELD_BY_BUDGET`), or because its target was
+    /// cut (`HELD_BY_CUT`).
+    held: AtomicU8,
     /// What VMs gave back without a write of theirs to make them (see [`crate::relief`]).
     given_back_bytes: AtomicU64,
     /// What the golden images' read caches hold together, and what they may hold whatever the
     /// VMs need.
     read_cache_bytes: AtomicU64,
     read_cache_floor_bytes: AtomicU64,
+    /// `--ram-total` as given: the read caches' bound with the VMs (`cap_bytes` may be less,
+    /// cut to the memory directory's size, which holds the VMs' pages only).
+    budget_bytes: AtomicU64,
+    read_caches: AtomicU64,
 }
+
+/// Why VMs were held since the last pass (bits of [`HostMemory::take_held`]).
+pub const HELD_BY_BUDGET: u8 = 1;
+pub const HELD_BY_CUT: u8 = 2;
 
 const NOT_SAMPLED: u64 = u64::MAX;
 
@@ -58,10 +70,12 @@ impl HostMemory {
             per_vm_cap_bytes: AtomicU64::new(NO_CAP),
             available_bytes: AtomicU64::new(NOT_SAMPLED),
             room_cap_bytes: AtomicU64::new(NO_CAP),
-            held: AtomicBool::new(false),
+            held: AtomicU8::new(0),
             given_back_bytes: AtomicU64::new(0),
             read_cache_bytes: AtomicU64::new(0),
             read_cache_floor_bytes: AtomicU64::new(0),
+            budget_bytes: AtomicU64::new(cap_bytes),
+            read_caches: AtomicU64::new(0),
         })
     }
 
@@ -110,10 +124,20 @@ impl HostMemory {
         self.vms() < self.vms_that_fit(minimum_bytes)
     }
 
-    /// Whether the host has room for `bytes` more: what the VMs and the read caches hold
-    /// together stays within the cap.
+    /// Whether the host has room for `bytes` more of a VM's: the VMs within their cap (and the
+    /// memory directory's room), and the VMs and read caches together within `--ram-total`.
     pub fn has_room(&self, bytes: u64) -> bool {
-        self.used_bytes().saturating_add(self.read_cache_bytes()).saturating_add(bytes) <= self.total_cap_bytes()
+        let used = self.used_bytes().saturating_add(bytes);
+        used <= self.total_cap_bytes() && used.saturating_add(self.read_cache_bytes()) <= self.budget_bytes()
+    }
+
+    fn budget_bytes(&self) -> u64 {
+        self.budget_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Free memory below the floor at the last sample (0 when above it, or not sampled).
+    pub fn free_deficit_bytes(&self) -> u64 {
+        self.available_bytes().map_or(0, |available| self.floor_bytes.saturating_sub(available))
     }
 
     /// What the read caches hold together.
@@ -125,15 +149,33 @@ impl HostMemory {
         self.read_cache_floor_bytes.load(Ordering::Relaxed)
     }
 
-    /// What the read caches together may hold whatever the VMs need (they give back first, but
+    /// Bounds the read caches: together with the VMs by `budget_bytes` (`--ram-total` as
+    /// given), and `floor_bytes` they may hold whatever the VMs need (they give back first, but
     /// not below it).
-    pub fn set_read_cache_floor(&self, bytes: u64) {
-        self.read_cache_floor_bytes.store(bytes, Ordering::Relaxed);
+    pub fn set_read_caches(&self, budget_bytes: u64, floor_bytes: u64) {
+        self.budget_bytes.store(budget_bytes, Ordering::Relaxed);
+        self.read_cache_floor_bytes.store(floor_bytes, Ordering::Relaxed);
     }
 
-    /// Whether a read cache may hold `bytes` more: below the floor, or in room the VMs leave.
-    pub fn read_cache_may_grow(&self, bytes: u64) -> bool {
-        self.read_cache_bytes().saturating_add(bytes) <= self.read_cache_floor_bytes() || self.has_room(bytes)
+    /// Whether a read cache holding `own_bytes` may hold `bytes` more: within its share of the
+    /// floor (so that a new image version's cache is not starved by the others), within the
+    /// floor all together, or in room the VMs leave while free memory is above the floor.
+    pub fn read_cache_may_grow(&self, own_bytes: u64, bytes: u64) -> bool {
+        let floor = self.read_cache_floor_bytes();
+        let share = floor / self.read_caches.load(Ordering::Relaxed).max(1);
+        let total = self.read_cache_bytes().saturating_add(bytes);
+        own_bytes.saturating_add(bytes) <= share
+            || total <= floor
+            || (self.free_deficit_bytes() == 0 && self.used_bytes().saturating_add(total) <= self.budget_bytes())
+    }
+
+    pub(crate) fn attach_read_cache(&self) {
+        self.read_caches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn detach_read_cache(&self, held_bytes: u64) {
+        self.account_read_cache(held_bytes, 0);
+        self.read_caches.fetch_sub(1, Ordering::Relaxed);
     }
 
     pub(crate) fn account_read_cache(&self, before: u64, after: u64) {
@@ -150,15 +192,15 @@ impl HostMemory {
         self.cap_bytes.min(self.room_cap_bytes.load(Ordering::Relaxed))
     }
 
-    /// A VM wanted RAM within its own target and the host had none left for it (or had cut its
-    /// target below).
-    pub(crate) fn note_held(&self) {
-        self.held.store(true, Ordering::Relaxed);
+    /// A VM wanted RAM within its own target and the host had none left for it
+    /// ([`HELD_BY_BUDGET`]) or had cut its target below ([`HELD_BY_CUT`]).
+    pub(crate) fn note_held(&self, why: u8) {
+        self.held.fetch_or(why, Ordering::Relaxed);
     }
 
-    /// Whether a VM was held back since the last call (which clears it).
-    pub fn take_held(&self) -> bool {
-        self.held.swap(false, Ordering::Relaxed)
+    /// Why VMs were held back since the last call (which clears it): bits, 0 for none.
+    pub fn take_held(&self) -> u8 {
+        self.held.swap(0, Ordering::Relaxed)
     }
 
     pub fn note_given_back(&self, bytes: u64) {
@@ -213,7 +255,11 @@ impl HostMemory {
             Some(PagesRoom { room_bytes, keep_bytes }) => (0, room_bytes.saturating_sub(keep_bytes)),
             None => (0, u64::MAX),
         };
-        let deficit = self.floor_bytes.saturating_sub(available_bytes).max(room_deficit);
+        // Below the free floor the read caches give back first (the relief pass has them):
+        // the VMs are cut only for what the caches hold no more of above their floor.
+        let caches_above_floor = self.read_cache_bytes().saturating_sub(self.read_cache_floor_bytes());
+        let free_deficit = self.floor_bytes.saturating_sub(available_bytes).saturating_sub(caches_above_floor);
+        let deficit = free_deficit.max(room_deficit);
         let vms = self.vms().max(1);
         let previous = self.per_vm_cap_bytes();
         let mut cap = if deficit > 0 {
@@ -385,6 +431,39 @@ mod tests {
         assert_eq!(host.cap_bytes(), 1 << 30, "--ram-total itself is as it was");
         host.rebalance_within(16 << 30, None);
         assert_eq!((host.per_vm_cap_bytes(), host.total_cap_bytes()), (NO_CAP, 1 << 30));
+    }
+
+    /// The read caches share `--ram-total` with the VMs, not the memory directory's room; below
+    /// the free floor they are counted on to give back before the VMs are cut, and do not grow;
+    /// a new cache always gets its share of the floor.
+    #[test]
+    fn read_caches_share_the_budget_not_the_pages_room() {
+        let host = HostMemory::new(1 << 30, 100 << 20);
+        host.set_read_caches(1 << 30, 64 << 20);
+        host.attach();
+        host.account(0, 300 << 20);
+        host.attach_read_cache();
+        host.attach_read_cache();
+        host.account_read_cache(0, 600 << 20);
+        let room = Some(PagesRoom { room_bytes: 200 << 20, keep_bytes: 100 << 20 });
+        host.rebalance_within(4 << 30, room);
+        assert_eq!(host.total_cap_bytes(), 400 << 20, "the pages' room bounds the VMs");
+        assert!(host.has_room(100 << 20), "the caches' 600 MiB are not in the memory directory");
+        assert!(!host.has_room((124 << 20) + 1), "but VMs and caches together stay in --ram-total");
+        assert!(!host.read_cache_may_grow(600 << 20, 200 << 20), "the budget is full");
+        assert!(host.read_cache_may_grow(0, 16 << 10), "a new cache gets its share of the floor");
+        assert!(!host.read_cache_may_grow(32 << 20, 200 << 20), "not past it when the budget is full");
+
+        // 300 MiB short of the free floor: the caches hold 536 MiB above theirs, so no VM is cut.
+        host.rebalance_within(100 << 20, None);
+        assert_eq!(host.free_deficit_bytes(), 0, "100 MiB free is the floor");
+        host.rebalance_within(0, None);
+        assert_eq!(host.free_deficit_bytes(), 100 << 20);
+        assert_eq!(host.per_vm_cap_bytes(), NO_CAP, "the caches give back first");
+        host.account_read_cache(600 << 20, 64 << 20);
+        assert!(!host.read_cache_may_grow(64 << 20, 16 << 10), "below the free floor caches do not grow past theirs");
+        host.rebalance_within(0, None);
+        assert_eq!(host.per_vm_cap_bytes(), 200 << 20, "then the VMs: 100 MiB of their 300");
     }
 
     #[test]

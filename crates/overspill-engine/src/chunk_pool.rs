@@ -28,6 +28,9 @@ use crate::stats::Gauge;
 /// The memory mapped at a time: one mapping for 128 chunks of 16 KiB.
 pub const SLAB_BYTES: usize = 2 << 20;
 
+/// Free slots released per hold of the free list's lock.
+const RELEASE_BATCH_SLOTS: usize = 64;
+
 /// One anonymous mapping, carved into equal slots.
 struct Slab {
     base: NonNull<u8>,
@@ -203,29 +206,58 @@ impl ChunkPool {
     }
 
     /// Gives the pages of every free slot back to the system (the cache shrank and is not to
-    /// refill at once); returns the bytes released.
+    /// refill at once); returns the bytes released. Nothing where a slot is not whole pages
+    /// (the kernel would drop the neighbours' pages with it).
     pub fn release_free(&self) -> u64 {
         let slot_bytes = self.inner.slot_bytes;
+        if !slot_bytes.is_multiple_of(rustix::param::page_size()) {
+            return 0;
+        }
         let mut released = 0;
-        for slot in self.inner.lock_free().iter_mut().filter(|slot| !slot.released) {
-            // SAFETY: the range is one slot inside its slab's mapping (offset + slot size <=
-            // slab bytes), which the slot's Arc keeps mapped; a free slot is owned by the free
-            // list alone, so no ChunkBuf reads or writes it. Its bytes read back as zeroes
-            // afterwards, which is all a freshly taken slot may hold (the cache fills it first).
-            let dropped = unsafe {
-                rustix::mm::madvise(
-                    slot.slab.base.as_ptr().add(slot.offset).cast(),
-                    slot_bytes,
-                    rustix::mm::Advice::LinuxDontNeed,
-                )
+        loop {
+            // A batch at a time out of the list, released without its lock: readers taking and
+            // freeing slots wait for one batch, not for all.
+            let batch: Vec<Slot> = {
+                let mut free = self.inner.lock_free();
+                let (kept, unreleased): (Vec<Slot>, Vec<Slot>) =
+                    std::mem::take(&mut *free).into_iter().partition(|slot| slot.released);
+                *free = kept;
+                let mut unreleased = unreleased;
+                let rest = unreleased.split_off(unreleased.len().min(RELEASE_BATCH_SLOTS));
+                free.extend(rest);
+                unreleased
             };
-            if dropped.is_ok() {
-                slot.released = true;
-                slot.slab.released_bytes.fetch_add(slot_bytes, std::sync::atomic::Ordering::Relaxed);
-                released += slot_bytes as u64;
+            if batch.is_empty() {
+                break;
+            }
+            let mut done = Vec::with_capacity(batch.len());
+            for mut slot in batch {
+                // SAFETY: the range is one slot, whole pages (checked above) inside its slab's
+                // mapping (offset + slot size <= slab bytes), which the slot's Arc keeps mapped;
+                // the slot is out of the free list and owned here alone, so no ChunkBuf reads or
+                // writes it. Its bytes read back as zeroes afterwards, which is all a freshly
+                // taken slot may hold (the cache fills it before anyone reads it).
+                let dropped = unsafe {
+                    rustix::mm::madvise(
+                        slot.slab.base.as_ptr().add(slot.offset).cast(),
+                        slot_bytes,
+                        rustix::mm::Advice::LinuxDontNeed,
+                    )
+                };
+                if dropped.is_ok() {
+                    slot.released = true;
+                    slot.slab.released_bytes.fetch_add(slot_bytes, std::sync::atomic::Ordering::Relaxed);
+                    self.inner.resident_bytes.sub(slot_bytes as u64);
+                    released += slot_bytes as u64;
+                }
+                done.push(slot);
+            }
+            let failed = done.iter().any(|slot| !slot.released);
+            self.inner.lock_free().extend(done);
+            if failed {
+                break;
             }
         }
-        self.inner.resident_bytes.sub(released);
         released
     }
 
@@ -364,7 +396,7 @@ mod tests {
     #[test]
     fn released_slots_leave_memory_and_come_back_zeroed() {
         let resident = Arc::new(Gauge::default());
-        // A cache of one slab: no helper slab beside it to count.
+        // A cache of one slab (and the helper's spare beside it).
         let pool = ChunkPool::new(16 * 1024, SLAB_BYTES as u64, resident.clone());
         let mut bufs: Vec<ChunkBuf> = (0..8).map(|_| pool.take(16 * 1024).expect("mapped")).collect();
         bufs.iter_mut().for_each(|buf| buf.as_mut_slice().fill(0xa5));

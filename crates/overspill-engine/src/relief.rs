@@ -9,23 +9,27 @@
 //!   (by the free floor, the host cap or the memory directory's room), comes down towards it (a
 //!   VM at its own target holds a little more, the free pages it keeps for its next writes: it
 //!   is left alone);
-//! - when a VM was refused RAM within its own target because of the host (its target cut to a
-//!   fair share or by the free floor, or all VMs and read caches together at the cap:
-//!   [`crate::HostMemory::take_held`]), the golden images' read caches give
-//!   back first, down to their floor (largest first: they are copies of what the golden image
-//!   holds, refetched at a cost, where a VM's RAM is the only fast copy of its writes); then
-//!   the quiet VMs that can spill (largest first) give back
+//! - when free memory is below the floor, or a VM was refused RAM within its own target because
+//!   VMs and read caches together were at `--ram-total` ([`crate::HostMemory::take_held`],
+//!   `HELD_BY_BUDGET`), the golden images' read caches give back first, all that is needed at
+//!   once (they write nothing), down to their floor, largest first: they are copies of what the
+//!   golden image holds, refetched at a cost, where a VM's RAM is the only fast copy of its
+//!   writes;
+//! - when what the caches gave was not enough, or a VM was held by its target cut (to a fair
+//!   share, by the floor or the memory directory's room: `HELD_BY_CUT`, which the caches do not
+//!   relieve), the quiet VMs that can spill (largest first) give back
 //!   what the held ones may then take, down to [`SPILLING_MINIMUM_BYTES`]: the seeds' cache is
 //!   worth having because it uses memory that would otherwise sit idle, and a quiet VM's RAM is
 //!   that memory.
 //!
 //! - read caches that gave back grow back (a step a pass, as far as they were configured) once
-//!   no VM has been held for [`QUIET_PASSES`] passes, and then only into room the VMs leave.
+//!   no VM has been held (nor free memory below the floor) for [`QUIET_PASSES`] passes, and
+//!   then only into room the VMs leave.
 //!
 //! Each pass moves at most [`STEP_BYTES`] per VM towards its target and [`STEP_BYTES`] in all
-//! from read caches and quiet VMs, so one pass holds a VM's lock for a bounded time and the
-//! spill disks see writes at a bounded rate; pressure that lasts is relieved over several
-//! passes. The policy is a pure function of what the pass observed, so the simulation drives
+//! from quiet VMs, so one pass holds a VM's lock for a bounded time and the spill disks see
+//! writes at a bounded rate; pressure that lasts is relieved over several passes. For VMs held
+//! by the budget the read caches give [`CACHE_STEP_BYTES`] a pass. The policy is a pure function of what the pass observed, so the simulation drives
 //! it like `serve`.
 
 use std::cmp::Reverse;
@@ -36,6 +40,10 @@ use crate::units::SEGMENT_BYTES;
 /// The most a pass takes from one VM towards its target, and from quiet VMs in all for held
 /// ones: 32 spill segments, a fraction of a second of a local disk's sequential writes.
 pub const STEP_BYTES: u64 = 64 << 20;
+
+/// What the read caches give a pass for VMs held by the budget: more than a quiet VM's step, as
+/// they write nothing to give it.
+pub const CACHE_STEP_BYTES: u64 = 256 << 20;
 
 /// What a spilling VM holds at the least once its RAM tier is in its log: its open segment and
 /// an index. Asking a VM holding less to give back would open a segment and count more.
@@ -76,15 +84,14 @@ pub struct CacheMemory {
     pub held_bytes: u64,
 }
 
-/// What each read cache gives back this pass, and the step left for the VMs: `held` as for
-/// [`plan`], `floor_bytes` what the caches keep together whatever the VMs need.
-pub fn plan_read_caches(caches: &[CacheMemory], held: bool, floor_bytes: u64, step_bytes: u64) -> (Vec<GiveBack>, u64) {
-    if !held {
-        return (Vec::new(), step_bytes);
-    }
+/// What each read cache gives back this pass towards `need_bytes` (free memory below the floor,
+/// and a step for VMs held by the budget), largest first, keeping `floor_bytes` together; and
+/// what of the need they could not meet. Caches give back without writing anything, so the
+/// need is met at once rather than a step a pass.
+pub fn plan_read_caches(caches: &[CacheMemory], floor_bytes: u64, need_bytes: u64) -> (Vec<GiveBack>, u64) {
     let total: u64 = caches.iter().map(|cache| cache.held_bytes).sum();
-    let mut left = step_bytes.min(total.saturating_sub(floor_bytes));
-    let unused = step_bytes - left;
+    let mut left = need_bytes.min(total.saturating_sub(floor_bytes));
+    let unused = need_bytes - left;
     let mut order: Vec<&CacheMemory> = caches.iter().collect();
     order.sort_by_key(|cache| (Reverse(cache.held_bytes), cache.id));
     let mut given = Vec::new();
@@ -220,19 +227,19 @@ mod tests {
     #[test]
     fn read_caches_give_back_first_down_to_their_floor() {
         let caches = [CacheMemory { id: 1, held_bytes: 100 * MIB }, CacheMemory { id: 2, held_bytes: 30 * MIB }];
-        assert_eq!(plan_read_caches(&caches, false, 0, 64 * MIB), (vec![], 64 * MIB), "no one held");
+        assert_eq!(plan_read_caches(&caches, 0, 0), (vec![], 0), "no need");
         assert_eq!(
-            plan_read_caches(&caches, true, 0, 64 * MIB),
+            plan_read_caches(&caches, 0, 64 * MIB),
             (vec![GiveBack { id: 1, limit_bytes: 36 * MIB }], 0),
-            "the largest gives the whole step: nothing left for the VMs"
+            "the largest gives all that is needed: nothing unmet"
         );
         assert_eq!(
-            plan_read_caches(&caches, true, 110 * MIB, 64 * MIB),
+            plan_read_caches(&caches, 110 * MIB, 64 * MIB),
             (vec![GiveBack { id: 1, limit_bytes: 80 * MIB }], 44 * MIB),
-            "20 MiB over the floor: the rest of the step goes to the quiet VMs"
+            "20 MiB over the floor: the rest is unmet, for the quiet VMs"
         );
         assert_eq!(
-            plan_read_caches(&caches, true, 0, 120 * MIB),
+            plan_read_caches(&caches, 0, 120 * MIB),
             (vec![GiveBack { id: 1, limit_bytes: 0 }, GiveBack { id: 2, limit_bytes: 10 * MIB }], 0)
         );
     }

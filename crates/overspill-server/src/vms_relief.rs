@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use overspill_engine::budget::{HELD_BY_BUDGET, HELD_BY_CUT};
 use overspill_engine::relief::{self, CacheMemory, GiveBack, QuietWatch, VmMemory};
 use overspill_engine::{CachedImage, HostMemory, Overlay, VmStats, SEGMENT_BYTES};
 
@@ -54,14 +55,19 @@ impl VmRegistry {
     /// lock, a few segments at a time.
     pub fn give_back_memory(&self, host: &HostMemory, watch: &mut QuietWatch, read_caches: &[Arc<CachedImage>]) -> u64 {
         let held = host.take_held();
-        let calm = watch.calm(held);
+        let deficit = host.free_deficit_bytes();
+        let calm = watch.calm(held != 0 || deficit > 0);
         let caches: Vec<CacheMemory> = read_caches
             .iter()
             .enumerate()
             .map(|(id, cache)| CacheMemory { id: id as u64, held_bytes: cache.held_bytes() })
             .collect();
-        let (cache_plan, step_left) =
-            relief::plan_read_caches(&caches, held, host.read_cache_floor_bytes(), relief::STEP_BYTES);
+        let for_budget = if held & HELD_BY_BUDGET != 0 { relief::CACHE_STEP_BYTES } else { 0 };
+        let (cache_plan, unmet) =
+            relief::plan_read_caches(&caches, host.read_cache_floor_bytes(), deficit.saturating_add(for_budget));
+        // Quiet VMs give for VMs whose target was cut (which the caches' memory does not lift),
+        // and for what the caches could not give.
+        let quiet_bytes = if held & HELD_BY_CUT != 0 || (held != 0 && unmet > 0) { relief::STEP_BYTES } else { 0 };
         let mut given = 0;
         for GiveBack { id, limit_bytes } in cache_plan {
             let cache = &read_caches[id as usize];
@@ -102,7 +108,7 @@ impl VmRegistry {
                 vms.extend(vm.as_ref().map(|vm| seen(*number, &vm.overlay, *quiet)));
             }
         }
-        for GiveBack { id, limit_bytes } in relief::plan(&vms, held, relief::STEP_BYTES, step_left) {
+        for GiveBack { id, limit_bytes } in relief::plan(&vms, quiet_bytes > 0, relief::STEP_BYTES, quiet_bytes) {
             match connected.iter().find(|(number, ..)| *number == id) {
                 Some((_, live, _)) => {
                     if let Ok(mut vm) = live.vm.try_lock() {
@@ -128,7 +134,7 @@ impl VmRegistry {
         }
         if given > 0 {
             host.note_given_back(given);
-            tracing::debug!(given, held, "VMs and read caches gave memory back");
+            tracing::debug!(given, held, deficit, "VMs and read caches gave memory back");
         }
         given
     }

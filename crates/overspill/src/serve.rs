@@ -122,7 +122,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     read_cache: u64,
     /// What the read caches together keep whatever the VMs need: a boot storm's golden reads
-    /// still find the image's hot blocks. Default: a quarter of --ram-total, at most 256M.
+    /// still find the image's hot blocks. They may hold it beyond what --ram-total leaves.
+    /// Default: a quarter of --ram-total, at most 256M.
     #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
     read_cache_floor: Option<u64>,
     /// Record every VM's requests (no data) to DIR/<vm>-<n>.trace, for `replay` and `plan`.
@@ -315,11 +316,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let mut litter =
         args.memory_dir.is_none().then(|| EmptyDirRemoved { dir: memory_dir.clone(), armed: !memory_dir.exists() });
     let host = HostMemory::new(ram_total, args.ram_floor);
-    host.set_read_cache_floor(args.read_cache_floor.unwrap_or((ram_total / 4).min(256 << 20)));
-    if args.read_cache > ram_total {
+    // The read caches' chunks are anonymous memory: bounded by --ram-total as given, not by
+    // the memory directory's size, which holds the VMs' pages only.
+    host.set_read_caches(args.ram_total, args.read_cache_floor.unwrap_or((args.ram_total / 4).min(256 << 20)));
+    if args.read_cache > args.ram_total {
         tracing::info!(
             read_cache = %format_bytes(args.read_cache),
-            ram_total = %format_bytes(ram_total),
+            ram_total = %format_bytes(args.ram_total),
             "a read cache may hold only what --ram-total leaves it beside the VMs"
         );
     }

@@ -158,9 +158,9 @@ fn the_read_cache_gives_back_first_down_to_its_floor() {
     let held = cached();
     assert!((39.0 * MIB..=48.0 * MIB).contains(&held), "the read cache holds {:.1} MiB of the 48", held / MIB);
 
-    let busy = qemu_io(dir.path(), &socket, "@busy", &busy_writer(15));
+    let busy = qemu_io(dir.path(), &socket, "@busy", &busy_writer(25));
     wait_until(
-        Duration::from_secs(12),
+        Duration::from_secs(20),
         || vm_memory(&url, "busy") >= 28.0 * MIB,
         || {
             format!(

@@ -389,14 +389,18 @@ impl Tiered {
         // share or by the free floor, or all VMs and read caches at the cap): read caches and
         // quiet VMs may be holding what it needs.
         let held = if wanted > core.memory_target_bytes() {
-            wanted <= core.config.ram_target_bytes
+            if wanted <= core.config.ram_target_bytes {
+                crate::budget::HELD_BY_CUT
+            } else {
+                0
+            }
         } else if core.host.has_room(need) {
             return true;
         } else {
-            true
+            crate::budget::HELD_BY_BUDGET
         };
-        if held {
-            core.host.note_held();
+        if held != 0 {
+            core.host.note_held(held);
         }
         false
     }
