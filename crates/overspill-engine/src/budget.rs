@@ -179,11 +179,7 @@ impl HostMemory {
     }
 
     pub(crate) fn account_read_cache(&self, before: u64, after: u64) {
-        if after >= before {
-            self.read_cache_bytes.fetch_add(after - before, Ordering::Relaxed);
-        } else {
-            self.read_cache_bytes.fetch_sub(before - after, Ordering::Relaxed);
-        }
+        move_by(&self.read_cache_bytes, before, after);
     }
 
     /// The cap on all VMs together now: `--ram-total`, or less where the memory directory's
@@ -222,11 +218,7 @@ impl HostMemory {
     }
 
     pub(crate) fn account(&self, before: u64, after: u64) {
-        if after >= before {
-            self.used_bytes.fetch_add(after - before, Ordering::Relaxed);
-        } else {
-            self.used_bytes.fetch_sub(before - after, Ordering::Relaxed);
-        }
+        move_by(&self.used_bytes, before, after);
     }
 
     /// Recomputes the per-VM cap from the host's available memory (MemAvailable).
@@ -280,6 +272,15 @@ impl HostMemory {
             cap = cap.min(self.cap_bytes / vms);
         }
         self.per_vm_cap_bytes.store(cap, Ordering::Relaxed);
+    }
+}
+
+/// Moves `total` by what one holder's part of it went from, `before`, to, `after`.
+fn move_by(total: &AtomicU64, before: u64, after: u64) {
+    if after >= before {
+        total.fetch_add(after - before, Ordering::Relaxed);
+    } else {
+        total.fetch_sub(before - after, Ordering::Relaxed);
     }
 }
 

@@ -410,6 +410,30 @@ fn histogram_figures(w: &mut Writer, vms: &[VmHandle], departed: &VmStats) {
     }
 }
 
+/// `overspill_{kind}_throttled_seconds_total` and `…_requests` with a `{kind}` label, one series
+/// per VM or group that is or was limited (none at all when none is).
+fn throttling_figures(
+    w: &mut Writer,
+    kind: &str,
+    throttling: &[(String, Duration, u64)],
+    waited_help: &str,
+    waiting_help: &str,
+) {
+    if throttling.is_empty() {
+        return;
+    }
+    let (waited_family, waiting_family) =
+        (format!("overspill_{kind}_throttled_seconds_total"), format!("overspill_{kind}_throttled_requests"));
+    w.header(&waited_family, waited_help, "counter");
+    for (name, waited, _) in throttling {
+        w.sample(&waited_family, &[(kind, name.clone())], waited.as_secs_f64());
+    }
+    w.header(&waiting_family, waiting_help, "gauge");
+    for (name, _, waiting) in throttling {
+        w.sample(&waiting_family, &[(kind, name.clone())], *waiting as f64);
+    }
+}
+
 /// VMs by state and the host's cache memory.
 fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, host: &HostMemory) {
     w.header(
@@ -433,36 +457,20 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
     );
     w.sample("overspill_golden_image_changes_total", &[], registry.golden_image_changes() as f64);
     move_figures(w, registry.move_counters());
-    let throttling = registry.limits().throttling();
-    if !throttling.is_empty() {
-        w.header(
-            "overspill_vm_throttled_seconds_total",
-            "Time the VM's requests waited for its limits (vm limit, serve --limit-iops/--limit-bandwidth), summed.",
-            "counter",
-        );
-        for (vm, waited, _) in &throttling {
-            w.sample("overspill_vm_throttled_seconds_total", &[("vm", vm.clone())], waited.as_secs_f64());
-        }
-        w.header("overspill_vm_throttled_requests", "The VM's requests waiting for its limits now.", "gauge");
-        for (vm, _, waiting) in &throttling {
-            w.sample("overspill_vm_throttled_requests", &[("vm", vm.clone())], *waiting as f64);
-        }
-    }
-    let throttling = registry.limits().group_throttling();
-    if !throttling.is_empty() {
-        w.header(
-            "overspill_group_throttled_seconds_total",
-            "Time requests of the group's VMs waited while the group's limits held them (serve --group-limit-iops/--group-limit-bandwidth, vm limit --group), summed over requests.",
-            "counter",
-        );
-        for (group, waited, _) in &throttling {
-            w.sample("overspill_group_throttled_seconds_total", &[("group", group.clone())], waited.as_secs_f64());
-        }
-        w.header("overspill_group_throttled_requests", "Requests of the group's VMs waiting now.", "gauge");
-        for (group, _, waiting) in &throttling {
-            w.sample("overspill_group_throttled_requests", &[("group", group.clone())], *waiting as f64);
-        }
-    }
+    throttling_figures(
+        w,
+        "vm",
+        &registry.limits().throttling(),
+        "Time the VM's requests waited for its limits (vm limit, serve --limit-iops/--limit-bandwidth), summed.",
+        "The VM's requests waiting for its limits now.",
+    );
+    throttling_figures(
+        w,
+        "group",
+        &registry.limits().group_throttling(),
+        "Time requests of the group's VMs waited while the group's limits held them (serve --group-limit-iops/--group-limit-bandwidth, vm limit --group), summed over requests.",
+        "Requests of the group's VMs waiting now.",
+    );
     w.header(
         "overspill_host_cache_memory_used_bytes",
         "Cache memory of all VMs together, with the free pages they keep for their next writes.",

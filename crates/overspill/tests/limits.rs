@@ -37,16 +37,22 @@ fn fio_ops(stdout: &str) -> (u64, u64) {
     (ops, job["job_runtime"].as_u64().expect("runtime"))
 }
 
-#[test]
-fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
+/// A server over a 64 MiB golden image with a control socket and metrics, and `extra` flags.
+struct Setup {
+    dir: TempDir,
+    socket: std::path::PathBuf,
+    control: std::path::PathBuf,
+    server: Serve,
+}
+
+fn start(extra: &[&str]) -> Setup {
     let dir = TempDir::new().expect("tempdir");
     let golden = dir.path().join("golden.img");
     std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden");
     let socket = dir.path().join("nbd.sock");
     let control = dir.path().join("control.sock");
     let listen = format!("unix:{}", socket.display());
-    let server = Serve::start_named_only(
-        dir.path(),
+    let args = [
         &[
             "--base",
             golden.to_str().expect("utf-8"),
@@ -56,17 +62,20 @@ fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
             control.to_str().expect("utf-8"),
             "--metrics",
             "tcp:127.0.0.1:0",
-        ],
-        &[],
-        || socket.exists() && control.exists(),
-    );
-    // Set before the VM comes: it gets them at its first request.
-    let said = overspill_vm(&control, &["limit", "slow", "--iops", &format!("{RATE}:{BURST}")]);
-    assert!(said.contains("slow: 1000 ops/s (burst 100), no bytes limit"), "{said}");
-    let fio = |vm: &str| {
-        let uri = format!("--uri=nbd+unix:///@{vm}?socket={}", socket.display());
+        ][..],
+        extra,
+    ]
+    .concat();
+    let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists() && control.exists());
+    Setup { dir, socket, control, server }
+}
+
+impl Setup {
+    /// fio over NBD on VM `vm`: random 4 KiB reads and writes at IODEPTH for 3 s, JSON report.
+    fn fio(&self, vm: &str) -> std::process::Child {
+        let uri = format!("--uri=nbd+unix:///@{vm}?socket={}", self.socket.display());
         spawn_tool(
-            dir.path(),
+            self.dir.path(),
             "fio",
             &[
                 &format!("--name={vm}"),
@@ -81,8 +90,17 @@ fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
                 "--output-format=json",
             ],
         )
-    };
-    let (slow, fast) = (fio("slow"), fio("fast"));
+    }
+}
+
+#[test]
+fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
+    let setup = start(&[]);
+    let (control, server) = (&setup.control, &setup.server);
+    // Set before the VM comes: it gets them at its first request.
+    let said = overspill_vm(control, &["limit", "slow", "--iops", &format!("{RATE}:{BURST}")]);
+    assert!(said.contains("slow: 1000 ops/s (burst 100), no bytes limit"), "{said}");
+    let (slow, fast) = (setup.fio("slow"), setup.fio("fast"));
     let (slow, fast) = (slow.wait_with_output().expect("fio"), fast.wait_with_output().expect("fio"));
     assert!(slow.status.success() && fast.status.success(), "{}", String::from_utf8_lossy(&slow.stderr));
     let (slow_ops, slow_ms) = fio_ops(&String::from_utf8_lossy(&slow.stdout));
@@ -94,7 +112,7 @@ fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
     assert!(slow_ops <= most, "the limited VM did {slow_ops} operations in {slow_ms} ms; at most {most}");
     assert!(fast_ops > slow_ops, "the unlimited VM did {fast_ops}, the limited one {slow_ops}");
 
-    let samples = scrape(&metrics_url(&server));
+    let samples = scrape(&metrics_url(server));
     let waited = sample(&samples, "overspill_vm_throttled_seconds_total", &[("vm", "slow")]);
     assert!(waited > 1.0, "the limited VM waited {waited} s in all");
     let fast_listed = samples.iter().any(|((family, labels), _)| {
@@ -103,7 +121,7 @@ fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
     assert!(!fast_listed, "a VM never limited is listed as throttled");
 
     // Off again, live.
-    let said = overspill_vm(&control, &["limit", "slow", "--iops", "off"]);
+    let said = overspill_vm(control, &["limit", "slow", "--iops", "off"]);
     assert!(said.contains("slow: no ops limit, no bytes limit"), "{said}");
     let refused = Command::new(env!("CARGO_BIN_EXE_overspill"))
         .args(["vm", "limit", "slow", "--iops", "0", "--control", control.to_str().expect("utf-8")])
@@ -116,54 +134,12 @@ fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
 /// while a VM outside it is not held; `vm limit --group` changes the group's limit live.
 #[test]
 fn a_groups_vms_share_its_rate_and_others_do_not_wait() {
-    let dir = TempDir::new().expect("tempdir");
-    let golden = dir.path().join("golden.img");
-    std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden");
-    let socket = dir.path().join("nbd.sock");
-    let control = dir.path().join("control.sock");
-    let listen = format!("unix:{}", socket.display());
-    let server = Serve::start_named_only(
-        dir.path(),
-        &[
-            "--base",
-            golden.to_str().expect("utf-8"),
-            "--listen",
-            &listen,
-            "--control",
-            control.to_str().expect("utf-8"),
-            "--metrics",
-            "tcp:127.0.0.1:0",
-            "--group",
-            "office=desk-*",
-            "--group-limit-iops",
-            &format!("office={RATE}:{BURST}"),
-        ],
-        &[],
-        || socket.exists() && control.exists(),
-    );
-    let fio = |vm: &str| {
-        let uri = format!("--uri=nbd+unix:///@{vm}?socket={}", socket.display());
-        spawn_tool(
-            dir.path(),
-            "fio",
-            &[
-                &format!("--name={vm}"),
-                "--ioengine=nbd",
-                &uri,
-                "--rw=randrw",
-                "--bs=4k",
-                "--size=32m",
-                &format!("--iodepth={IODEPTH}"),
-                "--time_based",
-                "--runtime=3",
-                "--output-format=json",
-            ],
-        )
-    };
+    let setup = start(&["--group", "office=desk-*", "--group-limit-iops", &format!("office={RATE}:{BURST}")]);
+    let (control, server) = (&setup.control, &setup.server);
     // The two fio runs' windows do not quite coincide: the bound is over the time from the
     // first's start to the last's end, which holds every request of both.
     let started = std::time::Instant::now();
-    let runs: Vec<_> = ["desk-1", "desk-2", "other"].into_iter().map(|vm| (vm, fio(vm))).collect();
+    let runs: Vec<_> = ["desk-1", "desk-2", "other"].into_iter().map(|vm| (vm, setup.fio(vm))).collect();
     let mut done = Vec::new();
     for (vm, run) in runs {
         let out = run.wait_with_output().expect("fio");
@@ -178,7 +154,7 @@ fn a_groups_vms_share_its_rate_and_others_do_not_wait() {
     assert!(ops1 > 0 && ops2 > 0, "both of the group's VMs got through");
     assert!(other_ops > ops1 + ops2, "the VM outside the group did {other_ops}, the group {}", ops1 + ops2);
 
-    let samples = scrape(&metrics_url(&server));
+    let samples = scrape(&metrics_url(server));
     let waited = sample(&samples, "overspill_group_throttled_seconds_total", &[("group", "office")]);
     assert!(waited > 1.0, "the group's requests waited {waited} s in all");
     let image_listed = samples.iter().any(|((family, labels), _)| {
@@ -186,8 +162,8 @@ fn a_groups_vms_share_its_rate_and_others_do_not_wait() {
     });
     assert!(!image_listed, "the unlimited image group of `other` is listed as throttled");
 
-    let said = overspill_vm(&control, &["limit", "office", "--group", "--iops", "off"]);
+    let said = overspill_vm(control, &["limit", "office", "--group", "--iops", "off"]);
     assert!(said.contains(r#"group "office": no ops limit, no bytes limit"#), "{said}");
-    let said = overspill_vm(&control, &["limit", "image:", "--group", "--bandwidth", "100M"]);
+    let said = overspill_vm(control, &["limit", "image:", "--group", "--bandwidth", "100M"]);
     assert!(said.contains(r#"group "image:": no ops limit, 104857600 bytes/s"#), "{said}");
 }
