@@ -14,6 +14,10 @@
 //! - a VM that met errors stays usable: once the faults stop it reads back all it was told was
 //!   written, and can write again.
 //!
+//! At each sample the background pass of `serve` runs too (`overspill_engine::relief`): VMs
+//! over a cut target and, for held VMs, quiet ones give memory back without a request of
+//! theirs, and the host's accounting is checked after it as after every request.
+//!
 //! A failure prints its seed and step; `SIM_SEED=<seed> cargo test --release -p overspill-engine
 //! --test simulation` replays just that seed (a comma-separated list works too, and `SIM_STEPS`
 //! changes the run length).
@@ -115,6 +119,11 @@ struct Sim {
     /// The smallest per-VM cap the sampler set, and whether a cap grew back after shrinking.
     min_cap: u64,
     regrew: bool,
+    /// Each VM's requests so far, for the relief pass's quiet watch.
+    requests: Vec<u64>,
+    quiet: overspill_engine::relief::QuietWatch,
+    /// Memory the relief pass had VMs give back.
+    given_back: u64,
 }
 
 /// The sampler's readings: free memory per phase of the run, above and below the floor. It has its
@@ -246,7 +255,20 @@ impl Sim {
             })
             .collect();
         let script = MemoryScript::new(seed);
-        Self { seed, golden, golden_faults, host, vms, rng, script, min_cap: u64::MAX, regrew: false }
+        Self {
+            seed,
+            golden,
+            golden_faults,
+            host,
+            vms,
+            rng,
+            script,
+            min_cap: u64::MAX,
+            regrew: false,
+            requests: vec![0; VMS],
+            quiet: Default::default(),
+            given_back: 0,
+        }
     }
 
     /// The memory sampler: reads the script's free memory and rebalances the host budget.
@@ -269,7 +291,30 @@ impl Sim {
             self.regrew = true;
         }
         self.min_cap = self.min_cap.min(after);
-        Ok(())
+        self.relieve();
+        self.check_host_accounting()
+    }
+
+    /// The server's background pass, as `VmRegistry::give_back_memory` runs it.
+    fn relieve(&mut self) {
+        use overspill_engine::relief::{plan, VmMemory, STEP_BYTES};
+        let held = self.host.take_held() != 0;
+        let seen: Vec<VmMemory> = self
+            .vms
+            .iter()
+            .enumerate()
+            .map(|(v, vm)| VmMemory {
+                id: v as u64,
+                accounted_bytes: vm.overlay.memory_accounted_bytes(),
+                target_bytes: vm.overlay.memory_target_bytes(),
+                own_target_bytes: vm.overlay.memory_own_target_bytes(),
+                quiet: self.quiet.observe(v as u64, self.requests[v]),
+                can_spill: vm.overlay.can_spill(),
+            })
+            .collect();
+        for give in plan(&seen, held, STEP_BYTES, if held { STEP_BYTES } else { 0 }) {
+            self.given_back += self.vms[give.id as usize].overlay.give_back_memory(give.limit_bytes);
+        }
     }
 
     fn random_op(&mut self) -> Op {
@@ -307,6 +352,7 @@ impl Sim {
             }
             // Skewed towards a few busy VMs, as on a real host.
             let v = if self.rng.gen_bool(0.3) { self.rng.gen_range(0..3) } else { self.rng.gen_range(0..VMS) };
+            self.requests[v] += 1;
             let op = self.random_op();
             if let Err(message) = self.apply(v, &op) {
                 self.fail(step, Some(v), Some(&op), &message);
@@ -544,6 +590,8 @@ struct Summary {
     segments: u64,
     compacted: u64,
     clean_vm_errors: u64,
+    /// What the relief pass had VMs give back (all seeds; 0 in one seed's summary).
+    given_back: u64,
 }
 
 fn diff(after: FaultCounts, before: FaultCounts) -> FaultCounts {
@@ -612,11 +660,15 @@ fn many_vms_with_faults_and_memory_pressure_match_their_models() {
         let mut sim = Sim::new(seed);
         sim.run(steps);
         let s = sim.summary();
-        eprintln!("seed {seed:#x}: {s:?}, smallest per-VM cap {}, regrew {}", sim.min_cap, sim.regrew);
+        eprintln!(
+            "seed {seed:#x}: {s:?}, smallest per-VM cap {}, regrew {}, given back {}",
+            sim.min_cap, sim.regrew, sim.given_back
+        );
         // The run must have gone where it was meant to: pressure, faults of every kind, errors.
         assert!(sim.min_cap < MIB, "seed {seed:#x}: memory pressure never squeezed the VMs (cap {})", sim.min_cap);
         assert!(sim.regrew, "seed {seed:#x}: targets never grew back after a squeeze");
         assert!(s.segments > 0, "seed {seed:#x}: nothing spilled");
+        totals.given_back += sim.given_back;
         totals.requests += s.requests;
         totals.no_space += s.no_space;
         totals.io += s.io;
@@ -628,6 +680,7 @@ fn many_vms_with_faults_and_memory_pressure_match_their_models() {
     }
     eprintln!("all seeds: {totals:?}");
     if std::env::var("SIM_SEED").is_err() {
+        assert!(totals.given_back > 0, "the relief pass never had a VM give memory back");
         assert!(totals.requests >= 100_000, "about 10^5 requests, ran {}", totals.requests);
         let f = totals.files;
         assert!(f.no_space > 0 && f.io > 0 && f.short_write > 0 && f.space > 0, "every file fault fired: {f:?}");
