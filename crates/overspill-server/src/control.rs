@@ -232,8 +232,14 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
         },
         Ok(Request::Limit { vm: group, group: true, ops, bytes }) => match crate::vm_limits::check_group(&group) {
             Ok(()) => {
-                let limits = targets.registry.limits().set_group(&group, ops.change(), bytes.change());
-                Answer { ok: true, message: Some(format!("group {group:?}: {limits}")), ..Answer::default() }
+                let book = targets.registry.limits();
+                let limits = book.set_group(&group, ops.change(), bytes.change());
+                let unknown = if book.group_known(&group) {
+                    ""
+                } else {
+                    " (no serve --group names it: no VM is in it; an image's group is image:NAME)"
+                };
+                Answer { ok: true, message: Some(format!("group {group:?}: {limits}{unknown}")), ..Answer::default() }
             }
             Err(error) => outcome(Err(error)),
         },

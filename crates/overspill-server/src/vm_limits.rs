@@ -101,6 +101,12 @@ impl VmLimits {
         own.into_iter().chain([book.group_limiter(&group)]).collect()
     }
 
+    /// Whether any VM can be in `group`: an image's group, or one `serve --group` names (a
+    /// limit set on another name, a typo most likely, would hold no VM).
+    pub fn group_known(&self, group: &str) -> bool {
+        group.starts_with(IMAGE_GROUP_PREFIX) || self.lock().groups.iter().any(|(name, _)| name == group)
+    }
+
     /// Sets group `group`'s limits, shared by its VMs (`None`: unchanged; `Some(None)`: off).
     /// Returns the group's limits now.
     pub fn set_group(&self, group: &str, ops: Option<Option<Rate>>, bytes: Option<Option<Rate>>) -> Limits {
@@ -180,6 +186,8 @@ mod tests {
         assert_eq!(limits.group_of(Some("kiosk-1"), "win10"), "office");
         assert_eq!(limits.group_of(Some("kiosk-12"), "win10"), "image:win10");
         assert_eq!(limits.group_of(None, "win10"), "image:win10", "an unnamed VM: its image's");
+        assert!(limits.group_known("office") && limits.group_known("image:anything"));
+        assert!(!limits.group_known("ofice"), "a name no --group gives holds no VM");
     }
 
     #[test]

@@ -341,6 +341,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     for (group, rate) in &args.group_limit_bandwidth {
         registry.limits().set_group(group, None, Some(Some(*rate)));
     }
+    for (group, _) in args.group_limit_iops.iter().chain(&args.group_limit_bandwidth) {
+        if !registry.limits().group_known(group) {
+            tracing::warn!(
+                group,
+                "a group limit names a group no --group gives: no VM is in it (an image's group is image:NAME)"
+            );
+        }
+    }
     registry.allow_multi_conn(args.multi_conn.clone());
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;

@@ -164,6 +164,8 @@ fn a_groups_vms_share_its_rate_and_others_do_not_wait() {
 
     let said = overspill_vm(control, &["limit", "office", "--group", "--iops", "off"]);
     assert!(said.contains(r#"group "office": no ops limit, no bytes limit"#), "{said}");
+    let said = overspill_vm(control, &["limit", "ofice", "--group", "--iops", "10"]);
+    assert!(said.contains("no serve --group names it"), "a typo is said: {said}");
     let said = overspill_vm(control, &["limit", "image:", "--group", "--bandwidth", "100M"]);
     assert!(said.contains(r#"group "image:": no ops limit, 104857600 bytes/s"#), "{said}");
 }
