@@ -113,6 +113,8 @@ struct State {
     throttled: Duration,
     /// Requests waiting now.
     waiting: u64,
+    /// Requests that went ahead of the limits (priority), counted.
+    went_ahead: u64,
 }
 
 /// One VM's or one group's limits and buckets; shared by the connections it limits.
@@ -159,16 +161,35 @@ impl Limiter {
         (state.throttled, state.waiting)
     }
 
-    /// Charges one request of `bytes` and says how long it must wait.
-    fn charge(&self, bytes: u64) -> Duration {
-        if !self.active.load(Ordering::Acquire) {
+    /// Whether any limit is set.
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::Acquire)
+    }
+
+    /// Charges `ops` operations of `bytes` in all and says how long they must wait.
+    fn charge(&self, ops: u64, bytes: u64) -> Duration {
+        if !self.is_active() {
             return Duration::ZERO;
         }
         let now = self.clock.now();
         let mut state = self.lock();
-        let ops = state.ops.as_mut().map_or(Duration::ZERO, |b| b.charge(1, now));
+        let ops = state.ops.as_mut().map_or(Duration::ZERO, |b| b.charge(ops, now));
         let bytes = state.bytes.as_mut().map_or(Duration::ZERO, |b| b.charge(bytes, now));
         ops.max(bytes)
+    }
+
+    /// Charges `ops` operations of `bytes` in all that go ahead without waiting (a class of
+    /// requests with priority): the debt they leave is waited out by the others.
+    pub fn charge_ahead(&self, ops: u64, bytes: u64) {
+        if self.charge(ops, bytes) > Duration::ZERO {
+            self.lock().went_ahead += 1;
+        }
+    }
+
+    /// How many requests went ahead ([`Self::charge_ahead`]) while the limits would have held
+    /// them.
+    pub fn went_ahead(&self) -> u64 {
+        self.lock().went_ahead
     }
 
     fn waited(&self, wait: Duration, started: bool) {
@@ -185,9 +206,16 @@ impl Limiter {
 /// Lets one request of `bytes` through every limiter of `chain` (a VM's own, then its group's):
 /// each is charged, and the request waits for the slowest. Returns the time it waited.
 pub fn admit(chain: &[Arc<Limiter>], bytes: u64) -> Duration {
+    admit_counted(chain, 1, bytes)
+}
+
+/// Like [`admit`], for `ops` operations of `bytes` in all, charged at once: what a read cache
+/// fetched to answer one request, charged after the fetch (the wait then delays the request's
+/// answer, and the next requests, rather than the fetch).
+pub fn admit_counted(chain: &[Arc<Limiter>], ops: u64, bytes: u64) -> Duration {
     let Some(first) = chain.first() else { return Duration::ZERO };
     // Every limiter is charged, whatever the others say (no allocation: this is every request).
-    let wait = chain.iter().fold(Duration::ZERO, |wait, limiter| wait.max(limiter.charge(bytes)));
+    let wait = chain.iter().fold(Duration::ZERO, |wait, limiter| wait.max(limiter.charge(ops, bytes)));
     if wait.is_zero() {
         return wait;
     }
@@ -370,6 +398,21 @@ mod tests {
         // a alone: the group's rate, which b's turns no longer take.
         let alone = requests_in(&chain_a, &clock, 10.0, 0);
         assert!((9_990..=10_010).contains(&alone), "a alone at the group's 1,000 a second: {alone}");
+    }
+
+    #[test]
+    fn requests_that_go_ahead_never_wait_and_the_others_wait_out_their_debt() {
+        let clock = Arc::new(FakeClock::default());
+        let budget = Limiter::new(ops(100, 10), clock.clone());
+        // 50 operations with priority at once: none waits, the bucket owes 40.
+        budget.charge_ahead(50, 0);
+        assert_eq!(budget.went_ahead(), 1, "one charge went ahead of the limits");
+        // The next ordinary request waits out the debt and its own share: 41 operations at 100/s.
+        let waited = admit_counted(std::slice::from_ref(&budget), 1, 0);
+        assert_eq!(waited, Duration::from_millis(410));
+        // Charged after the fact: 20 operations at once wait for what they took beyond the burst.
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(admit_counted(std::slice::from_ref(&budget), 20, 0), Duration::from_millis(100));
     }
 
     #[test]

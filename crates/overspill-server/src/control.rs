@@ -21,6 +21,7 @@ use overspill_net::{ListenAddr, Listener};
 use serde::{Deserialize, Serialize};
 
 use crate::migration::{Located, Peers};
+use crate::vm_limits::HostBudget;
 use crate::vms::{VmRegistry, VmState, VmStatus};
 use crate::{check_name, ServerError};
 
@@ -66,6 +67,21 @@ pub enum Request {
         ops: RateChange,
         #[serde(default)]
         bytes: RateChange,
+    },
+    /// Sets one of the host's budgets (golden-image fetches, spill writes), live; with neither
+    /// changed, says it. (A request of its own, not a flag of `Limit`: a server that does not
+    /// know it refuses it rather than limit a VM of that name.)
+    HostLimit {
+        budget: HostBudget,
+        #[serde(default)]
+        ops: RateChange,
+        #[serde(default)]
+        bytes: RateChange,
+    },
+    /// VM `vm`'s boot is over (a guest agent or the operator knows): its boot slot goes to the
+    /// next VM in line, and its golden-image fetches no longer go first.
+    Booted {
+        vm: String,
     },
 }
 
@@ -225,10 +241,27 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
         Ok(Request::Locate { vm }) => targets.locate(&vm),
         Ok(Request::Drop { vm }) => outcome(targets.drop_vm(&vm)),
         Ok(Request::Limit { ops: RateChange::Set { per_second: 0, .. }, .. })
-        | Ok(Request::Limit { bytes: RateChange::Set { per_second: 0, .. }, .. }) => Answer {
+        | Ok(Request::Limit { bytes: RateChange::Set { per_second: 0, .. }, .. })
+        | Ok(Request::HostLimit { ops: RateChange::Set { per_second: 0, .. }, .. })
+        | Ok(Request::HostLimit { bytes: RateChange::Set { per_second: 0, .. }, .. }) => Answer {
             ok: false,
             message: Some("a rate of 0 would stop the VM; use off for no limit".into()),
             ..Answer::default()
+        },
+        Ok(Request::HostLimit { budget, ops, bytes }) => {
+            let limits = targets.registry.limits().set_host(budget, ops.change(), bytes.change());
+            Answer { ok: true, message: Some(format!("host budget for {budget}: {limits}")), ..Answer::default() }
+        }
+        Ok(Request::Booted { vm }) => match crate::check_name("VM", &vm) {
+            Ok(()) => {
+                let message = if targets.registry.boots().booted(&vm) {
+                    format!("{vm}: boot over; its slot goes to the next VM in line")
+                } else {
+                    format!("{vm}: not booting (its boot was over, or it has no fresh overlay)")
+                };
+                Answer { ok: true, message: Some(message), ..Answer::default() }
+            }
+            Err(error) => outcome(Err(error)),
         },
         Ok(Request::Limit { vm: group, group: true, ops, bytes }) => match crate::vm_limits::check_group(&group) {
             Ok(()) => {

@@ -13,6 +13,7 @@ use overspill_block::{
 };
 use overspill_engine::{Allocation, EngineError};
 
+use crate::boot_pacing::BootGate;
 use crate::error::device_error;
 use crate::live::Live;
 use crate::vms::{Ending, VmRegistry};
@@ -39,20 +40,24 @@ pub(crate) fn stack(
         idle_cut: false,
         live,
         size,
-        name,
+        name: name.clone(),
         number,
         reset,
         clean: false,
         registry: registry.clone(),
         no_space: NoSpaceWarnings::default(),
     };
+    let boots = registry.boots().clone();
     let device =
         LedgerMarked { inner: Recorded::new(Timed::new(engine, stats), recorder), registry, number, marked: false };
-    // Outermost: the time a request waits for its limits is not the device's service time.
+    // Outside the timing: the time a request waits for its limits, or for a boot slot, is not
+    // the device's service time. The gate is open from the start for all but a fresh VM's
+    // connection: no lock for the others' requests.
+    let open = !boots.to_boot(&name);
     if limiters.is_empty() {
-        Box::new(device)
+        Box::new(BootGate::new(device, boots, name, open))
     } else {
-        Box::new(Throttled::new(device, limiters))
+        Box::new(BootGate::new(Throttled::new(device, limiters), boots, name, open))
     }
 }
 

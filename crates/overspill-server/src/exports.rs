@@ -25,10 +25,12 @@ use overspill_engine::{
 };
 
 use crate::error::device_error;
+use crate::golden_budget::Budgeted;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList};
 use crate::ledger::{state_file_paths, state_file_stem, Recoverable, StateRecord};
 use crate::live::Live;
 use crate::migration::{self, Incoming, Located, Peers};
+use crate::vm_limits::HostBudget;
 use crate::vm_overlay::VmOverlay;
 use crate::vms::{anonymous_label, shown_image, Claim, Lifecycle, VmRegistry};
 use crate::{check_name, ServerError};
@@ -141,13 +143,15 @@ impl OverlayExports {
                 .collect()
         };
         let segment_writers = SegmentWriters::new(settings.spill_writers);
+        let registry = VmRegistry::new(Lifecycle::default()).map_err(|e| ServerError::io("VM registry", e))?;
+        registry.limits().use_spill_budget(segment_writers.budget().clone());
         Ok(Self {
             images,
             versions: None,
             read_caches,
             settings,
             host,
-            registry: VmRegistry::new(Lifecycle::default()).map_err(|e| ServerError::io("VM registry", e))?,
+            registry,
             lifecycle: Lifecycle::default(),
             record_dir: None,
             segment_writers,
@@ -207,6 +211,7 @@ impl OverlayExports {
             std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         }
         self.registry = VmRegistry::new(lifecycle.clone())?;
+        self.registry.limits().use_spill_budget(self.segment_writers.budget().clone());
         if let Some(memory_dir) = lifecycle.memory_dir.clone().filter(|_| lifecycle.persistent()) {
             self.registry.set_state_places(StateRecord {
                 image_label: String::new(),
@@ -299,6 +304,7 @@ impl OverlayExports {
         let arena = Arena::open(&state.memory_dir, &stem, Overlay::arena_pages(&config)).map_err(|e| e.to_string())?;
         arena.0.hold().map_err(|e| e.to_string())?;
         let stats = Arc::new(VmStats::default());
+        let image = self.budgeted(image, Some(recoverable.vm.clone()));
         let overlay =
             Overlay::recover(image, config, backing, self.host.clone(), stats.clone(), arena, files, segments)
                 .map_err(|e| e.to_string())?;
@@ -526,7 +532,12 @@ impl ExportProvider for OverlayExports {
             }
             Claim::Resume { number, reset, parked } => (number, reset, *parked),
             Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
-                Ok(vm) => (number, reset, vm),
+                Ok(vm) => {
+                    if let Some(vm) = vm_name {
+                        self.registry.boots().fresh(vm);
+                    }
+                    (number, reset, vm)
+                }
                 Err(error) => {
                     self.registry.forget_failed(number);
                     return Err(error);
@@ -627,6 +638,12 @@ impl OverlayExports {
 pub const SPILLING_VM_MINIMUM_BYTES: u64 = SEGMENT_BYTES as u64 + SEGMENT_BYTES as u64 / 8;
 
 impl OverlayExports {
+    /// VM `vm`'s view of `image`, whose fetches the host's golden-image budget paces.
+    fn budgeted(&self, image: Arc<dyn GoldenImage>, vm: Option<String>) -> Arc<dyn GoldenImage> {
+        let limits = self.registry.limits();
+        Budgeted::view(image, limits.host_budget(HostBudget::Golden), self.registry.boots().clone(), vm)
+    }
+
     /// A fresh overlay over the image's current version, with the counters the registry keeps.
     fn new_overlay(&self, name: &str, number: u64) -> Result<VmOverlay, DeviceError> {
         let (image_label, image) = self.image(name)?;
@@ -652,7 +669,9 @@ impl OverlayExports {
                 format!("{error}; the server serves it again once restarted (systemctl reload)"),
             ));
         }
-        let vm = name.split_once('@').map_or_else(|| anonymous_label(number), |(_, vm)| vm.to_owned());
+        let named = name.split_once('@').map(|(_, vm)| vm.to_owned());
+        let vm = named.clone().unwrap_or_else(|| anonymous_label(number));
+        let image = self.budgeted(image, named);
         let settings = &self.settings;
         // A spilling VM holds its open segment and the index of what it spilled whatever its
         // target: more of them than --ram-total holds would break the cap, so the next is

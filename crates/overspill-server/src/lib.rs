@@ -9,11 +9,13 @@
 //! socket (`control`). It knows neither the command line, nor a frontend's protocol, nor how the
 //! engine caches; the `overspill` command parses flags and wires these parts together.
 
+pub mod boot_pacing;
 pub mod control;
 mod device;
 pub mod error;
 pub mod exports;
 pub mod files;
+pub mod golden_budget;
 pub mod images;
 pub mod ledger;
 mod live;

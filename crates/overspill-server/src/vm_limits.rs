@@ -27,9 +27,40 @@ pub fn check_group(group: &str) -> Result<(), crate::ServerError> {
     }
 }
 
-#[derive(Default)]
 pub struct VmLimits {
     book: Mutex<Book>,
+    /// The host's budget for golden-image fetches, which every VM's reads share
+    /// (`golden_budget`).
+    golden: Arc<Limiter>,
+    /// The host's budget for spill segment writes: the segment writers' own, once the exports
+    /// say which (`overspill_engine::SegmentWriters::budget`).
+    spill: Mutex<Arc<Limiter>>,
+}
+
+impl Default for VmLimits {
+    fn default() -> Self {
+        let unlimited = || Limiter::new(Limits::default(), SystemClock::shared());
+        Self { book: Mutex::default(), golden: unlimited(), spill: Mutex::new(unlimited()) }
+    }
+}
+
+/// A budget of the host's, as `vm limit --host` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostBudget {
+    /// Golden-image fetches of every VM together.
+    Golden,
+    /// Spill segment writes of every VM together.
+    Spill,
+}
+
+impl std::fmt::Display for HostBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Golden => "golden-image fetches",
+            Self::Spill => "spill writes",
+        })
+    }
 }
 
 impl std::fmt::Debug for VmLimits {
@@ -129,6 +160,39 @@ impl VmLimits {
         limiter.set(limits);
         tracing::info!(vm, %limits, "VM limits set");
         limits
+    }
+
+    /// The host's budget `which`, shared by every VM.
+    pub fn host_budget(&self, which: HostBudget) -> Arc<Limiter> {
+        match which {
+            HostBudget::Golden => self.golden.clone(),
+            HostBudget::Spill => self.spill.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+        }
+    }
+
+    /// The spill budget is `budget` (the segment writers'); limits set before carry over.
+    pub fn use_spill_budget(&self, budget: Arc<Limiter>) {
+        let mut spill = self.spill.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        budget.set(spill.limits());
+        *spill = budget;
+    }
+
+    /// Sets the host's budget `which` (`None`: unchanged; `Some(None)`: off). Returns it now.
+    pub fn set_host(&self, which: HostBudget, ops: Option<Option<Rate>>, bytes: Option<Option<Rate>>) -> Limits {
+        let limiter = self.host_budget(which);
+        let limits = changed(limiter.limits(), ops, bytes);
+        limiter.set(limits);
+        tracing::info!(budget = %which, %limits, "host budget set");
+        limits
+    }
+
+    /// Time waited at each host budget that is or was limited, with requests waiting now.
+    pub fn host_throttling(&self) -> Vec<(String, Duration, u64)> {
+        let limiters = [("golden", HostBudget::Golden), ("spill", HostBudget::Spill)]
+            .into_iter()
+            .map(|(name, which)| (name.to_owned(), self.host_budget(which)))
+            .collect();
+        throttling(&limiters)
     }
 
     /// Each named VM's time spent waiting for its limits, summed, and its requests waiting now,

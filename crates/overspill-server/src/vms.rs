@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use overspill_block::{DeviceError, DeviceErrorKind};
 use overspill_engine::VmStats;
 
+use crate::boot_pacing::BootPacing;
 use crate::ledger::{
     remove_leftover_state_files, remove_state_files, Ledger, LeftBehind, Marks, Recoverable, StateRecord,
 };
@@ -128,6 +129,7 @@ pub struct VmRegistry {
     /// [`Self::golden_image_changed`]).
     golden_image_changes: std::sync::atomic::AtomicU64,
     limits: VmLimits,
+    boots: Arc<BootPacing>,
     multi_conn: MultiConn,
     moves: MoveCounters,
 }
@@ -238,6 +240,7 @@ impl VmRegistry {
             orphans: Mutex::new(()),
             golden_image_changes: Default::default(),
             limits: VmLimits::default(),
+            boots: Arc::default(),
             multi_conn: MultiConn::default(),
             moves: MoveCounters::default(),
         });
@@ -652,9 +655,14 @@ impl VmRegistry {
         named
     }
 
-    /// Each VM's I/O limits.
+    /// Each VM's I/O limits, and the host's budgets.
     pub fn limits(&self) -> &VmLimits {
         &self.limits
+    }
+
+    /// Which VMs boot, and the cap on how many at once.
+    pub fn boots(&self) -> &Arc<BootPacing> {
+        &self.boots
     }
 
     /// The VM names whose connections may be several at once, sharing one overlay.
@@ -716,7 +724,12 @@ impl VmRegistry {
     }
 
     fn end_by_name(&self, vm: &str, even_connected: bool) -> Result<String, ServerError> {
-        self.end_by_name_or_orphan(vm, even_connected, true)
+        let ended = self.end_by_name_or_orphan(vm, even_connected, true);
+        if ended.is_ok() {
+            // Its boot slot, or its place in line, goes to the next VM.
+            self.boots.booted(vm);
+        }
+        ended
     }
 
     fn end_by_name_or_orphan(&self, vm: &str, even_connected: bool, orphans: bool) -> Result<String, ServerError> {

@@ -434,6 +434,34 @@ fn throttling_figures(
     }
 }
 
+/// Boots: how many now, how many wait for a slot (serve --boot-max), and how long they waited.
+fn boot_figures(w: &mut Writer, boots: &overspill_server::boot_pacing::BootFigures) {
+    w.header(
+        "overspill_vms_booting",
+        "VMs in their boot phase: from the first request on a fresh overlay, for --boot-time or until vm booted.",
+        "gauge",
+    );
+    w.sample("overspill_vms_booting", &[], boots.booting as f64);
+    w.header(
+        "overspill_vms_waiting_to_boot",
+        "Fresh VMs whose first request waits for a boot slot (serve --boot-max).",
+        "gauge",
+    );
+    w.sample("overspill_vms_waiting_to_boot", &[], boots.waiting as f64);
+    w.header("overspill_boots_total", "Boots begun since the server started.", "counter");
+    w.sample("overspill_boots_total", &[], boots.started as f64);
+    w.header(
+        "overspill_boot_wait_seconds_total",
+        "Time fresh VMs' first requests waited for a boot slot, summed.",
+        "counter",
+    );
+    w.sample("overspill_boot_wait_seconds_total", &[], boots.waited.as_secs_f64());
+    if let Some(max) = boots.max_booting {
+        w.header("overspill_boot_max", "The cap on VMs booting at once (serve --boot-max).", "gauge");
+        w.sample("overspill_boot_max", &[], max as f64);
+    }
+}
+
 /// VMs by state and the host's cache memory.
 fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, host: &HostMemory) {
     w.header(
@@ -471,6 +499,21 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
         "Time requests of the group's VMs waited while the group's limits held them (serve --group-limit-iops/--group-limit-bandwidth, vm limit --group), summed over requests.",
         "Requests of the group's VMs waiting now.",
     );
+    throttling_figures(
+        w,
+        "budget",
+        &registry.limits().host_throttling(),
+        "Time requests waited at a host budget (golden: golden-image fetches, serve --golden-limit-iops/--golden-limit-bandwidth; spill: segment writes, --spill-limit-bandwidth; vm limit --host), summed.",
+        "Requests (golden-image fetches, segment writes) waiting at the host budget now.",
+    );
+    w.header(
+        "overspill_budget_golden_went_ahead_total",
+        "Golden-image fetches of booting VMs that went ahead of the host's golden budget (their debt is waited out by the other VMs).",
+        "counter",
+    );
+    let golden = registry.limits().host_budget(overspill_server::vm_limits::HostBudget::Golden);
+    w.sample("overspill_budget_golden_went_ahead_total", &[], golden.went_ahead() as f64);
+    boot_figures(w, &registry.boots().figures());
     w.header(
         "overspill_host_cache_memory_used_bytes",
         "Cache memory of all VMs together, with the free pages they keep for their next writes.",

@@ -28,9 +28,11 @@ use memory::{
     default_memory_dir, ram_total_within, spawn_memory_sampler, warn_unless_blocks_are_told_apart,
     warn_unless_in_memory,
 };
+use overspill_server::boot_pacing::PacingSettings;
 use overspill_server::control;
 use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use overspill_server::images::ImageStore;
+use overspill_server::vm_limits::HostBudget;
 use overspill_server::vms::Lifecycle;
 use overspill_server::vms::VmRegistry;
 use overspill_vhost::{VhostExport, VhostExports, VhostSettings};
@@ -229,6 +231,32 @@ pub struct ServeArgs {
     /// Repeatable.
     #[arg(long = "group-limit-bandwidth", value_name = "GROUP=SIZE[:BURST]", value_parser = parse_group_bytes)]
     group_limit_bandwidth: Vec<(String, overspill_block::Rate)>,
+    /// The host's golden-image fetches per second, all VMs together: what the read caches
+    /// miss (every golden read without one). A fetch is charged when it returns and its
+    /// answer waits out what it took beyond the budget; a booting VM's fetches go first (they
+    /// never wait, the others wait out their share). `overspill vm limit --host golden`
+    /// changes it live. Default: none.
+    #[arg(long, value_name = "RATE[:BURST]", value_parser = crate::size::parse_ops_rate)]
+    golden_limit_iops: Option<overspill_block::Rate>,
+    /// The host's golden-image fetch bytes per second, all VMs together: `200M` or `200M:1G`.
+    #[arg(long, value_name = "SIZE[:BURST]", value_parser = crate::size::parse_bytes_rate)]
+    golden_limit_bandwidth: Option<overspill_block::Rate>,
+    /// The host's spill writes, bytes per second for all VMs' 2 MiB segment writes together:
+    /// below what the spill disk sustains, so that a storm of spilling VMs leaves it room to
+    /// answer reads of what they spilled. A VM's requests wait only when it seals a segment
+    /// before its last one is written. Needs --spill-writers above 0. `overspill vm limit
+    /// --host spill` changes it live. Default: none.
+    #[arg(long, value_name = "SIZE[:BURST]", value_parser = crate::size::parse_bytes_rate)]
+    spill_limit_bandwidth: Option<overspill_block::Rate>,
+    /// Most VMs booting at once (PVS's "maximum devices booting"): a VM's first request on a
+    /// fresh overlay waits, in order of arrival, until fewer are booting. A VM boots for
+    /// --boot-time, or until `overspill vm booted NAME`. Default: no cap (boots are still
+    /// known: their golden-image fetches go first at --golden-limit-iops).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    boot_max: Option<u64>,
+    /// How long a VM counts as booting from its first request, unless told sooner.
+    #[arg(long, default_value = "3m", value_parser = parse_duration)]
+    boot_time: Duration,
     /// This server's socket for its peers (live migration; see --peer): unix:PATH, made mode
     /// 0600, or tcp:HOST:PORT, over TLS where both ends prove themselves with a certificate of
     /// the peer CA (--tls-cert, --tls-key, --peer-ca). A peer that connects may take any VM this
@@ -349,6 +377,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
             );
         }
     }
+    let limits = registry.limits();
+    if args.golden_limit_iops.is_some() || args.golden_limit_bandwidth.is_some() {
+        limits.set_host(HostBudget::Golden, Some(args.golden_limit_iops), Some(args.golden_limit_bandwidth));
+    }
+    if args.spill_limit_bandwidth.is_some() {
+        limits.set_host(HostBudget::Spill, None, Some(args.spill_limit_bandwidth));
+    }
+    registry.boots().set(PacingSettings {
+        max_booting: args.boot_max.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        boot_time: args.boot_time,
+    });
     registry.allow_multi_conn(args.multi_conn.clone());
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
@@ -524,6 +563,12 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
             format_bytes(args.ram),
             format_bytes(args.ram_total)
         );
+    }
+    if args.spill_limit_bandwidth.is_some() && args.spill_writers == 0 {
+        bail!("--spill-limit-bandwidth paces the spill writers: --spill-writers 0 has none");
+    }
+    if args.boot_time.is_zero() {
+        bail!("--boot-time must be above 0 (without --boot-max, boots only give golden-image fetches priority)");
     }
     if args.mode.backing_file() == Some(BackingKind::SpillLog) && args.ram_total < SPILLING_VM_MINIMUM_BYTES {
         bail!(

@@ -148,6 +148,11 @@ pub struct Line {
     pub cache_memory_target_bytes: u64,
     pub cache_disk_bytes: u64,
     pub cache_disk_size_bytes: u64,
+    /// Time its requests waited for its limits (`vm limit`, `--limit-iops`), seconds a second:
+    /// the requests waiting there on average.
+    pub throttled_seconds_per_second: f64,
+    /// Its requests waiting for its limits now.
+    pub throttled_requests: u64,
 }
 
 impl Line {
@@ -172,6 +177,9 @@ impl Line {
             cache_memory_target_bytes: level("cache_memory_target_bytes"),
             cache_disk_bytes: level("cache_disk_used_bytes"),
             cache_disk_size_bytes: level("cache_disk_size_bytes"),
+            // Limits are kept by VM name, whatever the image.
+            throttled_seconds_per_second: interval.rate("overspill_vm_throttled_seconds_total", &[("vm", vm)]),
+            throttled_requests: interval.level("overspill_vm_throttled_requests", &[("vm", vm)]),
         }
     }
 
@@ -192,6 +200,8 @@ pub struct Server {
     pub vms_connected: u64,
     pub vms_in_grace: u64,
     pub vms_lost: u64,
+    pub vms_booting: u64,
+    pub vms_waiting_to_boot: u64,
     pub cache_memory_bytes: u64,
     pub cache_memory_cap_bytes: u64,
     pub memory_floor_bytes: u64,
@@ -231,7 +241,10 @@ impl View {
             .iter()
             .map(|(e, v)| Line::measure(&interval, "overspill_vm_", e, v, &[("export", e), ("vm", v)]))
             .collect();
-        let total = Line::measure(&interval, "overspill_", "total", "", &[]);
+        let mut total = Line::measure(&interval, "overspill_", "total", "", &[]);
+        let lines: Vec<Line> = lines;
+        total.throttled_seconds_per_second = lines.iter().map(|l| l.throttled_seconds_per_second).sum();
+        total.throttled_requests = lines.iter().map(|l| l.throttled_requests).sum();
         let start = get(after, "process_start_time_seconds", &[]);
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let (hits, misses) = ("overspill_read_cache_hits_total", "overspill_read_cache_misses_total");
@@ -252,6 +265,8 @@ impl View {
             vms_connected: interval.level("overspill_connected_vms", &[]).saturating_sub(in_grace),
             vms_in_grace: in_grace,
             vms_lost: interval.level("overspill_vms", &[("state", "lost")]),
+            vms_booting: interval.level("overspill_vms_booting", &[]),
+            vms_waiting_to_boot: interval.level("overspill_vms_waiting_to_boot", &[]),
             cache_memory_bytes: interval.level("overspill_host_cache_memory_used_bytes", &[]),
             cache_memory_cap_bytes: interval.level("overspill_host_cache_memory_cap_bytes", &[]),
             memory_floor_bytes: interval.level("overspill_host_memory_floor_bytes", &[]),
@@ -342,8 +357,8 @@ pub struct Layout {
     pub footer: bool,
 }
 
-/// Columns after the VM's name: READ/s WRITE/s GOLD/s SPL-R SPL-W MEMORY DISK.
-const FIGURES_WIDTH: usize = 55;
+/// Columns after the VM's name: READ/s WRITE/s GOLD/s SPL-R SPL-W MEMORY DISK WAIT.
+const FIGURES_WIDTH: usize = 61;
 
 /// A rate in at most `width` characters: one decimal while small, then k and M.
 fn compact_rate(rate: f64) -> String {
@@ -393,15 +408,15 @@ fn fit(text: &str, width: usize) -> String {
     cut
 }
 
-fn table_row(name: &str, name_width: usize, cells: [String; 7]) -> String {
-    let [read, write, golden, spill_r, spill_w, memory, disk] = cells;
+fn table_row(name: &str, name_width: usize, cells: [String; 8]) -> String {
+    let [read, write, golden, spill_r, spill_w, memory, disk, wait] = cells;
     format!(
-        "{:<name_width$} {read:>7} {write:>7} {golden:>6} {spill_r:>6} {spill_w:>6} {memory:>8} {disk:>8}",
+        "{:<name_width$} {read:>7} {write:>7} {golden:>6} {spill_r:>6} {spill_w:>6} {memory:>8} {disk:>8} {wait:>5}",
         fit(name, name_width)
     )
 }
 
-fn line_cells(l: &Line) -> [String; 7] {
+fn line_cells(l: &Line) -> [String; 8] {
     [
         compact_rate(l.reads_per_second),
         compact_rate(l.writes_per_second),
@@ -410,6 +425,7 @@ fn line_cells(l: &Line) -> [String; 7] {
         compact_rate(l.spill_writes_per_second),
         compact_bytes(l.cache_memory_bytes),
         compact_bytes(l.cache_disk_bytes),
+        compact_rate(l.throttled_seconds_per_second),
     ]
 }
 
@@ -419,6 +435,11 @@ fn header(view: &View, now: &str, width: usize) -> Vec<String> {
     let commit = if s.commit.is_empty() { String::new() } else { format!(" ({})", s.commit) };
     let available = s.memory_available_bytes.map_or(String::new(), |a| format!(", free {}", compact_bytes(a)));
     let hit = s.read_cache_hit_ratio.map_or("-".to_owned(), |r| format!("{:.1}%", r * 100.0));
+    let booting = match (s.vms_booting, s.vms_waiting_to_boot) {
+        (0, 0) => String::new(),
+        (booting, 0) => format!(", {booting} booting"),
+        (booting, waiting) => format!(", {booting} booting ({waiting} wait)"),
+    };
     let cap = if s.cache_memory_cap_bytes >= u64::MAX / 2 {
         "no cap".to_owned()
     } else {
@@ -427,7 +448,7 @@ fn header(view: &View, now: &str, width: usize) -> Vec<String> {
     vec![
         format!("overspill {}{commit}  up {}  {now}", s.version, uptime(s.uptime_seconds)),
         format!(
-            "VMs {} connected, {} in grace, {} lost   errors {} ({}/s)   refused {}",
+            "VMs {} connected, {} in grace, {} lost{booting}   errors {} ({}/s)   refused {}",
             s.vms_connected,
             s.vms_in_grace,
             s.vms_lost,
@@ -458,7 +479,7 @@ pub fn render(view: &View, layout: &Layout, now: &str) -> Vec<String> {
     let name_width = width.saturating_sub(FIGURES_WIDTH).clamp(12, 48);
     let mut out = header(view, now, width);
     out.push(String::new());
-    let columns = ["READ/s", "WRITE/s", "GOLD/s", "SPL-R", "SPL-W", "MEMORY", "DISK"].map(str::to_owned);
+    let columns = ["READ/s", "WRITE/s", "GOLD/s", "SPL-R", "SPL-W", "MEMORY", "DISK", "WAIT"].map(str::to_owned);
     out.push(fit(&table_row("VM", name_width, columns), width));
     let mut lines = view.vms.clone();
     layout.sort.sort(&mut lines, layout.reversed);
@@ -673,7 +694,10 @@ mod tests {
         let after = parse(
             &(vm_samples("a", 10.0, 1e9)
                 + &vm_samples(long_name, 12_345_678.0, 5e12)
-                + "overspill_build_info{version=\"1.2.3\",commit=\"abcdef0\",features=\"s3\"} 1\n\
+                + "overspill_vm_throttled_seconds_total{vm=\"a\"} 2.5\n\
+                   overspill_vms_booting 3\n\
+                   overspill_vms_waiting_to_boot 2\n\
+                   overspill_build_info{version=\"1.2.3\",commit=\"abcdef0\",features=\"s3\"} 1\n\
                    overspill_guest_requests_total{op=\"write\"} 12345688\n\
                    overspill_host_cache_memory_cap_bytes 1.8446744073709552e19\n\
                    overspill_nbd_error_replies_total{command=\"write\",errno=\"ENOSPC\"} 7\n"),
@@ -700,6 +724,9 @@ mod tests {
         assert!(busy < quiet, "{text}");
         assert!(lines[busy].contains("12346k"), "{}", lines[busy]);
         assert!(lines[quiet + 1].starts_with("total"), "{text}");
+        // The quiet VM waited 2.5 s a second for its limits; 3 VMs boot, 2 wait to.
+        assert!(lines[quiet].ends_with(" 2.5") && lines[quiet + 1].ends_with(" 2.5"), "{text}");
+        assert!(text.contains("3 booting (2 wait)"), "{text}");
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::bail;
 use clap::{Args, Subcommand};
 use overspill_server::control::{self, RateChange, Request, DEFAULT_CONTROL_SOCKET};
+use overspill_server::vm_limits::HostBudget;
 use overspill_server::vms::VmStatus;
 
 use crate::size::format_bytes;
@@ -44,17 +45,28 @@ enum VmAction {
         /// The golden image's export name (`serve --export NAME=…`, or an image store's image).
         image: Option<String>,
     },
+    /// Say VM NAME's boot is over (`serve --boot-max`): its boot slot goes to the next VM in
+    /// line and its golden-image fetches no longer go first. Without it a boot lasts
+    /// `--boot-time`.
+    Booted { vm: String },
     /// Set VM NAME's limits, live (its connection holds to them from its next request; a VM not
     /// connected yet gets them when it comes); with neither option, print them. With --group,
     /// NAME is a group (`serve --group`, or `image:IMAGE` for an image's VMs in no named
     /// group), whose VMs share its limits beside their own. They last while the server runs
     /// (not across a restart or reload): put lasting ones in `serve --limit-iops`,
     /// `--group-limit-iops` and the like.
+    ///
+    /// With --host, NAME is one of the host's budgets, which all VMs share: `golden`
+    /// (golden-image fetches: what the read caches miss; booting VMs' fetches go first) or
+    /// `spill` (spill segment writes, 2 MiB each: set --bandwidth).
     Limit {
         vm: String,
         /// NAME is a group of VMs, not a VM.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "host")]
         group: bool,
+        /// NAME is a budget of the host's: golden or spill.
+        #[arg(long)]
+        host: bool,
         /// Operations per second, `RATE[:BURST]` (e.g. 1000 or 1000:5000), or `off`.
         #[arg(long, value_name = "RATE[:BURST]|off", value_parser = rate_change(crate::size::parse_ops_rate))]
         iops: Option<RateChange>,
@@ -80,7 +92,17 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Reset { vm } => Request::Reset { vm: vm.clone() },
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
-        VmAction::Limit { vm, group, iops, bandwidth } => Request::Limit {
+        VmAction::Booted { vm } => Request::Booted { vm: vm.clone() },
+        VmAction::Limit { vm, host: true, iops, bandwidth, .. } => Request::HostLimit {
+            budget: match vm.as_str() {
+                "golden" => HostBudget::Golden,
+                "spill" => HostBudget::Spill,
+                other => bail!("the host's budgets are golden and spill, not {other:?}"),
+            },
+            ops: iops.unwrap_or_default(),
+            bytes: bandwidth.unwrap_or_default(),
+        },
+        VmAction::Limit { vm, group, iops, bandwidth, .. } => Request::Limit {
             vm: vm.clone(),
             group: *group,
             ops: iops.unwrap_or_default(),

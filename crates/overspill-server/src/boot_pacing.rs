@@ -1,0 +1,369 @@
+//! Boot pacing, PVS's "maximum devices booting": a VM is *booting* from its first request on a
+//! fresh overlay until `boot_time` has passed or the operator says it booted (`vm booted`); with
+//! a cap, a fresh VM's first request waits, in order of arrival, until fewer than the cap are
+//! booting. An array serves N booting VMs worse than N/2 twice (seed 003: the first 17-19 VMs
+//! booted within two minutes, the rest queued behind them), so the later ones lose less than the
+//! earlier ones gain.
+//!
+//! Booting VMs also go first at the host's golden-image fetch budget (`golden_budget`): their
+//! fetches never wait for it, the others wait out what they took.
+//!
+//! Only a fresh overlay boots: a VM that resumes (a reconnect, a restarted server) or moves here
+//! from a peer is running already. A VM's boot ends with its boot time whether or not it stays
+//! connected: a reconnect in the middle of a boot keeps the slot until then.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::IoSlice;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use overspill_block::{BlockDevice, DeviceError, DeviceLayer, Payload};
+
+/// How long a VM counts as booting when nothing says otherwise: seed 000's Windows 7 VMs took
+/// 2 minutes on a SATA disk, and 4 minutes is the acceptable boot its sizing example takes.
+pub const DEFAULT_BOOT_TIME: Duration = Duration::from_secs(180);
+
+/// A cap on VMs booting at once (none: no wait) and how long a boot counts at most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PacingSettings {
+    pub max_booting: Option<usize>,
+    pub boot_time: Duration,
+}
+
+impl Default for PacingSettings {
+    fn default() -> Self {
+        Self { max_booting: None, boot_time: DEFAULT_BOOT_TIME }
+    }
+}
+
+/// What the metrics show of boots.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BootFigures {
+    pub booting: usize,
+    pub waiting: usize,
+    /// Boots begun since the server started.
+    pub started: u64,
+    /// Time fresh VMs' first requests waited for a boot slot, summed.
+    pub waited: Duration,
+    pub max_booting: Option<usize>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    settings: PacingSettings,
+    /// Fresh VMs whose boot has not begun: their first request has not come, or waits.
+    to_boot: HashSet<String>,
+    /// Fresh VMs whose first request waits for a slot, in order of arrival.
+    queue: VecDeque<String>,
+    /// VMs booting, with when their boot began.
+    booting: HashMap<String, Instant>,
+    started: u64,
+    waited: Duration,
+}
+
+impl State {
+    /// Ends the boots that have lasted their boot time; whether any did.
+    fn expire(&mut self, now: Instant) -> bool {
+        let boot_time = self.settings.boot_time;
+        let before = self.booting.len();
+        self.booting.retain(|_, began| now.duration_since(*began) < boot_time);
+        self.booting.len() != before
+    }
+
+    fn has_slot(&self) -> bool {
+        self.settings.max_booting.is_none_or(|max| self.booting.len() < max)
+    }
+
+    /// How long a waiter may sleep before a boot ends by itself.
+    fn next_expiry(&self, now: Instant) -> Duration {
+        let boot_time = self.settings.boot_time;
+        let soonest = self.booting.values().map(|began| (*began + boot_time).saturating_duration_since(now)).min();
+        soonest.unwrap_or(boot_time).clamp(Duration::from_millis(1), Duration::from_secs(1))
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct BootPacing {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl BootPacing {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn set(&self, settings: PacingSettings) {
+        self.lock().settings = settings;
+        self.changed.notify_all();
+    }
+
+    pub fn settings(&self) -> PacingSettings {
+        self.lock().settings
+    }
+
+    /// VM `vm` has a fresh overlay: it boots from its first request (see [`Self::start_boot`]).
+    pub fn fresh(&self, vm: &str) {
+        let mut state = self.lock();
+        state.booting.remove(vm);
+        state.to_boot.insert(vm.to_owned());
+    }
+
+    /// Whether `vm`'s first request is still to pass [`Self::start_boot`].
+    pub fn to_boot(&self, vm: &str) -> bool {
+        self.lock().to_boot.contains(vm)
+    }
+
+    /// Begins `vm`'s boot, waiting for a slot under the cap first (in order of arrival).
+    /// Returns how long it waited. A VM no longer to boot (a second connection of a VM whose
+    /// boot began, or one the operator said booted or dropped meanwhile) passes at once.
+    pub fn start_boot(&self, vm: &str) -> Duration {
+        let arrived = Instant::now();
+        let mut state = self.lock();
+        if !state.to_boot.contains(vm) {
+            return Duration::ZERO;
+        }
+        if !state.queue.iter().any(|queued| queued == vm) {
+            state.queue.push_back(vm.to_owned());
+        }
+        let mut slept = false;
+        loop {
+            let now = Instant::now();
+            if state.expire(now) {
+                self.changed.notify_all();
+            }
+            let waited = if slept { now - arrived } else { Duration::ZERO };
+            if !state.to_boot.contains(vm) {
+                return waited;
+            }
+            if state.has_slot() && state.queue.front().is_some_and(|first| first == vm) {
+                state.queue.pop_front();
+                state.to_boot.remove(vm);
+                state.booting.insert(vm.to_owned(), now);
+                state.started += 1;
+                state.waited += waited;
+                if !waited.is_zero() {
+                    tracing::info!(vm, waited_ms = waited.as_millis() as u64, "VM boots: a boot slot is free");
+                }
+                // The next in line may have a slot too.
+                self.changed.notify_all();
+                return waited;
+            }
+            let sleep = state.next_expiry(now);
+            state = self.changed.wait_timeout(state, sleep).unwrap_or_else(PoisonError::into_inner).0;
+            slept = true;
+        }
+    }
+
+    /// Whether `vm` is booting now (its golden-image fetches go first).
+    pub fn is_booting(&self, vm: &str) -> bool {
+        let state = self.lock();
+        state.booting.get(vm).is_some_and(|began| began.elapsed() < state.settings.boot_time)
+    }
+
+    /// The operator says `vm`'s boot is over (or the VM is gone): its slot goes to the next in
+    /// line, and a first request of it still waiting passes. Whether it was booting or waiting.
+    pub fn booted(&self, vm: &str) -> bool {
+        let mut state = self.lock();
+        let was = state.booting.remove(vm).is_some() | state.to_boot.remove(vm);
+        state.queue.retain(|queued| queued != vm);
+        drop(state);
+        self.changed.notify_all();
+        was
+    }
+
+    pub fn figures(&self) -> BootFigures {
+        let mut state = self.lock();
+        state.expire(Instant::now());
+        BootFigures {
+            booting: state.booting.len(),
+            waiting: state.queue.len(),
+            started: state.started,
+            waited: state.waited,
+            max_booting: state.settings.max_booting,
+        }
+    }
+
+    /// Whether `vm` is booting, waiting to, or neither: for `vm list`.
+    pub fn phase(&self, vm: &str) -> Option<&'static str> {
+        let state = self.lock();
+        if state.queue.iter().any(|queued| queued == vm) {
+            Some("waiting to boot")
+        } else if state.booting.get(vm).is_some_and(|began| began.elapsed() < state.settings.boot_time) {
+            Some("booting")
+        } else {
+            None
+        }
+    }
+}
+
+/// A fresh VM's connection: its first request (any that reads or changes the disk) waits for
+/// a boot slot ([`BootPacing::start_boot`]); the others pass.
+pub struct BootGate<D> {
+    inner: D,
+    pacing: Arc<BootPacing>,
+    vm: String,
+    open: bool,
+}
+
+impl<D: BlockDevice> BootGate<D> {
+    /// `open`: the VM is not to boot (it resumes, or moved here), and its requests pass.
+    pub fn new(inner: D, pacing: Arc<BootPacing>, vm: String, open: bool) -> Self {
+        Self { inner, pacing, vm, open }
+    }
+
+    fn pass(&mut self) {
+        if !self.open {
+            self.pacing.start_boot(&self.vm);
+            self.open = true;
+        }
+    }
+}
+
+impl<D: BlockDevice> DeviceLayer for BootGate<D> {
+    type Below = D;
+
+    fn below(&self) -> &D {
+        &self.inner
+    }
+
+    fn below_mut(&mut self) -> &mut D {
+        &mut self.inner
+    }
+
+    fn read_requested(&mut self, offset: u64, length: u64) {
+        self.pass();
+        self.inner.read_requested(offset, length)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        self.pass();
+        self.inner.write(offset, data, fua)
+    }
+
+    fn write_from(
+        &mut self,
+        offset: u64,
+        length: usize,
+        fua: bool,
+        payload: &mut dyn Payload,
+    ) -> Result<(), DeviceError> {
+        self.pass();
+        self.inner.write_from(offset, length, fua, payload)
+    }
+
+    fn write_vectored(&mut self, offset: u64, bufs: &[IoSlice<'_>], fua: bool) -> Result<(), DeviceError> {
+        self.pass();
+        self.inner.write_vectored(offset, bufs, fua)
+    }
+
+    fn write_zeroes(
+        &mut self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> Result<(), DeviceError> {
+        self.pass();
+        self.inner.write_zeroes(offset, length, may_trim, fast_only, fua)
+    }
+
+    fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
+        self.pass();
+        self.inner.trim(offset, length, fua)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn paced(max: usize, boot_time: Duration) -> Arc<BootPacing> {
+        let pacing = Arc::new(BootPacing::default());
+        pacing.set(PacingSettings { max_booting: Some(max), boot_time });
+        pacing
+    }
+
+    /// Starts `vm`'s boot on a thread of its own; the handle says how long it waited.
+    fn boot_in_background(pacing: &Arc<BootPacing>, vm: &str) -> std::thread::JoinHandle<Duration> {
+        let (pacing, vm) = (pacing.clone(), vm.to_owned());
+        std::thread::spawn(move || pacing.start_boot(&vm))
+    }
+
+    fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < until, "{what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn beyond_the_cap_fresh_vms_wait_in_order_until_a_boot_ends() {
+        let pacing = paced(2, Duration::from_secs(3600));
+        for vm in ["a", "b", "c", "d"] {
+            pacing.fresh(vm);
+        }
+        assert_eq!(pacing.start_boot("a"), Duration::ZERO);
+        assert_eq!(pacing.start_boot("b"), Duration::ZERO);
+        let c = boot_in_background(&pacing, "c");
+        wait_until("c queued", || pacing.figures().waiting == 1);
+        let d = boot_in_background(&pacing, "d");
+        wait_until("d queued", || pacing.figures().waiting == 2);
+        assert!(pacing.is_booting("a") && !pacing.is_booting("c"));
+        assert_eq!(pacing.phase("d"), Some("waiting to boot"));
+        // a's boot is said over: c, first in line, takes its slot; d still waits.
+        assert!(pacing.booted("a"));
+        c.join().expect("c");
+        assert!(pacing.is_booting("c") && !pacing.is_booting("a"));
+        assert_eq!(pacing.figures().waiting, 1);
+        assert!(pacing.booted("b"));
+        assert!(d.join().expect("d") > Duration::ZERO);
+        let figures = pacing.figures();
+        assert_eq!((figures.booting, figures.waiting, figures.started), (2, 0, 4));
+        // A second connection of a VM whose boot began passes at once; so does a resumed VM.
+        assert_eq!(pacing.start_boot("c"), Duration::ZERO);
+        assert_eq!(pacing.start_boot("never-fresh"), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_boot_ends_by_itself_after_the_boot_time() {
+        let pacing = paced(1, Duration::from_millis(200));
+        pacing.fresh("a");
+        pacing.fresh("b");
+        pacing.start_boot("a");
+        // b waits for a's boot time to pass, nothing else.
+        let waited = pacing.start_boot("b");
+        assert!(waited > Duration::from_millis(100), "b waited {waited:?}");
+        assert!(!pacing.is_booting("a") && pacing.is_booting("b"));
+    }
+
+    #[test]
+    fn without_a_cap_no_one_waits_and_boots_are_still_known() {
+        let pacing = Arc::new(BootPacing::default());
+        for vm in 0..50 {
+            pacing.fresh(&vm.to_string());
+            assert_eq!(pacing.start_boot(&vm.to_string()), Duration::ZERO);
+        }
+        assert_eq!(pacing.figures().booting, 50);
+        assert!(pacing.is_booting("7"));
+        // A fresh overlay again (a reset): booting again from its first request.
+        pacing.fresh("7");
+        assert!(!pacing.is_booting("7") && pacing.to_boot("7"));
+    }
+
+    #[test]
+    fn a_vm_dropped_while_waiting_lets_its_request_go_and_leaves_the_line() {
+        let pacing = paced(1, Duration::from_secs(3600));
+        pacing.fresh("a");
+        pacing.fresh("b");
+        pacing.start_boot("a");
+        let b = boot_in_background(&pacing, "b");
+        wait_until("b queued", || pacing.figures().waiting == 1);
+        assert!(pacing.booted("b"));
+        b.join().expect("b");
+        assert!(!pacing.is_booting("b") && pacing.is_booting("a"));
+        assert_eq!(pacing.figures().waiting, 0);
+    }
+}

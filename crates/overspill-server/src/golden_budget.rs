@@ -1,0 +1,132 @@
+//! The host's budget for golden-image fetches: operations and bytes a second that all VMs'
+//! reads of the golden images' storage share (what the read caches missed, or every golden
+//! read without a cache), so that a storm of reads cannot take the whole array from the VMs
+//! of other hosts sharing it, nor from this host's booting VMs.
+//!
+//! Each VM's overlay reads its image through a [`Budgeted`] view. A read is charged after it
+//! returns, with what it cost the storage (a hit in the shared read cache costs nothing), and
+//! its answer waits out the debt: over any time `t` the fetches stay within `rate × t + burst`
+//! and one read more. A booting VM's fetches go ahead without waiting (`boot_pacing`): their
+//! debt is waited out by the other VMs.
+
+use std::io;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use overspill_block::limit::admit_counted;
+use overspill_block::Limiter;
+use overspill_engine::golden::{Extent, SourceReads};
+use overspill_engine::GoldenImage;
+
+use crate::boot_pacing::BootPacing;
+
+/// One VM's view of its golden image, charging what its reads fetch to the host's budget.
+pub struct Budgeted {
+    image: Arc<dyn GoldenImage>,
+    budget: Arc<Limiter>,
+    pacing: Arc<BootPacing>,
+    /// The VM's name (none: an unnamed connection, which never boots).
+    vm: Option<String>,
+}
+
+impl Budgeted {
+    /// `image` as VM `vm` reads it.
+    pub fn view(
+        image: Arc<dyn GoldenImage>,
+        budget: Arc<Limiter>,
+        pacing: Arc<BootPacing>,
+        vm: Option<String>,
+    ) -> Arc<dyn GoldenImage> {
+        Arc::new(Self { image, budget, pacing, vm })
+    }
+
+    fn charge(&self, reads: SourceReads) -> SourceReads {
+        if reads.ops == 0 || !self.budget.is_active() {
+            return reads;
+        }
+        if self.vm.as_deref().is_some_and(|vm| self.pacing.is_booting(vm)) {
+            self.budget.charge_ahead(reads.ops, reads.bytes);
+        } else {
+            admit_counted(std::slice::from_ref(&self.budget), reads.ops, reads.bytes);
+        }
+        reads
+    }
+}
+
+// Not an `ImageLayer`: the reads are what this view is for. Every other method is forwarded.
+impl GoldenImage for Budgeted {
+    fn size(&self) -> u64 {
+        self.image.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.read_counted(buf, offset).map(drop)
+    }
+    fn read_counted(&self, buf: &mut [u8], offset: u64) -> io::Result<SourceReads> {
+        self.image.read_counted(buf, offset).map(|reads| self.charge(reads))
+    }
+    fn read_vectored_counted(&self, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<SourceReads> {
+        self.image.read_vectored_counted(bufs, offset).map(|reads| self.charge(reads))
+    }
+    fn read_shared(&self, offset: u64, len: usize) -> io::Result<(Vec<Bytes>, SourceReads)> {
+        self.image.read_shared(offset, len).map(|(pieces, reads)| (pieces, self.charge(reads)))
+    }
+    fn describe(&self) -> String {
+        self.image.describe()
+    }
+    fn identity(&self) -> Option<String> {
+        self.image.identity()
+    }
+    fn matches_identity(&self, recorded: &str) -> bool {
+        self.image.matches_identity(recorded)
+    }
+    fn unchanged(&self) -> io::Result<()> {
+        self.image.unchanged()
+    }
+    fn preferred_fetch_bytes(&self) -> Option<u64> {
+        self.image.preferred_fetch_bytes()
+    }
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        self.image.extents(offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use overspill_block::limit::SystemClock;
+    use overspill_block::{Limits, Rate};
+    use overspill_engine::{CachedImage, MemImage};
+
+    use super::*;
+    use crate::boot_pacing::PacingSettings;
+
+    #[test]
+    fn fetches_wait_for_the_budget_hits_and_booting_vms_do_not() {
+        let image: Arc<dyn GoldenImage> = Arc::new(MemImage::new(vec![7u8; 8 << 20]));
+        let cached: Arc<dyn GoldenImage> = Arc::new(CachedImage::new(image, 8 << 20, 64 << 10));
+        let budget =
+            Limiter::new(Limits { ops: Some(Rate { per_second: 20, burst: 1 }), bytes: None }, SystemClock::shared());
+        let pacing = Arc::new(BootPacing::default());
+        pacing.set(PacingSettings { max_booting: None, boot_time: Duration::from_secs(3600) });
+        pacing.fresh("booting");
+        pacing.start_boot("booting");
+        let view = |vm: &str| Budgeted::view(cached.clone(), budget.clone(), pacing.clone(), Some(vm.to_owned()));
+        let (booting, running) = (view("booting"), view("running"));
+        let mut buf = vec![0u8; 4096];
+        // Ten fetches of a booting VM: none waits, the budget owes nine.
+        for chunk in 0..10u64 {
+            booting.read_at(&mut buf, chunk * (64 << 10)).expect("read");
+        }
+        assert_eq!(budget.throttled().0, Duration::ZERO, "a booting VM's fetches went ahead");
+        assert!(budget.went_ahead() > 0);
+        // A running VM's fetch waits out the debt (about half a second at 20 a second).
+        running.read_at(&mut buf, 20 * (64 << 10)).expect("read");
+        let waited = budget.throttled().0;
+        assert!(waited >= Duration::from_millis(400), "the running VM waited {waited:?}");
+        // What the cache holds costs the storage nothing: no charge, no wait.
+        running.read_at(&mut buf, 0).expect("read");
+        assert_eq!(budget.throttled().0, waited, "a hit waits for nothing");
+        assert!(buf.iter().all(|&b| b == 7));
+    }
+}
