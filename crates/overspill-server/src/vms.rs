@@ -607,6 +607,10 @@ impl VmRegistry {
             entry.grace = Some(Grace { until, parked });
             return None;
         }
+        if let Some(entry) = inner.vms.get(&number).filter(|entry| entry.named) {
+            // Its overlay ends: a VM shut down is not booting (a slot it held goes to the next).
+            self.boots.booted(&entry.handle.vm);
+        }
         let stopping = self.stopping.load(Ordering::SeqCst);
         let lost_writes =
             inner.vms.get(&number).is_some_and(|e| e.named && e.written && !e.reset.load(Ordering::SeqCst));

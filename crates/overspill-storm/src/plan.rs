@@ -23,7 +23,7 @@ use crate::driver::{tier_index, RunPlan, VmResult};
 use crate::model::{simulate, simulate_observed, ModelConfig};
 use crate::report::format_bytes;
 pub use crate::storage::BootEstimate;
-use crate::storage::{simulate_boots, Request, StorageSpec, VmBoot, INTERVAL_S};
+use crate::storage::{simulate_boots, simulate_paced_boots, Request, StorageSpec, VmBoot, INTERVAL_S};
 use overspill_block::trace::Trace;
 use overspill_block::GuestOp;
 
@@ -39,6 +39,8 @@ pub struct PlanOptions {
     pub storage: Option<StorageSpec>,
     /// VMs booting at once for the estimate (traces are reused round-robin).
     pub vms: usize,
+    /// Also estimate the boots with at most this many VMs booting at once (`serve --boot-max`).
+    pub boot_max: Option<usize>,
 }
 
 /// Storage figures of one VM after its whole trace.
@@ -72,6 +74,8 @@ pub struct RamRow {
     /// Engine spill writes over the lower bound (1.0 is optimal); `None` when the bound is 0.
     pub engine_over_bound: Option<f64>,
     pub boot: Option<BootEstimate>,
+    /// The same boots with `boot_max` VMs booting at most at once.
+    pub boot_paced: Option<BootEstimate>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -82,6 +86,7 @@ pub struct PlanReport {
     pub rows: Vec<RamRow>,
     /// Boot times if every guest request went to the storage (no cache at all).
     pub boot_without_cache: Option<BootEstimate>,
+    pub boot_without_cache_paced: Option<BootEstimate>,
 }
 
 /// Storage figures per VM of one simulation.
@@ -206,20 +211,24 @@ pub fn boots_through_overlay(plan: &RunPlan, options: &PlanOptions, ram: u64) ->
 /// Where a VM's spill log lies in its own space (past any guest disk).
 const SPILL_SPACE: u64 = 1 << 39;
 
-/// The boot estimate of `options.storage` for the traces of `plan`: behind overspill at `ram` per
-/// VM, or with no cache at all when `ram` is `None`.
+/// The boot estimates of `options.storage` for the traces of `plan`, all VMs at once and, with
+/// `options.boot_max`, paced: behind overspill at `ram` per VM, or with no cache at all when
+/// `ram` is `None`.
 pub fn boot_estimate(
     plan: &RunPlan,
     options: &PlanOptions,
     ram: Option<u64>,
-) -> Result<Option<BootEstimate>, EngineError> {
-    let Some(storage) = &options.storage else { return Ok(None) };
-    Ok(match ram {
-        Some(ram) => {
-            simulate_boots(storage, &boots_through_overlay(plan, options, ram)?, options.vms, options.read_cache_bytes)
-        }
-        None => simulate_boots(storage, &boots_without_cache(plan), options.vms, 0),
-    })
+) -> Result<(Option<BootEstimate>, Option<BootEstimate>), EngineError> {
+    let Some(storage) = &options.storage else { return Ok((None, None)) };
+    let (boots, read_cache) = match ram {
+        Some(ram) => (boots_through_overlay(plan, options, ram)?, options.read_cache_bytes),
+        None => (boots_without_cache(plan), 0),
+    };
+    let all = simulate_boots(storage, &boots, options.vms, read_cache);
+    let paced = options
+        .boot_max
+        .and_then(|max| simulate_paced_boots(storage, &boots, options.vms, read_cache, Some(max)));
+    Ok((all, paced))
 }
 
 /// The most 4 KiB blocks each trace ever has live (written, not trimmed or zeroed since).
@@ -268,10 +277,11 @@ pub fn plan(traces: &[Trace], names: Vec<String>, options: &PlanOptions) -> Resu
         } else {
             0.0
         };
-        let boot = boot_estimate(&run_plan, options, Some(ram))?;
+        let (boot, boot_paced) = boot_estimate(&run_plan, options, Some(ram))?;
         rows.push(RamRow {
             ram_bytes: ram,
             boot,
+            boot_paced,
             storage_ops_per_vm: storage,
             spill_writes_per_vm: spill_writes,
             spill_writes_lower_bound_per_vm: bound,
@@ -279,13 +289,14 @@ pub fn plan(traces: &[Trace], names: Vec<String>, options: &PlanOptions) -> Resu
             vms,
         });
     }
-    let boot_without_cache = boot_estimate(&run_plan, options, None)?;
+    let (boot_without_cache, boot_without_cache_paced) = boot_estimate(&run_plan, options, None)?;
     Ok(PlanReport {
         traces: names,
         mode: options.mode.to_string(),
         read_cache_bytes: options.read_cache_bytes,
         rows,
         boot_without_cache,
+        boot_without_cache_paced,
     })
 }
 
@@ -435,13 +446,28 @@ fn spill_chart(report: &PlanReport) -> Result<String, String> {
     ram_bars(report, "2 MiB spill writes per VM", &[(SPILL_COLOR, 0, engine), (BOUND_COLOR, 1, bound)])
 }
 
-/// The boot estimates to draw: per RAM size, then without any cache.
+/// The boot estimates to draw: per RAM size, then without any cache; each paced one after its
+/// unpaced twin.
 fn boot_rows(report: &PlanReport) -> Vec<(String, &BootEstimate)> {
+    fn with_paced<'a>(
+        label: String,
+        all: Option<&'a BootEstimate>,
+        paced: Option<&'a BootEstimate>,
+    ) -> impl Iterator<Item = (String, &'a BootEstimate)> {
+        let paced = paced.map(|b| (format!("{label}, {} at once", b.max_booting.unwrap_or(0)), b));
+        all.map(|b| (label, b)).into_iter().chain(paced)
+    }
     report
         .rows
         .iter()
-        .filter_map(|r| r.boot.as_ref().map(|b| (format_bytes(r.ram_bytes).replace(".0 ", " "), b)))
-        .chain(report.boot_without_cache.as_ref().map(|b| ("no cache".to_owned(), b)))
+        .flat_map(|r| {
+            with_paced(format_bytes(r.ram_bytes).replace(".0 ", " "), r.boot.as_ref(), r.boot_paced.as_ref())
+        })
+        .chain(with_paced(
+            "no cache".to_owned(),
+            report.boot_without_cache.as_ref(),
+            report.boot_without_cache_paced.as_ref(),
+        ))
         .collect()
 }
 
@@ -513,13 +539,28 @@ fn booted_chart(boots: &[(String, &BootEstimate)]) -> Result<String, String> {
             .axis_desc_style(("sans-serif", 13))
             .draw()
             .map_err(error)?;
-        for (k, (_, b)) in boots.iter().enumerate() {
+        for (k, (label, b)) in boots.iter().enumerate() {
             // Each interval's count at its end, as the seed's ESXTOP intervals were.
             let points = std::iter::once((0.0, 0.0)).chain(
                 b.booted_per_interval.iter().enumerate().map(|(i, &n)| ((i + 1) as f64 * INTERVAL_S / 60.0, n as f64)),
             );
-            chart.draw_series(LineSeries::new(points, boot_color(k).stroke_width(2))).map_err(error)?;
+            // A paced estimate in a thinner line than the unpaced ones.
+            let color = boot_color(k);
+            let width = if b.max_booting.is_some() { 1 } else { 2 };
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(width)))
+                .map_err(error)?
+                .label(label.clone())
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(width)));
         }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 12))
+            .draw()
+            .map_err(error)?;
         root.present().map_err(error)?;
     }
     Ok(svg)
@@ -618,24 +659,19 @@ pub fn text(report: &PlanReport) -> String {
             format_bytes(max(|f| f.peak_ram_bytes)),
         ));
     }
-    let boots: Vec<(String, &BootEstimate)> = report
-        .rows
-        .iter()
-        .filter_map(|r| r.boot.as_ref().map(|b| (format_bytes(r.ram_bytes), b)))
-        .chain(report.boot_without_cache.as_ref().map(|b| ("no cache".to_owned(), b)))
-        .collect();
+    let boots = boot_rows(report);
     if let Some((_, first)) = boots.first() {
         out.push_str(&format!(
             "\nBoot storm estimate: {} VMs on {} (first trace phase as the boot; times mm:ss).\n",
             first.vms, first.storage
         ));
         out.push_str(&format!(
-            "{:>10} {:>16} {:>10} {:>10} {:>10} {:>10}\n",
+            "{:>20} {:>16} {:>10} {:>10} {:>10} {:>10}\n",
             "cache", "power-ons by", "min", "max", "avg", "peak IOPS"
         ));
         for (label, b) in boots {
             out.push_str(&format!(
-                "{:>10} {:>16} {:>10} {:>10} {:>10} {:>10.0}\n",
+                "{:>20} {:>16} {:>10} {:>10} {:>10} {:>10.0}\n",
                 label,
                 clock(b.power_on_s),
                 clock(b.min_s),

@@ -87,6 +87,8 @@ pub struct BootEstimate {
     pub peak_iops: f64,
     /// VMs whose boot ended in each 15 s interval.
     pub booted_per_interval: Vec<usize>,
+    /// The cap on VMs booting at once it was played with (overspill's `serve --boot-max`).
+    pub max_booting: Option<usize>,
 }
 
 /// Plays the boots of `vms` VMs (VM `i` boots `boots[i % boots.len()]`) on `storage`, with
@@ -97,10 +99,24 @@ pub fn simulate_boots(
     vms: usize,
     read_cache_bytes: u64,
 ) -> Option<BootEstimate> {
+    simulate_paced_boots(storage, boots, vms, read_cache_bytes, None)
+}
+
+/// Like [`simulate_boots`], with at most `max_booting` VMs booting at once (none: no cap): a VM
+/// powered on beyond it waits, in order, until a boot ends, as overspill's `serve --boot-max`
+/// holds a fresh VM's first request. Its boot time counts from its power-on, the wait included.
+pub fn simulate_paced_boots(
+    storage: &StorageSpec,
+    boots: &[VmBoot],
+    vms: usize,
+    read_cache_bytes: u64,
+    max_booting: Option<usize>,
+) -> Option<BootEstimate> {
     if boots.is_empty() || vms == 0 {
         return None;
     }
     let mut sim = Sim::new(storage, boots, vms, read_cache_bytes);
+    sim.max_booting = max_booting.map(|max| max.max(1));
     sim.run();
     Some(sim.estimate())
 }
@@ -198,6 +214,10 @@ struct Sim<'a> {
     group_interval_over: bool,
     last_power_on: f64,
     buffer: Vec<u8>,
+    max_booting: Option<usize>,
+    booting: usize,
+    /// VMs powered on and waiting for a boot slot, in order.
+    paced: VecDeque<usize>,
 }
 
 /// overspill's read cache over a source that logs its fetches.
@@ -279,6 +299,9 @@ impl<'a> Sim<'a> {
             group_interval_over: false,
             last_power_on: 0.0,
             buffer: vec![0; largest as usize],
+            max_booting: None,
+            booting: 0,
+            paced: VecDeque::new(),
         }
     }
 
@@ -344,14 +367,33 @@ impl<'a> Sim<'a> {
         self.submit(id);
     }
 
+    /// A VM is powered on: it boots now, or once a slot is free under the cap.
     fn start_boot(&mut self, vm: usize) {
+        if self.max_booting.is_some_and(|max| self.booting >= max) {
+            self.paced.push_back(vm);
+        } else {
+            self.begin_boot(vm);
+        }
+    }
+
+    fn begin_boot(&mut self, vm: usize) {
+        self.booting += 1;
         let state = &mut self.vms[vm];
         state.boot_start = Some(self.now);
         state.last_issue = self.now;
         if self.boots[vm % self.boots.len()].ops.is_empty() {
-            state.done_at = Some(self.now);
+            self.boot_done(vm);
         }
         self.issue(vm);
+    }
+
+    /// A VM's boot ended: the next in line, if any, takes its slot.
+    fn boot_done(&mut self, vm: usize) {
+        self.vms[vm].done_at = Some(self.now);
+        self.booting -= 1;
+        if let Some(next) = self.paced.pop_front() {
+            self.begin_boot(next);
+        }
     }
 
     /// Issues the VM's next operations as far as its queue depth and the trace's pace allow: an
@@ -644,7 +686,7 @@ impl<'a> Sim<'a> {
         state.in_flight -= 1;
         state.completed += 1;
         if state.completed == total {
-            state.done_at = Some(self.now);
+            self.boot_done(vm);
         }
         self.issue(vm);
     }
@@ -668,6 +710,7 @@ impl<'a> Sim<'a> {
             power_on_s: self.last_power_on,
             peak_iops: self.served_per_interval.iter().copied().max().unwrap_or(0) as f64 / INTERVAL_S,
             booted_per_interval: booted,
+            max_booting: self.max_booting,
         }
     }
 }

@@ -132,3 +132,24 @@ fn raid5_small_writes_cost_more_than_raid10() {
     let b = simulate_boots(&r5, &[boot], 8, 0).expect("boots");
     assert!(b.avg_s > a.avg_s * 1.5, "{b:?} against {a:?}");
 }
+
+/// A cap on VMs booting at once: the first VMs boot as if the disk were theirs (sharing it with
+/// a few, not with all), the later ones wait for a slot, every one boots, and the cap holds.
+#[test]
+fn paced_boots_finish_the_first_vms_sooner_and_every_vm_boots() {
+    let spec = StorageSpec { vm_queue_depth: 1, ..StorageSpec::single(disk("hdd7200")) };
+    let boots = [reads(200, 0.0, false)];
+    let all = simulate_boots(&spec, &boots, 12, 0).expect("boots");
+    let paced = simulate_paced_boots(&spec, &boots, 12, 0, Some(3)).expect("boots");
+    assert_eq!(paced.booted_per_interval.iter().sum::<usize>(), 12);
+    assert_eq!((all.max_booting, paced.max_booting), (None, Some(3)));
+    // Alone on the disk, 200 reads take 200 / 80 s; three at a time, each about three times that.
+    assert!(paced.min_s < all.min_s / 2.0, "paced first boot {:.1} s, all at once {:.1} s", paced.min_s, all.min_s);
+    // The disk does the same work either way, a little less well at a shallower queue: the last
+    // boot ends no sooner than all at once, and not much later.
+    assert!(paced.max_s >= all.max_s * 0.9 && paced.max_s < all.max_s * 1.5, "{paced:?} against {all:?}");
+    // One at a time: each boot alone, back to back.
+    let one = simulate_paced_boots(&spec, &boots, 4, 0, Some(1)).expect("boots");
+    let alone = simulate_boots(&spec, &boots, 1, 0).expect("a boot");
+    assert!((one.max_s - 4.0 * alone.avg_s).abs() < 1e-6, "{one:?} against {alone:?}");
+}

@@ -80,8 +80,9 @@ fn estimate(plan: &RunPlan, storage: StorageSpec, ram: Option<u64>) -> BootEstim
         read_cache_bytes: if ram.is_some() { 1 << 30 } else { 0 },
         storage: Some(storage),
         vms: VMS,
+        boot_max: None,
     };
-    let e = boot_estimate(plan, &options, ram).expect("simulates").expect("an estimate");
+    let e = boot_estimate(plan, &options, ram).expect("simulates").0.expect("an estimate");
     let clock = |s: f64| format!("{}:{:02}", (s / 60.0) as u64, (s % 60.0) as u64);
     println!(
         "{:<95} power-ons {} boot min {} max {} avg {} peak {:.0} IOPS",

@@ -73,6 +73,10 @@ pub struct PlanArgs {
     /// VMs booting for the estimate (traces are reused round-robin).
     #[arg(long, default_value_t = 90)]
     vms: usize,
+    /// Estimate the boots also with at most N VMs booting at once (`serve --boot-max N`): the
+    /// boot-completion curve with and without pacing, side by side.
+    #[arg(long, value_name = "N", requires = "storage", value_parser = clap::value_parser!(u64).range(1..))]
+    boot_max: Option<u64>,
     /// Plan a fleet of this many hosts (each its own overspill), with the first --ram size.
     #[arg(long, requires = "vms_per_host")]
     hosts: Option<usize>,
@@ -108,8 +112,14 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if args.ram.is_empty() {
         bail!("--ram needs at least one size");
     }
-    let options =
-        PlanOptions { ram: args.ram, mode: args.mode, read_cache_bytes: args.read_cache, storage, vms: args.vms };
+    let options = PlanOptions {
+        ram: args.ram,
+        mode: args.mode,
+        read_cache_bytes: args.read_cache,
+        storage,
+        vms: args.vms,
+        boot_max: args.boot_max.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+    };
     let names = args.traces.iter().map(|p| p.display().to_string()).collect();
     let report = plan::plan(&traces, names, &options)?;
     print!("{}", plan::text(&report));

@@ -10,7 +10,7 @@ use std::process::Command;
 use tempfile::TempDir;
 
 mod common;
-use common::{metrics_url, sample, scrape, spawn_tool, Serve};
+use common::{metrics_url, run_ok, sample, scrape, spawn_tool, Serve};
 
 const RATE: u64 = 1000;
 const BURST: u64 = 100;
@@ -46,9 +46,18 @@ struct Setup {
 }
 
 fn start(extra: &[&str]) -> Setup {
+    start_over(None, extra)
+}
+
+/// Like [`start`], over a golden image of `fill` bytes throughout (none: a sparse one, which
+/// reads as holes and costs the storage nothing).
+fn start_over(fill: Option<u8>, extra: &[&str]) -> Setup {
     let dir = TempDir::new().expect("tempdir");
     let golden = dir.path().join("golden.img");
-    std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden");
+    match fill {
+        Some(byte) => std::fs::write(&golden, vec![byte; 64 << 20]).expect("golden"),
+        None => std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden"),
+    }
     let socket = dir.path().join("nbd.sock");
     let control = dir.path().join("control.sock");
     let listen = format!("unix:{}", socket.display());
@@ -168,4 +177,140 @@ fn a_groups_vms_share_its_rate_and_others_do_not_wait() {
     assert!(said.contains("no serve --group names it"), "a typo is said: {said}");
     let said = overspill_vm(control, &["limit", "image:", "--group", "--bandwidth", "100M"]);
     assert!(said.contains(r#"group "image:": no ops limit, 104857600 bytes/s"#), "{said}");
+}
+
+/// qemu-io on VM `vm`, holding its connection open for the commands written to its stdin (one
+/// per line) until stdin closes.
+fn held_qemu_io(setup: &Setup, vm: &str) -> std::process::Child {
+    let uri = format!("nbd+unix:///@{vm}?socket={}", setup.socket.display());
+    Command::new("qemu-io")
+        .args(["-f", "raw", &uri])
+        .current_dir(setup.dir.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("qemu-io (apt-get install qemu-utils)")
+}
+
+/// Writes one qemu-io command to a held connection.
+fn say(client: &mut std::process::Child, command: &str) {
+    use std::io::Write;
+    let stdin = client.stdin.as_mut().expect("qemu-io stdin");
+    writeln!(stdin, "{command}").and_then(|()| stdin.flush()).expect("qemu-io command");
+}
+
+/// Polls the server's metrics until `family` reaches `at_least`, within 20 s.
+fn await_sample(server: &Serve, family: &str, labels: &[(&str, &str)], at_least: f64) -> f64 {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let value = sample(&scrape(&metrics_url(server)), family, labels);
+        if value >= at_least {
+            return value;
+        }
+        assert!(std::time::Instant::now() < until, "{family} stayed at {value}, below {at_least}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// `--boot-max 1`: a second fresh VM's first request waits while the first boots, and goes as
+/// soon as `vm booted` says the first's boot is over; a VM resuming its overlay does not wait.
+#[test]
+fn beyond_the_boot_cap_a_fresh_vm_waits_until_a_boot_ends() {
+    let setup = start(&["--boot-max", "1", "--boot-time", "10m"]);
+    let (control, server) = (&setup.control, &setup.server);
+    let mut first = held_qemu_io(&setup, "first");
+    say(&mut first, "read 0 4k");
+    await_sample(server, "overspill_vms_booting", &[], 1.0);
+    let second = spawn_tool(
+        setup.dir.path(),
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0 0 4k", &format!("nbd+unix:///@second?socket={}", setup.socket.display())],
+    );
+    await_sample(server, "overspill_vms_waiting_to_boot", &[], 1.0);
+    // It waits for as long as the first boots: a while later, still waiting.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let samples = scrape(&metrics_url(server));
+    assert_eq!(sample(&samples, "overspill_vms_waiting_to_boot", &[]), 1.0, "the second VM waits");
+    assert_eq!(sample(&samples, "overspill_boots_total", &[]), 1.0, "one boot began");
+    let said = overspill_vm(control, &["booted", "first"]);
+    assert!(said.contains("first: boot over"), "{said}");
+    let second = second.wait_with_output().expect("qemu-io");
+    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    let samples = scrape(&metrics_url(server));
+    assert_eq!(sample(&samples, "overspill_boots_total", &[]), 2.0);
+    assert_eq!(sample(&samples, "overspill_vms_waiting_to_boot", &[]), 0.0);
+    let waited = sample(&samples, "overspill_boot_wait_seconds_total", &[]);
+    assert!(waited >= 0.3, "the second VM waited {waited} s for its slot");
+    // The first VM goes on, its boot over (the second's clean end gave back its slot).
+    say(&mut first, "read 4k 4k");
+    drop(first.stdin.take());
+    let first = first.wait_with_output().expect("qemu-io");
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let said = overspill_vm(control, &["booted", "nobody"]);
+    assert!(said.contains("not booting"), "{said}");
+}
+
+/// The host's golden-fetch budget: a booting VM's fetches go ahead of it (never wait), and a
+/// VM whose boot is over waits out the debt they left. No read cache: every golden read is a
+/// fetch.
+#[test]
+fn booting_vms_fetches_go_first_at_the_golden_budget_and_the_others_wait() {
+    let setup =
+        start_over(Some(0x6f), &["--read-cache", "0", "--golden-limit-bandwidth", "4M:64K", "--boot-time", "10m"]);
+    let (control, server) = (&setup.control, &setup.server);
+    let mut running = held_qemu_io(&setup, "running");
+    say(&mut running, "read 0 4k");
+    await_sample(server, "overspill_vms_booting", &[], 1.0);
+    overspill_vm(control, &["booted", "running"]);
+    let waited = |samples: &overspill::stat::Samples| {
+        sample(samples, "overspill_budget_throttled_seconds_total", &[("budget", "golden")])
+    };
+    let before = waited(&scrape(&metrics_url(server)));
+    // 4 MiB at 4 MiB/s with a 64 KiB burst: a second's debt, and the booting VM waits none of it.
+    run_ok(
+        setup.dir.path(),
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x6f 0 4M", &format!("nbd+unix:///@booting?socket={}", setup.socket.display())],
+    );
+    let samples = scrape(&metrics_url(server));
+    assert_eq!(waited(&samples), before, "a booting VM's fetches waited for the budget");
+    assert!(sample(&samples, "overspill_budget_golden_went_ahead_total", &[]) >= 1.0, "they went ahead");
+    // The running VM's next fetch waits out that debt.
+    say(&mut running, "read -P 0x6f 1M 64k");
+    drop(running.stdin.take());
+    let running = running.wait_with_output().expect("qemu-io");
+    assert!(running.status.success(), "{}", String::from_utf8_lossy(&running.stderr));
+    let after = waited(&scrape(&metrics_url(server)));
+    assert!(after - before >= 0.5, "the running VM waited {} s at the golden budget", after - before);
+    let said = overspill_vm(control, &["limit", "golden", "--host"]);
+    assert!(said.contains("golden-image fetches: no ops limit, 4194304 bytes/s (burst 65536)"), "{said}");
+}
+
+/// The host's spill budget holds every VM's segment writes together to its rate: a VM writing
+/// 24 MiB into 4 MiB of RAM spills about 20 MiB, at most rate × time + burst + the writes in
+/// flight, and the budget's wait shows in the metrics; every byte reads back.
+#[test]
+fn the_spill_budget_paces_segment_writes_and_loses_nothing() {
+    const SPILL_RATE: f64 = 8.0 * 1048576.0;
+    let setup = start(&["--ram", "4M", "--spill-limit-bandwidth", "8M:2M", "--spill-writers", "2"]);
+    let server = &setup.server;
+    let started = std::time::Instant::now();
+    let mut writer = held_qemu_io(&setup, "writer");
+    say(&mut writer, "write -P 0x5a 0 24M");
+    say(&mut writer, "read -P 0x5a 0 24M");
+    drop(writer.stdin.take());
+    let out = writer.wait_with_output().expect("qemu-io");
+    let took = started.elapsed().as_secs_f64();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && !text.contains("Pattern verification failed"), "{text}");
+    let samples = scrape(&metrics_url(server));
+    let spilled = sample(&samples, "overspill_storage_bytes_total", &[("tier", "spill"), ("direction", "write")]);
+    // The burst, the segment that went into debt, and one being written per writer thread.
+    let allowed = SPILL_RATE * took + (2.0 + 2.0 + 2.0 * 2.0) * 1048576.0;
+    eprintln!("spilled {spilled} bytes in {took:.2} s; at most {allowed}");
+    assert!(spilled >= 16.0 * 1048576.0, "the VM spilled {spilled} bytes");
+    assert!(spilled <= allowed, "spilled {spilled} bytes in {took:.2} s; at most {allowed}");
+    let waited = sample(&samples, "overspill_budget_throttled_seconds_total", &[("budget", "spill")]);
+    assert!(waited > 0.5, "segment writes waited {waited} s at the spill budget");
 }

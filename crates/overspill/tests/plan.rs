@@ -194,6 +194,8 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
             "40",
             "--power-on",
             "2/1s",
+            "--boot-max",
+            "8",
             "--out",
             &s(&d.join("plan")),
         ]
@@ -212,6 +214,17 @@ fn traces_replay_against_nbdkit_and_the_planner_estimates_boots() {
     assert!(boot["max_s"].as_f64() > boot["min_s"].as_f64(), "{boot}");
     let booted: u64 = boot["booted_per_interval"].as_array().expect("list").iter().filter_map(|n| n.as_u64()).sum();
     assert_eq!(booted, 40, "{boot}");
+    // Paced to 8 at once (--boot-max): every VM still boots, the curve is drawn beside the
+    // unpaced one, and the first VMs, sharing the disk with fewer, boot no slower.
+    let paced = &plan["boot_without_cache_paced"];
+    assert_eq!(paced["max_booting"].as_u64(), Some(8), "{paced}");
+    let booted: u64 = paced["booted_per_interval"].as_array().expect("list").iter().filter_map(|n| n.as_u64()).sum();
+    assert_eq!(booted, 40, "{paced}");
+    assert!(paced["min_s"].as_f64() <= boot["min_s"].as_f64(), "{paced} against {boot}");
+    assert!(plan["rows"][1]["boot_paced"]["avg_s"].as_f64().is_some(), "each RAM size paced too");
+    assert!(text.contains("no cache, 8 at once"), "{text}");
+    let page = std::fs::read_to_string(d.join("plan/plan.html")).expect("plan page");
+    assert!(page.contains("no cache, 8 at once"), "the booted chart's legend names the paced curve");
 
     // Without overspill, linked clones share the golden image's blocks in the array's cache; full
     // clones each read their own copy, which the cache cannot share.
