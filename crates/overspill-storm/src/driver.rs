@@ -27,6 +27,11 @@ pub trait Target: Sync {
     fn uri(&self, vm: usize) -> NbdUri;
     /// The engine's counters of a connected VM, when the server runs in this process.
     fn stats(&self, vm: usize) -> Option<Arc<VmStats>>;
+    /// VM `vm`'s boot (its first phase) is done: an in-process server's boot slot goes to the
+    /// next VM (`serve --boot-max`, `overspill vm booted`).
+    fn booted(&self, vm: usize) {
+        let _ = vm;
+    }
     /// Whether the guests keep their event logs on a disk of their own (see [`DIRECT`]): true
     /// for an in-process write cache, false for `shared` (MCS) and for a server elsewhere, which
     /// gets every request.
@@ -229,6 +234,12 @@ pub struct VmResult {
     pub has_storage: bool,
     /// Set when the VM lost its connection and stopped early.
     pub failure: Option<String>,
+    /// Seconds since the storm began: when the VM was ready to send its first request (it may
+    /// then wait for a boot slot) and when its first phase, its boot, was done.
+    pub boot_began_s: Option<f64>,
+    pub booted_at_s: Option<f64>,
+    /// When its first request was answered: a VM waiting for a boot slot got it then.
+    pub first_answered_s: Option<f64>,
 }
 
 /// When each VM starts each phase, and each phase's window over all VMs, in profile ms.
@@ -388,6 +399,9 @@ fn failed(vm: usize, plan: &RunPlan, buckets: usize, why: &str) -> VmResult {
         blocks: BlockTally::default(),
         has_storage: false,
         failure: Some(why.into()),
+        boot_began_s: None,
+        booted_at_s: None,
+        first_answered_s: None,
     }
 }
 
@@ -537,8 +551,13 @@ fn run_vm(ctx: &VmContext) -> VmResult {
     let event_logs_apart = ctx.target.event_logs_apart();
     let mut buffer = Vec::new();
     let mut unreported = 0u64;
+    let since_start = || ctx.wall_start.elapsed().as_secs_f64();
     'phases: for (p, ops) in plan.ops[vm].iter().enumerate() {
         let start_ms = plan.timeline.starts_ms[p][vm];
+        if p == 1 {
+            tally.result.booted_at_s = Some(since_start());
+            ctx.target.booted(vm);
+        }
         for op in ops {
             let at_ms = start_ms + op.at_ms;
             if let Some(speed) = config.speed {
@@ -548,6 +567,7 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     std::thread::sleep(due - now);
                 }
             }
+            tally.result.boot_began_s.get_or_insert_with(since_start);
             // The event logs' requests go to a disk of the guest's own under a write cache, not
             // to the server. Never recorded, whichever configuration records (the first, often
             // `shared`, which does send them): the planner replays a trace into write caches.
@@ -595,6 +615,7 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     None => Outcome::Failed(e.to_string()),
                 },
             };
+            tally.result.first_answered_s.get_or_insert_with(since_start);
             if !tally.issued(p, at_ms, op, outcome) {
                 break 'phases;
             }
@@ -612,6 +633,11 @@ fn run_vm(ctx: &VmContext) -> VmResult {
         }
     }
     ctx.progress.inc(unreported);
+    if tally.result.booted_at_s.is_none() && tally.result.failure.is_none() {
+        // A workload of one phase: the VM booted when it was done.
+        tally.result.booted_at_s = Some(since_start());
+        ctx.target.booted(vm);
+    }
     if let Some(w) = recorder {
         if let Err(e) = w.finish() {
             tally.result.failure.get_or_insert(format!("record: {e}"));

@@ -184,6 +184,10 @@ pub fn results(
             blocks: Default::default(),
             has_storage: o.stats.is_some(),
             failure: o.failure.clone(),
+            // Real guests say when they booted themselves (`guest_storm`).
+            boot_began_s: None,
+            booted_at_s: None,
+            first_answered_s: None,
         };
         for pair in o.samples.windows(2) {
             let delta = pair[1].counts.since(&pair[0].counts);

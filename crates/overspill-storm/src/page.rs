@@ -729,10 +729,18 @@ pub fn html(report: &StormReport) -> Result<String, String> {
     let config_legend: Vec<(String, RGBColor, bool)> =
         report.configs.iter().enumerate().map(|(i, c)| (shown_label(c), config_color(i), false)).collect();
     if let Some(svg) = boot_curve(report)? {
+        let paced = report.configs.iter().any(|c| c.label.contains(", boot-max "));
         let _ = write!(
             out,
-            "<h2>VMs booted over time</h2><p>Real guests: each step is a VM printing its \"booted\" \
-             marker, in seconds since the configuration's storm started.</p>{svg}{}",
+            "<h2>VMs booted over time</h2><p>Each step is a VM done booting (a real guest printing its \
+             \"booted\" marker; a synthetic VM ending its workload's first phase), in seconds since \
+             the configuration's storm started.{}</p>{svg}{}",
+            if paced {
+                " Configurations marked \"boot-max N\" ran with at most N VMs booting at once (serve \
+                 --boot-max): a VM's first request waited for a slot."
+            } else {
+                ""
+            },
             legend(&config_legend)
         );
     }

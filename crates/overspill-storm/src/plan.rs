@@ -225,9 +225,8 @@ pub fn boot_estimate(
         None => (boots_without_cache(plan), 0),
     };
     let all = simulate_boots(storage, &boots, options.vms, read_cache);
-    let paced = options
-        .boot_max
-        .and_then(|max| simulate_paced_boots(storage, &boots, options.vms, read_cache, Some(max)));
+    let paced =
+        options.boot_max.and_then(|max| simulate_paced_boots(storage, &boots, options.vms, read_cache, Some(max)));
     Ok((all, paced))
 }
 
@@ -460,9 +459,7 @@ fn boot_rows(report: &PlanReport) -> Vec<(String, &BootEstimate)> {
     report
         .rows
         .iter()
-        .flat_map(|r| {
-            with_paced(format_bytes(r.ram_bytes).replace(".0 ", " "), r.boot.as_ref(), r.boot_paced.as_ref())
-        })
+        .flat_map(|r| with_paced(format_bytes(r.ram_bytes).replace(".0 ", " "), r.boot.as_ref(), r.boot_paced.as_ref()))
         .chain(with_paced(
             "no cache".to_owned(),
             report.boot_without_cache.as_ref(),

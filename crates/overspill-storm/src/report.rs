@@ -80,6 +80,10 @@ pub struct ConfigReport {
     /// for a VM that did not boot). `None` for synthetic VMs.
     pub boot_times_s: Option<Vec<Option<f64>>>,
     pub booted_at_s: Option<Vec<Option<f64>>>,
+    /// Synthetic VMs: when each one's boot ran, from its first request answered (after any
+    /// wait for a boot slot) to its first phase's end, in seconds since the storm started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boot_windows_s: Option<Vec<Option<(f64, f64)>>>,
 }
 
 impl ConfigReport {
@@ -279,8 +283,19 @@ pub fn config_report(
         mode: None,
         ram_bytes: None,
         read_cache_bytes: None,
-        boot_times_s: None,
-        booted_at_s: None,
+        // Synthetic VMs: from the driver's clock (real guests' own markers replace them).
+        boot_times_s: results
+            .iter()
+            .any(|r| r.booted_at_s.is_some())
+            .then(|| results.iter().map(|r| Some(r.booted_at_s? - r.boot_began_s?)).collect()),
+        booted_at_s: results
+            .iter()
+            .any(|r| r.booted_at_s.is_some())
+            .then(|| results.iter().map(|r| r.booted_at_s).collect()),
+        boot_windows_s: results
+            .iter()
+            .any(|r| r.first_answered_s.is_some())
+            .then(|| results.iter().map(|r| Some((r.first_answered_s?, r.booted_at_s?))).collect()),
     }
 }
 

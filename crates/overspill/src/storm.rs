@@ -22,6 +22,7 @@ use overspill_storm::Workload;
 use crate::guest_storm::{self, GuestFrontend, GuestStorm};
 use crate::guests::{self, Flavour, GuestKit, Kernel};
 use crate::size::{format_bytes, parse_bytes};
+use overspill_server::boot_pacing::PacingSettings;
 use overspill_server::exports::{CacheSettings, OverlayExports, DEFAULT_SPILL_WRITERS};
 use overspill_server::vms::VmRegistry;
 use overspill_vhost::{VhostExport, VhostExports, VhostSettings};
@@ -101,6 +102,11 @@ pub struct StormArgs {
     /// Width of the IOPS-over-time buckets, in profile seconds (default 10; 2 for guests).
     #[arg(long)]
     bucket: Option<u64>,
+    /// Also run each in-process configuration with at most N VMs booting at once (`serve
+    /// --boot-max N`, a VM booting until its workload's first phase is done): the report's
+    /// boot curve shows both, side by side.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    boot_max: Option<u64>,
 }
 
 /// What `--guests` boots.
@@ -111,17 +117,26 @@ pub enum GuestKind {
 
 /// One configuration to run: an in-process server with a mode and RAM size, or an outside URI.
 enum Run {
-    Local { mode: WriteCacheMode, ram: u64 },
+    /// `boot_max`: the server's cap on VMs booting at once.
+    Local {
+        mode: WriteCacheMode,
+        ram: u64,
+        boot_max: Option<usize>,
+    },
     Remote(NbdUri),
 }
 
 impl Run {
     fn label(&self) -> String {
+        let paced = |label: String, boot_max: &Option<usize>| match boot_max {
+            Some(max) => format!("{label}, boot-max {max}"),
+            None => label,
+        };
         match self {
-            Run::Local { mode: mode @ (WriteCacheMode::Ram | WriteCacheMode::RamDisk), ram } => {
-                format!("{mode} {}", format_bytes(*ram).replace(".0 ", "").replace("iB", ""))
+            Run::Local { mode: mode @ (WriteCacheMode::Ram | WriteCacheMode::RamDisk), ram, boot_max } => {
+                paced(format!("{mode} {}", format_bytes(*ram).replace(".0 ", "").replace("iB", "")), boot_max)
             }
-            Run::Local { mode, .. } => mode.to_string(),
+            Run::Local { mode, boot_max, .. } => paced(mode.to_string(), boot_max),
             Run::Remote(uri) => match &uri.endpoint {
                 Endpoint::Unix(path) => format!("unix:{}", path.display()),
                 Endpoint::Tcp(addr) => format!("tcp:{addr}"),
@@ -134,7 +149,7 @@ impl Run {
     /// An in-process server's mode, RAM size and read cache (`--read-cache`, none in mode
     /// shared) in its report.
     fn describe(&self, report: &mut report::ConfigReport, read_cache: u64) {
-        if let Run::Local { mode, ram } = self {
+        if let Run::Local { mode, ram, .. } = self {
             report.mode = Some(mode.to_string());
             report.ram_bytes = matches!(mode, WriteCacheMode::Ram | WriteCacheMode::RamDisk).then_some(*ram);
             report.read_cache_bytes = Some(if *mode == WriteCacheMode::Shared { 0 } else { read_cache });
@@ -161,6 +176,10 @@ impl Drop for LocalTarget {
 impl Target for LocalTarget {
     fn uri(&self, vm: usize) -> NbdUri {
         NbdUri { endpoint: Endpoint::Unix(self.socket.clone()), export: format!("@vm-{vm}") }
+    }
+
+    fn booted(&self, vm: usize) {
+        self.registry.boots().booted(&format!("vm-{vm}"));
     }
 
     fn stats(&self, vm: usize) -> Option<Arc<VmStats>> {
@@ -269,11 +288,12 @@ struct Cache {
     mode: WriteCacheMode,
     ram: u64,
     read_cache: u64,
+    boot_max: Option<usize>,
 }
 
 fn start_local_server(
     golden: &Arc<dyn GoldenImage>,
-    Cache { mode, ram, read_cache }: Cache,
+    Cache { mode, ram, read_cache, boot_max }: Cache,
     work: &Path,
     index: usize,
     record: Option<&Path>,
@@ -296,6 +316,8 @@ fn start_local_server(
         exports.record_to(dir.to_owned()).with_context(|| format!("recording to {}", dir.display()))?;
     }
     let registry = exports.registry();
+    // A VM boots until its first phase is done (the driver says so), or for the default time.
+    registry.boots().set(PacingSettings { max_booting: boot_max, ..PacingSettings::default() });
     let socket = work.join(format!("storm-{}-{index}.sock", std::process::id()));
     let listener = Listener::bind(&ListenAddr::Unix(socket.clone()))?;
     let exports = Arc::new(exports);
@@ -337,15 +359,23 @@ fn publish(report: &StormReport, out: &Path) -> anyhow::Result<()> {
 fn runs(args: &StormArgs) -> anyhow::Result<Vec<Run>> {
     let mut runs = Vec::new();
     if args.target.is_empty() {
+        let paced = args.boot_max.map(|n| usize::try_from(n).unwrap_or(usize::MAX));
         for &mode in &args.modes {
-            match mode {
-                WriteCacheMode::Ram | WriteCacheMode::RamDisk => {
-                    runs.extend(args.ram.iter().map(|&ram| Run::Local { mode, ram }))
+            let sizes = match mode {
+                WriteCacheMode::Ram | WriteCacheMode::RamDisk => args.ram.clone(),
+                _ => vec![0],
+            };
+            for ram in sizes {
+                runs.push(Run::Local { mode, ram, boot_max: None });
+                if paced.is_some() {
+                    runs.push(Run::Local { mode, ram, boot_max: paced });
                 }
-                _ => runs.push(Run::Local { mode, ram: 0 }),
             }
         }
     } else {
+        if args.boot_max.is_some() {
+            bail!("--boot-max paces in-process servers; give an outside server its own serve --boot-max");
+        }
         for uri in &args.target {
             runs.push(Run::Remote(uri.parse().map_err(|e| anyhow::anyhow!("--target {uri}: {e}"))?));
         }
@@ -409,9 +439,9 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
     for (index, run) in runs.iter().enumerate() {
         let label = run.label();
         let target: Box<dyn Target> = match (run, &golden) {
-            (Run::Local { mode, ram }, Some(golden)) => {
+            (Run::Local { mode, ram, boot_max }, Some(golden)) => {
                 let read_cache = if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache };
-                let cache = Cache { mode: *mode, ram: *ram, read_cache };
+                let cache = Cache { mode: *mode, ram: *ram, read_cache, boot_max: *boot_max };
                 Box::new(start_local_server(golden, cache, &work, index, None, None)?)
             }
             (Run::Remote(uri), _) => Box::new(RemoteTarget(uri.clone())),
@@ -493,7 +523,7 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
     let side_by_side = args.frontend != [GuestFrontend::Nbd];
     let configurations = runs.iter().flat_map(|run| args.frontend.iter().map(move |frontend| (run, *frontend)));
     for (index, (run, frontend)) in configurations.enumerate() {
-        let Run::Local { mode, ram } = run else { bail!("--guests runs in-process servers only") };
+        let Run::Local { mode, ram, boot_max } = run else { bail!("--guests runs in-process servers only") };
         let mut label = run.label();
         if side_by_side {
             label = format!("{label} {}", frontend.name());
@@ -509,7 +539,7 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         let vhost_user_dir = (frontend == GuestFrontend::VhostUser)
             .then(|| work.join(format!("vhost-user-{}-{index}", std::process::id())));
         let vhost_user = vhost_user_dir.clone().map(|dir| VhostUserVms { dir, vms });
-        let cache = Cache { mode: *mode, ram: *ram, read_cache };
+        let cache = Cache { mode: *mode, ram: *ram, read_cache, boot_max: *boot_max };
         let target = start_local_server(&golden, cache, work, index, staging.as_deref(), vhost_user)?;
         let bar = guest_storm::progress_bar(vms);
         bar.set_prefix(label.clone());

@@ -289,7 +289,10 @@ fn the_report_page_renders_in_a_real_browser() {
     // Only the good configurations get a change against shared: one per phase.
     assert_eq!(html.matches("% vs shared").count(), 3, "a failed configuration was given a result");
     let svgs = page::parsed_svgs(&html);
-    assert_eq!(svgs, 15, "per phase the seeds' chart, the write side, the golden image, read/write and a timeline");
+    assert_eq!(
+        svgs, 16,
+        "per phase the seeds' chart, the write side, the golden image, read/write and a timeline; the boot curve"
+    );
 
     let pixels = page::rendered_pixels(&out.join("report.html"), &dir.path().join("report.png"), 1300, 4200);
     let count = |rgb: [u8; 3]| pixels.iter().filter(|&&p| p == rgb).count();
@@ -301,4 +304,32 @@ fn the_report_page_renders_in_a_real_browser() {
     ] {
         assert!(count(rgb) > 500, "{name} bars are not on the screenshot ({} pixels)", count(rgb));
     }
+}
+
+/// `--boot-max 1`: each configuration runs again with the server booting one VM at a time, and
+/// the report says when each VM's boot ran: paced, no two overlap (without the cap they do),
+/// every VM boots, and the report's boot curve says which configuration was paced.
+#[test]
+fn a_paced_storm_boots_one_vm_at_a_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("out");
+    let report = run_storm(
+        &["--workload", "linux-boot", "--vms", "4", "--modes", "ram+disk", "--ram", "64M", "--boot-max", "1"],
+        &out,
+        &dir.path().join("work"),
+    );
+    let windows = |label: &str| -> Vec<(f64, f64)> {
+        let c = config(&report, label);
+        let all = c["boot_windows_s"].as_array().unwrap_or_else(|| panic!("boot windows of {label}: {c}"));
+        let mut windows: Vec<(f64, f64)> = all.iter().map(|w| (f(&w[0]), f(&w[1]))).collect::<Vec<_>>();
+        windows.sort_by(|a, b| a.0.total_cmp(&b.0));
+        windows
+    };
+    let overlapping = |windows: &[(f64, f64)]| windows.windows(2).filter(|pair| pair[1].0 < pair[0].1).count();
+    let (all, paced) = (windows("ram+disk 64M"), windows("ram+disk 64M, boot-max 1"));
+    assert_eq!((all.len(), paced.len()), (4, 4), "every VM booted");
+    assert_eq!(overlapping(&paced), 0, "one boot at a time: {paced:?}");
+    assert!(overlapping(&all) > 0, "without the cap the boots overlap: {all:?}");
+    let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
+    assert!(html.contains("VMs booted over time") && html.contains("boot-max N"), "the boot curve is drawn");
 }
