@@ -240,6 +240,9 @@ pub struct VmResult {
     pub booted_at_s: Option<f64>,
     /// When its first request was answered: a VM waiting for a boot slot got it then.
     pub first_answered_s: Option<f64>,
+    /// How long each of its boot's reads took, as the VM saw them (sent to answered), in µs.
+    #[serde(skip)]
+    pub boot_read_us: Vec<u32>,
 }
 
 /// When each VM starts each phase, and each phase's window over all VMs, in profile ms.
@@ -402,6 +405,7 @@ fn failed(vm: usize, plan: &RunPlan, buckets: usize, why: &str) -> VmResult {
         boot_began_s: None,
         booted_at_s: None,
         first_answered_s: None,
+        boot_read_us: Vec::new(),
     }
 }
 
@@ -593,10 +597,16 @@ fn run_vm(ctx: &VmContext) -> VmResult {
                     break 'phases;
                 }
             }
+            let sent = Instant::now();
             let outcome = match op.kind {
                 GuestOp::Read => {
                     buffer.resize(op.len as usize, 0);
-                    client.read(op.offset, &mut buffer)
+                    let read = client.read(op.offset, &mut buffer);
+                    if p == 0 {
+                        let us = sent.elapsed().as_micros();
+                        tally.result.boot_read_us.push(u32::try_from(us).unwrap_or(u32::MAX));
+                    }
+                    read
                 }
                 GuestOp::Write => {
                     buffer.resize(op.len as usize, 0);

@@ -188,6 +188,7 @@ pub fn results(
             boot_began_s: None,
             booted_at_s: None,
             first_answered_s: None,
+            boot_read_us: Vec::new(),
         };
         for pair in o.samples.windows(2) {
             let delta = pair[1].counts.since(&pair[0].counts);

@@ -84,6 +84,49 @@ pub struct ConfigReport {
     /// wait for a boot slot) to its first phase's end, in seconds since the storm started.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub boot_windows_s: Option<Vec<Option<(f64, f64)>>>,
+    /// Synthetic VMs: their boots' reads as they saw them, mean and 99th percentile, in ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boot_read_ms: Option<ReadLatency>,
+    /// VMs copying beside the storm (`storm --copiers`): how many, their limit, what they moved.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copiers: Option<CopierFigures>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ReadLatency {
+    pub reads: usize,
+    pub mean_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+impl ReadLatency {
+    /// Of `samples` in µs; `None` without any.
+    pub fn of(mut samples: Vec<u32>) -> Option<Self> {
+        if samples.is_empty() {
+            return None;
+        }
+        samples.sort_unstable();
+        let n = samples.len();
+        let ms = |us: u32| f64::from(us) / 1000.0;
+        Some(Self {
+            reads: n,
+            mean_ms: samples.iter().map(|&us| f64::from(us)).sum::<f64>() / n as f64 / 1000.0,
+            p99_ms: ms(samples[(n * 99).div_ceil(100).saturating_sub(1)]),
+            max_ms: ms(samples[n - 1]),
+        })
+    }
+}
+
+/// The copying VMs of a fairness run: each reads the golden image and writes its own disk,
+/// 1 MiB at a time, back to back, for as long as the storm runs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CopierFigures {
+    pub vms: usize,
+    /// Each copier's limit (`vm limit --bandwidth`), bytes per second; `None`: unlimited.
+    pub limit_bytes_per_s: Option<u64>,
+    pub bytes_copied: u64,
+    pub mib_per_s: f64,
 }
 
 impl ConfigReport {
@@ -118,15 +161,32 @@ impl ConfigReport {
         })
     }
 
-    /// "boot: min 9.8 s, avg 11.2 s, max 12.9 s (3 of 3 VMs booted)", for real guests.
+    /// "boot: min 9.8 s, avg 11.2 s, max 12.9 s (3 of 3 VMs booted)"; for synthetic VMs also
+    /// their boots' read latency, and in a fairness run what the copiers beside them moved.
     pub fn boot_text(&self) -> Option<String> {
         let all = self.boot_times_s.as_ref()?.len();
-        Some(match self.boot_summary() {
+        let mut text = match self.boot_summary() {
             Some((min, avg, max, n)) => {
                 format!("boot: min {min:.1} s, avg {avg:.1} s, max {max:.1} s ({n} of {all} VMs booted)")
             }
             None => format!("boot: none of {all} VMs booted"),
-        })
+        };
+        if let Some(reads) = &self.boot_read_ms {
+            text.push_str(&format!(
+                "; its reads: mean {:.2} ms, p99 {:.2} ms, max {:.1} ms",
+                reads.mean_ms, reads.p99_ms, reads.max_ms
+            ));
+        }
+        if let Some(copiers) = &self.copiers {
+            let limit = copiers
+                .limit_bytes_per_s
+                .map_or("unlimited".to_owned(), |rate| format!("limited to {}/s each", format_bytes(rate)));
+            text.push_str(&format!(
+                "; beside it {} copying VMs ({limit}) moved {:.1} MiB/s",
+                copiers.vms, copiers.mib_per_s
+            ));
+        }
+        Some(text)
     }
 }
 
@@ -296,6 +356,8 @@ pub fn config_report(
             .iter()
             .any(|r| r.first_answered_s.is_some())
             .then(|| results.iter().map(|r| Some((r.first_answered_s?, r.booted_at_s?))).collect()),
+        boot_read_ms: ReadLatency::of(results.iter().flat_map(|r| r.boot_read_us.iter().copied()).collect()),
+        copiers: None,
     }
 }
 

@@ -107,6 +107,23 @@ pub struct StormArgs {
     /// boot curve shows both, side by side.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     boot_max: Option<u64>,
+    /// The fairness run: each in-process configuration runs again with K more VMs (`copy-N`)
+    /// beside the storm, each copying its golden image to its own disk 1 MiB at a time, back
+    /// to back, for as long as the storm runs; the report gives the booting VMs' boot times and
+    /// read latency beside what the copiers moved.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    copiers: usize,
+    /// With --copiers, a further run with each copier limited to this (`vm limit --bandwidth`):
+    /// `20M` or `20M:40M`.
+    #[arg(long, value_name = "SIZE[:BURST]", requires = "copiers", value_parser = crate::size::parse_bytes_rate)]
+    copier_limit: Option<overspill_block::Rate>,
+}
+
+/// VMs copying beside a configuration's storm (`--copiers`), each within `limit` if any.
+#[derive(Debug, Clone, Copy)]
+struct Copying {
+    vms: usize,
+    limit: Option<overspill_block::Rate>,
 }
 
 /// What `--guests` boots.
@@ -117,26 +134,36 @@ pub enum GuestKind {
 
 /// One configuration to run: an in-process server with a mode and RAM size, or an outside URI.
 enum Run {
-    /// `boot_max`: the server's cap on VMs booting at once.
+    /// `boot_max`: the server's cap on VMs booting at once; `copying`: VMs copying beside.
     Local {
         mode: WriteCacheMode,
         ram: u64,
         boot_max: Option<usize>,
+        copying: Option<Copying>,
     },
     Remote(NbdUri),
 }
 
 impl Run {
     fn label(&self) -> String {
-        let paced = |label: String, boot_max: &Option<usize>| match boot_max {
-            Some(max) => format!("{label}, boot-max {max}"),
-            None => label,
+        let short = |bytes: u64| format_bytes(bytes).replace(".0 ", "").replace("iB", "");
+        let beside = |mut label: String, boot_max: &Option<usize>, copying: &Option<Copying>| {
+            if let Some(max) = boot_max {
+                label = format!("{label}, boot-max {max}");
+            }
+            match copying {
+                Some(Copying { vms, limit: Some(rate) }) => {
+                    format!("{label}, {vms} copying at {}/s", short(rate.per_second))
+                }
+                Some(Copying { vms, limit: None }) => format!("{label}, {vms} copying"),
+                None => label,
+            }
         };
         match self {
-            Run::Local { mode: mode @ (WriteCacheMode::Ram | WriteCacheMode::RamDisk), ram, boot_max } => {
-                paced(format!("{mode} {}", format_bytes(*ram).replace(".0 ", "").replace("iB", "")), boot_max)
+            Run::Local { mode: mode @ (WriteCacheMode::Ram | WriteCacheMode::RamDisk), ram, boot_max, copying } => {
+                beside(format!("{mode} {}", short(*ram)), boot_max, copying)
             }
-            Run::Local { mode, boot_max, .. } => paced(mode.to_string(), boot_max),
+            Run::Local { mode, boot_max, copying, .. } => beside(mode.to_string(), boot_max, copying),
             Run::Remote(uri) => match &uri.endpoint {
                 Endpoint::Unix(path) => format!("unix:{}", path.display()),
                 Endpoint::Tcp(addr) => format!("tcp:{addr}"),
@@ -366,15 +393,24 @@ fn runs(args: &StormArgs) -> anyhow::Result<Vec<Run>> {
                 _ => vec![0],
             };
             for ram in sizes {
-                runs.push(Run::Local { mode, ram, boot_max: None });
+                runs.push(Run::Local { mode, ram, boot_max: None, copying: None });
                 if paced.is_some() {
-                    runs.push(Run::Local { mode, ram, boot_max: paced });
+                    runs.push(Run::Local { mode, ram, boot_max: paced, copying: None });
+                }
+                if args.copiers > 0 {
+                    let copying = |limit| Some(Copying { vms: args.copiers, limit });
+                    runs.push(Run::Local { mode, ram, boot_max: None, copying: copying(None) });
+                    if args.copier_limit.is_some() {
+                        runs.push(Run::Local { mode, ram, boot_max: None, copying: copying(args.copier_limit) });
+                    }
                 }
             }
         }
     } else {
-        if args.boot_max.is_some() {
-            bail!("--boot-max paces in-process servers; give an outside server its own serve --boot-max");
+        if args.boot_max.is_some() || args.copiers > 0 {
+            bail!(
+                "--boot-max and --copiers run with in-process servers (an outside server has its own serve --boot-max)"
+            );
         }
         for uri in &args.target {
             runs.push(Run::Remote(uri.parse().map_err(|e| anyhow::anyhow!("--target {uri}: {e}"))?));
@@ -399,6 +435,9 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
 
     let runs = runs(&args)?;
+    if args.guests.is_some() && args.copiers > 0 {
+        bail!("--copiers run beside synthetic VMs (without --guests)");
+    }
     if args.guests.is_some() {
         return run_guests(&args, vms, &work, &runs);
     }
@@ -438,11 +477,14 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
     let mut configs = Vec::new();
     for (index, run) in runs.iter().enumerate() {
         let label = run.label();
+        let mut copiers = None;
         let target: Box<dyn Target> = match (run, &golden) {
-            (Run::Local { mode, ram, boot_max }, Some(golden)) => {
+            (Run::Local { mode, ram, boot_max, copying }, Some(golden)) => {
                 let read_cache = if *mode == WriteCacheMode::Shared { 0 } else { args.read_cache };
                 let cache = Cache { mode: *mode, ram: *ram, read_cache, boot_max: *boot_max };
-                Box::new(start_local_server(golden, cache, &work, index, None, None)?)
+                let server = start_local_server(golden, cache, &work, index, None, None)?;
+                copiers = copying.map(|copying| Copiers::start(&server, copying));
+                Box::new(server)
             }
             (Run::Remote(uri), _) => Box::new(RemoteTarget(uri.clone())),
             (Run::Local { .. }, None) => unreachable!("a golden image is opened for local runs"),
@@ -459,6 +501,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         let wall_s = started.elapsed().as_secs_f64();
         let mut config_report = report::config_report(&label, &plan, &config, &results, wall_s);
         run.describe(&mut config_report, args.read_cache);
+        config_report.copiers = copiers.take().map(|copiers| copiers.stop(wall_s));
         configs.push(config_report);
     }
     let report = StormReport {
@@ -523,7 +566,7 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
     let side_by_side = args.frontend != [GuestFrontend::Nbd];
     let configurations = runs.iter().flat_map(|run| args.frontend.iter().map(move |frontend| (run, *frontend)));
     for (index, (run, frontend)) in configurations.enumerate() {
-        let Run::Local { mode, ram, boot_max } = run else { bail!("--guests runs in-process servers only") };
+        let Run::Local { mode, ram, boot_max, .. } = run else { bail!("--guests runs in-process servers only") };
         let mut label = run.label();
         if side_by_side {
             label = format!("{label} {}", frontend.name());
@@ -601,4 +644,62 @@ fn run_guests(args: &StormArgs, vms: usize, work: &Path, runs: &[Run]) -> anyhow
         configs,
     };
     publish(&report, &args.out)
+}
+
+/// The copying VMs of a fairness run, on threads of their own until stopped.
+struct Copiers {
+    copying: Copying,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<u64>>,
+}
+
+/// What a copier moves at a time.
+const COPY_BYTES: usize = 1 << 20;
+
+impl Copiers {
+    fn start(server: &LocalTarget, copying: Copying) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..copying.vms)
+            .map(|n| {
+                let vm = format!("copy-{n}");
+                if let Some(rate) = copying.limit {
+                    server.registry.limits().set(&vm, None, Some(Some(rate)));
+                }
+                let uri = NbdUri { endpoint: Endpoint::Unix(server.socket.clone()), export: format!("@{vm}") };
+                let stop = stop.clone();
+                std::thread::spawn(move || copy_until(&uri, &stop))
+            })
+            .collect();
+        Self { copying, stop, threads }
+    }
+
+    /// Stops the copiers; what they moved over `wall_s`.
+    fn stop(self, wall_s: f64) -> report::CopierFigures {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let bytes: u64 = self.threads.into_iter().map(|t| t.join().unwrap_or(0)).sum();
+        report::CopierFigures {
+            vms: self.copying.vms,
+            limit_bytes_per_s: self.copying.limit.map(|rate| rate.per_second),
+            bytes_copied: bytes,
+            mib_per_s: bytes as f64 / wall_s.max(1e-9) / 1048576.0,
+        }
+    }
+}
+
+/// Copies the first half of the disk into the second, 1 MiB at a time, round and round, until
+/// `stop`: bytes copied. A copier that cannot connect or is refused copies nothing.
+fn copy_until(uri: &NbdUri, stop: &std::sync::atomic::AtomicBool) -> u64 {
+    let Ok(mut client) = overspill_nbd::client::Client::connect(uri) else { return 0 };
+    let half = (client.size() / 2 / COPY_BYTES as u64) * COPY_BYTES as u64;
+    let mut buffer = vec![0u8; COPY_BYTES];
+    let (mut at, mut copied) = (0u64, 0u64);
+    while half > 0 && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if client.read(at, &mut buffer).is_err() || client.write(half + at, &buffer, false).is_err() {
+            break;
+        }
+        copied += COPY_BYTES as u64;
+        at = (at + COPY_BYTES as u64) % half;
+    }
+    let _ = client.disconnect();
+    copied
 }
