@@ -63,7 +63,8 @@ fn the_service_is_rated_ok_by_systemd_analyze_security() {
 
 /// The ExecStart line and the conffile it names, run as they are: every key must be a flag serve
 /// takes with a value it accepts, so the server goes as far as opening the golden image (which is
-/// not on this machine) and says so.
+/// not on this machine) and says so. The commented examples of limits, budgets, pacing and
+/// multi-conn too, once uncommented (the peers' need certificates, vhost-user a directory).
 #[test]
 fn the_service_and_its_conffile_are_ones_serve_takes() {
     let text = std::fs::read_to_string(unit("overspill.service")).expect("unit");
@@ -80,6 +81,19 @@ fn the_service_and_its_conffile_are_ones_serve_takes() {
     let scratch = dir.path().to_string_lossy();
     let settings = settings.replace("\"/var/cache/", &format!("\"{scratch}/var/cache/"));
     let settings = settings.replace("\"/run/", &format!("\"{scratch}/run/"));
+    let examples = ["limit-", "group", "golden-limit-", "spill-limit-", "boot-", "reconnect-grace", "multi-conn"];
+    let mut uncommented = 0;
+    let settings: String = settings
+        .lines()
+        .map(|line| match line.strip_prefix("# ") {
+            Some(example) if example.contains(" = ") && examples.iter().any(|key| example.starts_with(key)) => {
+                uncommented += 1;
+                format!("{example}\n")
+            }
+            _ => format!("{line}\n"),
+        })
+        .collect();
+    assert!(uncommented >= 12, "the examples were found: {uncommented}");
     let copy = dir.path().join("overspill.toml");
     std::fs::write(&copy, settings).expect("copy");
     let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
