@@ -179,10 +179,26 @@ impl Limiter {
     }
 
     /// Charges `ops` operations of `bytes` in all that go ahead without waiting (a class of
-    /// requests with priority): the debt they leave is waited out by the others.
+    /// requests with priority): the debt they leave is waited out by the others, up to
+    /// [`AHEAD_DEBT_SECONDS`] of each rate; what goes ahead beyond that is not charged, so that
+    /// however many go ahead, the others never wait longer for them than that.
     pub fn charge_ahead(&self, ops: u64, bytes: u64) {
-        if self.charge(ops, bytes) > Duration::ZERO {
-            self.lock().went_ahead += 1;
+        if !self.is_active() {
+            return;
+        }
+        let now = self.clock.now();
+        let mut state = self.lock();
+        let state = &mut *state;
+        let mut held = false;
+        for (bucket, cost) in [(state.ops.as_mut(), ops), (state.bytes.as_mut(), bytes)] {
+            if let Some(bucket) = bucket {
+                held |= !bucket.charge(cost, now).is_zero();
+                let floor = -(bucket.rate.per_second as f64) * AHEAD_DEBT_SECONDS;
+                bucket.tokens = bucket.tokens.max(floor);
+            }
+        }
+        if held {
+            state.went_ahead += 1;
         }
     }
 
@@ -192,14 +208,14 @@ impl Limiter {
         self.lock().went_ahead
     }
 
-    fn waited(&self, wait: Duration, started: bool) {
+    fn begin_wait(&self) {
+        self.lock().waiting += 1;
+    }
+
+    fn end_wait(&self, waited: Duration) {
         let mut state = self.lock();
-        if started {
-            state.waiting += 1;
-        } else {
-            state.waiting = state.waiting.saturating_sub(1);
-            state.throttled += wait;
-        }
+        state.waiting = state.waiting.saturating_sub(1);
+        state.throttled += waited;
     }
 }
 
@@ -213,16 +229,41 @@ pub fn admit(chain: &[Arc<Limiter>], bytes: u64) -> Duration {
 /// fetched to answer one request, charged after the fetch (the wait then delays the request's
 /// answer, and the next requests, rather than the fetch).
 pub fn admit_counted(chain: &[Arc<Limiter>], ops: u64, bytes: u64) -> Duration {
-    let Some(first) = chain.first() else { return Duration::ZERO };
+    wait_out(chain, reserve(chain, ops, bytes))
+}
+
+/// Charges `ops` operations of `bytes` in all to every limiter of `chain` and says how long
+/// they must wait, without waiting: for a caller that waits later ([`wait_out`]), out of a
+/// lock it holds now.
+pub fn reserve(chain: &[Arc<Limiter>], ops: u64, bytes: u64) -> Duration {
     // Every limiter is charged, whatever the others say (no allocation: this is every request).
-    let wait = chain.iter().fold(Duration::ZERO, |wait, limiter| wait.max(limiter.charge(ops, bytes)));
+    chain.iter().fold(Duration::ZERO, |wait, limiter| wait.max(limiter.charge(ops, bytes)))
+}
+
+/// The longest a waiter sleeps before it looks again whether its limits were lifted.
+const WAKE_SLICE: Duration = Duration::from_millis(50);
+
+/// How far below zero requests that go ahead ([`Limiter::charge_ahead`]) may take a bucket, in
+/// seconds of its rate.
+pub const AHEAD_DEBT_SECONDS: f64 = 2.0;
+
+/// Waits `wait` (what [`reserve`] said), counted as throttled time at every limiter of `chain`,
+/// or less if meanwhile every one of them was lifted (`vm limit … off`): a request held by a
+/// limit the operator took away goes at once. Returns the time waited.
+pub fn wait_out(chain: &[Arc<Limiter>], wait: Duration) -> Duration {
+    let Some(first) = chain.first() else { return Duration::ZERO };
     if wait.is_zero() {
         return wait;
     }
-    chain.iter().for_each(|limiter| limiter.waited(wait, true));
-    first.clock.sleep(wait);
-    chain.iter().for_each(|limiter| limiter.waited(wait, false));
-    wait
+    chain.iter().for_each(|limiter| limiter.begin_wait());
+    let mut waited = Duration::ZERO;
+    while waited < wait && chain.iter().any(|limiter| limiter.is_active()) {
+        let slice = (wait - waited).min(WAKE_SLICE);
+        first.clock.sleep(slice);
+        waited += slice;
+    }
+    chain.iter().for_each(|limiter| limiter.end_wait(waited));
+    waited
 }
 
 /// A device whose requests pass a chain of limiters before they reach it. Reads are charged
@@ -413,6 +454,47 @@ mod tests {
         // Charged after the fact: 20 operations at once wait for what they took beyond the burst.
         clock.advance(Duration::from_secs(1));
         assert_eq!(admit_counted(std::slice::from_ref(&budget), 20, 0), Duration::from_millis(100));
+        // However much goes ahead, the others wait at most AHEAD_DEBT_SECONDS for it.
+        clock.advance(Duration::from_secs(1));
+        budget.charge_ahead(1_000_000, 0);
+        assert_eq!(admit_counted(std::slice::from_ref(&budget), 1, 0), Duration::from_millis(2010));
+    }
+
+    /// A clock that, at a waiter's first sleep, runs `hook` (an operator acting meanwhile).
+    struct HookedClock {
+        clock: FakeClock,
+        hook: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    }
+
+    impl Clock for HookedClock {
+        fn now(&self) -> Duration {
+            self.clock.now()
+        }
+
+        fn sleep(&self, wait: Duration) {
+            self.clock.advance(wait);
+            if let Some(hook) = self.hook.lock().expect("hook").take() {
+                hook();
+            }
+        }
+    }
+
+    #[test]
+    fn a_request_waiting_for_a_limit_that_is_lifted_goes_at_once() {
+        let clock = Arc::new(HookedClock { clock: FakeClock::default(), hook: Mutex::new(None) });
+        let limiter = Limiter::new(ops(1, 1), clock.clone());
+        admit(std::slice::from_ref(&limiter), 0);
+        let lifted = Arc::downgrade(&limiter);
+        *clock.hook.lock().expect("hook") = Some(Box::new(move || {
+            if let Some(limiter) = lifted.upgrade() {
+                limiter.set(Limits::default());
+            }
+        }));
+        // Ten requests' debt at one a second, lifted during the first slice of the wait.
+        admit_counted(std::slice::from_ref(&limiter), 10, 0);
+        let waited = limiter.throttled().0;
+        assert_eq!(waited, WAKE_SLICE, "the waiter went at its next look, not after 10 s");
+        assert_eq!(limiter.throttled().1, 0, "nobody waits");
     }
 
     #[test]

@@ -94,8 +94,9 @@ pub trait BackingFile: Send {
 ///
 /// Every segment write, in the background or in line, passes the host's spill budget
 /// ([`Self::budget`], no limit until one is set) first: bytes a second for all VMs' spill
-/// writes together, so that a storm of spilling VMs cannot fill the spill disk's queue (and
-/// its reads' latency) beyond what the budget lets through.
+/// writes together, so that the spill disk never takes more than the budget lets through. A
+/// writer waits for the budget holding its place; a segment sealed while every writer is busy
+/// (waiting, under a tight budget) is written in the VM's own thread, which then waits too.
 pub struct SegmentWriters {
     max_in_flight: usize,
     budget: Arc<Limiter>,
@@ -633,7 +634,12 @@ impl BackingFile for ScratchFile {
         self.shortages.count()
     }
 
+    /// In the VM's own thread (no writer free, or a retry): paced by the host's spill budget
+    /// like the writers' own.
     fn write_pages_at(&mut self, pages: &[Page], offset: u64) -> io::Result<()> {
+        if let Some(writers) = &self.writers {
+            writers.pace(pages.len() * BLOCK_SIZE);
+        }
         self.shortages.note(write_pages(&self.file, pages, offset))
     }
 
@@ -641,9 +647,6 @@ impl BackingFile for ScratchFile {
         let bytes = pages.len() * BLOCK_SIZE;
         let Some(writers) = self.writers.as_ref().filter(|writers| writers.try_start()) else {
             // In line, through the page cache: an aligned copy would cost the VM's own thread.
-            if let Some(writers) = &self.writers {
-                writers.pace(bytes);
-            }
             return SegmentWrite::finished(self.write_pages_at(pages, offset));
         };
         let (done, result) = mpsc::sync_channel(1);
@@ -669,7 +672,6 @@ impl BackingFile for ScratchFile {
             Err(job) => {
                 drop(job);
                 writers.finished();
-                writers.pace(bytes);
                 SegmentWrite::finished(self.write_pages_at(pages, offset))
             }
         }

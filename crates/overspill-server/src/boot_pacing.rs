@@ -13,11 +13,13 @@
 //! connected: a reconnect in the middle of a boot keeps the slot until then.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::IoSlice;
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use overspill_block::{BlockDevice, DeviceError, DeviceLayer, Payload};
+use bytes::Bytes;
+use overspill_block::{BlockDevice, DeviceError, DeviceLayer, Payload, ReadRequest};
 
 /// How long a VM counts as booting when nothing says otherwise: seed 000's Windows 7 VMs took
 /// 2 minutes on a SATA disk, and 4 minutes is the acceptable boot its sizing example takes.
@@ -59,6 +61,8 @@ struct State {
     booting: HashMap<String, Instant>,
     started: u64,
     waited: Duration,
+    /// The server stops: no one waits any more.
+    stopping: bool,
 }
 
 impl State {
@@ -81,6 +85,9 @@ impl State {
         soonest.unwrap_or(boot_time).clamp(Duration::from_millis(1), Duration::from_secs(1))
     }
 }
+
+/// How often a waiting first request looks whether its VM was reset meanwhile.
+const CANCEL_CHECK: Duration = Duration::from_millis(200);
 
 #[derive(Debug, Default)]
 pub struct BootPacing {
@@ -107,6 +114,20 @@ impl BootPacing {
         let mut state = self.lock();
         state.booting.remove(vm);
         state.to_boot.insert(vm.to_owned());
+        drop(state);
+        // A slot it may have held is free.
+        self.changed.notify_all();
+    }
+
+    /// The server stops: every first request waiting for a slot goes now, and none waits from
+    /// now on (the drain must not wait out boots, nor a vhost-user device stop hang on one).
+    pub fn release_all(&self) {
+        let mut state = self.lock();
+        state.stopping = true;
+        state.to_boot.clear();
+        state.queue.clear();
+        drop(state);
+        self.changed.notify_all();
     }
 
     /// Whether `vm`'s first request is still to pass [`Self::start_boot`].
@@ -116,32 +137,34 @@ impl BootPacing {
 
     /// Begins `vm`'s boot, waiting for a slot under the cap first (in order of arrival).
     /// Returns how long it waited. A VM no longer to boot (a second connection of a VM whose
-    /// boot began, or one the operator said booted or dropped meanwhile) passes at once.
-    pub fn start_boot(&self, vm: &str) -> Duration {
+    /// boot began, or one the operator said booted or dropped meanwhile) passes at once, and so
+    /// does one whose wait `cancelled` calls off (its VM was reset: the request then fails).
+    pub fn start_boot(&self, vm: &str, cancelled: &dyn Fn() -> bool) -> Duration {
         let arrived = Instant::now();
         let mut state = self.lock();
-        if !state.to_boot.contains(vm) {
-            return Duration::ZERO;
-        }
-        if !state.queue.iter().any(|queued| queued == vm) {
-            state.queue.push_back(vm.to_owned());
-        }
-        let mut slept = false;
+        let (mut slept, mut counted) = (false, Duration::ZERO);
         loop {
             let now = Instant::now();
             if state.expire(now) {
                 self.changed.notify_all();
             }
             let waited = if slept { now - arrived } else { Duration::ZERO };
-            if !state.to_boot.contains(vm) {
+            // Counted as it goes: a wait cut short (by `booted`, a reset, the server stopping)
+            // counts too.
+            state.waited += waited - counted;
+            counted = waited;
+            if !state.to_boot.contains(vm) || state.stopping || cancelled() {
+                state.queue.retain(|queued| queued != vm);
                 return waited;
+            }
+            if !state.queue.iter().any(|queued| queued == vm) {
+                state.queue.push_back(vm.to_owned());
             }
             if state.has_slot() && state.queue.front().is_some_and(|first| first == vm) {
                 state.queue.pop_front();
                 state.to_boot.remove(vm);
                 state.booting.insert(vm.to_owned(), now);
                 state.started += 1;
-                state.waited += waited;
                 if !waited.is_zero() {
                     tracing::info!(vm, waited_ms = waited.as_millis() as u64, "VM boots: a boot slot is free");
                 }
@@ -149,7 +172,7 @@ impl BootPacing {
                 self.changed.notify_all();
                 return waited;
             }
-            let sleep = state.next_expiry(now);
+            let sleep = state.next_expiry(now).min(CANCEL_CHECK);
             state = self.changed.wait_timeout(state, sleep).unwrap_or_else(PoisonError::into_inner).0;
             slept = true;
         }
@@ -183,40 +206,41 @@ impl BootPacing {
             max_booting: state.settings.max_booting,
         }
     }
-
-    /// Whether `vm` is booting, waiting to, or neither: for `vm list`.
-    pub fn phase(&self, vm: &str) -> Option<&'static str> {
-        let state = self.lock();
-        if state.queue.iter().any(|queued| queued == vm) {
-            Some("waiting to boot")
-        } else if state.booting.get(vm).is_some_and(|began| began.elapsed() < state.settings.boot_time) {
-            Some("booting")
-        } else {
-            None
-        }
-    }
 }
 
-/// A fresh VM's connection: its first request (any that reads or changes the disk) waits for
-/// a boot slot ([`BootPacing::start_boot`]); the others pass.
+/// The outer layer of a VM's connection at the device seam, outside its overlay's lock: a fresh
+/// VM's first request (any that reads or changes the disk) waits here for a boot slot
+/// ([`BootPacing::start_boot`]), and every request, once served, waits out what its golden
+/// reads owe the host's budget ([`crate::golden_budget::wait_owed`]) before it is answered.
 pub struct BootGate<D> {
     inner: D,
     pacing: Arc<BootPacing>,
     vm: String,
+    /// The VM's reset flag: a reset calls off the wait for a slot.
+    reset: Arc<AtomicBool>,
     open: bool,
 }
 
 impl<D: BlockDevice> BootGate<D> {
     /// `open`: the VM is not to boot (it resumes, or moved here), and its requests pass.
-    pub fn new(inner: D, pacing: Arc<BootPacing>, vm: String, open: bool) -> Self {
-        Self { inner, pacing, vm, open }
+    pub fn new(inner: D, pacing: Arc<BootPacing>, vm: String, reset: Arc<AtomicBool>, open: bool) -> Self {
+        Self { inner, pacing, vm, reset, open }
     }
 
     fn pass(&mut self) {
         if !self.open {
-            self.pacing.start_boot(&self.vm);
+            let reset = &self.reset;
+            self.pacing.start_boot(&self.vm, &|| reset.load(Ordering::SeqCst));
             self.open = true;
         }
+    }
+
+    /// Passes the gate, serves the request below, then waits out what it owes.
+    fn served<R>(&mut self, call: impl FnOnce(&mut D) -> R) -> R {
+        self.pass();
+        let result = call(&mut self.inner);
+        crate::golden_budget::wait_owed();
+        result
     }
 }
 
@@ -236,9 +260,25 @@ impl<D: BlockDevice> DeviceLayer for BootGate<D> {
         self.inner.read_requested(offset, length)
     }
 
+    fn read(&mut self, request: &ReadRequest, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.served(|inner| inner.read(request, offset, buf))
+    }
+
+    fn read_vectored(
+        &mut self,
+        request: &ReadRequest,
+        offset: u64,
+        bufs: &mut [IoSliceMut<'_>],
+    ) -> Result<(), DeviceError> {
+        self.served(|inner| inner.read_vectored(request, offset, bufs))
+    }
+
+    fn read_shared(&mut self, request: &ReadRequest, offset: u64, length: usize) -> Result<Vec<Bytes>, DeviceError> {
+        self.served(|inner| inner.read_shared(request, offset, length))
+    }
+
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
-        self.pass();
-        self.inner.write(offset, data, fua)
+        self.served(|inner| inner.write(offset, data, fua))
     }
 
     fn write_from(
@@ -248,13 +288,11 @@ impl<D: BlockDevice> DeviceLayer for BootGate<D> {
         fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
-        self.pass();
-        self.inner.write_from(offset, length, fua, payload)
+        self.served(|inner| inner.write_from(offset, length, fua, payload))
     }
 
     fn write_vectored(&mut self, offset: u64, bufs: &[IoSlice<'_>], fua: bool) -> Result<(), DeviceError> {
-        self.pass();
-        self.inner.write_vectored(offset, bufs, fua)
+        self.served(|inner| inner.write_vectored(offset, bufs, fua))
     }
 
     fn write_zeroes(
@@ -265,19 +303,25 @@ impl<D: BlockDevice> DeviceLayer for BootGate<D> {
         fast_only: bool,
         fua: bool,
     ) -> Result<(), DeviceError> {
-        self.pass();
-        self.inner.write_zeroes(offset, length, may_trim, fast_only, fua)
+        self.served(|inner| inner.write_zeroes(offset, length, may_trim, fast_only, fua))
     }
 
     fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
-        self.pass();
-        self.inner.trim(offset, length, fua)
+        self.served(|inner| inner.trim(offset, length, fua))
+    }
+
+    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
+        self.served(|inner| inner.cache(offset, length))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn never() -> bool {
+        false
+    }
 
     fn paced(max: usize, boot_time: Duration) -> Arc<BootPacing> {
         let pacing = Arc::new(BootPacing::default());
@@ -288,7 +332,7 @@ mod tests {
     /// Starts `vm`'s boot on a thread of its own; the handle says how long it waited.
     fn boot_in_background(pacing: &Arc<BootPacing>, vm: &str) -> std::thread::JoinHandle<Duration> {
         let (pacing, vm) = (pacing.clone(), vm.to_owned());
-        std::thread::spawn(move || pacing.start_boot(&vm))
+        std::thread::spawn(move || pacing.start_boot(&vm, &never))
     }
 
     fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -305,14 +349,14 @@ mod tests {
         for vm in ["a", "b", "c", "d"] {
             pacing.fresh(vm);
         }
-        assert_eq!(pacing.start_boot("a"), Duration::ZERO);
-        assert_eq!(pacing.start_boot("b"), Duration::ZERO);
+        assert_eq!(pacing.start_boot("a", &never), Duration::ZERO);
+        assert_eq!(pacing.start_boot("b", &never), Duration::ZERO);
         let c = boot_in_background(&pacing, "c");
         wait_until("c queued", || pacing.figures().waiting == 1);
         let d = boot_in_background(&pacing, "d");
         wait_until("d queued", || pacing.figures().waiting == 2);
         assert!(pacing.is_booting("a") && !pacing.is_booting("c"));
-        assert_eq!(pacing.phase("d"), Some("waiting to boot"));
+        assert!(!pacing.is_booting("d") && pacing.to_boot("d"), "d waits to boot");
         // a's boot is said over: c, first in line, takes its slot; d still waits.
         assert!(pacing.booted("a"));
         c.join().expect("c");
@@ -323,8 +367,8 @@ mod tests {
         let figures = pacing.figures();
         assert_eq!((figures.booting, figures.waiting, figures.started), (2, 0, 4));
         // A second connection of a VM whose boot began passes at once; so does a resumed VM.
-        assert_eq!(pacing.start_boot("c"), Duration::ZERO);
-        assert_eq!(pacing.start_boot("never-fresh"), Duration::ZERO);
+        assert_eq!(pacing.start_boot("c", &never), Duration::ZERO);
+        assert_eq!(pacing.start_boot("never-fresh", &never), Duration::ZERO);
     }
 
     #[test]
@@ -332,9 +376,9 @@ mod tests {
         let pacing = paced(1, Duration::from_millis(200));
         pacing.fresh("a");
         pacing.fresh("b");
-        pacing.start_boot("a");
+        pacing.start_boot("a", &never);
         // b waits for a's boot time to pass, nothing else.
-        let waited = pacing.start_boot("b");
+        let waited = pacing.start_boot("b", &never);
         assert!(waited > Duration::from_millis(100), "b waited {waited:?}");
         assert!(!pacing.is_booting("a") && pacing.is_booting("b"));
     }
@@ -344,7 +388,7 @@ mod tests {
         let pacing = Arc::new(BootPacing::default());
         for vm in 0..50 {
             pacing.fresh(&vm.to_string());
-            assert_eq!(pacing.start_boot(&vm.to_string()), Duration::ZERO);
+            assert_eq!(pacing.start_boot(&vm.to_string(), &never), Duration::ZERO);
         }
         assert_eq!(pacing.figures().booting, 50);
         assert!(pacing.is_booting("7"));
@@ -354,11 +398,36 @@ mod tests {
     }
 
     #[test]
+    fn a_reset_or_the_server_stopping_calls_the_waits_off() {
+        let pacing = paced(1, Duration::from_secs(3600));
+        for vm in ["a", "b", "c"] {
+            pacing.fresh(vm);
+        }
+        pacing.start_boot("a", &never);
+        let reset = Arc::new(AtomicBool::new(false));
+        let b = {
+            let (pacing, reset) = (pacing.clone(), reset.clone());
+            std::thread::spawn(move || pacing.start_boot("b", &|| reset.load(Ordering::SeqCst)))
+        };
+        wait_until("b queued", || pacing.figures().waiting == 1);
+        reset.store(true, Ordering::SeqCst);
+        assert!(b.join().expect("b") > Duration::ZERO, "b's wait was called off by its reset");
+        assert_eq!(pacing.figures().waiting, 0, "and b left the line");
+        let c = boot_in_background(&pacing, "c");
+        wait_until("c queued", || pacing.figures().waiting == 1);
+        pacing.release_all();
+        c.join().expect("c");
+        pacing.fresh("d");
+        assert_eq!(pacing.start_boot("d", &never), Duration::ZERO, "a stopping server makes no one wait");
+        assert!(pacing.figures().waited > Duration::ZERO, "the waits cut short are counted");
+    }
+
+    #[test]
     fn a_vm_dropped_while_waiting_lets_its_request_go_and_leaves_the_line() {
         let pacing = paced(1, Duration::from_secs(3600));
         pacing.fresh("a");
         pacing.fresh("b");
-        pacing.start_boot("a");
+        pacing.start_boot("a", &never);
         let b = boot_in_background(&pacing, "b");
         wait_until("b queued", || pacing.figures().waiting == 1);
         assert!(pacing.booted("b"));

@@ -249,8 +249,14 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             ..Answer::default()
         },
         Ok(Request::HostLimit { budget, ops, bytes }) => {
-            let limits = targets.registry.limits().set_host(budget, ops.change(), bytes.change());
-            Answer { ok: true, message: Some(format!("host budget for {budget}: {limits}")), ..Answer::default() }
+            let book = targets.registry.limits();
+            let limits = book.set_host(budget, ops.change(), bytes.change());
+            let idle = if budget == HostBudget::Spill && !book.spill_paced() {
+                " (nothing spills through this server's segment writers: mode other than ram+disk, or --spill-writers 0)"
+            } else {
+                ""
+            };
+            Answer { ok: true, message: Some(format!("host budget for {budget}: {limits}{idle}")), ..Answer::default() }
         }
         Ok(Request::Booted { vm }) => match crate::check_name("VM", &vm) {
             Ok(()) => {

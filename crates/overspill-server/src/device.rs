@@ -19,7 +19,8 @@ use crate::live::Live;
 use crate::vms::{Ending, VmRegistry};
 
 /// What a connection to a VM is served by: its overlay, timed, recorded if the server records,
-/// and marked in the ledger before its first change.
+/// and marked in the ledger before its first change. `may_boot`: the connection made the VM's
+/// overlay fresh, or joins one that did (a VM that resumes or moves in is running already).
 pub(crate) fn stack(
     live: Arc<Live>,
     capabilities: Capabilities,
@@ -27,6 +28,7 @@ pub(crate) fn stack(
     reset: Arc<AtomicBool>,
     registry: Arc<VmRegistry>,
     limiters: Vec<Arc<Limiter>>,
+    may_boot: bool,
 ) -> Box<dyn BlockDevice> {
     let (stats, recorder, size, name) = {
         let vm = live.vm();
@@ -42,7 +44,7 @@ pub(crate) fn stack(
         size,
         name: name.clone(),
         number,
-        reset,
+        reset: reset.clone(),
         clean: false,
         registry: registry.clone(),
         no_space: NoSpaceWarnings::default(),
@@ -53,11 +55,11 @@ pub(crate) fn stack(
     // Outside the timing: the time a request waits for its limits, or for a boot slot, is not
     // the device's service time. The gate is open from the start for all but a fresh VM's
     // connection: no lock for the others' requests.
-    let open = !boots.to_boot(&name);
+    let open = !(may_boot && boots.to_boot(&name));
     if limiters.is_empty() {
-        Box::new(BootGate::new(device, boots, name, open))
+        Box::new(BootGate::new(device, boots, name, reset, open))
     } else {
-        Box::new(BootGate::new(Throttled::new(device, limiters), boots, name, open))
+        Box::new(BootGate::new(Throttled::new(device, limiters), boots, name, reset, open))
     }
 }
 

@@ -144,7 +144,9 @@ impl OverlayExports {
         };
         let segment_writers = SegmentWriters::new(settings.spill_writers);
         let registry = VmRegistry::new(Lifecycle::default()).map_err(|e| ServerError::io("VM registry", e))?;
-        registry.limits().use_spill_budget(segment_writers.budget().clone());
+        if spills_through_writers(&settings) {
+            registry.limits().use_spill_budget(segment_writers.budget().clone());
+        }
         Ok(Self {
             images,
             versions: None,
@@ -211,7 +213,9 @@ impl OverlayExports {
             std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         }
         self.registry = VmRegistry::new(lifecycle.clone())?;
-        self.registry.limits().use_spill_budget(self.segment_writers.budget().clone());
+        if spills_through_writers(&self.settings) {
+            self.registry.limits().use_spill_budget(self.segment_writers.budget().clone());
+        }
         if let Some(memory_dir) = lifecycle.memory_dir.clone().filter(|_| lifecycle.persistent()) {
             self.registry.set_state_places(StateRecord {
                 image_label: String::new(),
@@ -521,22 +525,23 @@ impl ExportProvider for OverlayExports {
             std::thread::sleep(std::time::Duration::from_millis(10));
             claimed = self.registry.claim(vm_name, Self::image_name(name), identity)?;
         }
-        let (number, reset, vm) = match claimed {
+        let (number, reset, vm, fresh) = match claimed {
             Claim::Join { number, reset, live } => {
-                return Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters))
+                let registry = self.registry.clone();
+                return Ok(crate::device::stack(live, capabilities, number, reset, registry, limiters, true));
             }
             Claim::Connecting => {
                 let why =
                     format!("VM {} is still connecting its first connection; try again", vm_name.unwrap_or_default());
                 return Err(DeviceError::new(DeviceErrorKind::Refused, why));
             }
-            Claim::Resume { number, reset, parked } => (number, reset, *parked),
+            Claim::Resume { number, reset, parked } => (number, reset, *parked, false),
             Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
                 Ok(vm) => {
                     if let Some(vm) = vm_name {
                         self.registry.boots().fresh(vm);
                     }
-                    (number, reset, vm)
+                    (number, reset, vm, true)
                 }
                 Err(error) => {
                     self.registry.forget_failed(number);
@@ -545,7 +550,7 @@ impl ExportProvider for OverlayExports {
             },
         };
         let live = Arc::new(Live::new(vm));
-        Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters))
+        Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters, fresh))
     }
 }
 
@@ -629,7 +634,7 @@ impl OverlayExports {
         }
         tracing::info!(vm, peer, image = label, "VM moving here from its peer: pre-copy begins");
         let limiters = self.registry.limits().limiters_for(Some(vm), image_name);
-        Ok(crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiters))
+        Ok(crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiters, false))
     }
 }
 
@@ -792,6 +797,12 @@ impl OverlayExports {
         arena.hold().map_err(io("holding the memory arena"))?;
         Overlay::persistent(image, config, backing, self.host.clone(), stats, arena, files).map_err(device_error)
     }
+}
+
+/// Whether this mode's VMs spill through the host's segment writers, and so pass its spill
+/// budget.
+fn spills_through_writers(settings: &CacheSettings) -> bool {
+    settings.mode.backing_file() == Some(BackingKind::SpillLog) && settings.spill_writers > 0
 }
 
 /// The file name suffix of a VM's backing file of `kind` (`vm-NAME.spill`, `.cache`, `.diff`).

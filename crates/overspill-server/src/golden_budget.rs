@@ -5,15 +5,20 @@
 //!
 //! Each VM's overlay reads its image through a [`Budgeted`] view. A read is charged after it
 //! returns, with what it cost the storage (a hit in the shared read cache costs nothing), and
-//! its answer waits out the debt: over any time `t` the fetches stay within `rate × t + burst`
-//! and one read more. A booting VM's fetches go ahead without waiting (`boot_pacing`): their
-//! debt is waited out by the other VMs.
+//! the request it served waits out the debt before it is answered, once it has let go of its
+//! VM's lock ([`wait_owed`], at the device seam's outer layer): over any time `t` the fetches
+//! of VMs that are not booting stay within `rate × t + burst` and one request's more. A booting
+//! VM's fetches go ahead without waiting (`boot_pacing`); the debt they leave, which the other
+//! VMs wait out, is at most [`overspill_block::limit::AHEAD_DEBT_SECONDS`] of the rate (what goes ahead beyond it is
+//! not charged): the budget bounds the running VMs, `--boot-max` the booting ones.
 
+use std::cell::RefCell;
 use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
-use overspill_block::limit::admit_counted;
+use overspill_block::limit::{reserve, wait_out};
 use overspill_block::Limiter;
 use overspill_engine::golden::{Extent, SourceReads};
 use overspill_engine::GoldenImage;
@@ -47,9 +52,31 @@ impl Budgeted {
         if self.vm.as_deref().is_some_and(|vm| self.pacing.is_booting(vm)) {
             self.budget.charge_ahead(reads.ops, reads.bytes);
         } else {
-            admit_counted(std::slice::from_ref(&self.budget), reads.ops, reads.bytes);
+            let wait = reserve(std::slice::from_ref(&self.budget), reads.ops, reads.bytes);
+            if !wait.is_zero() {
+                // Each wait is until the budget is out of debt: a later one covers an earlier.
+                OWED.with(|owed| {
+                    let mut owed = owed.borrow_mut();
+                    let longest = owed.as_ref().map_or(wait, |(_, earlier)| wait.max(*earlier));
+                    *owed = Some((self.budget.clone(), longest));
+                });
+            }
         }
         reads
+    }
+}
+
+thread_local! {
+    /// What the golden reads of the request this thread serves owe the budget. Frontends serve
+    /// a request's device calls on one thread; other readers (a move to a peer) owe nothing.
+    static OWED: RefCell<Option<(Arc<Limiter>, Duration)>> = const { RefCell::new(None) };
+}
+
+/// Waits out what the request this thread served owes the golden budget: called by the device
+/// seam's outer layer after each request, out of the VM's lock.
+pub fn wait_owed() {
+    if let Some((budget, wait)) = OWED.with(|owed| owed.borrow_mut().take()) {
+        wait_out(std::slice::from_ref(&budget), wait);
     }
 }
 
@@ -110,7 +137,7 @@ mod tests {
         let pacing = Arc::new(BootPacing::default());
         pacing.set(PacingSettings { max_booting: None, boot_time: Duration::from_secs(3600) });
         pacing.fresh("booting");
-        pacing.start_boot("booting");
+        pacing.start_boot("booting", &|| false);
         let view = |vm: &str| Budgeted::view(cached.clone(), budget.clone(), pacing.clone(), Some(vm.to_owned()));
         let (booting, running) = (view("booting"), view("running"));
         let mut buf = vec![0u8; 4096];
@@ -120,8 +147,11 @@ mod tests {
         }
         assert_eq!(budget.throttled().0, Duration::ZERO, "a booting VM's fetches went ahead");
         assert!(budget.went_ahead() > 0);
-        // A running VM's fetch waits out the debt (about half a second at 20 a second).
+        // A running VM's fetch waits out the debt (about half a second at 20 a second), once
+        // its request is done.
         running.read_at(&mut buf, 20 * (64 << 10)).expect("read");
+        assert_eq!(budget.throttled().0, Duration::ZERO, "no wait inside the read (the VM's lock is held)");
+        wait_owed();
         let waited = budget.throttled().0;
         assert!(waited >= Duration::from_millis(400), "the running VM waited {waited:?}");
         // What the cache holds costs the storage nothing: no charge, no wait.

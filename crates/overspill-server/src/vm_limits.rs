@@ -35,12 +35,18 @@ pub struct VmLimits {
     /// The host's budget for spill segment writes: the segment writers' own, once the exports
     /// say which (`overspill_engine::SegmentWriters::budget`).
     spill: Mutex<Arc<Limiter>>,
+    spill_paced: std::sync::atomic::AtomicBool,
 }
 
 impl Default for VmLimits {
     fn default() -> Self {
         let unlimited = || Limiter::new(Limits::default(), SystemClock::shared());
-        Self { book: Mutex::default(), golden: unlimited(), spill: Mutex::new(unlimited()) }
+        Self {
+            book: Mutex::default(),
+            golden: unlimited(),
+            spill: Mutex::new(unlimited()),
+            spill_paced: Default::default(),
+        }
     }
 }
 
@@ -170,11 +176,16 @@ impl VmLimits {
         }
     }
 
-    /// The spill budget is `budget` (the segment writers'); limits set before carry over.
+    /// The spill budget is `budget` (the segment writers' own, with its limits as they are)
+    /// from now on: the exports say so when their VMs spill through background writers.
     pub fn use_spill_budget(&self, budget: Arc<Limiter>) {
-        let mut spill = self.spill.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        budget.set(spill.limits());
-        *spill = budget;
+        *self.spill.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = budget;
+        self.spill_paced.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether anything passes the spill budget here (see [`Self::use_spill_budget`]).
+    pub fn spill_paced(&self) -> bool {
+        self.spill_paced.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets the host's budget `which` (`None`: unchanged; `Some(None)`: off). Returns it now.

@@ -550,6 +550,8 @@ impl VmRegistry {
     /// refuses the name until `vm reset`, as after a crash, rather than serve it golden data.
     pub fn server_stopping(&self) {
         self.stopping.store(true, Ordering::SeqCst);
+        // No connection is to wait for a boot slot through the drain.
+        self.boots.release_all();
     }
 
     /// Whether [`Self::end`] would keep VM `number`'s overlay, for its client to come back to or
@@ -575,6 +577,11 @@ impl VmRegistry {
     /// the grace period; otherwise it is returned, for the caller to drop outside the lock.
     pub fn end(&self, number: u64, ending: Ending, mut parked: VmOverlay) -> Option<VmOverlay> {
         let mut inner = lock(&self.inner);
+        if let Some(entry) = inner.vms.get(&number).filter(|entry| entry.named) {
+            // Its connection is gone, whatever comes next (a reconnect resumes a VM running
+            // already): a boot slot it held goes to the next VM.
+            self.boots.booted(&entry.handle.vm);
+        }
         if let Some(why) = inner.vms.get(&number).and_then(|entry| entry.lose_at_end.clone()) {
             return self.lose_keeping_files(&mut inner, number, Some(parked), &why);
         }
@@ -606,10 +613,6 @@ impl VmRegistry {
             };
             entry.grace = Some(Grace { until, parked });
             return None;
-        }
-        if let Some(entry) = inner.vms.get(&number).filter(|entry| entry.named) {
-            // Its overlay ends: a VM shut down is not booting (a slot it held goes to the next).
-            self.boots.booted(&entry.handle.vm);
         }
         let stopping = self.stopping.load(Ordering::SeqCst);
         let lost_writes =
@@ -728,12 +731,7 @@ impl VmRegistry {
     }
 
     fn end_by_name(&self, vm: &str, even_connected: bool) -> Result<String, ServerError> {
-        let ended = self.end_by_name_or_orphan(vm, even_connected, true);
-        if ended.is_ok() {
-            // Its boot slot, or its place in line, goes to the next VM.
-            self.boots.booted(vm);
-        }
-        ended
+        self.end_by_name_or_orphan(vm, even_connected, true)
     }
 
     fn end_by_name_or_orphan(&self, vm: &str, even_connected: bool, orphans: bool) -> Result<String, ServerError> {
@@ -886,6 +884,7 @@ impl VmRegistry {
     ) -> Option<VmOverlay> {
         let Some(entry) = inner.vms.remove(&number) else { return overlay };
         let vm = entry.handle.vm.clone();
+        self.boots.booted(&vm);
         tracing::error!(vm, why, "VM lost: its writes are given up and its name refused until `overspill vm reset`");
         inner.departed.absorb(&entry.handle.stats);
         inner.names.remove(&vm);
@@ -935,6 +934,8 @@ impl VmRegistry {
         inner.departed.absorb(&entry.handle.stats);
         if entry.named {
             inner.names.remove(&entry.handle.vm);
+            // Under the lock: a next VM of the name may be made fresh once it is released.
+            self.boots.booted(&entry.handle.vm);
         }
         let mut overlay = overlay.or(entry.grace.map(|g| g.parked));
         if entry.marked {

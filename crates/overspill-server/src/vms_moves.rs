@@ -277,6 +277,7 @@ impl VmRegistry {
             inner.names.remove(&out.vm);
             inner.departed.absorb(&entry.handle.stats);
             entry.reset.store(true, Ordering::SeqCst);
+            self.boots().booted(&out.vm);
             if let Some(state) = &entry.state {
                 remove_state_files(&out.vm, state);
                 overlay.keep_state();

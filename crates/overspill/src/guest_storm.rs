@@ -157,7 +157,7 @@ pub fn run(storm: &GuestStorm, target: &dyn Target, progress: &ProgressBar) -> a
         match rx.recv_timeout(wait) {
             Ok(line) => {
                 let at_ms = ms(line.at);
-                console_line(&mut vms, line, at_ms, start, progress);
+                console_line(&mut vms, line, at_ms, start, progress, target);
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the guests' console channel closed"),
@@ -285,7 +285,14 @@ fn phases_text(vms: &[Vm], ended: usize, start: Instant) -> String {
 
 /// A console line: a marker moves the VM on (its counters read at once), the console's end
 /// starts its closing.
-fn console_line(vms: &mut [Vm], line: ConsoleLine, at_ms: u64, start: Instant, progress: &ProgressBar) {
+fn console_line(
+    vms: &mut [Vm],
+    line: ConsoleLine,
+    at_ms: u64,
+    start: Instant,
+    progress: &ProgressBar,
+    target: &dyn Target,
+) {
     let Some(vm) = vms.get_mut(line.guest) else { return };
     let Some(observation) = vm.observation.as_mut() else { return };
     let Some(text) = line.line else {
@@ -300,6 +307,8 @@ fn console_line(vms: &mut [Vm], line: ConsoleLine, at_ms: u64, start: Instant, p
         if vm.boot_s.is_none() {
             vm.boot_s = Some(line.at.saturating_duration_since(vm.started).as_secs_f64());
             vm.booted_at_s = Some(line.at.saturating_duration_since(start).as_secs_f64());
+            // Its boot slot (`storm --boot-max`) goes to the next guest.
+            target.booted(line.guest);
             progress.inc(1);
         }
     } else if marker == DONE {

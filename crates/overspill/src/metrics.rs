@@ -508,7 +508,7 @@ fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, 
     );
     w.header(
         "overspill_budget_golden_went_ahead_total",
-        "Golden-image fetches of booting VMs that went ahead of the host's golden budget (their debt is waited out by the other VMs).",
+        "Reads of booting VMs whose golden-image fetches went ahead of the host's golden budget when it would have held them (the other VMs wait out their debt, up to two seconds of the budget).",
         "counter",
     );
     let golden = registry.limits().host_budget(overspill_server::vm_limits::HostBudget::Golden);

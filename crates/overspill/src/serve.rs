@@ -567,6 +567,9 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
     if args.spill_limit_bandwidth.is_some() && args.spill_writers == 0 {
         bail!("--spill-limit-bandwidth paces the spill writers: --spill-writers 0 has none");
     }
+    if args.spill_limit_bandwidth.is_some() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
+        bail!("--spill-limit-bandwidth paces spill segment writes: mode {} has no spill log", args.mode);
+    }
     if args.boot_time.is_zero() {
         bail!("--boot-time must be above 0 (without --boot-max, boots only give golden-image fetches priority)");
     }

@@ -501,7 +501,7 @@ pub fn run(args: StormArgs) -> anyhow::Result<()> {
         let wall_s = started.elapsed().as_secs_f64();
         let mut config_report = report::config_report(&label, &plan, &config, &results, wall_s);
         run.describe(&mut config_report, args.read_cache);
-        config_report.copiers = copiers.take().map(|copiers| copiers.stop(wall_s));
+        config_report.copiers = copiers.take().map(Copiers::stop);
         configs.push(config_report);
     }
     let report = StormReport {
@@ -651,6 +651,7 @@ struct Copiers {
     copying: Copying,
     stop: Arc<std::sync::atomic::AtomicBool>,
     threads: Vec<std::thread::JoinHandle<u64>>,
+    started: Instant,
 }
 
 /// What a copier moves at a time.
@@ -666,17 +667,22 @@ impl Copiers {
                     server.registry.limits().set(&vm, None, Some(Some(rate)));
                 }
                 let uri = NbdUri { endpoint: Endpoint::Unix(server.socket.clone()), export: format!("@{vm}") };
-                let stop = stop.clone();
-                std::thread::spawn(move || copy_until(&uri, &stop))
+                let (stop, registry) = (stop.clone(), server.registry.clone());
+                // A copier is no booting VM: its fetches do not go first, it takes no boot slot.
+                let connected = move || {
+                    registry.boots().booted(&vm);
+                };
+                std::thread::spawn(move || copy_until(&uri, &stop, connected))
             })
             .collect();
-        Self { copying, stop, threads }
+        Self { copying, stop, threads, started: Instant::now() }
     }
 
-    /// Stops the copiers; what they moved over `wall_s`.
-    fn stop(self, wall_s: f64) -> report::CopierFigures {
+    /// Stops the copiers; what they moved while they ran.
+    fn stop(self) -> report::CopierFigures {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let bytes: u64 = self.threads.into_iter().map(|t| t.join().unwrap_or(0)).sum();
+        let wall_s = self.started.elapsed().as_secs_f64();
         report::CopierFigures {
             vms: self.copying.vms,
             limit_bytes_per_s: self.copying.limit.map(|rate| rate.per_second),
@@ -688,8 +694,9 @@ impl Copiers {
 
 /// Copies the first half of the disk into the second, 1 MiB at a time, round and round, until
 /// `stop`: bytes copied. A copier that cannot connect or is refused copies nothing.
-fn copy_until(uri: &NbdUri, stop: &std::sync::atomic::AtomicBool) -> u64 {
+fn copy_until(uri: &NbdUri, stop: &std::sync::atomic::AtomicBool, connected: impl FnOnce()) -> u64 {
     let Ok(mut client) = overspill_nbd::client::Client::connect(uri) else { return 0 };
+    connected();
     let half = (client.size() / 2 / COPY_BYTES as u64) * COPY_BYTES as u64;
     let mut buffer = vec![0u8; COPY_BYTES];
     let (mut at, mut copied) = (0u64, 0u64);
