@@ -154,7 +154,15 @@ fn the_read_cache_gives_back_first_down_to_its_floor() {
     let url = metrics_url(&server);
     let cached = || figure(&url, "overspill_host_read_cache_bytes", None);
 
+    let (hits, misses) = (
+        || figure(&url, "overspill_read_cache_hits_total", None),
+        || figure(&url, "overspill_read_cache_misses_total", None),
+    );
     read_back("reader", qemu_io(dir.path(), &socket, "", &["read -P 0x6c 0 40M".into()]), "41943040");
+    // Read twice while the cache holds it all: the second pass hits every chunk.
+    let missed_first = misses();
+    read_back("reader, warm", qemu_io(dir.path(), &socket, "", &["read -P 0x6c 0 40M".into()]), "41943040");
+    assert_eq!(misses(), missed_first, "a warm cache missed");
     let held = cached();
     assert!((39.0 * MIB..=48.0 * MIB).contains(&held), "the read cache holds {:.1} MiB of the 48", held / MIB);
 
@@ -173,6 +181,12 @@ fn the_read_cache_gives_back_first_down_to_its_floor() {
     let left = cached();
     assert!(left >= 8.0 * MIB - 1.0, "the read cache kept its floor: {:.1} MiB", left / MIB);
     assert!(left <= 20.0 * MIB, "the read cache holds {:.1} MiB beside a VM at its target", left / MIB);
+    let (hits_before, misses_before) = (hits(), misses());
     read_back("reader again", qemu_io(dir.path(), &socket, "", &["read -P 0x6c 0 40M".into()]), "41943040");
+    // The hit ratio shows what the cache gave back: the chunks it no longer holds are missed.
+    let (hit, missed) = (hits() - hits_before, misses() - misses_before);
+    assert!(missed > 0.0, "the shrunk cache still hit all: {hit} hits");
+    let ratio = hit / (hit + missed);
+    assert!(ratio < 0.75, "the hit ratio after giving back is {ratio:.2} (it held at most 20 of 40 MiB)");
     read_back("busy", busy, "29360128");
 }
