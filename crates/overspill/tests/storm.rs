@@ -333,3 +333,44 @@ fn a_paced_storm_boots_one_vm_at_a_time() {
     let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
     assert!(html.contains("VMs booted over time") && html.contains("boot-max N"), "the boot curve is drawn");
 }
+
+/// The fairness run (`--copiers`): the storm again beside a copying VM, unlimited and limited;
+/// the limited copier moved no more than its limit allows over the time it ran (each MiB it
+/// copies is a MiB read and a MiB written, both counted), the unlimited one more, and the
+/// booting VMs' reads are reported.
+#[test]
+fn a_fairness_run_reports_the_copiers_beside_the_boots() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let report = run_storm(
+        &[
+            "--workload",
+            "linux-boot",
+            "--vms",
+            "2",
+            "--modes",
+            "ram+disk",
+            "--ram",
+            "64M",
+            "--copiers",
+            "1",
+            "--copier-limit",
+            "4M:4M",
+        ],
+        &dir.path().join("out"),
+        &dir.path().join("work"),
+    );
+    let copied = |label: &str| {
+        let c = config(&report, label);
+        assert!(f(&c["boot_read_ms"]["p99_ms"]) >= 0.0 && f(&c["boot_read_ms"]["reads"]) > 0.0, "{c}");
+        let copiers = &c["copiers"];
+        (f(&copiers["bytes_copied"]), f(&copiers["mib_per_s"]))
+    };
+    let (unlimited, _) = copied("ram+disk 64M, 1 copying");
+    let (limited, mib_per_s) = copied("ram+disk 64M, 1 copying at 4M/s");
+    let ran_s = limited / (mib_per_s * 1048576.0);
+    let mib = 1048576.0;
+    let allowed = (4.0 * mib * ran_s + 4.0 * mib + 2.0 * mib) / 2.0;
+    assert!(limited <= allowed, "the limited copier copied {limited} bytes in {ran_s:.2} s; at most {allowed}");
+    assert!(unlimited > limited, "the unlimited copier copied {unlimited}, the limited one {limited}");
+    assert!(config(&report, "ram+disk 64M")["copiers"].is_null(), "the storm alone has no copiers");
+}
