@@ -21,6 +21,8 @@ pub enum ServerError {
     CurrentNotPublished { image: String, version: String },
     #[error("image {image} has no version {version}")]
     NoSuchVersion { image: String, version: String },
+    #[error("image {image}: {why}")]
+    Stage { image: String, why: String },
     #[error("no VM named {0:?}")]
     NoSuchVm(String),
     #[error("{0} is connected: `vm reset {0}` disconnects it and drops its overlay")]

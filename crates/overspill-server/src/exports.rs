@@ -26,7 +26,7 @@ use overspill_engine::{
 
 use crate::error::device_error;
 use crate::golden_budget::Budgeted;
-use crate::images::{ImageStore, OpenVersions, ReadCacheList};
+use crate::images::{ImageStore, OpenVersions, ReadCacheList, Stage};
 use crate::ledger::{state_file_paths, state_file_stem, Recoverable, StateRecord};
 use crate::live::Live;
 use crate::migration::{self, Incoming, Located, Peers};
@@ -89,6 +89,8 @@ pub struct OverlayExports {
     anonymous_writes: bool,
     /// Servers a named VM may be running on when it connects here (live migration).
     peers: Option<Peers>,
+    /// Name patterns of the VMs that get an image's test version (`serve --test-vms`).
+    test_vms: Vec<String>,
 }
 
 // Everything, and cheaply: the cache lives as long as the VM's connection by design, so an
@@ -161,6 +163,7 @@ impl OverlayExports {
             changed_images: Default::default(),
             anonymous_writes: false,
             peers: None,
+            test_vms: Vec::new(),
         })
     }
 
@@ -359,6 +362,23 @@ impl OverlayExports {
 
     /// Also serves the images of a versioned store: each connection gets the image's current
     /// version and keeps it until it disconnects.
+    /// VMs whose names match one of `patterns` (`*`, `?`) are the test group: new ones get an
+    /// image's test version while it has one (see `images`).
+    pub fn with_test_vms(&mut self, patterns: Vec<String>) {
+        self.test_vms = patterns;
+    }
+
+    /// The stage whose version a new connection to export `name` gets.
+    fn stage_of(&self, name: &str) -> Stage {
+        let vm = name.split_once('@').map(|(_, vm)| vm);
+        match vm {
+            Some(vm) if self.test_vms.iter().any(|p| crate::multi_conn::glob_matches(p.as_bytes(), vm.as_bytes())) => {
+                Stage::Test
+            }
+            _ => Stage::Production,
+        }
+    }
+
     pub fn with_image_store(&mut self, dir: &Path) {
         let store = ImageStore::new(dir);
         self.versions =
@@ -411,8 +431,10 @@ impl OverlayExports {
         }
         let versions =
             self.versions.as_ref().ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
-        let (version, image) =
-            versions.current(image_name).map_err(|e| DeviceError::new(DeviceErrorKind::Invalid, e.to_string()))?;
+        let stage = self.stage_of(name);
+        let (version, image) = versions
+            .staged(image_name, stage)
+            .map_err(|e| DeviceError::new(DeviceErrorKind::Invalid, e.to_string()))?;
         Ok((format!("{image_name}:{version}"), image))
     }
 

@@ -1,10 +1,16 @@
 //! Golden images with versions, the way provisioning servers keep them: a directory per image,
-//! one immutable file per version, and a `current` marker naming the version new VMs get.
+//! one immutable file per version, and markers naming the version of each stage (PVS's
+//! production and test): production is what new VMs get, test what new VMs of the test group
+//! (`serve --test-vms`) get while there is one.
 //!
 //! ```text
 //! DIR/<image>/v1.img  v2.qcow2  …   published versions, never changed once there
-//! DIR/<image>/current                the version new connections get ("v2"), replaced atomically
+//! DIR/<image>/current                production: the version new connections get ("v2")
+//! DIR/<image>/test                   test: the version new test VMs get, until promoted
+//! DIR/<image>/previous               the production version before the last change (rollback)
 //! ```
+//!
+//! Markers are replaced whole and atomically, under the image's lock.
 //!
 //! A VM keeps the version it connected to until it reconnects: its overlay holds that version
 //! open. The server keeps one open copy (and one shared read cache) per version while any VM uses
@@ -31,7 +37,37 @@ pub struct Version {
 pub struct ImageEntry {
     pub name: String,
     pub versions: Vec<Version>,
+    /// Production.
     pub current: Option<String>,
+    pub test: Option<String>,
+    pub previous: Option<String>,
+}
+
+/// Which VMs get a version: production (every new VM unless in the test group) or test (new
+/// VMs of the test group, while the image has a test version).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Test,
+    Production,
+}
+
+impl Stage {
+    /// The marker file naming the stage's version.
+    fn marker(self) -> &'static str {
+        match self {
+            Stage::Test => "test",
+            Stage::Production => "current",
+        }
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stage::Test => "test",
+            Stage::Production => "production",
+        })
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -81,8 +117,111 @@ impl ImageStore {
             }
         }
         versions.sort_by_key(|v| version_number(&v.name));
-        let current = std::fs::read_to_string(dir.join("current")).ok().map(|s| s.trim().to_owned());
-        Ok(ImageEntry { name: name.to_owned(), versions, current })
+        let marker = |file: &str| {
+            std::fs::read_to_string(dir.join(file)).ok().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
+        };
+        Ok(ImageEntry {
+            name: name.to_owned(),
+            versions,
+            current: marker("current"),
+            test: marker("test"),
+            previous: marker("previous"),
+        })
+    }
+
+    /// The version new VMs of `stage` get: the test version while there is one, else (and for
+    /// production) the current one.
+    pub fn staged(&self, name: &str, stage: Stage) -> Result<Version, ServerError> {
+        if stage == Stage::Test {
+            let image = self.image(name)?;
+            if let Some(test) = image.test {
+                return match image.versions.into_iter().find(|v| v.name == test) {
+                    Some(version) => Ok(version),
+                    None => Err(ServerError::Stage {
+                        image: name.to_owned(),
+                        why: format!("its test version {test} is not published"),
+                    }),
+                };
+            }
+        }
+        self.current(name)
+    }
+
+    /// Makes `version` the test stage's: new VMs of the test group get it, production VMs
+    /// keep theirs.
+    pub fn test(&self, name: &str, version: &str) -> Result<(), ServerError> {
+        self.with_lock(name, |store| {
+            store.published(name, version)?;
+            store.mark(name, Stage::Test.marker(), Some(version))
+        })
+    }
+
+    /// The test version becomes production (the one before is kept for a rollback) and the
+    /// test stage is empty again: test VMs follow production until the next `test`. Returns
+    /// the version promoted.
+    pub fn promote(&self, name: &str) -> Result<String, ServerError> {
+        self.with_lock(name, |store| {
+            let test = store.image(name)?.test.ok_or_else(|| ServerError::Stage {
+                image: name.to_owned(),
+                why: "it has no test version to promote (`overspill image test IMAGE VERSION` names one)".into(),
+            })?;
+            store.activate_locked(name, &test)?;
+            store.mark(name, Stage::Test.marker(), None)?;
+            Ok(test)
+        })
+    }
+
+    /// Production goes back to the version it was before its last change. Returns it.
+    pub fn rollback(&self, name: &str) -> Result<String, ServerError> {
+        self.with_lock(name, |store| {
+            let previous = store.image(name)?.previous.ok_or_else(|| ServerError::Stage {
+                image: name.to_owned(),
+                why: "no earlier production version is recorded (one rollback undoes one change)".into(),
+            })?;
+            store.published(name, &previous)?;
+            store.mark(name, Stage::Production.marker(), Some(&previous))?;
+            store.mark(name, "previous", None)?;
+            Ok(previous)
+        })
+    }
+
+    fn with_lock<T>(&self, name: &str, work: impl FnOnce(&Self) -> Result<T, ServerError>) -> Result<T, ServerError> {
+        check_name("image", name)?;
+        let lock = lock_image(&self.root.join(name))?;
+        let done = work(self);
+        drop(lock);
+        done
+    }
+
+    /// `Err` unless `version` of `name` is published.
+    fn published(&self, name: &str, version: &str) -> Result<(), ServerError> {
+        check_name("version", version)?;
+        if self.image(name)?.versions.iter().any(|v| v.name == version) {
+            Ok(())
+        } else {
+            Err(ServerError::NoSuchVersion { image: name.to_owned(), version: version.to_owned() })
+        }
+    }
+
+    /// Replaces marker `file` of `name` whole (`None`: removes it), durably.
+    fn mark(&self, name: &str, file: &str, version: Option<&str>) -> Result<(), ServerError> {
+        let dir = self.root.join(name);
+        let io = |e| ServerError::io(format!("marking {file} in {}", dir.display()), e);
+        match version {
+            // Readable by the server whatever the umask of whoever ran this, and on disk.
+            Some(version) => crate::files::replace_whole_durably(
+                &dir.join(file),
+                &dir.join(format!(".{file}.partial")),
+                format!("{version}\n").as_bytes(),
+                0o644,
+            )
+            .map_err(io),
+            None => match std::fs::remove_file(dir.join(file)) {
+                Ok(()) => crate::files::sync_directory(&dir).map_err(io),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(error) => Err(io(error)),
+            },
+        }
     }
 
     /// The version new connections to `name` get, and its file.
@@ -192,18 +331,14 @@ impl ImageStore {
         Ok(())
     }
 
+    /// Makes `version` production, keeping the one it replaces as `previous` (for a rollback).
     fn activate_locked(&self, name: &str, version: &str) -> Result<(), ServerError> {
-        check_name("version", version)?;
-        let image = self.image(name)?;
-        if !image.versions.iter().any(|v| v.name == version) {
-            return Err(ServerError::NoSuchVersion { image: name.to_owned(), version: version.to_owned() });
+        self.published(name, version)?;
+        let before = self.image(name)?.current;
+        if let Some(before) = before.filter(|before| before != version) {
+            self.mark(name, "previous", Some(&before))?;
         }
-        let dir = self.root.join(name);
-        let partial = dir.join(".current.partial");
-        let io = |e| ServerError::io(format!("making {version} current in {}", dir.display()), e);
-        // Readable by the server whatever the umask of whoever ran this, and on disk.
-        crate::files::replace_whole_durably(&dir.join("current"), &partial, format!("{version}\n").as_bytes(), 0o644)
-            .map_err(io)
+        self.mark(name, Stage::Production.marker(), Some(version))
     }
 }
 
@@ -360,9 +495,9 @@ impl OpenVersions {
         Ok((image.size(), description))
     }
 
-    /// The current version of `name`, shared with the VMs already on it.
-    pub fn current(&self, name: &str) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
-        self.open(name, self.store.current(name)?)
+    /// The version of `name` new VMs of `stage` get, shared with the VMs already on it.
+    pub fn staged(&self, name: &str, stage: Stage) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
+        self.open(name, self.store.staged(name, stage)?)
     }
 
     /// The versions VMs hold now, each with its label (`name:version`, as VMs show it).
@@ -564,13 +699,13 @@ mod tests {
 
         let caches = Arc::new(ReadCacheList::default());
         let open = OpenVersions::new(store.clone(), 1 << 20, caches.clone(), HostMemory::unlimited());
-        let (v, first) = open.current("win7").expect("current");
-        let (_, again) = open.current("win7").expect("current");
+        let (v, first) = open.staged("win7", Stage::Production).expect("current");
+        let (_, again) = open.staged("win7", Stage::Production).expect("current");
         assert_eq!(v, "v1");
         assert!(Arc::ptr_eq(&first, &again), "one open copy per version");
         assert_eq!(first.size(), 8192);
         store.activate("win7", "v2").expect("activate");
-        let (v, second) = open.current("win7").expect("current");
+        let (v, second) = open.staged("win7", Stage::Production).expect("current");
         assert_eq!((v.as_str(), second.size()), ("v2", 4096));
         assert_eq!(first.size(), 8192, "a VM on v1 keeps v1");
         assert_eq!(caches.live().len(), 2);
@@ -598,18 +733,18 @@ mod tests {
             image.read_at(&mut byte, 0).expect("read");
             byte[0]
         };
-        let (_, held_v2) = open.current("win7").expect("current");
+        let (_, held_v2) = open.staged("win7", Stage::Production).expect("current");
         assert_eq!(read_first(&held_v2), 2);
         let image_dir = dir.path().join("images/win7");
         std::fs::remove_file(image_dir.join("v2.img")).expect("remove v2");
         assert_eq!(publish(3, 4096), "v3", "the removed v2's number is not given again");
-        let (v, image) = open.current("win7").expect("current");
+        let (v, image) = open.staged("win7", Stage::Production).expect("current");
         assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v3", 4096, 3));
 
         std::fs::remove_file(image_dir.join("v3.img")).expect("remove v3");
         std::fs::remove_file(image_dir.join(HIGHEST_GIVEN)).expect("remove the record");
         assert_eq!(publish(4, 16384), "v2", "without the record, the files are all that tell");
-        let (v, image) = open.current("win7").expect("current");
+        let (v, image) = open.staged("win7", Stage::Production).expect("current");
         assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v2", 16384, 4), "the held v2 handed out");
         assert_eq!(open.describe("win7").expect("describe").0, 16384);
         assert_eq!(read_first(&held_v2), 2, "the VMs on the removed v2 keep it");

@@ -1,4 +1,5 @@
-//! `overspill image`: publish golden-image versions and choose the one new VMs get.
+//! `overspill image`: publish golden-image versions and choose the ones new VMs get: production
+//! for all, test for the test group (`serve --test-vms`), PVS's way of updating a vDisk.
 
 use std::path::PathBuf;
 
@@ -28,8 +29,27 @@ enum ImageAction {
         #[arg(long)]
         activate: bool,
     },
-    /// Make VERSION the one new connections to IMAGE get; VMs already running keep theirs.
+    /// Make VERSION the one new connections to IMAGE get (production); VMs already running
+    /// keep theirs.
     Activate { image: String, version: String },
+    /// Make VERSION IMAGE's test version: new VMs of the test group (`serve --test-vms GLOB`)
+    /// get it, every other VM keeps getting production.
+    Test { image: String, version: String },
+    /// The test version becomes production, for every new VM; the test stage is then empty
+    /// (test VMs follow production again). Running VMs keep the version they booted.
+    Promote { image: String },
+    /// Production goes back to the version it was before its last change (a promote or an
+    /// activate). Running VMs keep the version they booted.
+    Rollback { image: String },
+}
+
+/// `3` means `v3`, the name `list` shows.
+fn version_name(version: String) -> String {
+    if !version.is_empty() && version.bytes().all(|b| b.is_ascii_digit()) {
+        format!("v{version}")
+    } else {
+        version
+    }
 }
 
 pub fn run(args: ImageArgs) -> anyhow::Result<()> {
@@ -42,8 +62,21 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
             for image in store.images()? {
                 println!("{}", image.name);
                 for v in &image.versions {
-                    let mark = if image.current.as_deref() == Some(&v.name) { "*" } else { " " };
-                    println!("  {mark} {:<6} {:>10}  {}", v.name, format_bytes(v.bytes), v.path.display());
+                    let is = |marker: &Option<String>| marker.as_deref() == Some(v.name.as_str());
+                    let mark = if is(&image.current) { "*" } else { " " };
+                    let stage = match (is(&image.current), is(&image.test), is(&image.previous)) {
+                        (true, ..) => "production",
+                        (_, true, _) => "test",
+                        (.., true) => "previous",
+                        _ => "",
+                    };
+                    println!(
+                        "  {mark} {:<6} {:<10} {:>10}  {}",
+                        v.name,
+                        stage,
+                        format_bytes(v.bytes),
+                        v.path.display()
+                    );
                 }
             }
         }
@@ -63,14 +96,22 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
             }
         }
         ImageAction::Activate { image, version } => {
-            // `activate win 3` means v3, the name `list` shows.
-            let version = if !version.is_empty() && version.bytes().all(|b| b.is_ascii_digit()) {
-                format!("v{version}")
-            } else {
-                version
-            };
+            let version = version_name(version);
             store.activate(&image, &version)?;
             println!("{image} {version} (current)");
+        }
+        ImageAction::Test { image, version } => {
+            let version = version_name(version);
+            store.test(&image, &version)?;
+            println!("{image} {version} (test): new VMs of the test group get it");
+        }
+        ImageAction::Promote { image } => {
+            let version = store.promote(&image)?;
+            println!("{image} {version} (current): promoted from test; every new VM gets it");
+        }
+        ImageAction::Rollback { image } => {
+            let version = store.rollback(&image)?;
+            println!("{image} {version} (current): rolled back");
         }
     }
     Ok(())

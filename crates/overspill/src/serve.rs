@@ -208,6 +208,11 @@ pub struct ServeArgs {
     /// such a VM does not move to a peer while it has several connections.
     #[arg(long = "multi-conn", value_name = "GLOB")]
     multi_conn: Vec<String>,
+    /// VM names (shell patterns) of the test group: a new VM of it gets an image's test
+    /// version while the image has one (`overspill image test IMAGE VERSION`; `image promote`
+    /// makes it production for all). Images of the store (--images) only. Repeatable.
+    #[arg(long = "test-vms", value_name = "GLOB")]
+    test_vms: Vec<String>,
     /// Each VM's operations per second (reads, writes, zeroes, trims), with a burst: `1000`
     /// (a burst of one second's worth) or `1000:5000`. Requests over it wait, over NBD and
     /// vhost-user alike. `overspill vm limit NAME` changes one VM's, live. Default: none.
@@ -570,6 +575,9 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
     if args.spill_limit_bandwidth.is_some() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
         bail!("--spill-limit-bandwidth paces spill segment writes: mode {} has no spill log", args.mode);
     }
+    if !args.test_vms.is_empty() && args.images.is_none() {
+        bail!("--test-vms chooses the test versions of an image store's images: give --images DIR");
+    }
     if args.boot_time.is_zero() {
         bail!("--boot-time must be above 0 (without --boot-max, boots only give golden-image fetches priority)");
     }
@@ -613,6 +621,7 @@ fn overlay_exports(
             tracing::warn!(dir = %dir.display(), "the image store has no images yet (see `overspill image publish`)");
         }
         exports.with_image_store(dir);
+        exports.with_test_vms(args.test_vms.clone());
     }
     exports
         .with_lifecycle(Lifecycle {

@@ -1,0 +1,87 @@
+//! Image stages, PVS's way of updating a golden image: a new version goes to the test group
+//! first (`overspill image test`, `serve --test-vms`), then to every new VM (`image promote`),
+//! and back (`image rollback`), each one command, none touching a running VM's version. Real
+//! server, real NBD connections, the real `overspill image` command.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use overspill_nbd::client::{Client, NbdUri};
+
+mod common;
+use common::Serve;
+
+/// `overspill image --images STORE ARGS`: whether it succeeded, and what it printed.
+fn image(store: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("image")
+        .arg("--images")
+        .arg(store)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("overspill image");
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+fn image_ok(store: &Path, args: &[&str]) -> String {
+    let (ok, text) = image(store, args);
+    assert!(ok, "image {args:?}: {text}");
+    text
+}
+
+/// The byte VM `vm`'s disk starts with, over a connection left open (returned).
+fn first_byte(socket: &Path, vm: &str) -> (u8, Client) {
+    let uri: NbdUri = format!("nbd+unix:///win@{vm}?socket={}", socket.display()).parse().expect("uri");
+    let mut client = Client::connect(&uri).unwrap_or_else(|e| panic!("{vm}: {e}"));
+    let mut buf = vec![0u8; 4096];
+    client.read(0, &mut buf).unwrap_or_else(|e| panic!("{vm} reads: {e}"));
+    assert!(buf.iter().all(|&b| b == buf[0]), "{vm}: one version's bytes throughout");
+    (buf[0], client)
+}
+
+#[test]
+fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_takes_it_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir.path().join("images");
+    let (v1, v2) = (dir.path().join("v1.img"), dir.path().join("v2.img"));
+    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
+    std::fs::write(&v2, vec![0x22u8; 4 << 20]).expect("v2");
+    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
+    image_ok(&store, &["publish", "win", v2.to_str().expect("utf-8")]);
+    let (ok, text) = image(&store, &["promote", "win"]);
+    assert!(!ok && text.contains("no test version to promote"), "{text}");
+    image_ok(&store, &["test", "win", "2"]);
+    let list = image_ok(&store, &["list"]);
+    assert!(list.contains("v1     production") && list.contains("v2     test"), "{list}");
+
+    let socket = dir.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args = ["--images", store.to_str().expect("utf-8"), "--listen", &listen, "--test-vms", "lab-*"];
+    let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists());
+
+    let (byte, _lab) = first_byte(&socket, "lab-1");
+    assert_eq!(byte, 0x22, "a test VM gets the test version");
+    let (byte, mut desk) = first_byte(&socket, "desk-1");
+    assert_eq!(byte, 0x11, "a production VM gets production");
+
+    let said = image_ok(&store, &["promote", "win"]);
+    assert!(said.contains("v2 (current)"), "{said}");
+    let (byte, _) = first_byte(&socket, "desk-2");
+    assert_eq!(byte, 0x22, "after the promote every new VM gets v2");
+    let (byte, _) = first_byte(&socket, "lab-2");
+    assert_eq!(byte, 0x22, "with no test version, test VMs follow production");
+    let mut buf = vec![0u8; 4096];
+    desk.read(1 << 20, &mut buf).expect("desk-1 reads on");
+    assert!(buf.iter().all(|&b| b == 0x11), "a running VM keeps the version it booted");
+
+    let said = image_ok(&store, &["rollback", "win"]);
+    assert!(said.contains("v1 (current)"), "{said}");
+    let (byte, _) = first_byte(&socket, "desk-3");
+    assert_eq!(byte, 0x11, "after the rollback new VMs get v1 again");
+    let (ok, text) = image(&store, &["rollback", "win"]);
+    assert!(!ok && text.contains("no earlier production version"), "one rollback undoes one change: {text}");
+    let (ok, text) = image(&store, &["test", "win", "9"]);
+    assert!(!ok && text.contains("no version v9"), "{text}");
+    drop(server);
+}
