@@ -83,6 +83,11 @@ pub enum Request {
     Booted {
         vm: String,
     },
+    /// The test group of image stages: replaced by `set` if given; answered with it as it is.
+    TestGroup {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        set: Option<Vec<String>>,
+    },
 }
 
 /// A limit as `vm limit` changes it.
@@ -257,6 +262,20 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
                 ""
             };
             Answer { ok: true, message: Some(format!("host budget for {budget}: {limits}{idle}")), ..Answer::default() }
+        }
+        Ok(Request::TestGroup { set }) => {
+            let registry = &targets.registry;
+            if let Some(patterns) = set {
+                tracing::info!(?patterns, "test group set");
+                registry.set_test_vms(patterns);
+            }
+            let patterns = registry.test_vms();
+            let message = if patterns.is_empty() {
+                "no test group: every new VM gets production".to_owned()
+            } else {
+                format!("test group: {} (new VMs of it get an image's test version)", patterns.join(", "))
+            };
+            Answer { ok: true, message: Some(message), ..Answer::default() }
         }
         Ok(Request::Booted { vm }) => match crate::check_name("VM", &vm) {
             Ok(()) => {

@@ -89,8 +89,6 @@ pub struct OverlayExports {
     anonymous_writes: bool,
     /// Servers a named VM may be running on when it connects here (live migration).
     peers: Option<Peers>,
-    /// Name patterns of the VMs that get an image's test version (`serve --test-vms`).
-    test_vms: Vec<String>,
 }
 
 // Everything, and cheaply: the cache lives as long as the VM's connection by design, so an
@@ -163,7 +161,6 @@ impl OverlayExports {
             changed_images: Default::default(),
             anonymous_writes: false,
             peers: None,
-            test_vms: Vec::new(),
         })
     }
 
@@ -362,19 +359,11 @@ impl OverlayExports {
 
     /// Also serves the images of a versioned store: each connection gets the image's current
     /// version and keeps it until it disconnects.
-    /// VMs whose names match one of `patterns` (`*`, `?`) are the test group: new ones get an
-    /// image's test version while it has one (see `images`).
-    pub fn with_test_vms(&mut self, patterns: Vec<String>) {
-        self.test_vms = patterns;
-    }
-
-    /// The stage whose version a new connection to export `name` gets.
+    /// The stage whose version a new connection to export `name` gets: test for a VM of the
+    /// registry's test group (see `images`).
     fn stage_of(&self, name: &str) -> Stage {
-        let vm = name.split_once('@').map(|(_, vm)| vm);
-        match vm {
-            Some(vm) if self.test_vms.iter().any(|p| crate::multi_conn::glob_matches(p.as_bytes(), vm.as_bytes())) => {
-                Stage::Test
-            }
+        match name.split_once('@') {
+            Some((_, vm)) if self.registry.in_test_group(vm) => Stage::Test,
             _ => Stage::Production,
         }
     }

@@ -1,18 +1,24 @@
-//! Which VMs may take several connections at once (`serve --multi-conn`): patterns of names.
+//! Sets of VMs named by patterns: which may take several connections at once (`serve
+//! --multi-conn`), which are the test group of image stages (`serve --test-vms`).
 
 use std::sync::Mutex;
 
 use crate::vms::lock;
 
-/// The VM names (shell-style patterns: `*` any run, `?` one character) whose clients may open
-/// several connections at once, all serving one overlay (NBD multi-conn). The server cannot tell
-/// a second connection of the same client from a second QEMU, so a VM opts in by name.
+/// VM names as shell-style patterns (`*` any run, `?` one character), changed live. For
+/// multi-conn: the VMs whose clients may open several connections at once, all serving one
+/// overlay (the server cannot tell a second connection of the same client from a second QEMU,
+/// so a VM opts in by name).
 #[derive(Debug, Default)]
-pub(crate) struct MultiConn(Mutex<Vec<String>>);
+pub(crate) struct NamePatterns(Mutex<Vec<String>>);
 
-impl MultiConn {
+impl NamePatterns {
     pub(crate) fn set(&self, patterns: Vec<String>) {
         *lock(&self.0) = patterns;
+    }
+
+    pub(crate) fn patterns(&self) -> Vec<String> {
+        lock(&self.0).clone()
     }
 
     pub(crate) fn allows(&self, vm: &str) -> bool {

@@ -111,14 +111,15 @@ impl VmLimits {
 
     /// The group of VM `vm` (none: an unnamed VM) over image `image`.
     pub fn group_of(&self, vm: Option<&str>, image: &str) -> String {
+        vm.and_then(|vm| self.named_group_of(vm)).unwrap_or_else(|| format!("{IMAGE_GROUP_PREFIX}{image}"))
+    }
+
+    /// The named group (`serve --group`) VM `vm` is in, if any.
+    pub fn named_group_of(&self, vm: &str) -> Option<String> {
         let book = self.lock();
-        let named = vm.and_then(|vm| {
-            book.groups.iter().find(|(_, patterns)| patterns.iter().any(|p| glob_matches(p.as_bytes(), vm.as_bytes())))
-        });
-        match named {
-            Some((group, _)) => group.clone(),
-            None => format!("{IMAGE_GROUP_PREFIX}{image}"),
-        }
+        let found =
+            book.groups.iter().find(|(_, patterns)| patterns.iter().any(|p| glob_matches(p.as_bytes(), vm.as_bytes())));
+        found.map(|(group, _)| group.clone())
     }
 
     /// The limiters a connection of VM `vm` over image `image` passes: the VM's own (made with

@@ -41,7 +41,7 @@ use crate::ledger::{
     remove_leftover_state_files, remove_state_files, Ledger, LeftBehind, Marks, Recoverable, StateRecord,
 };
 use crate::live::Live;
-use crate::multi_conn::MultiConn;
+use crate::multi_conn::NamePatterns;
 use crate::vm_limits::VmLimits;
 use crate::vm_overlay::VmOverlay;
 use crate::ServerError;
@@ -130,7 +130,9 @@ pub struct VmRegistry {
     golden_image_changes: std::sync::atomic::AtomicU64,
     limits: VmLimits,
     boots: Arc<BootPacing>,
-    multi_conn: MultiConn,
+    multi_conn: NamePatterns,
+    /// The test group of image stages: name patterns, and `group:NAME` for a named group.
+    test_vms: NamePatterns,
     moves: MoveCounters,
 }
 
@@ -241,7 +243,8 @@ impl VmRegistry {
             golden_image_changes: Default::default(),
             limits: VmLimits::default(),
             boots: Arc::default(),
-            multi_conn: MultiConn::default(),
+            multi_conn: NamePatterns::default(),
+            test_vms: NamePatterns::default(),
             moves: MoveCounters::default(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
@@ -673,6 +676,25 @@ impl VmRegistry {
     }
 
     /// The VM names whose connections may be several at once, sharing one overlay.
+    /// Names the test group of image stages (`serve --test-vms`, `vm test-group`): VM name
+    /// patterns, or `group:NAME` for the VMs of a named group (`serve --group`).
+    pub fn set_test_vms(&self, patterns: Vec<String>) {
+        self.test_vms.set(patterns);
+    }
+
+    pub fn test_vms(&self) -> Vec<String> {
+        self.test_vms.patterns()
+    }
+
+    /// Whether VM `vm` is in the test group: a new overlay of it gets an image's test version.
+    pub fn in_test_group(&self, vm: &str) -> bool {
+        let group = self.limits.named_group_of(vm);
+        self.test_vms.patterns().iter().any(|pattern| match pattern.strip_prefix("group:") {
+            Some(name) => group.as_deref() == Some(name),
+            None => crate::multi_conn::glob_matches(pattern.as_bytes(), vm.as_bytes()),
+        })
+    }
+
     pub fn allow_multi_conn(&self, patterns: Vec<String>) {
         self.multi_conn.set(patterns);
     }

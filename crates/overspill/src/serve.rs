@@ -208,9 +208,11 @@ pub struct ServeArgs {
     /// such a VM does not move to a peer while it has several connections.
     #[arg(long = "multi-conn", value_name = "GLOB")]
     multi_conn: Vec<String>,
-    /// VM names (shell patterns) of the test group: a new VM of it gets an image's test
-    /// version while the image has one (`overspill image test IMAGE VERSION`; `image promote`
-    /// makes it production for all). Images of the store (--images) only. Repeatable.
+    /// The test group: VM names (shell patterns), or `group:NAME` for a named group's VMs
+    /// (--group). A new VM of it gets an image's test version while the image has one
+    /// (`overspill image test IMAGE VERSION`; `image promote` makes it production for all).
+    /// Images of the store (--images) only. `overspill vm test-group` changes it live.
+    /// Repeatable.
     #[arg(long = "test-vms", value_name = "GLOB")]
     test_vms: Vec<String>,
     /// Each VM's operations per second (reads, writes, zeroes, trims), with a burst: `1000`
@@ -394,6 +396,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
         boot_time: args.boot_time,
     });
     registry.allow_multi_conn(args.multi_conn.clone());
+    registry.set_test_vms(args.test_vms.clone());
+    if !args.test_vms.is_empty() && args.images.is_none() {
+        tracing::warn!("--test-vms names the VMs that get an image store's test versions, and there is no --images");
+    }
     let control_path = args.control.clone().unwrap_or_else(|| state_dir.join("control.sock"));
     let control = control::spawn(&control_path, registry.clone())?;
     let _peer_listener = serve_peers(&args, &mut exports, &registry, &control)?;
@@ -575,9 +581,6 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
     if args.spill_limit_bandwidth.is_some() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
         bail!("--spill-limit-bandwidth paces spill segment writes: mode {} has no spill log", args.mode);
     }
-    if !args.test_vms.is_empty() && args.images.is_none() {
-        bail!("--test-vms chooses the test versions of an image store's images: give --images DIR");
-    }
     if args.boot_time.is_zero() {
         bail!("--boot-time must be above 0 (without --boot-max, boots only give golden-image fetches priority)");
     }
@@ -621,7 +624,6 @@ fn overlay_exports(
             tracing::warn!(dir = %dir.display(), "the image store has no images yet (see `overspill image publish`)");
         }
         exports.with_image_store(dir);
-        exports.with_test_vms(args.test_vms.clone());
     }
     exports
         .with_lifecycle(Lifecycle {

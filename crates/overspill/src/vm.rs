@@ -45,6 +45,16 @@ enum VmAction {
         /// The golden image's export name (`serve --export NAME=…`, or an image store's image).
         image: Option<String>,
     },
+    /// The test group of image stages (`serve --test-vms`): with patterns, replace it live
+    /// (VM name patterns, `group:NAME` for a named group's VMs); with --none, empty it; alone,
+    /// print it. New VMs of the group get an image's test version (`overspill image test`);
+    /// running VMs keep theirs. Lasts while the server runs.
+    TestGroup {
+        #[arg(value_name = "GLOB")]
+        patterns: Vec<String>,
+        #[arg(long, conflicts_with = "patterns")]
+        none: bool,
+    },
     /// Say VM NAME's boot is over (`serve --boot-max`): its boot slot goes to the next VM in
     /// line and its golden-image fetches no longer go first. Without it a boot lasts
     /// `--boot-time`.
@@ -93,6 +103,9 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
         VmAction::Booted { vm } => Request::Booted { vm: vm.clone() },
+        VmAction::TestGroup { patterns, none } => {
+            Request::TestGroup { set: (*none || !patterns.is_empty()).then(|| patterns.clone()) }
+        }
         VmAction::Limit { vm, host: true, iops, bandwidth, .. } => Request::HostLimit {
             budget: match vm.as_str() {
                 "golden" => HostBudget::Golden,

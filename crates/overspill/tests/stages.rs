@@ -56,9 +56,21 @@ fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_tak
     assert!(list.contains("v1     production") && list.contains("v2     test"), "{list}");
 
     let socket = dir.path().join("nbd.sock");
+    let control = dir.path().join("control.sock");
     let listen = format!("unix:{}", socket.display());
-    let args = ["--images", store.to_str().expect("utf-8"), "--listen", &listen, "--test-vms", "lab-*"];
-    let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists());
+    let args = [
+        "--images",
+        store.to_str().expect("utf-8"),
+        "--listen",
+        &listen,
+        "--control",
+        control.to_str().expect("utf-8"),
+        "--test-vms",
+        "lab-*",
+        "--group",
+        "office=desk-*",
+    ];
+    let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists() && control.exists());
 
     let (byte, _lab) = first_byte(&socket, "lab-1");
     assert_eq!(byte, 0x22, "a test VM gets the test version");
@@ -83,5 +95,33 @@ fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_tak
     assert!(!ok && text.contains("no earlier production version"), "one rollback undoes one change: {text}");
     let (ok, text) = image(&store, &["test", "win", "9"]);
     assert!(!ok && text.contains("no version v9"), "{text}");
+
+    // The test group changed live, here to a named group's VMs.
+    image_ok(&store, &["test", "win", "v2"]);
+    let said = vm(&control, &["test-group", "group:office"]);
+    assert!(said.contains("test group: group:office"), "{said}");
+    let (byte, _) = first_byte(&socket, "desk-4");
+    assert_eq!(byte, 0x22, "a VM of the named group is in the test group now");
+    let (byte, _) = first_byte(&socket, "lab-3");
+    assert_eq!(byte, 0x11, "lab-* is no longer");
+    let said = vm(&control, &["test-group", "--none"]);
+    assert!(said.contains("no test group"), "{said}");
+    let (byte, _) = first_byte(&socket, "desk-5");
+    assert_eq!(byte, 0x11, "with no test group every new VM gets production");
     drop(server);
+}
+
+/// `overspill vm ARGS --control CONTROL`, which must succeed: what it printed.
+fn vm(control: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("vm")
+        .args(args)
+        .arg("--control")
+        .arg(control)
+        .stdin(Stdio::null())
+        .output()
+        .expect("overspill vm");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "vm {args:?}: {text}");
+    text
 }

@@ -81,7 +81,8 @@ fn the_service_and_its_conffile_are_ones_serve_takes() {
     let scratch = dir.path().to_string_lossy();
     let settings = settings.replace("\"/var/cache/", &format!("\"{scratch}/var/cache/"));
     let settings = settings.replace("\"/run/", &format!("\"{scratch}/run/"));
-    let examples = ["limit-", "group", "golden-limit-", "spill-limit-", "boot-", "reconnect-grace", "multi-conn"];
+    let examples =
+        ["limit-", "group", "golden-limit-", "spill-limit-", "boot-", "reconnect-grace", "multi-conn", "test-vms"];
     let mut uncommented = 0;
     let settings: String = settings
         .lines()
