@@ -13,6 +13,7 @@ use std::sync::Arc;
 use overspill_engine::{EngineError, GoldenImage, RawImage, Result};
 
 pub mod qcow2;
+pub mod qcow2_layer;
 pub mod vhdx;
 
 /// The formats an image file can be read as.

@@ -338,3 +338,62 @@ fn measure_block_status_of_a_layer_over_a_backing_file() {
     }
     eprintln!("block status of 8 GiB over a backing file: {:?}, {extents} extents", started.elapsed());
 }
+
+/// A layer written by `LayerWriter` over a raw base: `qemu-img check` finds it sound, `qemu-img
+/// compare` finds it the base with the changes, and this crate's reader reads the same, zeroed
+/// blocks as zeroes (a zero cluster) and untouched ones from the base.
+#[test]
+fn a_written_layer_is_its_base_with_the_changes_for_qemu_img_and_this_reader() {
+    use overspill_images::qcow2_layer::LayerWriter;
+    use overspill_images::Format;
+    let dir = tempfile::tempdir().expect("tempdir");
+    const DISK: usize = 8 << 20;
+    let base: Vec<u8> = (0..DISK).map(|i| (i as u64).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
+    std::fs::write(dir.path().join("base.raw"), &base).expect("base");
+    let mut expected = base.clone();
+    let layer = dir.path().join("layer.qcow2");
+    let mut writer = LayerWriter::create(&layer, DISK as u64, "base.raw", Format::Raw).expect("create");
+    let put = |writer: &mut LayerWriter, expected: &mut Vec<u8>, first: usize, blocks: usize, byte: u8| {
+        writer.data(first as u64, &vec![byte; blocks * 4096]).expect("data");
+        expected[first * 4096..(first + blocks) * 4096].fill(byte);
+    };
+    put(&mut writer, &mut expected, 0, 3, 0xaa);
+    put(&mut writer, &mut expected, 100, 1, 0xbb);
+    // Across the first L2 table's end (512 blocks each).
+    put(&mut writer, &mut expected, 510, 5, 0xcc);
+    writer.zeroes(1000, 1010).expect("zeroes");
+    expected[1000 * 4096..1010 * 4096].fill(0);
+    // Zeroed then written; written then zeroed; written twice; the disk's last block.
+    put(&mut writer, &mut expected, 1005, 1, 0xdd);
+    put(&mut writer, &mut expected, 1500, 2, 0x77);
+    writer.zeroes(1500, 1501).expect("zeroes");
+    expected[1500 * 4096..1501 * 4096].fill(0);
+    put(&mut writer, &mut expected, 100, 1, 0xee);
+    put(&mut writer, &mut expected, DISK / 4096 - 1, 1, 0xff);
+    assert!(writer.data((DISK / 4096) as u64, &[0; 4096]).is_err(), "a block past the disk is refused");
+    writer.finish().expect("finish");
+    let expected_raw = dir.path().join("expected.raw");
+    std::fs::write(&expected_raw, &expected).expect("expected");
+
+    let check = std::process::Command::new("qemu-img")
+        .args(["check", "-f", "qcow2", s(&layer)])
+        .output()
+        .expect("qemu-img check (apt-get install qemu-utils)");
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && said.contains("No errors were found"),
+        "{said}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    run("qemu-img", &["compare", "-f", "qcow2", "-F", "raw", s(&layer), s(&expected_raw)]);
+
+    let image = open_image(&layer).expect("this reader opens the layer");
+    assert_reads_match(image.as_ref(), &expected);
+    let zeroed = image.extents(1000 * 4096, 4096).expect("extents");
+    assert!(
+        matches!(zeroed[0].state, Allocation::Zero | Allocation::Hole),
+        "a zeroed block stores nothing and reads zeroes: {zeroed:?}"
+    );
+    let untouched = image.extents(2000 * 4096, 4096).expect("extents");
+    assert_eq!(untouched[0].state, Allocation::Data, "an untouched block is the base's data: {untouched:?}");
+}
