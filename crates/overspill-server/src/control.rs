@@ -83,6 +83,11 @@ pub enum Request {
     Booted {
         vm: String,
     },
+    /// Captures VM `vm` as the next version of its image (an image of the store): its overlay
+    /// ends with it.
+    Capture {
+        vm: String,
+    },
     /// The test group of image stages: replaced by `set` if given; answered with it as it is.
     TestGroup {
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -263,6 +268,25 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             };
             Answer { ok: true, message: Some(format!("host budget for {budget}: {limits}{idle}")), ..Answer::default() }
         }
+        Ok(Request::Capture { vm }) => match (crate::check_name("VM", &vm), targets.registry.image_store()) {
+            (Err(error), _) => outcome(Err(error)),
+            (Ok(()), None) => Answer {
+                ok: false,
+                message: Some("this server serves no image store (--images): nothing to capture into".into()),
+                ..Answer::default()
+            },
+            (Ok(()), Some(store)) => match targets.registry.capture(&vm, store) {
+                Ok((image, version)) => Answer {
+                    ok: true,
+                    message: Some(format!(
+                        "{vm}: captured as {image} {version}, a layer over the version it booted; its overlay ends \
+                         (`overspill image test {image} {version}` gives it to the test group)"
+                    )),
+                    ..Answer::default()
+                },
+                Err(why) => Answer { ok: false, message: Some(why), ..Answer::default() },
+            },
+        },
         Ok(Request::TestGroup { set }) => {
             let registry = &targets.registry;
             if let Some(patterns) = set {

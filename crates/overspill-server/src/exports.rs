@@ -213,6 +213,9 @@ impl OverlayExports {
             std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         }
         self.registry = VmRegistry::new(lifecycle.clone())?;
+        if let Some(versions) = &self.versions {
+            self.registry.set_image_store(versions.store().clone());
+        }
         if spills_through_writers(&self.settings) {
             self.registry.limits().use_spill_budget(self.segment_writers.budget().clone());
         }
@@ -370,6 +373,7 @@ impl OverlayExports {
 
     pub fn with_image_store(&mut self, dir: &Path) {
         let store = ImageStore::new(dir);
+        self.registry.set_image_store(store.clone());
         self.versions =
             Some(OpenVersions::new(store, self.settings.read_cache_bytes, self.read_caches.clone(), self.host.clone()));
     }

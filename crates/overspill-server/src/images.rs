@@ -322,6 +322,44 @@ impl ImageStore {
         Ok(version)
     }
 
+    /// Writes the next version of `name` as a qcow2 layer over version `below` (its backing file,
+    /// named relative to the image's directory, which is where it stays): `write` gets the
+    /// path to create the layer at, the backing file's name and its format. The layer lands
+    /// under a temporary name and becomes a version only once written and synced (a crash
+    /// leaves no version), and is never a stage's until one is given it. Returns its name.
+    pub fn publish_layer(
+        &self,
+        name: &str,
+        below: &str,
+        write: impl FnOnce(&Path, &str, overspill_images::Format) -> std::io::Result<()>,
+    ) -> Result<String, ServerError> {
+        check_name("image", name)?;
+        let dir = self.root.join(name);
+        let lock = lock_image(&dir)?;
+        let below = self.version(name, below)?;
+        let backing = below.path.file_name().and_then(|n| n.to_str()).map(str::to_owned).unwrap_or_default();
+        let format = overspill_images::Format::probe(&below.path)
+            .map_err(|source| ServerError::Engine { context: format!("reading {}", below.path.display()), source })?;
+        let highest = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0);
+        let next = highest.max(read_highest_given(&dir)) + 1;
+        let version = format!("v{next}");
+        let target = dir.join(format!("{version}.qcow2"));
+        let partial = dir.join(format!(".{version}.qcow2.partial"));
+        let io = |e| ServerError::io(format!("writing {}", target.display()), e);
+        // One a crashed writer left (under the lock, no one else's).
+        let _ = std::fs::remove_file(&partial);
+        if let Err(error) = write(&partial, &backing, format) {
+            let _ = std::fs::remove_file(&partial);
+            return Err(io(error));
+        }
+        std::fs::set_permissions(&partial, std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(io)?;
+        record_highest_given(&dir, next).map_err(io)?;
+        std::fs::rename(&partial, &target).map_err(io)?;
+        crate::files::sync_directory(&dir).map_err(io)?;
+        drop(lock);
+        Ok(version)
+    }
+
     /// Marks `version` as the one new connections get.
     pub fn activate(&self, name: &str, version: &str) -> Result<(), ServerError> {
         check_name("image", name)?;
@@ -469,6 +507,10 @@ fn file_stamp(path: &Path) -> FileStamp {
 impl OpenVersions {
     pub fn new(store: ImageStore, read_cache_bytes: u64, caches: Arc<ReadCacheList>, host: Arc<HostMemory>) -> Self {
         Self { store, read_cache_bytes, open: Mutex::default(), described: Mutex::default(), caches, host }
+    }
+
+    pub fn store(&self) -> &ImageStore {
+        &self.store
     }
 
     pub fn names(&self) -> Vec<String> {

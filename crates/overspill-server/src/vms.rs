@@ -46,6 +46,8 @@ use crate::vm_limits::VmLimits;
 use crate::vm_overlay::VmOverlay;
 use crate::ServerError;
 
+#[path = "vms_images.rs"]
+mod images;
 #[path = "vms_moves.rs"]
 mod moves;
 #[path = "vms_relief.rs"]
@@ -133,6 +135,8 @@ pub struct VmRegistry {
     multi_conn: NamePatterns,
     /// The test group of image stages: name patterns, and `group:NAME` for a named group.
     test_vms: NamePatterns,
+    /// The image store VMs are served from, if any (`serve --images`): `vm capture` writes to it.
+    image_store: std::sync::OnceLock<crate::images::ImageStore>,
     moves: MoveCounters,
 }
 
@@ -245,6 +249,7 @@ impl VmRegistry {
             boots: Arc::default(),
             multi_conn: NamePatterns::default(),
             test_vms: NamePatterns::default(),
+            image_store: std::sync::OnceLock::new(),
             moves: MoveCounters::default(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {
@@ -635,36 +640,6 @@ impl VmRegistry {
         self.forget(&mut inner, number, Some(parked))
     }
 
-    /// The golden image `image_label` (as VMs' `export` shows it) was found changed under the
-    /// VMs served over it: they would read a mix of old and new bytes, so each is lost (refused
-    /// by name until `vm reset`). A connected VM's connection closes at its next request,
-    /// unanswered, and the VM is lost as it ends; a VM in its grace is lost at once; an anonymous
-    /// one is only disconnected. Returns the named VMs, for the log.
-    pub fn golden_image_changed(&self, image_label: &str, why: &str) -> Vec<String> {
-        self.golden_image_changes.fetch_add(1, Ordering::Relaxed);
-        let mut inner = lock(&self.inner);
-        let over: Vec<u64> =
-            inner.vms.iter().filter(|(_, entry)| entry.handle.export == image_label).map(|(n, _)| *n).collect();
-        let mut named = Vec::new();
-        let mut parked = Vec::new();
-        for number in over {
-            let Some(entry) = inner.vms.get_mut(&number) else { continue };
-            entry.reset.store(true, Ordering::SeqCst);
-            if !entry.named {
-                continue;
-            }
-            named.push(entry.handle.vm.clone());
-            if entry.grace.is_some() {
-                parked.extend(self.lose_keeping_files(&mut inner, number, None, why));
-            } else {
-                entry.lose_at_end = Some(why.to_owned());
-            }
-        }
-        drop(inner);
-        drop(parked);
-        named
-    }
-
     /// Each VM's I/O limits, and the host's budgets.
     pub fn limits(&self) -> &VmLimits {
         &self.limits
@@ -676,25 +651,6 @@ impl VmRegistry {
     }
 
     /// The VM names whose connections may be several at once, sharing one overlay.
-    /// Names the test group of image stages (`serve --test-vms`, `vm test-group`): VM name
-    /// patterns, or `group:NAME` for the VMs of a named group (`serve --group`).
-    pub fn set_test_vms(&self, patterns: Vec<String>) {
-        self.test_vms.set(patterns);
-    }
-
-    pub fn test_vms(&self) -> Vec<String> {
-        self.test_vms.patterns()
-    }
-
-    /// Whether VM `vm` is in the test group: a new overlay of it gets an image's test version.
-    pub fn in_test_group(&self, vm: &str) -> bool {
-        let group = self.limits.named_group_of(vm);
-        self.test_vms.patterns().iter().any(|pattern| match pattern.strip_prefix("group:") {
-            Some(name) => group.as_deref() == Some(name),
-            None => crate::multi_conn::glob_matches(pattern.as_bytes(), vm.as_bytes()),
-        })
-    }
-
     pub fn allow_multi_conn(&self, patterns: Vec<String>) {
         self.multi_conn.set(patterns);
     }
@@ -724,11 +680,6 @@ impl VmRegistry {
             }
             None => false,
         }
-    }
-
-    /// How many times a golden image was found changed while served.
-    pub fn golden_image_changes(&self) -> u64 {
-        self.golden_image_changes.load(Ordering::Relaxed)
     }
 
     /// A VM claimed whose overlay could not be made.

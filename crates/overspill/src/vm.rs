@@ -45,6 +45,12 @@ enum VmAction {
         /// The golden image's export name (`serve --export NAME=…`, or an image store's image).
         image: Option<String>,
     },
+    /// Capture VM NAME as the next version of its image (an image of `serve --images`): what it
+    /// changed over the version it booted becomes a qcow2 layer over that version, vN.qcow2.
+    /// Halt the guest first (its disk must be still and consistent); the VM's overlay ends with
+    /// the capture (a connected VM's connection closes). The version gets no stage: give it to
+    /// the test group with `overspill image test`.
+    Capture { vm: String },
     /// The test group of image stages (`serve --test-vms`): with patterns, replace it live
     /// (VM name patterns, `group:NAME` for a named group's VMs); with --none, empty it; alone,
     /// print it. New VMs of the group get an image's test version (`overspill image test`);
@@ -103,6 +109,7 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
         VmAction::Booted { vm } => Request::Booted { vm: vm.clone() },
+        VmAction::Capture { vm } => Request::Capture { vm: vm.clone() },
         VmAction::TestGroup { patterns, none } => {
             Request::TestGroup { set: (*none || !patterns.is_empty()).then(|| patterns.clone()) }
         }

@@ -125,3 +125,80 @@ fn vm(control: &Path, args: &[&str]) -> String {
     assert!(out.status.success(), "vm {args:?}: {text}");
     text
 }
+
+/// `vm capture`: a maintenance VM's writes (data, zeroes, a trim back to the image) become the
+/// next version, a qcow2 layer over the one it booted that `qemu-img check` finds sound and
+/// `qemu-img compare` finds equal to what the VM saw; the test group then boots it and production
+/// VMs do not; the captured VM's overlay ended, so it boots afresh.
+#[test]
+fn a_captured_vm_becomes_the_next_version_that_the_test_group_boots() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir.path().join("images");
+    let v1 = dir.path().join("v1.img");
+    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
+    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
+    let socket = dir.path().join("nbd.sock");
+    let control = dir.path().join("control.sock");
+    let listen = format!("unix:{}", socket.display());
+    let args = [
+        "--images",
+        store.to_str().expect("utf-8"),
+        "--listen",
+        &listen,
+        "--control",
+        control.to_str().expect("utf-8"),
+        "--test-vms",
+        "lab-*",
+    ];
+    let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists() && control.exists());
+
+    // The maintenance VM writes, zeroes and trims, and stays connected.
+    let uri: NbdUri = format!("nbd+unix:///win@maint?socket={}", socket.display()).parse().expect("uri");
+    let mut maint = Client::connect(&uri).expect("maint connects");
+    maint.write(1 << 20, &vec![0x5au8; 64 << 10], false).expect("write");
+    maint.write(3 << 20, &vec![0x66u8; 64 << 10], false).expect("write");
+    maint.write_zeroes(2 << 20, 64 << 10, false).expect("zeroes");
+    maint.trim(3 << 20, 64 << 10).expect("trim");
+    let said = vm(&control, &["capture", "maint"]);
+    assert!(said.contains("captured as win v2"), "{said}");
+    let mut buf = vec![0u8; 4096];
+    assert!(maint.read(0, &mut buf).is_err(), "the captured VM's connection closes at its next request");
+
+    let layer = store.join("win/v2.qcow2");
+    let check = Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(&layer).output().expect("qemu-img check");
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
+    let mut expected = vec![0x11u8; 4 << 20];
+    expected[1 << 20..(1 << 20) + (64 << 10)].fill(0x5a);
+    expected[2 << 20..(2 << 20) + (64 << 10)].fill(0);
+    let expected_file = dir.path().join("expected.raw");
+    std::fs::write(&expected_file, &expected).expect("expected");
+    let compare = Command::new("qemu-img")
+        .args(["compare", "-f", "qcow2", "-F", "raw"])
+        .arg(&layer)
+        .arg(&expected_file)
+        .output()
+        .expect("qemu-img compare");
+    assert!(compare.status.success(), "{}", String::from_utf8_lossy(&compare.stdout));
+
+    image_ok(&store, &["test", "win", "v2"]);
+    let read_at = |vm: &str, offset: u64| {
+        let uri: NbdUri = format!("nbd+unix:///win@{vm}?socket={}", socket.display()).parse().expect("uri");
+        let mut client = Client::connect(&uri).unwrap_or_else(|e| panic!("{vm}: {e}"));
+        let mut buf = vec![0u8; 4096];
+        client.read(offset, &mut buf).expect("read");
+        buf[0]
+    };
+    assert_eq!((read_at("lab-1", 1 << 20), read_at("lab-2", 2 << 20), read_at("lab-3", 3 << 20)), (0x5a, 0, 0x11));
+    assert_eq!(read_at("desk-1", 1 << 20), 0x11, "production VMs boot v1");
+    assert_eq!(read_at("maint", 1 << 20), 0x11, "the captured VM's overlay ended: it boots production afresh");
+    let (ok, text) = {
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .args(["vm", "capture", "nobody", "--control"])
+            .arg(&control)
+            .output()
+            .expect("overspill vm");
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    assert!(!ok && text.contains("holds no VM nobody"), "{text}");
+    drop(server);
+}
