@@ -3,7 +3,7 @@
 //! and back (`image rollback`), each one command, none touching a running VM's version. Real
 //! server, real NBD connections, the real `overspill image` command.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use overspill_nbd::client::{Client, NbdUri};
@@ -28,6 +28,21 @@ fn image_ok(store: &Path, args: &[&str]) -> String {
     let (ok, text) = image(store, args);
     assert!(ok, "image {args:?}: {text}");
     text
+}
+
+/// A server over image store `store` with a control socket, `lab-*` its test group, and
+/// `extra` flags: the server, its NBD socket and its control socket.
+fn serve_store(dir: &Path, store: &Path, extra: &[&str]) -> (Serve, PathBuf, PathBuf) {
+    let (socket, control) = (dir.join("nbd.sock"), dir.join("control.sock"));
+    let listen = format!("unix:{}", socket.display());
+    let args = [
+        &["--images", store.to_str().expect("utf-8"), "--listen", &listen][..],
+        &["--control", control.to_str().expect("utf-8"), "--test-vms", "lab-*"],
+        extra,
+    ]
+    .concat();
+    let server = Serve::start_named_only(dir, &args, &[], || socket.exists() && control.exists());
+    (server, socket, control)
 }
 
 /// The byte VM `vm`'s disk starts with, over a connection left open (returned).
@@ -55,22 +70,7 @@ fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_tak
     let list = image_ok(&store, &["list"]);
     assert!(list.contains("v1     production") && list.contains("v2     test"), "{list}");
 
-    let socket = dir.path().join("nbd.sock");
-    let control = dir.path().join("control.sock");
-    let listen = format!("unix:{}", socket.display());
-    let args = [
-        "--images",
-        store.to_str().expect("utf-8"),
-        "--listen",
-        &listen,
-        "--control",
-        control.to_str().expect("utf-8"),
-        "--test-vms",
-        "lab-*",
-        "--group",
-        "office=desk-*",
-    ];
-    let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists() && control.exists());
+    let (server, socket, control) = serve_store(dir.path(), &store, &["--group", "office=desk-*"]);
 
     let (byte, _lab) = first_byte(&socket, "lab-1");
     assert_eq!(byte, 0x22, "a test VM gets the test version");
@@ -137,20 +137,7 @@ fn a_captured_vm_becomes_the_next_version_that_the_test_group_boots() {
     let v1 = dir.path().join("v1.img");
     std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
     image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
-    let socket = dir.path().join("nbd.sock");
-    let control = dir.path().join("control.sock");
-    let listen = format!("unix:{}", socket.display());
-    let args = [
-        "--images",
-        store.to_str().expect("utf-8"),
-        "--listen",
-        &listen,
-        "--control",
-        control.to_str().expect("utf-8"),
-        "--test-vms",
-        "lab-*",
-    ];
-    let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists() && control.exists());
+    let (server, socket, control) = serve_store(dir.path(), &store, &[]);
 
     // The maintenance VM writes, zeroes and trims, and stays connected.
     let uri: NbdUri = format!("nbd+unix:///win@maint?socket={}", socket.display()).parse().expect("uri");
