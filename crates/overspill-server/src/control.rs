@@ -463,12 +463,17 @@ fn outcome(result: Result<String, ServerError>) -> Answer {
 }
 
 /// Sends one request to the control socket at `control` and returns the server's answer.
+/// How long `vm capture` waits for the server's answer.
+const CAPTURE_TIMEOUT: Duration = Duration::from_secs(3600);
+
 pub fn ask(control: &Path, request: &Request) -> Result<Answer, ServerError> {
     let stream = UnixStream::connect(control).map_err(|e| {
         ServerError::io(format!("connecting to the control socket {} (is serve running?)", control.display()), e)
     })?;
     let io = |e| ServerError::io(format!("talking to {}", control.display()), e);
-    stream.set_read_timeout(Some(TIMEOUT)).map_err(io)?;
+    // A capture writes what the VM changed (gigabytes, maybe) before it answers.
+    let timeout = if matches!(request, Request::Capture { .. }) { CAPTURE_TIMEOUT } else { TIMEOUT };
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
     let mut text = serde_json::to_string(request).map_err(|e| ServerError::Control(e.to_string()))?;
     text.push('\n');
     (&stream).write_all(text.as_bytes()).map_err(io)?;

@@ -150,7 +150,10 @@ impl EngineDevice {
                 self.reset.store(true, Ordering::SeqCst);
                 return Err(DeviceError::new(
                     DeviceErrorKind::Io,
-                    format!("VM {} has moved to another server; this connection closes", self.name),
+                    format!(
+                        "VM {} is served here no more (moved to another server, or captured); this connection closes",
+                        self.name
+                    ),
                 ));
             }
         };

@@ -493,7 +493,7 @@ impl ExportProvider for OverlayExports {
         let image_name = Self::image_name(name);
         let (size, description) = match self.images.get(image_name) {
             Some(image) => (image.size(), image.describe()),
-            None => self.versions.as_ref()?.describe(image_name).ok()?,
+            None => self.versions.as_ref()?.describe(image_name, self.stage_of(name)).ok()?,
         };
         let description = if self.read_only(name) {
             format!("{ANONYMOUS_READ_ONLY}; {description}")

@@ -517,10 +517,10 @@ impl OpenVersions {
         self.store.images().map(|images| images.into_iter().map(|i| i.name).collect()).unwrap_or_default()
     }
 
-    /// The current version of `name` as NBD_OPT_INFO describes it (size, description), without
-    /// holding it open.
-    pub fn describe(&self, name: &str) -> Result<(u64, String), ServerError> {
-        let version = self.store.current(name)?;
+    /// The version of `name` new VMs of `stage` get, as NBD_OPT_INFO describes it (size,
+    /// description), without holding it open.
+    pub fn describe(&self, name: &str, stage: Stage) -> Result<(u64, String), ServerError> {
+        let version = self.store.staged(name, stage)?;
         let key = (name.to_owned(), version.name.clone());
         let stamp = file_stamp(&version.path);
         if let Some(image) = self.held(&key, stamp) {
@@ -685,12 +685,16 @@ mod tests {
         std::fs::write(&file, vec![1u8; 8192]).expect("write");
         store.publish("win7", &file, true).expect("publish");
         let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default(), HostMemory::unlimited());
-        assert_eq!(open.describe("win7").expect("describe").0, 8192);
+        assert_eq!(open.describe("win7", Stage::Production).expect("describe").0, 8192);
         // What is kept is what is answered while the file is unchanged.
         for (_, size, _) in open.described.lock().expect("lock").values_mut() {
             *size = 4096;
         }
-        assert_eq!(open.describe("win7").expect("describe").0, 4096, "described again at each request");
+        assert_eq!(
+            open.describe("win7", Stage::Production).expect("describe").0,
+            4096,
+            "described again at each request"
+        );
         let path = store.current("win7").expect("current").path;
         let modified = std::fs::metadata(&path).expect("metadata").modified().expect("mtime");
         let mut perms = std::fs::metadata(&path).expect("metadata").permissions();
@@ -701,7 +705,11 @@ mod tests {
         let grown = std::fs::OpenOptions::new().write(true).open(&path).expect("open");
         grown.set_len(16384).expect("resize");
         grown.set_modified(modified).expect("set mtime");
-        assert_eq!(open.describe("win7").expect("describe").0, 16384, "a grown file is described anew");
+        assert_eq!(
+            open.describe("win7", Stage::Production).expect("describe").0,
+            16384,
+            "a grown file is described anew"
+        );
         // Another file of the same length and modification time renamed into its place.
         let other = dir.path().join("other.img");
         std::fs::write(&other, vec![2u8; 16384]).expect("write");
@@ -710,7 +718,11 @@ mod tests {
             *size = 4096;
         }
         std::fs::rename(&other, &path).expect("rename");
-        assert_eq!(open.describe("win7").expect("describe").0, 16384, "a replaced file is described anew");
+        assert_eq!(
+            open.describe("win7", Stage::Production).expect("describe").0,
+            16384,
+            "a replaced file is described anew"
+        );
     }
 
     #[test]
@@ -788,7 +800,7 @@ mod tests {
         assert_eq!(publish(4, 16384), "v2", "without the record, the files are all that tell");
         let (v, image) = open.staged("win7", Stage::Production).expect("current");
         assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v2", 16384, 4), "the held v2 handed out");
-        assert_eq!(open.describe("win7").expect("describe").0, 16384);
+        assert_eq!(open.describe("win7", Stage::Production).expect("describe").0, 16384);
         assert_eq!(read_first(&held_v2), 2, "the VMs on the removed v2 keep it");
     }
 

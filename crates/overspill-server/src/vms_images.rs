@@ -8,14 +8,13 @@
 //! stage names.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Weak;
 
 use overspill_engine::MovedRun;
 use overspill_images::qcow2_layer::LayerWriter;
 
-use super::{lock, Grace, VmRegistry};
+use super::{lock, VmRegistry};
 use crate::images::ImageStore;
-use crate::live::Live;
 
 /// Data blocks read at a time: the writer is handed 16 MiB at most at once.
 const BLOCKS_PER_TAKE: u64 = 4096;
@@ -87,74 +86,54 @@ impl VmRegistry {
     /// Captures VM `vm` as the next version of its image in `store`: returns the image's name
     /// and the new version's.
     pub fn capture(&self, vm: &str, store: &ImageStore) -> Result<(String, String), String> {
-        enum Held {
-            Parked(Box<Grace>),
-            Connected(Arc<Live>),
-        }
-        let (number, label, held) = {
-            let mut inner = lock(&self.inner);
+        let (number, label, live) = {
+            let inner = lock(&self.inner);
             let number = *inner.names.get(vm).ok_or_else(|| format!("this server holds no VM {vm}"))?;
-            let entry = inner.vms.get_mut(&number).expect("names point at entries");
+            let entry = inner.vms.get(&number).expect("names point at entries");
             if entry.moving.is_some() || entry.reset.load(Ordering::SeqCst) {
                 return Err(format!("VM {vm} is moving, or being reset: try again"));
             }
             if entry.extra_connections > 0 {
                 return Err(format!("VM {vm} has several connections (multi-conn): leave it one"));
             }
+            if entry.grace.is_some() {
+                return Err(format!(
+                    "VM {vm} is not connected: capture it while its QEMU is (halt the guest, keep QEMU running)"
+                ));
+            }
             let label = entry.handle.export.clone();
-            let Some((_, _)) = label.split_once(':') else {
+            if !label.contains(':') {
                 return Err(format!(
                     "VM {vm} runs over {}, not an image of the store (--images): nothing to layer over",
                     super::shown_image(&label)
                 ));
-            };
-            let held = match entry.grace.take() {
-                Some(grace) => Held::Parked(Box::new(grace)),
-                None => Held::Connected(
-                    entry.live.as_ref().and_then(Weak::upgrade).ok_or_else(|| format!("VM {vm} is connecting"))?,
-                ),
-            };
-            (number, label, held)
+            }
+            let live = entry.live.as_ref().and_then(Weak::upgrade).ok_or_else(|| format!("VM {vm} is connecting"))?;
+            (number, label, live)
         };
         let (image, below) = label.split_once(':').map(|(i, v)| (i.to_owned(), v.to_owned())).unwrap_or_default();
-        match held {
-            Held::Parked(mut grace) => {
-                let captured = write_layer(store, &image, &below, &mut grace.parked.overlay);
-                let mut inner = lock(&self.inner);
-                if captured.is_ok() {
-                    let parked = self.forget(&mut inner, number, Some(grace.parked));
-                    drop(inner);
-                    drop(parked);
-                } else if let Some(entry) = inner.vms.get_mut(&number) {
-                    // The VM goes on waiting for its client, as it was.
-                    entry.grace = Some(*grace);
-                }
-                self.captured(vm, &image, &label, captured)
-            }
-            Held::Connected(live) => {
-                let captured = match live.vm().as_mut() {
-                    Some(overlay) => write_layer(store, &image, &below, &mut overlay.overlay),
-                    None => Err(format!("VM {vm}'s connection is ending: try again")),
-                };
-                if captured.is_ok() {
-                    // Its connection closes at its next request; its overlay ends with it.
-                    let _ = self.reset(vm);
-                }
-                self.captured(vm, &image, &label, captured)
-            }
+        // The VM's lock is held from the read of its overlay to its end: no request of it is
+        // served in between (none acknowledged that the layer would lack).
+        let mut guard = live.vm();
+        let Some(held) = guard.as_mut() else { return Err(format!("VM {vm}'s connection is ending: try again")) };
+        if held.overlay.is_moving() {
+            return Err(format!("VM {vm} is moving to a peer: try again once the move is done or given up"));
         }
-    }
-
-    fn captured(
-        &self,
-        vm: &str,
-        image: &str,
-        below: &str,
-        captured: Result<String, String>,
-    ) -> Result<(String, String), String> {
-        let version = captured?;
-        tracing::info!(vm, image, version, below, "VM captured as a new image version; its overlay ends");
-        Ok((image.to_owned(), version))
+        let version = write_layer(store, &image, &below, &mut held.overlay)?;
+        // Its connection closes at its next request (the slot is empty); its entry, ledger and
+        // state files go now, by number (the VM's lock first, then the registry's, as a move).
+        let overlay = guard.take();
+        let ended = {
+            let mut inner = lock(&self.inner);
+            if let Some(entry) = inner.vms.get(&number) {
+                entry.reset.store(true, Ordering::SeqCst);
+            }
+            self.forget(&mut inner, number, overlay)
+        };
+        drop(guard);
+        drop(ended);
+        tracing::info!(vm, image, version, below = label, "VM captured as a new image version; its overlay ends");
+        Ok((image, version))
     }
 }
 

@@ -70,7 +70,17 @@ fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_tak
     let list = image_ok(&store, &["list"]);
     assert!(list.contains("v1     production") && list.contains("v2     test"), "{list}");
 
+    // An image with a test version and no production one yet: only the test group can boot it.
+    image_ok(&store, &["publish", "fresh", v2.to_str().expect("utf-8")]);
+    image_ok(&store, &["test", "fresh", "1"]);
     let (server, socket, control) = serve_store(dir.path(), &store, &["--group", "office=desk-*"]);
+    let fresh: NbdUri = format!("nbd+unix:///fresh@lab-9?socket={}", socket.display()).parse().expect("uri");
+    let mut lab = Client::connect(&fresh).expect("a test VM boots an image that has only a test version");
+    let mut buf = vec![0u8; 4096];
+    lab.read(0, &mut buf).expect("read");
+    assert_eq!(buf[0], 0x22);
+    let production: NbdUri = format!("nbd+unix:///fresh@desk-9?socket={}", socket.display()).parse().expect("uri");
+    assert!(Client::connect(&production).is_err(), "a production VM has no version of it to boot");
 
     let (byte, _lab) = first_byte(&socket, "lab-1");
     assert_eq!(byte, 0x22, "a test VM gets the test version");
