@@ -105,10 +105,6 @@ impl BootPacing {
         self.changed.notify_all();
     }
 
-    pub fn settings(&self) -> PacingSettings {
-        self.lock().settings
-    }
-
     /// VM `vm` has a fresh overlay: it boots from its first request (see [`Self::start_boot`]).
     pub fn fresh(&self, vm: &str) {
         let mut state = self.lock();

@@ -360,8 +360,6 @@ impl OverlayExports {
         self.read_caches.clone()
     }
 
-    /// Also serves the images of a versioned store: each connection gets the image's current
-    /// version and keeps it until it disconnects.
     /// The stage whose version a new connection to export `name` gets: test for a VM of the
     /// registry's test group (see `images`).
     fn stage_of(&self, name: &str) -> Stage {
@@ -371,6 +369,8 @@ impl OverlayExports {
         }
     }
 
+    /// Also serves the images of a versioned store: each connection gets the version of its
+    /// VM's stage (production, or test for the test group) and keeps it until its overlay ends.
     pub fn with_image_store(&mut self, dir: &Path) {
         let store = ImageStore::new(dir);
         self.registry.set_image_store(store.clone());

@@ -266,11 +266,7 @@ impl ImageStore {
                 .map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
         }
         let lock = lock_image(&dir)?;
-        // Never a number given before, even if its file has been removed since: a server still
-        // holding the removed version open (VMs on it) would otherwise hand it out under the
-        // new one's name, and a restarted VM recorded on it would find another image there.
-        let highest = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0);
-        let next = highest.max(read_highest_given(&dir)) + 1;
+        let next = self.next_number(name, &dir)?;
         let version = format!("v{next}");
         // A version is one immutable file: a layer whose backing file or parent lies elsewhere
         // would change when that file does.
@@ -294,13 +290,7 @@ impl ImageStore {
             let _ = std::fs::remove_file(&partial);
             return Err(io(error));
         }
-        // Published versions are read-only, and readable by the server whatever the source
-        // file's mode or the publisher's umask (a server running as its own user found a
-        // 0600 copy, made by root, unreadable).
-        std::fs::set_permissions(&partial, std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(io)?;
-        // On disk before it has a version's name: a host crash must not leave a version (and
-        // `current` naming it) with its bytes lost.
-        std::fs::File::open(&partial).and_then(|f| f.sync_all()).map_err(io)?;
+        seal(&partial).map_err(io)?;
         // The copy is what is served, and `file` may have changed since it was checked (an
         // uploader still writing it could turn it into a layer over any file the server reads):
         // the copy is checked again, as it is, before it becomes a version.
@@ -311,10 +301,7 @@ impl ImageStore {
             let changed = std::io::Error::other("it changed while it was copied: publish a file nothing writes");
             return Err(ServerError::io(format!("publishing {}", file.display()), changed));
         }
-        // The number is taken for good before the version is there under it.
-        record_highest_given(&dir, next).map_err(io)?;
-        std::fs::rename(&partial, &target).map_err(io)?;
-        crate::files::sync_directory(&dir).map_err(io)?;
+        install(&dir, &partial, &target, next).map_err(io)?;
         if activate {
             self.activate_locked(name, &version)?;
         }
@@ -340,8 +327,7 @@ impl ImageStore {
         let backing = below.path.file_name().and_then(|n| n.to_str()).map(str::to_owned).unwrap_or_default();
         let format = overspill_images::Format::probe(&below.path)
             .map_err(|source| ServerError::Engine { context: format!("reading {}", below.path.display()), source })?;
-        let highest = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0);
-        let next = highest.max(read_highest_given(&dir)) + 1;
+        let next = self.next_number(name, &dir)?;
         let version = format!("v{next}");
         let target = dir.join(format!("{version}.qcow2"));
         let partial = dir.join(format!(".{version}.qcow2.partial"));
@@ -352,10 +338,7 @@ impl ImageStore {
             let _ = std::fs::remove_file(&partial);
             return Err(io(error));
         }
-        std::fs::set_permissions(&partial, std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(io)?;
-        record_highest_given(&dir, next).map_err(io)?;
-        std::fs::rename(&partial, &target).map_err(io)?;
-        crate::files::sync_directory(&dir).map_err(io)?;
+        seal(&partial).and_then(|()| install(&dir, &partial, &target, next)).map_err(io)?;
         drop(lock);
         Ok(version)
     }
@@ -378,6 +361,33 @@ impl ImageStore {
         }
         self.mark(name, Stage::Production.marker(), Some(version))
     }
+}
+
+impl ImageStore {
+    /// The number the next version of `name` (in `dir`, locked) gets: never one given before,
+    /// even if its file has been removed since: a server still holding the removed version open
+    /// (VMs on it) would otherwise hand it out under the new one's name, and a restarted VM
+    /// recorded on it would find another image there.
+    fn next_number(&self, name: &str, dir: &Path) -> Result<u64, ServerError> {
+        let highest = self.image(name)?.versions.iter().filter_map(|v| version_number(&v.name)).max().unwrap_or(0);
+        Ok(highest.max(read_highest_given(dir)) + 1)
+    }
+}
+
+/// Makes a version's file read-only and readable by the server whatever the source file's mode
+/// or the publisher's umask (a server running as its own user found a 0600 copy, made by root,
+/// unreadable), and puts it on disk before it has a version's name: a host crash must not leave
+/// a version (and `current` naming it) with its bytes lost.
+fn seal(partial: &Path) -> std::io::Result<()> {
+    std::fs::set_permissions(partial, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
+    std::fs::File::open(partial).and_then(|f| f.sync_all())
+}
+
+/// Gives sealed file `partial` its version's name `target`, number `next` taken for good first.
+fn install(dir: &Path, partial: &Path, target: &Path, next: u64) -> std::io::Result<()> {
+    record_highest_given(dir, next)?;
+    std::fs::rename(partial, target)?;
+    crate::files::sync_directory(dir)
 }
 
 /// The image directory's record of the highest version number ever published in it.

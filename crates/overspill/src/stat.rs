@@ -237,12 +237,11 @@ impl View {
             .collect();
         vms.sort();
         vms.dedup();
-        let lines = vms
+        let lines: Vec<Line> = vms
             .iter()
             .map(|(e, v)| Line::measure(&interval, "overspill_vm_", e, v, &[("export", e), ("vm", v)]))
             .collect();
         let mut total = Line::measure(&interval, "overspill_", "total", "", &[]);
-        let lines: Vec<Line> = lines;
         total.throttled_seconds_per_second = lines.iter().map(|l| l.throttled_seconds_per_second).sum();
         total.throttled_requests = lines.iter().map(|l| l.throttled_requests).sum();
         let start = get(after, "process_start_time_seconds", &[]);
