@@ -88,6 +88,19 @@ pub enum Request {
     Capture {
         vm: String,
     },
+    /// Writes VM `vm`'s disk as checkpoint `name` of its image; the VM goes on.
+    Checkpoint {
+        vm: String,
+        name: String,
+    },
+    /// Makes forks `names` of checkpoint `from` (`IMAGE:@NAME`), or of VM `from` through a new
+    /// checkpoint `checkpoint` of it.
+    Fork {
+        from: String,
+        names: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint: Option<String>,
+    },
     /// The test group of image stages: replaced by `set` if given; answered with it as it is.
     TestGroup {
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -268,14 +281,10 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             };
             Answer { ok: true, message: Some(format!("host budget for {budget}: {limits}{idle}")), ..Answer::default() }
         }
-        Ok(Request::Capture { vm }) => match (crate::check_name("VM", &vm), targets.registry.image_store()) {
-            (Err(error), _) => outcome(Err(error)),
-            (Ok(()), None) => Answer {
-                ok: false,
-                message: Some("this server serves no image store (--images): nothing to capture into".into()),
-                ..Answer::default()
-            },
-            (Ok(()), Some(store)) => match targets.registry.capture(&vm, store) {
+        Ok(Request::Capture { vm }) => match crate::check_name("VM", &vm).map(|()| store_for(targets, "capture")) {
+            Err(error) => outcome(Err(error)),
+            Ok(Err(why)) => refused(why),
+            Ok(Ok(store)) => match targets.registry.capture(&vm, store) {
                 Ok((image, version)) => Answer {
                     ok: true,
                     message: Some(format!(
@@ -284,8 +293,43 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
                     )),
                     ..Answer::default()
                 },
-                Err(why) => Answer { ok: false, message: Some(why), ..Answer::default() },
+                Err(why) => refused(why),
             },
+        },
+        Ok(Request::Checkpoint { vm, name }) => match store_for(targets, "checkpoint") {
+            Err(why) => refused(why),
+            Ok(store) => match targets.registry.checkpoint(&vm, &name, store) {
+                Ok(label) => Answer {
+                    ok: true,
+                    message: Some(format!(
+                        "{vm}: its disk is checkpoint {label} (`overspill vm fork {label} --as NAME,…` starts VMs from it)"
+                    )),
+                    ..Answer::default()
+                },
+                Err(why) => refused(why),
+            },
+        },
+        Ok(Request::Fork { from, names, checkpoint }) => match store_for(targets, "fork") {
+            Err(why) => refused(why),
+            Ok(store) => {
+                let registry = &targets.registry;
+                let label = match checkpoint {
+                    _ if from.contains(':') => Ok(from.clone()),
+                    Some(name) => registry.checkpoint(&from, &name, store),
+                    None => Err("forking a VM needs a name for its checkpoint".to_owned()),
+                };
+                match label.and_then(|label| registry.fork(&label, &names, store).map(|()| label)) {
+                    Ok(label) => Answer {
+                        ok: true,
+                        message: Some(format!(
+                            "{}: forks of {label}; each starts from it at its first connection",
+                            names.join(",")
+                        )),
+                        ..Answer::default()
+                    },
+                    Err(why) => refused(why),
+                }
+            }
         },
         Ok(Request::TestGroup { set }) => {
             let registry = &targets.registry;
@@ -455,6 +499,18 @@ fn read_request(mut stream: &UnixStream, deadline: Instant) -> std::io::Result<V
     }
 }
 
+/// The image store a request writes to, or the answer refusing it.
+fn store_for<'a>(targets: &'a Targets, what: &str) -> Result<&'a crate::images::ImageStore, String> {
+    targets
+        .registry
+        .image_store()
+        .ok_or_else(|| format!("this server serves no image store (--images), where a {what} is written"))
+}
+
+fn refused(why: String) -> Answer {
+    Answer { ok: false, message: Some(why), ..Answer::default() }
+}
+
 fn outcome(result: Result<String, ServerError>) -> Answer {
     match result {
         Ok(message) => Answer { ok: true, message: Some(message), ..Answer::default() },
@@ -472,7 +528,8 @@ pub fn ask(control: &Path, request: &Request) -> Result<Answer, ServerError> {
     })?;
     let io = |e| ServerError::io(format!("talking to {}", control.display()), e);
     // A capture writes what the VM changed (gigabytes, maybe) before it answers.
-    let timeout = if matches!(request, Request::Capture { .. }) { CAPTURE_TIMEOUT } else { TIMEOUT };
+    let writes_a_layer = matches!(request, Request::Capture { .. } | Request::Checkpoint { .. } | Request::Fork { .. });
+    let timeout = if writes_a_layer { CAPTURE_TIMEOUT } else { TIMEOUT };
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
     let mut text = serde_json::to_string(request).map_err(|e| ServerError::Control(e.to_string()))?;
     text.push('\n');

@@ -26,7 +26,7 @@ use overspill_engine::{
 
 use crate::error::device_error;
 use crate::golden_budget::Budgeted;
-use crate::images::{ImageStore, OpenVersions, ReadCacheList, Stage};
+use crate::images::{ImageStore, OpenVersions, ReadCacheList, Stage, Version};
 use crate::ledger::{state_file_paths, state_file_stem, Recoverable, StateRecord};
 use crate::live::Live;
 use crate::migration::{self, Incoming, Located, Peers};
@@ -424,11 +424,22 @@ impl OverlayExports {
         }
         let versions =
             self.versions.as_ref().ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
-        let stage = self.stage_of(name);
-        let (version, image) = versions
-            .staged(image_name, stage)
+        let (version, image) = self
+            .version_for(versions, name)
+            .and_then(|version| versions.open(image_name, version))
             .map_err(|e| DeviceError::new(DeviceErrorKind::Invalid, e.to_string()))?;
         Ok((format!("{image_name}:{version}"), image))
+    }
+
+    /// The version of the store a new overlay for export `name` gets: a fork's checkpoint (see
+    /// `vm fork`), else its stage's version.
+    fn version_for(&self, versions: &OpenVersions, name: &str) -> Result<Version, crate::ServerError> {
+        let image_name = Self::image_name(name);
+        let fork = name.split_once('@').and_then(|(_, vm)| self.registry.fork_of(vm));
+        match fork.filter(|fork| fork.image == image_name) {
+            Some(fork) => versions.store().version(image_name, &fork.checkpoint),
+            None => versions.store().staged(image_name, self.stage_of(name)),
+        }
     }
 
     fn backing(&self, kind: BackingKind, size: u64) -> std::io::Result<Box<dyn BackingFile>> {
@@ -493,7 +504,10 @@ impl ExportProvider for OverlayExports {
         let image_name = Self::image_name(name);
         let (size, description) = match self.images.get(image_name) {
             Some(image) => (image.size(), image.describe()),
-            None => self.versions.as_ref()?.describe(image_name, self.stage_of(name)).ok()?,
+            None => {
+                let versions = self.versions.as_ref()?;
+                versions.describe(image_name, self.version_for(versions, name).ok()?).ok()?
+            }
         };
         let description = if self.read_only(name) {
             format!("{ANONYMOUS_READ_ONLY}; {description}")

@@ -41,6 +41,17 @@ fn write_new(partial: &Path, bytes: &[u8], mode: u32) -> io::Result<File> {
     Ok(file)
 }
 
+/// Makes `dir` (and its parents) if missing, readable and searchable by all: a store's
+/// directory, which the server's user reads whoever wrote to it.
+pub fn create_shared_dir(dir: &Path) -> io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    // Searchable by the server's user whatever the umask of whoever made it (a publisher).
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+}
+
 /// Makes the names in `dir` (a rename, a new file) survive a host crash.
 pub fn sync_directory(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()

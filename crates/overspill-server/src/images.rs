@@ -8,7 +8,12 @@
 //! DIR/<image>/current                production: the version new connections get ("v2")
 //! DIR/<image>/test                   test: the version new test VMs get, until promoted
 //! DIR/<image>/previous               the production version before the last change (rollback)
+//! DIR/<image>/checkpoints/<name>.qcow2  a VM's changes over a version (`vm checkpoint`, `vm
+//!                                     fork`), a layer whose backing file is that version
 //! ```
+//!
+//! A checkpoint goes by `@<name>` where a version goes by its name (`image:@name` in labels):
+//! forks of a VM run over it as over a version, and it is never a stage's.
 //!
 //! Markers are replaced whole and atomically, under the image's lock.
 //!
@@ -234,8 +239,11 @@ impl ImageStore {
         }
     }
 
-    /// A published version of `name`, current or not.
+    /// A published version of `name`, current or not, or a checkpoint (`@NAME`).
     pub fn version(&self, name: &str, version: &str) -> Result<Version, ServerError> {
+        if let Some(checkpoint) = version.strip_prefix('@') {
+            return self.checkpoint(name, checkpoint);
+        }
         let image = self.image(name)?;
         match image.versions.into_iter().find(|v| v.name == version) {
             Some(found) => Ok(found),
@@ -258,13 +266,7 @@ impl ImageStore {
             Err(error) => return Err(ServerError::io(format!("publishing {}", file.display()), error)),
         }
         let dir = self.root.join(name);
-        let new_dir = !dir.exists();
-        std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
-        if new_dir {
-            // Searchable by the server's user whatever the umask of whoever publishes.
-            std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-                .map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
-        }
+        crate::files::create_shared_dir(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
         let lock = lock_image(&dir)?;
         let next = self.next_number(name, &dir)?;
         let version = format!("v{next}");
@@ -330,17 +332,71 @@ impl ImageStore {
         let next = self.next_number(name, &dir)?;
         let version = format!("v{next}");
         let target = dir.join(format!("{version}.qcow2"));
-        let partial = dir.join(format!(".{version}.qcow2.partial"));
-        let io = |e| ServerError::io(format!("writing {}", target.display()), e);
-        // One a crashed writer left (under the lock, no one else's).
-        let _ = std::fs::remove_file(&partial);
-        if let Err(error) = write(&partial, &backing, format) {
-            let _ = std::fs::remove_file(&partial);
-            return Err(io(error));
-        }
-        seal(&partial).and_then(|()| install(&dir, &partial, &target, next)).map_err(io)?;
+        write_sealed(&target, |partial| write(partial, &backing, format))
+            .and_then(|partial| install(&dir, &partial, &target, next))
+            .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
         drop(lock);
         Ok(version)
+    }
+
+    /// Checkpoint `checkpoint` of `name` (`@checkpoint`): a layer over one of its versions.
+    pub fn checkpoint(&self, name: &str, checkpoint: &str) -> Result<Version, ServerError> {
+        check_name("image", name)?;
+        check_name("checkpoint", checkpoint)?;
+        let path = self.checkpoint_path(name, checkpoint);
+        match std::fs::metadata(&path) {
+            Ok(metadata) if metadata.is_file() => {
+                Ok(Version { name: format!("@{checkpoint}"), path, bytes: metadata.len() })
+            }
+            _ => Err(ServerError::NoSuchVersion { image: name.to_owned(), version: format!("@{checkpoint}") }),
+        }
+    }
+
+    fn checkpoint_path(&self, name: &str, checkpoint: &str) -> PathBuf {
+        self.root.join(name).join(CHECKPOINTS).join(format!("{checkpoint}.qcow2"))
+    }
+
+    /// Writes checkpoint `checkpoint` of `name`, a qcow2 layer over version `below` (or over
+    /// another checkpoint): `write` as for [`Self::publish_layer`]. It appears whole, synced,
+    /// or not at all, and a name is never written twice. Returns it.
+    pub fn write_checkpoint(
+        &self,
+        name: &str,
+        below: &str,
+        checkpoint: &str,
+        write: impl FnOnce(&Path, &str, overspill_images::Format) -> std::io::Result<()>,
+    ) -> Result<Version, ServerError> {
+        check_name("image", name)?;
+        check_name("checkpoint", checkpoint)?;
+        let dir = self.root.join(name);
+        let lock = lock_image(&dir)?;
+        let below = self.version(name, below)?;
+        // Named from the checkpoints' directory: the version's file one level up, or a
+        // checkpoint's beside it.
+        let file_name = below.path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let backing = if below.name.starts_with('@') { file_name.to_owned() } else { format!("../{file_name}") };
+        let format = overspill_images::Format::probe(&below.path)
+            .map_err(|source| ServerError::Engine { context: format!("reading {}", below.path.display()), source })?;
+        let checkpoints = dir.join(CHECKPOINTS);
+        let target = self.checkpoint_path(name, checkpoint);
+        let io = |e| ServerError::io(format!("writing {}", target.display()), e);
+        crate::files::create_shared_dir(&checkpoints).map_err(io)?;
+        if target.exists() {
+            return Err(ServerError::Stage {
+                image: name.to_owned(),
+                why: format!("it has a checkpoint {checkpoint} already: a checkpoint is written once"),
+            });
+        }
+        write_sealed(&target, |partial| write(partial, &backing, format))
+            .and_then(|partial| {
+                // `link` fails rather than replace a checkpoint another writer put there.
+                std::fs::hard_link(&partial, &target)?;
+                std::fs::remove_file(&partial)?;
+                crate::files::sync_directory(&checkpoints)
+            })
+            .map_err(io)?;
+        drop(lock);
+        self.checkpoint(name, checkpoint)
     }
 
     /// Marks `version` as the one new connections get.
@@ -381,6 +437,26 @@ impl ImageStore {
 fn seal(partial: &Path) -> std::io::Result<()> {
     std::fs::set_permissions(partial, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
     std::fs::File::open(partial).and_then(|f| f.sync_all())
+}
+
+/// Where an image keeps its checkpoints.
+const CHECKPOINTS: &str = "checkpoints";
+
+/// Has `write` make a layer at a temporary name beside `target`, then seals it (read-only, on
+/// disk): returns that name, for the caller to give the file its own. A layer a crashed writer
+/// left there is written over (the caller holds the image's lock: it is no one else's); one
+/// that failed is removed.
+fn write_sealed(target: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> std::io::Result<PathBuf> {
+    let file_name = target.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let partial = target.with_file_name(format!(".{file_name}.partial"));
+    let _ = std::fs::remove_file(&partial);
+    match write(&partial).and_then(|()| seal(&partial)) {
+        Ok(()) => Ok(partial),
+        Err(error) => {
+            let _ = std::fs::remove_file(&partial);
+            Err(error)
+        }
+    }
 }
 
 /// Gives sealed file `partial` its version's name `target`, number `next` taken for good first.
@@ -527,10 +603,9 @@ impl OpenVersions {
         self.store.images().map(|images| images.into_iter().map(|i| i.name).collect()).unwrap_or_default()
     }
 
-    /// The version of `name` new VMs of `stage` get, as NBD_OPT_INFO describes it (size,
-    /// description), without holding it open.
-    pub fn describe(&self, name: &str, stage: Stage) -> Result<(u64, String), ServerError> {
-        let version = self.store.staged(name, stage)?;
+    /// Version `version` of `name`, as NBD_OPT_INFO describes it (size, description), without
+    /// holding it open.
+    pub fn describe(&self, name: &str, version: Version) -> Result<(u64, String), ServerError> {
         let key = (name.to_owned(), version.name.clone());
         let stamp = file_stamp(&version.path);
         if let Some(image) = self.held(&key, stamp) {
@@ -547,11 +622,6 @@ impl OpenVersions {
         Ok((image.size(), description))
     }
 
-    /// The version of `name` new VMs of `stage` get, shared with the VMs already on it.
-    pub fn staged(&self, name: &str, stage: Stage) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
-        self.open(name, self.store.staged(name, stage)?)
-    }
-
     /// The versions VMs hold now, each with its label (`name:version`, as VMs show it).
     pub fn held_now(&self) -> Vec<(String, Arc<dyn GoldenImage>)> {
         let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
@@ -566,7 +636,8 @@ impl OpenVersions {
         self.open(name, self.store.version(name, version)?)
     }
 
-    fn open(&self, name: &str, version: Version) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
+    /// Version `version` of `name`, shared with the VMs already on it.
+    pub fn open(&self, name: &str, version: Version) -> Result<(String, Arc<dyn GoldenImage>), ServerError> {
         let key = (name.to_owned(), version.name.clone());
         // Taken before the file is opened: a file replaced between the two is opened with the
         // older stamp, so the next caller opens it again rather than sharing a wrong copy.
@@ -695,13 +766,13 @@ mod tests {
         std::fs::write(&file, vec![1u8; 8192]).expect("write");
         store.publish("win7", &file, true).expect("publish");
         let open = OpenVersions::new(store.clone(), 1 << 20, Arc::default(), HostMemory::unlimited());
-        assert_eq!(open.describe("win7", Stage::Production).expect("describe").0, 8192);
+        assert_eq!(open.describe("win7", open.store().current("win7").expect("current")).expect("describe").0, 8192);
         // What is kept is what is answered while the file is unchanged.
         for (_, size, _) in open.described.lock().expect("lock").values_mut() {
             *size = 4096;
         }
         assert_eq!(
-            open.describe("win7", Stage::Production).expect("describe").0,
+            open.describe("win7", open.store().current("win7").expect("current")).expect("describe").0,
             4096,
             "described again at each request"
         );
@@ -716,7 +787,7 @@ mod tests {
         grown.set_len(16384).expect("resize");
         grown.set_modified(modified).expect("set mtime");
         assert_eq!(
-            open.describe("win7", Stage::Production).expect("describe").0,
+            open.describe("win7", open.store().current("win7").expect("current")).expect("describe").0,
             16384,
             "a grown file is described anew"
         );
@@ -729,7 +800,7 @@ mod tests {
         }
         std::fs::rename(&other, &path).expect("rename");
         assert_eq!(
-            open.describe("win7", Stage::Production).expect("describe").0,
+            open.describe("win7", open.store().current("win7").expect("current")).expect("describe").0,
             16384,
             "a replaced file is described anew"
         );
@@ -763,13 +834,13 @@ mod tests {
 
         let caches = Arc::new(ReadCacheList::default());
         let open = OpenVersions::new(store.clone(), 1 << 20, caches.clone(), HostMemory::unlimited());
-        let (v, first) = open.staged("win7", Stage::Production).expect("current");
-        let (_, again) = open.staged("win7", Stage::Production).expect("current");
+        let (v, first) = open.open("win7", open.store().current("win7").expect("current")).expect("current");
+        let (_, again) = open.open("win7", open.store().current("win7").expect("current")).expect("current");
         assert_eq!(v, "v1");
         assert!(Arc::ptr_eq(&first, &again), "one open copy per version");
         assert_eq!(first.size(), 8192);
         store.activate("win7", "v2").expect("activate");
-        let (v, second) = open.staged("win7", Stage::Production).expect("current");
+        let (v, second) = open.open("win7", open.store().current("win7").expect("current")).expect("current");
         assert_eq!((v.as_str(), second.size()), ("v2", 4096));
         assert_eq!(first.size(), 8192, "a VM on v1 keeps v1");
         assert_eq!(caches.live().len(), 2);
@@ -797,20 +868,20 @@ mod tests {
             image.read_at(&mut byte, 0).expect("read");
             byte[0]
         };
-        let (_, held_v2) = open.staged("win7", Stage::Production).expect("current");
+        let (_, held_v2) = open.open("win7", open.store().current("win7").expect("current")).expect("current");
         assert_eq!(read_first(&held_v2), 2);
         let image_dir = dir.path().join("images/win7");
         std::fs::remove_file(image_dir.join("v2.img")).expect("remove v2");
         assert_eq!(publish(3, 4096), "v3", "the removed v2's number is not given again");
-        let (v, image) = open.staged("win7", Stage::Production).expect("current");
+        let (v, image) = open.open("win7", open.store().current("win7").expect("current")).expect("current");
         assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v3", 4096, 3));
 
         std::fs::remove_file(image_dir.join("v3.img")).expect("remove v3");
         std::fs::remove_file(image_dir.join(HIGHEST_GIVEN)).expect("remove the record");
         assert_eq!(publish(4, 16384), "v2", "without the record, the files are all that tell");
-        let (v, image) = open.staged("win7", Stage::Production).expect("current");
+        let (v, image) = open.open("win7", open.store().current("win7").expect("current")).expect("current");
         assert_eq!((v.as_str(), image.size(), read_first(&image)), ("v2", 16384, 4), "the held v2 handed out");
-        assert_eq!(open.describe("win7", Stage::Production).expect("describe").0, 16384);
+        assert_eq!(open.describe("win7", open.store().current("win7").expect("current")).expect("describe").0, 16384);
         assert_eq!(read_first(&held_v2), 2, "the VMs on the removed v2 keep it");
     }
 

@@ -15,6 +15,7 @@ mod device;
 pub mod error;
 pub mod exports;
 pub mod files;
+pub mod forks;
 pub mod golden_budget;
 pub mod images;
 pub mod ledger;

@@ -147,6 +147,8 @@ struct Registered {
     names: HashMap<String, u64>,
     /// Names whose writes were lost with an earlier server, and why.
     lost: BTreeMap<String, String>,
+    /// Names pinned to a checkpoint (`vm fork`), on disk in the state directory.
+    forks: crate::forks::ForkBook,
     /// VMs an earlier server of this boot left state for, until the exports rebuild them.
     recoverable: Vec<Recoverable>,
     /// Names whose ledger file, written before this boot, could not be read (cut short by the
@@ -230,9 +232,11 @@ impl VmRegistry {
         for (vm, why) in &lost {
             tracing::warn!(vm, why, "VM refused until `overspill vm reset` ({why})");
         }
+        let forks = crate::forks::ForkBook::open(lifecycle.state_dir.as_deref())?;
         let registry = Arc::new(Self {
             inner: Mutex::new(Registered {
                 lost,
+                forks,
                 recoverable,
                 earlier_boot_unreadable,
                 next_number: 1,
@@ -320,6 +324,17 @@ impl VmRegistry {
             return refuse(format!(
                 "VM {vm} had writes that were lost; run `overspill vm reset {vm}` to start it from the golden image"
             ));
+        }
+        if let Some(fork) = inner.forks.get(vm) {
+            if fork.dropped {
+                return refuse(format!("VM {vm} is a fork that was dropped; `overspill vm reset {vm}` frees its name"));
+            }
+            if fork.image != export {
+                return refuse(format!(
+                    "VM {vm} is a fork of {}:{}: connect it to export {}@{vm}",
+                    fork.image, fork.checkpoint, fork.image
+                ));
+            }
         }
         if let Some(&existing) = inner.names.get(vm) {
             let entry = inner.vms.get_mut(&existing).expect("names point at entries");
@@ -693,14 +708,63 @@ impl VmRegistry {
     }
 
     /// Ends a VM's overlay whatever its state: a connected VM's connection closes at its next
-    /// request (unanswered, so its client sends it again to the fresh overlay).
+    /// request (unanswered, so its client sends it again to the fresh overlay). A fork starts
+    /// from its checkpoint again; a dropped fork's name is freed.
     pub fn reset(&self, vm: &str) -> Result<String, ServerError> {
-        self.end_by_name(vm, true)
+        let mut inner = lock(&self.inner);
+        let forgotten = inner.forks.forget_dropped(vm).map_err(|e| ServerError::io("updating the forks' book", e))?;
+        let held = inner.names.contains_key(vm) || inner.lost.contains_key(vm);
+        if forgotten {
+            tracing::info!(vm, "dropped fork reset by the operator: its name starts from its image again");
+        }
+        let unforked = "no longer a fork: its next connection starts from its image's version";
+        match (held, inner.forks.get(vm)) {
+            (false, _) if forgotten => return Ok(format!("{vm}: {unforked}")),
+            (false, Some(fork)) => {
+                return Ok(format!(
+                    "{vm}: a fork of {}:{} with no overlay yet: nothing to reset",
+                    fork.image, fork.checkpoint
+                ))
+            }
+            _ => {}
+        }
+        drop(inner);
+        let ended = self.end_by_name(vm, true);
+        if forgotten {
+            ended.map(|message| format!("{message}; {unforked}"))
+        } else {
+            ended
+        }
     }
 
-    /// Ends the overlay of a VM that is not connected (in grace or lost).
+    /// Ends the overlay of a VM that is not connected (in grace or lost). A fork's pin goes
+    /// too: its name is refused from then on, until `vm reset`.
     pub fn drop_vm(&self, vm: &str) -> Result<String, ServerError> {
-        self.end_by_name(vm, false)
+        let mut inner = lock(&self.inner);
+        if inner.forks.get(vm).is_none_or(|fork| fork.dropped) {
+            drop(inner);
+            return self.end_by_name(vm, false);
+        }
+        let number = inner.names.get(vm).copied();
+        if let Some(entry) = number.and_then(|number| inner.vms.get(&number)) {
+            if let Some(moving) = &entry.moving {
+                return Err(ServerError::VmMoving(vm.to_owned(), moving.peer.clone()));
+            }
+            if entry.grace.is_none() {
+                return Err(ServerError::VmConnected(vm.to_owned()));
+            }
+        }
+        inner.forks.drop_fork(vm).map_err(|e| ServerError::io("updating the forks' book", e))?;
+        let parked = number.and_then(|number| self.forget(&mut inner, number, None));
+        drop(inner);
+        drop(parked);
+        tracing::info!(vm, "fork dropped by the operator: its name is refused until `vm reset`");
+        Ok(format!("{vm}: fork dropped; its name is refused until `overspill vm reset {vm}`"))
+    }
+
+    /// The checkpoint fork `vm` starts from, unless it is no fork or a dropped one.
+    pub fn fork_of(&self, vm: &str) -> Option<crate::forks::Fork> {
+        lock(&self.inner).forks.get(vm).filter(|fork| !fork.dropped).cloned()
     }
 
     fn end_by_name(&self, vm: &str, even_connected: bool) -> Result<String, ServerError> {

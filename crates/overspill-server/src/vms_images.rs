@@ -5,7 +5,9 @@
 //! layer over that version. The VM stays still while it is read (its lock held; a connected
 //! guest's requests wait), and its overlay ends with the capture: a connected VM's connection
 //! closes at its next request, as after `vm reset`, and its next boot gets whatever version its
-//! stage names.
+//! stage names. A checkpoint (`vm checkpoint`) is written the same way, as a layer of the
+//! store that is no version, and the VM goes on; forks (`vm fork`) are names pinned to one
+//! (see `forks`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Weak;
@@ -15,6 +17,7 @@ use overspill_images::qcow2_layer::LayerWriter;
 
 use super::{lock, VmRegistry};
 use crate::images::ImageStore;
+use crate::vm_overlay::VmOverlay;
 
 /// Data blocks read at a time: the writer is handed 16 MiB at most at once.
 const BLOCKS_PER_TAKE: u64 = 4096;
@@ -86,40 +89,22 @@ impl VmRegistry {
     /// Captures VM `vm` as the next version of its image in `store`: returns the image's name
     /// and the new version's.
     pub fn capture(&self, vm: &str, store: &ImageStore) -> Result<(String, String), String> {
-        let (number, label, live) = {
-            let inner = lock(&self.inner);
-            let number = *inner.names.get(vm).ok_or_else(|| format!("this server holds no VM {vm}"))?;
-            let entry = inner.vms.get(&number).expect("names point at entries");
-            if entry.moving.is_some() || entry.reset.load(Ordering::SeqCst) {
-                return Err(format!("VM {vm} is moving, or being reset: try again"));
-            }
-            if entry.extra_connections > 0 {
-                return Err(format!("VM {vm} has several connections (multi-conn): leave it one"));
-            }
-            if entry.grace.is_some() {
-                return Err(format!(
-                    "VM {vm} is not connected: capture it while its QEMU is (halt the guest, keep QEMU running)"
-                ));
-            }
-            let label = entry.handle.export.clone();
-            if !label.contains(':') {
-                return Err(format!(
-                    "VM {vm} runs over {}, not an image of the store (--images): nothing to layer over",
-                    super::shown_image(&label)
-                ));
-            }
-            let live = entry.live.as_ref().and_then(Weak::upgrade).ok_or_else(|| format!("VM {vm} is connecting"))?;
-            (number, label, live)
-        };
-        let (image, below) = label.split_once(':').map(|(i, v)| (i.to_owned(), v.to_owned())).unwrap_or_default();
+        let (number, label, live) = self.source_vm(vm, "capture")?;
+        if self.fork_of(vm).is_some() {
+            return Err(format!(
+                "VM {vm} is a fork, over checkpoint {label}: a version is captured from a VM over a version"
+            ));
+        }
+        let (image, below) = split_label(&label);
         // The VM's lock is held from the read of its overlay to its end: no request of it is
         // served in between (none acknowledged that the layer would lack).
         let mut guard = live.vm();
-        let Some(held) = guard.as_mut() else { return Err(format!("VM {vm}'s connection is ending: try again")) };
-        if held.overlay.is_moving() {
-            return Err(format!("VM {vm} is moving to a peer: try again once the move is done or given up"));
-        }
-        let version = write_layer(store, &image, &below, &mut held.overlay)?;
+        let held = still(vm, &mut guard)?;
+        let version = store
+            .publish_layer(image, below, |path, backing, format| {
+                write_changes(&mut held.overlay, path, backing, format)
+            })
+            .map_err(|e| e.to_string())?;
         // Its connection closes at its next request (the slot is empty); its entry, ledger and
         // state files go now, by number (the VM's lock first, then the registry's, as a move).
         let overlay = guard.take();
@@ -133,40 +118,131 @@ impl VmRegistry {
         drop(guard);
         drop(ended);
         tracing::info!(vm, image, version, below = label, "VM captured as a new image version; its overlay ends");
-        Ok((image, version))
+        Ok((image.to_owned(), version))
+    }
+
+    /// Writes VM `vm`'s disk as it is now as checkpoint `checkpoint` of its image in `store`:
+    /// a layer of what it changed over what it runs over (a version, or a fork's checkpoint).
+    /// The VM is held still while it is read (its requests wait) and goes on after it, its
+    /// overlay untouched. Returns the checkpoint's label, `IMAGE:@CHECKPOINT`.
+    pub fn checkpoint(&self, vm: &str, checkpoint: &str, store: &ImageStore) -> Result<String, String> {
+        let (_, label, live) = self.source_vm(vm, "checkpoint")?;
+        let (image, below) = split_label(&label);
+        let mut guard = live.vm();
+        let held = still(vm, &mut guard)?;
+        store
+            .write_checkpoint(image, below, checkpoint, |path, backing, format| {
+                write_changes(&mut held.overlay, path, backing, format)
+            })
+            .map_err(|e| e.to_string())?;
+        drop(guard);
+        tracing::info!(vm, image, checkpoint, below = label, "VM checkpointed; it goes on");
+        Ok(format!("{image}:@{checkpoint}"))
+    }
+
+    /// Makes `names` forks of checkpoint `label` (`IMAGE:@CHECKPOINT`, in `store`), all or none:
+    /// each starts from the checkpoint at its first connection, nothing copied.
+    pub fn fork(&self, label: &str, names: &[String], store: &ImageStore) -> Result<(), String> {
+        let (image, checkpoint) = split_label(label);
+        if !checkpoint.starts_with('@') {
+            return Err(format!("{label} is no checkpoint (IMAGE:@NAME)"));
+        }
+        store.version(image, checkpoint).map_err(|e| e.to_string())?;
+        let mut inner = lock(&self.inner);
+        let mut seen = std::collections::HashSet::new();
+        for name in names {
+            crate::check_name("VM", name).map_err(|e| e.to_string())?;
+            if !seen.insert(name) {
+                return Err(format!("{name} is named twice"));
+            }
+            if inner.names.contains_key(name) || inner.lost.contains_key(name) || inner.forks.get(name).is_some() {
+                return Err(format!("VM {name} exists already (`overspill vm list`): a fork takes a new name"));
+            }
+        }
+        if names.is_empty() {
+            return Err("name the forks (--as A,B,…)".to_owned());
+        }
+        let pin = crate::forks::Fork { image: image.to_owned(), checkpoint: checkpoint.to_owned(), dropped: false };
+        inner
+            .forks
+            .add(names.iter().map(|name| (name.clone(), pin.clone())))
+            .map_err(|e| format!("recording the forks: {e}"))?;
+        drop(inner);
+        tracing::info!(checkpoint = label, forks = %names.join(","), "forks made");
+        Ok(())
+    }
+
+    /// The number, label and live overlay of VM `vm`, connected and still enough to read:
+    /// what `capture` and `checkpoint` read (`what` says which, for messages).
+    fn source_vm(&self, vm: &str, what: &str) -> Result<(u64, String, std::sync::Arc<crate::live::Live>), String> {
+        let inner = lock(&self.inner);
+        let number = *inner.names.get(vm).ok_or_else(|| format!("this server holds no VM {vm}"))?;
+        let entry = inner.vms.get(&number).expect("names point at entries");
+        if entry.moving.is_some() || entry.reset.load(Ordering::SeqCst) {
+            return Err(format!("VM {vm} is moving, or being reset: try again"));
+        }
+        if entry.extra_connections > 0 {
+            return Err(format!("VM {vm} has several connections (multi-conn): leave it one"));
+        }
+        if entry.grace.is_some() {
+            return Err(format!(
+                "VM {vm} is not connected: {what} it while its QEMU is (halt or pause the guest, keep QEMU running)"
+            ));
+        }
+        let label = entry.handle.export.clone();
+        if !label.contains(':') {
+            return Err(format!(
+                "VM {vm} runs over {}, not an image of the store (--images): nothing to layer over",
+                super::shown_image(&label)
+            ));
+        }
+        let live = entry.live.as_ref().and_then(Weak::upgrade).ok_or_else(|| format!("VM {vm} is connecting"))?;
+        Ok((number, label, live))
     }
 }
 
-/// Writes what `overlay` changed over version `below` of `image` as the image's next version.
-fn write_layer(
-    store: &ImageStore,
-    image: &str,
-    below: &str,
+/// An image label's image and version (`IMAGE:VERSION`, the version `@NAME` for a checkpoint).
+fn split_label(label: &str) -> (&str, &str) {
+    label.split_once(':').unwrap_or((label, ""))
+}
+
+/// The VM's overlay under its lock, unless its connection is ending or it is being moved.
+fn still<'a>(vm: &str, guard: &'a mut Option<VmOverlay>) -> Result<&'a mut VmOverlay, String> {
+    let Some(held) = guard.as_mut() else { return Err(format!("VM {vm}'s connection is ending: try again")) };
+    if held.overlay.is_moving() {
+        return Err(format!("VM {vm} is moving to a peer: try again once the move is done or given up"));
+    }
+    Ok(held)
+}
+
+/// Writes what `overlay` changed over the image it runs over as a qcow2 layer at `path` over
+/// `backing`: its data, its zeroed ranges as zero clusters; what reads the image below (never
+/// written, or TRIMmed) is left out, to read through.
+fn write_changes(
     overlay: &mut overspill_engine::Overlay,
-) -> Result<String, String> {
-    let size = overlay.size();
-    let written = store.publish_layer(image, below, |path, backing, format| {
-        let mut writer = LayerWriter::create(path, size, backing, format)?;
-        overlay.start_moving();
-        let copied = (|| -> std::io::Result<()> {
-            loop {
-                let runs = overlay.take_moved(BLOCKS_PER_TAKE).map_err(std::io::Error::other)?;
-                if runs.is_empty() {
-                    return Ok(());
-                }
-                for run in runs {
-                    match run {
-                        MovedRun::Data { first, data } => writer.data(first, &data)?,
-                        MovedRun::Zero { first, end } => writer.zeroes(first, end)?,
-                        // Reads the version below: nothing of the VM's.
-                        MovedRun::Golden { .. } => {}
-                    }
+    path: &std::path::Path,
+    backing: &str,
+    format: overspill_images::Format,
+) -> std::io::Result<()> {
+    let mut writer = LayerWriter::create(path, overlay.size(), backing, format)?;
+    overlay.start_moving();
+    let copied = (|| -> std::io::Result<()> {
+        loop {
+            let runs = overlay.take_moved(BLOCKS_PER_TAKE).map_err(std::io::Error::other)?;
+            if runs.is_empty() {
+                return Ok(());
+            }
+            for run in runs {
+                match run {
+                    MovedRun::Data { first, data } => writer.data(first, &data)?,
+                    MovedRun::Zero { first, end } => writer.zeroes(first, end)?,
+                    // Reads the layer below: nothing of the VM's.
+                    MovedRun::Golden { .. } => {}
                 }
             }
-        })();
-        overlay.stop_moving();
-        copied?;
-        writer.finish()
-    });
-    written.map_err(|e| e.to_string())
+        }
+    })();
+    overlay.stop_moving();
+    copied?;
+    writer.finish()
 }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use overspill_engine::VmStats;
 use serde::{Deserialize, Serialize};
 
-use super::{lock, moves, Entry, VmRegistry};
+use super::{lock, moves, Entry, Registered, VmRegistry};
 
 /// A VM's state, as `vm list` and the metrics show it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,11 +28,23 @@ pub enum VmState {
     Outgoing,
     /// Being taken from a peer server: its requests here wait until the switchover.
     Incoming,
+    /// A fork (`vm fork`) with no overlay yet: it starts from its checkpoint when it connects.
+    Fork,
+    /// A fork dropped by `vm drop`: its name is refused until `vm reset`.
+    Dropped,
 }
 
 impl VmState {
-    pub const ALL: [VmState; 6] =
-        [Self::Connected, Self::Resetting, Self::InGrace, Self::Lost, Self::Outgoing, Self::Incoming];
+    pub const ALL: [VmState; 8] = [
+        Self::Connected,
+        Self::Resetting,
+        Self::InGrace,
+        Self::Lost,
+        Self::Outgoing,
+        Self::Incoming,
+        Self::Fork,
+        Self::Dropped,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -43,6 +55,8 @@ impl VmState {
             Self::Declared => "declared",
             Self::Outgoing => "outgoing",
             Self::Incoming => "incoming",
+            Self::Fork => "fork",
+            Self::Dropped => "dropped",
         }
     }
 }
@@ -125,8 +139,28 @@ impl VmRegistry {
             detail: why.clone(),
             socket: None,
         }));
+        out.extend(Self::waiting_forks(&inner).map(|(vm, fork)| VmStatus {
+            vm: vm.clone(),
+            image: format!("{}:{}", fork.image, fork.checkpoint),
+            owner: None,
+            state: if fork.dropped { VmState::Dropped } else { VmState::Fork },
+            memory_bytes: 0,
+            spill_bytes: 0,
+            age_s: 0,
+            detail: if fork.dropped {
+                "refused until `vm reset`".to_owned()
+            } else {
+                "waits for its first connection".to_owned()
+            },
+            socket: None,
+        }));
         out.sort_by(|a, b| a.vm.cmp(&b.vm));
         out
+    }
+
+    /// Forks with no overlay here (and not lost): waiting for their first connection, or dropped.
+    fn waiting_forks(inner: &Registered) -> impl Iterator<Item = (&String, &crate::forks::Fork)> {
+        inner.forks.iter().filter(|(vm, _)| !inner.names.contains_key(*vm) && !inner.lost.contains_key(*vm))
     }
 
     /// How many VMs are in each state.
@@ -137,6 +171,9 @@ impl VmRegistry {
             .map(|state| {
                 let count = match state {
                     VmState::Lost => inner.lost.len() as u64,
+                    VmState::Fork | VmState::Dropped => Self::waiting_forks(&inner)
+                        .filter(|(_, fork)| fork.dropped == (state == VmState::Dropped))
+                        .count() as u64,
                     _ => inner.vms.values().filter(|e| e.named && entry_state(e) == state).count() as u64,
                 };
                 (state, count)

@@ -466,7 +466,9 @@ fn boot_figures(w: &mut Writer, boots: &overspill_server::boot_pacing::BootFigur
 fn host_figures(w: &mut Writer, registry: &VmRegistry, vms_with_overlay: usize, host: &HostMemory) {
     w.header(
         "overspill_vms",
-        "Named VMs by state: connected, resetting, in-grace (waiting to reconnect), lost (refused until reset).",
+        "Named VMs by state: connected, resetting, in-grace (waiting to reconnect), lost (refused until reset), \
+         outgoing, incoming (moving between servers), fork (waiting for its first connection), dropped (a fork, \
+         refused until reset).",
         "gauge",
     );
     for (state, count) in registry.state_counts() {

@@ -23,7 +23,8 @@ pub struct VmArgs {
 
 #[derive(Debug, Subcommand)]
 enum VmAction {
-    /// Named VMs: image, state (connected, resetting, in-grace, lost), memory, spill, age.
+    /// Named VMs: image, state (connected, resetting, in-grace, lost, outgoing, incoming, fork,
+    /// dropped), memory, spill, age.
     List {
         /// One JSON array instead of a table.
         #[arg(long)]
@@ -51,6 +52,30 @@ enum VmAction {
     /// the capture (a connected VM's connection closes). The version gets no stage: give it to
     /// the test group with `overspill image test`.
     Capture { vm: String },
+    /// Write VM NAME's disk as it is now as a checkpoint of its image (an image of `serve
+    /// --images`): a qcow2 layer, IMAGE/checkpoints/CHECKPOINT.qcow2, over what the VM runs
+    /// over. The VM is held still while it is read (its requests wait) and goes on after it.
+    /// Pause or halt the guest first for a consistent filesystem.
+    Checkpoint {
+        vm: String,
+        /// The checkpoint's name (default: NAME-<unix seconds>).
+        #[arg(long = "as", value_name = "CHECKPOINT")]
+        name: Option<String>,
+    },
+    /// Start new VMs from a checkpoint, copying nothing: FROM is a checkpoint (IMAGE:@NAME) or a
+    /// connected VM, checkpointed first. Each fork starts from the checkpoint at its first
+    /// connection (to export IMAGE@FORK), diverges on its own, and starts from it again after
+    /// its overlay ends (a clean disconnect, `vm reset`). A fork waits, without end, until
+    /// `vm drop FORK`, after which its name is refused until `vm reset FORK`.
+    Fork {
+        from: String,
+        /// The forks' names.
+        #[arg(long = "as", value_name = "NAME,…", value_delimiter = ',', required = true)]
+        names: Vec<String>,
+        /// With FROM a VM: its checkpoint's name (default: FROM-<unix seconds>).
+        #[arg(long)]
+        checkpoint: Option<String>,
+    },
     /// The test group of image stages (`serve --test-vms`): with patterns, replace it live
     /// (VM name patterns, `group:NAME` for a named group's VMs); with --none, empty it; alone,
     /// print it. New VMs of the group get an image's test version (`overspill image test`);
@@ -110,6 +135,17 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
         VmAction::Booted { vm } => Request::Booted { vm: vm.clone() },
         VmAction::Capture { vm } => Request::Capture { vm: vm.clone() },
+        VmAction::Checkpoint { vm, name } => {
+            Request::Checkpoint { vm: vm.clone(), name: name.clone().unwrap_or_else(|| default_checkpoint(vm)) }
+        }
+        VmAction::Fork { from, checkpoint: Some(_), .. } if from.contains(':') => {
+            bail!("--checkpoint names a new checkpoint of a VM, and {from} is a checkpoint already")
+        }
+        VmAction::Fork { from, names, checkpoint } => Request::Fork {
+            from: from.clone(),
+            names: names.clone(),
+            checkpoint: (!from.contains(':')).then(|| checkpoint.clone().unwrap_or_else(|| default_checkpoint(from))),
+        },
         VmAction::TestGroup { patterns, none } => {
             Request::TestGroup { set: (*none || !patterns.is_empty()).then(|| patterns.clone()) }
         }
@@ -139,6 +175,12 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         _ => println!("{}", answer.message.unwrap_or_default()),
     }
     Ok(())
+}
+
+/// A checkpoint's name when none is given: the VM's, and when.
+fn default_checkpoint(vm: &str) -> String {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    format!("{vm}-{now}")
 }
 
 /// Where the server to talk to listens for control requests: `given`, else the environment's

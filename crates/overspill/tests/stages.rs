@@ -199,3 +199,127 @@ fn a_captured_vm_becomes_the_next_version_that_the_test_group_boots() {
     assert!(!ok && text.contains("holds no VM nobody"), "{text}");
     drop(server);
 }
+
+/// The byte at `offset` of VM `vm`'s disk, over a connection that stays open.
+fn byte_at(client: &mut Client, offset: u64) -> u8 {
+    let mut buf = vec![0u8; 4096];
+    client.read(offset, &mut buf).expect("read");
+    assert!(buf.iter().all(|&b| b == buf[0]), "one run of bytes at {offset}");
+    buf[0]
+}
+
+fn connect(socket: &Path, image: &str, vm: &str) -> Result<Client, String> {
+    let uri: NbdUri = format!("nbd+unix:///{image}@{vm}?socket={}", socket.display()).parse().expect("uri");
+    Client::connect(&uri).map_err(|e| e.to_string())
+}
+
+/// `overspill vm ARGS`, expected to fail: what it said.
+fn vm_refused(control: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("vm")
+        .args(args)
+        .arg("--control")
+        .arg(control)
+        .stdin(Stdio::null())
+        .output()
+        .expect("overspill vm");
+    assert!(!out.status.success(), "vm {args:?} succeeded: {}", String::from_utf8_lossy(&out.stdout));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `vm checkpoint` writes a running VM's disk as a layer (qemu-img finds it sound and equal to
+/// what the VM saw) while the VM goes on; `vm fork` starts VMs from it: each sees the
+/// checkpoint, diverges on its own (a write or a TRIM in one is not in another), starts from the
+/// checkpoint again once its overlay ends, and outlives a server restart while it waits; a
+/// dropped fork is refused until reset, after which the name boots production.
+#[test]
+fn forks_of_a_checkpoint_start_from_it_diverge_apart_and_outlive_a_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir.path().join("images");
+    let v1 = dir.path().join("v1.img");
+    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
+    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
+    let (mut server, socket, control) = serve_store(dir.path(), &store, &[]);
+
+    let mut src = connect(&socket, "win", "src").expect("src connects");
+    src.write(1 << 20, &vec![0x5au8; 64 << 10], false).expect("write");
+    src.write(3 << 20, &vec![0x66u8; 64 << 10], false).expect("write");
+    src.write_zeroes(2 << 20, 64 << 10, false).expect("zeroes");
+    let said = vm(&control, &["checkpoint", "src", "--as", "c1"]);
+    assert!(said.contains("checkpoint win:@c1"), "{said}");
+    src.write(1 << 20, &vec![0x77u8; 4096], false).expect("the checkpointed VM goes on");
+    assert_eq!(byte_at(&mut src, 1 << 20), 0x77);
+
+    let layer = store.join("win/checkpoints/c1.qcow2");
+    let check = Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(&layer).output().expect("qemu-img check");
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
+    let mut expected = vec![0x11u8; 4 << 20];
+    expected[1 << 20..(1 << 20) + (64 << 10)].fill(0x5a);
+    expected[2 << 20..(2 << 20) + (64 << 10)].fill(0);
+    expected[3 << 20..(3 << 20) + (64 << 10)].fill(0x66);
+    let expected_file = dir.path().join("expected.raw");
+    std::fs::write(&expected_file, &expected).expect("expected");
+    let compare = Command::new("qemu-img")
+        .args(["compare", "-f", "qcow2", "-F", "raw"])
+        .arg(&layer)
+        .arg(&expected_file)
+        .output()
+        .expect("qemu-img compare");
+    assert!(compare.status.success(), "{}", String::from_utf8_lossy(&compare.stdout));
+    assert!(vm_refused(&control, &["checkpoint", "src", "--as", "c1"]).contains("written once"));
+
+    let said = vm(&control, &["fork", "win:@c1", "--as", "a,b"]);
+    assert!(said.contains("a,b: forks of win:@c1"), "{said}");
+    let list = vm(&control, &["list"]);
+    assert!(list.lines().any(|l| l.starts_with("b ") && l.contains("win:@c1") && l.contains("fork")), "{list}");
+    assert!(vm_refused(&control, &["fork", "win:@c1", "--as", "src"]).contains("exists already"));
+    assert!(vm_refused(&control, &["fork", "win:@nope", "--as", "z"]).contains("no version @nope"));
+    assert!(vm_refused(&control, &["fork", "win:v1", "--as", "z"]).contains("no checkpoint"));
+
+    let mut a = connect(&socket, "win", "a").expect("fork a connects");
+    assert_eq!(
+        [0, 1 << 20, 2 << 20, 3 << 20].map(|offset| byte_at(&mut a, offset)),
+        [0x11, 0x5a, 0, 0x66],
+        "a fork starts from the checkpoint, not from what its source wrote after it"
+    );
+    a.write(0, &vec![0x99u8; 4096], false).expect("a writes");
+    a.write(3 << 20, &vec![0xaau8; 4096], false).expect("a writes");
+    a.trim(3 << 20, 4096).expect("a trims");
+    assert_eq!(byte_at(&mut a, 3 << 20), 0x66, "a TRIM reads the checkpoint again");
+    let mut b = connect(&socket, "win", "b").expect("fork b connects");
+    assert_eq!([0, 1 << 20, 3 << 20].map(|offset| byte_at(&mut b, offset)), [0x11, 0x5a, 0x66], "b is not a");
+    b.disconnect().expect("b leaves cleanly");
+    a.disconnect().expect("a leaves cleanly");
+    let mut a = connect(&socket, "win", "a").expect("a again");
+    assert_eq!(byte_at(&mut a, 0), 0x11, "an ended fork starts from its checkpoint again");
+    a.disconnect().expect("a leaves");
+
+    // A fork straight from a running VM, through a checkpoint of it.
+    let said = vm(&control, &["fork", "src", "--as", "c", "--checkpoint", "c2"]);
+    assert!(said.contains("forks of win:@c2"), "{said}");
+    let mut c = connect(&socket, "win", "c").expect("fork c connects");
+    assert_eq!(byte_at(&mut c, 1 << 20), 0x77, "c is src as it is now");
+    c.disconnect().expect("c leaves");
+    assert!(connect(&socket, "other", "c").is_err(), "a fork connects to its own image only");
+    src.disconnect().expect("src leaves");
+
+    server.stop();
+    let (mut server, socket, control) = serve_store(dir.path(), &store, &[]);
+    let list = vm(&control, &["list"]);
+    assert!(["a ", "b ", "c "].iter().all(|n| list.lines().any(|l| l.starts_with(n) && l.contains("fork"))), "{list}");
+    let mut b = connect(&socket, "win", "b").expect("b after the restart");
+    assert_eq!(byte_at(&mut b, 1 << 20), 0x5a, "a fork outlives the server");
+    b.disconnect().expect("b leaves");
+
+    vm(&control, &["drop", "b"]);
+    let refused = connect(&socket, "win", "b").expect_err("a dropped fork is refused");
+    assert!(refused.contains("dropped"), "{refused}");
+    let list = vm(&control, &["list"]);
+    assert!(list.lines().any(|l| l.starts_with("b ") && l.contains("dropped")), "{list}");
+    let said = vm(&control, &["reset", "b"]);
+    assert!(said.contains("no longer a fork"), "{said}");
+    let mut b = connect(&socket, "win", "b").expect("b after its reset");
+    assert_eq!(byte_at(&mut b, 1 << 20), 0x11, "a reset fork's name boots production");
+    b.disconnect().expect("b leaves");
+    server.stop();
+}
