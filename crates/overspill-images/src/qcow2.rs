@@ -392,6 +392,46 @@ impl Qcow2Image {
         Ok(bytes)
     }
 
+    /// How many bytes from `pos` (at most `left`) read alike as `first`, the cluster at `pos`
+    /// does: the clusters after it of the same kind (unallocated, zero, or data stored right
+    /// after), so that a read of many clusters is one read of the file or the layer below,
+    /// not one per cluster.
+    fn run_from(&self, pos: u64, left: usize, first: &Cluster) -> io::Result<usize> {
+        let cluster = 1u64 << self.cluster_bits;
+        let aligned = |host: u64| {
+            // The spec wants data clusters aligned (qemu calls anything else corruption): read
+            // at face value, one would serve bytes shifted into the next cluster.
+            if host % cluster == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("qcow2 data cluster at unaligned offset {host}: the image is corrupt"),
+                ))
+            }
+        };
+        if let Cluster::Data(host) = first {
+            aligned(*host)?;
+        }
+        let mut n = ((cluster - pos % cluster) as usize).min(left);
+        while n < left {
+            let next = pos + n as u64;
+            let joins = match (first, self.cluster_of(self.l2_entry(next)?)) {
+                (Cluster::Unallocated, Cluster::Unallocated) | (Cluster::Zero { .. }, Cluster::Zero { .. }) => true,
+                (Cluster::Data(host), Cluster::Data(then)) => {
+                    aligned(then)?;
+                    then == host + (next - pos + pos % cluster)
+                }
+                _ => false,
+            };
+            if !joins {
+                break;
+            }
+            n += (cluster as usize).min(left - n);
+        }
+        Ok(n)
+    }
+
     fn read_below(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         match &self.backing {
             // A backing file shorter than this layer reads as zeroes past its end.
@@ -447,17 +487,11 @@ impl GoldenImage for Qcow2Image {
                     buf[done..].fill(0);
                     break;
                 }
-                let n = ((cluster - pos % cluster) as usize).min(buf.len() - done).min((self.size - pos) as usize);
+                let left = (buf.len() - done).min((self.size - pos) as usize);
+                let kind = self.cluster_of(self.l2_entry(pos)?);
+                let n = self.run_from(pos, left, &kind)?;
                 let part = &mut buf[done..done + n];
-                match self.cluster_of(self.l2_entry(pos)?) {
-                    // The spec wants data clusters aligned (qemu calls anything else corruption):
-                    // read at face value, it would serve bytes shifted into the next cluster.
-                    Cluster::Data(host) if host % cluster != 0 => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            format!("qcow2 data cluster at unaligned offset {host}: the image is corrupt"),
-                        ));
-                    }
+                match kind {
                     Cluster::Data(host) => self.file.read_exact_at(part, host + pos % cluster)?,
                     Cluster::Zero { .. } => part.fill(0),
                     Cluster::Unallocated => self.read_below(part, pos)?,
