@@ -401,7 +401,7 @@ impl Qcow2Image {
         let aligned = |host: u64| {
             // The spec wants data clusters aligned (qemu calls anything else corruption): read
             // at face value, one would serve bytes shifted into the next cluster.
-            if host % cluster == 0 {
+            if host.is_multiple_of(cluster) {
                 Ok(())
             } else {
                 Err(io::Error::new(

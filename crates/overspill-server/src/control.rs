@@ -313,12 +313,26 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             Err(why) => refused(why),
             Ok(store) => {
                 let registry = &targets.registry;
-                let label = match checkpoint {
-                    _ if from.contains(':') => Ok(from.clone()),
-                    Some(name) => registry.checkpoint(&from, &name, store),
-                    None => Err("forking a VM needs a name for its checkpoint".to_owned()),
+                let label = match (from.contains(':'), checkpoint) {
+                    (true, None) => Ok(from.clone()),
+                    (true, Some(_)) => Err(format!("{from} is a checkpoint already: name no new one")),
+                    // The names are checked first: a checkpoint holds the VM still while it is
+                    // written, for nothing if the forks are refused after it.
+                    (false, Some(name)) => {
+                        registry.may_fork(&names).and_then(|()| registry.checkpoint(&from, &name, store))
+                    }
+                    (false, None) => Err("forking a VM needs a name for its checkpoint".to_owned()),
                 };
-                match label.and_then(|label| registry.fork(&label, &names, store).map(|()| label)) {
+                let forked = label.and_then(|label| {
+                    registry.fork(&label, &names, store).map(|()| label.clone()).map_err(|why| {
+                        if from.contains(':') {
+                            why
+                        } else {
+                            format!("{why} (checkpoint {label} is written: `overspill vm fork {label} --as …` forks it)")
+                        }
+                    })
+                });
+                match forked {
                     Ok(label) => Answer {
                         ok: true,
                         message: Some(format!(

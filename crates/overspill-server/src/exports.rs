@@ -419,24 +419,43 @@ impl OverlayExports {
     /// (`name:version` for a versioned image).
     fn image(&self, name: &str) -> Result<(String, Arc<dyn GoldenImage>), DeviceError> {
         let image_name = Self::image_name(name);
+        let fork = self.fork_of(name);
         if let Some(image) = self.images.get(image_name) {
+            if let Some(fork) = fork {
+                return Err(Self::fork_refused(name, &fork, "an export of that name shadows the image store's"));
+            }
             return Ok((image_name.to_owned(), image.clone()));
         }
         let versions =
             self.versions.as_ref().ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
-        let (version, image) = self
-            .version_for(versions, name)
-            .and_then(|version| versions.open(image_name, version))
-            .map_err(|e| DeviceError::new(DeviceErrorKind::Invalid, e.to_string()))?;
+        let opened = self.version_for(versions, name).and_then(|version| versions.open(image_name, version));
+        let (version, image) = opened.map_err(|e| match &fork {
+            // Never the image's version in its place: that would revert the fork.
+            Some(fork) => Self::fork_refused(name, fork, &e.to_string()),
+            None => DeviceError::new(DeviceErrorKind::Invalid, e.to_string()),
+        })?;
         Ok((format!("{image_name}:{version}"), image))
+    }
+
+    /// The pin of the VM export `name` names, if it is a fork of that image.
+    fn fork_of(&self, name: &str) -> Option<crate::forks::Fork> {
+        let (image_name, vm) = name.split_once('@')?;
+        self.registry.fork_of(vm).filter(|fork| fork.image == image_name)
+    }
+
+    fn fork_refused(name: &str, fork: &crate::forks::Fork, why: &str) -> DeviceError {
+        let vm = name.split_once('@').map_or(name, |(_, vm)| vm);
+        let message =
+            format!("VM {vm} is a fork of {}:{} and cannot start from it: {why}", fork.image, fork.checkpoint);
+        tracing::warn!(vm, "VM refused: {message}");
+        DeviceError::new(DeviceErrorKind::Refused, message)
     }
 
     /// The version of the store a new overlay for export `name` gets: a fork's checkpoint (see
     /// `vm fork`), else its stage's version.
     fn version_for(&self, versions: &OpenVersions, name: &str) -> Result<Version, crate::ServerError> {
         let image_name = Self::image_name(name);
-        let fork = name.split_once('@').and_then(|(_, vm)| self.registry.fork_of(vm));
-        match fork.filter(|fork| fork.image == image_name) {
+        match self.fork_of(name) {
             Some(fork) => versions.store().version(image_name, &fork.checkpoint),
             None => versions.store().staged(image_name, self.stage_of(name)),
         }
@@ -506,7 +525,17 @@ impl ExportProvider for OverlayExports {
             Some(image) => (image.size(), image.describe()),
             None => {
                 let versions = self.versions.as_ref()?;
-                versions.describe(image_name, self.version_for(versions, name).ok()?).ok()?
+                match self.version_for(versions, name).and_then(|version| versions.describe(image_name, version)) {
+                    Ok(described) => described,
+                    // Offered, so that opening it refuses it by name and says why, rather than
+                    // "no such export".
+                    Err(error) => {
+                        let fork = self.fork_of(name)?;
+                        let staged = versions.store().staged(image_name, self.stage_of(name)).ok()?;
+                        let (size, _) = versions.describe(image_name, staged).ok()?;
+                        (size, format!("a fork of {}:{} that cannot start ({error})", fork.image, fork.checkpoint))
+                    }
+                }
             }
         };
         let description = if self.read_only(name) {

@@ -323,6 +323,8 @@ impl ImageStore {
         write: impl FnOnce(&Path, &str, overspill_images::Format) -> std::io::Result<()>,
     ) -> Result<String, ServerError> {
         check_name("image", name)?;
+        // A version's backing file is another version (one directory): never a checkpoint.
+        check_name("version", below)?;
         let dir = self.root.join(name);
         let lock = lock_image(&dir)?;
         let below = self.version(name, below)?;
@@ -380,7 +382,11 @@ impl ImageStore {
         let checkpoints = dir.join(CHECKPOINTS);
         let target = self.checkpoint_path(name, checkpoint);
         let io = |e| ServerError::io(format!("writing {}", target.display()), e);
-        crate::files::create_shared_dir(&checkpoints).map_err(io)?;
+        if !checkpoints.is_dir() {
+            crate::files::create_shared_dir(&checkpoints)
+                .and_then(|()| crate::files::sync_directory(&dir))
+                .map_err(io)?;
+        }
         if target.exists() {
             return Err(ServerError::Stage {
                 image: name.to_owned(),

@@ -214,6 +214,14 @@ fn hand_over(entry: &mut Entry, parked: &mut VmOverlay) {
     entry.marked = false;
 }
 
+/// What VM `vm` starts from when its overlay is new: its checkpoint if it is a fork.
+fn start_of(inner: &Registered, vm: &str) -> String {
+    match inner.forks.get(vm) {
+        Some(fork) if !fork.dropped => format!("its checkpoint {}:{}", fork.image, fork.checkpoint),
+        _ => "the golden image".to_owned(),
+    }
+}
+
 /// Registry locks guard plain bookkeeping: a panic elsewhere leaves it usable.
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -322,7 +330,8 @@ impl VmRegistry {
             // Why (the image, the server that ended) is in the log and `vm list`, not told to a
             // client that may not be the VM's.
             return refuse(format!(
-                "VM {vm} had writes that were lost; run `overspill vm reset {vm}` to start it from the golden image"
+                "VM {vm} had writes that were lost; run `overspill vm reset {vm}` to start it from {}",
+                start_of(&inner, vm)
             ));
         }
         if let Some(fork) = inner.forks.get(vm) {
@@ -741,9 +750,15 @@ impl VmRegistry {
     /// too: its name is refused from then on, until `vm reset`.
     pub fn drop_vm(&self, vm: &str) -> Result<String, ServerError> {
         let mut inner = lock(&self.inner);
-        if inner.forks.get(vm).is_none_or(|fork| fork.dropped) {
-            drop(inner);
-            return self.end_by_name(vm, false);
+        match inner.forks.get(vm) {
+            None => {
+                drop(inner);
+                return self.end_by_name(vm, false);
+            }
+            Some(fork) if fork.dropped => {
+                return Ok(format!("{vm}: a dropped fork already; `overspill vm reset {vm}` frees its name"))
+            }
+            Some(_) => {}
         }
         let number = inner.names.get(vm).copied();
         if let Some(entry) = number.and_then(|number| inner.vms.get(&number)) {
@@ -756,8 +771,14 @@ impl VmRegistry {
         }
         inner.forks.drop_fork(vm).map_err(|e| ServerError::io("updating the forks' book", e))?;
         let parked = number.and_then(|number| self.forget(&mut inner, number, None));
+        let lost = inner.lost.contains_key(vm);
         drop(inner);
         drop(parked);
+        if lost {
+            // Its tombstone and files go as a lost VM's drop takes them; the name stays refused
+            // as a dropped fork's.
+            self.end_by_name(vm, false)?;
+        }
         tracing::info!(vm, "fork dropped by the operator: its name is refused until `vm reset`");
         Ok(format!("{vm}: fork dropped; its name is refused until `overspill vm reset {vm}`"))
     }
@@ -790,8 +811,9 @@ impl VmRegistry {
                     }
                 }
             }
-            tracing::info!(vm, "lost VM reset by the operator: it starts from the golden image");
-            return Ok(format!("{vm}: its lost writes are forgotten; it starts from the golden image"));
+            let start = start_of(&inner, vm);
+            tracing::info!(vm, "lost VM reset by the operator: it starts from {start}");
+            return Ok(format!("{vm}: its lost writes are forgotten; it starts from {start}"));
         }
         let Some(&number) = inner.names.get(vm) else {
             drop(inner);
@@ -811,11 +833,12 @@ impl VmRegistry {
             tracing::info!(vm, "VM reset by the operator: its connection closes at its next request or within 20 s");
             return Ok(format!("{vm}: reset; its connection closes at its next request (within 20 s if it sends none) and it starts over"));
         }
+        let start = start_of(&inner, vm);
         let parked = self.forget(&mut inner, number, None);
         drop(inner);
         drop(parked);
         tracing::info!(vm, "VM overlay dropped by the operator");
-        Ok(format!("{vm}: overlay dropped; the next connection starts from the golden image"))
+        Ok(format!("{vm}: overlay dropped; the next connection starts from {start}"))
     }
 
     /// A VM this server does not hold, whose ledger entry a server gone since this one started

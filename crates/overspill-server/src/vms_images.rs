@@ -15,7 +15,7 @@ use std::sync::Weak;
 use overspill_engine::MovedRun;
 use overspill_images::qcow2_layer::LayerWriter;
 
-use super::{lock, VmRegistry};
+use super::{lock, Registered, VmRegistry};
 use crate::images::ImageStore;
 use crate::vm_overlay::VmOverlay;
 
@@ -90,12 +90,12 @@ impl VmRegistry {
     /// and the new version's.
     pub fn capture(&self, vm: &str, store: &ImageStore) -> Result<(String, String), String> {
         let (number, label, live) = self.source_vm(vm, "capture")?;
-        if self.fork_of(vm).is_some() {
+        let (image, below) = split_label(&label);
+        if below.starts_with('@') {
             return Err(format!(
-                "VM {vm} is a fork, over checkpoint {label}: a version is captured from a VM over a version"
+                "VM {vm} runs over checkpoint {label} (a fork): a version is captured from a VM over a version"
             ));
         }
-        let (image, below) = split_label(&label);
         // The VM's lock is held from the read of its overlay to its end: no request of it is
         // served in between (none acknowledged that the layer would lack).
         let mut guard = live.vm();
@@ -149,26 +149,50 @@ impl VmRegistry {
         }
         store.version(image, checkpoint).map_err(|e| e.to_string())?;
         let mut inner = lock(&self.inner);
+        self.check_fork_names(&inner, names)?;
+        let pin = crate::forks::Fork { image: image.to_owned(), checkpoint: checkpoint.to_owned(), dropped: false };
+        inner
+            .forks
+            .add(names.iter().map(|name| (name.clone(), pin.clone())).collect())
+            .map_err(|e| format!("recording the forks: {e}"))?;
+        drop(inner);
+        tracing::info!(checkpoint = label, forks = %names.join(","), "forks made");
+        Ok(())
+    }
+
+    /// Why `names` cannot be made forks now, if they cannot (see [`Self::check_fork_names`]):
+    /// asked before a VM is checkpointed to fork it.
+    pub fn may_fork(&self, names: &[String]) -> Result<(), String> {
+        self.check_fork_names(&lock(&self.inner), names)
+    }
+
+    /// Each name valid, given once and free (no VM here, lost, in the ledger, or a fork, dropped
+    /// or not), and a state directory to record forks in.
+    fn check_fork_names(&self, inner: &Registered, names: &[String]) -> Result<(), String> {
+        if names.is_empty() {
+            return Err("name the forks (--as A,B,…)".to_owned());
+        }
+        if !inner.forks.can_record() {
+            return Err("this server has no state directory (--state-dir) to record forks in".to_owned());
+        }
         let mut seen = std::collections::HashSet::new();
         for name in names {
             crate::check_name("VM", name).map_err(|e| e.to_string())?;
             if !seen.insert(name) {
                 return Err(format!("{name} is named twice"));
             }
-            if inner.names.contains_key(name) || inner.lost.contains_key(name) || inner.forks.get(name).is_some() {
+            match inner.forks.get(name) {
+                Some(fork) if fork.dropped => {
+                    return Err(format!("{name} is a dropped fork: `overspill vm reset {name}` frees the name first"))
+                }
+                Some(fork) => return Err(format!("{name} is a fork of {}:{} already", fork.image, fork.checkpoint)),
+                None => {}
+            }
+            let in_ledger = self.ledger.as_ref().is_some_and(|ledger| ledger.path(name).exists());
+            if inner.names.contains_key(name) || inner.lost.contains_key(name) || in_ledger {
                 return Err(format!("VM {name} exists already (`overspill vm list`): a fork takes a new name"));
             }
         }
-        if names.is_empty() {
-            return Err("name the forks (--as A,B,…)".to_owned());
-        }
-        let pin = crate::forks::Fork { image: image.to_owned(), checkpoint: checkpoint.to_owned(), dropped: false };
-        inner
-            .forks
-            .add(names.iter().map(|name| (name.clone(), pin.clone())))
-            .map_err(|e| format!("recording the forks: {e}"))?;
-        drop(inner);
-        tracing::info!(checkpoint = label, forks = %names.join(","), "forks made");
         Ok(())
     }
 

@@ -185,6 +185,12 @@ impl VmRegistry {
             // Its connections would end one by one, each a switchover: it stays.
             return Err(format!("VM {vm} has several connections (multi-conn), and does not move"));
         }
+        if let Some(fork) = inner.forks.get(vm) {
+            // Its pin is this server's: the peer would serve it, and start it again after its
+            // overlay ends, as no fork.
+            return Err(format!("VM {vm} is a fork of {}:{}, and forks do not move", fork.image, fork.checkpoint));
+        }
+        let entry = inner.vms.get_mut(&number).expect("names point at entries");
         let from_grace = entry.grace.is_some();
         let live = match entry.grace.take() {
             Some(grace) => Arc::new(Live::new(grace.parked)),
@@ -356,6 +362,9 @@ impl VmRegistry {
             return refuse(format!("VM {vm} belongs to another client identity"));
         }
         let mut inner = lock(&self.inner);
+        if inner.forks.get(vm).is_some() || offer.image_label.contains(":@") {
+            return refuse(format!("VM {vm} is a fork here or there, and forks do not move"));
+        }
         let mut dropped = None;
         if inner.lost.remove(vm).is_some() {
             tracing::warn!(vm, peer, "a peer holds this VM live: its lost copy here is given up");

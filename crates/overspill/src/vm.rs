@@ -180,7 +180,10 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
 /// A checkpoint's name when none is given: the VM's, and when.
 fn default_checkpoint(vm: &str) -> String {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    format!("{vm}-{now}")
+    let suffix = format!("-{now}");
+    // Within a name's length whatever the VM's.
+    let kept: String = vm.chars().take(overspill_server::error::NAME_MAX.saturating_sub(suffix.len())).collect();
+    format!("{kept}{suffix}")
 }
 
 /// Where the server to talk to listens for control requests: `given`, else the environment's
@@ -242,6 +245,16 @@ fn table(vms: &[VmStatus]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_default_checkpoint_name_is_a_name_whatever_the_vms() {
+        let long = "v".repeat(64);
+        for vm in ["desk-1", long.as_str()] {
+            let name = default_checkpoint(vm);
+            assert!(overspill_server::check_name("checkpoint", &name).is_ok(), "{name}");
+            assert!(name.starts_with(&vm[..vm.len().min(40)]), "{name}");
+        }
+    }
 
     /// `--control` wins, then the variable, then the host's configuration; without any of
     /// them, the unit's socket or serve's default.

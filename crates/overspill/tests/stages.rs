@@ -299,7 +299,11 @@ fn forks_of_a_checkpoint_start_from_it_diverge_apart_and_outlive_a_restart() {
     assert!(said.contains("forks of win:@c2"), "{said}");
     let mut c = connect(&socket, "win", "c").expect("fork c connects");
     assert_eq!(byte_at(&mut c, 1 << 20), 0x77, "c is src as it is now");
+    assert!(vm_refused(&control, &["capture", "c"]).contains("runs over checkpoint win:@c2"));
     c.disconnect().expect("c leaves");
+    let refused = vm_refused(&control, &["fork", "src", "--as", "z,a", "--checkpoint", "c3"]);
+    assert!(refused.contains("a is a fork of win:@c1 already"), "{refused}");
+    assert!(!store.join("win/checkpoints/c3.qcow2").exists(), "no checkpoint is written for forks refused");
     assert!(connect(&socket, "other", "c").is_err(), "a fork connects to its own image only");
     src.disconnect().expect("src leaves");
 
@@ -314,6 +318,8 @@ fn forks_of_a_checkpoint_start_from_it_diverge_apart_and_outlive_a_restart() {
     vm(&control, &["drop", "b"]);
     let refused = connect(&socket, "win", "b").expect_err("a dropped fork is refused");
     assert!(refused.contains("dropped"), "{refused}");
+    assert!(vm(&control, &["drop", "b"]).contains("dropped fork already"));
+    assert!(vm_refused(&control, &["fork", "win:@c1", "--as", "b"]).contains("dropped fork"));
     let list = vm(&control, &["list"]);
     assert!(list.lines().any(|l| l.starts_with("b ") && l.contains("dropped")), "{list}");
     let said = vm(&control, &["reset", "b"]);
@@ -321,5 +327,10 @@ fn forks_of_a_checkpoint_start_from_it_diverge_apart_and_outlive_a_restart() {
     let mut b = connect(&socket, "win", "b").expect("b after its reset");
     assert_eq!(byte_at(&mut b, 1 << 20), 0x11, "a reset fork's name boots production");
     b.disconnect().expect("b leaves");
+
+    // A fork whose checkpoint is gone is refused, never started from the image instead.
+    std::fs::remove_file(store.join("win/checkpoints/c2.qcow2")).expect("remove c2");
+    let refused = connect(&socket, "win", "c").expect_err("c's checkpoint is gone");
+    assert!(refused.contains("fork of win:@c2"), "{refused}");
     server.stop();
 }
