@@ -18,6 +18,8 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
+use overspill_engine::{MovedRun, Overlay};
+
 use crate::Format;
 
 const MAGIC: u32 = 0x5146_49fb;
@@ -215,4 +217,35 @@ impl LayerWriter {
         header.extend_from_slice(&self.backing);
         header
     }
+}
+
+/// Data blocks read out of an overlay at a time: the writer is handed 16 MiB at most at once.
+const BLOCKS_PER_TAKE: u64 = 4096;
+
+/// Writes what `overlay` changed over the image it runs over as a layer at `path` over
+/// `backing` (a file name as for [`LayerWriter::create`], in `format`): the blocks it wrote as
+/// data, those it zeroed as zero clusters; what reads the image below (never written, or
+/// trimmed) is left out, to read through. The overlay is only read: its VM goes on after it.
+pub fn write_overlay(overlay: &mut Overlay, path: &Path, backing: &str, format: Format) -> io::Result<()> {
+    let mut writer = LayerWriter::create(path, overlay.size(), backing, format)?;
+    // The move's walk reads every block that is not the image's, in order.
+    overlay.start_moving();
+    let copied = (|| -> io::Result<()> {
+        loop {
+            let runs = overlay.take_moved(BLOCKS_PER_TAKE).map_err(io::Error::other)?;
+            if runs.is_empty() {
+                return Ok(());
+            }
+            for run in runs {
+                match run {
+                    MovedRun::Data { first, data } => writer.data(first, &data)?,
+                    MovedRun::Zero { first, end } => writer.zeroes(first, end)?,
+                    MovedRun::Golden { .. } => {}
+                }
+            }
+        }
+    })();
+    overlay.stop_moving();
+    copied?;
+    writer.finish()
 }

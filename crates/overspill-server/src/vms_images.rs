@@ -12,15 +12,11 @@
 use std::sync::atomic::Ordering;
 use std::sync::Weak;
 
-use overspill_engine::MovedRun;
-use overspill_images::qcow2_layer::LayerWriter;
+use overspill_images::qcow2_layer::write_overlay;
 
 use super::{lock, Registered, VmRegistry};
 use crate::images::ImageStore;
 use crate::vm_overlay::VmOverlay;
-
-/// Data blocks read at a time: the writer is handed 16 MiB at most at once.
-const BLOCKS_PER_TAKE: u64 = 4096;
 
 impl VmRegistry {
     /// The golden image `image_label` (as VMs' `export` shows it) was found changed under the
@@ -102,7 +98,7 @@ impl VmRegistry {
         let held = still(vm, &mut guard)?;
         let version = store
             .publish_layer(image, below, |path, backing, format| {
-                write_changes(&mut held.overlay, path, backing, format)
+                write_overlay(&mut held.overlay, path, backing, format)
             })
             .map_err(|e| e.to_string())?;
         // Its connection closes at its next request (the slot is empty); its entry, ledger and
@@ -132,7 +128,7 @@ impl VmRegistry {
         let held = still(vm, &mut guard)?;
         store
             .write_checkpoint(image, below, checkpoint, |path, backing, format| {
-                write_changes(&mut held.overlay, path, backing, format)
+                write_overlay(&mut held.overlay, path, backing, format)
             })
             .map_err(|e| e.to_string())?;
         drop(guard);
@@ -237,36 +233,4 @@ fn still<'a>(vm: &str, guard: &'a mut Option<VmOverlay>) -> Result<&'a mut VmOve
         return Err(format!("VM {vm} is moving to a peer: try again once the move is done or given up"));
     }
     Ok(held)
-}
-
-/// Writes what `overlay` changed over the image it runs over as a qcow2 layer at `path` over
-/// `backing`: its data, its zeroed ranges as zero clusters; what reads the image below (never
-/// written, or TRIMmed) is left out, to read through.
-fn write_changes(
-    overlay: &mut overspill_engine::Overlay,
-    path: &std::path::Path,
-    backing: &str,
-    format: overspill_images::Format,
-) -> std::io::Result<()> {
-    let mut writer = LayerWriter::create(path, overlay.size(), backing, format)?;
-    overlay.start_moving();
-    let copied = (|| -> std::io::Result<()> {
-        loop {
-            let runs = overlay.take_moved(BLOCKS_PER_TAKE).map_err(std::io::Error::other)?;
-            if runs.is_empty() {
-                return Ok(());
-            }
-            for run in runs {
-                match run {
-                    MovedRun::Data { first, data } => writer.data(first, &data)?,
-                    MovedRun::Zero { first, end } => writer.zeroes(first, end)?,
-                    // Reads the layer below: nothing of the VM's.
-                    MovedRun::Golden { .. } => {}
-                }
-            }
-        }
-    })();
-    overlay.stop_moving();
-    copied?;
-    writer.finish()
 }
