@@ -86,6 +86,32 @@ fn be64(b: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(a)
 }
 
+/// The backing file name the header of qcow2 image `path` gives, as written (nothing opened
+/// through it); `None` for an image that stands alone.
+pub fn backing_file_name(path: &Path) -> Result<Option<String>> {
+    let file = File::open(path).map_err(|source| EngineError::Io { what: "opening a qcow2 image", source })?;
+    let mut header = [0u8; 20];
+    file.read_exact_at(&mut header, 0).map_err(|source| EngineError::Io { what: "reading a qcow2 header", source })?;
+    if be32(&header, 0) != MAGIC {
+        return Err(refuse(path, "not a qcow2 image"));
+    }
+    read_backing_name(&file, path, &header)
+}
+
+fn read_backing_name(file: &File, path: &Path, header: &[u8]) -> Result<Option<String>> {
+    let (offset, len) = (be64(header, 8), u64::from(be32(header, 16)));
+    if offset == 0 {
+        return Ok(None);
+    }
+    if len == 0 || len > 1023 {
+        return Err(refuse(path, format!("backing file name of {len} bytes")));
+    }
+    let mut name = vec![0u8; len as usize];
+    file.read_exact_at(&mut name, offset)
+        .map_err(|source| EngineError::Io { what: "reading qcow2 backing file name", source })?;
+    String::from_utf8(name).map(Some).map_err(|_| refuse(path, "the backing file name is not UTF-8"))
+}
+
 fn refuse(path: &Path, why: impl std::fmt::Display) -> EngineError {
     EngineError::Config(format!("{}: {why}", path.display()))
 }
@@ -264,20 +290,10 @@ impl Qcow2Image {
         format: Option<&str>,
         chain: &[(u64, u64)],
     ) -> Result<Option<Arc<dyn GoldenImage>>> {
-        let (offset, len) = (be64(header, 8), u64::from(be32(header, 16)));
-        if offset == 0 {
-            return Ok(None);
-        }
-        if len == 0 || len > 1023 {
-            return Err(refuse(path, format!("backing file name of {len} bytes")));
-        }
+        let Some(name) = read_backing_name(file, path, header)? else { return Ok(None) };
         if chain.len() >= MAX_CHAIN_DEPTH {
             return Err(refuse(path, format!("the backing chain is deeper than {MAX_CHAIN_DEPTH} layers (a loop?)")));
         }
-        let mut name = vec![0u8; len as usize];
-        file.read_exact_at(&mut name, offset)
-            .map_err(|source| EngineError::Io { what: "reading qcow2 backing file name", source })?;
-        let name = String::from_utf8(name).map_err(|_| refuse(path, "the backing file name is not UTF-8"))?;
         if name.contains("://") || name.starts_with("json:") {
             return Err(refuse(path, format!("backing file {name:?} is not a local file")));
         }

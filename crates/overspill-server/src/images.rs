@@ -370,15 +370,32 @@ impl ImageStore {
     ) -> Result<Version, ServerError> {
         check_name("image", name)?;
         check_name("checkpoint", checkpoint)?;
-        let dir = self.root.join(name);
-        let lock = lock_image(&dir)?;
+        let lock = self.lock(name)?;
         let below = self.version(name, below)?;
-        // Named from the checkpoints' directory: the version's file one level up, or a
-        // checkpoint's beside it.
-        let file_name = below.path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        let backing = if below.name.starts_with('@') { file_name.to_owned() } else { format!("../{file_name}") };
+        if self.checkpoint_path(name, checkpoint).exists() {
+            return Err(ServerError::Stage {
+                image: name.to_owned(),
+                why: format!("it has a checkpoint {checkpoint} already: a checkpoint is written once"),
+            });
+        }
+        self.new_checkpoint(name, &below, checkpoint, write)?;
+        drop(lock);
+        self.checkpoint(name, checkpoint)
+    }
+
+    /// With the image's lock held: makes checkpoint `checkpoint` of `name` over `below`, the
+    /// file `write` makes (given the path, the backing file's name and format), sealed and
+    /// linked into place (`link` fails rather than replace one another writer put there).
+    pub(crate) fn new_checkpoint(
+        &self,
+        name: &str,
+        below: &Version,
+        checkpoint: &str,
+        write: impl FnOnce(&Path, &str, overspill_images::Format) -> std::io::Result<()>,
+    ) -> Result<(), ServerError> {
         let format = overspill_images::Format::probe(&below.path)
             .map_err(|source| ServerError::Engine { context: format!("reading {}", below.path.display()), source })?;
+        let dir = self.root.join(name);
         let checkpoints = dir.join(CHECKPOINTS);
         let target = self.checkpoint_path(name, checkpoint);
         let io = |e| ServerError::io(format!("writing {}", target.display()), e);
@@ -387,22 +404,24 @@ impl ImageStore {
                 .and_then(|()| crate::files::sync_directory(&dir))
                 .map_err(io)?;
         }
-        if target.exists() {
-            return Err(ServerError::Stage {
-                image: name.to_owned(),
-                why: format!("it has a checkpoint {checkpoint} already: a checkpoint is written once"),
-            });
-        }
-        write_sealed(&target, |partial| write(partial, &backing, format))
+        write_sealed(&target, |partial| write(partial, &checkpoint_backing(below), format))
             .and_then(|partial| {
-                // `link` fails rather than replace a checkpoint another writer put there.
                 std::fs::hard_link(&partial, &target)?;
                 std::fs::remove_file(&partial)?;
                 crate::files::sync_directory(&checkpoints)
             })
-            .map_err(io)?;
-        drop(lock);
-        self.checkpoint(name, checkpoint)
+            .map_err(io)
+    }
+
+    /// Image `name`'s lock (see [`lock_image`]), held until dropped.
+    pub(crate) fn lock(&self, name: &str) -> Result<std::fs::File, ServerError> {
+        check_name("image", name)?;
+        lock_image(&self.root.join(name))
+    }
+
+    /// The store's directory.
+    pub fn root(&self) -> &Path {
+        &self.root
     }
 
     /// Marks `version` as the one new connections get.
@@ -447,6 +466,17 @@ fn seal(partial: &Path) -> std::io::Result<()> {
 
 /// Where an image keeps its checkpoints.
 const CHECKPOINTS: &str = "checkpoints";
+
+/// The name a checkpoint's file gives its backing file `below`, from the checkpoints'
+/// directory: a version's file one level up, or a checkpoint's beside it.
+pub(crate) fn checkpoint_backing(below: &Version) -> String {
+    let file_name = below.path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    if below.name.starts_with('@') {
+        file_name.to_owned()
+    } else {
+        format!("../{file_name}")
+    }
+}
 
 /// Has `write` make a layer at a temporary name beside `target`, then seals it (read-only, on
 /// disk): returns that name, for the caller to give the file its own. A layer a crashed writer

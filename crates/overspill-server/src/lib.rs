@@ -5,11 +5,13 @@
 //! may take several connections (`multi_conn`), the ledger that lets their state outlive the
 //! process and the naming of state files (`ledger`), the moving of a running VM's overlay to a
 //! peer server (`migration`, over the overlay a connection shares with a move: `live`), the
-//! files it writes whole (`files`), the versioned golden-image store (`images`) and the control
-//! socket (`control`). It knows neither the command line, nor a frontend's protocol, nor how the
+//! files it writes whole (`files`), the versioned golden-image store (`images`), checkpoints
+//! of it taken out and brought in (`checkpoints`), forks pinned to them (`forks`) and the
+//! control socket (`control`). It knows neither the command line, nor a frontend's protocol, nor how the
 //! engine caches; the `overspill` command parses flags and wires these parts together.
 
 pub mod boot_pacing;
+pub mod checkpoints;
 pub mod control;
 mod device;
 pub mod error;

@@ -1,5 +1,6 @@
 //! An object in S3-compatible storage as a golden image, read with ranged GETs through the
-//! object_store crate.
+//! object_store crate; and a bucket's prefix as a place to put files in and take them from
+//! ([`S3Bucket`]: checkpoints taken out of an image store).
 //!
 //! Endpoint and credentials come from the environment, as every S3 tool takes them:
 //! `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT` (or
@@ -12,7 +13,8 @@
 //! run, a read fails with EIO rather than mixing two images' blocks. A store that gives no ETag
 //! is refused at open: a replaced object could not be told from the one opened.
 
-use std::io;
+use std::io::{self, Read, Write};
+use std::path::Path;
 use std::sync::Arc;
 
 use object_store::aws::AmazonS3Builder;
@@ -34,25 +36,32 @@ pub struct S3Image {
     fetch_bytes: u64,
 }
 
+/// A client of `bucket` as the environment configures it, and the runtime its requests run on.
+fn client(bucket: &str, name: &str) -> Result<(Arc<dyn ObjectStore>, tokio::runtime::Runtime), SourceError> {
+    let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    // object_store reads AWS_ENDPOINT; AWS_ENDPOINT_URL is what the AWS CLI reads.
+    if std::env::var_os("AWS_ENDPOINT").is_none() {
+        if let Ok(url) = std::env::var("AWS_ENDPOINT_URL") {
+            builder = builder.with_endpoint(url);
+        }
+    }
+    let store: Arc<dyn ObjectStore> =
+        Arc::new(builder.build().map_err(|e| SourceError::Remote { what: name.to_owned(), message: e.to_string() })?);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("s3-fetch")
+        .enable_all()
+        .build()
+        .map_err(|source| SourceError::Io { what: "starting the S3 client runtime".into(), source })?;
+    Ok((store, runtime))
+}
+
 impl S3Image {
     /// `fetch_bytes`: the chunk a read cache in front should fetch.
     pub fn open_from_env(bucket: &str, key: &str, fetch_bytes: u64) -> Result<Self, SourceError> {
         let name = format!("s3://{bucket}/{key}");
         let remote = |message: String| SourceError::Remote { what: name.clone(), message };
-        let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
-        // object_store reads AWS_ENDPOINT; AWS_ENDPOINT_URL is what the AWS CLI reads.
-        if std::env::var_os("AWS_ENDPOINT").is_none() {
-            if let Ok(url) = std::env::var("AWS_ENDPOINT_URL") {
-                builder = builder.with_endpoint(url);
-            }
-        }
-        let store: Arc<dyn ObjectStore> = Arc::new(builder.build().map_err(|e| remote(e.to_string()))?);
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("s3-fetch")
-            .enable_all()
-            .build()
-            .map_err(|source| SourceError::Io { what: "starting the S3 client runtime".into(), source })?;
+        let (store, runtime) = client(bucket, &name)?;
         let path = ObjectPath::from(key);
         let meta = runtime.block_on(store.head(&path)).map_err(|e| remote(e.to_string()))?;
         let etag = meta.e_tag.ok_or_else(|| {
@@ -118,5 +127,103 @@ impl GoldenImage for S3Image {
 
     fn preferred_fetch_bytes(&self) -> Option<u64> {
         Some(self.fetch_bytes)
+    }
+}
+
+/// Objects under a prefix of a bucket, put whole and fetched whole (a multipart upload
+/// completes, or leaves no object).
+pub struct S3Bucket {
+    store: Arc<dyn ObjectStore>,
+    runtime: tokio::runtime::Runtime,
+    bucket: String,
+    prefix: String,
+}
+
+/// Bytes an upload sends per part, and a fetch asks for per GET.
+const PART_BYTES: usize = 16 << 20;
+
+impl S3Bucket {
+    /// `prefix`: the keys' common start (`a/b` puts `NAME` at `a/b/NAME`); may be empty.
+    pub fn from_env(bucket: &str, prefix: &str) -> Result<Self, SourceError> {
+        let prefix = prefix.trim_matches('/').to_owned();
+        let (store, runtime) = client(bucket, &format!("s3://{bucket}/{prefix}"))?;
+        Ok(Self { store, runtime, bucket: bucket.to_owned(), prefix })
+    }
+
+    fn path(&self, name: &str) -> ObjectPath {
+        match self.prefix.as_str() {
+            "" => ObjectPath::from(name),
+            prefix => ObjectPath::from(format!("{prefix}/{name}")),
+        }
+    }
+
+    fn failed(&self, name: &str, e: impl std::fmt::Display) -> io::Error {
+        io::Error::other(format!("s3://{}/{}: {e}", self.bucket, self.path(name)))
+    }
+
+    /// Uploads local file `from` as `name`, in parts.
+    pub fn put_file(&self, name: &str, from: &Path) -> io::Result<()> {
+        let mut file = std::fs::File::open(from)?;
+        let path = self.path(name);
+        self.runtime.block_on(async {
+            let upload = self.store.put_multipart(&path).await.map_err(|e| self.failed(name, e))?;
+            let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+            let mut buffer = vec![0u8; PART_BYTES];
+            loop {
+                let read = match file.read(&mut buffer) {
+                    Ok(0) => break,
+                    Ok(read) => read,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        writer.abort().await.ok();
+                        return Err(e);
+                    }
+                };
+                // At most two parts in flight: memory stays bounded whatever the file's size.
+                writer.wait_for_capacity(2).await.map_err(|e| self.failed(name, e))?;
+                writer.write(&buffer[..read]);
+            }
+            writer.finish().await.map(|_| ()).map_err(|e| self.failed(name, e))
+        })
+    }
+
+    pub fn put_bytes(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        let payload = object_store::PutPayload::from(bytes.to_vec());
+        self.runtime.block_on(self.store.put(&self.path(name), payload)).map(|_| ()).map_err(|e| self.failed(name, e))
+    }
+
+    /// Fetches `name` into new local file `to`, a range at a time.
+    pub fn get_file(&self, name: &str, to: &Path) -> io::Result<()> {
+        let path = self.path(name);
+        let mut out = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+        let size = self.runtime.block_on(self.store.head(&path)).map_err(|e| self.failed(name, e))?.size;
+        let mut at = 0u64;
+        while at < size {
+            let end = (at + PART_BYTES as u64).min(size);
+            let bytes =
+                self.runtime.block_on(self.store.get_range(&path, at..end)).map_err(|e| self.failed(name, e))?;
+            if bytes.len() as u64 != end - at {
+                return Err(self.failed(name, format!("asked for {} bytes at {at}, got {}", end - at, bytes.len())));
+            }
+            out.write_all(&bytes)?;
+            at = end;
+        }
+        out.sync_all()
+    }
+
+    /// Fetches `name` whole, refusing one over `limit` bytes.
+    pub fn get_bytes(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
+        let path = self.path(name);
+        let size = self.runtime.block_on(self.store.head(&path)).map_err(|e| self.failed(name, e))?.size;
+        if size > limit {
+            return Err(self.failed(name, format!("{size} bytes, more than the {limit} expected")));
+        }
+        let bytes = self.runtime.block_on(self.store.get_range(&path, 0..size)).map_err(|e| self.failed(name, e))?;
+        Ok(bytes.to_vec())
+    }
+
+    /// `s3://BUCKET/PREFIX`.
+    pub fn describe(&self) -> String {
+        format!("s3://{}/{}", self.bucket, self.prefix)
     }
 }

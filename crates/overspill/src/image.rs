@@ -1,9 +1,11 @@
 //! `overspill image`: publish golden-image versions and choose the ones new VMs get: production
-//! for all, test for the test group (`serve --test-vms`), PVS's way of updating a vDisk.
+//! for all, test for the test group (`serve --test-vms`), PVS's way of updating a vDisk; and
+//! take checkpoints out of the store and bring them into another, through a directory or S3.
 
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
+use overspill_server::checkpoints::{manifest_name, DirPlace, Place};
 use overspill_server::images::ImageStore;
 
 use crate::size::format_bytes;
@@ -41,6 +43,66 @@ enum ImageAction {
     /// Production goes back to the version it was before its last change (a promote or an
     /// activate). Running VMs keep the version they booted.
     Rollback { image: String },
+    /// Take checkpoint IMAGE:@NAME (`overspill vm checkpoint`) out to TO, a directory or
+    /// s3://BUCKET/PREFIX: its layers (IMAGE@NAME.qcow2, and those of the checkpoints it lies
+    /// on) and last its manifest, IMAGE@NAME.json, which names the version under it by its
+    /// SHA-256. S3 credentials and endpoint come from the environment (AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT, AWS_ALLOW_HTTP).
+    CheckpointExport {
+        #[arg(value_name = "IMAGE:@NAME")]
+        checkpoint: String,
+        #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+        to: String,
+    },
+    /// Bring a checkpoint taken out with checkpoint-export into this store, from its manifest
+    /// (DIR/IMAGE@NAME.json or s3://BUCKET/PREFIX/IMAGE@NAME.json): refused unless the store
+    /// has the version under it with the very same bytes. Then `overspill vm fork IMAGE:@NAME
+    /// --as …` starts VMs from it on this host.
+    CheckpointImport {
+        #[arg(value_name = "MANIFEST")]
+        from: String,
+    },
+}
+
+/// A place checkpoints are taken out to: a directory, or a bucket's prefix.
+fn place(spec: &str) -> anyhow::Result<Box<dyn Place>> {
+    let Some(rest) = spec.strip_prefix("s3://") else { return Ok(Box::new(DirPlace(PathBuf::from(spec)))) };
+    #[cfg(feature = "s3")]
+    {
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        Ok(Box::new(S3Place(overspill_sources::s3::S3Bucket::from_env(bucket, prefix)?)))
+    }
+    #[cfg(not(feature = "s3"))]
+    {
+        let _ = rest;
+        anyhow::bail!("S3 support is not in this build (cargo build --features s3)")
+    }
+}
+
+#[cfg(feature = "s3")]
+struct S3Place(overspill_sources::s3::S3Bucket);
+
+#[cfg(feature = "s3")]
+impl Place for S3Place {
+    fn put_file(&self, name: &str, from: &std::path::Path) -> std::io::Result<()> {
+        self.0.put_file(name, from)
+    }
+
+    fn put_bytes(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+        self.0.put_bytes(name, bytes)
+    }
+
+    fn get_file(&self, name: &str, to: &std::path::Path) -> std::io::Result<()> {
+        self.0.get_file(name, to)
+    }
+
+    fn get_bytes(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.0.get_bytes(name, limit)
+    }
+
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
 }
 
 /// `3` means `v3`, the name `list` shows.
@@ -112,6 +174,36 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
         ImageAction::Rollback { image } => {
             let version = store.rollback(&image)?;
             println!("{image} {version} (current): rolled back");
+        }
+        ImageAction::CheckpointExport { checkpoint, to } => {
+            let Some((image, name)) = checkpoint.split_once(":@") else {
+                anyhow::bail!("{checkpoint} is no checkpoint: IMAGE:@NAME, as `overspill vm checkpoint` says");
+            };
+            let place = place(&to)?;
+            let manifest = store.export_checkpoint(image, name, place.as_ref())?;
+            let bytes: u64 = manifest.layers.iter().map(|layer| layer.bytes).sum();
+            println!(
+                "{checkpoint}: {} layer(s), {}, over {image} {} (SHA-256 {}), taken out to {} as {}",
+                manifest.layers.len(),
+                format_bytes(bytes),
+                manifest.version.name,
+                manifest.version.sha256,
+                place.describe(),
+                manifest_name(image, name)
+            );
+        }
+        ImageAction::CheckpointImport { from } => {
+            // The manifest's place and name: the last path component.
+            let (at, name) = match from.rsplit_once('/') {
+                Some((at, name)) if !name.is_empty() => (at, name),
+                _ => (".", from.as_str()),
+            };
+            let place = place(at)?;
+            let label = store.import_checkpoint(place.as_ref(), name)?;
+            println!(
+                "{label}: brought in from {}; `overspill vm fork {label} --as NAME,…` starts VMs from it",
+                place.describe()
+            );
         }
     }
     Ok(())

@@ -275,3 +275,79 @@ fn a_snapshot_made_again_under_its_name_is_not_taken_for_the_old_one() {
     assert!(refused, "vm1 was served over the new snapshot:\n{log}");
     assert!(log.contains("is no longer the image its writes were made over"), "{log}");
 }
+
+/// A checkpoint taken out to radosgw (S3) and brought back into another store with the same
+/// version: `overspill image checkpoint-export … --to s3://…` and `checkpoint-import
+/// s3://…/IMAGE@NAME.json`, the layer uploaded in parts (it is larger than one) and fetched by
+/// ranges, arrives with the bytes it left with.
+#[test]
+fn a_checkpoint_goes_to_s3_and_back() {
+    let (cluster, env) = cluster_env();
+    let dir = TempDir::new().expect("tempdir");
+    let golden = dir.path().join("v1.img");
+    std::fs::write(&golden, pseudo_random(GOLDEN_BYTES, 40)).expect("golden file");
+    // The bucket, made by the cluster script's upload.
+    script(&["s3-put", cluster.to_str().expect("utf-8"), golden.to_str().expect("utf-8"), "checkpoints/seed"]);
+    let (here, there) = (dir.path().join("here"), dir.path().join("there"));
+    let overspill = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .args(args)
+            .envs([
+                ("AWS_ENDPOINT", env["S3_ENDPOINT"].as_str()),
+                ("AWS_ACCESS_KEY_ID", &env["S3_ACCESS_KEY"]),
+                ("AWS_SECRET_ACCESS_KEY", &env["S3_SECRET_KEY"]),
+                ("AWS_REGION", &env["S3_REGION"]),
+                ("AWS_ALLOW_HTTP", "true"),
+            ])
+            .output()
+            .expect("overspill");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "overspill {args:?}: {said}");
+        said
+    };
+    for store in [&here, &there] {
+        overspill(&[
+            "image",
+            "--images",
+            store.to_str().expect("utf-8"),
+            "publish",
+            "win",
+            golden.to_str().expect("utf-8"),
+        ]);
+    }
+    // A checkpoint as `vm checkpoint` lays it out: a qcow2 layer over ../v1.img, 20 MiB written.
+    let checkpoints = here.join("win/checkpoints");
+    std::fs::create_dir_all(&checkpoints).expect("dir");
+    let layer = checkpoints.join("c1.qcow2");
+    run_ok(
+        &checkpoints,
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096", "-F", "raw", "-b", "../v1.img", "c1.qcow2"],
+    );
+    run_ok(&checkpoints, "qemu-io", &["-f", "qcow2", "-c", "write -P 0x5a 1m 20m", "c1.qcow2"]);
+    let said = overspill(&[
+        "image",
+        "--images",
+        here.to_str().expect("utf-8"),
+        "checkpoint-export",
+        "win:@c1",
+        "--to",
+        "s3://checkpoints/exports",
+    ]);
+    assert!(said.contains("taken out to s3://checkpoints/exports"), "{said}");
+    let said = overspill(&[
+        "image",
+        "--images",
+        there.to_str().expect("utf-8"),
+        "checkpoint-import",
+        "s3://checkpoints/exports/win@c1.json",
+    ]);
+    assert!(said.contains("win:@c1: brought in"), "{said}");
+    let arrived = there.join("win/checkpoints/c1.qcow2");
+    assert_eq!(std::fs::read(&arrived).expect("arrived"), std::fs::read(&layer).expect("layer"), "the layer's bytes");
+    run_ok(
+        dir.path(),
+        "qemu-img",
+        &["compare", "-q", layer.to_str().expect("utf-8"), arrived.to_str().expect("utf-8")],
+    );
+}

@@ -334,3 +334,75 @@ fn forks_of_a_checkpoint_start_from_it_diverge_apart_and_outlive_a_restart() {
     assert!(refused.contains("fork of win:@c2"), "{refused}");
     server.stop();
 }
+
+/// A checkpoint chain (a checkpoint of a fork of a checkpoint) taken out of one store to a
+/// directory and brought into another that has the same version: the layers arrive whole
+/// (qemu-img finds them equal) and a fork there reads what the VM wrote here. A store whose
+/// version has other bytes, and a layer altered on the way, are refused, leaving no checkpoint.
+#[test]
+fn a_checkpoint_taken_out_to_a_directory_forks_in_another_store_with_the_same_version() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let [here, there, other, harmed] =
+        ["here", "there", "other", "harmed"].map(|name| dir.path().join(name)).map(|d| (d.join("images"), d));
+    let golden = dir.path().join("v1.img");
+    std::fs::write(&golden, vec![0x11u8; 4 << 20]).expect("golden");
+    for (store, _) in [&here, &there, &harmed] {
+        image_ok(store, &["publish", "win", golden.to_str().expect("utf-8"), "--activate"]);
+    }
+    let different = dir.path().join("different.img");
+    std::fs::write(&different, vec![0x12u8; 4 << 20]).expect("different");
+    image_ok(&other.0, &["publish", "win", different.to_str().expect("utf-8"), "--activate"]);
+
+    std::fs::create_dir_all(&here.1).expect("dir");
+    let (mut server, socket, control) = serve_store(&here.1, &here.0, &[]);
+    let mut src = connect(&socket, "win", "src").expect("src");
+    src.write(1 << 20, &vec![0x5au8; 64 << 10], false).expect("write");
+    vm(&control, &["checkpoint", "src", "--as", "c1"]);
+    vm(&control, &["fork", "win:@c1", "--as", "f"]);
+    let mut f = connect(&socket, "win", "f").expect("f");
+    f.write(2 << 20, &vec![0x6bu8; 64 << 10], false).expect("write");
+    f.write_zeroes(1 << 20, 4096, false).expect("zeroes");
+    vm(&control, &["checkpoint", "f", "--as", "c2"]);
+    server.stop();
+
+    let out = dir.path().join("out");
+    let said = image_ok(&here.0, &["checkpoint-export", "win:@c2", "--to", out.to_str().expect("utf-8")]);
+    assert!(said.contains("2 layer(s)") && said.contains("win@c2.json"), "{said}");
+    let manifest = out.join("win@c2.json");
+    let said = image_ok(&there.0, &["checkpoint-import", manifest.to_str().expect("utf-8")]);
+    assert!(said.contains("win:@c2: brought in"), "{said}");
+    for name in ["c1", "c2"] {
+        let (a, b) = (
+            here.0.join(format!("win/checkpoints/{name}.qcow2")),
+            there.0.join(format!("win/checkpoints/{name}.qcow2")),
+        );
+        let compare = Command::new("qemu-img").args(["compare", "-q"]).arg(&a).arg(&b).output().expect("qemu-img");
+        assert!(compare.status.success(), "{name} arrived other than it left");
+    }
+    let said = image_ok(&there.0, &["checkpoint-import", manifest.to_str().expect("utf-8")]);
+    assert!(said.contains("brought in"), "an import run again keeps what is there: {said}");
+
+    let (mut server, socket, control) = serve_store(&there.1, &there.0, &[]);
+    vm(&control, &["fork", "win:@c2", "--as", "g"]);
+    let mut g = connect(&socket, "win", "g").expect("g");
+    assert_eq!(
+        [0, 1 << 20, (1 << 20) + 4096, 2 << 20].map(|offset| byte_at(&mut g, offset)),
+        [0x11, 0, 0x5a, 0x6b],
+        "a fork in the other store reads what src and f wrote in this one"
+    );
+    g.disconnect().expect("g leaves");
+    server.stop();
+
+    let (ok, said) = image(&other.0, &["checkpoint-import", manifest.to_str().expect("utf-8")]);
+    assert!(!ok && said.contains("is not the one the checkpoint lies on"), "{said}");
+    let layer = out.join("win@c1.qcow2");
+    let mut bytes = std::fs::read(&layer).expect("layer");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&layer, bytes).expect("harm it");
+    let (ok, said) = image(&harmed.0, &["checkpoint-import", manifest.to_str().expect("utf-8")]);
+    assert!(!ok && said.contains("is not what its manifest says"), "{said}");
+    let left: Vec<_> =
+        std::fs::read_dir(harmed.0.join("win/checkpoints")).map(|d| d.flatten().collect()).unwrap_or_default();
+    assert!(left.is_empty(), "a refused import leaves nothing: {left:?}");
+}

@@ -1,0 +1,261 @@
+//! Checkpoints taken out of an image store and brought into another (`overspill image
+//! checkpoint-export`, `checkpoint-import`), through a directory or an S3 bucket.
+//!
+//! Inside a store a checkpoint is a chain of qcow2 layers over one version, naming each other by
+//! names that hold only there. Taken out, it is its layers' files (`IMAGE@NAME.qcow2`) and a
+//! manifest, `IMAGE@NAME.json`, written last (its presence says the rest is whole), naming the
+//! version the chain lies on by name, size and SHA-256, and each layer by name, size and
+//! SHA-256. Brought in, the version must be there with those very bytes (forks would otherwise
+//! read another image under their writes), and each layer is fetched under a temporary name,
+//! checked against its digest and its backing file's name, sealed, and linked into place bottom
+//! first, under the image's lock: a crash leaves the store as before or with the chain's lower
+//! layers, each whole and a checkpoint in its own right, never a layer over a missing one. A
+//! layer already there with the same bytes is kept (an import run again goes on where it
+//! stopped); one with other bytes refuses the import.
+
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::images::{ImageStore, Version};
+use crate::{check_name, ServerError};
+
+/// Where checkpoints are taken out to: a directory here ([`DirPlace`]), or a bucket (the
+/// command wires S3 in).
+pub trait Place {
+    /// Stores `name` with the bytes of local file `from`, whole or not at all.
+    fn put_file(&self, name: &str, from: &Path) -> io::Result<()>;
+    /// Stores `name` with `bytes`, whole or not at all.
+    fn put_bytes(&self, name: &str, bytes: &[u8]) -> io::Result<()>;
+    /// Fetches `name` into local file `to`, which does not exist yet.
+    fn get_file(&self, name: &str, to: &Path) -> io::Result<()>;
+    /// Fetches `name`, up to `limit` bytes.
+    fn get_bytes(&self, name: &str, limit: u64) -> io::Result<Vec<u8>>;
+    /// Where it is, for messages (`DIR`, `s3://BUCKET/PREFIX`).
+    fn describe(&self) -> String;
+}
+
+/// A directory as a [`Place`].
+pub struct DirPlace(pub PathBuf);
+
+impl DirPlace {
+    /// Puts a file in place under `name` once `fill` has written it under a temporary one.
+    fn put_with(&self, name: &str, fill: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
+        std::fs::create_dir_all(&self.0)?;
+        let partial = self.0.join(format!(".{name}.partial"));
+        let _ = std::fs::remove_file(&partial);
+        let written = fill(&partial)
+            .and_then(|()| std::fs::File::open(&partial)?.sync_all())
+            .and_then(|()| std::fs::rename(&partial, self.0.join(name)));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&partial);
+        }
+        written.and_then(|()| crate::files::sync_directory(&self.0))
+    }
+}
+
+impl Place for DirPlace {
+    fn put_file(&self, name: &str, from: &Path) -> io::Result<()> {
+        self.put_with(name, |partial| std::fs::copy(from, partial).map(|_| ()))
+    }
+
+    fn put_bytes(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        self.put_with(name, |partial| std::fs::write(partial, bytes))
+    }
+
+    fn get_file(&self, name: &str, to: &Path) -> io::Result<()> {
+        let mut from = std::fs::File::open(self.0.join(name))?;
+        let mut out = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+        io::copy(&mut from, &mut out).map(|_| ())
+    }
+
+    fn get_bytes(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
+        let mut bytes = Vec::new();
+        std::fs::File::open(self.0.join(name))?.take(limit).read_to_end(&mut bytes)?;
+        Ok(bytes)
+    }
+
+    fn describe(&self) -> String {
+        self.0.display().to_string()
+    }
+}
+
+/// What a checkpoint taken out is: see the module's doc.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub image: String,
+    /// The version under the chain, as it must be where the checkpoint is brought in.
+    pub version: FileDigest,
+    /// The checkpoint's layers, bottom first: the first lies on the version, each next one on
+    /// the one before; the last is the checkpoint itself.
+    pub layers: Vec<FileDigest>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    pub name: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+const FORMAT: u32 = 1;
+/// Longest manifest read: a chain of the deepest qcow2 reads, with room to spare.
+const MANIFEST_MAX_BYTES: u64 = 64 << 10;
+
+/// The name a checkpoint's manifest has where it is taken out to.
+pub fn manifest_name(image: &str, checkpoint: &str) -> String {
+    format!("{image}@{checkpoint}.json")
+}
+
+fn layer_name(image: &str, checkpoint: &str) -> String {
+    format!("{image}@{checkpoint}.qcow2")
+}
+
+fn digest(name: &str, path: &Path) -> Result<FileDigest, ServerError> {
+    let hashed = (|| -> io::Result<FileDigest> {
+        let mut file = std::fs::File::open(path)?;
+        let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut bytes = 0u64;
+        loop {
+            match file.read(&mut buffer) {
+                Ok(0) => break,
+                Ok(n) => {
+                    context.update(&buffer[..n]);
+                    bytes += n as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let sha256 = context.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        Ok(FileDigest { name: name.to_owned(), bytes, sha256 })
+    })();
+    hashed.map_err(|e| ServerError::io(format!("reading {}", path.display()), e))
+}
+
+impl ImageStore {
+    /// Takes checkpoint `checkpoint` of `image` out to `place`: its layers, down to the version
+    /// under them, then its manifest. Returns the manifest.
+    pub fn export_checkpoint(&self, image: &str, checkpoint: &str, place: &dyn Place) -> Result<Manifest, ServerError> {
+        let (version, chain) = self.chain(image, checkpoint)?;
+        let mut layers = Vec::new();
+        for layer in &chain {
+            let name = layer.name.trim_start_matches('@');
+            layers.push(digest(name, &layer.path)?);
+            place
+                .put_file(&layer_name(image, name), &layer.path)
+                .map_err(|e| ServerError::io(format!("writing {} to {}", layer.name, place.describe()), e))?;
+        }
+        let manifest = Manifest {
+            format: FORMAT,
+            image: image.to_owned(),
+            version: digest(&version.name, &version.path)?,
+            layers,
+        };
+        let text = serde_json::to_vec_pretty(&manifest).map_err(|e| ServerError::Control(e.to_string()))?;
+        place
+            .put_bytes(&manifest_name(image, checkpoint), &text)
+            .map_err(|e| ServerError::io(format!("writing the manifest to {}", place.describe()), e))?;
+        Ok(manifest)
+    }
+
+    /// Brings the checkpoint whose manifest is `manifest` at `place` into the store. Returns its
+    /// label, `IMAGE:@NAME`.
+    pub fn import_checkpoint(&self, place: &dyn Place, manifest: &str) -> Result<String, ServerError> {
+        let text = place
+            .get_bytes(manifest, MANIFEST_MAX_BYTES)
+            .map_err(|e| ServerError::io(format!("reading {manifest} from {}", place.describe()), e))?;
+        let manifest: Manifest = serde_json::from_slice(&text)
+            .map_err(|e| ServerError::Control(format!("{manifest} is no checkpoint manifest: {e}")))?;
+        if manifest.format > FORMAT {
+            return Err(ServerError::Control(format!(
+                "the checkpoint's manifest is of a newer release (format {})",
+                manifest.format
+            )));
+        }
+        let image = manifest.image.as_str();
+        let refused = |why: String| ServerError::Stage { image: image.to_owned(), why };
+        let top = manifest.layers.last().ok_or_else(|| refused("the checkpoint's manifest names no layer".into()))?;
+        let lock = self.lock(image)?;
+        let mut below = self.version(image, &manifest.version.name)?;
+        let here = digest(&below.name, &below.path)?;
+        if here != manifest.version {
+            return Err(refused(format!(
+                "its version {} here is not the one the checkpoint lies on ({} bytes, SHA-256 {} here; {} bytes, {} \
+                 there)",
+                below.name, here.bytes, here.sha256, manifest.version.bytes, manifest.version.sha256
+            )));
+        }
+        for layer in &manifest.layers {
+            check_name("checkpoint", &layer.name)?;
+            match self.checkpoint(image, &layer.name) {
+                Ok(there) if digest(&layer.name, &there.path)? == *layer => {}
+                Ok(_) => return Err(refused(format!("it has another checkpoint {} already", layer.name))),
+                Err(_) => self.new_checkpoint(image, &below, &layer.name, |partial, backing, _| {
+                    fetch_layer(place, image, layer, partial, backing)
+                })?,
+            }
+            below = self.checkpoint(image, &layer.name)?;
+        }
+        drop(lock);
+        Ok(format!("{image}:@{}", top.name))
+    }
+
+    /// The version checkpoint `checkpoint` of `image` lies on, and its layers bottom first.
+    fn chain(&self, image: &str, checkpoint: &str) -> Result<(Version, Vec<Version>), ServerError> {
+        let mut layers = vec![self.checkpoint(image, checkpoint)?];
+        loop {
+            let top = layers.last().expect("one at least");
+            let named = overspill_images::qcow2::backing_file_name(&top.path)
+                .map_err(|source| ServerError::Engine { context: format!("reading {}", top.path.display()), source })?
+                .unwrap_or_default();
+            // As checkpoint_backing names them.
+            let below = match named.strip_prefix("../") {
+                Some(file) => {
+                    let stem = Path::new(file).file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+                    let version = self.version(image, stem)?;
+                    layers.reverse();
+                    return Ok((version, layers));
+                }
+                None => named.strip_suffix(".qcow2").unwrap_or_default().to_owned(),
+            };
+            if layers.len() >= overspill_images::qcow2::MAX_CHAIN_DEPTH {
+                return Err(ServerError::Stage {
+                    image: image.to_owned(),
+                    why: format!("checkpoint {checkpoint} lies on a chain deeper than a qcow2 reads"),
+                });
+            }
+            layers.push(self.checkpoint(image, &below)?);
+        }
+    }
+}
+
+/// Fetches `layer` of `image` from `place` into `partial` and checks it: the bytes its manifest
+/// says, over the backing file `backing` names.
+fn fetch_layer(place: &dyn Place, image: &str, layer: &FileDigest, partial: &Path, backing: &str) -> io::Result<()> {
+    place.get_file(&layer_name(image, &layer.name), partial)?;
+    let got = digest(&layer.name, partial).map_err(io::Error::other)?;
+    if got != *layer {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "layer {} read from {} is not what its manifest says ({} bytes with SHA-256 {})",
+                layer.name,
+                place.describe(),
+                got.bytes,
+                got.sha256
+            ),
+        ));
+    }
+    let named = overspill_images::qcow2::backing_file_name(partial).map_err(io::Error::other)?;
+    if named.as_deref() != Some(backing) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("layer {} lies on {named:?}, not on {backing:?} as its manifest says", layer.name),
+        ));
+    }
+    Ok(())
+}
