@@ -123,6 +123,7 @@ impl LayerWriter {
 
     fn write_run(&self, data: &[u8], (start, cluster, blocks): (u64, u64, u64)) -> io::Result<()> {
         let bytes = &data[(start * CLUSTER) as usize..((start + blocks) * CLUSTER) as usize];
+        overspill_engine::crash::point();
         self.file.write_all_at(bytes, cluster * CLUSTER)
     }
 
@@ -148,6 +149,7 @@ impl LayerWriter {
             let cluster = self.next;
             self.next += 1;
             let bytes: Vec<u8> = table.iter().flat_map(|entry| entry.to_be_bytes()).collect();
+            overspill_engine::crash::point();
             self.file.write_all_at(&bytes, cluster * CLUSTER)?;
             l1[*index as usize] = (cluster * CLUSTER) | COPIED;
         }
@@ -172,16 +174,22 @@ impl LayerWriter {
             for i in 0..covered as usize {
                 refcounts[2 * i..2 * i + 2].copy_from_slice(&1u16.to_be_bytes());
             }
+            overspill_engine::crash::point();
             self.file.write_all_at(&refcounts, cluster * CLUSTER)?;
             table_entries.push(cluster * CLUSTER);
         }
         let table_at = used + blocks;
         let bytes: Vec<u8> = table_entries.iter().flat_map(|entry| entry.to_be_bytes()).collect();
+        overspill_engine::crash::point();
         self.file.write_all_at(&bytes, table_at * CLUSTER)?;
+        overspill_engine::crash::point();
         let bytes: Vec<u8> = l1.iter().flat_map(|entry| entry.to_be_bytes()).collect();
         self.file.write_all_at(&bytes, CLUSTER)?;
+        overspill_engine::crash::point();
         self.file.set_len(total * CLUSTER)?;
+        overspill_engine::crash::point();
         self.file.write_all_at(&self.header(table_at, table), 0)?;
+        overspill_engine::crash::point();
         self.file.sync_all()
     }
 

@@ -21,10 +21,12 @@ pub fn replace_whole(target: &Path, partial: &Path, bytes: &[u8], mode: u32) -> 
 /// it has exactly `mode` whatever the writer's umask, and it and its directory are on disk
 /// before this returns.
 pub fn replace_whole_durably(target: &Path, partial: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    overspill_engine::crash::point();
     let file = write_new(partial, bytes, mode)?;
     file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
     file.sync_all()?;
     drop(file);
+    overspill_engine::crash::point();
     std::fs::rename(partial, target)?;
     sync_directory(target.parent().unwrap_or(Path::new(".")))
 }

@@ -406,7 +406,9 @@ impl ImageStore {
         }
         write_sealed(&target, |partial| write(partial, &checkpoint_backing(below), format))
             .and_then(|partial| {
+                overspill_engine::crash::point();
                 std::fs::hard_link(&partial, &target)?;
+                overspill_engine::crash::point();
                 std::fs::remove_file(&partial)?;
                 crate::files::sync_directory(&checkpoints)
             })
@@ -460,6 +462,7 @@ impl ImageStore {
 /// unreadable), and puts it on disk before it has a version's name: a host crash must not leave
 /// a version (and `current` naming it) with its bytes lost.
 fn seal(partial: &Path) -> std::io::Result<()> {
+    overspill_engine::crash::point();
     std::fs::set_permissions(partial, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
     std::fs::File::open(partial).and_then(|f| f.sync_all())
 }
@@ -498,6 +501,7 @@ fn write_sealed(target: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>)
 /// Gives sealed file `partial` its version's name `target`, number `next` taken for good first.
 fn install(dir: &Path, partial: &Path, target: &Path, next: u64) -> std::io::Result<()> {
     record_highest_given(dir, next)?;
+    overspill_engine::crash::point();
     std::fs::rename(partial, target)?;
     crate::files::sync_directory(dir)
 }
