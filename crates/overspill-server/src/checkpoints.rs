@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::images::{ImageStore, Version};
+use crate::images::{checkpoint_backing, ImageStore, Version};
 use crate::{check_name, ServerError};
 
 /// Where checkpoints are taken out to: a directory here ([`DirPlace`]), or a bucket (the
@@ -28,8 +28,9 @@ pub trait Place {
     fn put_file(&self, name: &str, from: &Path) -> io::Result<()>;
     /// Stores `name` with `bytes`, whole or not at all.
     fn put_bytes(&self, name: &str, bytes: &[u8]) -> io::Result<()>;
-    /// Fetches `name` into local file `to`, which does not exist yet.
-    fn get_file(&self, name: &str, to: &Path) -> io::Result<()>;
+    /// Fetches `name`, which must be `bytes` long, into local file `to`, which does not exist
+    /// yet (a longer or shorter one is refused before more is read).
+    fn get_file(&self, name: &str, to: &Path, bytes: u64) -> io::Result<()>;
     /// Fetches `name`, up to `limit` bytes.
     fn get_bytes(&self, name: &str, limit: u64) -> io::Result<Vec<u8>>;
     /// Where it is, for messages (`DIR`, `s3://BUCKET/PREFIX`).
@@ -64,10 +65,18 @@ impl Place for DirPlace {
         self.put_with(name, |partial| std::fs::write(partial, bytes))
     }
 
-    fn get_file(&self, name: &str, to: &Path) -> io::Result<()> {
-        let mut from = std::fs::File::open(self.0.join(name))?;
+    fn get_file(&self, name: &str, to: &Path, bytes: u64) -> io::Result<()> {
+        let from = std::fs::File::open(self.0.join(name))?;
+        // Not a FIFO or a device, which would hang or never end.
+        let metadata = from.metadata()?;
+        if !metadata.is_file() || metadata.len() != bytes {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{name} is not a file of {bytes} bytes as its manifest says"),
+            ));
+        }
         let mut out = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
-        io::copy(&mut from, &mut out).map(|_| ())
+        io::copy(&mut from.take(bytes), &mut out).map(|_| ())
     }
 
     fn get_bytes(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
@@ -86,8 +95,9 @@ impl Place for DirPlace {
 pub struct Manifest {
     pub format: u32,
     pub image: String,
-    /// The version under the chain, as it must be where the checkpoint is brought in.
-    pub version: FileDigest,
+    /// The version under the chain, then each version it reads through (a captured version is
+    /// a layer over another), as they must be where the checkpoint is brought in.
+    pub versions: Vec<FileDigest>,
     /// The checkpoint's layers, bottom first: the first lies on the version, each next one on
     /// the one before; the last is the checkpoint itself.
     pub layers: Vec<FileDigest>,
@@ -149,12 +159,8 @@ impl ImageStore {
                 .put_file(&layer_name(image, name), &layer.path)
                 .map_err(|e| ServerError::io(format!("writing {} to {}", layer.name, place.describe()), e))?;
         }
-        let manifest = Manifest {
-            format: FORMAT,
-            image: image.to_owned(),
-            version: digest(&version.name, &version.path)?,
-            layers,
-        };
+        let versions = self.version_digests(image, &version.name)?;
+        let manifest = Manifest { format: FORMAT, image: image.to_owned(), versions, layers };
         let text = serde_json::to_vec_pretty(&manifest).map_err(|e| ServerError::Control(e.to_string()))?;
         place
             .put_bytes(&manifest_name(image, checkpoint), &text)
@@ -163,48 +169,84 @@ impl ImageStore {
     }
 
     /// Brings the checkpoint whose manifest is `manifest` at `place` into the store. Returns its
-    /// label, `IMAGE:@NAME`.
+    /// label, `IMAGE:@NAME`. The layers are fetched and checked before the image's lock is
+    /// taken (which a capture or a checkpoint of a running VM waits for), and only linked into
+    /// place under it.
     pub fn import_checkpoint(&self, place: &dyn Place, manifest: &str) -> Result<String, ServerError> {
         let text = place
             .get_bytes(manifest, MANIFEST_MAX_BYTES)
             .map_err(|e| ServerError::io(format!("reading {manifest} from {}", place.describe()), e))?;
         let manifest: Manifest = serde_json::from_slice(&text)
             .map_err(|e| ServerError::Control(format!("{manifest} is no checkpoint manifest: {e}")))?;
-        if manifest.format > FORMAT {
-            return Err(ServerError::Control(format!(
-                "the checkpoint's manifest is of a newer release (format {})",
-                manifest.format
-            )));
-        }
         let image = manifest.image.as_str();
         let refused = |why: String| ServerError::Stage { image: image.to_owned(), why };
-        let top = manifest.layers.last().ok_or_else(|| refused("the checkpoint's manifest names no layer".into()))?;
-        let lock = self.lock(image)?;
-        let mut below = self.version(image, &manifest.version.name)?;
-        let here = digest(&below.name, &below.path)?;
-        if here != manifest.version {
+        check_manifest(&manifest).map_err(refused)?;
+        let version = &manifest.versions[0].name;
+        let here = self.version_digests(image, version)?;
+        if here != manifest.versions {
             return Err(refused(format!(
-                "its version {} here is not the one the checkpoint lies on ({} bytes, SHA-256 {} here; {} bytes, {} \
-                 there)",
-                below.name, here.bytes, here.sha256, manifest.version.bytes, manifest.version.sha256
+                "its version {version} here is not the one the checkpoint lies on (other bytes, in it or in the \
+                 versions it reads through: SHA-256 {} here, {} there)",
+                here[0].sha256, manifest.versions[0].sha256
             )));
         }
-        for layer in &manifest.layers {
-            check_name("checkpoint", &layer.name)?;
-            match self.checkpoint(image, &layer.name) {
-                Ok(there) if digest(&layer.name, &there.path)? == *layer => {}
-                Ok(_) => return Err(refused(format!("it has another checkpoint {} already", layer.name))),
-                Err(_) => self.new_checkpoint(image, &below, &layer.name, |partial, backing, _| {
-                    fetch_layer(place, image, layer, partial, backing)
-                })?,
+        let checkpoints =
+            self.checkpoints_dir(image).map_err(|e| ServerError::io("making the checkpoints' directory", e))?;
+        let mut fetched = Vec::new();
+        let mut below = self.version(image, version)?;
+        let outcome = (|| {
+            for layer in &manifest.layers {
+                let target = self.checkpoint(image, &layer.name).ok();
+                let partial = checkpoints.join(format!(".import-{}-{}.partial", std::process::id(), layer.name));
+                if target.is_none() {
+                    let _ = std::fs::remove_file(&partial);
+                    fetched.push(partial.clone());
+                    fetch_layer(place, image, layer, &partial, &checkpoint_backing(&below))
+                        .map_err(|e| ServerError::io(format!("bringing in layer {}", layer.name), e))?;
+                }
+                below = Version {
+                    name: format!("@{}", layer.name),
+                    path: checkpoints.join(format!("{}.qcow2", layer.name)),
+                    bytes: layer.bytes,
+                };
             }
-            below = self.checkpoint(image, &layer.name)?;
+            let lock = self.lock(image)?;
+            let mut below = self.version(image, version)?;
+            for layer in &manifest.layers {
+                match self.checkpoint(image, &layer.name) {
+                    Ok(there) => {
+                        let backing = overspill_images::qcow2::backing_file_name(&there.path).map_err(|source| {
+                            ServerError::Engine { context: format!("reading {}", there.path.display()), source }
+                        })?;
+                        if digest(&layer.name, &there.path)? != *layer || backing != Some(checkpoint_backing(&below)) {
+                            return Err(refused(format!("it has another checkpoint {} already", layer.name)));
+                        }
+                    }
+                    Err(_) => {
+                        let partial =
+                            checkpoints.join(format!(".import-{}-{}.partial", std::process::id(), layer.name));
+                        self.link_checkpoint(image, &layer.name, &partial)?;
+                    }
+                }
+                below = self.checkpoint(image, &layer.name)?;
+            }
+            drop(lock);
+            Ok(())
+        })();
+        for partial in fetched {
+            let _ = std::fs::remove_file(partial);
         }
-        drop(lock);
-        Ok(format!("{image}:@{}", top.name))
+        outcome?;
+        Ok(format!("{image}:@{}", manifest.layers[manifest.layers.len() - 1].name))
     }
 
-    /// The version checkpoint `checkpoint` of `image` lies on, and its layers bottom first.
+    /// Name, size and SHA-256 of version `version` of `image` and of each it reads through.
+    fn version_digests(&self, image: &str, version: &str) -> Result<Vec<FileDigest>, ServerError> {
+        self.version_chain(image, version)?.iter().map(|v| digest(&v.name, &v.path)).collect()
+    }
+
+    /// The version checkpoint `checkpoint` of `image` lies on, and its layers bottom first. Each
+    /// layer must name what lies under it as `write_checkpoint` names it.
     fn chain(&self, image: &str, checkpoint: &str) -> Result<(Version, Vec<Version>), ServerError> {
         let mut layers = vec![self.checkpoint(image, checkpoint)?];
         loop {
@@ -212,31 +254,59 @@ impl ImageStore {
             let named = overspill_images::qcow2::backing_file_name(&top.path)
                 .map_err(|source| ServerError::Engine { context: format!("reading {}", top.path.display()), source })?
                 .unwrap_or_default();
-            // As checkpoint_backing names them.
             let below = match named.strip_prefix("../") {
                 Some(file) => {
-                    let stem = Path::new(file).file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-                    let version = self.version(image, stem)?;
-                    layers.reverse();
-                    return Ok((version, layers));
+                    self.version(image, Path::new(file).file_stem().and_then(|s| s.to_str()).unwrap_or_default())
                 }
-                None => named.strip_suffix(".qcow2").unwrap_or_default().to_owned(),
+                None => self.checkpoint(image, named.strip_suffix(".qcow2").unwrap_or_default()),
             };
-            if layers.len() >= overspill_images::qcow2::MAX_CHAIN_DEPTH {
+            let below = below.ok().filter(|below| checkpoint_backing(below) == named);
+            let Some(below) = below.filter(|_| layers.len() < overspill_images::qcow2::MAX_CHAIN_DEPTH) else {
                 return Err(ServerError::Stage {
                     image: image.to_owned(),
-                    why: format!("checkpoint {checkpoint} lies on a chain deeper than a qcow2 reads"),
+                    why: format!("checkpoint {} lies on {named:?}, which is no version or checkpoint of it", top.name),
                 });
+            };
+            if below.name.starts_with('@') {
+                layers.push(below);
+            } else {
+                layers.reverse();
+                return Ok((below, layers));
             }
-            layers.push(self.checkpoint(image, &below)?);
         }
     }
+}
+
+/// Why `manifest` cannot be brought in as it says, if it cannot: a known format, names that are
+/// names (versions no checkpoints), each layer once, a chain a qcow2 reader opens.
+fn check_manifest(manifest: &Manifest) -> Result<(), String> {
+    if manifest.format > FORMAT {
+        return Err(format!("the checkpoint's manifest is of a newer release (format {})", manifest.format));
+    }
+    check_name("image", &manifest.image).map_err(|e| e.to_string())?;
+    if manifest.versions.is_empty() || manifest.layers.is_empty() {
+        return Err("the checkpoint's manifest names no version or no layer".into());
+    }
+    for version in &manifest.versions {
+        check_name("version", &version.name).map_err(|e| e.to_string())?;
+    }
+    let mut seen = std::collections::HashSet::new();
+    for layer in &manifest.layers {
+        check_name("checkpoint", &layer.name).map_err(|e| e.to_string())?;
+        if !seen.insert(&layer.name) {
+            return Err(format!("the checkpoint's manifest names layer {} twice", layer.name));
+        }
+    }
+    if manifest.versions.len() + manifest.layers.len() > overspill_images::qcow2::MAX_CHAIN_DEPTH {
+        return Err("the checkpoint's chain is deeper than a qcow2 reader opens".into());
+    }
+    Ok(())
 }
 
 /// Fetches `layer` of `image` from `place` into `partial` and checks it: the bytes its manifest
 /// says, over the backing file `backing` names.
 fn fetch_layer(place: &dyn Place, image: &str, layer: &FileDigest, partial: &Path, backing: &str) -> io::Result<()> {
-    place.get_file(&layer_name(image, &layer.name), partial)?;
+    place.get_file(&layer_name(image, &layer.name), partial, layer.bytes)?;
     let got = digest(&layer.name, partial).map_err(io::Error::other)?;
     if got != *layer {
         return Err(io::Error::new(
@@ -258,4 +328,45 @@ fn fetch_layer(place: &dyn Place, image: &str, layer: &FileDigest, partial: &Pat
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str) -> FileDigest {
+        FileDigest { name: name.into(), bytes: 1, sha256: "00".into() }
+    }
+
+    #[test]
+    fn a_manifest_naming_paths_checkpoints_as_versions_or_a_layer_twice_is_refused() {
+        let good =
+            Manifest { format: FORMAT, image: "win".into(), versions: vec![file("v1")], layers: vec![file("c1")] };
+        assert_eq!(check_manifest(&good), Ok(()));
+        let refused = |change: &dyn Fn(&mut Manifest)| {
+            let mut manifest = good.clone();
+            change(&mut manifest);
+            check_manifest(&manifest).expect_err("refused")
+        };
+        assert!(refused(&|m| m.image = "../etc".into()).contains("not allowed"));
+        assert!(refused(&|m| m.versions[0].name = "@c0".into()).contains("not allowed"));
+        assert!(refused(&|m| m.layers[0].name = "../../x".into()).contains("not allowed"));
+        assert!(refused(&|m| m.layers.push(file("c1"))).contains("twice"));
+        assert!(refused(&|m| m.layers.clear()).contains("no layer"));
+        assert!(refused(&|m| m.format = FORMAT + 1).contains("newer release"));
+        assert!(refused(&|m| m.layers = (0..64).map(|n| file(&format!("c{n}"))).collect()).contains("deeper"));
+    }
+
+    #[test]
+    fn a_directory_hands_out_only_a_file_of_the_size_expected() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let place = DirPlace(dir.path().to_owned());
+        place.put_bytes("layer", b"12345678").expect("put");
+        let to = dir.path().join("got");
+        place.get_file("layer", &to, 8).expect("the size expected");
+        assert!(place.get_file("layer", &dir.path().join("short"), 4).is_err(), "a longer file is refused");
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join("endless")).expect("link");
+        assert!(place.get_file("endless", &dir.path().join("zero"), 8).is_err(), "a device is refused");
+        assert_eq!(std::fs::read(&to).expect("read"), b"12345678");
+    }
 }

@@ -395,24 +395,57 @@ impl ImageStore {
     ) -> Result<(), ServerError> {
         let format = overspill_images::Format::probe(&below.path)
             .map_err(|source| ServerError::Engine { context: format!("reading {}", below.path.display()), source })?;
-        let dir = self.root.join(name);
-        let checkpoints = dir.join(CHECKPOINTS);
         let target = self.checkpoint_path(name, checkpoint);
         let io = |e| ServerError::io(format!("writing {}", target.display()), e);
-        if !checkpoints.is_dir() {
-            crate::files::create_shared_dir(&checkpoints)
-                .and_then(|()| crate::files::sync_directory(&dir))
-                .map_err(io)?;
-        }
+        self.checkpoints_dir(name).map_err(io)?;
         write_sealed(&target, |partial| write(partial, &checkpoint_backing(below), format))
-            .and_then(|partial| {
-                overspill_engine::crash::point();
-                std::fs::hard_link(&partial, &target)?;
-                overspill_engine::crash::point();
-                std::fs::remove_file(&partial)?;
-                crate::files::sync_directory(&checkpoints)
-            })
+            .and_then(|partial| link_into_place(&partial, &target))
             .map_err(io)
+    }
+
+    /// Makes sealed file `partial` (on the store's filesystem) checkpoint `checkpoint` of `name`;
+    /// under the image's lock.
+    pub(crate) fn link_checkpoint(&self, name: &str, checkpoint: &str, partial: &Path) -> Result<(), ServerError> {
+        let target = self.checkpoint_path(name, checkpoint);
+        let io = |e| ServerError::io(format!("writing {}", target.display()), e);
+        self.checkpoints_dir(name).map_err(io)?;
+        seal(partial).and_then(|()| link_into_place(partial, &target)).map_err(io)
+    }
+
+    /// Image `name`'s checkpoints' directory, made (and on disk) if missing.
+    pub(crate) fn checkpoints_dir(&self, name: &str) -> std::io::Result<PathBuf> {
+        let dir = self.root.join(name);
+        let checkpoints = dir.join(CHECKPOINTS);
+        if !checkpoints.is_dir() {
+            crate::files::create_shared_dir(&checkpoints)?;
+            crate::files::sync_directory(&dir)?;
+        }
+        Ok(checkpoints)
+    }
+
+    /// The versions version `version` of `name` reads through, itself first: a captured
+    /// version is a layer over the one it was captured over (see [`Self::publish_layer`]).
+    pub fn version_chain(&self, name: &str, version: &str) -> Result<Vec<Version>, ServerError> {
+        let mut chain = vec![self.version(name, version)?];
+        loop {
+            let top = chain.last().expect("one at least");
+            if overspill_images::Format::probe(&top.path).ok() != Some(overspill_images::Format::Qcow2) {
+                return Ok(chain);
+            }
+            let named = overspill_images::qcow2::backing_file_name(&top.path)
+                .map_err(|source| ServerError::Engine { context: format!("reading {}", top.path.display()), source })?;
+            let Some(named) = named else { return Ok(chain) };
+            // As publish_layer names it: a version's file beside it.
+            let below = Path::new(&named).file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+            let below = self.version(name, below).ok().filter(|below| below.path.file_name() == Some(named.as_ref()));
+            let Some(below) = below.filter(|_| chain.len() < overspill_images::qcow2::MAX_CHAIN_DEPTH) else {
+                return Err(ServerError::Stage {
+                    image: name.to_owned(),
+                    why: format!("version {} lies on {named:?}, which is no version of it", top.name),
+                });
+            };
+            chain.push(below);
+        }
     }
 
     /// Image `name`'s lock (see [`lock_image`]), held until dropped.
@@ -469,6 +502,17 @@ fn seal(partial: &Path) -> std::io::Result<()> {
 
 /// Where an image keeps its checkpoints.
 const CHECKPOINTS: &str = "checkpoints";
+
+/// Gives sealed `partial` the name `target` (`link` fails rather than replace a file another
+/// writer put there; `partial` goes either way), durably.
+fn link_into_place(partial: &Path, target: &Path) -> std::io::Result<()> {
+    overspill_engine::crash::point();
+    let linked = std::fs::hard_link(partial, target);
+    overspill_engine::crash::point();
+    let _ = std::fs::remove_file(partial);
+    linked?;
+    crate::files::sync_directory(target.parent().unwrap_or(Path::new(".")))
+}
 
 /// The name a checkpoint's file gives its backing file `below`, from the checkpoints'
 /// directory: a version's file one level up, or a checkpoint's beside it.

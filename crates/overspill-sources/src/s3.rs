@@ -141,6 +141,8 @@ pub struct S3Bucket {
 
 /// Bytes an upload sends per part, and a fetch asks for per GET.
 const PART_BYTES: usize = 16 << 20;
+/// The most parts an S3 multipart upload may have.
+const MAX_PARTS: u64 = 10_000;
 
 impl S3Bucket {
     /// `prefix`: the keys' common start (`a/b` puts `NAME` at `a/b/NAME`); may be empty.
@@ -161,29 +163,31 @@ impl S3Bucket {
         io::Error::other(format!("s3://{}/{}: {e}", self.bucket, self.path(name)))
     }
 
-    /// Uploads local file `from` as `name`, in parts.
+    /// Uploads local file `from` as `name`, in parts sent one after the other; an upload that
+    /// fails is aborted, leaving neither an object nor parts kept (and billed) by the store.
     pub fn put_file(&self, name: &str, from: &Path) -> io::Result<()> {
         let mut file = std::fs::File::open(from)?;
+        let size = file.metadata()?.len();
+        // S3 takes at most 10,000 parts: larger ones for a file that would need more.
+        let part_bytes = (PART_BYTES as u64).max(size.div_ceil(MAX_PARTS)) as usize;
         let path = self.path(name);
         self.runtime.block_on(async {
-            let upload = self.store.put_multipart(&path).await.map_err(|e| self.failed(name, e))?;
-            let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
-            let mut buffer = vec![0u8; PART_BYTES];
-            loop {
-                let read = match file.read(&mut buffer) {
-                    Ok(0) => break,
-                    Ok(read) => read,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        writer.abort().await.ok();
-                        return Err(e);
-                    }
-                };
-                // At most two parts in flight: memory stays bounded whatever the file's size.
-                writer.wait_for_capacity(2).await.map_err(|e| self.failed(name, e))?;
-                writer.write(&buffer[..read]);
+            let mut upload = self.store.put_multipart(&path).await.map_err(|e| self.failed(name, e))?;
+            let sent = async {
+                let mut left = size;
+                while left > 0 {
+                    let mut part = vec![0u8; part_bytes.min(left as usize)];
+                    file.read_exact(&mut part)?;
+                    left -= part.len() as u64;
+                    upload.put_part(object_store::PutPayload::from(part)).await.map_err(|e| self.failed(name, e))?;
+                }
+                upload.complete().await.map(|_| ()).map_err(|e| self.failed(name, e))
             }
-            writer.finish().await.map(|_| ()).map_err(|e| self.failed(name, e))
+            .await;
+            if sent.is_err() {
+                upload.abort().await.ok();
+            }
+            sent
         })
     }
 
@@ -192,11 +196,14 @@ impl S3Bucket {
         self.runtime.block_on(self.store.put(&self.path(name), payload)).map(|_| ()).map_err(|e| self.failed(name, e))
     }
 
-    /// Fetches `name` into new local file `to`, a range at a time.
-    pub fn get_file(&self, name: &str, to: &Path) -> io::Result<()> {
+    /// Fetches `name`, which must be `bytes` long, into new local file `to`, a range at a time.
+    pub fn get_file(&self, name: &str, to: &Path, bytes: u64) -> io::Result<()> {
         let path = self.path(name);
-        let mut out = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
         let size = self.runtime.block_on(self.store.head(&path)).map_err(|e| self.failed(name, e))?.size;
+        if size != bytes {
+            return Err(self.failed(name, format!("{size} bytes, not the {bytes} expected")));
+        }
+        let mut out = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
         let mut at = 0u64;
         while at < size {
             let end = (at + PART_BYTES as u64).min(size);

@@ -79,6 +79,24 @@ fn place(spec: &str) -> anyhow::Result<Box<dyn Place>> {
     }
 }
 
+/// Where manifest `spec` is (`DIR/NAME`, or `s3://BUCKET/[PREFIX/]NAME`), and its name there.
+fn manifest_place(spec: &str) -> anyhow::Result<(Box<dyn Place>, String)> {
+    let name_of = |rest: &str| rest.rsplit('/').next().filter(|name| !name.is_empty()).map(str::to_owned);
+    if let Some(rest) = spec.strip_prefix("s3://") {
+        let (Some((bucket, key)), Some(name)) = (rest.split_once('/'), name_of(rest)) else {
+            anyhow::bail!("{spec}: give the manifest's key, s3://BUCKET/[PREFIX/]IMAGE@NAME.json");
+        };
+        let prefix = key.strip_suffix(name.as_str()).unwrap_or_default();
+        return Ok((place(&format!("s3://{bucket}/{prefix}"))?, name));
+    }
+    let path = std::path::Path::new(spec);
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        anyhow::bail!("{spec}: give the manifest's file, DIR/IMAGE@NAME.json");
+    };
+    let dir = path.parent().filter(|dir| !dir.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    Ok((Box::new(DirPlace(dir.to_owned())), name.to_owned()))
+}
+
 #[cfg(feature = "s3")]
 struct S3Place(overspill_sources::s3::S3Bucket);
 
@@ -92,8 +110,8 @@ impl Place for S3Place {
         self.0.put_bytes(name, bytes)
     }
 
-    fn get_file(&self, name: &str, to: &std::path::Path) -> std::io::Result<()> {
-        self.0.get_file(name, to)
+    fn get_file(&self, name: &str, to: &std::path::Path, bytes: u64) -> std::io::Result<()> {
+        self.0.get_file(name, to, bytes)
     }
 
     fn get_bytes(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
@@ -186,20 +204,15 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
                 "{checkpoint}: {} layer(s), {}, over {image} {} (SHA-256 {}), taken out to {} as {}",
                 manifest.layers.len(),
                 format_bytes(bytes),
-                manifest.version.name,
-                manifest.version.sha256,
+                manifest.versions[0].name,
+                manifest.versions[0].sha256,
                 place.describe(),
                 manifest_name(image, name)
             );
         }
         ImageAction::CheckpointImport { from } => {
-            // The manifest's place and name: the last path component.
-            let (at, name) = match from.rsplit_once('/') {
-                Some((at, name)) if !name.is_empty() => (at, name),
-                _ => (".", from.as_str()),
-            };
-            let place = place(at)?;
-            let label = store.import_checkpoint(place.as_ref(), name)?;
+            let (place, name) = manifest_place(&from)?;
+            let label = store.import_checkpoint(place.as_ref(), &name)?;
             println!(
                 "{label}: brought in from {}; `overspill vm fork {label} --as NAME,…` starts VMs from it",
                 place.describe()
