@@ -451,10 +451,15 @@ impl OverlayExports {
         DeviceError::new(DeviceErrorKind::Refused, message)
     }
 
-    /// The version of the store a new overlay for export `name` gets: a fork's checkpoint (see
-    /// `vm fork`), else its stage's version.
+    /// The version of the store a new overlay for export `name` gets: the maintenance VM's
+    /// version (see `image maintain`), a fork's checkpoint (see `vm fork`), else its stage's.
     fn version_for(&self, versions: &OpenVersions, name: &str) -> Result<Version, crate::ServerError> {
         let image_name = Self::image_name(name);
+        if let Some((_, vm)) = name.split_once('@') {
+            if let Some(maintenance) = versions.store().maintenance(image_name).filter(|m| m.vm == vm) {
+                return versions.store().version(image_name, &maintenance.version);
+            }
+        }
         match self.fork_of(name) {
             Some(fork) => versions.store().version(image_name, &fork.checkpoint),
             None => versions.store().staged(image_name, self.stage_of(name)),

@@ -46,6 +46,17 @@ pub struct ImageEntry {
     pub current: Option<String>,
     pub test: Option<String>,
     pub previous: Option<String>,
+    /// The maintenance stage: the VM that writes the next version, and the version it writes
+    /// over (see [`ImageStore::maintain`]).
+    pub maintenance: Option<Maintenance>,
+}
+
+/// An image's maintenance VM: the one VM whose overlay is the next version until it is
+/// captured (`vm capture`), served only to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Maintenance {
+    pub vm: String,
+    pub version: String,
 }
 
 /// Which VMs get a version: production (every new VM unless in the test group) or test (new
@@ -131,6 +142,53 @@ impl ImageStore {
             current: marker("current"),
             test: marker("test"),
             previous: marker("previous"),
+            maintenance: self.maintenance(name),
+        })
+    }
+
+    /// Image `name`'s maintenance VM, if it has one (its marker alone is read).
+    pub fn maintenance(&self, name: &str) -> Option<Maintenance> {
+        check_name("image", name).ok()?;
+        let text = std::fs::read_to_string(self.root.join(name).join(MAINTENANCE)).ok()?;
+        let (vm, version) = text.trim().split_once(' ')?;
+        Some(Maintenance { vm: vm.to_owned(), version: version.to_owned() })
+    }
+
+    /// Makes VM `vm` image `name`'s maintenance VM, over `version` (none: the current one): a
+    /// new overlay of it gets that version whatever its stage, and its overlay outlives its
+    /// boots (a clean disconnect, a reset, a server restart) until it is captured as the next
+    /// version (`vm capture`) or dropped (`vm drop`). One per image: another is refused while
+    /// one is named. Returns the version.
+    pub fn maintain(&self, name: &str, vm: &str, version: Option<&str>) -> Result<String, ServerError> {
+        check_name("VM", vm)?;
+        self.with_lock(name, |store| {
+            let image = store.image(name)?;
+            if let Some(other) = image.maintenance.filter(|m| m.vm != vm) {
+                return Err(ServerError::Stage {
+                    image: name.to_owned(),
+                    why: format!(
+                        "VM {} maintains it already, over {}: capture it or end it (`overspill image maintain {name} \
+                         --none`) first",
+                        other.vm, other.version
+                    ),
+                });
+            }
+            let version = match version {
+                Some(version) => version.to_owned(),
+                None => store.current(name)?.name,
+            };
+            store.published(name, &version)?;
+            store.mark(name, MAINTENANCE, Some(&format!("{vm} {version}")))?;
+            Ok(version)
+        })
+    }
+
+    /// Ends image `name`'s maintenance stage if VM `vm` (any, if none) holds it; says whether
+    /// one was ended.
+    pub fn end_maintenance(&self, name: &str, vm: Option<&str>) -> Result<bool, ServerError> {
+        self.with_lock(name, |store| match store.image(name)?.maintenance {
+            Some(m) if vm.is_none_or(|vm| vm == m.vm) => store.mark(name, MAINTENANCE, None).map(|()| true),
+            _ => Ok(false),
         })
     }
 
@@ -502,6 +560,8 @@ fn seal(partial: &Path) -> std::io::Result<()> {
 
 /// Where an image keeps its checkpoints.
 const CHECKPOINTS: &str = "checkpoints";
+/// The maintenance stage's marker: `VM VERSION`.
+const MAINTENANCE: &str = "maintenance";
 
 /// Gives sealed `partial` the name `target` (`link` fails rather than replace a file another
 /// writer put there; `partial` goes either way), durably.

@@ -618,6 +618,10 @@ impl VmRegistry {
             return self.lose_keeping_files(&mut inner, number, Some(parked), &why);
         }
         let grace = self.lifecycle.reconnect_grace;
+        let maintains = inner.vms.get(&number).is_some_and(|entry| self.maintains(&entry.image, &entry.handle.vm));
+        // The maintenance VM's overlay is the next version: it outlives the guest's boots
+        // (QEMU ends with NBD_CMD_DISC at each power-off) until it is captured or dropped.
+        let ending = if maintains { Ending::Idle } else { ending };
         let keep = self.keeps(&inner, number, ending);
         if keep && self.handed_over.load(Ordering::SeqCst) {
             // Parked now, it would go with the registry as the process ends, its files with it,
@@ -628,7 +632,15 @@ impl VmRegistry {
         }
         if keep {
             let entry = inner.vms.get_mut(&number).expect("checked");
-            let until = if ending == Ending::Idle {
+            let until = if maintains {
+                tracing::info!(
+                    vm = %entry.handle.vm,
+                    "maintenance VM disconnected: its overlay waits for its next boot (`overspill vm capture` makes it \
+                     the next version, `overspill vm drop` throws it away)"
+                );
+                self.mark_quiet(entry, true);
+                None
+            } else if ending == Ending::Idle {
                 tracing::info!(
                     vm = %entry.handle.vm,
                     "VM connection cut for idleness: its overlay waits for its client, however long (until `overspill vm reset`)"
@@ -721,6 +733,15 @@ impl VmRegistry {
     /// from its checkpoint again; a dropped fork's name is freed.
     pub fn reset(&self, vm: &str) -> Result<String, ServerError> {
         let mut inner = lock(&self.inner);
+        let maintained = inner.names.get(vm).and_then(|number| inner.vms.get(number)).map(|entry| entry.image.clone());
+        if let Some(image) = maintained.filter(|image| self.maintains(image, vm)) {
+            // The libvirt hook resets every VM at its start: the maintenance VM boots on its writes.
+            tracing::info!(vm, image, "reset of the maintenance VM declined: its writes are the image's next version");
+            return Ok(format!(
+                "{vm} is image {image}'s maintenance VM: its writes are kept across its boots (`overspill vm capture \
+                 {vm}` makes them the next version; `overspill image maintain {image} --none` first for a reset)"
+            ));
+        }
         let forgotten = inner.forks.forget_dropped(vm).map_err(|e| ServerError::io("updating the forks' book", e))?;
         let held = inner.names.contains_key(vm) || inner.lost.contains_key(vm);
         if forgotten {
@@ -781,6 +802,12 @@ impl VmRegistry {
         }
         tracing::info!(vm, "fork dropped by the operator: its name is refused until `vm reset`");
         Ok(format!("{vm}: fork dropped; its name is refused until `overspill vm reset {vm}`"))
+    }
+
+    /// Whether VM `vm` is image `image`'s maintenance VM (`overspill image maintain`).
+    pub(crate) fn maintains(&self, image: &str, vm: &str) -> bool {
+        let store = self.image_store.get();
+        store.and_then(|store| store.maintenance(image)).is_some_and(|m| m.vm == vm)
     }
 
     /// The checkpoint fork `vm` starts from, unless it is no fork or a dropped one.

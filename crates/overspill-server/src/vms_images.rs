@@ -113,6 +113,9 @@ impl VmRegistry {
         };
         drop(guard);
         drop(ended);
+        if let Err(error) = store.end_maintenance(image, Some(vm)) {
+            tracing::warn!(vm, image, %error, "the maintenance stage could not be ended: end it with `overspill image maintain --none`");
+        }
         tracing::info!(vm, image, version, below = label, "VM captured as a new image version; its overlay ends");
         Ok((image.to_owned(), version))
     }

@@ -112,6 +112,9 @@ impl VmRegistry {
                     (Some(Some(until)), _) => {
                         format!("{}s of grace left", until.saturating_duration_since(now).as_secs())
                     }
+                    (Some(None), _) if self.maintains(&e.image, &e.handle.vm) => {
+                        "maintenance VM: waits for its next boot".to_owned()
+                    }
                     (Some(None), _) => "cut for idleness: waits for its client".to_owned(),
                     (None, _) => String::new(),
                 };

@@ -43,6 +43,19 @@ enum ImageAction {
     /// Production goes back to the version it was before its last change (a promote or an
     /// activate). Running VMs keep the version they booted.
     Rollback { image: String },
+    /// Make VM IMAGE's maintenance VM, PVS's first stage of an update: connected as IMAGE@VM it
+    /// gets VERSION (default: the current one) whatever its stage, and its overlay outlives its
+    /// boots (power-offs, resets, server restarts) until `overspill vm capture VM` makes it
+    /// IMAGE's next version, or `overspill vm drop VM` throws it away. No other VM sees it.
+    /// One per image; --none ends the stage (the VM's overlay is then any VM's).
+    Maintain {
+        image: String,
+        #[arg(required_unless_present = "none")]
+        vm: Option<String>,
+        version: Option<String>,
+        #[arg(long, conflicts_with_all = ["vm", "version"])]
+        none: bool,
+    },
     /// Take checkpoint IMAGE:@NAME (`overspill vm checkpoint`) out to TO, a directory or
     /// s3://BUCKET/PREFIX: its layers (IMAGE@NAME.qcow2, and those of the checkpoints it lies
     /// on) and last its manifest, IMAGE@NAME.json, which names the version under it by its
@@ -158,6 +171,9 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
                         v.path.display()
                     );
                 }
+                if let Some(m) = &image.maintenance {
+                    println!("    maintenance: VM {} over {} (its overlay is the next version)", m.vm, m.version);
+                }
             }
         }
         ImageAction::Publish { image, file, activate } => {
@@ -192,6 +208,18 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
         ImageAction::Rollback { image } => {
             let version = store.rollback(&image)?;
             println!("{image} {version} (current): rolled back");
+        }
+        ImageAction::Maintain { image, none: true, .. } => {
+            let ended = store.end_maintenance(&image, None)?;
+            println!("{image}: {}", if ended { "maintenance stage ended" } else { "no maintenance stage" });
+        }
+        ImageAction::Maintain { image, vm, version, .. } => {
+            let vm = vm.unwrap_or_default();
+            let version = store.maintain(&image, &vm, version.map(version_name).as_deref())?;
+            println!(
+                "{image}: VM {vm} maintains it over {version}: connect it as {image}@{vm}; `overspill vm capture {vm}` \
+                 makes its writes the next version"
+            );
         }
         ImageAction::CheckpointExport { checkpoint, to } => {
             let Some((image, name)) = checkpoint.split_once(":@") else {

@@ -406,3 +406,56 @@ fn a_checkpoint_taken_out_to_a_directory_forks_in_another_store_with_the_same_ve
         std::fs::read_dir(harmed.0.join("win/checkpoints")).map(|d| d.flatten().collect()).unwrap_or_default();
     assert!(left.is_empty(), "a refused import leaves nothing: {left:?}");
 }
+
+/// The maintenance stage: VM maint, made win's maintenance VM over v1 while v2 is production,
+/// boots v1; its overlay outlives a clean disconnect (a power-off), the reset the libvirt hook
+/// asks at each start, and a server restart; no other VM sees its writes; its capture is the
+/// next version (a layer over v1) and ends the stage, after which maint boots production
+/// afresh. A second maintenance VM is refused while one is named.
+#[test]
+fn the_maintenance_vm_keeps_its_writes_across_its_boots_until_captured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir.path().join("images");
+    let (v1, v2) = (dir.path().join("v1.img"), dir.path().join("v2.img"));
+    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
+    std::fs::write(&v2, vec![0x22u8; 4 << 20]).expect("v2");
+    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
+    image_ok(&store, &["publish", "win", v2.to_str().expect("utf-8"), "--activate"]);
+    let said = image_ok(&store, &["maintain", "win", "maint", "1"]);
+    assert!(said.contains("VM maint maintains it over v1"), "{said}");
+    let (ok, said) = image(&store, &["maintain", "win", "other"]);
+    assert!(!ok && said.contains("VM maint maintains it already"), "{said}");
+    assert!(image_ok(&store, &["list"]).contains("maintenance: VM maint over v1"));
+
+    let (mut server, socket, control) = serve_store(dir.path(), &store, &[]);
+    let mut maint = connect(&socket, "win", "maint").expect("maint");
+    assert_eq!(byte_at(&mut maint, 0), 0x11, "the maintenance VM boots the version it maintains");
+    maint.write(1 << 20, &vec![0x5au8; 64 << 10], false).expect("write");
+    maint.disconnect().expect("maint powers off");
+    let list = vm(&control, &["list"]);
+    assert!(list.lines().any(|l| l.starts_with("maint ") && l.contains("maintenance VM")), "{list}");
+    assert!(vm(&control, &["reset", "maint"]).contains("maintenance VM"), "the hook's reset is declined");
+    let mut maint = connect(&socket, "win", "maint").expect("maint boots again");
+    assert_eq!(byte_at(&mut maint, 1 << 20), 0x5a, "its writes outlive its power-off and the reset");
+    maint.disconnect().expect("maint powers off");
+    let mut desk = connect(&socket, "win", "desk").expect("desk");
+    assert_eq!([0, 1 << 20].map(|at| byte_at(&mut desk, at)), [0x22, 0x22], "no other VM sees them");
+    desk.disconnect().expect("desk leaves");
+
+    server.stop();
+    let (mut server, socket, control) = serve_store(dir.path(), &store, &[]);
+    let mut maint = connect(&socket, "win", "maint").expect("maint after the restart");
+    assert_eq!(byte_at(&mut maint, 1 << 20), 0x5a, "its writes outlive the server");
+    let said = vm(&control, &["capture", "maint"]);
+    assert!(said.contains("captured as win v3"), "{said}");
+    assert!(!image_ok(&store, &["list"]).contains("maintenance:"), "the capture ends the stage");
+    drop(maint);
+    let mut maint = connect(&socket, "win", "maint").expect("maint afterwards");
+    assert_eq!(byte_at(&mut maint, 1 << 20), 0x22, "maint is any VM now: production, afresh");
+    maint.disconnect().expect("maint leaves");
+    image_ok(&store, &["test", "win", "3"]);
+    let mut lab = connect(&socket, "win", "lab-1").expect("lab-1");
+    assert_eq!([0, 1 << 20].map(|at| byte_at(&mut lab, at)), [0x11, 0x5a], "v3 is v1 with maint's writes");
+    lab.disconnect().expect("lab leaves");
+    server.stop();
+}
