@@ -91,6 +91,25 @@ pub trait GoldenImage: Send + Sync {
         let _ = offset;
         Ok(vec![Extent { len, state: Allocation::Data }])
     }
+    /// Which of the image's layers holds each part of `[offset, offset + len)`, in order from
+    /// `offset` and covering at least one byte of it: 1 for the image itself, 2 for the file
+    /// under it (a qcow2 backing file), and so on; 0 where none does (a hole of every layer).
+    /// The default: an image of one layer, as its extents say.
+    fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<LayerRun>> {
+        let extents = self.extents(offset, len)?;
+        Ok(extents
+            .into_iter()
+            .map(|e| LayerRun { len: e.len, depth: u32::from(e.state != Allocation::Hole) })
+            .collect())
+    }
+}
+
+/// A run of an image by the layer that holds it (see [`GoldenImage::layer_runs`], and the
+/// overlay's `allocation_depth`, where the VM's own overlay is layer 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerRun {
+    pub len: u64,
+    pub depth: u32,
 }
 
 /// An image that is another one with something added (a name in the logs, a hold that logs its
@@ -138,6 +157,9 @@ impl<L: ImageLayer> GoldenImage for L {
     }
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
         self.below().extents(offset, len)
+    }
+    fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<LayerRun>> {
+        self.below().layer_runs(offset, len)
     }
 }
 

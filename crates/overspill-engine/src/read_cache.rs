@@ -543,6 +543,10 @@ impl GoldenImage for CachedImage {
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::Extent>> {
         self.source.extents(offset, len)
     }
+
+    fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<crate::golden::LayerRun>> {
+        self.source.layer_runs(offset, len)
+    }
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use overspill_engine::{push_extent, Allocation, EngineError, Extent, GoldenImage, Result};
+use overspill_engine::{push_extent, Allocation, EngineError, Extent, GoldenImage, LayerRun, Result};
 
 use crate::Format;
 
@@ -43,6 +43,8 @@ const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 const EXT_DATA_FILE: u32 = 0x4441_5441;
 /// A chain deeper than this is a loop or a mistake; qemu's limit is of the same order.
 pub const MAX_CHAIN_DEPTH: usize = 64;
+/// The most of an image one call of `layer_runs` maps.
+const LAYER_RUNS_MAX_BYTES: u64 = 1 << 30;
 
 /// L2 tables an open layer keeps, in bytes: what qemu keeps at most by default (32 MiB).
 pub const L2_CACHE_BYTES: u64 = 32 << 20;
@@ -523,6 +525,54 @@ impl GoldenImage for Qcow2Image {
         })();
         self.opened.check(&self.file, &self.path)?;
         read
+    }
+
+    fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<LayerRun>> {
+        let mut runs: Vec<LayerRun> = Vec::new();
+        let mut push = |len: u64, depth: u32| match runs.last_mut() {
+            _ if len == 0 => {}
+            Some(last) if last.depth == depth => last.len += len,
+            _ => runs.push(LayerRun { len, depth }),
+        };
+        // A bounded piece per call (the caller asks again for the rest).
+        let len = len.min(LAYER_RUNS_MAX_BYTES);
+        let mapped = (|| -> io::Result<()> {
+            let mut done = 0u64;
+            while done < len {
+                let pos = offset + done;
+                if pos >= self.size {
+                    push(len - done, 0);
+                    break;
+                }
+                let kind = self.cluster_of(self.l2_entry(pos)?);
+                let n = self.run_from(pos, (len - done).min(self.size - pos) as usize, &kind)? as u64;
+                match (&kind, &self.backing) {
+                    (Cluster::Unallocated, Some(below)) if pos < below.size() => {
+                        // What the layer below holds is one layer deeper here.
+                        let inside = n.min(below.size() - pos);
+                        let mut got = 0;
+                        while got < inside {
+                            let parts = below.layer_runs(pos + got, inside - got)?;
+                            if parts.is_empty() || parts.iter().any(|part| part.len == 0) {
+                                return Err(io::Error::other("a backing file reported no layer, or an empty one"));
+                            }
+                            for part in parts {
+                                let part_len = part.len.min(inside - got);
+                                push(part_len, if part.depth == 0 { 0 } else { part.depth + 1 });
+                                got += part_len;
+                            }
+                        }
+                        push(n - inside, 0);
+                    }
+                    (Cluster::Unallocated, _) => push(n, 0),
+                    _ => push(n, 1),
+                }
+                done += n;
+            }
+            Ok(())
+        })();
+        self.opened.check(&self.file, &self.path)?;
+        mapped.map(|()| runs)
     }
 
     fn unchanged(&self) -> io::Result<()> {

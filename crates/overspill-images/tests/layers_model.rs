@@ -37,13 +37,38 @@ struct Vm {
     /// That layer's file (the golden image for the first VM) and its depth.
     file: PathBuf,
     depth: usize,
+    /// Per block: which layer of that image holds it (`qemu:allocation-depth` less one).
+    below_layers: Vec<u32>,
+    /// Per block: whether the VM's own overlay holds it (written or zeroed, not trimmed since).
+    own: Vec<bool>,
     _spill: tempfile::TempDir,
+}
+
+impl Vm {
+    /// Per block, the layer that holds it as the VM sees its disk: 1 its own overlay, 2 the
+    /// image it runs over, and so on; 0 none.
+    fn layers(&self) -> Vec<u32> {
+        self.own
+            .iter()
+            .zip(&self.below_layers)
+            .map(|(&own, &below)| {
+                if own {
+                    1
+                } else if below == 0 {
+                    0
+                } else {
+                    below + 1
+                }
+            })
+            .collect()
+    }
 }
 
 struct Layer {
     file: PathBuf,
     bytes: Vec<u8>,
     depth: usize,
+    layers: Vec<u32>,
 }
 
 struct World {
@@ -78,12 +103,13 @@ impl World {
         let file = dir.join("golden.raw");
         std::fs::write(&file, &golden).expect("golden");
         let mut world = Self { seed, dir: dir.to_owned(), vms: Vec::new(), layers: Vec::new(), next_name: 0 };
-        world.boot(&file, golden, 0, None);
+        // A raw file of data throughout: one layer that holds every block.
+        world.boot(&file, golden, 0, vec![1; DISK.div_ceil(BLOCK) as usize], None);
         world
     }
 
     /// A VM with a new overlay over layer `file` (reading `bytes`), in place of VM `replacing`.
-    fn boot(&mut self, file: &Path, bytes: Vec<u8>, depth: usize, replacing: Option<usize>) {
+    fn boot(&mut self, file: &Path, bytes: Vec<u8>, depth: usize, layers: Vec<u32>, replacing: Option<usize>) {
         let image = open_image(file).unwrap_or_else(|e| panic!("seed {}: opening {}: {e}", self.seed, file.display()));
         assert_eq!(image.size(), DISK, "seed {}: {} is the disk's size", self.seed, file.display());
         // RAM targets from none to all of it: some VMs spill, some do not.
@@ -96,6 +122,8 @@ impl World {
             bytes,
             file: file.to_owned(),
             depth,
+            own: vec![false; layers.len()],
+            below_layers: layers,
             _spill: spill,
         };
         self.next_name += 1;
@@ -113,7 +141,12 @@ impl World {
         let format = Format::probe(&vm.file).expect("probe");
         write_overlay(&mut vm.overlay, &file, &backing, format)
             .unwrap_or_else(|e| panic!("seed {}: writing {}'s layer: {e}", self.seed, vm.name));
-        self.layers.push(Layer { file: file.clone(), bytes: vm.bytes.clone(), depth: vm.depth + 1 });
+        self.layers.push(Layer {
+            file: file.clone(),
+            bytes: vm.bytes.clone(),
+            depth: vm.depth + 1,
+            layers: vm.layers(),
+        });
         file
     }
 
@@ -129,11 +162,13 @@ impl World {
                 let data = pattern(offset, len, rng.gen());
                 vm.overlay.write(offset, &data).expect("write");
                 vm.bytes[range].copy_from_slice(&data);
+                vm.own[(offset / BLOCK) as usize..(offset + len).div_ceil(BLOCK) as usize].fill(true);
                 "write"
             }
             55..=69 => {
                 vm.overlay.write_zeroes(offset, len).expect("zeroes");
                 vm.bytes[range].fill(0);
+                vm.own[(offset / BLOCK) as usize..(offset + len).div_ceil(BLOCK) as usize].fill(true);
                 "zero"
             }
             70..=86 => {
@@ -143,6 +178,7 @@ impl World {
                 if first < end {
                     let whole = first as usize..end as usize;
                     vm.bytes[whole.clone()].copy_from_slice(&vm.below[whole]);
+                    vm.own[(first / BLOCK) as usize..(end / BLOCK) as usize].fill(false);
                 }
                 "trim"
             }
@@ -150,6 +186,7 @@ impl World {
                 // A checkpoint, and forks of it; the VM goes on.
                 let file = self.write_layer(index);
                 let (bytes, depth) = (self.vms[index].bytes.clone(), self.vms[index].depth + 1);
+                let layers = self.vms[index].layers();
                 for _ in 0..rng.gen_range(1..=2) {
                     let replacing = (self.vms.len() >= MAX_VMS).then(|| rng.gen_range(0..self.vms.len()));
                     // The source is not replaced by its own fork.
@@ -157,7 +194,7 @@ impl World {
                     if self.vms.len() >= MAX_VMS && replacing.is_none() {
                         continue;
                     }
-                    self.boot(&file, bytes.clone(), depth, replacing);
+                    self.boot(&file, bytes.clone(), depth, layers.clone(), replacing);
                 }
                 "checkpoint and fork"
             }
@@ -165,7 +202,8 @@ impl World {
                 // A capture: the VM's overlay ends, and it boots again over its own layer.
                 let file = self.write_layer(index);
                 let (bytes, depth) = (self.vms[index].bytes.clone(), self.vms[index].depth + 1);
-                self.boot(&file, bytes, depth, Some(index));
+                let layers = self.vms[index].layers();
+                self.boot(&file, bytes, depth, layers, Some(index));
                 "capture"
             }
             _ => "nothing",
@@ -183,12 +221,35 @@ impl World {
         let seed = self.seed;
         for vm in &mut self.vms {
             check(vm, 0, DISK, &format!("seed {seed} at the end"));
+            // qemu:allocation-depth as the server answers it: each block's layer.
+            let mut seen = Vec::new();
+            for run in vm.overlay.allocation_depth(0, DISK).expect("allocation depth") {
+                seen.extend(std::iter::repeat_n(run.depth, run.len.div_ceil(BLOCK) as usize));
+            }
+            let expected = vm.layers();
+            if let Some(block) = (0..expected.len()).find(|&b| seen.get(b) != Some(&expected[b])) {
+                panic!(
+                    "seed {seed}: {} (over {}) block {block} is held by layer {:?}, the model says {}",
+                    vm.name,
+                    vm.file.display(),
+                    seen.get(block),
+                    expected[block]
+                );
+            }
         }
         for layer in &self.layers {
             let image = open_image(&layer.file).expect("a layer opens");
             let mut read = vec![0u8; DISK as usize];
             image.read_at(&mut read, 0).expect("read the layer");
             assert!(read == layer.bytes, "seed {seed}: {} reads other than its VM did", layer.file.display());
+            let mut layers = Vec::new();
+            while (layers.len() as u64) * BLOCK < DISK {
+                let at = layers.len() as u64 * BLOCK;
+                for run in image.layer_runs(at, DISK - at).expect("layer runs") {
+                    layers.extend(std::iter::repeat_n(run.depth, run.len.div_ceil(BLOCK) as usize));
+                }
+            }
+            assert!(layers == layer.layers, "seed {seed}: {}'s layers are not its VM's", layer.file.display());
         }
         if let Some(deepest) = self.layers.iter().max_by_key(|layer| layer.depth) {
             let expected = self.dir.join("expected.raw");

@@ -115,6 +115,9 @@ impl GoldenImage for Budgeted {
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
         self.image.extents(offset, len)
     }
+    fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<overspill_engine::LayerRun>> {
+        self.image.layer_runs(offset, len)
+    }
 }
 
 #[cfg(test)]

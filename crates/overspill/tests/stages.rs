@@ -391,6 +391,31 @@ fn a_checkpoint_taken_out_to_a_directory_forks_in_another_store_with_the_same_ve
         "a fork in the other store reads what src and f wrote in this one"
     );
     g.disconnect().expect("g leaves");
+    // Which layer holds each range, as QEMU's tools ask: g's own (1, nothing yet), c2 (2), c1
+    // (3), v1 (4).
+    let uri = format!("nbd+unix:///win@g?socket={}", socket.display());
+    let mapped = common::run_ok(dir.path(), "nbdinfo", &["--map=qemu:allocation-depth", "--json", &uri]);
+    let map: Vec<serde_json::Value> = serde_json::from_str(&mapped.stdout).expect("nbdinfo's JSON");
+    let seen: Vec<(u64, u64, u64)> = map
+        .iter()
+        .map(|e| {
+            (
+                e["offset"].as_u64().expect("offset"),
+                e["length"].as_u64().expect("length"),
+                e["type"].as_u64().expect("depth"),
+            )
+        })
+        .collect();
+    let mib = 1u64 << 20;
+    let expected = [
+        (0, mib, 4),
+        (mib, 4096, 2),
+        (mib + 4096, (64 << 10) - 4096, 3),
+        (mib + (64 << 10), mib - (64 << 10), 4),
+        (2 * mib, 64 << 10, 2),
+        (2 * mib + (64 << 10), 2 * mib - (64 << 10), 4),
+    ];
+    assert_eq!(seen, expected, "nbdinfo --map=qemu:allocation-depth of a fork of a checkpoint of a fork");
     server.stop();
 
     let (ok, said) = image(&other.0, &["checkpoint-import", manifest.to_str().expect("utf-8")]);

@@ -23,17 +23,11 @@ fn strongest(a: Allocation, b: Allocation) -> Allocation {
     }
 }
 
-/// A run of the VM's disk by the layer that holds it: [`DEPTH_OVERLAY`], [`DEPTH_GOLDEN`], or 0
-/// where neither does (a hole of the golden image, or past its end).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LayerRun {
-    pub len: u64,
-    pub depth: u32,
-}
+pub use crate::golden::LayerRun;
 
 /// The VM's own writes, zeroes included, wherever they are kept.
 pub const DEPTH_OVERLAY: u32 = 1;
-/// The golden image's stored data or zeroes.
+/// The golden image's stored data or zeroes, its top layer's (each layer under it one deeper).
 pub const DEPTH_GOLDEN: u32 = 2;
 
 fn push_run(runs: &mut Vec<LayerRun>, len: u64, depth: u32) {
@@ -63,11 +57,9 @@ impl Overlay {
             }
             let (from, to) = ((block * BLOCK_BYTES).max(offset), (run_end * BLOCK_BYTES).min(end));
             if golden {
-                let mut extents = Vec::new();
-                self.golden_extents(from, to, &mut extents)?;
-                for extent in extents {
-                    let depth = if extent.state == Allocation::Hole { 0 } else { DEPTH_GOLDEN };
-                    push_run(&mut runs, extent.len, depth);
+                for layer in self.golden_layer_runs(from, to)? {
+                    let depth = if layer.depth == 0 { 0 } else { DEPTH_OVERLAY + layer.depth };
+                    push_run(&mut runs, layer.len, depth);
                 }
             } else {
                 push_run(&mut runs, to - from, DEPTH_OVERLAY);
@@ -110,6 +102,59 @@ impl Overlay {
 
     /// The golden image's extents for `[from, to)`, block by block: a block holding any data is
     /// data, else any stored zeroes make it zero, else it is a hole.
+    /// The golden image's layer runs over `[from, to)`, in whole blocks (a block two layers
+    /// share is the shallower one's, as a block part data and part hole is data), holes past
+    /// its end.
+    fn golden_layer_runs(&self, from: u64, to: u64) -> Result<Vec<LayerRun>> {
+        let io = |source| EngineError::Io { what: "asking the golden image for its layers", source };
+        let golden_end = to.min(self.core.golden.size());
+        let shallower = |a: u32, b: u32| match (a, b) {
+            (0, d) | (d, 0) => d,
+            (a, b) => a.min(b),
+        };
+        let mut runs = Vec::new();
+        // The depth of the block being gathered, and where it starts.
+        let mut pending: Option<(u64, u32)> = None;
+        let mut at = from;
+        while at < golden_end {
+            let parts = self.core.golden.layer_runs(at, golden_end - at).map_err(io)?;
+            if parts.is_empty() || parts.iter().any(|part| part.len == 0) {
+                return Err(io(io::Error::other("the golden image reported no layer, or an empty one")));
+            }
+            for part in parts {
+                let part_end = (at + part.len).min(golden_end);
+                let mut pos = at;
+                while pos < part_end {
+                    let block_end = ((pos / BLOCK_BYTES + 1) * BLOCK_BYTES).min(golden_end);
+                    let depth = pending.map_or(part.depth, |(_, held)| shallower(held, part.depth));
+                    if part_end >= block_end {
+                        push_run(&mut runs, block_end - pending.map_or(pos, |(start, _)| start), depth);
+                        pending = None;
+                        let whole_end = part_end / BLOCK_BYTES * BLOCK_BYTES;
+                        if whole_end > block_end {
+                            push_run(&mut runs, whole_end - block_end, part.depth);
+                            pos = whole_end;
+                        } else {
+                            pos = block_end;
+                        }
+                    } else {
+                        pending = Some((pending.map_or(pos, |(start, _)| start), depth));
+                        pos = part_end;
+                    }
+                }
+                at = part_end;
+                if at >= golden_end {
+                    break;
+                }
+            }
+        }
+        if let Some((start, depth)) = pending {
+            push_run(&mut runs, golden_end - start, depth);
+        }
+        push_run(&mut runs, to - golden_end.max(from), 0);
+        Ok(runs)
+    }
+
     fn golden_extents(&self, from: u64, to: u64, extents: &mut Vec<Extent>) -> Result<()> {
         let io = |source| EngineError::Io { what: "asking the golden image for its allocation", source };
         let golden_end = to.min(self.core.golden.size());
