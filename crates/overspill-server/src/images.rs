@@ -517,6 +517,34 @@ impl ImageStore {
         &self.root
     }
 
+    /// Writes version `version` of `name`, with whatever it reads through (a captured version
+    /// is a chain of layers), as one flat file, the next version: a sparse raw file of the same
+    /// bytes. The stages that named `version` name the flat one from then on (new VMs get it;
+    /// running VMs keep theirs); `version` stays, as every version does until it is removed.
+    /// Returns the new version's name.
+    pub fn compact(&self, name: &str, version: &str) -> Result<String, ServerError> {
+        check_name("version", version)?;
+        let lock = self.lock(name)?;
+        let source = self.version(name, version)?;
+        let image = open_image(&source.path)
+            .map_err(|source| ServerError::Engine { context: format!("opening {name} {version}"), source })?;
+        let dir = self.root.join(name);
+        let next = self.next_number(name, &dir)?;
+        let compacted = format!("v{next}");
+        let target = dir.join(format!("{compacted}.img"));
+        write_sealed(&target, |partial| flatten(image.as_ref(), partial))
+            .and_then(|partial| install(&dir, &partial, &target, next))
+            .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
+        let entry = self.image(name)?;
+        for (stage, named) in [(Stage::Production, &entry.current), (Stage::Test, &entry.test)] {
+            if named.as_deref() == Some(version) {
+                self.mark(name, stage.marker(), Some(&compacted))?;
+            }
+        }
+        drop(lock);
+        Ok(compacted)
+    }
+
     /// Marks `version` as the one new connections get.
     pub fn activate(&self, name: &str, version: &str) -> Result<(), ServerError> {
         check_name("image", name)?;
@@ -556,6 +584,39 @@ fn seal(partial: &Path) -> std::io::Result<()> {
     overspill_engine::crash::point();
     std::fs::set_permissions(partial, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
     std::fs::File::open(partial).and_then(|f| f.sync_all())
+}
+
+/// Writes `image`'s bytes to new file `path`, sparse: only what its extents call data is
+/// written (zeroes and holes are left unwritten, and read as zeroes).
+fn flatten(image: &dyn overspill_engine::GoldenImage, path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const CHUNK: u64 = 1 << 20;
+    let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path)?;
+    let size = image.size();
+    file.set_len(size)?;
+    let mut buffer = vec![0u8; CHUNK as usize];
+    let mut at = 0;
+    while at < size {
+        let extents = image.extents(at, size - at)?;
+        if extents.is_empty() || extents.iter().any(|e| e.len == 0) {
+            return Err(std::io::Error::other("the image reported no extent, or an empty one"));
+        }
+        for extent in extents {
+            let end = (at + extent.len).min(size);
+            if extent.state == overspill_engine::Allocation::Data {
+                let mut pos = at;
+                while pos < end {
+                    let n = (end - pos).min(CHUNK) as usize;
+                    image.read_at(&mut buffer[..n], pos)?;
+                    overspill_engine::crash::point();
+                    file.write_all_at(&buffer[..n], pos)?;
+                    pos += n as u64;
+                }
+            }
+            at = end;
+        }
+    }
+    Ok(())
 }
 
 /// Where an image keeps its checkpoints.

@@ -91,6 +91,22 @@ fn a_captured_version_is_absent_or_whole_at_every_crash_point() {
     );
     assert!(points >= 8, "only {points} crash points");
     assert!(reads_as(&store.version("win", "v2").expect("v2").path, &bytes));
+    // v2 (a layer over v1) compacted into one file, v3, killed at every point of it.
+    store.activate("win", "v2").expect("activate");
+    let seen = store.clone();
+    let points = at_every_point(
+        || assert_eq!(store.compact("win", "v2").expect("compact"), "v3"),
+        move |point| {
+            let image = seen.image("win").expect("the image reads");
+            if let Some(v3) = image.versions.iter().find(|v| v.name == "v3") {
+                assert!(reads_as(&v3.path, &bytes), "point {point}: v3 half there");
+            } else {
+                assert_eq!(image.current.as_deref(), Some("v2"), "point {point}: production on a missing v3");
+            }
+        },
+    );
+    assert!(points >= 3, "only {points} crash points");
+    assert_eq!(store.image("win").expect("image").current.as_deref(), Some("v3"));
 }
 
 #[test]

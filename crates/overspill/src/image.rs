@@ -43,6 +43,10 @@ enum ImageAction {
     /// Production goes back to the version it was before its last change (a promote or an
     /// activate). Running VMs keep the version they booted.
     Rollback { image: String },
+    /// Write VERSION (a captured version is a layer over the one before: a chain of files) as
+    /// one flat file, IMAGE's next version, a sparse raw file of the same bytes; the stages that
+    /// named VERSION name it from then on (running VMs keep theirs).
+    Compact { image: String, version: String },
     /// Make VM IMAGE's maintenance VM, PVS's first stage of an update: connected as IMAGE@VM it
     /// gets VERSION (default: the current one) whatever its stage, and its overlay outlives its
     /// boots (power-offs, resets, server restarts) until `overspill vm capture VM` makes it
@@ -208,6 +212,20 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
         ImageAction::Rollback { image } => {
             let version = store.rollback(&image)?;
             println!("{image} {version} (current): rolled back");
+        }
+        ImageAction::Compact { image, version } => {
+            let version = version_name(version);
+            let compacted = store.compact(&image, &version)?;
+            let stages: Vec<&str> = {
+                let entry = store.image(&image)?;
+                [("production", entry.current), ("test", entry.test)]
+                    .into_iter()
+                    .filter(|(_, named)| named.as_deref() == Some(compacted.as_str()))
+                    .map(|(stage, _)| stage)
+                    .collect()
+            };
+            let staged = if stages.is_empty() { String::new() } else { format!(" ({})", stages.join(", ")) };
+            println!("{image} {compacted}{staged}: {version} in one file");
         }
         ImageAction::Maintain { image, none: true, .. } => {
             let ended = store.end_maintenance(&image, None)?;

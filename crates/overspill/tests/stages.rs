@@ -178,6 +178,16 @@ fn a_captured_vm_becomes_the_next_version_that_the_test_group_boots() {
     assert!(compare.status.success(), "{}", String::from_utf8_lossy(&compare.stdout));
 
     image_ok(&store, &["test", "win", "v2"]);
+    // The layer and the version under it in one file: the next version, which the test stage
+    // names from now on; the same bytes as v2's chain.
+    let said = image_ok(&store, &["compact", "win", "2"]);
+    assert!(said.contains("win v3 (test): v2 in one file"), "{said}");
+    let flat = store.join("win/v3.img");
+    let info = Command::new("qemu-img").args(["info", "--output=json"]).arg(&flat).output().expect("qemu-img info");
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("qemu-img info's JSON");
+    assert_eq!((info["format"].as_str(), info.get("backing-filename")), (Some("raw"), None), "{info}");
+    let compare = Command::new("qemu-img").args(["compare", "-q"]).arg(&layer).arg(&flat).output().expect("compare");
+    assert!(compare.status.success(), "the flat version differs from the chain");
     let read_at = |vm: &str, offset: u64| {
         let uri: NbdUri = format!("nbd+unix:///win@{vm}?socket={}", socket.display()).parse().expect("uri");
         let mut client = Client::connect(&uri).unwrap_or_else(|e| panic!("{vm}: {e}"));
