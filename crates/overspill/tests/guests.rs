@@ -347,3 +347,69 @@ fn a_guest_rebooted_under_the_recipe_comes_back_on_the_current_golden_image() {
     assert!(console.contains("NO MARKER"), "the second boot saw the first one's writes:\n{console}");
     drop(server);
 }
+
+/// Runs in each guest of the stages test: the maintenance VM (`role=install` on its kernel
+/// command line) installs a file into the filesystem on its disk and stays up, its disk still;
+/// the others say whether they find it.
+const STAGES_JOB: &str = r#"mount /dev/vda /mnt || exit 1
+if grep -q role=install /proc/cmdline; then
+  echo "installed by maint" > /mnt/installed.txt
+  sync
+  umount /mnt
+  sync
+  echo INSTALLED
+  sleep 600
+fi
+if [ -e /mnt/installed.txt ]; then echo "FOUND $(cat /mnt/installed.txt)"; else echo "NOT FOUND"; fi
+umount /mnt
+poweroff -f
+"#;
+
+/// An image update the PVS way, with real guests: the maintenance VM installs a file into the
+/// filesystem on its disk; its overlay is captured as the next version, given to the test
+/// group; a guest of the test group boots that version and finds the file, a production guest
+/// boots the current version and does not.
+#[test]
+fn a_file_a_maintenance_guest_installs_reaches_the_test_group_and_not_production() {
+    let dir = TempDir::new().expect("tempdir");
+    let v1 = ext4_image(&dir.path().join("v1"), 32, &[("version.txt", b"v1\n")]).expect("v1");
+    let store = dir.path().join("images");
+    let overspill = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_overspill")).args(args).output().expect("overspill");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "overspill {args:?}: {said}");
+        said
+    };
+    let images = store.to_str().expect("utf-8");
+    overspill(&["image", "--images", images, "publish", "desk", v1.to_str().expect("utf-8"), "--activate"]);
+    overspill(&["image", "--images", images, "maintain", "desk", "maint"]);
+    let kit = GuestKit::build(dir.path(), STAGES_JOB).expect("guest kit");
+    let (socket, control) = (dir.path().join("nbd.sock"), dir.path().join("control.sock"));
+    let listen = format!("unix:{}", socket.display());
+    let ready = socket.clone();
+    let args = ["--images", images, "--listen", &listen, "--control", control.to_str().expect("utf-8")];
+    let server = Serve::start_named_only(dir.path(), &[&args[..], &["--test-vms", "lab-*"]].concat(), &[], move || {
+        std::os::unix::net::UnixStream::connect(&ready).is_ok()
+    });
+    let boot = |name: &str, role: &str| {
+        let options = BootOptions { append: format!("role={role}"), ..BootOptions::default() };
+        let disk = overspill::guests::nbd_disk(&socket, &format!("desk@{name}"), 30);
+        Guest::start(&kit, &dir.path().join(name), &disk, options).expect("boot")
+    };
+
+    let mut maint = boot("maint", "install");
+    maint.wait_for("INSTALLED\n", Duration::from_secs(300)).expect("the maintenance guest installs its file");
+    let control = control.to_str().expect("utf-8");
+    let said = overspill(&["vm", "capture", "maint", "--control", control]);
+    assert!(said.contains("captured as desk v2"), "{said}");
+    maint.kill();
+    overspill(&["image", "--images", images, "test", "desk", "2"]);
+
+    let mut lab = boot("lab-1", "check");
+    let console = lab.wait_exit(Duration::from_secs(300)).expect("the test guest");
+    assert!(console.contains("FOUND installed by maint"), "the test group boots v2:\n{console}");
+    let mut desk = boot("desk-1", "check");
+    let console = desk.wait_exit(Duration::from_secs(300)).expect("the production guest");
+    assert!(console.contains("NOT FOUND"), "production boots v1:\n{console}");
+    drop(server);
+}
