@@ -264,7 +264,8 @@ fn a_guest_on_vhost_user_rides_through_a_killed_a_stopped_and_a_restarted_server
 
 /// The same with the Linux kernel's own NBD client: `nbd-client` (Debian's, with the `nbd.ko` of
 /// the guest's kernel) connects from inside the guest over QEMU's user network to the server's
-/// TCP port, and `nbd-client -d` ends the connection cleanly.
+/// TCP port with two connections (`-C 2`, a queue each, one overlay under them as `serve
+/// --multi-conn` allows), and `nbd-client -d` ends them cleanly.
 #[test]
 fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
     let dir = TempDir::new().expect("tempdir");
@@ -273,7 +274,7 @@ fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
     let setup = format!(
         "ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 || exit 1\n\
-         nbd-client 10.0.2.2 {port} /dev/nbd0 -N @kernel -b 4096 || exit 1"
+         nbd-client 10.0.2.2 {port} /dev/nbd0 -N @kernel -b 4096 -C 2 || exit 1"
     );
     let job = trim_job("/dev/nbd0", &setup, "nbd-client -d /dev/nbd0");
     let extras =
@@ -289,11 +290,15 @@ fn the_kernel_nbd_client_in_a_guest_writes_trims_and_reads_back() {
         "64M",
         "--metrics",
         "tcp:127.0.0.1:0",
+        "--multi-conn",
+        "kernel",
     ];
     let ready = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
     let mut server = Serve::start(dir.path(), &args, &[], ready);
     let guest = Guest::boot_networked(&kit, dir.path()).expect("guest");
     check_trim_run(&mut server, guest, "kernel", dir.path());
+    let log = server.log_text();
+    assert!(log.contains("VM connection added (multi-conn)"), "the kernel's second connection joined:\n{log}");
     assert!(std::fs::read(&golden).expect("golden image") == golden_before, "the golden image was written");
 }
 
