@@ -61,6 +61,12 @@ fn nbdcopy_writes_a_multi_conn_vm_over_four_connections_into_one_overlay() {
     let mut rest = vec![0u8; 4 << 20];
     held.read(32 << 20, &mut rest).expect("read past the copy");
     assert_same(&rest, &pseudo_random(DISK, 1)[32 << 20..36 << 20], "the golden image past the copy");
+    // And the VM's whole disk copied out by nbdcopy over 4 connections, byte for byte.
+    let out = d.join("out.raw");
+    run_ok(d, "nbdcopy", &["--connections=4", "--threads=4", &uri(&socket, "copy-1"), out.to_str().expect("utf-8")]);
+    let mut whole = pseudo_random(DISK, 1);
+    whole[..32 << 20].copy_from_slice(&data);
+    assert_same(&std::fs::read(&out).expect("out"), &whole, "the VM's disk as nbdcopy -C 4 copied it");
     held.disconnect().expect("disconnect");
 
     // Four clients opening a fresh VM at once, as a multi-conn client does: the first makes the
