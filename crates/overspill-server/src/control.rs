@@ -144,6 +144,13 @@ pub struct Answer {
     /// With a list: where the server makes vhost-user sockets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vhost_user_dir: Option<PathBuf>,
+    /// With a list or a checkpoint: the image store the server serves (`serve --images`), so
+    /// that `vm checkpoint --to` and `vm fork MANIFEST` take checkpoints out and bring them in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<PathBuf>,
+    /// With a checkpoint or a fork: the checkpoint's label, `IMAGE:@NAME`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
     /// With a list: where the server listens for NBD clients (`unix:PATH`, `tcp:HOST:PORT`),
     /// so that a libvirt hook tells its disks from another NBD server's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -258,6 +265,7 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             vms: Some(targets.list()),
             vhost_user_dir: targets.sockets().map(|sockets| sockets.directory()),
             nbd_listen: targets.nbd_listen.get().cloned(),
+            images: targets.registry.image_store().map(|store| store.root().to_owned()),
             ..Answer::default()
         },
         Ok(Request::Reset { vm }) => outcome(targets.registry.reset(&vm)),
@@ -304,6 +312,8 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
                     message: Some(format!(
                         "{vm}: its disk is checkpoint {label} (`overspill vm fork {label} --as NAME,…` starts VMs from it)"
                     )),
+                    images: Some(store.root().to_owned()),
+                    checkpoint: Some(label),
                     ..Answer::default()
                 },
                 Err(why) => refused(why),

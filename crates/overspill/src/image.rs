@@ -81,6 +81,35 @@ enum ImageAction {
     },
 }
 
+/// Takes checkpoint `checkpoint` (`IMAGE:@NAME`) of store `images` out to `to`, and says so.
+pub fn export(images: &std::path::Path, checkpoint: &str, to: &str) -> anyhow::Result<()> {
+    let Some((image, name)) = checkpoint.split_once(":@") else {
+        anyhow::bail!("{checkpoint} is no checkpoint: IMAGE:@NAME, as `overspill vm checkpoint` says");
+    };
+    let place = place(to)?;
+    let manifest = ImageStore::new(images).export_checkpoint(image, name, place.as_ref())?;
+    let bytes: u64 = manifest.layers.iter().map(|layer| layer.bytes).sum();
+    println!(
+        "{checkpoint}: {} layer(s), {}, over {image} {} (SHA-256 {}), taken out to {} as {}",
+        manifest.layers.len(),
+        format_bytes(bytes),
+        manifest.versions[0].name,
+        manifest.versions[0].sha256,
+        place.describe(),
+        manifest_name(image, name)
+    );
+    Ok(())
+}
+
+/// Brings the checkpoint whose manifest is `manifest` into store `images`, and says so: its
+/// label.
+pub fn import(images: &std::path::Path, manifest: &str) -> anyhow::Result<String> {
+    let (place, name) = manifest_place(manifest)?;
+    let label = ImageStore::new(images).import_checkpoint(place.as_ref(), &name)?;
+    println!("{label}: brought in from {}", place.describe());
+    Ok(label)
+}
+
 /// A place checkpoints are taken out to: a directory, or a bucket's prefix.
 fn place(spec: &str) -> anyhow::Result<Box<dyn Place>> {
     let Some(rest) = spec.strip_prefix("s3://") else { return Ok(Box::new(DirPlace(PathBuf::from(spec)))) };
@@ -239,30 +268,10 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
                  makes its writes the next version"
             );
         }
-        ImageAction::CheckpointExport { checkpoint, to } => {
-            let Some((image, name)) = checkpoint.split_once(":@") else {
-                anyhow::bail!("{checkpoint} is no checkpoint: IMAGE:@NAME, as `overspill vm checkpoint` says");
-            };
-            let place = place(&to)?;
-            let manifest = store.export_checkpoint(image, name, place.as_ref())?;
-            let bytes: u64 = manifest.layers.iter().map(|layer| layer.bytes).sum();
-            println!(
-                "{checkpoint}: {} layer(s), {}, over {image} {} (SHA-256 {}), taken out to {} as {}",
-                manifest.layers.len(),
-                format_bytes(bytes),
-                manifest.versions[0].name,
-                manifest.versions[0].sha256,
-                place.describe(),
-                manifest_name(image, name)
-            );
-        }
+        ImageAction::CheckpointExport { checkpoint, to } => export(images, &checkpoint, &to)?,
         ImageAction::CheckpointImport { from } => {
-            let (place, name) = manifest_place(&from)?;
-            let label = store.import_checkpoint(place.as_ref(), &name)?;
-            println!(
-                "{label}: brought in from {}; `overspill vm fork {label} --as NAME,…` starts VMs from it",
-                place.describe()
-            );
+            let label = import(images, &from)?;
+            println!("`overspill vm fork {label} --as NAME,…` starts VMs from it");
         }
     }
     Ok(())

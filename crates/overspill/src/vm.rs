@@ -61,9 +61,14 @@ enum VmAction {
         /// The checkpoint's name (default: NAME-<unix seconds>).
         #[arg(long = "as", value_name = "CHECKPOINT")]
         name: Option<String>,
+        /// Also take it out to a directory or s3://BUCKET/PREFIX, as `overspill image
+        /// checkpoint-export` does (this command reads the server's image store).
+        #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+        to: Option<String>,
     },
-    /// Start new VMs from a checkpoint, copying nothing: FROM is a checkpoint (IMAGE:@NAME) or a
-    /// connected VM, checkpointed first. Each fork starts from the checkpoint at its first
+    /// Start new VMs from a checkpoint, copying nothing: FROM is a checkpoint (IMAGE:@NAME), a
+    /// checkpoint taken out (its manifest, DIR/IMAGE@NAME.json or s3://…/IMAGE@NAME.json,
+    /// brought into the server's store first), or a connected VM, checkpointed first. Each fork starts from the checkpoint at its first
     /// connection (to export IMAGE@FORK), diverges on its own, and starts from it again after
     /// its overlay ends (a clean disconnect, `vm reset`). A fork waits, without end, until
     /// `vm drop FORK`, after which its name is refused until `vm reset FORK`.
@@ -135,8 +140,12 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
         VmAction::Booted { vm } => Request::Booted { vm: vm.clone() },
         VmAction::Capture { vm } => Request::Capture { vm: vm.clone() },
-        VmAction::Checkpoint { vm, name } => {
+        VmAction::Checkpoint { vm, name, .. } => {
             Request::Checkpoint { vm: vm.clone(), name: name.clone().unwrap_or_else(|| default_checkpoint(vm)) }
+        }
+        VmAction::Fork { from, names, checkpoint: None } if from.ends_with(".json") => {
+            let label = bring_in(&control_socket(args.control.as_deref()), from)?;
+            Request::Fork { from: label, names: names.clone(), checkpoint: None }
         }
         VmAction::Fork { from, checkpoint: Some(_), .. } if from.contains(':') => {
             bail!("--checkpoint names a new checkpoint of a VM, and {from} is a checkpoint already")
@@ -172,9 +181,27 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
     match (args.action, answer.vms) {
         (VmAction::List { json: true }, Some(vms)) => println!("{}", serde_json::to_string_pretty(&vms)?),
         (VmAction::List { json: false }, Some(vms)) => print!("{}", table(&vms)),
+        (VmAction::Checkpoint { to: Some(to), .. }, _) => {
+            println!("{}", answer.message.unwrap_or_default());
+            let (Some(images), Some(label)) = (answer.images, answer.checkpoint) else {
+                bail!("the server did not say where its image store is: take the checkpoint out with `overspill image checkpoint-export`");
+            };
+            crate::image::export(&images, &label, &to)?;
+        }
         _ => println!("{}", answer.message.unwrap_or_default()),
     }
     Ok(())
+}
+
+/// Brings the checkpoint whose manifest is `manifest` into the store of the server at `control`:
+/// its label.
+fn bring_in(control: &Path, manifest: &str) -> anyhow::Result<String> {
+    let listed = control::ask(control, &Request::List)?;
+    let Some(images) = listed.images else {
+        bail!("the server serves no image store (--images) to bring {manifest} into");
+    };
+    let label = crate::image::import(&images, manifest)?;
+    Ok(label)
 }
 
 /// A checkpoint's name when none is given: the VM's, and when.

@@ -372,12 +372,11 @@ fn a_checkpoint_taken_out_to_a_directory_forks_in_another_store_with_the_same_ve
     let mut f = connect(&socket, "win", "f").expect("f");
     f.write(2 << 20, &vec![0x6bu8; 64 << 10], false).expect("write");
     f.write_zeroes(1 << 20, 4096, false).expect("zeroes");
-    vm(&control, &["checkpoint", "f", "--as", "c2"]);
+    let out = dir.path().join("out");
+    let said = vm(&control, &["checkpoint", "f", "--as", "c2", "--to", out.to_str().expect("utf-8")]);
+    assert!(said.contains("2 layer(s)") && said.contains("win@c2.json"), "{said}");
     server.stop();
 
-    let out = dir.path().join("out");
-    let said = image_ok(&here.0, &["checkpoint-export", "win:@c2", "--to", out.to_str().expect("utf-8")]);
-    assert!(said.contains("2 layer(s)") && said.contains("win@c2.json"), "{said}");
     let manifest = out.join("win@c2.json");
     let said = image_ok(&there.0, &["checkpoint-import", manifest.to_str().expect("utf-8")]);
     assert!(said.contains("win:@c2: brought in"), "{said}");
@@ -393,7 +392,9 @@ fn a_checkpoint_taken_out_to_a_directory_forks_in_another_store_with_the_same_ve
     assert!(said.contains("brought in"), "an import run again keeps what is there: {said}");
 
     let (mut server, socket, control) = serve_store(&there.1, &there.0, &[]);
-    vm(&control, &["fork", "win:@c2", "--as", "g"]);
+    // Forked straight from the manifest: brought into the server's store (there already: kept).
+    let said = vm(&control, &["fork", manifest.to_str().expect("utf-8"), "--as", "g"]);
+    assert!(said.contains("g: forks of win:@c2"), "{said}");
     let mut g = connect(&socket, "win", "g").expect("g");
     assert_eq!(
         [0, 1 << 20, (1 << 20) + 4096, 2 << 20].map(|offset| byte_at(&mut g, offset)),
