@@ -372,7 +372,8 @@ impl OverlayExports {
     /// Also serves the images of a versioned store: each connection gets the version of its
     /// VM's stage (production, or test for the test group) and keeps it until its overlay ends.
     pub fn with_image_store(&mut self, dir: &Path) {
-        let store = ImageStore::new(dir);
+        // Absolute: the control socket tells it to commands run from elsewhere.
+        let store = ImageStore::new(&std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned()));
         self.registry.set_image_store(store.clone());
         self.versions =
             Some(OpenVersions::new(store, self.settings.read_cache_bytes, self.read_caches.clone(), self.host.clone()));
@@ -455,15 +456,16 @@ impl OverlayExports {
     /// version (see `image maintain`), a fork's checkpoint (see `vm fork`), else its stage's.
     fn version_for(&self, versions: &OpenVersions, name: &str) -> Result<Version, crate::ServerError> {
         let image_name = Self::image_name(name);
+        // A fork's pin first: a maintenance marker naming a fork does not move it.
+        if let Some(fork) = self.fork_of(name) {
+            return versions.store().version(image_name, &fork.checkpoint);
+        }
         if let Some((_, vm)) = name.split_once('@') {
             if let Some(maintenance) = versions.store().maintenance(image_name).filter(|m| m.vm == vm) {
                 return versions.store().version(image_name, &maintenance.version);
             }
         }
-        match self.fork_of(name) {
-            Some(fork) => versions.store().version(image_name, &fork.checkpoint),
-            None => versions.store().staged(image_name, self.stage_of(name)),
-        }
+        versions.store().staged(image_name, self.stage_of(name))
     }
 
     fn backing(&self, kind: BackingKind, size: u64) -> std::io::Result<Box<dyn BackingFile>> {

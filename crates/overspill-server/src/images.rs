@@ -524,25 +524,51 @@ impl ImageStore {
     /// Returns the new version's name.
     pub fn compact(&self, name: &str, version: &str) -> Result<String, ServerError> {
         check_name("version", version)?;
-        let lock = self.lock(name)?;
         let source = self.version(name, version)?;
         let image = open_image(&source.path)
             .map_err(|source| ServerError::Engine { context: format!("opening {name} {version}"), source })?;
         let dir = self.root.join(name);
-        let next = self.next_number(name, &dir)?;
-        let compacted = format!("v{next}");
-        let target = dir.join(format!("{compacted}.img"));
-        write_sealed(&target, |partial| flatten(image.as_ref(), partial))
-            .and_then(|partial| install(&dir, &partial, &target, next))
-            .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
-        let entry = self.image(name)?;
-        for (stage, named) in [(Stage::Production, &entry.current), (Stage::Test, &entry.test)] {
-            if named.as_deref() == Some(version) {
-                self.mark(name, stage.marker(), Some(&compacted))?;
+        // Written before the image's lock is taken (a capture or checkpoint of a running VM
+        // waits for it, holding its VM still), under a name of this process's own.
+        let partial = dir.join(format!(".{version}-compacted-{}.partial", std::process::id()));
+        let _ = std::fs::remove_file(&partial);
+        let written = flatten(image.as_ref(), &partial).and_then(|()| {
+            // Versions are told by their first bytes: a flat copy whose first bytes (the
+            // guest's) read as a qcow2 or VHDX header would be taken for one, backing file and all.
+            match overspill_images::Format::probe(&partial) {
+                Ok(overspill_images::Format::Raw) => seal(&partial),
+                _ => Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{version}'s first bytes read as an image header: it cannot be a raw file"),
+                )),
             }
+        });
+        let installed =
+            written.map_err(|e| ServerError::io(format!("compacting {name} {version}"), e)).and_then(|()| {
+                let lock = self.lock(name)?;
+                let next = self.next_number(name, &dir)?;
+                let compacted = format!("v{next}");
+                let target = dir.join(format!("{compacted}.img"));
+                install(&dir, &partial, &target, next)
+                    .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
+                // The same bytes: every marker that named the chain names the flat file.
+                let entry = self.image(name)?;
+                for (marker, named) in [
+                    (Stage::Production.marker(), &entry.current),
+                    (Stage::Test.marker(), &entry.test),
+                    ("previous", &entry.previous),
+                ] {
+                    if named.as_deref() == Some(version) {
+                        self.mark(name, marker, Some(&compacted))?;
+                    }
+                }
+                drop(lock);
+                Ok(compacted)
+            });
+        if installed.is_err() {
+            let _ = std::fs::remove_file(&partial);
         }
-        drop(lock);
-        Ok(compacted)
+        installed
     }
 
     /// Marks `version` as the one new connections get.
@@ -959,6 +985,51 @@ fn copy_range(source: &std::fs::File, target: &std::fs::File, from: u64, end: u6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A captured version whose first bytes (the guest's) are a qcow2 header is not compacted
+    /// into a raw file, which would be opened as that qcow2; one whose bytes are plain is, and
+    /// every marker that named it (production, previous) names the flat file.
+    #[test]
+    fn a_version_whose_first_bytes_are_an_image_header_is_not_compacted_into_a_raw_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = ImageStore::new(&dir.path().join("images"));
+        let file = dir.path().join("a.img");
+        std::fs::write(&file, vec![1u8; 1 << 20]).expect("write");
+        store.publish("win", &file, true).expect("publish");
+        let layer = |first: &[u8]| {
+            let block: Vec<u8> = first.iter().copied().chain(std::iter::repeat(7)).take(4096).collect();
+            store
+                .publish_layer("win", "v1", |path, backing, format| {
+                    let mut writer =
+                        overspill_images::qcow2_layer::LayerWriter::create(path, 1 << 20, backing, format)?;
+                    writer.data(0, &block)?;
+                    writer.finish()
+                })
+                .expect("capture")
+        };
+        let hostile = layer(b"QFI\xfb\0\0\0\x03");
+        let error = store.compact("win", &hostile).expect_err("a header in the guest's first bytes");
+        assert!(error.to_string().contains("cannot be a raw file"), "{error}");
+        let plain = layer(b"plain");
+        store.activate("win", &hostile).expect("activate");
+        store.activate("win", &plain).expect("activate");
+        let flat = store.compact("win", &plain).expect("compact");
+        let entry = store.image("win").expect("image");
+        assert_eq!(
+            (entry.current.as_deref(), entry.previous.as_deref()),
+            (Some(flat.as_str()), Some(hostile.as_str()))
+        );
+        let read = open_image(&store.version("win", &flat).expect("flat").path).expect("opens");
+        let mut first = [0u8; 8];
+        read.read_at(&mut first, 0).expect("read");
+        assert_eq!(&first[..5], b"plain");
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("images/win"))
+            .expect("dir")
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+            .collect();
+        assert!(left.is_empty(), "a refused compaction leaves no partial file: {left:?}");
+    }
 
     /// INFO and LIST describe a version once, not at every request: the description is kept
     /// while the file stays the same one, and found again when the file under the version's

@@ -590,13 +590,17 @@ impl VmRegistry {
     /// for the next server, rather than drop it. An answer for work worth doing before the end
     /// (outside the lock), not a promise: a reset may come in between.
     pub fn would_keep(&self, number: u64, ending: Ending) -> bool {
-        self.keeps(&lock(&self.inner), number, ending)
+        let maintained = self.maintained(number);
+        self.keeps(&lock(&self.inner), number, ending, maintained)
     }
 
-    fn keeps(&self, inner: &Registered, number: u64, ending: Ending) -> bool {
+    /// `maintained`: the VM is its image's maintenance VM (see [`Self::maintained`]), whose
+    /// overlay outlives every ending but a reset's.
+    fn keeps(&self, inner: &Registered, number: u64, ending: Ending, maintained: bool) -> bool {
         inner.vms.get(&number).is_some_and(|entry| {
             entry.named
                 && match ending {
+                    _ if maintained => true,
                     Ending::Deliberate => false,
                     Ending::Lost => !self.lifecycle.reconnect_grace.is_zero(),
                     Ending::Idle => true,
@@ -608,6 +612,8 @@ impl VmRegistry {
     /// A connection of VM `number` ended. A named VM that lost its connection keeps `parked` for
     /// the grace period; otherwise it is returned, for the caller to drop outside the lock.
     pub fn end(&self, number: u64, ending: Ending, mut parked: VmOverlay) -> Option<VmOverlay> {
+        // Read before the registry's lock is taken: it reads the image store.
+        let maintains = self.maintained(number);
         let mut inner = lock(&self.inner);
         if let Some(entry) = inner.vms.get(&number).filter(|entry| entry.named) {
             // Its connection is gone, whatever comes next (a reconnect resumes a VM running
@@ -618,15 +624,17 @@ impl VmRegistry {
             return self.lose_keeping_files(&mut inner, number, Some(parked), &why);
         }
         let grace = self.lifecycle.reconnect_grace;
-        let maintains = inner.vms.get(&number).is_some_and(|entry| self.maintains(&entry.image, &entry.handle.vm));
         // The maintenance VM's overlay is the next version: it outlives the guest's boots
         // (QEMU ends with NBD_CMD_DISC at each power-off) until it is captured or dropped.
-        let ending = if maintains { Ending::Idle } else { ending };
-        let keep = self.keeps(&inner, number, ending);
+        let keep = self.keeps(&inner, number, ending, maintains);
         if keep && self.handed_over.load(Ordering::SeqCst) {
             // Parked now, it would go with the registry as the process ends, its files with it,
             // while its ledger entry stays: the next server would find the VM's writes lost.
             let entry = inner.vms.get_mut(&number).expect("checked");
+            if maintains {
+                // The next server keeps it waiting with no end too.
+                self.mark_quiet(entry, true);
+            }
             hand_over(entry, &mut parked);
             return self.forget(&mut inner, number, Some(parked));
         }
@@ -732,9 +740,11 @@ impl VmRegistry {
     /// request (unanswered, so its client sends it again to the fresh overlay). A fork starts
     /// from its checkpoint again; a dropped fork's name is freed.
     pub fn reset(&self, vm: &str) -> Result<String, ServerError> {
-        let mut inner = lock(&self.inner);
-        let maintained = inner.names.get(vm).and_then(|number| inner.vms.get(number)).map(|entry| entry.image.clone());
-        if let Some(image) = maintained.filter(|image| self.maintains(image, vm)) {
+        let number = lock(&self.inner).names.get(vm).copied();
+        let maintained = number
+            .filter(|&number| self.maintained(number))
+            .and_then(|number| lock(&self.inner).vms.get(&number).map(|entry| entry.image.clone()));
+        if let Some(image) = maintained {
             // The libvirt hook resets every VM at its start: the maintenance VM boots on its writes.
             tracing::info!(vm, image, "reset of the maintenance VM declined: its writes are the image's next version");
             return Ok(format!(
@@ -742,6 +752,7 @@ impl VmRegistry {
                  {vm}` makes them the next version; `overspill image maintain {image} --none` first for a reset)"
             ));
         }
+        let mut inner = lock(&self.inner);
         let forgotten = inner.forks.forget_dropped(vm).map_err(|e| ServerError::io("updating the forks' book", e))?;
         let held = inner.names.contains_key(vm) || inner.lost.contains_key(vm);
         if forgotten {
@@ -804,10 +815,24 @@ impl VmRegistry {
         Ok(format!("{vm}: fork dropped; its name is refused until `overspill vm reset {vm}`"))
     }
 
-    /// Whether VM `vm` is image `image`'s maintenance VM (`overspill image maintain`).
-    pub(crate) fn maintains(&self, image: &str, vm: &str) -> bool {
+    /// Whether VM `number` is its image's maintenance VM (`overspill image maintain`) over the
+    /// version the marker names. Reads the image store: call it without the registry's lock.
+    pub(crate) fn maintained(&self, number: u64) -> bool {
+        let named = lock(&self.inner)
+            .vms
+            .get(&number)
+            .filter(|entry| entry.named)
+            .map(|entry| (entry.image.clone(), entry.handle.vm.clone(), entry.handle.export.clone()));
+        named.is_some_and(|(image, vm, label)| self.maintains(&image, &vm, &label))
+    }
+
+    /// Whether VM `vm`, over image label `label`, is image `image`'s maintenance VM: named by the
+    /// marker, over the version it names (an overlay over another version is any VM's).
+    pub(crate) fn maintains(&self, image: &str, vm: &str, label: &str) -> bool {
         let store = self.image_store.get();
-        store.and_then(|store| store.maintenance(image)).is_some_and(|m| m.vm == vm)
+        store.and_then(|store| store.maintenance(image)).is_some_and(|m| {
+            m.vm == vm && label.strip_prefix(image).and_then(|l| l.strip_prefix(':')) == Some(&m.version)
+        })
     }
 
     /// The checkpoint fork `vm` starts from, unless it is no fork or a dropped one.
@@ -917,18 +942,31 @@ impl VmRegistry {
     /// (its guest may still be running, paused or cut off for longer than the grace, and would
     /// read golden data where it wrote); one that never wrote is simply forgotten.
     fn expire(&self, now: Instant) -> Vec<VmOverlay> {
-        let mut inner = lock(&self.inner);
-        let expired: Vec<u64> = inner
+        let expired: Vec<u64> = lock(&self.inner)
             .vms
             .iter()
             .filter(|(_, e)| e.grace.as_ref().and_then(|g| g.until).is_some_and(|until| until <= now))
             .map(|(n, _)| *n)
             .collect();
+        // A VM made its image's maintenance VM while in its grace waits with no end instead.
+        let maintained: Vec<u64> = expired.iter().copied().filter(|&n| self.maintained(n)).collect();
+        let mut inner = lock(&self.inner);
+        for n in &maintained {
+            if let Some(entry) = inner.vms.get_mut(n) {
+                if let Some(grace) = entry.grace.as_mut() {
+                    grace.until = None;
+                    self.mark_quiet(entry, true);
+                }
+            }
+        }
         let grace = self.lifecycle.reconnect_grace.as_secs();
         expired
             .into_iter()
+            .filter(|n| !maintained.contains(n))
             .filter_map(|n| {
-                let entry = inner.vms.get(&n)?;
+                // Still in its grace, and past it: not resumed in between.
+                let entry =
+                    inner.vms.get(&n).filter(|e| e.grace.as_ref().and_then(|g| g.until).is_some_and(|u| u <= now))?;
                 let vm = entry.handle.vm.clone();
                 if entry.written {
                     let why = format!("it did not reconnect within its grace ({grace} s)");

@@ -104,6 +104,11 @@ impl VmRegistry {
         // Its connection closes at its next request (the slot is empty); its entry, ledger and
         // state files go now, by number (the VM's lock first, then the registry's, as a move).
         let overlay = guard.take();
+        // Before the VM's lock goes: a reconnect in between would start a fresh overlay over
+        // the maintained version, as the maintenance VM still.
+        if let Err(error) = store.end_maintenance(image, Some(vm)) {
+            tracing::warn!(vm, image, %error, "the maintenance stage could not be ended: end it with `overspill image maintain --none`");
+        }
         let ended = {
             let mut inner = lock(&self.inner);
             if let Some(entry) = inner.vms.get(&number) {
@@ -113,9 +118,6 @@ impl VmRegistry {
         };
         drop(guard);
         drop(ended);
-        if let Err(error) = store.end_maintenance(image, Some(vm)) {
-            tracing::warn!(vm, image, %error, "the maintenance stage could not be ended: end it with `overspill image maintain --none`");
-        }
         tracing::info!(vm, image, version, below = label, "VM captured as a new image version; its overlay ends");
         Ok((image.to_owned(), version))
     }

@@ -96,6 +96,9 @@ pub struct VmStatus {
     pub socket: Option<PathBuf>,
 }
 
+/// What `vm list` says of a VM in grace with no end.
+const WAITS_FOR_ITS_CLIENT: &str = "cut for idleness: waits for its client";
+
 impl VmRegistry {
     /// Named VMs and their states (anonymous connections are not listed).
     pub fn list(&self) -> Vec<VmStatus> {
@@ -112,10 +115,7 @@ impl VmRegistry {
                     (Some(Some(until)), _) => {
                         format!("{}s of grace left", until.saturating_duration_since(now).as_secs())
                     }
-                    (Some(None), _) if self.maintains(&e.image, &e.handle.vm) => {
-                        "maintenance VM: waits for its next boot".to_owned()
-                    }
-                    (Some(None), _) => "cut for idleness: waits for its client".to_owned(),
+                    (Some(None), _) => WAITS_FOR_ITS_CLIENT.to_owned(),
                     (None, _) => String::new(),
                 };
                 VmStatus {
@@ -157,6 +157,14 @@ impl VmRegistry {
             },
             socket: None,
         }));
+        drop(inner);
+        // Told apart outside the registry's lock: it reads the image store.
+        for status in out.iter_mut().filter(|status| status.detail == WAITS_FOR_ITS_CLIENT) {
+            let image = status.image.split_once(':').map_or(status.image.as_str(), |(image, _)| image);
+            if self.maintains(image, &status.vm, &status.image) {
+                status.detail = "maintenance VM: waits for its next boot".to_owned();
+            }
+        }
         out.sort_by(|a, b| a.vm.cmp(&b.vm));
         out
     }

@@ -143,7 +143,10 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         VmAction::Checkpoint { vm, name, .. } => {
             Request::Checkpoint { vm: vm.clone(), name: name.clone().unwrap_or_else(|| default_checkpoint(vm)) }
         }
-        VmAction::Fork { from, names, checkpoint: None } if from.ends_with(".json") => {
+        VmAction::Fork { from, names, checkpoint } if is_manifest(from) => {
+            if checkpoint.is_some() {
+                bail!("--checkpoint names a new checkpoint of a VM, and {from} is a checkpoint taken out already");
+            }
             let label = bring_in(&control_socket(args.control.as_deref()), from)?;
             Request::Fork { from: label, names: names.clone(), checkpoint: None }
         }
@@ -191,6 +194,12 @@ pub fn run(args: VmArgs) -> anyhow::Result<()> {
         _ => println!("{}", answer.message.unwrap_or_default()),
     }
     Ok(())
+}
+
+/// Whether `vm fork FROM` names a checkpoint taken out (a manifest's path or S3 key) rather
+/// than a VM or a checkpoint of the store (`IMAGE:@NAME`): names hold no `/`.
+fn is_manifest(from: &str) -> bool {
+    !from.contains(":@") && (from.starts_with("s3://") || from.contains('/'))
 }
 
 /// Brings the checkpoint whose manifest is `manifest` into the store of the server at `control`:
@@ -272,6 +281,16 @@ fn table(vms: &[VmStatus]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fork_comes_from_a_manifest_only_when_a_path_or_a_key_says_so() {
+        for manifest in ["./desk@ready.json", "/srv/out/desk@ready.json", "s3://b/p/desk@ready.json", "out/x.json"] {
+            assert!(is_manifest(manifest), "{manifest}");
+        }
+        for other in ["web.json", "desk:@ready.json", "builder", "desk:@ready"] {
+            assert!(!is_manifest(other), "{other}");
+        }
+    }
 
     #[test]
     fn a_default_checkpoint_name_is_a_name_whatever_the_vms() {

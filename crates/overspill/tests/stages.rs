@@ -495,3 +495,34 @@ fn the_maintenance_vm_keeps_its_writes_across_its_boots_until_captured() {
     lab.disconnect().expect("lab leaves");
     server.stop();
 }
+
+/// A VM made the maintenance VM while it waits in its reconnect grace waits with no end from
+/// then on, rather than being lost when its grace runs out; a marker naming another version
+/// than the one a VM's overlay runs over does not make that overlay the maintenance one.
+#[test]
+fn a_vm_made_the_maintenance_vm_in_its_grace_outlives_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir.path().join("images");
+    let v1 = dir.path().join("v1.img");
+    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
+    for image in ["win", "lin"] {
+        image_ok(&store, &["publish", image, v1.to_str().expect("utf-8"), "--activate"]);
+        image_ok(&store, &["publish", image, v1.to_str().expect("utf-8")]);
+    }
+    let (mut server, socket, control) = serve_store(dir.path(), &store, &["--reconnect-grace", "2s"]);
+    for (image, vm) in [("win", "m"), ("lin", "other")] {
+        let mut client = connect(&socket, image, vm).expect("connects");
+        client.write(1 << 20, &vec![0x5au8; 4096], false).expect("write");
+        drop(client); // its connection lost, not ended: its grace begins
+    }
+    image_ok(&store, &["maintain", "win", "m"]);
+    image_ok(&store, &["maintain", "lin", "other", "2"]);
+    std::thread::sleep(std::time::Duration::from_millis(3500));
+    let list = vm(&control, &["list"]);
+    assert!(list.lines().any(|l| l.starts_with("m ") && l.contains("maintenance VM")), "{list}");
+    assert!(list.lines().any(|l| l.starts_with("other ") && l.contains("lost")), "over v1, not v2: {list}");
+    let mut m = connect(&socket, "win", "m").expect("m comes back");
+    assert_eq!(byte_at(&mut m, 1 << 20), 0x5a, "its writes waited");
+    m.disconnect().expect("m powers off");
+    server.stop();
+}
