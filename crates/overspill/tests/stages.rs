@@ -136,6 +136,21 @@ fn vm(control: &Path, args: &[&str]) -> String {
     text
 }
 
+/// qemu-img finds qcow2 layer `layer` sound and reading `expected` (through its backing file).
+fn assert_layer_reads(dir: &Path, layer: &Path, expected: &[u8]) {
+    let check = Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(layer).output().expect("qemu-img check");
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
+    let expected_file = dir.join("expected.raw");
+    std::fs::write(&expected_file, expected).expect("expected");
+    let compare = Command::new("qemu-img")
+        .args(["compare", "-f", "qcow2", "-F", "raw"])
+        .arg(layer)
+        .arg(&expected_file)
+        .output()
+        .expect("qemu-img compare");
+    assert!(compare.status.success(), "{}", String::from_utf8_lossy(&compare.stdout));
+}
+
 /// `vm capture`: a maintenance VM's writes (data, zeroes, a trim back to the image) become the
 /// next version, a qcow2 layer over the one it booted that `qemu-img check` finds sound and
 /// `qemu-img compare` finds equal to what the VM saw; the test group then boots it and production
@@ -162,20 +177,10 @@ fn a_captured_vm_becomes_the_next_version_that_the_test_group_boots() {
     assert!(maint.read(0, &mut buf).is_err(), "the captured VM's connection closes at its next request");
 
     let layer = store.join("win/v2.qcow2");
-    let check = Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(&layer).output().expect("qemu-img check");
-    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
     let mut expected = vec![0x11u8; 4 << 20];
     expected[1 << 20..(1 << 20) + (64 << 10)].fill(0x5a);
     expected[2 << 20..(2 << 20) + (64 << 10)].fill(0);
-    let expected_file = dir.path().join("expected.raw");
-    std::fs::write(&expected_file, &expected).expect("expected");
-    let compare = Command::new("qemu-img")
-        .args(["compare", "-f", "qcow2", "-F", "raw"])
-        .arg(&layer)
-        .arg(&expected_file)
-        .output()
-        .expect("qemu-img compare");
-    assert!(compare.status.success(), "{}", String::from_utf8_lossy(&compare.stdout));
+    assert_layer_reads(dir.path(), &layer, &expected);
 
     image_ok(&store, &["test", "win", "v2"]);
     // The layer and the version under it in one file: the next version, which the test stage
@@ -261,21 +266,11 @@ fn forks_of_a_checkpoint_start_from_it_diverge_apart_and_outlive_a_restart() {
     assert_eq!(byte_at(&mut src, 1 << 20), 0x77);
 
     let layer = store.join("win/checkpoints/c1.qcow2");
-    let check = Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(&layer).output().expect("qemu-img check");
-    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
     let mut expected = vec![0x11u8; 4 << 20];
     expected[1 << 20..(1 << 20) + (64 << 10)].fill(0x5a);
     expected[2 << 20..(2 << 20) + (64 << 10)].fill(0);
     expected[3 << 20..(3 << 20) + (64 << 10)].fill(0x66);
-    let expected_file = dir.path().join("expected.raw");
-    std::fs::write(&expected_file, &expected).expect("expected");
-    let compare = Command::new("qemu-img")
-        .args(["compare", "-f", "qcow2", "-F", "raw"])
-        .arg(&layer)
-        .arg(&expected_file)
-        .output()
-        .expect("qemu-img compare");
-    assert!(compare.status.success(), "{}", String::from_utf8_lossy(&compare.stdout));
+    assert_layer_reads(dir.path(), &layer, &expected);
     assert!(vm_refused(&control, &["checkpoint", "src", "--as", "c1"]).contains("written once"));
 
     let said = vm(&control, &["fork", "win:@c1", "--as", "a,b"]);
