@@ -90,6 +90,16 @@ impl ForkBook {
         Ok(dropped)
     }
 
+    /// Forgets fork `vm`, dropped or not (it moved to a peer); `false` if it is no fork.
+    pub(crate) fn remove(&mut self, vm: &str) -> io::Result<bool> {
+        let mut removed = false;
+        self.update(|book| {
+            removed = book.remove(vm).is_some();
+            removed
+        })?;
+        Ok(removed)
+    }
+
     /// Forgets dropped fork `vm` (its name is free again); `false` if it is no dropped fork.
     pub(crate) fn forget_dropped(&mut self, vm: &str) -> io::Result<bool> {
         if !self.forks.get(vm).is_some_and(|fork| fork.dropped) {

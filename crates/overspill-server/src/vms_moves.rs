@@ -110,6 +110,10 @@ pub struct Offer {
     /// The TLS identity that made it, the only one that may open it.
     pub owner: Option<String>,
     pub written: bool,
+    /// The VM is a fork (`vm fork`): its pin goes with it, recorded at the receiving end before
+    /// the move commits and forgotten at the sending end once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork: Option<crate::forks::Fork>,
 }
 
 /// A VM this server is sending, from [`VmRegistry::start_outgoing`].
@@ -185,11 +189,8 @@ impl VmRegistry {
             // Its connections would end one by one, each a switchover: it stays.
             return Err(format!("VM {vm} has several connections (multi-conn), and does not move"));
         }
-        if let Some(fork) = inner.forks.get(vm) {
-            // Its pin is this server's: the peer would serve it, and start it again after its
-            // overlay ends, as no fork.
-            return Err(format!("VM {vm} is a fork of {}:{}, and forks do not move", fork.image, fork.checkpoint));
-        }
+        // A fork's pin goes with it (see [`Offer::fork`]).
+        let fork = inner.forks.get(vm).cloned();
         let entry = inner.vms.get_mut(&number).expect("names point at entries");
         let from_grace = entry.grace.is_some();
         let live = match entry.grace.take() {
@@ -223,6 +224,7 @@ impl VmRegistry {
             disk_bytes: 0,
             owner: entry.owner.clone(),
             written: entry.written,
+            fork,
         };
         drop(inner);
         // Outside the registry's lock: the move takes the VM's lock first, then the registry's.
@@ -294,6 +296,12 @@ impl VmRegistry {
                     tracing::warn!(vm = out.vm, %error, "could not rewrite the moved VM's ledger entry");
                 }
             }
+            if out.offer.fork.is_some() {
+                // The peer recorded the pin before the move committed: it is the peer's now.
+                if let Err(error) = inner.forks.remove(&out.vm) {
+                    tracing::warn!(vm = out.vm, %error, "the moved fork's pin could not be forgotten here");
+                }
+            }
             drop(inner);
             tracing::info!(vm = out.vm, "VM moved to its peer: its state here is given up");
             drop(overlay);
@@ -362,8 +370,29 @@ impl VmRegistry {
             return refuse(format!("VM {vm} belongs to another client identity"));
         }
         let mut inner = lock(&self.inner);
-        if inner.forks.get(vm).is_some() || offer.image_label.contains(":@") {
-            return refuse(format!("VM {vm} is a fork here or there, and forks do not move"));
+        // A fork's pin comes with it, or the name is refused: never a fork served as none here,
+        // nor a VM as another checkpoint's fork.
+        match (inner.forks.get(vm), &offer.fork) {
+            (Some(here), _) if here.dropped => return refuse(format!("VM {vm} is a dropped fork here")),
+            (Some(here), Some(there)) if here != there => {
+                return refuse(format!(
+                    "VM {vm} is a fork of {}:{} here, not of its peer's",
+                    here.image, here.checkpoint
+                ))
+            }
+            (Some(_), None) => return refuse(format!("VM {vm} is a fork here, and none at its peer")),
+            (None, None) if offer.image_label.contains(":@") => {
+                return refuse(format!("VM {vm} runs over a checkpoint at its peer, which sends no fork's pin"))
+            }
+            (None, Some(fork)) if fork.image != image || fork.dropped => {
+                return refuse(format!("VM {vm}'s pin at its peer does not fit image {image}"))
+            }
+            (None, Some(fork)) => {
+                if let Err(error) = inner.forks.add(vec![(vm.to_owned(), fork.clone())]) {
+                    return refuse(format!("VM {vm} is a fork, and its pin cannot be recorded here: {error}"));
+                }
+            }
+            _ => {}
         }
         let mut dropped = None;
         if inner.lost.remove(vm).is_some() {
@@ -448,6 +477,14 @@ impl VmRegistry {
     pub(crate) fn incoming_failed(&self, number: u64, vm: Option<VmOverlay>, lost: Option<&str>) {
         self.moves.aborted.fetch_add(1, Ordering::Relaxed);
         let mut inner = lock(&self.inner);
+        // A fork's pin recorded for the move goes with it (the VM goes on at its peer, which
+        // keeps its own), unless the name is lost here.
+        let forked = inner.vms.get(&number).filter(|e| e.handle.export.contains(":@")).map(|e| e.handle.vm.clone());
+        if let Some(name) = forked.filter(|_| lost.is_none()) {
+            if let Err(error) = inner.forks.remove(&name) {
+                tracing::warn!(vm = name, %error, "the pin of a fork that did not move here could not be forgotten");
+            }
+        }
         let overlay = match lost {
             Some(why) => self.lose_keeping_files(&mut inner, number, vm, why),
             None => self.forget(&mut inner, number, vm),

@@ -661,3 +661,60 @@ fn bench_move_256m_in_ram_and_1g_spilled() {
     std::fs::write(&out, &report).expect("writing the results");
     println!("{report}");
 }
+
+/// A fork moves with its pin: at the destination it reads what it wrote at the source, and once
+/// its overlay ends there its next boot starts from its checkpoint again, not from the image's
+/// version; the source forgets it. Both servers serve one image store.
+#[test]
+fn a_fork_moves_with_its_pin() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let store = pair.dir.path().join("images");
+    let store_arg = store.to_str().expect("utf-8");
+    let overspill = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_overspill")).args(args).stdin(Stdio::null()).output().expect("run");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "overspill {args:?}: {said}");
+        said
+    };
+    overspill(&["image", "--images", store_arg, "publish", "win", pair.golden.to_str().expect("utf-8"), "--activate"]);
+    let serve = |this: &Side, other: &Side| {
+        let peer_listen = format!("unix:{}", this.peer_socket().display());
+        let peer = format!("unix:{}", other.peer_socket().display());
+        serve_side_with(&pair.golden, this, [&peer_listen, &peer], "1M", &["--images", store_arg], &[])
+    };
+    let (_server_a, _server_b) = (serve(&a, &b), serve(&b, &a));
+    let connect = |side: &Side, vm: &str| {
+        let uri = format!("nbd+unix:///win@{vm}?socket={}", side.socket().display());
+        Client::connect(&uri.parse().expect("uri")).unwrap_or_else(|e| panic!("{vm} at {}: {e}", side.name))
+    };
+    let control_a = a.dir.join("spill/state/control.sock");
+    let control_a = control_a.to_str().expect("utf-8");
+    let mut src = connect(&a, "src");
+    src.write(0, &[0x5a; 4096], false).expect("src writes");
+    overspill(&["vm", "checkpoint", "src", "--as", "c1", "--control", control_a]);
+    overspill(&["vm", "fork", "win:@c1", "--as", "f", "--control", control_a]);
+    let mut f = connect(&a, "f");
+    f.write(4096, &[0x6b; 4096], false).expect("f writes at A");
+    drop(f);
+    wait_for("f waits in its grace at A", || a.state_of("f").as_deref() == Some("in-grace"));
+
+    let read = |client: &mut Client, at: u64| {
+        let mut buf = [0u8; 4096];
+        client.read(at, &mut buf).expect("read");
+        buf
+    };
+    let mut f = connect(&b, "f");
+    assert_eq!((read(&mut f, 0), read(&mut f, 4096)), ([0x5a; 4096], [0x6b; 4096]), "f at B: its writes moved");
+    assert_eq!(a.state_of("f"), None, "A forgot the fork, pin and all");
+    f.disconnect().expect("f powers off at B");
+    let mut f = connect(&b, "f");
+    let golden_second_block: [u8; 4096] = pair.golden_bytes[4096..8192].try_into().expect("a block");
+    assert_eq!(
+        (read(&mut f, 0), read(&mut f, 4096)),
+        ([0x5a; 4096], golden_second_block),
+        "f's next boot at B starts from its checkpoint"
+    );
+    f.disconnect().expect("f leaves");
+    src.disconnect().expect("src leaves");
+}
