@@ -121,16 +121,21 @@ fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_tak
     drop(server);
 }
 
-/// `overspill vm ARGS --control CONTROL`, which must succeed: what it printed.
-fn vm(control: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+/// `overspill vm ARGS --control CONTROL`, as it ended.
+fn vm_run(control: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_overspill"))
         .arg("vm")
         .args(args)
         .arg("--control")
         .arg(control)
         .stdin(Stdio::null())
         .output()
-        .expect("overspill vm");
+        .expect("overspill vm")
+}
+
+/// `overspill vm ARGS --control CONTROL`, which must succeed: what it printed.
+fn vm(control: &Path, args: &[&str]) -> String {
+    let out = vm_run(control, args);
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "vm {args:?}: {text}");
     text
@@ -230,14 +235,7 @@ fn connect(socket: &Path, image: &str, vm: &str) -> Result<Client, String> {
 
 /// `overspill vm ARGS`, expected to fail: what it said.
 fn vm_refused(control: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
-        .arg("vm")
-        .args(args)
-        .arg("--control")
-        .arg(control)
-        .stdin(Stdio::null())
-        .output()
-        .expect("overspill vm");
+    let out = vm_run(control, args);
     assert!(!out.status.success(), "vm {args:?} succeeded: {}", String::from_utf8_lossy(&out.stdout));
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
