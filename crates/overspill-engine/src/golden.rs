@@ -192,6 +192,16 @@ pub fn push_extent(extents: &mut Vec<Extent>, len: u64, state: Allocation) {
     }
 }
 
+/// Appends a run held by layer `depth` to `runs`, merged into the last one if that is the same
+/// layer's (nothing for an empty run), as [`push_extent`] does for extents.
+pub fn push_layer_run(runs: &mut Vec<LayerRun>, len: u64, depth: u32) {
+    match runs.last_mut() {
+        _ if len == 0 => {}
+        Some(last) if last.depth == depth => last.len += len,
+        _ => runs.push(LayerRun { len, depth }),
+    }
+}
+
 /// A raw disk image file.
 #[derive(Debug)]
 pub struct RawImage {

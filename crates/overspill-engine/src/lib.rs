@@ -27,7 +27,9 @@ pub mod units;
 
 pub use budget::{HostMemory, PagesRoom};
 pub use error::{EngineError, Result};
-pub use golden::{push_extent, Allocation, Extent, GoldenImage, ImageLayer, MemImage, RawImage, SourceReads};
+pub use golden::{
+    push_extent, push_layer_run, Allocation, Extent, GoldenImage, ImageLayer, MemImage, RawImage, SourceReads,
+};
 pub use overlay::{
     BackingKind, LayerRun, MovedRun, Overlay, OverlayConfig, WriteCacheMode, DEPTH_GOLDEN, DEPTH_OVERLAY,
 };

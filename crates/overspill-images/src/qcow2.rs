@@ -22,7 +22,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use overspill_engine::{push_extent, Allocation, EngineError, Extent, GoldenImage, LayerRun, Result};
+use overspill_engine::{push_extent, push_layer_run, Allocation, EngineError, Extent, GoldenImage, LayerRun, Result};
 
 use crate::Format;
 
@@ -529,11 +529,7 @@ impl GoldenImage for Qcow2Image {
 
     fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<LayerRun>> {
         let mut runs: Vec<LayerRun> = Vec::new();
-        let mut push = |len: u64, depth: u32| match runs.last_mut() {
-            _ if len == 0 => {}
-            Some(last) if last.depth == depth => last.len += len,
-            _ => runs.push(LayerRun { len, depth }),
-        };
+        let mut push = |len: u64, depth: u32| push_layer_run(&mut runs, len, depth);
         // A bounded piece per call (the caller asks again for the rest).
         let len = len.min(LAYER_RUNS_MAX_BYTES);
         let mapped = (|| -> io::Result<()> {

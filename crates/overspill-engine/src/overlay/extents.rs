@@ -5,7 +5,7 @@ use std::io;
 
 use super::{Overlay, Source};
 use crate::error::{EngineError, Result};
-use crate::golden::{push_extent, Allocation, Extent};
+use crate::golden::{push_extent, push_layer_run, Allocation, Extent};
 use crate::units::{BlockIndex, BLOCK_BYTES};
 
 /// Whether two blocks belong in one extent: data is data wherever it is kept.
@@ -30,14 +30,6 @@ pub const DEPTH_OVERLAY: u32 = 1;
 /// The golden image's stored data or zeroes, its top layer's (each layer under it one deeper).
 pub const DEPTH_GOLDEN: u32 = 2;
 
-fn push_run(runs: &mut Vec<LayerRun>, len: u64, depth: u32) {
-    match runs.last_mut() {
-        _ if len == 0 => {}
-        Some(last) if last.depth == depth => last.len += len,
-        _ => runs.push(LayerRun { len, depth }),
-    }
-}
-
 impl Overlay {
     /// Which layer holds each part of `[offset, offset + len)`: the VM's overlay for what it
     /// wrote or zeroed (a TRIMmed block is the golden image's again), the golden image where it
@@ -59,10 +51,10 @@ impl Overlay {
             if golden {
                 for layer in self.golden_layer_runs(from, to)? {
                     let depth = if layer.depth == 0 { 0 } else { DEPTH_OVERLAY + layer.depth };
-                    push_run(&mut runs, layer.len, depth);
+                    push_layer_run(&mut runs, layer.len, depth);
                 }
             } else {
-                push_run(&mut runs, to - from, DEPTH_OVERLAY);
+                push_layer_run(&mut runs, to - from, DEPTH_OVERLAY);
             }
             block = run_end;
         }
@@ -100,98 +92,87 @@ impl Overlay {
         Ok(extents)
     }
 
-    /// The golden image's extents for `[from, to)`, block by block: a block holding any data is
-    /// data, else any stored zeroes make it zero, else it is a hole.
     /// The golden image's layer runs over `[from, to)`, in whole blocks (a block two layers
-    /// share is the shallower one's, as a block part data and part hole is data), holes past
-    /// its end.
+    /// share is the shallower one's, as a block part data and part hole is data), no layer's
+    /// past its end.
     fn golden_layer_runs(&self, from: u64, to: u64) -> Result<Vec<LayerRun>> {
-        let io = |source| EngineError::Io { what: "asking the golden image for its layers", source };
-        let golden_end = to.min(self.core.golden.size());
-        let shallower = |a: u32, b: u32| match (a, b) {
-            (0, d) | (d, 0) => d,
-            (a, b) => a.min(b),
-        };
+        let golden = &self.core.golden;
         let mut runs = Vec::new();
-        // The depth of the block being gathered, and where it starts.
-        let mut pending: Option<(u64, u32)> = None;
-        let mut at = from;
-        while at < golden_end {
-            let parts = self.core.golden.layer_runs(at, golden_end - at).map_err(io)?;
-            if parts.is_empty() || parts.iter().any(|part| part.len == 0) {
-                return Err(io(io::Error::other("the golden image reported no layer, or an empty one")));
-            }
-            for part in parts {
-                let part_end = (at + part.len).min(golden_end);
-                let mut pos = at;
-                while pos < part_end {
-                    let block_end = ((pos / BLOCK_BYTES + 1) * BLOCK_BYTES).min(golden_end);
-                    let depth = pending.map_or(part.depth, |(_, held)| shallower(held, part.depth));
-                    if part_end >= block_end {
-                        push_run(&mut runs, block_end - pending.map_or(pos, |(start, _)| start), depth);
-                        pending = None;
-                        let whole_end = part_end / BLOCK_BYTES * BLOCK_BYTES;
-                        if whole_end > block_end {
-                            push_run(&mut runs, whole_end - block_end, part.depth);
-                            pos = whole_end;
-                        } else {
-                            pos = block_end;
-                        }
-                    } else {
-                        pending = Some((pending.map_or(pos, |(start, _)| start), depth));
-                        pos = part_end;
-                    }
-                }
-                at = part_end;
-                if at >= golden_end {
-                    break;
-                }
-            }
-        }
-        if let Some((start, depth)) = pending {
-            push_run(&mut runs, golden_end - start, depth);
-        }
-        push_run(&mut runs, to - golden_end.max(from), 0);
+        self.golden_blocks(
+            from,
+            to,
+            "layers",
+            |at, len| Ok(golden.layer_runs(at, len)?.into_iter().map(|run| (run.len, run.depth)).collect()),
+            |a, b| match (a, b) {
+                (0, depth) | (depth, 0) => depth,
+                (a, b) => a.min(b),
+            },
+            |len, depth| push_layer_run(&mut runs, len, depth),
+            0,
+        )?;
         Ok(runs)
     }
 
+    /// The golden image's extents for `[from, to)`, block by block: a block holding any data is
+    /// data, else any stored zeroes make it zero, else it is a hole.
     fn golden_extents(&self, from: u64, to: u64, extents: &mut Vec<Extent>) -> Result<()> {
-        let io = |source| EngineError::Io { what: "asking the golden image for its allocation", source };
+        let golden = &self.core.golden;
+        self.golden_blocks(
+            from,
+            to,
+            "extents",
+            |at, len| Ok(golden.extents(at, len)?.into_iter().map(|extent| (extent.len, extent.state)).collect()),
+            strongest,
+            |len, state| push_extent(extents, len, state),
+            // Past the end of a golden image shorter than the disk: zeroes nobody stored.
+            Allocation::Hole,
+        )
+    }
+
+    /// Folds what the golden image says of `[from, to)`, runs of some state that `ask` gives
+    /// from an offset (at least one byte of it at a time), into whole blocks for `push`: a block
+    /// two states share is what `merge` makes of them, and what lies past the image's end is
+    /// `past_end`. `what` names the runs in errors.
+    #[allow(clippy::too_many_arguments)]
+    fn golden_blocks<S: Copy>(
+        &self,
+        from: u64,
+        to: u64,
+        what: &str,
+        ask: impl Fn(u64, u64) -> io::Result<Vec<(u64, S)>>,
+        merge: impl Fn(S, S) -> S,
+        mut push: impl FnMut(u64, S),
+        past_end: S,
+    ) -> Result<()> {
+        let io = |source| EngineError::Io { what: "asking the golden image how it is stored", source };
         let golden_end = to.min(self.core.golden.size());
         let mut at = from;
         // The state of the block being gathered, and where it starts.
-        let mut pending: Option<(u64, Allocation)> = None;
+        let mut pending: Option<(u64, S)> = None;
         while at < golden_end {
-            let parts = self.core.golden.extents(at, golden_end - at).map_err(io)?;
-            if parts.is_empty() {
-                return Err(io(io::Error::other("the golden image reported no extents")));
+            let parts = ask(at, golden_end - at).map_err(io)?;
+            if parts.is_empty() || parts.iter().any(|&(len, _)| len == 0) {
+                return Err(io(io::Error::other(format!("the golden image reported no {what}, or an empty one"))));
             }
-            for part in parts {
-                if part.len == 0 {
-                    return Err(io(io::Error::other("the golden image reported an empty extent")));
-                }
-                let part_end = (at + part.len).min(golden_end);
+            for (len, state) in parts {
+                let part_end = (at + len).min(golden_end);
                 let mut pos = at;
                 while pos < part_end {
                     let block_end = ((pos / BLOCK_BYTES + 1) * BLOCK_BYTES).min(golden_end);
-                    let state = match pending {
-                        Some((_, held)) => strongest(held, part.state),
-                        None => part.state,
-                    };
+                    let merged = pending.map_or(state, |(_, held)| merge(held, state));
                     if part_end >= block_end {
                         // This block is complete: emit it, then whole blocks of this part at once.
-                        let start = pending.map_or(pos, |(start, _)| start);
-                        push_extent(extents, block_end - start, state);
+                        push(block_end - pending.map_or(pos, |(start, _)| start), merged);
                         pending = None;
                         let whole_end = part_end / BLOCK_BYTES * BLOCK_BYTES;
                         if whole_end > block_end {
-                            push_extent(extents, whole_end - block_end, part.state);
+                            push(whole_end - block_end, state);
                             pos = whole_end;
                         } else {
                             pos = block_end;
                         }
                     } else {
-                        pending = Some((pending.map_or(pos, |(start, _)| start), state));
+                        pending = Some((pending.map_or(pos, |(start, _)| start), merged));
                         pos = part_end;
                     }
                 }
@@ -202,10 +183,9 @@ impl Overlay {
             }
         }
         if let Some((start, state)) = pending {
-            push_extent(extents, golden_end - start, state);
+            push(golden_end - start, state);
         }
-        // Past the end of a golden image shorter than the disk: zeroes nobody stored.
-        push_extent(extents, to - golden_end.max(from), Allocation::Hole);
+        push(to - golden_end.max(from), past_end);
         Ok(())
     }
 }
