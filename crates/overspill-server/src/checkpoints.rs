@@ -41,28 +41,28 @@ pub trait Place {
 pub struct DirPlace(pub PathBuf);
 
 impl DirPlace {
-    /// Puts a file in place under `name` once `fill` has written it under a temporary one.
-    fn put_with(&self, name: &str, fill: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
+    fn partial(&self, name: &str) -> PathBuf {
+        self.0.join(format!(".{name}.partial"))
+    }
+}
+
+impl Place for DirPlace {
+    fn put_file(&self, name: &str, from: &Path) -> io::Result<()> {
         std::fs::create_dir_all(&self.0)?;
-        let partial = self.0.join(format!(".{name}.partial"));
+        let partial = self.partial(name);
         let _ = std::fs::remove_file(&partial);
-        let written = fill(&partial)
-            .and_then(|()| std::fs::File::open(&partial)?.sync_all())
+        let written = std::fs::copy(from, &partial)
+            .and_then(|_| std::fs::File::open(&partial)?.sync_all())
             .and_then(|()| std::fs::rename(&partial, self.0.join(name)));
         if written.is_err() {
             let _ = std::fs::remove_file(&partial);
         }
         written.and_then(|()| crate::files::sync_directory(&self.0))
     }
-}
-
-impl Place for DirPlace {
-    fn put_file(&self, name: &str, from: &Path) -> io::Result<()> {
-        self.put_with(name, |partial| std::fs::copy(from, partial).map(|_| ()))
-    }
 
     fn put_bytes(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
-        self.put_with(name, |partial| std::fs::write(partial, bytes))
+        std::fs::create_dir_all(&self.0)?;
+        crate::files::replace_whole_durably(&self.0.join(name), &self.partial(name), bytes, 0o644)
     }
 
     fn get_file(&self, name: &str, to: &Path, bytes: u64) -> io::Result<()> {
@@ -192,12 +192,14 @@ impl ImageStore {
         }
         let checkpoints =
             self.checkpoints_dir(image).map_err(|e| ServerError::io("making the checkpoints' directory", e))?;
+        // Each layer fetched under a name of this process's own, before the lock.
+        let partial_of = |layer: &str| checkpoints.join(format!(".import-{}-{layer}.partial", std::process::id()));
         let mut fetched = Vec::new();
         let mut below = self.version(image, version)?;
         let outcome = (|| {
             for layer in &manifest.layers {
                 let target = self.checkpoint(image, &layer.name).ok();
-                let partial = checkpoints.join(format!(".import-{}-{}.partial", std::process::id(), layer.name));
+                let partial = partial_of(&layer.name);
                 if target.is_none() {
                     let _ = std::fs::remove_file(&partial);
                     fetched.push(partial.clone());
@@ -210,28 +212,29 @@ impl ImageStore {
                     bytes: layer.bytes,
                 };
             }
-            let lock = self.lock(image)?;
-            let mut below = self.version(image, version)?;
-            for layer in &manifest.layers {
-                match self.checkpoint(image, &layer.name) {
-                    Ok(there) => {
-                        let backing = overspill_images::qcow2::backing_file_name(&there.path).map_err(|source| {
-                            ServerError::Engine { context: format!("reading {}", there.path.display()), source }
-                        })?;
-                        if digest(&layer.name, &there.path)? != *layer || backing != Some(checkpoint_backing(&below)) {
-                            return Err(refused(format!("it has another checkpoint {} already", layer.name)));
+            self.with_lock(image, |store| {
+                let mut below = store.version(image, version)?;
+                for layer in &manifest.layers {
+                    match store.checkpoint(image, &layer.name) {
+                        Ok(there) => {
+                            let backing =
+                                overspill_images::qcow2::backing_file_name(&there.path).map_err(|source| {
+                                    ServerError::Engine { context: format!("reading {}", there.path.display()), source }
+                                })?;
+                            if digest(&layer.name, &there.path)? != *layer
+                                || backing != Some(checkpoint_backing(&below))
+                            {
+                                return Err(refused(format!("it has another checkpoint {} already", layer.name)));
+                            }
+                        }
+                        Err(_) => {
+                            store.link_checkpoint(image, &layer.name, &partial_of(&layer.name))?;
                         }
                     }
-                    Err(_) => {
-                        let partial =
-                            checkpoints.join(format!(".import-{}-{}.partial", std::process::id(), layer.name));
-                        self.link_checkpoint(image, &layer.name, &partial)?;
-                    }
+                    below = store.checkpoint(image, &layer.name)?;
                 }
-                below = self.checkpoint(image, &layer.name)?;
-            }
-            drop(lock);
-            Ok(())
+                Ok(())
+            })
         })();
         for partial in fetched {
             let _ = std::fs::remove_file(partial);

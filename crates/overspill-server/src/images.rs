@@ -248,7 +248,12 @@ impl ImageStore {
         })
     }
 
-    fn with_lock<T>(&self, name: &str, work: impl FnOnce(&Self) -> Result<T, ServerError>) -> Result<T, ServerError> {
+    /// Runs `work` with image `name`'s lock held (see [`lock_image`]).
+    pub(crate) fn with_lock<T>(
+        &self,
+        name: &str,
+        work: impl FnOnce(&Self) -> Result<T, ServerError>,
+    ) -> Result<T, ServerError> {
         check_name("image", name)?;
         let lock = lock_image(&self.root.join(name))?;
         let done = work(self);
@@ -426,18 +431,17 @@ impl ImageStore {
         checkpoint: &str,
         write: impl FnOnce(&Path, &str, overspill_images::Format) -> std::io::Result<()>,
     ) -> Result<Version, ServerError> {
-        check_name("image", name)?;
         check_name("checkpoint", checkpoint)?;
-        let lock = self.lock(name)?;
-        let below = self.version(name, below)?;
-        if self.checkpoint_path(name, checkpoint).exists() {
-            return Err(ServerError::Stage {
-                image: name.to_owned(),
-                why: format!("it has a checkpoint {checkpoint} already: a checkpoint is written once"),
-            });
-        }
-        self.new_checkpoint(name, &below, checkpoint, write)?;
-        drop(lock);
+        self.with_lock(name, |store| {
+            let below = store.version(name, below)?;
+            if store.checkpoint_path(name, checkpoint).exists() {
+                return Err(ServerError::Stage {
+                    image: name.to_owned(),
+                    why: format!("it has a checkpoint {checkpoint} already: a checkpoint is written once"),
+                });
+            }
+            store.new_checkpoint(name, &below, checkpoint, write)
+        })?;
         self.checkpoint(name, checkpoint)
     }
 
@@ -506,12 +510,6 @@ impl ImageStore {
         }
     }
 
-    /// Image `name`'s lock (see [`lock_image`]), held until dropped.
-    pub(crate) fn lock(&self, name: &str) -> Result<std::fs::File, ServerError> {
-        check_name("image", name)?;
-        lock_image(&self.root.join(name))
-    }
-
     /// The store's directory.
     pub fn root(&self) -> &Path {
         &self.root
@@ -545,25 +543,25 @@ impl ImageStore {
         });
         let installed =
             written.map_err(|e| ServerError::io(format!("compacting {name} {version}"), e)).and_then(|()| {
-                let lock = self.lock(name)?;
-                let next = self.next_number(name, &dir)?;
-                let compacted = format!("v{next}");
-                let target = dir.join(format!("{compacted}.img"));
-                install(&dir, &partial, &target, next)
-                    .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
-                // The same bytes: every marker that named the chain names the flat file.
-                let entry = self.image(name)?;
-                for (marker, named) in [
-                    (Stage::Production.marker(), &entry.current),
-                    (Stage::Test.marker(), &entry.test),
-                    ("previous", &entry.previous),
-                ] {
-                    if named.as_deref() == Some(version) {
-                        self.mark(name, marker, Some(&compacted))?;
+                self.with_lock(name, |store| {
+                    let next = store.next_number(name, &dir)?;
+                    let compacted = format!("v{next}");
+                    let target = dir.join(format!("{compacted}.img"));
+                    install(&dir, &partial, &target, next)
+                        .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
+                    // The same bytes: every marker that named the chain names the flat file.
+                    let entry = store.image(name)?;
+                    for (marker, named) in [
+                        (Stage::Production.marker(), &entry.current),
+                        (Stage::Test.marker(), &entry.test),
+                        ("previous", &entry.previous),
+                    ] {
+                        if named.as_deref() == Some(version) {
+                            store.mark(name, marker, Some(&compacted))?;
+                        }
                     }
-                }
-                drop(lock);
-                Ok(compacted)
+                    Ok(compacted)
+                })
             });
         if installed.is_err() {
             let _ = std::fs::remove_file(&partial);
@@ -573,11 +571,7 @@ impl ImageStore {
 
     /// Marks `version` as the one new connections get.
     pub fn activate(&self, name: &str, version: &str) -> Result<(), ServerError> {
-        check_name("image", name)?;
-        let lock = lock_image(&self.root.join(name))?;
-        self.activate_locked(name, version)?;
-        drop(lock);
-        Ok(())
+        self.with_lock(name, |store| store.activate_locked(name, version))
     }
 
     /// Makes `version` production, keeping the one it replaces as `previous` (for a rollback).
