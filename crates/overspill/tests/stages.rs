@@ -47,23 +47,26 @@ fn serve_store(dir: &Path, store: &Path, extra: &[&str]) -> (Serve, PathBuf, Pat
 
 /// The byte VM `vm`'s disk starts with, over a connection left open (returned).
 fn first_byte(socket: &Path, vm: &str) -> (u8, Client) {
-    let uri: NbdUri = format!("nbd+unix:///win@{vm}?socket={}", socket.display()).parse().expect("uri");
-    let mut client = Client::connect(&uri).unwrap_or_else(|e| panic!("{vm}: {e}"));
-    let mut buf = vec![0u8; 4096];
-    client.read(0, &mut buf).unwrap_or_else(|e| panic!("{vm} reads: {e}"));
-    assert!(buf.iter().all(|&b| b == buf[0]), "{vm}: one version's bytes throughout");
-    (buf[0], client)
+    let mut client = connect(socket, "win", vm).unwrap_or_else(|e| panic!("{vm}: {e}"));
+    (byte_at(&mut client, 0), client)
+}
+
+/// Publishes a 4 MiB version of `image` in `store`, every byte `byte` (made beside the store as
+/// `IMAGE-BYTE.img`), production when `activate`: the file it was published from.
+fn publish_filled(store: &Path, image: &str, byte: u8, activate: bool) -> PathBuf {
+    let file = store.with_file_name(format!("{image}-{byte:02x}.img"));
+    std::fs::write(&file, vec![byte; 4 << 20]).expect("a version's file");
+    let file_arg = file.to_str().expect("utf-8");
+    image_ok(store, &[&["publish", image, file_arg][..], if activate { &["--activate"] } else { &[] }].concat());
+    file
 }
 
 #[test]
 fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_takes_it_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = dir.path().join("images");
-    let (v1, v2) = (dir.path().join("v1.img"), dir.path().join("v2.img"));
-    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
-    std::fs::write(&v2, vec![0x22u8; 4 << 20]).expect("v2");
-    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
-    image_ok(&store, &["publish", "win", v2.to_str().expect("utf-8")]);
+    publish_filled(&store, "win", 0x11, true);
+    let v2 = publish_filled(&store, "win", 0x22, false);
     let (ok, text) = image(&store, &["promote", "win"]);
     assert!(!ok && text.contains("no test version to promote"), "{text}");
     image_ok(&store, &["test", "win", "2"]);
@@ -164,9 +167,7 @@ fn assert_layer_reads(dir: &Path, layer: &Path, expected: &[u8]) {
 fn a_captured_vm_becomes_the_next_version_that_the_test_group_boots() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = dir.path().join("images");
-    let v1 = dir.path().join("v1.img");
-    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
-    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
+    publish_filled(&store, "win", 0x11, true);
     let (server, socket, control) = serve_store(dir.path(), &store, &[]);
 
     // The maintenance VM writes, zeroes and trims, and stays connected.
@@ -249,9 +250,7 @@ fn vm_refused(control: &Path, args: &[&str]) -> String {
 fn forks_of_a_checkpoint_start_from_it_diverge_apart_and_outlive_a_restart() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = dir.path().join("images");
-    let v1 = dir.path().join("v1.img");
-    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
-    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
+    publish_filled(&store, "win", 0x11, true);
     let (mut server, socket, control) = serve_store(dir.path(), &store, &[]);
 
     let mut src = connect(&socket, "win", "src").expect("src connects");
@@ -445,11 +444,8 @@ fn a_checkpoint_taken_out_to_a_directory_forks_in_another_store_with_the_same_ve
 fn the_maintenance_vm_keeps_its_writes_across_its_boots_until_captured() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = dir.path().join("images");
-    let (v1, v2) = (dir.path().join("v1.img"), dir.path().join("v2.img"));
-    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
-    std::fs::write(&v2, vec![0x22u8; 4 << 20]).expect("v2");
-    image_ok(&store, &["publish", "win", v1.to_str().expect("utf-8"), "--activate"]);
-    image_ok(&store, &["publish", "win", v2.to_str().expect("utf-8"), "--activate"]);
+    publish_filled(&store, "win", 0x11, true);
+    publish_filled(&store, "win", 0x22, true);
     let said = image_ok(&store, &["maintain", "win", "maint", "1"]);
     assert!(said.contains("VM maint maintains it over v1"), "{said}");
     let (ok, said) = image(&store, &["maintain", "win", "other"]);
@@ -496,11 +492,9 @@ fn the_maintenance_vm_keeps_its_writes_across_its_boots_until_captured() {
 fn a_vm_made_the_maintenance_vm_in_its_grace_outlives_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = dir.path().join("images");
-    let v1 = dir.path().join("v1.img");
-    std::fs::write(&v1, vec![0x11u8; 4 << 20]).expect("v1");
     for image in ["win", "lin"] {
-        image_ok(&store, &["publish", image, v1.to_str().expect("utf-8"), "--activate"]);
-        image_ok(&store, &["publish", image, v1.to_str().expect("utf-8")]);
+        publish_filled(&store, image, 0x11, true);
+        publish_filled(&store, image, 0x11, false);
     }
     let (mut server, socket, control) = serve_store(dir.path(), &store, &["--reconnect-grace", "2s"]);
     for (image, vm) in [("win", "m"), ("lin", "other")] {
