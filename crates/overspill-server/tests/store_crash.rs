@@ -31,10 +31,7 @@ fn store_and_vm(dir: &Path) -> (ImageStore, Overlay, Vec<u8>) {
     let store = ImageStore::new(&dir.join("images"));
     store.publish("win", &file, true).expect("publish");
     let v1 = store.version("win", "v1").expect("v1");
-    let image = open_image(&v1.path).expect("v1 opens");
-    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes: 64 << 20, spill_max_bytes: None };
-    let mut overlay =
-        Overlay::new(image, config, None, HostMemory::unlimited(), Arc::new(VmStats::default())).expect("overlay");
+    let mut overlay = ram_overlay(&v1.path);
     let mut bytes = golden;
     for (at, len, byte) in [(4096usize, 8192usize, 0x5au8), (1 << 20, 600 << 10, 0x6b), ((3 << 20) - 4096, 4096, 0x7c)]
     {
@@ -44,6 +41,13 @@ fn store_and_vm(dir: &Path) -> (ImageStore, Overlay, Vec<u8>) {
     overlay.write_zeroes(2 << 20, 64 << 10).expect("zeroes");
     bytes[2 << 20..(2 << 20) + (64 << 10)].fill(0);
     (store, overlay, bytes)
+}
+
+/// A VM's overlay, in RAM, over the image file at `path`.
+fn ram_overlay(path: &Path) -> Overlay {
+    let image = open_image(path).expect("the image opens");
+    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes: 64 << 20, spill_max_bytes: None };
+    Overlay::new(image, config, None, HostMemory::unlimited(), Arc::new(VmStats::default())).expect("overlay")
 }
 
 /// Whether `path` opens as an image reading exactly `expected`.
@@ -131,10 +135,7 @@ fn a_checkpoint_and_one_brought_in_are_absent_or_whole_at_every_crash_point() {
     assert!(points >= 8, "only {points} crash points");
     // A fork of c1 writes and is checkpointed over it; both are taken out and brought into a
     // store with the same v1, killed at every point of the import.
-    let c1 = open_image(&store.checkpoint("win", "c1").expect("c1").path).expect("c1 opens");
-    let config = OverlayConfig { mode: WriteCacheMode::Ram, ram_target_bytes: 64 << 20, spill_max_bytes: None };
-    let mut fork =
-        Overlay::new(c1, config, None, HostMemory::unlimited(), Arc::new(VmStats::default())).expect("overlay");
+    let mut fork = ram_overlay(&store.checkpoint("win", "c1").expect("c1").path);
     fork.write(0, &[0x99; 4096]).expect("write");
     let mut newer = bytes.clone();
     newer[..4096].fill(0x99);
