@@ -242,9 +242,14 @@ impl Client {
         self.reply(cookie, None)
     }
 
-    /// Sends NBD_CMD_DISC and closes.
+    /// Sends NBD_CMD_DISC and waits for the server to close the connection: only then has it
+    /// let go of the export, so that connecting again at once under the same VM name is not
+    /// refused as a second connection.
     pub fn disconnect(mut self) -> Result<()> {
         self.send_request(CMD_DISC, 0, 0, 0, &[])?;
+        let mut rest = [0u8; 512];
+        // The server sends nothing after DISC; a reset instead of an orderly close is an end too.
+        while matches!(self.stream.read(&mut rest), Ok(n) if n > 0) {}
         Ok(())
     }
 

@@ -399,11 +399,15 @@ fn transmit<T: Transport>(
         }
     }
     wire.flush()?;
+    // The device goes first: a client that saw the connection close after its DISC may connect
+    // again at once under the same name, and must find the VM let go of by then.
+    let Negotiated { export, device, .. } = session;
+    drop(device);
     // The client may be gone already; the connection ends cleanly either way.
     if let Err(error) = wire.stream.close() {
         tracing::debug!(%error, "closing the session");
     }
-    Ok(Ending::Disconnected { export: session.export, requests })
+    Ok(Ending::Disconnected { export, requests })
 }
 
 /// A request the server's own shutdown cut off half-read (the stop shuts the socket for reading

@@ -585,8 +585,12 @@ impl ExportProvider for OverlayExports {
         let capabilities = self.capabilities(name);
         let limiters = self.registry.limits().limiters_for(vm_name, Self::image_name(name));
         let mut claimed = self.registry.claim(vm_name, Self::image_name(name), identity)?;
-        let waiting_until = Instant::now() + JOIN_WAIT;
-        while matches!(claimed, Claim::Connecting) && Instant::now() < waiting_until {
+        let (joining_until, held_until) = (Instant::now() + JOIN_WAIT, Instant::now() + HELD_WAIT);
+        while match claimed {
+            Claim::Connecting => Instant::now() < joining_until,
+            Claim::Held => Instant::now() < held_until,
+            _ => false,
+        } {
             std::thread::sleep(std::time::Duration::from_millis(10));
             claimed = self.registry.claim(vm_name, Self::image_name(name), identity)?;
         }
@@ -595,6 +599,7 @@ impl ExportProvider for OverlayExports {
                 let registry = self.registry.clone();
                 return Ok(crate::device::stack(live, capabilities, number, reset, registry, limiters, true));
             }
+            Claim::Held => return Err(VmRegistry::already_connected(vm_name.unwrap_or_default(), name)),
             Claim::Connecting => {
                 let why =
                     format!("VM {} is still connecting its first connection; try again", vm_name.unwrap_or_default());
@@ -622,6 +627,11 @@ impl ExportProvider for OverlayExports {
 /// How long a further connection of a multi-conn VM waits for its first to have made the
 /// overlay (a golden image's first read may be remote).
 const JOIN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a connection of a VM that is connected already waits for that connection to end
+/// before it is refused: a client that quits and starts again at once (QEMU sends DISC and
+/// closes without waiting for the server) must not find its own last connection in the way.
+const HELD_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl OverlayExports {
     /// A VM that peer `address` holds live connects here: it is taken from there (see

@@ -99,7 +99,7 @@ fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_t
     let exports = exports_in(dirs.path());
     let fresh = |exports: &OverlayExports| match exports.registry.claim(Some("x"), "golden", None).expect("claim") {
         Claim::Fresh { number, .. } => (number, exports.new_overlay("golden@x", number).expect("overlay")),
-        Claim::Resume { .. } | Claim::Join { .. } | Claim::Connecting => panic!("no overlay of x waits"),
+        Claim::Resume { .. } | Claim::Join { .. } | Claim::Connecting | Claim::Held => panic!("no overlay of x waits"),
     };
     let dirs = [memory_dir.as_path(), spill_dir.as_path()];
     let ledger_file = state_dir.join("vm-x.json");

@@ -111,6 +111,10 @@ pub(crate) enum Claim {
     /// Another connection of such a VM while its first is still making the overlay (a client
     /// opens its connections at once): ask again in a moment.
     Connecting,
+    /// The VM is connected and takes no second connection. The first may be ending unseen yet
+    /// (its DISC or its socket's close still unread: a QEMU restarted at once): ask again in a
+    /// moment, then refuse with [`VmRegistry::already_connected`].
+    Held,
 }
 
 #[derive(Debug, Default)]
@@ -361,12 +365,7 @@ impl VmRegistry {
                         return Ok(Claim::Join { number: existing, reset: entry.reset.clone(), live });
                     }
                     None if self.multi_conn.allows(vm) && entry.image == export => return Ok(Claim::Connecting),
-                    _ => {
-                        return refuse(format!(
-                            "VM {vm} is already connected; one connection per VM (serve --multi-conn {vm} lets \
-                             several clients share it)"
-                        ))
-                    }
+                    _ => return Ok(Claim::Held),
                 }
             }
             if entry.image != export {
@@ -392,6 +391,16 @@ impl VmRegistry {
         inner.vms.insert(number, entry);
         inner.names.insert(vm.to_owned(), number);
         Ok(Claim::Fresh { number, reset })
+    }
+
+    /// The refusal of a second connection of `vm`, which still has its first after a while.
+    pub(crate) fn already_connected(vm: &str, export: &str) -> DeviceError {
+        let message = format!(
+            "VM {vm} is already connected; one connection per VM (serve --multi-conn {vm} lets several clients \
+             share it)"
+        );
+        tracing::warn!(vm, export, "VM refused: {message}");
+        DeviceError::new(DeviceErrorKind::Refused, message)
     }
 
     /// A VM named `vm` that no server holds any more though one did when this one started

@@ -1,6 +1,7 @@
 //! NBD multi-conn for the VMs `serve --multi-conn` names: advertised to them only, and nbdcopy
 //! writes a VM's disk over 4 connections at once, all one overlay, which a connection held
-//! through the copy reads back whole.
+//! through the copy reads back whole. A VM without it has one connection at a time, and the
+//! next may come the instant the last one's DISC is answered by the server's close.
 
 use std::path::Path;
 
@@ -87,5 +88,45 @@ fn nbdcopy_writes_a_multi_conn_vm_over_four_connections_into_one_overlay() {
     clients[0].read(0, &mut whole).expect("read all on another");
     for i in 0..4 {
         assert_same(&whole[i * quarter..(i + 1) * quarter], &pseudo_random(quarter, 10 + i as u64), "a quarter");
+    }
+}
+
+/// A VM's client may connect again the instant it ended its last connection. After NBD_CMD_DISC
+/// and the server's close, the server has let go of the VM (CI once saw "already connected"
+/// here, when the close came first) and the new connection starts from the golden image. After
+/// a close without DISC (a killed QEMU started again at once), the server has perhaps not read
+/// the close yet: the new connection waits for it and resumes the overlay.
+#[test]
+fn a_vm_connects_again_the_instant_its_last_connection_ends() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let golden = d.join("golden.img");
+    let golden_bytes = pseudo_random(16 << 20, 3);
+    std::fs::write(&golden, &golden_bytes).expect("golden image");
+    let socket = d.join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    // A small RAM tier: each round spills, and ending an overlay with spill files takes long
+    // enough for a reconnect to overtake it.
+    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "1M"];
+    let ready = socket.clone();
+    let _server =
+        Serve::start_named_only(d, &args, &[], move || std::os::unix::net::UnixStream::connect(&ready).is_ok());
+    let vm_uri: NbdUri = uri(&socket, "again").parse().expect("uri");
+    let mut expected = golden_bytes[..4096].to_vec();
+    for round in 0..60u8 {
+        let mut client = Client::connect(&vm_uri).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let mut first = vec![0u8; 4096];
+        client.read(0, &mut first).expect("read");
+        assert_same(&first, &expected, &format!("the start of the VM in round {round}"));
+        for offset in (0..8 << 20).step_by(1 << 20) {
+            client.write(offset, &[round; 1 << 20], false).expect("write");
+        }
+        if round % 2 == 0 {
+            client.disconnect().expect("disconnect");
+            expected.copy_from_slice(&golden_bytes[..4096]);
+        } else {
+            drop(client);
+            expected.fill(round);
+        }
     }
 }
