@@ -442,6 +442,34 @@ mod tests {
     }
 
     #[test]
+    fn two_groups_side_by_side_each_hold_their_own_rate_whatever_the_other_does() {
+        let clock = Arc::new(FakeClock::default());
+        let (office, kiosks) = (Limiter::new(ops(600, 10), clock.clone()), Limiter::new(ops(300, 10), clock.clone()));
+        let vm = || Limiter::new(Limits::default(), clock.clone());
+        // Two VMs in the office, one kiosk, taking turns for 10 s as requests arrive: each
+        // request passes its VM's limiter and its group's, and waits only for its own group.
+        let chains = [[vm(), office.clone()], [vm(), office.clone()], [vm(), kiosks.clone()]];
+        let mut sent = [0u64; 3];
+        let mut next_free = [Duration::ZERO; 3];
+        while clock.now() < Duration::from_secs(10) {
+            // The VM whose last request was let through longest ago goes next (one fake clock
+            // serves them one at a time; the bursts cover what one's wait holds up another).
+            let turn = (0..3).min_by_key(|&i| next_free[i]).expect("three");
+            admit(&chains[turn], 0);
+            sent[turn] += 1;
+            next_free[turn] = clock.now();
+        }
+        let office_sent = sent[0] + sent[1];
+        assert!((5_990..=6_020).contains(&office_sent), "the office's two VMs at 600 a second: {sent:?}");
+        assert!((2_990..=3_020).contains(&sent[2]), "the kiosk at its group's 300 a second: {sent:?}");
+        assert!(sent[0].abs_diff(sent[1]) <= 10, "the office's VMs share its rate: {sent:?}");
+        // The kiosks' limit lifted live: the office holds to its own all the same.
+        kiosks.set(Limits::default());
+        let office_alone = requests_in(&chains[0], &clock, 5.0, 0);
+        assert!((2_990..=3_010).contains(&office_alone), "the office after the kiosks' change: {office_alone}");
+    }
+
+    #[test]
     fn requests_that_go_ahead_never_wait_and_the_others_wait_out_their_debt() {
         let clock = Arc::new(FakeClock::default());
         let budget = Limiter::new(ops(100, 10), clock.clone());

@@ -351,5 +351,9 @@ fn every_crash_point_recovers_what_the_vm_was_told() {
         let in_place: u64 = ["write", "1 MiB write"].iter().map(|op| at(op, "cache file")).sum();
         assert!(in_place > 1000, "crash points during writes in place: {in_place}");
         assert!(at("zero", "cache file") > 20, "crash points during punches in place");
+        // The background pass that moves an idle VM's coldest RAM to its spill log (#49).
+        assert!(at("give back", "arena") > 1000, "crash points while giving RAM back: {}", at("give back", "arena"));
+        let given_to_spill = at("give back", "spill segment");
+        assert!(given_to_spill > 500, "crash points while given-back blocks are spilled: {given_to_spill}");
     }
 }

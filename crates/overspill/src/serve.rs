@@ -223,6 +223,13 @@ pub struct ServeArgs {
     /// Each VM's bytes per second read and written, with a burst: `50M` or `50M:200M`.
     #[arg(long, value_name = "SIZE[:BURST]", value_parser = crate::size::parse_bytes_rate)]
     limit_bandwidth: Option<overspill_block::Rate>,
+    /// One VM's operations per second, by its name, before it connects: `build-7=500:2000`.
+    /// Over --limit-iops for that VM. Repeatable.
+    #[arg(long = "vm-limit-iops", value_name = "VM=RATE[:BURST]", value_parser = parse_vm_ops)]
+    vm_limit_iops: Vec<(String, overspill_block::Rate)>,
+    /// One VM's bytes per second, by its name: `build-7=20M` or `build-7=20M:100M`. Repeatable.
+    #[arg(long = "vm-limit-bandwidth", value_name = "VM=SIZE[:BURST]", value_parser = parse_vm_bytes)]
+    vm_limit_bandwidth: Vec<(String, overspill_block::Rate)>,
     /// A named group of VMs: `office=desk-*,kiosk-?` (shell patterns of VM names). A VM is in
     /// the first group whose patterns match its name, else in its image's group (`image:NAME`,
     /// `image:` for the default image). Its requests pass its own limits and its group's,
@@ -370,6 +377,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let registry = exports.registry();
     registry.limits().set_default(overspill_block::Limits { ops: args.limit_iops, bytes: args.limit_bandwidth });
     registry.limits().set_groups(args.groups.clone());
+    for (vm, rate) in &args.vm_limit_iops {
+        registry.limits().set(vm, Some(Some(*rate)), None);
+    }
+    for (vm, rate) in &args.vm_limit_bandwidth {
+        registry.limits().set(vm, None, Some(Some(*rate)));
+    }
     for (group, rate) in &args.group_limit_iops {
         registry.limits().set_group(group, Some(Some(*rate)), None);
     }
@@ -930,6 +943,24 @@ fn parse_group_rate(
     let (group, value) = s.rsplit_once('=').ok_or_else(|| format!("{s:?}: expected GROUP=RATE[:BURST]"))?;
     overspill_server::vm_limits::check_group(group).map_err(|e| e.to_string())?;
     Ok((group.to_owned(), rate(value)?))
+}
+
+/// `VM=RATE[:BURST]`, the rate read by `rate`.
+fn parse_vm_rate(
+    s: &str,
+    rate: fn(&str) -> Result<overspill_block::Rate, String>,
+) -> Result<(String, overspill_block::Rate), String> {
+    let (vm, value) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected VM=RATE[:BURST]"))?;
+    overspill_server::check_name("VM", vm).map_err(|e| e.to_string())?;
+    Ok((vm.to_owned(), rate(value)?))
+}
+
+fn parse_vm_ops(s: &str) -> Result<(String, overspill_block::Rate), String> {
+    parse_vm_rate(s, crate::size::parse_ops_rate)
+}
+
+fn parse_vm_bytes(s: &str) -> Result<(String, overspill_block::Rate), String> {
+    parse_vm_rate(s, crate::size::parse_bytes_rate)
 }
 
 fn parse_group_ops(s: &str) -> Result<(String, overspill_block::Rate), String> {

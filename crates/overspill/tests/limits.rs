@@ -1,8 +1,9 @@
 //! Per-VM limits at the device seam, against the real server and a real client: fio over NBD
-//! drives two VMs at once, one limited live to 1,000 operations per second by `overspill vm
-//! limit`, the other not. No timing is asserted: only that the limited VM did at most its rate
-//! over the time fio itself measured, plus its burst and the requests in flight, and that the
-//! other did more; and that the server's metrics say the limited one waited.
+//! drives three VMs at once, one limited by name at `serve`, one by `overspill vm limit` before
+//! it connects, both to 1,000 operations per second, the third not. No timing is asserted: only
+//! that each limited VM did at most its rate over the time fio itself measured, plus its burst
+//! and the requests in flight, and that the other did more; and that the server's metrics say
+//! the limited ones waited, and had requests queued at their limit while fio ran.
 
 use std::path::Path;
 use std::process::Command;
@@ -103,27 +104,57 @@ impl Setup {
 }
 
 #[test]
-fn a_vm_limited_live_holds_to_its_rate_and_its_neighbour_does_not_wait() {
-    let setup = start(&[]);
+fn vms_limited_by_name_before_they_connect_hold_to_their_rate_and_their_neighbour_does_not_wait() {
+    let setup = start(&["--vm-limit-iops", &format!("slow={RATE}:{BURST}")]);
     let (control, server) = (&setup.control, &setup.server);
     // Set before the VM comes: it gets them at its first request.
-    let said = overspill_vm(control, &["limit", "slow", "--iops", &format!("{RATE}:{BURST}")]);
-    assert!(said.contains("slow: 1000 ops/s (burst 100), no bytes limit"), "{said}");
-    let (slow, fast) = (setup.fio("slow"), setup.fio("fast"));
-    let (slow, fast) = (slow.wait_with_output().expect("fio"), fast.wait_with_output().expect("fio"));
-    assert!(slow.status.success() && fast.status.success(), "{}", String::from_utf8_lossy(&slow.stderr));
-    let (slow_ops, slow_ms) = fio_ops(&String::from_utf8_lossy(&slow.stdout));
-    let (fast_ops, fast_ms) = fio_ops(&String::from_utf8_lossy(&fast.stdout));
-    eprintln!("slow: {slow_ops} ops in {slow_ms} ms; fast: {fast_ops} ops in {fast_ms} ms");
+    let said = overspill_vm(control, &["limit", "slow-live", "--iops", &format!("{RATE}:{BURST}")]);
+    assert!(said.contains("slow-live: 1000 ops/s (burst 100), no bytes limit"), "{said}");
+    let said = overspill_vm(control, &["limit", "slow"]);
+    assert!(said.contains("slow: 1000 ops/s (burst 100), no bytes limit"), "serve --vm-limit-iops: {said}");
+    let runs: Vec<_> = ["slow", "slow-live", "fast"].into_iter().map(|vm| setup.fio(vm)).collect();
+    // While fio runs, each limited VM has a request waiting at its limit most of the time.
+    let mut queued = [0.0f64; 2];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while std::time::Instant::now() < deadline {
+        let samples = scrape(&metrics_url(server));
+        for (most, vm) in queued.iter_mut().zip(["slow", "slow-live"]) {
+            // Not listed until the VM's first request.
+            let level = samples
+                .iter()
+                .filter(|((family, labels), _)| {
+                    family == "overspill_vm_throttled_requests" && labels.get("vm").map(String::as_str) == Some(vm)
+                })
+                .map(|(_, v)| *v)
+                .fold(0.0, f64::max);
+            *most = most.max(level);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let outputs: Vec<_> = runs.into_iter().map(|run| run.wait_with_output().expect("fio")).collect();
+    for out in &outputs {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let [(slow_ops, slow_ms), (live_ops, live_ms), (fast_ops, fast_ms)] =
+        outputs.iter().map(|out| fio_ops(&String::from_utf8_lossy(&out.stdout))).collect::<Vec<_>>()[..]
+    else {
+        panic!("three runs")
+    };
+    eprintln!("slow: {slow_ops} ops in {slow_ms} ms; slow-live: {live_ops} in {live_ms} ms; fast: {fast_ops} in {fast_ms} ms; queued at most {queued:?}");
     // fio's runtime starts after its connection: the server may have let a request or two
     // through before it, which the requests in flight cover.
-    let most = RATE * slow_ms / 1000 + BURST + IODEPTH;
-    assert!(slow_ops <= most, "the limited VM did {slow_ops} operations in {slow_ms} ms; at most {most}");
-    assert!(fast_ops > slow_ops, "the unlimited VM did {fast_ops}, the limited one {slow_ops}");
+    for (vm, ops, ms) in [("slow", slow_ops, slow_ms), ("slow-live", live_ops, live_ms)] {
+        let most = RATE * ms / 1000 + BURST + IODEPTH;
+        assert!(ops <= most, "{vm}, limited, did {ops} operations in {ms} ms; at most {most}");
+        assert!(fast_ops > ops, "the unlimited VM did {fast_ops}, {vm} {ops}");
+    }
+    assert!(queued.iter().all(|&q| q >= 1.0), "requests queued at the limits: {queued:?}");
 
     let samples = scrape(&metrics_url(server));
-    let waited = sample(&samples, "overspill_vm_throttled_seconds_total", &[("vm", "slow")]);
-    assert!(waited > 1.0, "the limited VM waited {waited} s in all");
+    for vm in ["slow", "slow-live"] {
+        let waited = sample(&samples, "overspill_vm_throttled_seconds_total", &[("vm", vm)]);
+        assert!(waited > 1.0, "{vm}, limited, waited {waited} s in all");
+    }
     let fast_listed = samples.iter().any(|((family, labels), _)| {
         family == "overspill_vm_throttled_seconds_total" && labels.get("vm").map(String::as_str) == Some("fast")
     });
@@ -177,6 +208,19 @@ fn a_groups_vms_share_its_rate_and_others_do_not_wait() {
     assert!(said.contains("no serve --group names it"), "a typo is said: {said}");
     let said = overspill_vm(control, &["limit", "image:", "--group", "--bandwidth", "100M"]);
     assert!(said.contains(r#"group "image:": no ops limit, 104857600 bytes/s"#), "{said}");
+
+    // An image's group: `other` is in `image:` (the default image's), now held to the rate.
+    let said = overspill_vm(control, &["limit", "image:", "--group", "--iops", &format!("{RATE}:{BURST}")]);
+    assert!(said.contains(r#"group "image:": 1000 ops/s (burst 100)"#), "{said}");
+    let out = setup.fio("other").wait_with_output().expect("fio");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (ops, ms) = fio_ops(&String::from_utf8_lossy(&out.stdout));
+    let most = RATE * ms / 1000 + BURST + IODEPTH;
+    eprintln!("other, in image:, limited: {ops} ops in {ms} ms (at most {most})");
+    assert!(ops <= most, "the image group's VM did {ops} operations in {ms} ms; at most {most}");
+    let waited =
+        sample(&scrape(&metrics_url(server)), "overspill_group_throttled_seconds_total", &[("group", "image:")]);
+    assert!(waited > 1.0, "the image group's requests waited {waited} s in all");
 }
 
 /// qemu-io on VM `vm`, holding its connection open for the commands written to its stdin (one

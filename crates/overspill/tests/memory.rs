@@ -70,23 +70,32 @@ fn qemu_io(dir: &Path, socket: &Path, export: &str, commands: &[String]) -> Chil
 }
 
 /// Waits for a qemu-io run that must have read back `read` bytes at offset 0 as it expected.
-fn read_back(what: &str, child: Child, read: &str) {
+fn read_back(what: &str, child: Child, read: &str) -> String {
     let out = child.wait_with_output().expect("qemu-io");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{what}: {text}");
     assert!(!text.contains("failed"), "{what}: {text}");
     assert!(text.contains(&format!("read {read}/{read} bytes at offset 0")), "{what}: {text}");
+    text
 }
 
-/// A VM writing 28 MiB, then 4 MiB a second `seconds` times, then reading its 28 MiB back.
+/// What [`busy_writer`] read back: its 28 MiB, and the 32 MiB it wrote after them.
+fn busy_read_back(child: Child) {
+    let text = read_back("busy", child, "29360128");
+    assert!(text.contains("read 33554432/33554432 bytes at offset 29360128"), "busy, its later writes: {text}");
+}
+
+/// A VM writing 28 MiB, then 4 MiB a second `seconds` times (over the next 32 MiB, round and
+/// round; at least 8), then reading all 60 MiB back.
 /// A MiB a request: the budget is checked as a request's blocks land but counted at its end, so
 /// one 28 MiB request would land whole whatever the others hold.
 fn busy_writer(seconds: usize) -> Vec<String> {
+    assert!(seconds >= 8, "every 4 MiB of the 32 written");
     let mut commands: Vec<String> = (0..28).map(|mib| format!("write -P 0x62 {mib}M 1M")).collect();
     for k in 0..seconds {
         commands.extend(["sleep 1000".to_string(), format!("write -P 0x63 {}M 4M", 28 + 4 * (k % 8))]);
     }
-    commands.push("read -P 0x62 0 28M".into());
+    commands.extend(["read -P 0x62 0 28M".into(), "read -P 0x63 28M 32M".into()]);
     commands
 }
 
@@ -139,7 +148,7 @@ fn a_quiet_vm_gives_its_ram_to_a_held_neighbour() {
     let given = figure(&url, "overspill_host_memory_given_back_bytes_total", None);
     assert!(given >= 24.0 * MIB, "{:.1} MiB given back", given / MIB);
     read_back("quiet", quiet, "29360128");
-    read_back("busy", busy, "29360128");
+    busy_read_back(busy);
 }
 
 /// The golden image's read cache fills the room the VMs leave, then gives it back (down to its
@@ -188,5 +197,77 @@ fn the_read_cache_gives_back_first_down_to_its_floor() {
     assert!(missed > 0.0, "the shrunk cache still hit all: {hit} hits");
     let ratio = hit / (hit + missed);
     assert!(ratio < 0.75, "the hit ratio after giving back is {ratio:.2} (it held at most 20 of 40 MiB)");
-    read_back("busy", busy, "29360128");
+    busy_read_back(busy);
+}
+
+/// The pages of a VM a killed server held stay in the memory directory for the next server,
+/// which rebuilds the VM from them and waits its grace for the VM's client: until then the
+/// operator sees the VM in grace in `vm list`, its RAM in the metrics and its files in the
+/// directory. A VM no client claims in its grace is lost (it wrote), and its pages go.
+#[test]
+fn a_killed_servers_pages_wait_for_their_vm_and_go_when_no_client_claims_it() {
+    let dir = TempDir::new().expect("tempdir");
+    let golden = dir.path().join("golden.img");
+    std::fs::File::create(&golden).and_then(|f| f.set_len(64 << 20)).expect("golden");
+    let socket = dir.path().join("nbd.sock");
+    let memory_files = || -> Vec<String> {
+        let entries = std::fs::read_dir(dir.path().join("memory")).map(|d| d.flatten().collect::<Vec<_>>());
+        entries.unwrap_or_default().iter().map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+    };
+    let server = serve(dir.path(), &golden, &socket, &[]);
+    read_back(
+        "gone",
+        qemu_io(dir.path(), &socket, "@gone", &["write -P 0x47 0 8M".into(), "read -P 0x47 0 8M".into()]),
+        "8388608",
+    );
+    // qemu-io ended with NBD_CMD_DISC: a VM that quits deliberately leaves nothing.
+    wait_until(
+        Duration::from_secs(10),
+        || memory_files().iter().all(|f| !f.contains("gone")),
+        || format!("{:?}", memory_files()),
+    );
+    let held = spawn_tool(
+        dir.path(),
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x48 0 8M",
+            "-c",
+            "sleep 60000",
+            &format!("nbd+unix:///@held?socket={}", socket.display()),
+        ],
+    );
+    let url = metrics_url(&server);
+    wait_until(Duration::from_secs(20), || vm_memory(&url, "held") >= 8.0 * MIB, || "held never wrote".into());
+    server.kill();
+    drop(held);
+
+    let control = dir.path().join("control.sock");
+    let server = serve(
+        dir.path(),
+        &golden,
+        &socket,
+        &["--reconnect-grace", "8s", "--control", control.to_str().expect("utf-8")],
+    );
+    let list = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_overspill"))
+            .args(["vm", "list", "--control", control.to_str().expect("utf-8")])
+            .output()
+            .expect("overspill vm list");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // (The killed server's socket file is still there: the new one is ready once it answers.)
+    wait_until(Duration::from_secs(20), || list().contains("in-grace"), || format!("VMs: {}", list()));
+    let listed = list();
+    assert!(listed.contains("held") && !listed.contains("gone"), "{listed}");
+    assert!(memory_files().iter().any(|f| f.starts_with("vm-held.")), "{:?}", memory_files());
+    let url = metrics_url(&server);
+    assert!(vm_memory(&url, "held") >= 8.0 * MIB, "the rebuilt VM's RAM: {}", vm_memory(&url, "held"));
+    wait_until(
+        Duration::from_secs(20),
+        || memory_files().is_empty() && list().contains("lost"),
+        || format!("files {:?}, VMs {}\n{}", memory_files(), list(), server.log_text()),
+    );
 }

@@ -373,4 +373,8 @@ fn a_fairness_run_reports_the_copiers_beside_the_boots() {
     assert!(limited <= allowed, "the limited copier copied {limited} bytes in {ran_s:.2} s; at most {allowed}");
     assert!(unlimited > limited, "the unlimited copier copied {unlimited}, the limited one {limited}");
     assert!(config(&report, "ram+disk 64M")["copiers"].is_null(), "the storm alone has no copiers");
+    // The page says it beside each configuration's boots, in words.
+    let html = std::fs::read_to_string(dir.path().join("out").join("report.html")).expect("report.html");
+    assert!(html.contains("copying VMs (unlimited) moved"), "the unlimited copier on the page");
+    assert!(html.contains("copying VMs (limited to 4.0 MiB/s each) moved"), "the limited copier on the page");
 }

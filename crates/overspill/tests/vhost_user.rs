@@ -576,3 +576,23 @@ fn vm_add_declares_a_vhost_user_socket_that_outlives_restarts_until_vm_drop() {
     host.wait_for_states(&[("fixed", "declared")]);
     assert!(!socket.exists(), "a dropped VM's socket came back after a restart");
 }
+
+/// Limits are applied at the device seam: a vhost-user VM limited by name at `serve` waits out
+/// its rate as an NBD one does. At 50 requests per second with a burst of 5, 30 reads cannot be
+/// done in less than half a second: a bound the limiter sets, however fast the machine.
+#[test]
+fn a_vhost_user_vm_limited_by_name_waits_out_its_rate() {
+    let host = Host::new();
+    let _server = host.serve_with(&["--vhost-user", "limited", "--vm-limit-iops", "limited=50:5"]);
+    let mut guest = Guest::new();
+    let connection = Connection::open(&host.socket("limited"), &guest, 0);
+    let started = Instant::now();
+    for i in 0..30u64 {
+        assert_eq!(read(&connection, &mut guest, i * 8, 4096), host.golden_sectors(i * 8, 4096), "read {i}");
+    }
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(500), "30 reads at 50/s (burst 5) in {took:?}");
+    let (ok, said) = host.vm_command(&["limit", "limited"]);
+    assert!(ok && said.contains("limited: 50 ops/s (burst 5)"), "{said}");
+    drop(connection);
+}
