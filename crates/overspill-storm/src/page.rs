@@ -372,7 +372,7 @@ fn seeds_table(report: &StormReport) -> String {
     let mut out = String::from(
         "<table><tr><th>phase</th><th>configuration</th><th>tiers compared</th><th>operations per VM here</th>\
          <th>in 4 KiB I/Os</th><th>seeds' I/Os per VM</th><th>IOPS/VM here</th><th>seeds' IOPS/VM</th>\
-         <th>seed row</th></tr>",
+         <th>seed row</th><th>the model and this row</th></tr>",
     );
     let mut any = false;
     for (p, (phase, _)) in report.phase_sources.iter().enumerate() {
@@ -388,7 +388,7 @@ fn seeds_table(report: &StormReport) -> String {
             let _ = write!(
                 out,
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-                 <td>{}</td></tr>",
+                 <td>{}</td><td>{}</td></tr>",
                 html_escape(phase),
                 html_escape(&config.label),
                 names.join(", "),
@@ -401,6 +401,7 @@ fn seeds_table(report: &StormReport) -> String {
                     "seed {}, {}, {}, {} MB, {} VMs",
                     seed.source, seed.platform, seed.provisioning, seed.ram_cache_mb, seed.vms
                 )),
+                html_escape(seed.role()),
             );
         }
     }

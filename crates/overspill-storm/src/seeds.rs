@@ -21,6 +21,23 @@ pub struct SeedRow {
     pub write_iops_per_vm: f64,
 }
 
+impl SeedRow {
+    /// What the model owes this row, as `tests/calibration.rs` holds it (docs/storm.md's
+    /// table): the workload's own inputs, a fit, or a figure held out of every fit.
+    pub fn role(&self) -> &'static str {
+        match (self.platform.as_str(), self.provisioning.as_str(), self.phase.as_str()) {
+            (_, "mcs", _) => "the workload's input (its request counts): by construction",
+            ("win7-hyperv-sata7200", _, "boot") => "fitted (win7-vdi's event-log share)",
+            ("win7-hyperv-sata7200", _, _) => "held out (within 2×)",
+            ("win7-hyperv-sata7200-bloated-profile", _, "logon") => "its ~270 MB sized the logon",
+            ("win7-hyperv-sata7200-bloated-profile", _, _) => "fitted (steady locality)",
+            ("xenapp65-vsphere-nfs", _, _) => "held out (within 1.5×, event logs at win7-vdi's share)",
+            ("xenapp65-hyperv-sata7200", _, _) => "held out, missed (xenapp-rds was sized on seed 001)",
+            _ => "not compared by the tests",
+        }
+    }
+}
+
 const SEED_IOPS: &str = include_str!("../data/seed-iops.csv");
 
 /// Every row of the seeds' table, parsed once.

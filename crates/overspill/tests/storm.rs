@@ -275,6 +275,10 @@ fn the_report_page_renders_in_a_real_browser() {
         "seed 000 figure",
         "Against the seeds, in both units",
         "<th>in 4 KiB I/Os</th>",
+        // Which seed figures the model was fitted on, and which it predicts.
+        "<th>the model and this row</th>",
+        "fitted (win7-vdi's event-log share)",
+        "held out (within 2×)",
         "Reads and writes at each storage tier",
         "<tr><td>ram+disk 32M</td><td>read cache</td>",
         "<div class=\"failed\"><b>Failed configurations</b>",
