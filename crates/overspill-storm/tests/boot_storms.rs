@@ -100,8 +100,11 @@ fn change(before: &BootEstimate, after: &BootEstimate) -> f64 {
     (after.avg_s / before.avg_s - 1.0) * 100.0
 }
 
+/// A fit, not a check: the arrays below were chosen by a search so that the seed's changes come
+/// out (docs/planning.md), so this test holds the model to what it was fitted on. It guards the
+/// fit against changes to the model; the checks against the seed are the own-array test below.
 #[test]
-fn seed_003s_boot_storms_keep_their_shape() {
+fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
     let plan = win7_boots(10);
     let hdd15k = || DeviceSpec::built_in("hdd15k").expect("built in");
     // The seed's FC array with 384 MB of its 1744 MB cache for writes, 2.08 ms of fabric and
