@@ -429,6 +429,19 @@ impl OverlayExports {
         }
         let versions =
             self.versions.as_ref().ok_or_else(|| DeviceError::new(DeviceErrorKind::Invalid, "no such export"))?;
+        if let (None, Some((_, vm))) = (&fork, name.split_once('@')) {
+            if let Some(gone) = versions.store().maintenance(image_name).filter(|m| m.vm == vm && m.begun) {
+                // A new overlay here would be the version alone: the maintenance work, silently gone.
+                let message = format!(
+                    "VM {vm} is image {image_name}'s maintenance VM and its overlay over {0} is gone (held in the \
+                     memory of a server or host that ended): `overspill image maintain {image_name} {vm} {0}` begins \
+                     it again from {0}, `overspill image maintain {image_name} --none` ends the stage",
+                    gone.version
+                );
+                tracing::error!(vm, image = image_name, "VM refused: {message}");
+                return Err(DeviceError::new(DeviceErrorKind::Refused, message));
+            }
+        }
         let opened = self.version_for(versions, name).and_then(|version| versions.open(image_name, version));
         let (version, image) = opened.map_err(|e| match &fork {
             // Never the image's version in its place: that would revert the fork.
@@ -450,6 +463,20 @@ impl OverlayExports {
             format!("VM {vm} is a fork of {}:{} and cannot start from it: {why}", fork.image, fork.checkpoint);
         tracing::warn!(vm, "VM refused: {message}");
         DeviceError::new(DeviceErrorKind::Refused, message)
+    }
+
+    /// Marks the image's maintenance stage begun when export `name` is its maintenance VM's (a
+    /// new overlay, or one resumed: a VM made the maintenance VM while it had an overlay).
+    fn note_maintenance_begun(&self, name: &str) {
+        let (Some(versions), Some((image, vm))) = (&self.versions, name.split_once('@')) else { return };
+        if self.images.contains_key(image) || self.fork_of(name).is_some() {
+            return;
+        }
+        match versions.store().begin_maintenance(image, vm) {
+            Ok(true) => tracing::info!(vm, image, "maintenance VM's overlay begun: a start without it is refused"),
+            Ok(false) => {}
+            Err(error) => tracing::warn!(vm, image, %error, "could not mark the maintenance VM's overlay as begun"),
+        }
     }
 
     /// The version of the store a new overlay for export `name` gets: the maintenance VM's
@@ -605,12 +632,16 @@ impl ExportProvider for OverlayExports {
                     format!("VM {} is still connecting its first connection; try again", vm_name.unwrap_or_default());
                 return Err(DeviceError::new(DeviceErrorKind::Refused, why));
             }
-            Claim::Resume { number, reset, parked } => (number, reset, *parked, false),
+            Claim::Resume { number, reset, parked } => {
+                self.note_maintenance_begun(name);
+                (number, reset, *parked, false)
+            }
             Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
                 Ok(vm) => {
                     if let Some(vm) = vm_name {
                         self.registry.boots().fresh(vm);
                     }
+                    self.note_maintenance_begun(name);
                     (number, reset, vm, true)
                 }
                 Err(error) => {

@@ -57,6 +57,9 @@ pub struct ImageEntry {
 pub struct Maintenance {
     pub vm: String,
     pub version: String,
+    /// The VM has had its overlay over the version: a later start without that overlay (it was
+    /// in the memory of a host that rebooted) is refused by name rather than begun afresh.
+    pub begun: bool,
 }
 
 /// Which VMs get a version: production (every new VM unless in the test group) or test (new
@@ -150,15 +153,18 @@ impl ImageStore {
     pub fn maintenance(&self, name: &str) -> Option<Maintenance> {
         check_name("image", name).ok()?;
         let text = std::fs::read_to_string(self.root.join(name).join(MAINTENANCE)).ok()?;
-        let (vm, version) = text.trim().split_once(' ')?;
-        Some(Maintenance { vm: vm.to_owned(), version: version.to_owned() })
+        let mut words = text.split_whitespace();
+        let (vm, version) = (words.next()?, words.next()?);
+        let begun = words.next() == Some("begun");
+        Some(Maintenance { vm: vm.to_owned(), version: version.to_owned(), begun })
     }
 
     /// Makes VM `vm` image `name`'s maintenance VM, over `version` (none: the current one): a
     /// new overlay of it gets that version whatever its stage, and its overlay outlives its
     /// boots (a clean disconnect, a reset, a server restart) until it is captured as the next
     /// version (`vm capture`) or dropped (`vm drop`). One per image: another is refused while
-    /// one is named. Returns the version.
+    /// one is named. Naming the same VM again begins its overlay afresh (after it was lost).
+    /// Returns the version.
     pub fn maintain(&self, name: &str, vm: &str, version: Option<&str>) -> Result<String, ServerError> {
         check_name("VM", vm)?;
         self.with_lock(name, |store| {
@@ -180,6 +186,17 @@ impl ImageStore {
             store.published(name, &version)?;
             store.mark(name, MAINTENANCE, Some(&format!("{vm} {version}")))?;
             Ok(version)
+        })
+    }
+
+    /// Records that VM `vm`, image `name`'s maintenance VM, has its overlay now; says whether
+    /// this changed the marker.
+    pub fn begin_maintenance(&self, name: &str, vm: &str) -> Result<bool, ServerError> {
+        self.with_lock(name, |store| match store.maintenance(name) {
+            Some(m) if m.vm == vm && !m.begun => {
+                store.mark(name, MAINTENANCE, Some(&format!("{vm} {} begun", m.version))).map(|()| true)
+            }
+            _ => Ok(false),
         })
     }
 

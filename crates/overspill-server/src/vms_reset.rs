@@ -66,8 +66,16 @@ impl VmRegistry {
         let mut inner = lock(&self.inner);
         match inner.forks.get(vm) {
             None => {
+                let image = inner.names.get(vm).and_then(|number| inner.vms.get(number)).map(|e| e.image.clone());
                 drop(inner);
-                return self.end_by_name(vm, false);
+                let ended = self.end_by_name(vm, false)?;
+                // Thrown away on purpose: the maintenance VM's next boot begins over its version.
+                if let (Some(store), Some(image)) = (self.image_store.get(), image) {
+                    if let Some(m) = store.maintenance(&image).filter(|m| m.vm == vm && m.begun) {
+                        store.maintain(&image, vm, Some(&m.version))?;
+                    }
+                }
+                return Ok(ended);
             }
             Some(fork) if fork.dropped => {
                 return Ok(format!("{vm}: a dropped fork already; `overspill vm reset {vm}` frees its name"))

@@ -205,7 +205,11 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
                     );
                 }
                 if let Some(m) = &image.maintenance {
-                    println!("    maintenance: VM {} over {} (its overlay is the next version)", m.vm, m.version);
+                    let begun = if m.begun { ", begun," } else { "" };
+                    println!(
+                        "    maintenance: VM {} over {} (its overlay{begun} is the next version)",
+                        m.vm, m.version
+                    );
                 }
             }
         }

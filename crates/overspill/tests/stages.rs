@@ -513,3 +513,51 @@ fn a_vm_made_the_maintenance_vm_in_its_grace_outlives_it() {
     m.disconnect().expect("m powers off");
     server.stop();
 }
+
+/// The maintenance VM's overlay lives in the memory directory: a host reboot takes it (its
+/// ledger file then names an earlier boot, and goes). Its next start is refused by name, not
+/// begun afresh over the version, which would silently lose the maintenance work; naming the
+/// VM again (`image maintain`) begins it from the version.
+#[test]
+fn a_maintenance_vm_whose_overlay_a_reboot_took_is_refused_until_named_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir.path().join("images");
+    publish_filled(&store, "win", 0x11, true);
+    image_ok(&store, &["maintain", "win", "maint"]);
+    let (mut server, socket, _control) = serve_store(dir.path(), &store, &[]);
+    let mut maint = connect(&socket, "win", "maint").expect("maint");
+    maint.write(1 << 20, &vec![0x5au8; 64 << 10], false).expect("write");
+    maint.disconnect().expect("maint powers off");
+    server.stop();
+    let listed = image_ok(&store, &["list"]);
+    assert!(listed.contains("maintenance: VM maint over v1 (its overlay, begun, is the next version)"), "{listed}");
+
+    // The host reboots: the memory directory (tmpfs) is empty, the ledger file of another boot.
+    let ledger_file = dir.path().join("spill/state/vm-maint.json");
+    let mut entry: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&ledger_file).expect("the VM's ledger file")).expect("JSON");
+    entry["boot_id"] = "an earlier boot".into();
+    std::fs::write(&ledger_file, serde_json::to_vec(&entry).expect("JSON")).expect("ledger file");
+    for file in std::fs::read_dir(dir.path().join("memory")).expect("memory dir").flatten() {
+        std::fs::remove_file(file.path()).expect("a page file");
+    }
+    let (mut server, socket, control) = serve_store(dir.path(), &store, &[]);
+    let refused = connect(&socket, "win", "maint").expect_err("maint starts over v1 alone");
+    assert!(refused.contains("maintenance VM") && refused.contains("is gone"), "{refused}");
+    let mut desk = connect(&socket, "win", "desk").expect("other VMs go on");
+    assert_eq!(byte_at(&mut desk, 1 << 20), 0x11);
+    desk.disconnect().expect("desk leaves");
+
+    image_ok(&store, &["maintain", "win", "maint", "1"]);
+    let mut maint = connect(&socket, "win", "maint").expect("maint named again");
+    assert_eq!(byte_at(&mut maint, 1 << 20), 0x11, "its overlay begun again from v1");
+    maint.write(1 << 20, &vec![0x6bu8; 4096], false).expect("write");
+    maint.disconnect().expect("maint powers off");
+    // Thrown away by the operator, its next boot begins over v1 (not refused).
+    let said = vm(&control, &["drop", "maint"]);
+    assert!(said.contains("maint"), "{said}");
+    let mut maint = connect(&socket, "win", "maint").expect("maint after vm drop");
+    assert_eq!(byte_at(&mut maint, 1 << 20), 0x11, "vm drop threw its writes away");
+    maint.disconnect().expect("maint powers off");
+    server.stop();
+}
