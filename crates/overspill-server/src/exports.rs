@@ -465,11 +465,12 @@ impl OverlayExports {
         DeviceError::new(DeviceErrorKind::Refused, message)
     }
 
-    /// Marks the image's maintenance stage begun when export `name` is its maintenance VM's (a
-    /// new overlay, or one resumed: a VM made the maintenance VM while it had an overlay).
-    fn note_maintenance_begun(&self, name: &str) {
+    /// Marks the image's maintenance stage begun when VM `number` (of export `name`) is its
+    /// maintenance VM over the marker's version (a new overlay, or one resumed: a VM made the
+    /// maintenance VM while it had an overlay).
+    fn note_maintenance_begun(&self, name: &str, number: u64) {
         let (Some(versions), Some((image, vm))) = (&self.versions, name.split_once('@')) else { return };
-        if self.images.contains_key(image) || self.fork_of(name).is_some() {
+        if self.images.contains_key(image) || self.fork_of(name).is_some() || !self.registry.maintained(number) {
             return;
         }
         match versions.store().begin_maintenance(image, vm) {
@@ -633,7 +634,7 @@ impl ExportProvider for OverlayExports {
                 return Err(DeviceError::new(DeviceErrorKind::Refused, why));
             }
             Claim::Resume { number, reset, parked } => {
-                self.note_maintenance_begun(name);
+                self.note_maintenance_begun(name, number);
                 (number, reset, *parked, false)
             }
             Claim::Fresh { number, reset } => match self.new_overlay(name, number) {
@@ -641,7 +642,7 @@ impl ExportProvider for OverlayExports {
                     if let Some(vm) = vm_name {
                         self.registry.boots().fresh(vm);
                     }
-                    self.note_maintenance_begun(name);
+                    self.note_maintenance_begun(name, number);
                     (number, reset, vm, true)
                 }
                 Err(error) => {

@@ -152,10 +152,11 @@ impl ImageStore {
     /// Image `name`'s maintenance VM, if it has one (its marker alone is read).
     pub fn maintenance(&self, name: &str) -> Option<Maintenance> {
         check_name("image", name).ok()?;
-        let text = std::fs::read_to_string(self.root.join(name).join(MAINTENANCE)).ok()?;
-        let mut words = text.split_whitespace();
-        let (vm, version) = (words.next()?, words.next()?);
-        let begun = words.next() == Some("begun");
+        let dir = self.root.join(name);
+        let text = std::fs::read_to_string(dir.join(MAINTENANCE)).ok()?;
+        let (vm, version) = text.trim().split_once(' ')?;
+        // A file of its own, which servers of before it ignore: it names the marker it began.
+        let begun = std::fs::read_to_string(dir.join(MAINTENANCE_BEGUN)).is_ok_and(|b| b.trim() == text.trim());
         Some(Maintenance { vm: vm.to_owned(), version: version.to_owned(), begun })
     }
 
@@ -184,18 +185,31 @@ impl ImageStore {
                 None => store.current(name)?.name,
             };
             store.published(name, &version)?;
+            store.mark(name, MAINTENANCE_BEGUN, None)?;
             store.mark(name, MAINTENANCE, Some(&format!("{vm} {version}")))?;
             Ok(version)
         })
     }
 
-    /// Records that VM `vm`, image `name`'s maintenance VM, has its overlay now; says whether
-    /// this changed the marker.
+    /// Records that VM `vm`, image `name`'s maintenance VM, has its overlay over the marker's
+    /// version now; says whether this changed anything. Read first without the image's lock,
+    /// which a publish holds for as long as it copies: every named VM's start comes here.
     pub fn begin_maintenance(&self, name: &str, vm: &str) -> Result<bool, ServerError> {
+        let unmarked = |store: &Self| store.maintenance(name).filter(|m| m.vm == vm && !m.begun);
+        if unmarked(self).is_none() {
+            return Ok(false);
+        }
+        self.with_lock(name, |store| match unmarked(store) {
+            Some(m) => store.mark(name, MAINTENANCE_BEGUN, Some(&format!("{vm} {}", m.version))).map(|()| true),
+            None => Ok(false),
+        })
+    }
+
+    /// Forgets that VM `vm`'s maintenance overlay began (it was thrown away on purpose): its next
+    /// start begins over the marker's version instead of being refused.
+    pub fn restart_maintenance(&self, name: &str, vm: &str) -> Result<bool, ServerError> {
         self.with_lock(name, |store| match store.maintenance(name) {
-            Some(m) if m.vm == vm && !m.begun => {
-                store.mark(name, MAINTENANCE, Some(&format!("{vm} {} begun", m.version))).map(|()| true)
-            }
+            Some(m) if m.vm == vm && m.begun => store.mark(name, MAINTENANCE_BEGUN, None).map(|()| true),
             _ => Ok(false),
         })
     }
@@ -204,7 +218,10 @@ impl ImageStore {
     /// one was ended.
     pub fn end_maintenance(&self, name: &str, vm: Option<&str>) -> Result<bool, ServerError> {
         self.with_lock(name, |store| match store.image(name)?.maintenance {
-            Some(m) if vm.is_none_or(|vm| vm == m.vm) => store.mark(name, MAINTENANCE, None).map(|()| true),
+            Some(m) if vm.is_none_or(|vm| vm == m.vm) => {
+                store.mark(name, MAINTENANCE, None)?;
+                store.mark(name, MAINTENANCE_BEGUN, None).map(|()| true)
+            }
             _ => Ok(false),
         })
     }
@@ -660,6 +677,8 @@ fn flatten(image: &dyn overspill_engine::GoldenImage, path: &Path) -> std::io::R
 const CHECKPOINTS: &str = "checkpoints";
 /// The maintenance stage's marker: `VM VERSION`.
 const MAINTENANCE: &str = "maintenance";
+/// The maintenance marker whose VM has had its overlay (see [`Maintenance::begun`]).
+const MAINTENANCE_BEGUN: &str = "maintenance-begun";
 
 /// Gives sealed `partial` the name `target` (`link` fails rather than replace a file another
 /// writer put there; `partial` goes either way), durably.

@@ -66,15 +66,9 @@ impl VmRegistry {
         let mut inner = lock(&self.inner);
         match inner.forks.get(vm) {
             None => {
-                let image = inner.names.get(vm).and_then(|number| inner.vms.get(number)).map(|e| e.image.clone());
                 drop(inner);
                 let ended = self.end_by_name(vm, false)?;
-                // Thrown away on purpose: the maintenance VM's next boot begins over its version.
-                if let (Some(store), Some(image)) = (self.image_store.get(), image) {
-                    if let Some(m) = store.maintenance(&image).filter(|m| m.vm == vm && m.begun) {
-                        store.maintain(&image, vm, Some(&m.version))?;
-                    }
-                }
+                self.restart_maintenance(vm);
                 return Ok(ended);
             }
             Some(fork) if fork.dropped => {
@@ -103,6 +97,26 @@ impl VmRegistry {
         }
         tracing::info!(vm, "fork dropped by the operator: its name is refused until `vm reset`");
         Ok(format!("{vm}: fork dropped; its name is refused until `overspill vm reset {vm}`"))
+    }
+
+    /// A maintenance VM's overlay thrown away on purpose (`vm drop`, whether it waited or was
+    /// lost): its next boot begins over the marker's version instead of being refused.
+    fn restart_maintenance(&self, vm: &str) {
+        let Some(store) = self.image_store.get() else { return };
+        let images = match store.images() {
+            Ok(images) => images,
+            Err(error) => return tracing::warn!(vm, %error, "could not read the image store after a drop"),
+        };
+        for image in images.iter().filter(|i| i.maintenance.as_ref().is_some_and(|m| m.vm == vm && m.begun)) {
+            match store.restart_maintenance(&image.name, vm) {
+                Ok(_) => {
+                    tracing::info!(vm, image = image.name, "maintenance overlay dropped: its next boot begins over")
+                }
+                Err(error) => {
+                    tracing::warn!(vm, image = image.name, %error, "could not record the maintenance VM's drop")
+                }
+            }
+        }
     }
 
     /// Whether VM `number` is its image's maintenance VM (`overspill image maintain`) over the

@@ -392,9 +392,11 @@ const NUDGES: [Nudge; 11] = [
     }),
 ];
 
-/// The figures the tests above hold, for workloads changed by `nudge`: (what, here, the seed's,
-/// the test's tolerance as a closed range around the seed's).
-fn held_figures(nudge: fn(&mut Workload)) -> Vec<(String, f64, f64, (f64, f64))> {
+/// A held figure: what, here, the seed's, the test's tolerance as a closed range.
+type HeldFigure = (String, f64, f64, (f64, f64));
+
+/// The figures the tests above hold, for workloads changed by `nudge`.
+fn held_figures(nudge: fn(&mut Workload)) -> Vec<HeldFigure> {
     let workload = |name: &str| {
         let mut w = Workload::built_in(name).expect("built in");
         nudge(&mut w);
@@ -476,7 +478,7 @@ fn held_figures(nudge: fn(&mut Workload)) -> Vec<(String, f64, f64, (f64, f64))>
 #[ignore = "a study, minutes long: bench/sensitivity runs it"]
 fn sensitivity_of_the_held_figures_to_the_unsourced_ones() {
     // Two at a time: a run holds its VMs' RAM tiers (11 VMs of 256 MB) in memory.
-    let results: Vec<(&str, Vec<(String, f64, f64, (f64, f64))>)> = NUDGES
+    let results: Vec<(&str, Vec<HeldFigure>)> = NUDGES
         .chunks(2)
         .flat_map(|pair| {
             std::thread::scope(|scope| {

@@ -242,7 +242,8 @@ fn a_killed_servers_pages_wait_for_their_vm_and_go_when_no_client_claims_it() {
     let url = metrics_url(&server);
     wait_until(Duration::from_secs(20), || vm_memory(&url, "held") >= 8.0 * MIB, || "held never wrote".into());
     server.kill();
-    drop(held);
+    let mut held = held;
+    held.kill().and_then(|()| held.wait()).expect("qemu-io killed with its server");
 
     let control = dir.path().join("control.sock");
     let server = serve(
