@@ -240,6 +240,58 @@ fn the_windows_10_half_of_seed_001_comes_out_for_a_vdi_desktop_by_proxy() {
     assert!((1.49 / 3.0..=1.49 * 3.0).contains(&pct), "{pct:.2}% of MCS's writes; seed 001: 1.49% (within 3x)");
 }
 
+/// Seed 002, held out of every fit: 20 Windows 7 desktops on one vSphere datastore, Login VSI
+/// starting "one login every fifteen seconds", the datastore's IOPS at the logon storm's peak:
+/// "MCS consumed around 100 IOPS per VM at its peak. In comparison PVS with Disk consumed just
+/// over half as many IOPS as MCS, at around 55 IOPS per VM", and PVS's RAM cache (256 MB) kept
+/// "near zero throughout the logon storm". MCS puts everything on the datastore, base-image
+/// reads included; PVS with its cache on disk puts only the writes and the reads of what the VM
+/// wrote there (the vDisk streams over the network). So the ratio, 0.55 as read off the seed's
+/// chart, is the share of a logon's I/O that is not base-image reads: it tests `win7-vdi`'s
+/// logon read share (seed 000's) and how many of its reads come back to its own writes
+/// (`read_own`, from no source), and nothing was fitted on it. The seed's absolute figures are
+/// not compared (its 5 MB profiles and Login VSI workload drove each desktop harder than seed
+/// 000's, whose counts `win7-vdi` carries); the logon phase is compared, the phase the seed's
+/// peak belongs to. Held within ±0.1 ("around" both figures); the RAM cache's datastore traffic
+/// (the event-log disk's, at the share fitted on seed 000) under 5% of MCS's.
+#[test]
+fn seed_002s_logon_storm_leaves_pvs_with_disk_just_over_half_of_mcs() {
+    let config = StormConfig {
+        vms: 20,
+        boot_interval_s: 0.0,
+        logon_interval_s: 15.0,
+        speed: None,
+        workload_seed: 1,
+        bucket_s: 15,
+    };
+    let workload = Workload::built_in("win7-vdi").expect("built in");
+    let plan = RunPlan::from_workload(&workload, &config);
+    let logon_ops = |mode: WriteCacheMode, tiers: &[&str]| {
+        let model = ModelConfig { mode, ram_bytes: 256 * MIB, read_cache_bytes: 0, bucket_s: config.bucket_s };
+        let results = simulate(&plan, &model).expect("model");
+        let report = config_report(&mode.to_string(), &plan, &config, &results, 0.0);
+        assert!(report.failed_vms.is_empty(), "{mode}: {:?}", report.failed_vms);
+        let logon = report.phases.iter().find(|p| p.phase == "logon").expect("a logon phase");
+        logon.tiers.iter().filter(|r| tiers.contains(&r.tier.as_str())).map(|r| r.total_ops_per_vm).sum::<f64>()
+    };
+    let title = |t: StorageTier| t.title();
+    let mcs = logon_ops(WriteCacheMode::Shared, &[title(StorageTier::Shared), title(StorageTier::Golden)]);
+    let pvs_disk = logon_ops(WriteCacheMode::Disk, &[title(StorageTier::CacheFile), TIERS[DIRECT]]);
+    let pvs_ram =
+        logon_ops(WriteCacheMode::RamDisk, &[title(StorageTier::Spill), title(StorageTier::CacheFile), TIERS[DIRECT]]);
+    let (disk_ratio, ram_ratio) = (pvs_disk / mcs, pvs_ram / mcs);
+    eprintln!(
+        "logon storm, datastore ops per VM: MCS {mcs:.0}, PVS disk {pvs_disk:.0} ({disk_ratio:.2} of MCS; seed 002: ~55 of ~100), PVS RAM 256 MB {pvs_ram:.0} ({:.1}%)",
+        100.0 * ram_ratio
+    );
+    assert!(mcs > 4000.0, "MCS puts a whole logon on the datastore: {mcs:.0} ops per VM");
+    assert!(
+        (0.45..=0.65).contains(&disk_ratio),
+        "PVS with its cache on disk took {disk_ratio:.2} of MCS's datastore ops at logon; seed 002: just over half (0.55 ± 0.1)"
+    );
+    assert!(ram_ratio < 0.05, "PVS RAM cache: {:.1}% of MCS's datastore ops; seed 002: near zero", 100.0 * ram_ratio);
+}
+
 /// What reached a PVS-style cache disk per VM in `phase`, counted as the seed's cache disk took
 /// it: the event-log disk's requests as they are (in place), overspill's spill and cache-file
 /// traffic in 4 KiB units (the seed's cache wrote in place, "mostly 4K").
