@@ -1,0 +1,78 @@
+//! `scripts/windows-trace-figures`, which docs/planning.md and the Windows workloads quote, on a
+//! small export written the way Windows Performance Analyzer writes one (semicolons, a pt-BR
+//! locale's decimal commas and thousands dots): each figure it prints is worked out by hand
+//! here from the rows below.
+
+use std::process::Command;
+
+const HEADER: &str = "IO Type;Priority;Process (Name);Init Time (s);Complete Time (s);IO Time (µs);\
+Disk Service Time (µs);Size (B);Min Offset;Max Offset;QD/I - Queue Depth at Init Time;\
+QD/C - Queue Depth at Complete Time;Disk;Count";
+
+/// One request: kind, process, issue time, size in bytes, offset, queue depth at issue.
+fn row(kind: &str, process: &str, at: &str, size: &str, offset: u64, depth: u32) -> String {
+    format!("{kind};Normal;{process};{at};{at};10,0;10,0;{size};0x{offset:016X};0x{offset:016X};{depth};0;1;1")
+}
+
+#[test]
+fn the_trace_script_bins_splits_and_counts_as_the_profiles_need() {
+    let rows = [
+        // Boot: two reads back to back (the second starts where the first ended), a 1 MiB read
+        // (thousands dot), a write, a flush.
+        row("Read", "System", "1,000", "4.096", 0, 0),
+        row("Read", "System", "1,100", "4.096", 4096, 2),
+        row("Read", "svchost.exe", "1,200", "1.048.576", 1 << 30, 4),
+        row("Write", "System", "1,300", "16.384", 1 << 20, 6),
+        row("Flush", "System", "1,400", "0", 0, 0),
+        // Logon, from userinit.exe's first request: a read and two writes; and a process to
+        // leave out.
+        row("Read", "userinit.exe", "6,500", "32.768", 1 << 25, 1),
+        row("Write", "explorer.exe", "7,000", "4.096", 1 << 26, 1),
+        row("Write", "explorer.exe", "7,250", "200.704", 1 << 27, 3),
+        row("Read", "sync.exe", "8,000", "4.096", 1 << 28, 9),
+    ];
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let trace = dir.path().join("trace.csv");
+    std::fs::write(&trace, format!("{HEADER}\n{}\n", rows.join("\n"))).expect("the trace");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/windows-trace-figures");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(&trace)
+        .args(["--without", "sync.exe"])
+        .output()
+        .unwrap_or_else(|e| panic!("python3 {script}: {e}"));
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{script} failed: {}{printed}", String::from_utf8_lossy(&out.stderr));
+    let line = |phase: &str| {
+        printed
+            .lines()
+            .find(|l| l.starts_with(&format!("| {phase} |")))
+            .unwrap_or_else(|| panic!("no {phase} row in:\n{printed}"))
+            .to_owned()
+    };
+    assert!(printed.contains("boot before userinit.exe's first request (6.5 s)"), "{printed}");
+    // Boot: 3 reads and 1 write (0.75 reads); reads 4K twice and one larger at 1,024 KiB
+    // (mean (4 + 4 + 1024) / 3 = 344 KiB); one flush per write; depths 0, 2, 4, 6 (median 3,
+    // mean 3.0, p90 6); 1 of 3 reads starts where the last ended.
+    assert_eq!(
+        line("boot"),
+        "| boot | 4 in 0.4 s | 0.75 | 4K 0.667, >64K 0.333 at 1024K (mean 344.0 KiB) | 16K 1.000 (mean 16.0 KiB) \
+         | 1.000 | 3 / 3.0 / 6 | 0.33 |"
+    );
+    // Logon: the sync client left out; 1 read of 32K, writes of 4K and 196 KiB (mean 100 KiB);
+    // no flush; depths 1, 1, 3.
+    assert_eq!(
+        line("logon"),
+        "| logon | 3 in 0.8 s | 0.33 | 32K 1.000 (mean 32.0 KiB) | 4K 0.500, >64K 0.500 at 196K (mean 100.0 KiB) \
+         | 0.000 | 1 / 1.7 / 3 | 0.00 |"
+    );
+    // A trace without the process that starts the logon is refused, by name.
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(&trace)
+        .args(["--logon-process", "nosuch.exe"])
+        .output()
+        .expect("python3");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no request of nosuch.exe"));
+}
