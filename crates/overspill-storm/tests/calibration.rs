@@ -151,7 +151,7 @@ fn tier<'a>(report: &'a ConfigReport, phase: &str, tier: StorageTier) -> &'a Tie
 }
 
 /// The phases seed 001's sums cover: its Login VSI test logged the users on and ran their
-/// sessions; no boot is in it (docs/calibration-plan.md §1a).
+/// sessions; it names no boot, and docs/calibration-plan.md §1a infers there was none.
 const LOGIN_VSI: [&str; 2] = ["logon", "steady"];
 
 /// A tier's reads (`Some(true)`), writes (`Some(false)`) or both per VM over [`LOGIN_VSI`], in
@@ -167,7 +167,9 @@ fn login_vsi_4k(report: &ConfigReport, t: StorageTier, reads: Option<bool>) -> f
 
 /// What seed 001's sweep measures of an RDS host, from the model: the MCS baseline (`shared`,
 /// no read cache: MCS read the image from the same storage) and, per memory-cache size, the
-/// temporary cache disk (the spill file), over [`LOGIN_VSI`].
+/// temporary cache disk (the spill file), over [`LOGIN_VSI`]. The sweep's reductions are in 4
+/// KiB units; the base image's share at 4 GB in operations, the unit of the seed's "total sum
+/// reduction in IOPS".
 struct Mcsio {
     workload: Workload,
     /// The baseline's writes on shared storage, and its reads and writes (the base image's
@@ -214,8 +216,8 @@ impl Mcsio {
 /// IOPS of ~93% on the standard shared MCS storage": what MCSIO leaves there is the base image's
 /// reads, 7% of the baseline's operations. `xenapp-rds`'s `read_own` (how many of a session's
 /// reads come back to what the host wrote, not to the base image) was fitted on it, so it is
-/// held close, within ±3 points; no other figure here depends on it (0.3 to 0.8 moves every
-/// sweep row by under 2 points).
+/// held close, within ±3 points; the other rows barely depend on it (0.7 → 0.8 moves each by
+/// under 1 point: `bench/sensitivity`).
 #[test]
 fn the_mcsio_sweep_of_seed_001_comes_out_for_an_rds_host() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/seed-mcsio-sweep.csv");
@@ -277,10 +279,11 @@ fn the_windows_10_half_of_seed_001_comes_out_for_a_vdi_desktop_by_proxy() {
 /// over half as many IOPS as MCS, at around 55 IOPS per VM", and PVS's RAM cache (256 MB) kept
 /// "near zero throughout the logon storm". MCS puts everything on the datastore, base-image
 /// reads included; PVS with its cache on disk puts only the writes and the reads of what the VM
-/// wrote there (the vDisk streams over the network). So the ratio, 0.55 as read off the seed's
-/// chart, is the share of a logon's I/O that is not base-image reads: it tests `win7-vdi`'s
-/// logon read share (seed 000's) and how many of its reads come back to its own writes
-/// (`read_own`, from no source), and nothing was fitted on it. The seed's absolute figures are
+/// wrote there ("Both PVS caching methods utilize low read IOPS due to the fact that PVS reads
+/// the vDisk blocks over the network"). So the ratio, 0.55 as read off the seed's chart, is
+/// mostly MCS's write share: it tests `win7-vdi`'s logon read share (seed 000's, another lab's)
+/// and bounds from above how many of its reads come back to its own writes (`read_own`, from no
+/// source; up to about 0.32), and nothing was fitted on it. The seed's absolute figures are
 /// not compared (its 5 MB profiles and Login VSI workload drove each desktop harder than seed
 /// 000's, whose counts `win7-vdi` carries); the logon phase is compared, the phase the seed's
 /// peak belongs to. Held within ±0.1 ("around" both figures); the RAM cache's datastore traffic

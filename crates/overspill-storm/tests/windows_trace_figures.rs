@@ -66,6 +66,33 @@ fn the_trace_script_bins_splits_and_counts_as_the_profiles_need() {
         "| logon | 3 in 0.8 s | 0.33 | 32K 1.000 (mean 32.0 KiB) | 4K 0.500, >64K 0.500 at 196K (mean 100.0 KiB) \
          | 0.000 | 1 / 1.7 / 3 | 0.00 |"
     );
+    // The same requests exported in the other locale give the same figures.
+    let en_us: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            // Times, service times and sizes; names and hex offsets stay as they are.
+            let numeric = |i: usize| matches!(i, 3..=7);
+            let f: Vec<String> = r
+                .split(';')
+                .enumerate()
+                .map(|(i, c)| if numeric(i) { c.replace('.', "").replace(',', ".") } else { c.to_owned() })
+                .collect();
+            f.join(";")
+        })
+        .collect();
+    let other = dir.path().join("en-us.csv");
+    std::fs::write(&other, format!("{HEADER}\n{}\n", en_us.join("\n"))).expect("the trace");
+    let out =
+        Command::new("python3").arg(script).arg(&other).args(["--without", "sync.exe"]).output().expect("python3");
+    let again = String::from_utf8_lossy(&out.stdout);
+    assert!(again.contains(&line("boot")) && again.contains(&line("logon")), "{again}");
+    // A row that stands for several requests is refused: the figures would be wrong.
+    let aggregated = dir.path().join("aggregated.csv");
+    let counted = rows[0].replace(";1;1", ";1;2");
+    std::fs::write(&aggregated, format!("{HEADER}\n{counted}\n")).expect("the trace");
+    let out = Command::new("python3").arg(script).arg(&aggregated).output().expect("python3");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a row of 2 requests"), "{out:?}");
     // A trace without the process that starts the logon is refused, by name.
     let out = Command::new("python3")
         .arg(script)
