@@ -24,10 +24,13 @@ fn the_trace_script_bins_splits_and_counts_as_the_profiles_need() {
         row("Read", "svchost.exe", "1,200", "1.048.576", 1 << 30, 4),
         row("Write", "System", "1,300", "16.384", 1 << 20, 6),
         row("Flush", "System", "1,400", "0", 0, 0),
-        // Logon, from userinit.exe's first request: a read and two writes; and a process to
-        // leave out.
+        // Logon, from userinit.exe's first request: two reads, the second of a block the boot's
+        // write wrote; three writes, the second over that boot write; and a process to leave
+        // out.
         row("Read", "userinit.exe", "6,500", "32.768", 1 << 25, 1),
         row("Write", "explorer.exe", "7,000", "4.096", 1 << 26, 1),
+        row("Write", "explorer.exe", "7,100", "4.096", 1 << 20, 1),
+        row("Read", "explorer.exe", "7,200", "4.096", (1 << 20) + 4096, 2),
         row("Write", "explorer.exe", "7,250", "200.704", 1 << 27, 3),
         row("Read", "sync.exe", "8,000", "4.096", 1 << 28, 9),
     ];
@@ -53,18 +56,19 @@ fn the_trace_script_bins_splits_and_counts_as_the_profiles_need() {
     assert!(printed.contains("boot before userinit.exe's first request (6.5 s)"), "{printed}");
     // Boot: 3 reads and 1 write (0.75 reads); reads 4K twice and one larger at 1,024 KiB
     // (mean (4 + 4 + 1024) / 3 = 344 KiB); one flush per write; depths 0, 2, 4, 6 (median 3,
-    // mean 3.0, p90 6); 1 of 3 reads starts where the last ended.
+    // mean 3.0, p90 6); 1 of 3 reads starts where the last ended; nothing was written before.
     assert_eq!(
         line("boot"),
         "| boot | 4 in 0.4 s | 0.75 | 4K 0.667, >64K 0.333 at 1024K (mean 344.0 KiB) | 16K 1.000 (mean 16.0 KiB) \
-         | 1.000 | 3 / 3.0 / 6 | 0.33 |"
+         | 1.000 | 3 / 3.0 / 6 | 0.33 | 0.000 | 0.000 |"
     );
-    // Logon: the sync client left out; 1 read of 32K, writes of 4K and 196 KiB (mean 100 KiB);
-    // no flush; depths 1, 1, 3.
+    // Logon: the sync client left out; reads of 32K and 4K (mean 18 KiB), writes of 4K, 4K and
+    // 196 KiB (mean 68 KiB); no flush; depths 1, 2, 1, 1, 3 (median 1, mean 1.6, p90 3); no
+    // read where the last ended; 1 of 3 writes over the boot's write, 1 of 2 reads of it.
     assert_eq!(
         line("logon"),
-        "| logon | 3 in 0.8 s | 0.33 | 32K 1.000 (mean 32.0 KiB) | 4K 0.500, >64K 0.500 at 196K (mean 100.0 KiB) \
-         | 0.000 | 1 / 1.7 / 3 | 0.00 |"
+        "| logon | 5 in 0.8 s | 0.40 | 4K 0.500, 32K 0.500 (mean 18.0 KiB) | 4K 0.667, >64K 0.333 at 196K (mean 68.0 KiB) \
+         | 0.000 | 1 / 1.6 / 3 | 0.00 | 0.333 | 0.500 |"
     );
     // The same requests exported in the other locale give the same figures.
     let en_us: Vec<String> = rows
