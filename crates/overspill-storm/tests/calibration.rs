@@ -282,8 +282,8 @@ fn the_windows_10_half_of_seed_001_comes_out_for_a_vdi_desktop_by_proxy() {
 /// wrote there ("Both PVS caching methods utilize low read IOPS due to the fact that PVS reads
 /// the vDisk blocks over the network"). So the ratio, 0.55 as read off the seed's chart, is
 /// mostly MCS's write share: it tests `win7-vdi`'s logon read share (seed 000's, another lab's)
-/// and bounds from above how many of its reads come back to its own writes (`read_own`, from no
-/// source; up to about 0.32), and nothing was fitted on it. The seed's absolute figures are
+/// and bounds from above how many of its reads come back to its own writes (`read_own`, the
+/// Windows trace's 0.017; up to about 0.32), and nothing was fitted on it. The seed's absolute figures are
 /// not compared (its 5 MB profiles and Login VSI workload drove each desktop harder than seed
 /// 000's, whose counts `win7-vdi` carries); the logon phase is compared, the phase the seed's
 /// peak belongs to. Held within ±0.1 ("around" both figures); the RAM cache's datastore traffic
