@@ -466,18 +466,16 @@ mod tests {
         // The kiosks' limit lifted live: the kiosk goes as fast as it asks, the office holds to
         // its own all the same.
         kiosks.set(Limits::default());
-        let (mut office_sent, mut kiosk_sent) = (0u64, 0u64);
+        let mut office_sent = 0u64;
         let end = clock.now() + Duration::from_secs(5);
         while clock.now() < end {
             admit(&chains[0], 0);
             office_sent += 1;
             for _ in 0..10 {
                 assert!(admit(&chains[2], 0).is_zero(), "the kiosk waited with no limit");
-                kiosk_sent += 1;
             }
         }
         assert!((2_990..=3_010).contains(&office_sent), "the office after the kiosks' change: {office_sent}");
-        assert_eq!(kiosk_sent, 10 * office_sent);
     }
 
     #[test]
