@@ -527,7 +527,7 @@ fn scale_sizes(sizes: &mut [(u32, f64)], by: f64) {
     }
 }
 
-const NUDGES: [Nudge; 11] = [
+const NUDGES: [Nudge; 12] = [
     ("as built", |_| {}),
     ("write sizes ×2", |w| w.phases.iter_mut().for_each(|p| scale_sizes(&mut p.write_sizes, 2.0))),
     ("write sizes ×½ (at least 4 KiB)", |w| w.phases.iter_mut().for_each(|p| scale_sizes(&mut p.write_sizes, 0.5))),
@@ -545,6 +545,17 @@ const NUDGES: [Nudge; 11] = [
             let even = 1.0 / p.write_areas.len() as f64;
             p.write_areas.iter_mut().for_each(|(_, weight)| *weight = even)
         })
+    }),
+    ("write areas twice as large (the disk grown to fit)", |w| {
+        let disk = &mut w.disk;
+        disk.areas.sort_by_key(|a| a.start_mib);
+        let mut next = disk.system_mib;
+        for area in &mut disk.areas {
+            area.start_mib = next;
+            area.size_mib *= 2;
+            next += area.size_mib;
+        }
+        disk.size_mib = disk.size_mib.max(next);
     }),
 ];
 
