@@ -164,6 +164,19 @@ impl Server {
             .collect()
     }
 
+    /// The `fields` of the first JSON log line with this message, waited for: the server logs
+    /// through a background writer, so a line may land after the socket is up.
+    fn first_event(&self, message: &str) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(fields) = self.events(message).into_iter().next() {
+                return fields;
+            }
+            assert!(Instant::now() < deadline, "no {message:?} in the log after {WAIT:?}:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// This server's spill files.
     fn spill_files(&self) -> Vec<PathBuf> {
         spill_files_of(&self.spill_dir, self.pid())
@@ -389,7 +402,7 @@ fn a_memory_directory_others_fill_after_the_start_makes_vms_spill_not_fail() {
         "tcp:127.0.0.1:0",
     ];
     let server = Server::start(tmp.path(), "s", &golden, &spill, &args);
-    let metrics = server.events("metrics endpoint up")[0]["metrics"].as_str().expect("metrics URL").to_owned();
+    let metrics = server.first_event("metrics endpoint up")["metrics"].as_str().expect("metrics URL").to_owned();
     let room = || {
         let fs = nix::sys::statvfs::statvfs(fs.dir.as_path()).expect("statvfs");
         fs.blocks_available() * fs.fragment_size()
@@ -809,6 +822,7 @@ fn a_restart_removes_the_dead_servers_spill_files_and_keeps_the_live_ones() {
     let three = Server::start(tmp.path(), "three", &golden, &shared_spill, &["--ram", "1M"]);
     assert!(!one_files[0].exists(), "server three removed the dead server's spill file");
     assert!(two_files[0].exists(), "server three left the live server's spill file alone");
+    three.first_event("removed cache file of a dead server");
     let removed = three.events("removed cache file of a dead server");
     assert_eq!(removed.len(), 1, "one file removed: {removed:?}");
 
