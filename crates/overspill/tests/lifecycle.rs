@@ -218,7 +218,7 @@ fn a_writer_without_a_grace_or_past_it_is_refused_by_name_until_reset() {
         assert!(Instant::now() < deadline, "grace never ran out: {:?}\n{}", host.states(), server.log_text());
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(server.log_text().contains("did not reconnect within its grace"), "{}", server.log_text());
+    server.wait_log("did not reconnect within its grace");
     assert_refused_as_lost(&host, "vm2");
     host.assert_reads_golden("vm3", 1 << 20, "a VM that only read, after its grace");
     host.wait_for_states(&[("vm2", "lost")]);
@@ -691,7 +691,7 @@ fn a_recovered_vm_keeps_its_image_version_and_a_changed_image_refuses_it() {
     let mut reader = host.connect("reader");
     assert_same(&read_start(&mut reader, 1 << 20), &host.golden_bytes[..1 << 20], "the reader after the change");
     reader.disconnect().expect("disconnect");
-    assert!(server.log_text().contains("had written nothing: it starts afresh"), "{}", server.log_text());
+    server.wait_log("had written nothing: it starts afresh");
     drop(server);
     host.assert_golden_untouched();
 }
@@ -824,7 +824,7 @@ fn sighup_restarts_the_server_in_place_and_vms_resume() {
         assert!(Instant::now() < deadline, "no second serving line after SIGHUP:\n{}", server.log_text());
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(server.log_text().contains("restarting in place"), "{}", server.log_text());
+    server.wait_log("restarting in place");
     host.wait_for_states(&[("writer", "in-grace")]);
     let mut writer = host.connect("writer");
     assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, "after SIGHUP");
@@ -944,7 +944,7 @@ fn qemu_io_back_after_its_grace_is_refused_by_name() {
     assert!(!late.status.success(), "a VM past its grace was served:\n{}", late.all());
     assert!(!late.stdout.contains("read "), "it read something:\n{}", late.all());
     assert!(late.stderr.contains("VM late had writes that were lost"), "told why:\n{}", late.all());
-    assert!(server.log_text().contains("VM refused"), "{}", server.log_text());
+    server.wait_log("VM refused");
     let (ok, text) = host.vm_command(&["reset", "late"]);
     assert!(ok, "{text}");
     let fresh = run_tool(host.dir.path(), "qemu-io", &["--image-opts", &image, "-c", "read -P 0xab 0 4k"]);

@@ -364,7 +364,8 @@ fn a_server_out_of_file_descriptors_says_so_and_keeps_serving() {
     late.write(0, &[9; 4096], false).expect("write");
     let refused = sample(&scrape(&url), "overspill_nbd_refused_connections_total", &[("reason", "out-of-resources")]);
     assert!(refused >= 1.0, "the refusal was not counted as out-of-resources");
-    assert!(server.log_text().contains("out of file descriptors"), "the log does not name the cause");
+    // The log names the cause.
+    server.wait_log("out of file descriptors");
 }
 
 /// `--ram-total` is a true cap: each spilling VM keeps its 2 MiB segment and an index in memory

@@ -179,6 +179,18 @@ impl Serve {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits until the log holds `line`: the server logs through a background writer, so a line
+    /// may land a moment after what it reports has been seen.
+    #[allow(dead_code)]
+    #[track_caller]
+    pub fn wait_log(&self, line: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.log_text().contains(line) {
+            assert!(Instant::now() < deadline, "no {line:?} in the log:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGTERM, and waits for the server to exit; it must exit 0.
     #[allow(dead_code)]
     #[track_caller]
