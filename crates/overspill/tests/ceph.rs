@@ -271,9 +271,8 @@ fn a_snapshot_made_again_under_its_name_is_not_taken_for_the_old_one() {
         Err(_) => true,
         Ok(mut vm1) => vm1.read(0, &mut read).is_err(),
     };
-    let log = server.process.log_text();
-    assert!(refused, "vm1 was served over the new snapshot:\n{log}");
-    assert!(log.contains("is no longer the image its writes were made over"), "{log}");
+    assert!(refused, "vm1 was served over the new snapshot:\n{}", server.process.log_text());
+    server.process.wait_log("is no longer the image its writes were made over");
 }
 
 /// A checkpoint taken out to radosgw (S3) and brought back into another store with the same

@@ -177,6 +177,15 @@ impl Server {
         }
     }
 
+    /// Waits until the log holds `line` (written by a background writer, as above).
+    fn wait_log(&self, line: &str) {
+        let deadline = Instant::now() + WAIT;
+        while !self.log_text().contains(line) {
+            assert!(Instant::now() < deadline, "no {line:?} in the log after {WAIT:?}:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// This server's spill files.
     fn spill_files(&self) -> Vec<PathBuf> {
         spill_files_of(&self.spill_dir, self.pid())
@@ -494,7 +503,8 @@ fn a_cache_file_whose_filesystem_cannot_tell_its_blocks_is_not_rebuilt_wrongly()
         Err(error) => {
             assert!(!exact, "refused on a filesystem that tells its blocks: {error}\n{}", server.log_text());
             assert!(fs.dir.join("vm-vm.cache").exists(), "the refused VM's cache file is gone");
-            assert!(server.log_text().contains("4 KiB"), "the refusal says why:\n{}", server.log_text());
+            // The refusal says why.
+            server.wait_log("4 KiB");
         }
     }
 }

@@ -70,14 +70,12 @@ fn a_guest_writing_files_rides_through_a_killed_and_a_stopped_server() {
     guest.wait_for("WROTE 6\n", Duration::from_secs(180)).expect("WROTE 6");
     server.kill();
     let mut server = serve(dir.path(), &golden, &socket);
-    let log = server.log_text();
-    assert!(log.contains("VM overlay recovered from the previous server"), "not recovered after SIGKILL:\n{log}");
+    server.wait_log("VM overlay recovered from the previous server");
 
     guest.wait_for("WROTE 14\n", Duration::from_secs(180)).expect("WROTE 14");
     server.stop();
     let server = serve(dir.path(), &golden, &socket);
-    let log = server.log_text();
-    assert!(log.contains("VM overlay recovered from the previous server"), "not handed over at SIGTERM:\n{log}");
+    server.wait_log("VM overlay recovered from the previous server");
 
     let console = guest.wait_exit(Duration::from_secs(300)).expect("guest powers off");
     assert!(console.contains(&format!("CHECKSUMS OK {FILES}")), "checksums after two restarts:\n{console}");
@@ -227,18 +225,15 @@ fn a_guest_on_vhost_user_rides_through_a_killed_a_stopped_and_a_restarted_server
     let uri = format!("nbd+unix:///@vwriter?socket={}", dir.path().join("nbd.sock").display());
     let nbdinfo = std::process::Command::new("nbdinfo").arg(&uri).output().expect("nbdinfo");
     assert!(!nbdinfo.status.success(), "an NBD client got a VM served over vhost-user");
-    let log = server.log_text();
-    assert!(log.contains("VM refused: VM vwriter is already connected"), "{log}");
+    server.wait_log("VM refused: VM vwriter is already connected");
     server.kill();
     let mut server = serve_vhost(dir.path(), &golden, "vwriter", &ram);
-    let log = server.log_text();
-    assert!(log.contains("VM overlay recovered from the previous server"), "not recovered after SIGKILL:\n{log}");
+    server.wait_log("VM overlay recovered from the previous server");
 
     guest.wait_for("WROTE 14\n", Duration::from_secs(180)).expect("WROTE 14");
     server.stop();
     let server = serve_vhost(dir.path(), &golden, "vwriter", &ram);
-    let log = server.log_text();
-    assert!(log.contains("VM overlay recovered from the previous server"), "not handed over at SIGTERM:\n{log}");
+    server.wait_log("VM overlay recovered from the previous server");
 
     // SIGHUP: the server drains and starts again in the same process (an upgrade).
     guest.wait_for("WROTE 18\n", Duration::from_secs(180)).expect("WROTE 18");
