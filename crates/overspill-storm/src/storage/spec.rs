@@ -16,13 +16,13 @@ pub struct DeviceSpec {
     pub mb_per_s: f64,
 }
 
-/// Random 4 KiB IOPS of each class at a few queue depths. docs/planning.md ("Every parameter
-/// and its source") gives each point's source: the disks' depth-1 points from data sheets (seek
-/// plus half a revolution), `hdd10k`'s bandwidth from its manual's bytes per track; their
-/// depth-32 points about twice depth 1, as deep queues give a disk (loosely sourced; seed 003's
-/// arrays check `hdd15k`'s); `ssd` a SATA SSD of the seeds' years
-/// (Samsung 850 EVO: its data sheet's depth-1 point and bandwidth, a published run's depth 32);
-/// `nvme` Samsung's 960 EVO (1 TB) specification as reviews list it (its random-read maximum at
+/// Random 4 KiB IOPS of each class at a few queue depths, and its bandwidth. docs/planning.md
+/// ("Every parameter and its source") gives each figure's source: the disks' depth-1 points from
+/// data sheets (seek plus half a revolution) and their depth-32 points about twice that, as deep
+/// queues give a disk (loosely sourced; seed 003's own arrays check `hdd15k`'s); `hdd10k`'s
+/// bandwidth from its manual's bytes per track; `ssd` a SATA SSD of the seeds' years (Samsung
+/// 850 EVO: its data sheet's depth-1 point and bandwidth, a published run's depth 32); `nvme`
+/// Samsung's 960 EVO (1 TB) specification as reviews list it (its random-read maximum is at
 /// depth 32 on each of four threads: 128 outstanding). The depth-4 and depth-16 points are
 /// round figures.
 /// `[queue depth, IOPS]` points.
