@@ -164,26 +164,27 @@ impl Server {
             .collect()
     }
 
-    /// The `fields` of the first JSON log line with this message, waited for: the server logs
-    /// through a background writer, so a line may land after the socket is up.
-    fn first_event(&self, message: &str) -> Value {
+    /// Waits for `probe` to find something: the server logs through a background writer, so a
+    /// line may land a moment after what it reports (the socket up, a refusal) has been seen.
+    fn wait_for<T>(&self, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Some(fields) = self.events(message).into_iter().next() {
-                return fields;
+            if let Some(found) = probe() {
+                return found;
             }
-            assert!(Instant::now() < deadline, "no {message:?} in the log after {WAIT:?}:\n{}", self.log_text());
+            assert!(Instant::now() < deadline, "no {what} in the log after {WAIT:?}:\n{}", self.log_text());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
-    /// Waits until the log holds `line` (written by a background writer, as above).
+    /// The `fields` of the first JSON log line with this message, waited for.
+    fn first_event(&self, message: &str) -> Value {
+        self.wait_for(message, || self.events(message).into_iter().next())
+    }
+
+    /// Waits until the log holds `line`.
     fn wait_log(&self, line: &str) {
-        let deadline = Instant::now() + WAIT;
-        while !self.log_text().contains(line) {
-            assert!(Instant::now() < deadline, "no {line:?} in the log after {WAIT:?}:\n{}", self.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_for(line, || self.log_text().contains(line).then_some(()))
     }
 
     /// This server's spill files.
@@ -532,11 +533,7 @@ fn servers_sharing_a_spill_directory_never_take_each_others_files() {
         assert!(on_b.write(0, &[1; 4096], false).is_err(), "B's vm1 was given state files under A's names");
     }
     // (Logged as the refusal goes out: the client may hear it first.)
-    let deadline = Instant::now() + WAIT;
-    while !b.log_text().contains("another process") {
-        assert!(Instant::now() < deadline, "B's refusal says why:\n{}", b.log_text());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    b.wait_log("another process");
     assert_eq!(std::fs::metadata(&spill_file).expect("A's spill file").ino(), inode, "B took A's spill file");
 
     // A crashes and comes back: its vm1's data is its own.
@@ -584,11 +581,7 @@ fn a_crashed_servers_files_wait_for_it_and_a_reset_there_spares_another_servers(
     if let Ok(mut on_a) = Client::connect(&uri) {
         assert!(on_a.write(0, &[1; 4096], false).is_err(), "A's vm1 was given B's state files");
     }
-    let deadline = Instant::now() + WAIT;
-    while !a.log_text().contains("no ledger entry of this server names it") {
-        assert!(Instant::now() < deadline, "A's refusal says why:\n{}", a.log_text());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    a.wait_log("no ledger entry of this server names it");
     assert_eq!(std::fs::metadata(&spill_file).expect("B's spill file").ino(), inode, "A took B's spill file");
     let mut b = start("b");
     let mut on_b = b.client("vm1");
