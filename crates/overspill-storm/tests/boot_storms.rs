@@ -16,7 +16,7 @@
 use overspill_engine::WriteCacheMode;
 use overspill_storm::driver::RunPlan;
 use overspill_storm::plan::{boot_estimate, BootEstimate, PlanOptions};
-use overspill_storm::storage::{CacheMode, Clones, DeviceSpec, Raid, StorageSpec};
+use overspill_storm::storage::{CacheMode, Clones, DeviceSpec, Raid, StorageSpec, ARRAY_LATENCY_S};
 use overspill_storm::{StormConfig, Workload};
 
 const VMS: usize = 90;
@@ -79,8 +79,14 @@ fn internal(cache_mib: u64, issue_s: f64) -> StorageSpec {
     }
 }
 
-/// The Fibre Channel array: its 1744 MB cache, 2.5 ms of fabric and controller per request, a
-/// controller good for 16k IOPS, and the HBA's queue depth.
+/// The seed's SSD storms peaked at 12,981 and 12,489 IOPS, at HBA queue depths 32 and 254: the
+/// same within 4% whatever the queue, a ceiling of the array's (the seed guesses the HBA). The
+/// model puts its controller there: a seed figure used as an input, so the SSD storms' peaks
+/// are not checks.
+const SEED_SSD_CEILING_IOPS: f64 = 12_981.0;
+
+/// The Fibre Channel array: its 1744 MB cache, a controller at the seed's SSD ceiling, the
+/// model's default time per request (as the internal arrays), and the HBA's queue depth.
 fn fibre_channel(device: DeviceSpec, disks: usize, mode: CacheMode, queue_depth: usize, issue_s: f64) -> StorageSpec {
     StorageSpec {
         disks,
@@ -88,8 +94,7 @@ fn fibre_channel(device: DeviceSpec, disks: usize, mode: CacheMode, queue_depth:
         cache_bytes: 1744 << 20,
         cache_mode: mode,
         queue_depth: Some(queue_depth),
-        controller_iops: Some(16_000.0),
-        array_latency_s: 0.002_5,
+        controller_iops: Some(SEED_SSD_CEILING_IOPS),
         power_on_group: 1,
         power_on_interval_s: issue_s / (VMS - 1) as f64,
         ..StorageSpec::single(device)
@@ -259,6 +264,10 @@ fn seed_003s_own_arrays_as_full_clones_last_as_long_as_its_storms() {
     for ((e, length), peak) in own.storms.iter().zip(&own.longest_boot).zip(&own.peak_iops) {
         println!("longest boot {length:.2}× the seed's, peak IOPS {peak:.2}×: {}", e.storage);
         assert!(within(OWN_LONGEST_BOOT, *length), "longest boot {length:.2}× the seed's: {e:?}");
+    }
+    // The SSD storms' peaks are the controller's ceiling, which is the seed's: only the HDD
+    // arrays' peaks are checks.
+    for (e, peak) in own.storms.iter().zip(&own.peak_iops).take(4) {
         assert!(within(OWN_PEAK_IOPS, *peak), "peak IOPS {peak:.2}× the seed's: {e:?}");
     }
     let ratio = own.ssd_over_hdd;
@@ -289,13 +298,6 @@ fn study_power_ons_driven_by_storage_on_the_seeds_own_arrays() {
         ("FC HDD QD254, write-back (1:38, 3:22)", paced(fibre_channel(hdd15k(), 12, CacheMode::WriteBack, 254, 0.0))),
         ("FC SSD QD32 (1:01, 1:28)", paced(fibre_channel(fc_ssd(), 24, CacheMode::WriteBack, 32, 0.0))),
         ("FC SSD QD254 (0:40, 1:12)", paced(fibre_channel(fc_ssd(), 24, CacheMode::WriteBack, 254, 0.0))),
-        (
-            "FC HDD QD32, read cache, 0.5 ms array latency",
-            StorageSpec {
-                array_latency_s: 0.000_5,
-                ..paced(fibre_channel(hdd15k(), 12, CacheMode::ReadOnly, 32, 0.0))
-            },
-        ),
     ];
     for (name, spec) in storms {
         println!("{name}:");
@@ -332,26 +334,12 @@ fn disks_bandwidth(spec: &mut StorageSpec, by: f64) {
     }
 }
 
-/// The arrays behind an HBA are the Fibre Channel ones; the internal controller has no queue
-/// limit.
-fn behind_an_hba(spec: &StorageSpec) -> bool {
-    spec.queue_depth.is_some()
-}
-
-fn internal_latency(spec: &mut StorageSpec, by: f64) {
-    if !behind_an_hba(spec) {
+/// Scales an array's own time per request where it is the model's default (0.2 ms, no source);
+/// the fitted FC array's 2.08 ms is a fit.
+fn default_latency(spec: &mut StorageSpec, by: f64) {
+    if spec.array_latency_s == ARRAY_LATENCY_S {
         spec.array_latency_s *= by;
     }
-}
-
-fn fc_latency(spec: &mut StorageSpec, by: f64) {
-    if behind_an_hba(spec) {
-        spec.array_latency_s *= by;
-    }
-}
-
-fn fc_controller(spec: &mut StorageSpec, by: f64) {
-    spec.controller_iops = spec.controller_iops.map(|iops| iops * by);
 }
 
 fn write_part_where_unset(spec: &mut StorageSpec, share: f64) {
@@ -360,7 +348,7 @@ fn write_part_where_unset(spec: &mut StorageSpec, share: f64) {
     }
 }
 
-const STORAGE_NUDGES: [StorageNudge; 15] = [
+const STORAGE_NUDGES: [StorageNudge; 11] = [
     ("as built", |_| {}, |_| {}, |_| {}),
     (
         "disks' depths 4 and 16 on the straight line from depth 1 to 32",
@@ -376,12 +364,8 @@ const STORAGE_NUDGES: [StorageNudge; 15] = [
     ),
     ("disks' bandwidth ×½", |_| {}, |s| disks_bandwidth(s, 0.5), |s| disks_bandwidth(s, 0.5)),
     ("disks' bandwidth ×2", |_| {}, |s| disks_bandwidth(s, 2.0), |s| disks_bandwidth(s, 2.0)),
-    ("internal arrays' latency (0.2 ms) ×½", |_| {}, |s| internal_latency(s, 0.5), |s| internal_latency(s, 0.5)),
-    ("internal arrays' latency (0.2 ms) ×2", |_| {}, |s| internal_latency(s, 2.0), |s| internal_latency(s, 2.0)),
-    ("own FC arrays' latency (2.5 ms) ×½", |_| {}, |_| {}, |s| fc_latency(s, 0.5)),
-    ("own FC arrays' latency (2.5 ms) ×2", |_| {}, |_| {}, |s| fc_latency(s, 2.0)),
-    ("own FC controller (16k IOPS) ×½", |_| {}, |_| {}, |s| fc_controller(s, 0.5)),
-    ("own FC controller (16k IOPS) ×2", |_| {}, |_| {}, |s| fc_controller(s, 2.0)),
+    ("arrays' latency, the default 0.2 ms, ×½", |_| {}, |s| default_latency(s, 0.5), |s| default_latency(s, 0.5)),
+    ("arrays' latency, the default 0.2 ms, ×2", |_| {}, |s| default_latency(s, 2.0), |s| default_latency(s, 2.0)),
     (
         "write part a quarter of the cache (where not set: half)",
         |_| {},
@@ -408,9 +392,13 @@ const STORAGE_NUDGES: [StorageNudge; 15] = [
     ),
 ];
 
-/// A held figure of seed 003's tests: what, its value, the seed's (or the test's bound), and
-/// whether the test's tolerance holds it.
-type HeldStormFigure = (&'static str, f64, &'static str, bool);
+/// A held figure of seed 003's tests: what, its value, what the test holds it to, and whether
+/// it holds.
+type HeldStormFigure = (&'static str, f64, String, bool);
+
+fn range_text((low, high): (f64, f64)) -> String {
+    format!("{low}-{high}")
+}
 
 fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<HeldStormFigure> {
     let mut w = Workload::built_in("win7-vdi").expect("built in");
@@ -419,36 +407,54 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<HeldSto
     let (shape, _) = fitted_shape(&plan, fitted_arrays(fitted));
     let own = own_arrays_against_the_seed(&plan, own_arrays(own));
     let near = |figure: f64, seed: f64| (figure - seed).abs() <= CHANGE_POINTS;
-    let least = |figures: &[f64]| figures.iter().copied().fold(f64::MAX, f64::min);
-    let most = |figures: &[f64]| figures.iter().copied().fold(0.0, f64::max);
+    // The own-array figures: the least and the most over the storms, each held to a range.
+    let own_least = |what, figures: &[f64], range| {
+        let least = figures.iter().copied().fold(f64::MAX, f64::min);
+        (what, least, range_text(range), within(range, least))
+    };
+    let own_most = |what, figures: &[f64], range| {
+        let most = figures.iter().copied().fold(0.0, f64::max);
+        (what, most, range_text(range), within(range, most))
+    };
     let (lo, hi) = shape.ssd_over_hdd;
+    let hdd_peaks = &own.peak_iops[..4];
     vec![
-        ("fitted: cache, %", shape.cache, "−18 ± 10", near(shape.cache, SEED_CACHE_PCT)),
-        ("fitted: HDD queue depth, %", shape.hdd_queue, "−33 ± 10", near(shape.hdd_queue, SEED_HDD_QUEUE_PCT)),
-        ("fitted: SSD queue depth, %", shape.ssd_queue, "−18 ± 10", near(shape.ssd_queue, SEED_SSD_QUEUE_PCT)),
-        ("fitted: SSD over HDD, least ×", lo, "≥ 2.3", lo >= SSD_OVER_HDD.0),
-        ("fitted: SSD over HDD, most ×", hi, "≤ 4.2", hi <= SSD_OVER_HDD.1),
-        ("fitted: narrowest spread ×", shape.narrowest_spread, "> 1.5", shape.narrowest_spread > SPREAD_AT_LEAST),
         (
-            "own: longest boot, least × seed's",
-            least(&own.longest_boot),
-            "0.6-1.6",
-            within(OWN_LONGEST_BOOT, least(&own.longest_boot)),
+            "fitted: cache, %",
+            shape.cache,
+            format!("{SEED_CACHE_PCT} ± {CHANGE_POINTS}"),
+            near(shape.cache, SEED_CACHE_PCT),
         ),
         (
-            "own: longest boot, most × seed's",
-            most(&own.longest_boot),
-            "0.6-1.6",
-            within(OWN_LONGEST_BOOT, most(&own.longest_boot)),
+            "fitted: HDD queue depth, %",
+            shape.hdd_queue,
+            format!("{SEED_HDD_QUEUE_PCT} ± {CHANGE_POINTS}"),
+            near(shape.hdd_queue, SEED_HDD_QUEUE_PCT),
         ),
         (
-            "own: peak IOPS, least × seed's",
-            least(&own.peak_iops),
-            "0.5-1.5",
-            within(OWN_PEAK_IOPS, least(&own.peak_iops)),
+            "fitted: SSD queue depth, %",
+            shape.ssd_queue,
+            format!("{SEED_SSD_QUEUE_PCT} ± {CHANGE_POINTS}"),
+            near(shape.ssd_queue, SEED_SSD_QUEUE_PCT),
         ),
-        ("own: peak IOPS, most × seed's", most(&own.peak_iops), "0.5-1.5", within(OWN_PEAK_IOPS, most(&own.peak_iops))),
-        ("own: SSD over HDD ×", own.ssd_over_hdd, "> 2", own.ssd_over_hdd > OWN_SSD_OVER_HDD_AT_LEAST),
+        ("fitted: SSD over HDD, least ×", lo, format!("≥ {}", SSD_OVER_HDD.0), lo >= SSD_OVER_HDD.0),
+        ("fitted: SSD over HDD, most ×", hi, format!("≤ {}", SSD_OVER_HDD.1), hi <= SSD_OVER_HDD.1),
+        (
+            "fitted: narrowest spread ×",
+            shape.narrowest_spread,
+            format!("> {SPREAD_AT_LEAST}"),
+            shape.narrowest_spread > SPREAD_AT_LEAST,
+        ),
+        own_least("own: longest boot, least × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
+        own_most("own: longest boot, most × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
+        own_least("own: HDD peak IOPS, least × seed's", hdd_peaks, OWN_PEAK_IOPS),
+        own_most("own: HDD peak IOPS, most × seed's", hdd_peaks, OWN_PEAK_IOPS),
+        (
+            "own: SSD over HDD ×",
+            own.ssd_over_hdd,
+            format!("> {OWN_SSD_OVER_HDD_AT_LEAST}"),
+            own.ssd_over_hdd > OWN_SSD_OVER_HDD_AT_LEAST,
+        ),
     ]
 }
 
@@ -472,7 +478,7 @@ fn sensitivity_of_seed_003s_figures_to_the_unsourced_storage_ones() {
     let figures = &results[0].1;
     println!("| change | {} |", figures.iter().map(|(what, ..)| *what).collect::<Vec<_>>().join(" | "));
     println!("| --- |{}", " --- |".repeat(figures.len()));
-    println!("| held | {} |", figures.iter().map(|(_, _, held, _)| *held).collect::<Vec<_>>().join(" | "));
+    println!("| held | {} |", figures.iter().map(|(_, _, held, _)| held.as_str()).collect::<Vec<_>>().join(" | "));
     for (name, row) in &results {
         let cells: Vec<String> =
             row.iter().map(|(_, here, _, holds)| format!("{here:.2}{}", if *holds { "" } else { " out" })).collect();
