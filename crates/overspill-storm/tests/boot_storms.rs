@@ -13,6 +13,9 @@
 //! seed's changes in average boot time within ±10 points, SSD against HDD within the seed's
 //! 2.3× to 4.2×.
 
+mod common;
+
+use common::Held;
 use overspill_engine::WriteCacheMode;
 use overspill_storm::driver::RunPlan;
 use overspill_storm::plan::{boot_estimate, BootEstimate, PlanOptions};
@@ -392,15 +395,13 @@ const STORAGE_NUDGES: [StorageNudge; 11] = [
     ),
 ];
 
-/// A held figure of seed 003's tests: what, its value, what the test holds it to, and whether
-/// it holds.
-type HeldStormFigure = (&'static str, f64, String, bool);
-
 fn range_text((low, high): (f64, f64)) -> String {
     format!("{low}-{high}")
 }
 
-fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<HeldStormFigure> {
+/// Seed 003's held figures under one change: what, the value, what the test holds it to, and
+/// whether it holds.
+fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
     let mut w = Workload::built_in("win7-vdi").expect("built in");
     workload(&mut w);
     let plan = win7_boots_of(w, 10);
@@ -456,6 +457,9 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<HeldSto
             own.ssd_over_hdd > OWN_SSD_OVER_HDD_AT_LEAST,
         ),
     ]
+    .into_iter()
+    .map(|(what, here, against, holds): (&str, f64, String, bool)| Held { what: what.into(), here, against, holds })
+    .collect()
 }
 
 /// How much seed 003's held figures move when a figure of the storage model that no source
@@ -464,24 +468,5 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<HeldSto
 #[test]
 #[ignore = "a study, minutes long: bench/sensitivity runs it"]
 fn sensitivity_of_seed_003s_figures_to_the_unsourced_storage_ones() {
-    // Two at a time: two cores.
-    let results: Vec<(&str, Vec<HeldStormFigure>)> = STORAGE_NUDGES
-        .chunks(2)
-        .flat_map(|pair| {
-            std::thread::scope(|scope| {
-                let runs: Vec<_> =
-                    pair.iter().map(|nudge| (nudge.0, scope.spawn(move || held_storm_figures(nudge)))).collect();
-                runs.into_iter().map(|(name, run)| (name, run.join().expect("a study run"))).collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    let figures = &results[0].1;
-    println!("| change | {} |", figures.iter().map(|(what, ..)| *what).collect::<Vec<_>>().join(" | "));
-    println!("| --- |{}", " --- |".repeat(figures.len()));
-    println!("| held | {} |", figures.iter().map(|(_, _, held, _)| held.as_str()).collect::<Vec<_>>().join(" | "));
-    for (name, row) in &results {
-        let cells: Vec<String> =
-            row.iter().map(|(_, here, _, holds)| format!("{here:.2}{}", if *holds { "" } else { " out" })).collect();
-        println!("| {name} | {} |", cells.join(" | "));
-    }
+    common::print_study(&STORAGE_NUDGES, |nudge| nudge.0, held_storm_figures, "held", 2);
 }

@@ -11,6 +11,9 @@
 //! below them compare the engine's output with seed figures it was not sized on (or say which
 //! figure a parameter was fitted on).
 
+mod common;
+
+use common::Held;
 use overspill_block::GuestOp;
 use overspill_storm::profile::{Area, Op, Workload};
 
@@ -681,30 +684,15 @@ fn held_figures(nudge: fn(&mut Workload)) -> Vec<HeldFigure> {
 #[test]
 #[ignore = "a study, minutes long: bench/sensitivity runs it"]
 fn sensitivity_of_the_held_figures_to_the_unsourced_ones() {
-    // Two at a time: a run holds its VMs' RAM tiers (11 VMs of 256 MB) in memory.
-    let results: Vec<(&str, Vec<HeldFigure>)> = NUDGES
-        .chunks(2)
-        .flat_map(|pair| {
-            std::thread::scope(|scope| {
-                let runs: Vec<_> =
-                    pair.iter().map(|&(name, nudge)| (name, scope.spawn(move || held_figures(nudge)))).collect();
-                runs.into_iter().map(|(name, run)| (name, run.join().expect("a study run"))).collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    let figures: Vec<&String> = results[0].1.iter().map(|(what, ..)| what).collect();
-    println!("| change | {} |", figures.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(" | "));
-    println!("| --- |{}", " --- |".repeat(figures.len()));
-    let seeds: Vec<String> = results[0].1.iter().map(|(_, _, seed, _)| format!("{seed}")).collect();
-    println!("| the seed's | {} |", seeds.join(" | "));
-    for (name, row) in &results {
-        let cells: Vec<String> = row
-            .iter()
-            .map(|(_, here, _, held)| {
-                let out = if held.0.is_nan() || holds(*held, *here) { "" } else { " out" };
-                format!("{here:.1}{out}")
-            })
-            .collect();
-        println!("| {name} | {} |", cells.join(" | "));
-    }
+    let figures = |&(_, nudge): &Nudge| {
+        let held = |(what, here, seed, held): HeldFigure| Held {
+            what,
+            here,
+            against: format!("{seed}"),
+            // A NaN range is a recorded miss, held by no test.
+            holds: held.0.is_nan() || holds(held, here),
+        };
+        held_figures(nudge).into_iter().map(held).collect()
+    };
+    common::print_study(&NUDGES, |&(name, _)| name, figures, "the seed's", 1);
 }
