@@ -165,6 +165,55 @@ fn win7_boot_moves_about_the_volume_a_measured_vdi_boot_moves() {
     assert!(holds(written_held, written_mb), "boot writes {written_mb:.1} MB; measured {VDI_BOOT_WRITTEN_MB:?} MB");
 }
 
+/// How a boot's reads fall on the disk: MiB read and distinct MiB, the share of the 4 KiB
+/// blocks read that an earlier read of the boot had read, and the 16 KiB and 256 KiB chunks
+/// touched over the distinct bytes, as `scripts/windows-trace-figures` counts them for a trace.
+fn read_locality(ops: &[Op]) -> [f64; 5] {
+    let (mut bytes, mut blocks, mut before) = (0u64, 0u64, 0u64);
+    let mut read = std::collections::HashSet::new();
+    let mut chunks = [(16u64 << 10, std::collections::HashSet::new()), (256 << 10, std::collections::HashSet::new())];
+    for op in ops.iter().filter(|op| op.kind == GuestOp::Read) {
+        let end = op.offset + u64::from(op.len).max(1) - 1;
+        bytes += u64::from(op.len);
+        for block in op.offset / 4096..=end / 4096 {
+            blocks += 1;
+            before += u64::from(!read.insert(block));
+        }
+        for (size, touched) in &mut chunks {
+            touched.extend(op.offset / *size..=end / *size);
+        }
+    }
+    let distinct = read.len() as f64 * 4096.0;
+    let spread =
+        |(size, touched): &(u64, std::collections::HashSet<u64>)| touched.len() as f64 * *size as f64 / distinct;
+    [bytes as f64 / MIB_F, distinct / MIB_F, before as f64 / blocks as f64, spread(&chunks[0]), spread(&chunks[1])]
+}
+
+const MIB_F: f64 = (1 << 20) as f64;
+
+/// A study, not a check (docs/planning.md, the system region): how `win7-vdi`'s boot reads
+/// fall on its disk with its 1.5 GiB system region and with larger ones, beside what
+/// `scripts/windows-trace-figures` counts for the Windows trace's boot. Prints a markdown table.
+#[test]
+#[ignore = "a study: cargo test --release -p overspill-storm --test calibration boot_read_locality -- --ignored --nocapture"]
+fn study_boot_read_locality_against_the_windows_trace() {
+    println!("| system region | MiB read (distinct) | blocks read before | 16 / 256 KiB chunks over distinct |");
+    println!("| --- | --- | --- | --- |");
+    for system_mib in [1536, 3072, 6144] {
+        let mut w = Workload::built_in("win7-vdi").expect("built in");
+        let grown = system_mib - w.disk.system_mib;
+        w.disk.system_mib = system_mib;
+        w.disk.areas.iter_mut().for_each(|area| area.start_mib += grown);
+        w.disk.size_mib += grown;
+        let boot = w.phases.iter().position(|p| p.name == "boot").expect("boot phase");
+        let [read, distinct, before, spread16, spread256] = read_locality(&w.generate(7, 0)[boot]);
+        println!(
+            "| {:.1} GiB | {read:.1} ({distinct:.1} distinct) | {before:.3} | {spread16:.2} / {spread256:.2} |",
+            system_mib as f64 / 1024.0
+        );
+    }
+}
+
 // What reaches storage, through the engine itself (`model`: the overlays `serve` runs, with
 // in-memory files), against the seeds' storage-side figures.
 
