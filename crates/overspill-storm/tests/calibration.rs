@@ -183,10 +183,11 @@ fn read_locality(ops: &[Op]) -> [f64; 5] {
             touched.extend(op.offset / *size..=end / *size);
         }
     }
-    let distinct = read.len() as f64 * 4096.0;
+    // A phase without reads reads nothing: no division by zero.
+    let (distinct, blocks) = ((read.len().max(1) * 4096) as f64, blocks.max(1) as f64);
     let spread =
         |(size, touched): &(u64, std::collections::HashSet<u64>)| touched.len() as f64 * *size as f64 / distinct;
-    [bytes as f64 / MIB_F, distinct / MIB_F, before as f64 / blocks as f64, spread(&chunks[0]), spread(&chunks[1])]
+    [bytes as f64 / MIB_F, distinct / MIB_F, before as f64 / blocks, spread(&chunks[0]), spread(&chunks[1])]
 }
 
 const MIB_F: f64 = (1 << 20) as f64;

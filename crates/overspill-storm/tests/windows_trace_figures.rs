@@ -25,8 +25,9 @@ fn the_trace_script_bins_splits_and_counts_as_the_profiles_need() {
         row("Write", "System", "1,300", "16.384", 1 << 20, 6),
         row("Flush", "System", "1,400", "0", 0, 0),
         // Logon, from userinit.exe's first request: two reads, the first over the last 16 KiB of
-        // the boot's 1 MiB read and the 16 KiB of its write, the second of a block of both; three
-        // writes, the second over that boot write; and a process to leave out.
+        // the boot's 1 MiB read and the 16 KiB of its write, the second of a block of that write
+        // and of the first read; three writes, the second over that boot write; and a process to
+        // leave out.
         row("Read", "userinit.exe", "6,500", "32.768", (1 << 20) - 16384, 1),
         row("Write", "explorer.exe", "7,000", "4.096", 1 << 26, 1),
         row("Write", "explorer.exe", "7,100", "4.096", 1 << 20, 1),
