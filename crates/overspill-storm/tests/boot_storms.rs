@@ -83,9 +83,9 @@ fn internal(cache_mib: u64, issue_s: f64) -> StorageSpec {
 }
 
 /// The seed's SSD storms peaked at 12,981 and 12,489 IOPS, at HBA queue depths 32 and 254: the
-/// same within 4% whatever the queue, a ceiling of the array's (the seed guesses the HBA). The
-/// model puts its controller there: a seed figure used as an input, so the SSD storms' peaks
-/// are not checks.
+/// same within 4% whatever the queue, read here as a ceiling of the array's (an inference: the
+/// seed states none). The model puts its controller there: a seed figure used as an input, so
+/// the SSD storms' peaks are not checks.
 const SEED_SSD_CEILING_IOPS: f64 = 12_981.0;
 
 /// The Fibre Channel array: its 1744 MB cache, a controller at the seed's SSD ceiling, the
@@ -331,6 +331,16 @@ fn disks_middle_points(spec: &mut StorageSpec, to: fn(f64, f64, Point, Point) ->
     }
 }
 
+/// The middle points on the straight line between the first and the last.
+fn disks_middle_on_the_line(spec: &mut StorageSpec) {
+    disks_middle_points(spec, |depth, _, (d0, i0), (d1, i1)| i0 + (i1 - i0) * (depth - d0) / (d1 - d0));
+}
+
+/// The middle points halfway up to the last.
+fn disks_middle_halfway_up(spec: &mut StorageSpec) {
+    disks_middle_points(spec, |_, iops, _, (_, last)| (iops + last) / 2.0);
+}
+
 fn disks_bandwidth(spec: &mut StorageSpec, by: f64) {
     if spec.device.name.starts_with("hdd") {
         spec.device.mb_per_s *= by;
@@ -360,15 +370,10 @@ const STORAGE_NUDGES: [StorageNudge; 13] = [
     (
         "disks' depths 4 and 16 on the straight line from depth 1 to 32",
         |_| {},
-        |s| disks_middle_points(s, |depth, _, (d0, i0), (d1, i1)| i0 + (i1 - i0) * (depth - d0) / (d1 - d0)),
-        |s| disks_middle_points(s, |depth, _, (d0, i0), (d1, i1)| i0 + (i1 - i0) * (depth - d0) / (d1 - d0)),
+        disks_middle_on_the_line,
+        disks_middle_on_the_line,
     ),
-    (
-        "disks' depths 4 and 16 halfway up to depth 32",
-        |_| {},
-        |s| disks_middle_points(s, |_, iops, _, (_, last)| (iops + last) / 2.0),
-        |s| disks_middle_points(s, |_, iops, _, (_, last)| (iops + last) / 2.0),
-    ),
+    ("disks' depths 4 and 16 halfway up to depth 32", |_| {}, disks_middle_halfway_up, disks_middle_halfway_up),
     ("disks' bandwidth ×½", |_| {}, |s| disks_bandwidth(s, 0.5), |s| disks_bandwidth(s, 0.5)),
     ("disks' bandwidth ×2", |_| {}, |s| disks_bandwidth(s, 2.0), |s| disks_bandwidth(s, 2.0)),
     ("arrays' latency, the default 0.2 ms, ×½", |_| {}, |s| default_latency(s, 0.5), |s| default_latency(s, 0.5)),

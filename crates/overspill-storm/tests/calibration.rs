@@ -170,8 +170,9 @@ fn win7_boot_moves_about_the_volume_a_measured_vdi_boot_moves() {
 /// touched over the distinct bytes, as `scripts/windows-trace-figures` counts them for a trace.
 fn read_locality(ops: &[Op]) -> [f64; 5] {
     let (mut bytes, mut blocks, mut before) = (0u64, 0u64, 0u64);
-    let mut read = std::collections::HashSet::new();
-    let mut chunks = [(16u64 << 10, std::collections::HashSet::new()), (256 << 10, std::collections::HashSet::new())];
+    use std::collections::HashSet;
+    let mut read = HashSet::new();
+    let mut chunks = [(16u64 << 10, HashSet::new()), (256 << 10, HashSet::new())];
     for op in ops.iter().filter(|op| op.kind == GuestOp::Read) {
         let end = op.offset + u64::from(op.len).max(1) - 1;
         bytes += u64::from(op.len);
@@ -185,12 +186,10 @@ fn read_locality(ops: &[Op]) -> [f64; 5] {
     }
     // A phase without reads reads nothing: no division by zero.
     let (distinct, blocks) = ((read.len().max(1) * 4096) as f64, blocks.max(1) as f64);
-    let spread =
-        |(size, touched): &(u64, std::collections::HashSet<u64>)| touched.len() as f64 * *size as f64 / distinct;
-    [bytes as f64 / MIB_F, distinct / MIB_F, before as f64 / blocks, spread(&chunks[0]), spread(&chunks[1])]
+    let spread = |(size, touched): &(u64, HashSet<u64>)| touched.len() as f64 * *size as f64 / distinct;
+    let mib = MIB as f64;
+    [bytes as f64 / mib, distinct / mib, before as f64 / blocks, spread(&chunks[0]), spread(&chunks[1])]
 }
-
-const MIB_F: f64 = (1 << 20) as f64;
 
 /// A study, not a check (docs/planning.md, the system region): how `win7-vdi`'s boot reads
 /// fall on its disk with its 1.5 GiB system region and with larger ones, beside what
