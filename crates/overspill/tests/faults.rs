@@ -166,15 +166,8 @@ impl Server {
 
     /// Waits for `probe` to find something: the server logs through a background writer, so a
     /// line may land a moment after what it reports (the socket up, a refusal) has been seen.
-    fn wait_for<T>(&self, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(found) = probe() {
-                return found;
-            }
-            assert!(Instant::now() < deadline, "no {what} in the log after {WAIT:?}:\n{}", self.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    fn wait_for<T>(&self, what: &str, probe: impl FnMut() -> Option<T>) -> T {
+        common::wait_for(what, WAIT, || self.log_text(), probe)
     }
 
     /// The `fields` of the first JSON log line with this message, waited for.

@@ -216,15 +216,8 @@ impl Server {
         })
     }
 
-    fn wait_for<T>(&self, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(found) = probe() {
-                return found;
-            }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}; server log:\n{}", self.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    fn wait_for<T>(&self, what: &str, probe: impl FnMut() -> Option<T>) -> T {
+        common::wait_for(what, WAIT, || self.log_text(), probe)
     }
 
     fn dir(&self, which: CacheDir) -> &Path {

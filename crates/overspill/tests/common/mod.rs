@@ -184,11 +184,8 @@ impl Serve {
     #[allow(dead_code)]
     #[track_caller]
     pub fn wait_log(&self, line: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !self.log_text().contains(line) {
-            assert!(Instant::now() < deadline, "no {line:?} in the log:\n{}", self.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let what = format!("{line:?}");
+        wait_for(&what, Duration::from_secs(20), || self.log_text(), || self.log_text().contains(line).then_some(()));
     }
 
     /// SIGTERM, and waits for the server to exit; it must exit 0.
@@ -295,3 +292,18 @@ umount /mnt
 echo REBOOTING
 reboot -f
 "#;
+
+/// Polls `probe` every 20 ms until it finds something, for at most `wait`; fails naming `what`,
+/// with the server's log (`log`), if it never does.
+#[allow(dead_code)]
+#[track_caller]
+pub fn wait_for<T>(what: &str, wait: Duration, log: impl Fn() -> String, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + wait;
+    loop {
+        if let Some(found) = probe() {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "no {what} in the log after {wait:?}:\n{}", log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
