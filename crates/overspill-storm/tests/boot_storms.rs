@@ -397,12 +397,7 @@ const STORAGE_NUDGES: [StorageNudge; 13] = [
     ("system region (1.5 GiB) ×½", |w| w.disk.system_mib /= 2, |_| {}, |_| {}),
     (
         "system region (1.5 GiB) ×2, the disk grown to fit",
-        |w| {
-            let grown = w.disk.system_mib;
-            w.disk.system_mib += grown;
-            w.disk.areas.iter_mut().for_each(|area| area.start_mib += grown);
-            w.disk.size_mib += grown;
-        },
+        |w| common::grow_system_region(w, 2 * w.disk.system_mib),
         |_| {},
         |_| {},
     ),

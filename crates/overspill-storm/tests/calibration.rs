@@ -169,8 +169,8 @@ fn win7_boot_moves_about_the_volume_a_measured_vdi_boot_moves() {
 /// blocks read that an earlier read of the boot had read, and the 16 KiB and 256 KiB chunks
 /// touched over the distinct bytes, as `scripts/windows-trace-figures` counts them for a trace.
 fn read_locality(ops: &[Op]) -> [f64; 5] {
-    let (mut bytes, mut blocks, mut before) = (0u64, 0u64, 0u64);
     use std::collections::HashSet;
+    let (mut bytes, mut blocks, mut before) = (0u64, 0u64, 0u64);
     let mut read = HashSet::new();
     let mut chunks = [(16u64 << 10, HashSet::new()), (256 << 10, HashSet::new())];
     for op in ops.iter().filter(|op| op.kind == GuestOp::Read) {
@@ -201,10 +201,7 @@ fn study_boot_read_locality_against_the_windows_trace() {
     println!("| --- | --- | --- | --- |");
     for system_mib in [1536, 3072, 6144] {
         let mut w = Workload::built_in("win7-vdi").expect("built in");
-        let grown = system_mib - w.disk.system_mib;
-        w.disk.system_mib = system_mib;
-        w.disk.areas.iter_mut().for_each(|area| area.start_mib += grown);
-        w.disk.size_mib += grown;
+        common::grow_system_region(&mut w, system_mib);
         let boot = w.phases.iter().position(|p| p.name == "boot").expect("boot phase");
         let [read, distinct, before, spread16, spread256] = read_locality(&w.generate(7, 0)[boot]);
         println!(

@@ -43,3 +43,12 @@ pub fn print_study<C: Sync>(
         println!("| {name} | {} |", cells.join(" | "));
     }
 }
+
+/// Grows a workload's system region to `system_mib`, moving its write areas up and growing its
+/// disk to fit (areas lie above the system region).
+pub fn grow_system_region(w: &mut overspill_storm::Workload, system_mib: u64) {
+    let grown = system_mib - w.disk.system_mib;
+    w.disk.system_mib = system_mib;
+    w.disk.areas.iter_mut().for_each(|area| area.start_mib += grown);
+    w.disk.size_mib += grown;
+}
