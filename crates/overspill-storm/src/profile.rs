@@ -38,10 +38,11 @@ pub struct Workload {
     #[serde(default)]
     pub seed_platform: Option<String>,
     pub disk: DiskLayout,
-    /// Share of every phase's reads and writes that are the guest's event-log I/O, in its
-    /// `direct` area (0: none). Seed 000's PVS guests had their event logs "redirected directly
-    /// to the write cache disk so that they persist and their I/O would not be cached in RAM",
-    /// which is what its PVS rows show under a cache that never overflowed.
+    /// Share of every phase's requests that are the guest's event-log I/O, in its `direct` area
+    /// (0: none); which of them are reads, each phase says ([`Phase::event_log_reads`]). Seed
+    /// 000's PVS guests had their event logs "redirected directly to the write cache disk so that
+    /// they persist and their I/O would not be cached in RAM", which is what its PVS rows show
+    /// under a cache that never overflowed.
     #[serde(default)]
     pub direct_share: f64,
     pub phases: Vec<Phase>,
@@ -102,6 +103,25 @@ pub struct Phase {
     pub trims_per_write: f64,
     #[serde(default)]
     pub flushes: u64,
+    /// Share of the phase's event-log requests ([`Workload::direct_share`]) that are reads; the
+    /// rest are appends. Seed 000's cache disk, which took only the event logs, saw 56% reads at
+    /// boot (the Event Log service opening the logs kept from earlier runs) and 1-9% afterwards,
+    /// where the default, none, stands.
+    #[serde(default)]
+    pub event_log_reads: f64,
+}
+
+impl Phase {
+    /// The chance that a read, and that a write, of this phase is event-log I/O: `share` of all
+    /// its requests are, `event_log_reads` of those reads, while its read and write counts stay
+    /// what the phase says.
+    fn direct_odds(&self, share: f64) -> (f64, f64) {
+        let reads = (self.ios as f64 * self.read_fraction).round();
+        let writes = self.ios as f64 - reads;
+        let direct = share * self.ios as f64;
+        let odds = |n: f64, of: f64| if n > 0.0 { n / of } else { 0.0 };
+        (odds(direct * self.event_log_reads, reads), odds(direct * (1.0 - self.event_log_reads), writes))
+    }
 }
 
 /// One request of one VM, at its time in the phase. Profiles make reads, writes, trims and
@@ -183,7 +203,8 @@ impl Workload {
             }
         }
         for phase in &self.phases {
-            let fractions = [phase.read_fraction, phase.read_shared, phase.read_own, phase.write_overwrite];
+            let fractions =
+                [phase.read_fraction, phase.read_shared, phase.read_own, phase.write_overwrite, phase.event_log_reads];
             if fractions.iter().any(|f| !(0.0..=1.0).contains(f)) || phase.read_shared + phase.read_own > 1.0 {
                 return Err(format!("phase {}: fractions must lie in 0..=1", phase.name));
             }
@@ -209,6 +230,13 @@ impl Workload {
                     }
                     Some(_) => {}
                 }
+            }
+            let (read_odds, write_odds) = phase.direct_odds(self.direct_share);
+            if read_odds > 1.0 || write_odds > 1.0 {
+                return Err(format!(
+                    "phase {}: direct_share with event_log_reads asks more event-log reads or writes than the phase has",
+                    phase.name
+                ));
             }
             if phase.read_sizes.is_empty() || phase.write_sizes.is_empty() || phase.write_areas.is_empty() {
                 return Err(format!("phase {}: size mixes and areas may not be empty", phase.name));
@@ -321,6 +349,7 @@ impl VmState {
             (reads, phase.ios - reads)
         };
         let (mut trims_left, mut flushes_left) = (trims, phase.flushes);
+        let (read_odds, write_odds) = phase.direct_odds(direct_share);
         for k in 0..total {
             let at_ms = k * duration_ms / total;
             // Draw the kind so that exactly the planned counts come out, spread evenly.
@@ -335,9 +364,12 @@ impl VmState {
             } else {
                 GuestOp::Flush
             };
-            let direct = direct_share > 0.0
-                && matches!(kind, GuestOp::Read | GuestOp::Write)
-                && direct_rng.gen::<f64>() < direct_share;
+            let odds = match kind {
+                GuestOp::Read => read_odds,
+                GuestOp::Write => write_odds,
+                _ => 0.0,
+            };
+            let direct = odds > 0.0 && direct_rng.gen::<f64>() < odds;
             let op = match kind {
                 GuestOp::Read => {
                     reads_left -= 1;
@@ -506,5 +538,41 @@ mod tests {
         assert_ne!(overlapping, win7, "the test edits the logs area");
         let err = Workload::parse("x", &overlapping).expect_err("logs over the event log");
         assert!(err.to_string().contains("overlaps the direct area eventlog"), "{err}");
+        // Boot has 3,513 writes: event logs of 20% of its 25,096 requests, all appends, are more.
+        let all_appends = win7
+            .replace("direct_share = 0.02136", "direct_share = 0.2")
+            .replace("event_log_reads = 0.56", "event_log_reads = 0.0");
+        let err = Workload::parse("x", &all_appends).expect_err("more event-log writes than writes");
+        assert!(err.to_string().contains("phase boot: direct_share with event_log_reads"), "{err}");
+    }
+
+    #[test]
+    fn event_log_requests_are_the_share_asked_and_read_only_where_a_phase_says() {
+        let win7 = Workload::built_in("win7-vdi").expect("built in");
+        let direct = win7.direct_ranges();
+        let in_log = |op: &Op| direct.iter().any(|&(start, end)| op.offset >= start && op.offset < end);
+        let vms = 20;
+        for (index, phase) in win7.phases.iter().enumerate() {
+            let (mut reads, mut writes, mut requests) = (0.0, 0.0, 0.0);
+            for vm in 0..vms {
+                for op in &win7.generate(3, vm)[index] {
+                    match op.kind {
+                        GuestOp::Read => requests += 1.0,
+                        GuestOp::Write => requests += 1.0,
+                        _ => continue,
+                    }
+                    if in_log(op) {
+                        match op.kind {
+                            GuestOp::Read => reads += 1.0,
+                            _ => writes += 1.0,
+                        }
+                    }
+                }
+            }
+            let share = (reads + writes) / requests;
+            let read_share = reads / (reads + writes);
+            assert!((share / win7.direct_share - 1.0).abs() < 0.1, "{}: {share:.4} of requests", phase.name);
+            assert!((read_share - phase.event_log_reads).abs() < 0.05, "{}: {read_share:.3} reads", phase.name);
+        }
     }
 }
