@@ -549,15 +549,18 @@ fn the_pvs_cache_disk_at_256_mb_takes_the_event_logs_as_seed_000_measured() {
 /// (Win7) and 1% (XenApp) test.
 fn event_log_reads_as_seed_000s(run: &ConfigReport, phase: &str, seed: &[String]) {
     let seed_pct: f64 = seed[12].parse().expect("read_pct");
-    let row =
-        run.phases.iter().find(|p| p.phase == phase).and_then(|p| p.tiers.iter().find(|r| r.tier == TIERS[DIRECT]));
-    let row = row.expect("an event-log disk row");
-    let pct = row.read_pct.expect("event-log I/O");
+    let pct = event_log_read_pct(run, phase);
     eprintln!("{phase}: the event-log disk read {pct:.1}% of its requests (seed 000: {seed_pct}%)");
     assert!(
         (pct - seed_pct).abs() <= EVENT_LOG_READ_POINTS,
         "{phase}: {pct:.1}% of the event-log disk's requests were reads; seed 000: {seed_pct}% (±{EVENT_LOG_READ_POINTS} points)"
     );
+}
+
+fn event_log_read_pct(run: &ConfigReport, phase: &str) -> f64 {
+    let row =
+        run.phases.iter().find(|p| p.phase == phase).and_then(|p| p.tiers.iter().find(|r| r.tier == TIERS[DIRECT]));
+    row.and_then(|r| r.read_pct).expect("event-log I/O")
 }
 
 /// Seed 000's bloated profile: 11 VMs copying ~270 MB each at logon overran the 256 MB RAM
@@ -703,13 +706,34 @@ fn held_figures(nudge: fn(&mut Workload)) -> Vec<HeldFigure> {
         let row = rows.iter().find(|r| r[1] == platform && r[3] == mb && r[4] == phase).expect("seed row");
         row[8].parse().expect("total IOs per VM")
     };
-    // A run's cache-disk I/Os in each phase against a seed row's, held within a factor.
-    let per_phase = |label: &str, run: &ConfigReport, (platform, mb): (&str, &str), phases: &[(&str, f64)]| {
-        let figure = |&(phase, factor): &(&str, f64)| -> HeldFigure {
+    let seed_read_pct = |platform: &str, mb: &str, phase: &str| -> f64 {
+        let row = rows.iter().find(|r| r[1] == platform && r[3] == mb && r[4] == phase).expect("seed row");
+        row[12].parse().expect("read_pct")
+    };
+    // A run's cache-disk I/Os in each phase against a seed row's, held within a factor, and, where
+    // the event logs had the cache disk to themselves, their share of reads.
+    let per_phase = |label: &str,
+                     run: &ConfigReport,
+                     (platform, mb): (&str, &str),
+                     phases: &[(&str, f64)],
+                     event_logs_alone: bool| {
+        let figure = |&(phase, factor): &(&str, f64)| -> Vec<HeldFigure> {
             let want = seed(platform, mb, phase);
-            (format!("{label} {phase}, I/Os"), cache_disk_ios(run, phase), want, factor_range(want, factor))
+            let mut figures =
+                vec![(format!("{label} {phase}, I/Os"), cache_disk_ios(run, phase), want, factor_range(want, factor))];
+            if event_logs_alone {
+                let want = seed_read_pct(platform, mb, phase);
+                let held = (want - EVENT_LOG_READ_POINTS, want + EVENT_LOG_READ_POINTS);
+                figures.push((
+                    format!("{label} {phase}, event-log % reads"),
+                    event_log_read_pct(run, phase),
+                    want,
+                    held,
+                ));
+            }
+            figures
         };
-        phases.iter().map(figure).collect::<Vec<_>>()
+        phases.iter().flat_map(figure).collect::<Vec<_>>()
     };
     let mut figures = Vec::new();
     let win7 = workload("win7-vdi");
@@ -721,10 +745,11 @@ fn held_figures(nudge: fn(&mut Workload)) -> Vec<HeldFigure> {
         figures.push((format!("ThinIO's {what}"), here, middle, held));
     }
     let pvs = model_run_of(&win7, 11, WriteCacheMode::RamDisk, 256 * MIB, 1 << 30);
-    figures.extend(per_phase("PVS 256 MB", &pvs, ("win7-hyperv-sata7200", "256"), &PVS_256_FACTORS));
+    figures.extend(per_phase("PVS 256 MB", &pvs, ("win7-hyperv-sata7200", "256"), &PVS_256_FACTORS, true));
     let bloated = model_run_of(&workload("win7-vdi-bloated-profile"), 11, WriteCacheMode::RamDisk, 256 * MIB, 1 << 30);
     let platform = ("win7-hyperv-sata7200-bloated-profile", "256");
-    figures.extend(per_phase("bloated", &bloated, platform, &[("logon", BLOATED_FACTOR), ("steady", BLOATED_FACTOR)]));
+    let phases = [("logon", BLOATED_FACTOR), ("steady", BLOATED_FACTOR)];
+    figures.extend(per_phase("bloated", &bloated, platform, &phases, false));
     let (disk, mcs_writes) = win10_by_proxy(&win7);
     let win10 = factor_range(WIN10_PCT, WIN10_FACTOR);
     figures.push(("Win10 by proxy, % of MCS writes".into(), 100.0 * disk / mcs_writes, WIN10_PCT, win10));
@@ -753,7 +778,9 @@ fn held_figures(nudge: fn(&mut Workload)) -> Vec<HeldFigure> {
         &big,
         ("xenapp65-vsphere-nfs", "12288"),
         &[("logon", XENAPP_12GB_FACTOR), ("steady", XENAPP_12GB_FACTOR)],
+        true,
     ));
+    figures.extend(dell_figures(&win7));
     figures
 }
 
@@ -793,16 +820,24 @@ fn sensitivity_of_the_held_figures_to_the_unsourced_ones() {
 /// counts are not compared.
 #[test]
 fn dell_bp1018s_pvs_cache_disks_read_as_little_as_win7_vdis() {
+    let figures = dell_figures(&Workload::built_in("win7-vdi").expect("built in"));
+    assert_eq!(figures.len(), 6, "read share and write size of boot, logon and steady state");
+    for (what, here, dell, held) in figures {
+        let verdict = if held.0.is_nan() { "printed, not held" } else { "held" };
+        eprintln!("{what}: {here:.2} (Dell: {dell}; {verdict})");
+        assert!(held.0.is_nan() || holds(held, here), "{what}: {here:.2}; Dell: {dell}, held within {held:?}");
+    }
+}
+
+/// [`dell_bp1018s_pvs_cache_disks_read_as_little_as_win7_vdis`]'s figures for `desktop`, a
+/// recorded miss with a NaN range.
+fn dell_figures(desktop: &Workload) -> Vec<HeldFigure> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/dell-bp1018.csv");
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let rows: Vec<Vec<&str>> = text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.starts_with("phase,"))
-        .map(|l| l.split(',').collect())
-        .collect();
-    assert_eq!(rows.len(), 3, "boot, logon, steady");
-    let run = model_run("win7-vdi", 5, WriteCacheMode::Disk, 0);
-    for row in rows {
+    let run = model_run_of(desktop, 5, WriteCacheMode::Disk, 0, 1 << 30);
+    let mut figures = Vec::new();
+    for line in text.lines().filter(|l| !l.starts_with('#') && !l.starts_with("phase,")) {
+        let row: Vec<&str> = line.split(',').collect();
         let (phase, dell_read_pct, dell_write_kib): (&str, f64, f64) =
             (row[0], row[3].parse().expect("read_pct"), row[6].parse().expect("write_kb"));
         let disks = run
@@ -816,25 +851,14 @@ fn dell_bp1018s_pvs_cache_disks_read_as_little_as_win7_vdis() {
         let (reads, writes, written) = disks.fold((0.0, 0.0, 0.0), |(r, w, b), row| {
             (r + row.reads_per_vm, w + row.writes_per_vm, b + row.write_bytes_per_vm)
         });
-        let read_pct = 100.0 * reads / (reads + writes);
-        let write_kib = written / writes / 1024.0;
-        eprintln!(
-            "{phase}: the cache disks read {read_pct:.2}% of their requests (Dell: {dell_read_pct}%), wrote {write_kib:.1} KiB a request (Dell: {dell_write_kib} KB)"
-        );
-        if phase == "steady" {
-            assert!(
-                holds(factor_range(dell_read_pct, DELL_STEADY_READ_FACTOR), read_pct),
-                "steady: {read_pct:.2}% reads; Dell: {dell_read_pct}% (within {DELL_STEADY_READ_FACTOR}×)"
-            );
-            assert!(
-                holds(factor_range(dell_write_kib, DELL_WRITE_SIZE_FACTOR), write_kib),
-                "steady: {write_kib:.1} KiB a write; Dell: {dell_write_kib} KB (within {DELL_WRITE_SIZE_FACTOR}×)"
-            );
+        let (read_held, write_held) = if phase == "steady" {
+            (factor_range(dell_read_pct, DELL_STEADY_READ_FACTOR), factor_range(dell_write_kib, DELL_WRITE_SIZE_FACTOR))
         } else {
-            assert!(
-                (read_pct - dell_read_pct).abs() <= DELL_READ_POINTS,
-                "{phase}: {read_pct:.1}% reads; Dell: {dell_read_pct}% (±{DELL_READ_POINTS} points)"
-            );
-        }
+            ((dell_read_pct - DELL_READ_POINTS, dell_read_pct + DELL_READ_POINTS), (f64::NAN, f64::NAN))
+        };
+        let read_pct = 100.0 * reads / (reads + writes);
+        figures.push((format!("Dell {phase}, % reads"), read_pct, dell_read_pct, read_held));
+        figures.push((format!("Dell {phase}, KiB a write"), written / writes / 1024.0, dell_write_kib, write_held));
     }
+    figures
 }
