@@ -105,8 +105,9 @@ pub struct Phase {
     pub flushes: u64,
     /// Share of the phase's event-log requests ([`Workload::direct_share`]) that are reads; the
     /// rest are appends. Seed 000's cache disk, which took only the event logs, saw 56% reads at
-    /// boot (the Event Log service opening the logs kept from earlier runs) and 1-9% afterwards,
-    /// where the default, none, stands.
+    /// boot and 1-9% afterwards, where the default, none, stands. The seed gives the shares, not
+    /// why; our reading: at boot the Event Log service opens the logs kept from earlier runs.
+    /// A read drawn before the phase's first append reads the system region instead.
     #[serde(default)]
     pub event_log_reads: f64,
 }
