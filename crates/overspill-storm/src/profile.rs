@@ -107,7 +107,8 @@ pub struct Phase {
     /// rest are appends. Seed 000's cache disk, which took only the event logs, saw 56% reads at
     /// boot and 1-9% afterwards, where the default, none, stands. The seed gives the shares, not
     /// why; our reading: at boot the Event Log service opens the logs kept from earlier runs.
-    /// A read drawn before the phase's first append reads the system region instead.
+    /// A read drawn before the VM's first append (only at boot: appends are kept across phases)
+    /// reads the system region instead.
     #[serde(default)]
     pub event_log_reads: f64,
 }

@@ -675,7 +675,8 @@ fn xenapp_rds_under_pvs() -> Workload {
     workload
 }
 
-/// Seed 000's XenApp rows, held out of every fit: what reached the PVS cache disk per XenApp VM
+/// Seed 000's XenApp rows, their totals held out of every fit (the 12 GB rows' read shares
+/// helped set `event_log_reads`): what reached the PVS cache disk per XenApp VM
 /// (30 user sessions each) at logon and in steady state. With 12 GB of RAM cache (vSphere, 10
 /// VMs) nothing overflowed: the event logs alone, which the `win7-vdi` share predicts within
 /// 1.5× (held). With 3 GB and 1 GB (Hyper-V, 2 VMs) the hosts overflowed, and there the
