@@ -557,17 +557,14 @@ mod tests {
         for (index, phase) in win7.phases.iter().enumerate() {
             let (mut reads, mut writes, mut requests) = (0.0, 0.0, 0.0);
             for vm in 0..vms {
-                for op in &win7.generate(3, vm)[index] {
-                    match op.kind {
-                        GuestOp::Read => requests += 1.0,
-                        GuestOp::Write => requests += 1.0,
-                        _ => continue,
-                    }
-                    if in_log(op) {
-                        match op.kind {
-                            GuestOp::Read => reads += 1.0,
-                            _ => writes += 1.0,
-                        }
+                for op in
+                    win7.generate(3, vm)[index].iter().filter(|op| matches!(op.kind, GuestOp::Read | GuestOp::Write))
+                {
+                    requests += 1.0;
+                    match (in_log(op), op.kind) {
+                        (false, _) => {}
+                        (true, GuestOp::Read) => reads += 1.0,
+                        (true, _) => writes += 1.0,
                     }
                 }
             }

@@ -214,7 +214,7 @@ fn study_boot_read_locality_against_the_windows_trace() {
 // What reaches storage, through the engine itself (`model`: the overlays `serve` runs, with
 // in-memory files), against the seeds' storage-side figures.
 
-use overspill_engine::{StorageTier, WriteCacheMode};
+use overspill_engine::{StorageTier, VmStats, WriteCacheMode};
 use overspill_storm::driver::{RunPlan, DIRECT, TIERS};
 use overspill_storm::model::{simulate, simulate_observed, ModelConfig};
 use overspill_storm::report::{config_report, ConfigReport, TierRow};
@@ -267,60 +267,62 @@ fn model_run_with(workload: &str, vms: usize, mode: WriteCacheMode, ram: u64, re
 }
 
 fn model_run_of(workload: &Workload, vms: usize, mode: WriteCacheMode, ram: u64, read_cache: u64) -> ConfigReport {
-    let (config, plan) = model_plan(workload, vms);
+    model_run_observed(workload, vms, mode, ram, read_cache, |_, _, _| {})
+}
+
+/// [`model_run_of`], calling `observe(vm, phase, stats)` after each request with the VM's
+/// engine counters as they stand then (see [`simulate_observed`]).
+fn model_run_observed(
+    workload: &Workload,
+    vms: usize,
+    mode: WriteCacheMode,
+    ram: u64,
+    read_cache: u64,
+    mut observe: impl FnMut(usize, usize, &VmStats),
+) -> ConfigReport {
+    let config =
+        StormConfig { vms, boot_interval_s: 0.0, logon_interval_s: 30.0, speed: None, workload_seed: 1, bucket_s: 60 };
+    let plan = RunPlan::from_workload(workload, &config);
     let model = ModelConfig { mode, ram_bytes: ram, read_cache_bytes: read_cache, bucket_s: config.bucket_s };
-    let results = simulate(&plan, &model).expect("model");
+    let results = simulate_observed(&plan, &model, |vm, phase, _, stats| observe(vm, phase, stats)).expect("model");
     let report = config_report(&format!("{mode} {}M", ram / MIB), &plan, &config, &results, 0.0);
     assert!(report.failed_vms.is_empty(), "{:?}", report.failed_vms);
     report
 }
 
-/// The storm [`model_run`] plays: `vms` VMs booting together, a logon every 30 s as in seed 001.
-fn model_plan(workload: &Workload, vms: usize) -> (StormConfig, RunPlan) {
-    let config =
-        StormConfig { vms, boot_interval_s: 0.0, logon_interval_s: 30.0, speed: None, workload_seed: 1, bucket_s: 60 };
-    let plan = RunPlan::from_workload(workload, &config);
-    (config, plan)
-}
-
-/// What of the spill traffic per VM in each phase (by name) is overspill's own compaction, in 4
-/// KiB units, under `ram+disk` with `ram` bytes and a 1 GiB read cache: the windows it read (all
-/// spill reads but the guest's own blocks, a lower bound: a guest block read from the segment
-/// still in memory counts as the guest's without reaching the file) and the live blocks it
-/// moved into new segments.
-fn compaction_4k(workload: &Workload, vms: usize, ram: u64) -> Vec<(String, f64, f64)> {
-    let (config, plan) = model_plan(workload, vms);
-    let model = ModelConfig {
-        mode: WriteCacheMode::RamDisk,
-        ram_bytes: ram,
-        read_cache_bytes: 1 << 30,
-        bucket_s: config.bucket_s,
-    };
-    let counters = |s: &overspill_engine::VmStats| {
+/// A `ram+disk` run of `ram` bytes (1 GiB read cache) and, per phase in the workload's order,
+/// what of its spill traffic per VM is overspill's own compaction, in 4 KiB units: the windows
+/// it read (all spill reads but the guest's own blocks, a lower bound: a guest block read from
+/// the segment still in memory counts as the guest's without reaching the file) and the live
+/// blocks it moved into new segments.
+fn model_run_with_compaction(workload: &Workload, vms: usize, ram: u64) -> (ConfigReport, Vec<(f64, f64)>) {
+    let counters = |s: &VmStats| {
         [s.spill_read.bytes.get() / 4096, s.read_blocks_spill.get(), s.compaction_bytes_moved.get() / 4096]
     };
     let mut last = vec![[0u64; 3]; vms];
     let mut per_phase = vec![[0u64; 3]; workload.phases.len()];
-    simulate_observed(&plan, &model, |vm, phase, _, stats| {
+    let run = model_run_observed(workload, vms, WriteCacheMode::RamDisk, ram, 1 << 30, |vm, phase, stats| {
         let now = counters(stats);
         for (sum, (now, before)) in per_phase[phase].iter_mut().zip(now.iter().zip(last[vm])) {
             *sum += now - before;
         }
         last[vm] = now;
-    })
-    .expect("model");
+    });
     let n = vms as f64;
-    workload
-        .phases
-        .iter()
-        .zip(per_phase)
-        .map(|(p, [read, guest, moved])| (p.name.clone(), read.saturating_sub(guest) as f64 / n, moved as f64 / n))
-        .collect()
+    let compaction =
+        per_phase.into_iter().map(|[read, guest, moved]| (read.saturating_sub(guest) as f64 / n, moved as f64 / n));
+    (run, compaction.collect())
 }
 
 fn tier<'a>(report: &'a ConfigReport, phase: &str, tier: StorageTier) -> &'a TierRow {
+    tier_named(report, phase, tier.title()).expect("tier row")
+}
+
+/// A phase's row of the tier titled `name`, if the run reached it (the event-log disk's,
+/// `TIERS[DIRECT]`, only where a workload has event logs apart).
+fn tier_named<'a>(report: &'a ConfigReport, phase: &str, name: &str) -> Option<&'a TierRow> {
     let phase = report.phases.iter().find(|p| p.phase == phase).expect("phase");
-    phase.tiers.iter().find(|row| row.tier == tier.title()).expect("tier row")
+    phase.tiers.iter().find(|row| row.tier == name)
 }
 
 /// The phases seed 001's sums cover: its Login VSI test logged the users on and ran their
@@ -541,8 +543,7 @@ impl LogonStorm {
 /// it: the event-log disk's requests as they are (in place), overspill's spill and cache-file
 /// traffic in 4 KiB units (the seed's cache wrote in place, "mostly 4K").
 fn cache_disk_ios(run: &ConfigReport, phase: &str) -> f64 {
-    let row = |name: &str| run.phases.iter().find(|p| p.phase == phase)?.tiers.iter().find(|r| r.tier == name);
-    let direct = row(TIERS[DIRECT]).map_or(0.0, |r| r.total_ops_per_vm);
+    let direct = tier_named(run, phase, TIERS[DIRECT]).map_or(0.0, |r| r.total_ops_per_vm);
     let spilled: f64 =
         [StorageTier::Spill, StorageTier::CacheFile].iter().map(|&t| tier(run, phase, t).ios_4k_per_vm()).sum();
     direct + spilled
@@ -598,9 +599,7 @@ fn event_log_reads_as_seed_000s(run: &ConfigReport, phase: &str, seed: &[String]
 }
 
 fn event_log_read_pct(run: &ConfigReport, phase: &str) -> f64 {
-    let row =
-        run.phases.iter().find(|p| p.phase == phase).and_then(|p| p.tiers.iter().find(|r| r.tier == TIERS[DIRECT]));
-    row.and_then(|r| r.read_pct).expect("event-log I/O")
+    tier_named(run, phase, TIERS[DIRECT]).and_then(|r| r.read_pct).expect("event-log I/O")
 }
 
 /// Seed 000's bloated profile: 11 VMs copying ~270 MB each at logon overran the 256 MB RAM
@@ -619,8 +618,7 @@ fn event_log_read_pct(run: &ConfigReport, phase: &str) -> f64 {
 fn the_bloated_profile_overflows_at_logon_and_in_steady_state_as_seed_000_measured() {
     let rows = calibration_rows();
     let bloated = Workload::built_in("win7-vdi-bloated-profile").expect("built in");
-    let run = model_run_of(&bloated, 11, WriteCacheMode::RamDisk, 256 * MIB, 1 << 30);
-    let compaction = compaction_4k(&bloated, 11, 256 * MIB);
+    let (run, compaction) = model_run_with_compaction(&bloated, 11, 256 * MIB);
     for phase in ["logon", "steady"] {
         let seed = rows
             .iter()
@@ -630,7 +628,7 @@ fn the_bloated_profile_overflows_at_logon_and_in_steady_state_as_seed_000_measur
         let spill = tier(&run, phase, StorageTier::Spill);
         let ios = cache_disk_ios(&run, phase);
         eprintln!("{phase}: {ios:.0} I/Os per VM (seed 000: {seed_ios}), {:.3} spill IOPS", spill.iops_per_vm);
-        let (_, read, moved) = compaction.iter().find(|(name, ..)| name == phase).expect("the phase");
+        let (read, moved) = compaction[bloated.phases.iter().position(|p| p.name == phase).expect("the phase")];
         let without = ios - read - moved;
         eprintln!(
             "{phase}: of them overspill's compaction read {read:.0} and moved {moved:.0}; without it {without:.0} ({:.2}× the seed's)",
@@ -638,10 +636,7 @@ fn the_bloated_profile_overflows_at_logon_and_in_steady_state_as_seed_000_measur
         );
         // The seed's reads, and the cache disk's: spill reads in 4 KiB units, the event logs'.
         let seed_reads = seed_ios * seed[12].parse::<f64>().expect("read_pct") / 100.0;
-        let event_log_reads =
-            run.phases.iter().find(|p| p.phase == phase).map_or(0.0, |p| {
-                p.tiers.iter().filter(|r| r.tier == TIERS[DIRECT]).map(|r| r.reads_per_vm).sum::<f64>()
-            });
+        let event_log_reads = tier_named(&run, phase, TIERS[DIRECT]).map_or(0.0, |r| r.reads_per_vm);
         let reads = spill.read_bytes_per_vm / 4096.0 + event_log_reads;
         eprintln!(
             "{phase}: reads {reads:.0}, {:.0} of them not compaction's (seed 000: about {seed_reads:.0}): printed, not held",
@@ -768,13 +763,10 @@ fn held_figures(nudge: fn(&mut Workload)) -> Vec<HeldFigure> {
         w
     };
     let rows = calibration_rows();
-    let seed = |platform: &str, mb: &str, phase: &str| -> f64 {
+    // A seed row's column: 8, total I/Os per VM; 12, the share of reads.
+    let seed_column = |platform: &str, mb: &str, phase: &str, column: usize| -> f64 {
         let row = rows.iter().find(|r| r[1] == platform && r[3] == mb && r[4] == phase).expect("seed row");
-        row[8].parse().expect("total IOs per VM")
-    };
-    let seed_read_pct = |platform: &str, mb: &str, phase: &str| -> f64 {
-        let row = rows.iter().find(|r| r[1] == platform && r[3] == mb && r[4] == phase).expect("seed row");
-        row[12].parse().expect("read_pct")
+        row[column].parse().expect("a number")
     };
     // A run's cache-disk I/Os in each phase against a seed row's, held within a factor, and, where
     // the event logs had the cache disk to themselves, their share of reads.
@@ -784,11 +776,11 @@ fn held_figures(nudge: fn(&mut Workload)) -> Vec<HeldFigure> {
                      phases: &[(&str, f64)],
                      event_logs_alone: bool| {
         let figure = |&(phase, factor): &(&str, f64)| -> Vec<HeldFigure> {
-            let want = seed(platform, mb, phase);
+            let want = seed_column(platform, mb, phase, 8);
             let mut figures =
                 vec![(format!("{label} {phase}, I/Os"), cache_disk_ios(run, phase), want, factor_range(want, factor))];
             if event_logs_alone {
-                let want = seed_read_pct(platform, mb, phase);
+                let want = seed_column(platform, mb, phase, 12);
                 let held = (want - EVENT_LOG_READ_POINTS, want + EVENT_LOG_READ_POINTS);
                 figures.push((
                     format!("{label} {phase}, event-log % reads"),
@@ -910,14 +902,8 @@ fn dell_figures(desktop: &Workload) -> Vec<HeldFigure> {
         let row: Vec<&str> = line.split(',').collect();
         let (phase, dell_read_pct, dell_write_kib): (&str, f64, f64) =
             (row[0], row[3].parse().expect("read_pct"), row[6].parse().expect("write_kb"));
-        let disks = run
-            .phases
-            .iter()
-            .find(|p| p.phase == phase)
-            .expect("phase")
-            .tiers
-            .iter()
-            .filter(|r| r.tier == StorageTier::CacheFile.title() || r.tier == TIERS[DIRECT]);
+        let disks =
+            [StorageTier::CacheFile.title(), TIERS[DIRECT]].into_iter().filter_map(|t| tier_named(&run, phase, t));
         let (reads, writes, written) = disks.fold((0.0, 0.0, 0.0), |(r, w, b), row| {
             (r + row.reads_per_vm, w + row.writes_per_vm, b + row.write_bytes_per_vm)
         });
