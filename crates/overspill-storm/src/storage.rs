@@ -85,6 +85,10 @@ pub struct BootEstimate {
     pub power_on_s: f64,
     /// Most requests the array served in one 15 s interval, per second.
     pub peak_iops: f64,
+    /// Reads and writes the array served per second, on average over the 15 s intervals from
+    /// the first it served a request in to the last (as a host's 15 s counters average a storm).
+    pub mean_read_iops: f64,
+    pub mean_write_iops: f64,
     /// VMs whose boot ended in each 15 s interval.
     pub booted_per_interval: Vec<usize>,
     /// The cap on VMs booting at once it was played with (overspill's `serve --boot-max`).
@@ -209,6 +213,8 @@ struct Sim<'a> {
     controller_free_at: f64,
     read_cache: Option<FetchingCache>,
     served_per_interval: Vec<u64>,
+    /// Of them, writes.
+    written_per_interval: Vec<u64>,
     next_group: usize,
     group_left: usize,
     group_interval_over: bool,
@@ -294,6 +300,7 @@ impl<'a> Sim<'a> {
             controller_free_at: 0.0,
             read_cache,
             served_per_interval: Vec::new(),
+            written_per_interval: Vec::new(),
             next_group: 0,
             group_left: 0,
             group_interval_over: false,
@@ -651,8 +658,10 @@ impl<'a> Sim<'a> {
         let interval = (self.now / INTERVAL_S) as usize;
         if self.served_per_interval.len() <= interval {
             self.served_per_interval.resize(interval + 1, 0);
+            self.written_per_interval.resize(interval + 1, 0);
         }
         self.served_per_interval[interval] += 1;
+        self.written_per_interval[interval] += u64::from(self.requests[id].write);
         if let Some(next) = self.host_queue.pop_front() {
             self.dispatch(next);
         }
@@ -701,6 +710,10 @@ impl<'a> Sim<'a> {
         for v in &self.vms {
             booted[(v.done_at.unwrap_or(self.now) / INTERVAL_S) as usize] += 1;
         }
+        let first = self.served_per_interval.iter().position(|&n| n > 0).unwrap_or(0);
+        let storm_s = (self.served_per_interval.len() - first).max(1) as f64 * INTERVAL_S;
+        let writes: u64 = self.written_per_interval.iter().sum();
+        let reads = self.served_per_interval.iter().sum::<u64>() - writes;
         BootEstimate {
             storage: self.storage.describe(),
             vms: n,
@@ -709,6 +722,8 @@ impl<'a> Sim<'a> {
             max_s: times[n - 1],
             power_on_s: self.last_power_on,
             peak_iops: self.served_per_interval.iter().copied().max().unwrap_or(0) as f64 / INTERVAL_S,
+            mean_read_iops: reads as f64 / storm_s,
+            mean_write_iops: writes as f64 / storm_s,
             booted_per_interval: booted,
             max_booting: self.max_booting,
         }

@@ -153,3 +153,22 @@ fn paced_boots_finish_the_first_vms_sooner_and_every_vm_boots() {
     let alone = simulate_boots(&spec, &boots, 1, 0).expect("a boot");
     assert!((one.max_s - 4.0 * alone.avg_s).abs() < 1e-6, "{one:?} against {alone:?}");
 }
+
+#[test]
+fn the_host_counters_average_reads_and_writes_over_the_storms_intervals() {
+    // 3 reads then 1 write, a second apart, 40 times: 160 requests served from 0 s to about
+    // 160 s, so over 11 intervals of 15 s (165 s), the write-back cache taking the writes.
+    let mut boot = VmBoot::default();
+    for i in 0..160u64 {
+        let write = i % 4 == 3;
+        boot.push(i as f64, [Request { write, golden: false, offset: i * 1_048_576, bytes: 4096 }]);
+    }
+    let spec = StorageSpec {
+        cache_bytes: 64 << 20,
+        cache_mode: CacheMode::WriteBack,
+        ..StorageSpec::single(disk("hdd7200"))
+    };
+    let e = simulate_boots(&spec, &[boot], 1, 0).expect("a boot");
+    assert!((e.mean_read_iops - 120.0 / 165.0).abs() < 1e-9, "{e:?}");
+    assert!((e.mean_write_iops - 40.0 / 165.0).abs() < 1e-9, "{e:?}");
+}

@@ -38,6 +38,13 @@ const SPREAD_AT_LEAST: f64 = 1.5;
 const OWN_LONGEST_BOOT: (f64, f64) = (0.6, 1.6);
 const OWN_PEAK_IOPS: (f64, f64) = (0.5, 1.5);
 const OWN_SSD_OVER_HDD_AT_LEAST: f64 = 2.0;
+const OWN_MEAN_IOPS: (f64, f64) = (0.5, 1.5);
+const READ_SHARE_POINTS: f64 = 3.0;
+
+/// Seed 003's Fibre Channel HDD storms as the host counted them (ESXTOP's 15 s intervals,
+/// averaged over three tests; the seed does not say over which span): reads and writes per
+/// second at HBA queue depth 32 (read cache), then 254 (write back). No fit used them.
+const SEED_FC_HDD_READS_WRITES: [(f64, f64); 2] = [(2246.0, 354.0), (3010.0, 497.0)];
 
 /// The win7-vdi boot (as `w` has it) on `k` distinct VMs, its requests spread over 15 s
 /// (Demartek's fastest boot took 16 s; seed 000's 120 s was its measuring window, not the
@@ -116,15 +123,61 @@ fn estimate(plan: &RunPlan, storage: StorageSpec, ram: Option<u64>) -> BootEstim
     let e = boot_estimate(plan, &options, ram).expect("simulates").0.expect("an estimate");
     let clock = |s: f64| format!("{}:{:02}", (s / 60.0) as u64, (s % 60.0) as u64);
     println!(
-        "{:<95} power-ons {} boot min {} max {} avg {} peak {:.0} IOPS",
+        "{:<95} power-ons {} boot min {} max {} avg {} peak {:.0} IOPS, mean {:.0} reads/s {:.0} writes/s",
         e.storage,
         clock(e.power_on_s),
         clock(e.min_s),
         clock(e.max_s),
         clock(e.avg_s),
-        e.peak_iops
+        e.peak_iops,
+        e.mean_read_iops,
+        e.mean_write_iops
     );
     e
+}
+
+/// A pair of FC HDD storms (queue depth 32, then 254) against the seed's host counters: each
+/// storm's share of reads (%) beside the seed's, its mean requests per second over the seed's,
+/// and how much the mean rose from one to the other (%) beside the seed's rise.
+struct HostRates {
+    read_pct: [(f64, f64); 2],
+    mean_iops_over_seed: [f64; 2],
+    rise_pct: (f64, f64),
+}
+
+fn host_rates(storms: [&BootEstimate; 2]) -> HostRates {
+    let total = |(reads, writes): (f64, f64)| reads + writes;
+    let read_pct = |rates: (f64, f64)| 100.0 * rates.0 / total(rates);
+    let here = storms.map(|e| (e.mean_read_iops, e.mean_write_iops));
+    let seed = SEED_FC_HDD_READS_WRITES;
+    let rise = |pair: [(f64, f64); 2]| (total(pair[1]) / total(pair[0]) - 1.0) * 100.0;
+    let rates = HostRates {
+        read_pct: [0, 1].map(|i| (read_pct(here[i]), read_pct(seed[i]))),
+        mean_iops_over_seed: [0, 1].map(|i| total(here[i]) / total(seed[i])),
+        rise_pct: (rise(here), rise(seed)),
+    };
+    let [(r32, s32), (r254, s254)] = rates.read_pct;
+    let [m32, m254] = rates.mean_iops_over_seed;
+    let (rise_here, rise_seed) = rates.rise_pct;
+    println!(
+        "FC HDD storms as the host counts them, queue depth 32 and 254: reads {r32:.1}% and {r254:.1}% of requests (seed {s32:.1}%, {s254:.1}%); mean requests per second {m32:.2}× and {m254:.2}× the seed's; from 32 to 254 {rise_here:+.0}% (seed {rise_seed:+.0}%)"
+    );
+    rates
+}
+
+fn assert_read_shares_as_the_seeds(rates: &HostRates) {
+    for (here, seed) in rates.read_pct {
+        assert!(
+            (here - seed).abs() <= READ_SHARE_POINTS,
+            "FC HDD storm: {here:.1}% reads against the seed's {seed:.1}%"
+        );
+    }
+}
+
+/// Most VMs whose boot ended in one 15 s interval (the seed's internal arrays: 6 with the 512
+/// MB cache, 8 with 1 GB).
+fn most_booted_at_once(e: &BootEstimate) -> usize {
+    e.booted_per_interval.iter().copied().max().unwrap_or(0)
 }
 
 fn change(before: &BootEstimate, after: &BootEstimate) -> f64 {
@@ -210,21 +263,21 @@ struct OwnArrays {
     longest_boot: Vec<f64>,
     peak_iops: Vec<f64>,
     ssd_over_hdd: f64,
+    host: HostRates,
     storms: Vec<BootEstimate>,
 }
 
 fn own_arrays_against_the_seed(plan: &RunPlan, arrays: [(StorageSpec, f64, f64); 6]) -> OwnArrays {
-    let mut own = OwnArrays { longest_boot: vec![], peak_iops: vec![], ssd_over_hdd: 0.0, storms: vec![] };
-    for (spec, seed_max_s, seed_peak) in arrays {
-        let e = estimate(plan, spec, None);
-        own.longest_boot.push(e.max_s / seed_max_s);
-        own.peak_iops.push(e.peak_iops / seed_peak);
-        own.storms.push(e);
+    let storms = arrays.clone().map(|(spec, ..)| estimate(plan, spec, None));
+    let slowest_ssd = storms[4..].iter().map(|e| e.avg_s).fold(0.0, f64::max);
+    let fastest_hdd = storms[..4].iter().map(|e| e.avg_s).fold(f64::MAX, f64::min);
+    OwnArrays {
+        longest_boot: storms.iter().zip(&arrays).map(|(e, (_, seed_max_s, _))| e.max_s / seed_max_s).collect(),
+        peak_iops: storms.iter().zip(&arrays).map(|(e, (.., seed_peak))| e.peak_iops / seed_peak).collect(),
+        ssd_over_hdd: fastest_hdd / slowest_ssd,
+        host: host_rates([&storms[2], &storms[3]]),
+        storms: storms.into(),
     }
-    let slowest_ssd = own.storms[4..].iter().map(|e| e.avg_s).fold(0.0, f64::max);
-    let fastest_hdd = own.storms[..4].iter().map(|e| e.avg_s).fold(f64::MAX, f64::min);
-    own.ssd_over_hdd = fastest_hdd / slowest_ssd;
-    own
 }
 
 /// A fit, not a check: the arrays below were chosen by a search so that the seed's changes come
@@ -236,8 +289,15 @@ fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
     let (shape, storms) = fitted_shape(&plan, fitted_arrays(|_| {}));
     let FittedShape { cache, hdd_queue, ssd_queue, ssd_over_hdd: (lo, hi), .. } = shape;
     println!("controller cache 512 MB → 1 GB: {cache:+.0}% (seed −18%); queue depth 32 → 254: HDD {hdd_queue:+.0}% (seed −33%), SSD {ssd_queue:+.0}% (seed −18%); SSD faster than HDD by {lo:.3}× to {hi:.3}× (seed 2.3× to 4.2×)");
+    // Held out of the fit, and printed, not held: the seed's host counters on its FC HDD
+    // storms, and how many of its internal arrays' VMs finished in one 15 s interval.
+    let host = host_rates([&storms[2], &storms[3]]);
+    let [internal512, internal1g] = [&storms[0], &storms[1]].map(most_booted_at_once);
+    println!("most VMs booted in one 15 s interval: internal 512 MB {internal512}, 1 GB {internal1g} (seed 6, 8)");
+    assert_read_shares_as_the_seeds(&host);
 
-    // Queues spread boot times: the first VMs boot before the storm builds, the last wait.
+    // Boot times spread, but only by the power-ons' pace: VMs powered on over two minutes
+    // finish together (most VMs booted in one interval, above), where the seed's finished in turn.
     for e in &storms {
         assert!(e.max_s > SPREAD_AT_LEAST * e.min_s, "{e:?}");
         assert_eq!(e.booted_per_interval.iter().sum::<usize>(), VMS);
@@ -276,6 +336,14 @@ fn seed_003s_own_arrays_as_full_clones_last_as_long_as_its_storms() {
     }
     let ratio = own.ssd_over_hdd;
     assert!(ratio > OWN_SSD_OVER_HDD_AT_LEAST, "the fastest HDD array over the slowest SSD array: {ratio:.2}×");
+    // The FC HDD storms as the seed's host counted them: as many requests a second, give or take
+    // half, and reads in the same share (seed 000's Windows 7 boot against seed 003's).
+    assert_read_shares_as_the_seeds(&own.host);
+    for mean in own.host.mean_iops_over_seed {
+        assert!(within(OWN_MEAN_IOPS, mean), "FC HDD storm: mean requests per second {mean:.2}× the seed's");
+    }
+    let [internal512, internal1g] = [&own.storms[0], &own.storms[1]].map(most_booted_at_once);
+    println!("most VMs booted in one 15 s interval: internal 512 MB {internal512}, 1 GB {internal1g} (seed 6, 8)");
 }
 
 /// A study, not a check (docs/planning.md, "What the model lacks on the seed's own arrays"):
@@ -464,6 +532,8 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
             format!("> {OWN_SSD_OVER_HDD_AT_LEAST}"),
             own.ssd_over_hdd > OWN_SSD_OVER_HDD_AT_LEAST,
         ),
+        own_least("own: FC HDD requests/s, least × seed's", &own.host.mean_iops_over_seed, OWN_MEAN_IOPS),
+        own_most("own: FC HDD requests/s, most × seed's", &own.host.mean_iops_over_seed, OWN_MEAN_IOPS),
     ]
     .into_iter()
     .map(|(what, here, against, holds): (&str, f64, String, bool)| Held { what: what.into(), here, against, holds })
