@@ -13,7 +13,9 @@
 //! - A device serves its queue in order; an operation takes `1/iops(q) + bytes/bandwidth`, with
 //!   `q` the operations queued at the device when it starts. `iops(q)` is the device's curve of
 //!   random IOPS by queue depth: a disk reorders a deeper queue into shorter seeks, an SSD works
-//!   on more of it in parallel.
+//!   on more of it in parallel. At depth 1 that is a disk's textbook access time (the average
+//!   seek and half a revolution, then the transfer); that a deeper queue shortens only the
+//!   positioning is this model's own (docs/planning.md).
 //! - Arrays stripe in 64 KiB units over every disk (parity rotates, so RAID 5/6 read from all);
 //!   a write smaller than a full stripe costs RAID 1/10 two device writes, RAID 5 two reads and
 //!   two writes, RAID 6 three and three. Full-stripe writes skip the reads.

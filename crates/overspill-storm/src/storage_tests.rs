@@ -163,11 +163,8 @@ fn the_host_counters_average_reads_and_writes_over_the_storms_intervals() {
         let write = i % 4 == 3;
         boot.push(i as f64, [Request { write, golden: false, offset: i * 1_048_576, bytes: 4096 }]);
     }
-    let spec = StorageSpec {
-        cache_bytes: 64 << 20,
-        cache_mode: CacheMode::WriteBack,
-        ..StorageSpec::single(disk("hdd7200"))
-    };
+    let spec =
+        StorageSpec { cache_bytes: 64 << 20, cache_mode: CacheMode::WriteBack, ..StorageSpec::single(disk("hdd7200")) };
     let e = simulate_boots(&spec, &[boot], 1, 0).expect("a boot");
     assert!((e.mean_read_iops - 120.0 / 165.0).abs() < 1e-9, "{e:?}");
     assert!((e.mean_write_iops - 40.0 / 165.0).abs() < 1e-9, "{e:?}");
