@@ -88,7 +88,8 @@ pub struct BootEstimate {
     /// Most requests the array served in one 15 s interval, per second.
     pub peak_iops: f64,
     /// Reads and writes the array served per second, on average over the 15 s intervals from
-    /// the first it served a request in to the last (as a host's 15 s counters average a storm).
+    /// the first power-on to the last it served a request in (as a host's 15 s counters average
+    /// a storm: whole intervals, so the mean moves in steps of one).
     pub mean_read_iops: f64,
     pub mean_write_iops: f64,
     /// VMs whose boot ended in each 15 s interval.
@@ -215,7 +216,7 @@ struct Sim<'a> {
     controller_free_at: f64,
     read_cache: Option<FetchingCache>,
     served_per_interval: Vec<u64>,
-    /// Of them, writes.
+    /// The writes among them: a host's counters show reads and writes apart.
     written_per_interval: Vec<u64>,
     next_group: usize,
     group_left: usize,
@@ -712,8 +713,7 @@ impl<'a> Sim<'a> {
         for v in &self.vms {
             booted[(v.done_at.unwrap_or(self.now) / INTERVAL_S) as usize] += 1;
         }
-        let first = self.served_per_interval.iter().position(|&n| n > 0).unwrap_or(0);
-        let storm_s = (self.served_per_interval.len() - first).max(1) as f64 * INTERVAL_S;
+        let storm_s = self.served_per_interval.len().max(1) as f64 * INTERVAL_S;
         let writes: u64 = self.written_per_interval.iter().sum();
         let reads = self.served_per_interval.iter().sum::<u64>() - writes;
         BootEstimate {

@@ -157,7 +157,7 @@ fn paced_boots_finish_the_first_vms_sooner_and_every_vm_boots() {
 #[test]
 fn the_host_counters_average_reads_and_writes_over_the_storms_intervals() {
     // 3 reads then 1 write, a second apart, 40 times: 160 requests served from 0 s to about
-    // 160 s, so over 11 intervals of 15 s (165 s), the write-back cache taking the writes.
+    // 159 s, so over 11 intervals of 15 s (165 s), the write-back cache taking the writes.
     let mut boot = VmBoot::default();
     for i in 0..160u64 {
         let write = i % 4 == 3;

@@ -26,7 +26,8 @@ const VMS: usize = 90;
 
 // What the tests hold, written once: the seed's changes in average boot time (its −18% for the
 // controller cache, −33% and −18% for the HBA queue depth on HDDs and SSDs) within ±10 points;
-// SSDs faster than every HDD configuration by the seed's 2.3× to 4.2×; on the seed's own arrays
+// SSDs faster than every HDD configuration by the seed's 2.3× to 4.2×, and each storm's average
+// boot within a factor range of the seed's; on the seed's own arrays
 // the longest boot, the peak IOPS and the FC HDD storms' requests a second within a factor range
 // of the seed's, their read shares within a few points, and SSDs more than twice as fast as any
 // HDD array.
@@ -38,8 +39,15 @@ const SSD_OVER_HDD: (f64, f64) = (2.3, 4.2);
 const OWN_LONGEST_BOOT: (f64, f64) = (0.6, 1.6);
 const OWN_PEAK_IOPS: (f64, f64) = (0.5, 1.5);
 const OWN_SSD_OVER_HDD_AT_LEAST: f64 = 2.0;
+const FITTED_AVG_BOOT: (f64, f64) = (0.6, 1.6);
 const OWN_MEAN_IOPS: (f64, f64) = (0.5, 1.5);
+/// The seed's two storms read 0.6 points apart; the generator draws each request's kind, about
+/// a point either way over a boot: 3 points leaves room for both and no more.
 const READ_SHARE_POINTS: f64 = 3.0;
+
+/// Seed 003's average boot, in the order of the arrays below (internal 512 MB, 1 GB; FC HDD
+/// queue depth 32, 254; FC SSD 32, 254): 4:30, 3:42, 5:02, 3:22, 1:28, 1:12.
+const SEED_AVG_BOOT_S: [f64; 6] = [270.0, 222.0, 302.0, 202.0, 88.0, 72.0];
 
 /// Seed 003's Fibre Channel HDD storms as the host counted them (ESXTOP's 15 s intervals,
 /// averaged over three tests; the seed does not say over which span): reads and writes per
@@ -165,6 +173,9 @@ fn host_rates(storms: [&BootEstimate; 2]) -> HostRates {
     rates
 }
 
+/// No storage change moves the share of reads (the model passes each request through as it
+/// is): this checks seed 000's boot read share, an input of the workload, against seed 003's
+/// host counters, and the storm's counting of reads and writes.
 fn assert_read_shares_as_the_seeds(rates: &HostRates) {
     for (here, seed) in rates.read_pct {
         assert!(
@@ -213,14 +224,14 @@ fn fitted_arrays(nudge: SpecNudge) -> [StorageSpec; 6] {
 }
 
 /// What seed 003's storms on the fitted arrays give: the three changes in average boot time
-/// (controller cache, queue depth on HDDs and SSDs), the range of SSD-over-HDD ratios, and the
-/// narrowest spread of boot times (longest over shortest) of any storm.
+/// (controller cache, queue depth on HDDs and SSDs), the range of SSD-over-HDD ratios, and each
+/// storm's average boot over the seed's.
 struct FittedShape {
     cache: f64,
     hdd_queue: f64,
     ssd_queue: f64,
     ssd_over_hdd: (f64, f64),
-    narrowest_spread: f64,
+    avg_boot: Vec<f64>,
 }
 
 fn fitted_shape(plan: &RunPlan, arrays: [StorageSpec; 6]) -> (FittedShape, [BootEstimate; 6]) {
@@ -233,7 +244,7 @@ fn fitted_shape(plan: &RunPlan, arrays: [StorageSpec; 6]) -> (FittedShape, [Boot
         hdd_queue: change(fc32, fc254),
         ssd_queue: change(ssd32, ssd254),
         ssd_over_hdd: (ratios.iter().copied().fold(f64::MAX, f64::min), ratios.iter().copied().fold(0.0, f64::max)),
-        narrowest_spread: storms.iter().map(|e| e.max_s / e.min_s).fold(f64::MAX, f64::min),
+        avg_boot: storms.iter().zip(SEED_AVG_BOOT_S).map(|(e, seed_s)| e.avg_s / seed_s).collect(),
     };
     (shape, storms)
 }
@@ -298,12 +309,18 @@ fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
     assert_read_shares_as_the_seeds(&host);
 
     // The seed's boots ended one after another (0:53 to 9:40 on the internal 512 MB array);
-    // here they end together, and the longest over the shortest is the power-ons' pace alone
-    // (VMs powered on over two minutes, each booting until the storm's end): printed, a miss.
-    let spread = shape.narrowest_spread;
-    println!("narrowest spread of boot times {spread:.2}× (seed: 11× on the internal 512 MB array)");
-    for e in &storms {
-        assert_eq!(e.booted_per_interval.iter().sum::<usize>(), VMS);
+    // here they end together, so the longest over the shortest is about the storm's length
+    // over the same less the two minutes of power-ons: printed, a miss.
+    let int512 = &storms[0];
+    let spread = int512.max_s / int512.min_s;
+    println!("internal 512 MB: longest boot over the shortest {spread:.2}× (seed 11×)");
+    // What bounds the storms' length: each average boot within a factor of the seed's. The
+    // search that chose the arrays scored the changes and the SSD-over-HDD ratio; whether it
+    // looked at these is not recorded, so they guard the fit's scale, not called held out.
+    let avg_boot = &shape.avg_boot;
+    println!("average boots over the seed's: {avg_boot:.2?}");
+    for (e, ratio) in storms.iter().zip(avg_boot) {
+        assert!(within(FITTED_AVG_BOOT, *ratio), "average boot {ratio:.2}× the seed's: {e:?}");
     }
     // Each change shortens the average boot within ±10 points of the seed's change.
     assert!((cache - SEED_CACHE_PCT).abs() <= CHANGE_POINTS, "controller cache: {cache:.0}% against the seed's −18%");
@@ -316,7 +333,6 @@ fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
 
     // The same 90 VMs with overspill in front of the internal 512 MB array (ram+disk at 256 MB
     // per VM, a 1 GiB shared read cache): the array sees the spill and the read cache's misses.
-    let int512 = &storms[0];
     let behind = estimate(&plan, internal(512, 119.0), Some(256 << 20));
     assert!(behind.avg_s < 0.25 * int512.avg_s, "{behind:?} against {int512:?}");
     assert!(behind.peak_iops < 0.25 * int512.peak_iops, "{behind:?} against {int512:?}");
@@ -487,12 +503,12 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
     let (shape, _) = fitted_shape(&plan, fitted_arrays(fitted));
     let own = own_arrays_against_the_seed(&plan, own_arrays(own));
     let near = |figure: f64, seed: f64| (figure - seed).abs() <= CHANGE_POINTS;
-    // The own-array figures: the least and the most over the storms, each held to a range.
-    let own_least = |what, figures: &[f64], range| {
+    // Figures of several storms: the least and the most of them, each held to a range.
+    let least = |what, figures: &[f64], range| {
         let least = figures.iter().copied().fold(f64::MAX, f64::min);
         (what, least, range_text(range), within(range, least))
     };
-    let own_most = |what, figures: &[f64], range| {
+    let most = |what, figures: &[f64], range| {
         let most = figures.iter().copied().fold(0.0, f64::max);
         (what, most, range_text(range), within(range, most))
     };
@@ -519,18 +535,20 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
         ),
         ("fitted: SSD over HDD, least ×", lo, format!("≥ {}", SSD_OVER_HDD.0), lo >= SSD_OVER_HDD.0),
         ("fitted: SSD over HDD, most ×", hi, format!("≤ {}", SSD_OVER_HDD.1), hi <= SSD_OVER_HDD.1),
-        own_least("own: longest boot, least × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
-        own_most("own: longest boot, most × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
-        own_least("own: HDD peak IOPS, least × seed's", hdd_peaks, OWN_PEAK_IOPS),
-        own_most("own: HDD peak IOPS, most × seed's", hdd_peaks, OWN_PEAK_IOPS),
+        least("fitted: average boot, least × seed's", &shape.avg_boot, FITTED_AVG_BOOT),
+        most("fitted: average boot, most × seed's", &shape.avg_boot, FITTED_AVG_BOOT),
+        least("own: longest boot, least × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
+        most("own: longest boot, most × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
+        least("own: HDD peak IOPS, least × seed's", hdd_peaks, OWN_PEAK_IOPS),
+        most("own: HDD peak IOPS, most × seed's", hdd_peaks, OWN_PEAK_IOPS),
         (
             "own: SSD over HDD ×",
             own.ssd_over_hdd,
             format!("> {OWN_SSD_OVER_HDD_AT_LEAST}"),
             own.ssd_over_hdd > OWN_SSD_OVER_HDD_AT_LEAST,
         ),
-        own_least("own: FC HDD requests/s, least × seed's", &own.host.mean_iops_over_seed, OWN_MEAN_IOPS),
-        own_most("own: FC HDD requests/s, most × seed's", &own.host.mean_iops_over_seed, OWN_MEAN_IOPS),
+        least("own: FC HDD requests/s, least × seed's", &own.host.mean_iops_over_seed, OWN_MEAN_IOPS),
+        most("own: FC HDD requests/s, most × seed's", &own.host.mean_iops_over_seed, OWN_MEAN_IOPS),
     ]
     .into_iter()
     .map(|(what, here, against, holds): (&str, f64, String, bool)| Held { what: what.into(), here, against, holds })

@@ -867,7 +867,9 @@ fn sensitivity_of_the_held_figures_to_the_unsourced_ones() {
 /// through `disk` mode (PVS's cache disk: overspill's per-VM cache file, with the event-log
 /// disk beside it), the two together per VM:
 /// - read shares: Dell's include the PVS servers' vDisk reads, so a desktop's cache disk read at
-///   most that much: boot's (13%) and logon's (3%) are held out as upper bounds; steady
+///   most that much: boot's (13%) and logon's (3%) are held out as upper bounds (the boot's
+///   reads nothing here, its `read_own` being the Windows trace's 0 and its event logs unread,
+///   so its bound checks only that nothing else comes to read at boot); steady
 ///   state's (0.2%) is where `win7-vdi`'s steady `read_own` comes from, so it is held only
 ///   within [`DELL_STEADY_READ_FACTOR`] (the generator delivers it);
 /// - the steady state's mean write size (9 KB) is held out, within [`DELL_WRITE_SIZE_FACTOR`];
