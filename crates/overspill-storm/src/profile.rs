@@ -114,12 +114,18 @@ pub struct Phase {
 }
 
 impl Phase {
+    /// How many of the phase's requests are reads, and how many writes.
+    fn reads_and_writes(&self) -> (u64, u64) {
+        let reads = (self.ios as f64 * self.read_fraction).round() as u64;
+        (reads, self.ios - reads)
+    }
+
     /// The chance that a read, and that a write, of this phase is event-log I/O: `share` of all
     /// its requests are, `event_log_reads` of those reads, while its read and write counts stay
     /// what the phase says.
     fn direct_odds(&self, share: f64) -> (f64, f64) {
-        let reads = (self.ios as f64 * self.read_fraction).round();
-        let writes = self.ios as f64 - reads;
+        let (reads, writes) = self.reads_and_writes();
+        let (reads, writes) = (reads as f64, writes as f64);
         let direct = share * self.ios as f64;
         let odds = |n: f64, of: f64| if n > 0.0 { n / of } else { 0.0 };
         (odds(direct * self.event_log_reads, reads), odds(direct * (1.0 - self.event_log_reads), writes))
@@ -346,10 +352,7 @@ impl VmState {
         let trims = (phase.ios as f64 * (1.0 - phase.read_fraction) * phase.trims_per_write).round() as u64;
         let total = phase.ios + trims + phase.flushes;
         let mut ops = Vec::with_capacity(total as usize);
-        let (mut reads_left, mut writes_left) = {
-            let reads = (phase.ios as f64 * phase.read_fraction).round() as u64;
-            (reads, phase.ios - reads)
-        };
+        let (mut reads_left, mut writes_left) = phase.reads_and_writes();
         let (mut trims_left, mut flushes_left) = (trims, phase.flushes);
         let (read_odds, write_odds) = phase.direct_odds(direct_share);
         for k in 0..total {

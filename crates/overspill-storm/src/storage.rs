@@ -215,9 +215,9 @@ struct Sim<'a> {
     dirty_bytes: u64,
     controller_free_at: f64,
     read_cache: Option<FetchingCache>,
-    served_per_interval: Vec<u64>,
-    /// The writes among them: a host's counters show reads and writes apart.
-    written_per_interval: Vec<u64>,
+    /// Requests the array served in each 15 s interval, and the writes among them: a host's
+    /// counters show reads and writes apart.
+    served_per_interval: Vec<Served>,
     next_group: usize,
     group_left: usize,
     group_interval_over: bool,
@@ -227,6 +227,13 @@ struct Sim<'a> {
     booting: usize,
     /// VMs powered on and waiting for a boot slot, in order.
     paced: VecDeque<usize>,
+}
+
+/// What the array served in one 15 s interval.
+#[derive(Debug, Clone, Copy, Default)]
+struct Served {
+    requests: u64,
+    writes: u64,
 }
 
 /// overspill's read cache over a source that logs its fetches.
@@ -303,7 +310,6 @@ impl<'a> Sim<'a> {
             controller_free_at: 0.0,
             read_cache,
             served_per_interval: Vec::new(),
-            written_per_interval: Vec::new(),
             next_group: 0,
             group_left: 0,
             group_interval_over: false,
@@ -660,11 +666,11 @@ impl<'a> Sim<'a> {
         self.at_array -= 1;
         let interval = (self.now / INTERVAL_S) as usize;
         if self.served_per_interval.len() <= interval {
-            self.served_per_interval.resize(interval + 1, 0);
-            self.written_per_interval.resize(interval + 1, 0);
+            self.served_per_interval.resize(interval + 1, Served::default());
         }
-        self.served_per_interval[interval] += 1;
-        self.written_per_interval[interval] += u64::from(self.requests[id].write);
+        let served = &mut self.served_per_interval[interval];
+        served.requests += 1;
+        served.writes += u64::from(self.requests[id].write);
         if let Some(next) = self.host_queue.pop_front() {
             self.dispatch(next);
         }
@@ -714,8 +720,8 @@ impl<'a> Sim<'a> {
             booted[(v.done_at.unwrap_or(self.now) / INTERVAL_S) as usize] += 1;
         }
         let storm_s = self.served_per_interval.len().max(1) as f64 * INTERVAL_S;
-        let writes: u64 = self.written_per_interval.iter().sum();
-        let reads = self.served_per_interval.iter().sum::<u64>() - writes;
+        let writes: u64 = self.served_per_interval.iter().map(|s| s.writes).sum();
+        let reads = self.served_per_interval.iter().map(|s| s.requests).sum::<u64>() - writes;
         BootEstimate {
             storage: self.storage.describe(),
             vms: n,
@@ -723,7 +729,7 @@ impl<'a> Sim<'a> {
             avg_s: times.iter().sum::<f64>() / n as f64,
             max_s: times[n - 1],
             power_on_s: self.last_power_on,
-            peak_iops: self.served_per_interval.iter().copied().max().unwrap_or(0) as f64 / INTERVAL_S,
+            peak_iops: self.served_per_interval.iter().map(|s| s.requests).max().unwrap_or(0) as f64 / INTERVAL_S,
             mean_read_iops: reads as f64 / storm_s,
             mean_write_iops: writes as f64 / storm_s,
             booted_per_interval: booted,
