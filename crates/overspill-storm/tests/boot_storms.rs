@@ -563,3 +563,172 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
 fn sensitivity_of_seed_003s_figures_to_the_unsourced_storage_ones() {
     common::print_study(&STORAGE_NUDGES, |nudge| nudge.0, held_storm_figures, "held", 2);
 }
+
+/// What the fit of seed 003's arrays may choose, one list of values per choice, in order so that
+/// a step moves to a neighbouring value: the internal arrays' disks, their class and RAID level;
+/// the FC arrays' HDDs and SSDs, their RAID level, the part of the 1744 MB cache writes may hold,
+/// the controller's ceiling, the fabric and controller's time per request; each VM's queue depth.
+struct FitGrid {
+    internal_device: [&'static str; 3],
+    internal_disks: [usize; 8],
+    raid: [Raid; 3],
+    fc_hdd_disks: [usize; 7],
+    fc_ssd_disks: [usize; 7],
+    write_part_mib: [u64; 6],
+    controller_iops: [f64; 5],
+    latency_ms: [f64; 7],
+    vm_queue_depth: [usize; 5],
+}
+
+const FIT_GRID: FitGrid = FitGrid {
+    internal_device: ["hdd7200", "hdd10k", "hdd15k"],
+    internal_disks: [4, 5, 6, 7, 8, 10, 12, 15],
+    raid: [Raid::R0, Raid::R10, Raid::R5],
+    fc_hdd_disks: [6, 8, 9, 10, 12, 15, 18],
+    fc_ssd_disks: [8, 12, 16, 20, 22, 24, 28],
+    write_part_mib: [128, 256, 384, 512, 640, 872],
+    controller_iops: [12_981.0, 15_000.0, 18_000.0, 21_000.0, 24_000.0],
+    latency_ms: [0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0],
+    vm_queue_depth: [1, 2, 4, 8, 16],
+};
+
+/// A point of the grid: an index into each list, in `FitGrid`'s order (the internal RAID level
+/// and the FC one are two choices from the one list).
+type FitPoint = [usize; 10];
+
+fn fit_grid_sizes() -> FitPoint {
+    let g = &FIT_GRID;
+    [
+        g.internal_device.len(),
+        g.internal_disks.len(),
+        g.raid.len(),
+        g.fc_hdd_disks.len(),
+        g.fc_ssd_disks.len(),
+        g.raid.len(),
+        g.write_part_mib.len(),
+        g.controller_iops.len(),
+        g.latency_ms.len(),
+        g.vm_queue_depth.len(),
+    ]
+}
+
+/// The six arrays of a point of the grid, in the order of `fitted_arrays`.
+fn arrays_at(p: FitPoint) -> [StorageSpec; 6] {
+    let g = &FIT_GRID;
+    let vm_queue_depth = g.vm_queue_depth[p[9]];
+    let internal = |mib, issue_s| StorageSpec {
+        device: DeviceSpec::built_in(g.internal_device[p[0]]).expect("built in"),
+        disks: g.internal_disks[p[1]],
+        raid: g.raid[p[2]],
+        vm_queue_depth,
+        ..internal(mib, issue_s)
+    };
+    let fc = |device, disks, mode, queue_depth, issue_s| StorageSpec {
+        raid: g.raid[p[5]],
+        write_cache_bytes: Some(g.write_part_mib[p[6]] << 20),
+        controller_iops: Some(g.controller_iops[p[7]]),
+        array_latency_s: g.latency_ms[p[8]] / 1000.0,
+        vm_queue_depth,
+        ..fibre_channel(device, disks, mode, queue_depth, issue_s)
+    };
+    let (hdds, ssds) = (g.fc_hdd_disks[p[3]], g.fc_ssd_disks[p[4]]);
+    [
+        internal(512, 119.0),
+        internal(1024, 107.0),
+        fc(hdd15k(), hdds, CacheMode::ReadOnly, 32, 276.0),
+        fc(hdd15k(), hdds, CacheMode::WriteBack, 254, 98.0),
+        fc(fc_ssd(), ssds, CacheMode::WriteBack, 32, 61.0),
+        fc(fc_ssd(), ssds, CacheMode::WriteBack, 254, 40.0),
+    ]
+}
+
+/// How far a shape lies from the figures the fit is made on, and only those: the seed's three
+/// changes (in units of the tests' ±10 points) and the ends of its SSD-over-HDD range (in units
+/// of a tenth of each). The seed's average boots, its host counters and its VMs' finishing order
+/// are not looked at: they are held out.
+fn fit_distance(shape: &FittedShape) -> f64 {
+    let points = |figure: f64, seed: f64| ((figure - seed) / CHANGE_POINTS).powi(2);
+    let tenths = |figure: f64, seed: f64| ((figure / seed - 1.0) / 0.1).powi(2);
+    let (lo, hi) = shape.ssd_over_hdd;
+    points(shape.cache, SEED_CACHE_PCT)
+        + points(shape.hdd_queue, SEED_HDD_QUEUE_PCT)
+        + points(shape.ssd_queue, SEED_SSD_QUEUE_PCT)
+        + tenths(lo, SSD_OVER_HDD.0)
+        + tenths(hi, SSD_OVER_HDD.1)
+}
+
+fn describe_point(p: FitPoint) -> String {
+    let g = &FIT_GRID;
+    format!(
+        "internal {}× {} {:?}; FC {} HDDs or {} SSDs {:?}, {} MiB for writes, {} IOPS, {} ms; VM queue depth {}",
+        g.internal_disks[p[1]],
+        g.internal_device[p[0]],
+        g.raid[p[2]],
+        g.fc_hdd_disks[p[3]],
+        g.fc_ssd_disks[p[4]],
+        g.raid[p[5]],
+        g.write_part_mib[p[6]],
+        g.controller_iops[p[7]],
+        g.latency_ms[p[8]],
+        g.vm_queue_depth[p[9]]
+    )
+}
+
+/// The points one step from `here`: one choice moved to the value before or after it.
+fn neighbours(here: FitPoint, sizes: FitPoint) -> impl Iterator<Item = FitPoint> {
+    (0..here.len()).flat_map(move |i| {
+        [here[i].checked_sub(1), Some(here[i] + 1).filter(|&v| v < sizes[i])].into_iter().flatten().map(move |v| {
+            let mut p = here;
+            p[i] = v;
+            p
+        })
+    })
+}
+
+/// Seed 003's arrays fitted again, by a program kept here so that the fit can be read and re-run
+/// (the fitted test's arrays came from a scratch search that was not kept): a steepest-descent
+/// climb over `FIT_GRID` from the seed's own arrays (the appendix: 15 × 15K internal, 12 × 15K
+/// and 24 SSDs on Fibre Channel, RAID 0, half the cache for writes, the controller at the seed's
+/// SSD ceiling, the model's default 0.2 ms, 4 requests a VM) played as linked clones, scored by
+/// `fit_distance` alone. Prints every step and, at the end, the figures held out of it.
+/// `bench/fit-seed-003` runs it and keeps what it printed.
+#[test]
+#[ignore = "a fit, tens of minutes: bench/fit-seed-003 runs it"]
+fn fit_seed_003s_arrays_holding_out_its_counters_and_averages() {
+    let plan = win7_boots(10);
+    let sizes = fit_grid_sizes();
+    let mut scored: std::collections::HashMap<FitPoint, f64> = std::collections::HashMap::new();
+    let score = |p: FitPoint| fit_distance(&fitted_shape(&plan, arrays_at(p)).0);
+    let mut here: FitPoint = [2, 7, 0, 4, 5, 0, 5, 0, 0, 2];
+    scored.insert(here, score(here));
+    println!("| step | arrays | distance |");
+    println!("| --- | --- | --- |");
+    println!("| start | {} | {:.3} |", describe_point(here), scored[&here]);
+    for step in 1.. {
+        let unscored: Vec<FitPoint> = neighbours(here, sizes).filter(|p| !scored.contains_key(p)).collect();
+        for pair in unscored.chunks(2) {
+            let scores: Vec<(FitPoint, f64)> = std::thread::scope(|scope| {
+                let runs: Vec<_> = pair.iter().map(|&p| (p, scope.spawn(move || score(p)))).collect();
+                runs.into_iter().map(|(p, run)| (p, run.join().expect("a fit run"))).collect()
+            });
+            scored.extend(scores);
+        }
+        let best = neighbours(here, sizes).min_by(|a, b| scored[a].total_cmp(&scored[b])).expect("a neighbour");
+        if scored[&best] >= scored[&here] {
+            break;
+        }
+        here = best;
+        println!("| {step} | {} | {:.3} |", describe_point(here), scored[&here]);
+    }
+    println!();
+    println!("{} points simulated; the fit: {}", scored.len(), describe_point(here));
+    let (shape, storms) = fitted_shape(&plan, arrays_at(here));
+    let FittedShape { cache, hdd_queue, ssd_queue, ssd_over_hdd: (lo, hi), ref avg_boot } = shape;
+    println!("fitted on: controller cache {cache:+.1}% (seed −18%); queue depth HDD {hdd_queue:+.1}% (seed −33%), SSD {ssd_queue:+.1}% (seed −18%); SSD over HDD {lo:.2}× to {hi:.2}× (seed 2.3× to 4.2×)");
+    println!("held out: average boots over the seed's {avg_boot:.2?}");
+    host_rates([&storms[2], &storms[3]]);
+    let [internal512, internal1g] = [&storms[0], &storms[1]].map(most_booted_at_once);
+    println!(
+        "held out: most VMs booted in one 15 s interval: internal 512 MB {internal512}, 1 GB {internal1g} (seed 6, 8)"
+    );
+}
