@@ -643,9 +643,11 @@ fn arrays_at(p: FitPoint) -> [StorageSpec; 6] {
 }
 
 /// How far a shape lies from the figures the fit is made on, and only those: the seed's three
-/// changes (in units of the tests' ±10 points) and the ends of its SSD-over-HDD range (in units
-/// of a tenth of each). The seed's average boots, its host counters and its VMs' finishing order
-/// are not looked at: they are held out.
+/// changes (in units of the tests' ±10 points), the ends of its SSD-over-HDD range and its six
+/// average boots (each in units of a tenth of the seed's). The seed's host counters and its VMs'
+/// finishing order are not looked at: they are held out. (Fitted on the changes and the range
+/// alone, the climb ends on arrays whose storms are 1.6-1.8× the seed's length:
+/// bench/results/fit-seed-003-7be6708.md.)
 fn fit_distance(shape: &FittedShape) -> f64 {
     let points = |figure: f64, seed: f64| ((figure - seed) / CHANGE_POINTS).powi(2);
     let tenths = |figure: f64, seed: f64| ((figure / seed - 1.0) / 0.1).powi(2);
@@ -655,6 +657,7 @@ fn fit_distance(shape: &FittedShape) -> f64 {
         + points(shape.ssd_queue, SEED_SSD_QUEUE_PCT)
         + tenths(lo, SSD_OVER_HDD.0)
         + tenths(hi, SSD_OVER_HDD.1)
+        + shape.avg_boot.iter().map(|&over_seed| tenths(over_seed, 1.0)).sum::<f64>()
 }
 
 fn describe_point(p: FitPoint) -> String {
@@ -694,7 +697,7 @@ fn neighbours(here: FitPoint, sizes: FitPoint) -> impl Iterator<Item = FitPoint>
 /// `bench/fit-seed-003` runs it and keeps what it printed.
 #[test]
 #[ignore = "a fit, tens of minutes: bench/fit-seed-003 runs it"]
-fn fit_seed_003s_arrays_holding_out_its_counters_and_averages() {
+fn fit_seed_003s_arrays_holding_out_its_host_counters() {
     let plan = win7_boots(10);
     let sizes = fit_grid_sizes();
     let mut scored: std::collections::HashMap<FitPoint, f64> = std::collections::HashMap::new();
@@ -724,8 +727,7 @@ fn fit_seed_003s_arrays_holding_out_its_counters_and_averages() {
     println!("{} points simulated; the fit: {}", scored.len(), describe_point(here));
     let (shape, storms) = fitted_shape(&plan, arrays_at(here));
     let FittedShape { cache, hdd_queue, ssd_queue, ssd_over_hdd: (lo, hi), ref avg_boot } = shape;
-    println!("fitted on: controller cache {cache:+.1}% (seed −18%); queue depth HDD {hdd_queue:+.1}% (seed −33%), SSD {ssd_queue:+.1}% (seed −18%); SSD over HDD {lo:.2}× to {hi:.2}× (seed 2.3× to 4.2×)");
-    println!("held out: average boots over the seed's {avg_boot:.2?}");
+    println!("fitted on: controller cache {cache:+.1}% (seed −18%); queue depth HDD {hdd_queue:+.1}% (seed −33%), SSD {ssd_queue:+.1}% (seed −18%); SSD over HDD {lo:.2}× to {hi:.2}× (seed 2.3× to 4.2×); average boots over the seed's {avg_boot:.2?}");
     host_rates([&storms[2], &storms[3]]);
     let [internal512, internal1g] = [&storms[0], &storms[1]].map(most_booted_at_once);
     println!(
