@@ -94,6 +94,10 @@ pub struct BootEstimate {
     pub mean_write_iops: f64,
     /// VMs whose boot ended in each 15 s interval.
     pub booted_per_interval: Vec<usize>,
+    /// Each VM's boot, from its power-on command to its end, shortest first (left out of
+    /// `plan --json`: the figures above sum it up).
+    #[serde(skip)]
+    pub boots_s: Vec<f64>,
     /// The cap on VMs booting at once it was played with (overspill's `serve --boot-max`).
     pub max_booting: Option<usize>,
 }
@@ -733,6 +737,7 @@ impl<'a> Sim<'a> {
             mean_read_iops: reads as f64 / storm_s,
             mean_write_iops: writes as f64 / storm_s,
             booted_per_interval: booted,
+            boots_s: times,
             max_booting: self.max_booting,
         }
     }
