@@ -594,8 +594,8 @@ struct FitGrid {
     fc_hdd_disks: [usize; 7],
     fc_ssd_disks: [usize; 7],
     write_part_mib: [u64; 6],
-    controller_iops: [f64; 5],
-    latency_ms: [f64; 7],
+    controller_iops: [f64; 6],
+    latency_ms: [f64; 8],
 }
 
 const FIT_GRID: FitGrid = FitGrid {
@@ -605,8 +605,8 @@ const FIT_GRID: FitGrid = FitGrid {
     fc_hdd_disks: [6, 8, 9, 10, 12, 15, 18],
     fc_ssd_disks: [8, 12, 16, 20, 22, 24, 28],
     write_part_mib: [128, 256, 384, 512, 640, 872],
-    controller_iops: [12_981.0, 15_000.0, 18_000.0, 21_000.0, 24_000.0],
-    latency_ms: [0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0],
+    controller_iops: [12_981.0, 15_000.0, 18_000.0, 18_500.0, 21_000.0, 24_000.0],
+    latency_ms: [0.2, 0.5, 1.0, 1.5, 2.0, 2.08, 2.5, 3.0],
 };
 
 /// A point of the grid: an index into each list, in `FitGrid`'s order (the internal RAID level
@@ -689,6 +689,16 @@ fn describe_point(p: FitPoint) -> String {
     )
 }
 
+/// Where the fit starts by default: the arrays an earlier search chose (a scratch program, not
+/// kept: 7 × 7.2K RAID 0 internal; on Fibre Channel 9 HDDs or 22 SSDs RAID 5, 384 MB for writes,
+/// 18,500 IOPS, 2.08 ms), which the grid holds for that reason.
+const FIT_FROM_THE_EARLIER_SEARCH: FitPoint = [0, 3, 0, 2, 4, 2, 2, 3, 5];
+
+/// The other start (`FIT_FROM=appendix`): the seed's own arrays (15 × 15K internal, 12 × 15K and
+/// 24 SSDs on Fibre Channel, RAID 0, half the cache for writes, the controller at the seed's SSD
+/// ceiling, the model's default 0.2 ms), played as linked clones.
+const FIT_FROM_THE_APPENDIX: FitPoint = [2, 7, 0, 4, 5, 0, 5, 0, 0];
+
 /// The points one step from `here`: one choice moved to any other of its values (a step to the
 /// next value alone stalls: from the seed's arrays, with the averages scored, such a climb ends
 /// with the SSDs' queue-depth change at +26%, bench/results/fit-seed-003-44b41ff.md).
@@ -704,10 +714,8 @@ fn neighbours(here: FitPoint, sizes: FitPoint) -> impl Iterator<Item = FitPoint>
 
 /// Seed 003's arrays fitted again, by a program kept here so that the fit can be read and re-run
 /// (the fitted test's arrays came from a scratch search that was not kept): a coordinate search
-/// over `FIT_GRID` from the seed's own arrays (the appendix: 15 × 15K internal, 12 × 15K
-/// and 24 SSDs on Fibre Channel, RAID 0, half the cache for writes, the controller at the seed's
-/// SSD ceiling, the model's default 0.2 ms) played as linked clones, scored by
-/// `fit_distance` alone. Prints every step and, at the end, the figures held out of it.
+/// over `FIT_GRID`, from the earlier search's arrays or (`FIT_FROM=appendix`) from the seed's
+/// own, scored by `fit_distance` alone. Prints every step and, at the end, the figures held out of it.
 /// `bench/fit-seed-003` runs it and keeps what it printed.
 #[test]
 #[ignore = "a fit, tens of minutes: bench/fit-seed-003 runs it"]
@@ -716,7 +724,10 @@ fn fit_seed_003s_arrays_holding_out_its_host_counters() {
     let sizes = fit_grid_sizes();
     let mut scored: std::collections::HashMap<FitPoint, f64> = std::collections::HashMap::new();
     let score = |p: FitPoint| fit_distance(&fitted_shape(&plan, arrays_at(p)).0);
-    let mut here: FitPoint = [2, 7, 0, 4, 5, 0, 5, 0, 0];
+    let mut here = match std::env::var("FIT_FROM").as_deref() {
+        Ok("appendix") => FIT_FROM_THE_APPENDIX,
+        _ => FIT_FROM_THE_EARLIER_SEARCH,
+    };
     scored.insert(here, score(here));
     println!("| step | arrays | distance |");
     println!("| --- | --- | --- |");
