@@ -9,9 +9,9 @@
 //! last about as long as the seed's, but every VM shares the disks evenly and finishes near the
 //! storm's end, so averages sit near the maxima and cache size does nothing (docs/planning.md).
 //! The shape of the seed's changes comes out on linked clones and the arrays of the first test,
-//! which are this test's choice, stated in full, fitted by a search (docs/planning.md): the
-//! seed's changes in average boot time within ±10 points, SSD against HDD within the seed's
-//! 2.3× to 4.2×.
+//! which are this test's choice, stated in full, fitted by the search at the end of this file
+//! (`bench/fit-seed-003`): the seed's changes in average boot time within ±10 points, SSD against
+//! HDD within a tenth of the seed's 2.3× to 4.2×, its average boots; its host counters held out.
 
 mod common;
 
@@ -26,8 +26,8 @@ const VMS: usize = 90;
 
 // What the tests hold, written once: the seed's changes in average boot time (its −18% for the
 // controller cache, −33% and −18% for the HBA queue depth on HDDs and SSDs) within ±10 points;
-// SSDs faster than every HDD configuration by the seed's 2.3× to 4.2×, and each storm's average
-// boot within a factor range of the seed's; on the seed's own arrays
+// SSDs faster than every HDD configuration by the seed's 2.3× to 4.2×, each end within a tenth,
+// and each storm's average boot within a factor range of the seed's; on the seed's own arrays
 // the longest boot, the peak IOPS and the FC HDD storms' requests a second within a factor range
 // of the seed's, their read shares within a few points, and SSDs more than twice as fast as any
 // HDD array.
@@ -36,6 +36,8 @@ const SEED_HDD_QUEUE_PCT: f64 = -33.0;
 const SEED_SSD_QUEUE_PCT: f64 = -18.0;
 const CHANGE_POINTS: f64 = 10.0;
 const SSD_OVER_HDD: (f64, f64) = (2.3, 4.2);
+/// How far each end of the SSD-over-HDD range may lie from the seed's, as a share of it.
+const SSD_OVER_HDD_SHARE: f64 = 0.1;
 const OWN_LONGEST_BOOT: (f64, f64) = (0.6, 1.6);
 const OWN_PEAK_IOPS: (f64, f64) = (0.5, 1.5);
 const OWN_SSD_OVER_HDD_AT_LEAST: f64 = 2.0;
@@ -216,28 +218,24 @@ fn within((low, high): (f64, f64), figure: f64) -> bool {
     (low..=high).contains(&figure)
 }
 
-/// The test's arrays, fitted to seed 003 by a search (docs/planning.md), each changed by
-/// `nudge`: internal 512 MB and 1 GB; FC HDDs at queue depth 32 (read cache) and 254 (write
-/// back); FC SSDs at 32 and 254. The FC array has 384 MB of its 1744 MB cache for writes, 2.08
-/// ms of fabric and controller per request and a controller good for 18,500 IOPS; 9 HDDs or 22
-/// SSDs.
+/// The test's arrays, fitted to seed 003 by `fit_seed_003s_arrays_holding_out_its_host_counters`
+/// (bench/results/fit-seed-003-earlier-3a4e42f.md), each changed by `nudge`: internal 512 MB and
+/// 1 GB, 7 × 7.2K RAID 0; FC HDDs at queue depth 32 (read cache) and 254 (write back), FC SSDs at
+/// 32 and 254, 10 HDDs or 28 SSDs RAID 5 behind 384 MB of the 1744 MB cache for writes, 2 ms of
+/// fabric and controller per request and a controller good for 21,000 IOPS.
 fn fitted_arrays(nudge: SpecNudge) -> [StorageSpec; 6] {
-    let fc = |device, disks, mode, queue_depth, issue_s| StorageSpec {
-        write_cache_bytes: Some(384 << 20),
-        controller_iops: Some(18_500.0),
-        array_latency_s: 0.002_08,
-        ..fibre_channel(device, disks, mode, queue_depth, issue_s)
-    };
-    let mut arrays = [
-        internal(512, 119.0),
-        internal(1024, 107.0),
-        fc(hdd15k(), 9, CacheMode::ReadOnly, 32, 276.0),
-        fc(hdd15k(), 9, CacheMode::WriteBack, 254, 98.0),
-        fc(fc_ssd(), 22, CacheMode::WriteBack, 32, 61.0),
-        fc(fc_ssd(), 22, CacheMode::WriteBack, 254, 40.0),
-    ];
+    let mut arrays = arrays_at(FITTED_ARRAYS);
     arrays.iter_mut().for_each(nudge);
     arrays
+}
+
+/// Where the fit ended (`FIT_GRID`'s indices).
+const FITTED_ARRAYS: FitPoint = [0, 3, 0, 3, 6, 2, 2, 4, 4];
+
+/// Whether each end of an SSD-over-HDD range lies within a tenth of the seed's.
+fn ssd_over_hdd_as_the_seeds((lo, hi): (f64, f64)) -> [bool; 2] {
+    let near = |figure: f64, seed: f64| (figure / seed - 1.0).abs() <= SSD_OVER_HDD_SHARE;
+    [near(lo, SSD_OVER_HDD.0), near(hi, SSD_OVER_HDD.1)]
 }
 
 /// What seed 003's storms on the fitted arrays give: the three changes in average boot time
@@ -308,9 +306,10 @@ fn own_arrays_against_the_seed(plan: &RunPlan, arrays: [(StorageSpec, f64, f64);
     }
 }
 
-/// A fit, not a check: the arrays below were chosen by a search so that the seed's changes come
-/// out (docs/planning.md), so this test holds the model to what it was fitted on. It guards the
-/// fit against changes to the model; the checks against the seed are the own-array test below.
+/// A fit, not a check: the arrays were chosen by the search below so that the seed's changes,
+/// SSD-over-HDD range and average boots come out, so this test holds the model to what it was
+/// fitted on. It guards the fit against changes to the model; the checks against the seed are
+/// the figures held out of the fit, printed here, and the own-array test below.
 #[test]
 fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
     let plan = win7_boots(10);
@@ -318,8 +317,9 @@ fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
     let FittedShape { cache, hdd_queue, ssd_queue, ssd_over_hdd: (lo, hi), .. } = shape;
     println!("controller cache 512 MB → 1 GB: {cache:+.0}% (seed −18%); queue depth 32 → 254: HDD {hdd_queue:+.0}% (seed −33%), SSD {ssd_queue:+.0}% (seed −18%); SSD faster than HDD by {lo:.3}× to {hi:.3}× (seed 2.3× to 4.2×)");
     // Held out of the fit: the seed's host counters on its FC HDD storms (their read shares
-    // held, as on the own arrays; their rates printed, a miss) and how many of its internal
-    // arrays' VMs finished in one 15 s interval (printed, a miss).
+    // held, as on the own arrays; their rates printed, a miss), how many of its internal
+    // arrays' VMs finished in one 15 s interval (printed, a miss) and how many of its optimal
+    // configurations' VMs booted within two minutes (printed).
     let host = host_rates([&storms[2], &storms[3]]);
     let [internal512, internal1g] = [&storms[0], &storms[1]].map(most_booted_at_once);
     println!("most VMs booted in one 15 s interval: internal 512 MB {internal512}, 1 GB {internal1g} (seed 6, 8)");
@@ -332,9 +332,7 @@ fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
     let int512 = &storms[0];
     let spread = int512.max_s / int512.min_s;
     println!("internal 512 MB: longest boot over the shortest {spread:.2}× (seed 11×)");
-    // What bounds the storms' length: each average boot within a factor of the seed's. The
-    // search that chose the arrays scored the changes and the SSD-over-HDD ratio; whether it
-    // looked at these is not recorded, so they guard the fit's scale, not called held out.
+    // Each average boot within a factor of the seed's (fitted on: they bound the storms' length).
     let avg_boot = &shape.avg_boot;
     println!("average boots over the seed's: {avg_boot:.2?}");
     for (e, ratio) in storms.iter().zip(avg_boot) {
@@ -346,8 +344,9 @@ fn seed_003s_boot_storm_shape_on_arrays_fitted_to_it() {
     assert!((hdd - SEED_HDD_QUEUE_PCT).abs() <= CHANGE_POINTS, "HDD queue depth: {hdd:.0}% against the seed's −33%");
     let ssd = ssd_queue;
     assert!((ssd - SEED_SSD_QUEUE_PCT).abs() <= CHANGE_POINTS, "SSD queue depth: {ssd:.0}% against the seed's −18%");
-    // SSDs boot faster than every HDD configuration by 2.3× to 4.2×, as in the seed.
-    assert!(lo >= SSD_OVER_HDD.0 && hi <= SSD_OVER_HDD.1, "SSD against HDD: {lo:.3}× to {hi:.3}×");
+    // SSDs boot faster than every HDD configuration by 2.3× to 4.2×, as in the seed, each end
+    // within a tenth (the fit's unit).
+    assert_eq!(ssd_over_hdd_as_the_seeds((lo, hi)), [true, true], "SSD against HDD: {lo:.3}× to {hi:.3}×");
 
     // The same 90 VMs with overspill in front of the internal 512 MB array (ram+disk at 256 MB
     // per VM, a 1 GiB shared read cache): the array sees the spill and the read cache's misses.
@@ -509,6 +508,11 @@ const STORAGE_NUDGES: [StorageNudge; 13] = [
     ),
 ];
 
+/// What an end of the SSD-over-HDD range is held to, in the study's table.
+fn ends_text(seed: f64) -> String {
+    format!("{seed} ± {}%", SSD_OVER_HDD_SHARE * 100.0)
+}
+
 fn range_text((low, high): (f64, f64)) -> String {
     format!("{low}-{high}")
 }
@@ -552,8 +556,8 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
             format!("{SEED_SSD_QUEUE_PCT} ± {CHANGE_POINTS}"),
             near(shape.ssd_queue, SEED_SSD_QUEUE_PCT),
         ),
-        ("fitted: SSD over HDD, least ×", lo, format!("≥ {}", SSD_OVER_HDD.0), lo >= SSD_OVER_HDD.0),
-        ("fitted: SSD over HDD, most ×", hi, format!("≤ {}", SSD_OVER_HDD.1), hi <= SSD_OVER_HDD.1),
+        ("fitted: SSD over HDD, least ×", lo, ends_text(SSD_OVER_HDD.0), ssd_over_hdd_as_the_seeds((lo, hi))[0]),
+        ("fitted: SSD over HDD, most ×", hi, ends_text(SSD_OVER_HDD.1), ssd_over_hdd_as_the_seeds((lo, hi))[1]),
         least("fitted: average boot, least × seed's", &shape.avg_boot, FITTED_AVG_BOOT),
         most("fitted: average boot, most × seed's", &shape.avg_boot, FITTED_AVG_BOOT),
         least("own: longest boot, least × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
