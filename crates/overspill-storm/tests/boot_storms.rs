@@ -587,10 +587,11 @@ fn sensitivity_of_seed_003s_figures_to_the_unsourced_storage_ones() {
     common::print_study(&STORAGE_NUDGES, |nudge| nudge.0, held_storm_figures, "held", 2);
 }
 
-/// What the fit of seed 003's arrays may choose, one list of values per choice: the internal arrays' disks, their class and RAID level;
-/// the FC arrays' HDDs and SSDs, their RAID level, the part of the 1744 MB cache writes may hold,
-/// the controller's ceiling, the fabric and controller's time per request. Each VM keeps its 4
-/// requests in flight (loosely sourced: the Windows trace's boot, docs/planning.md), not fitted.
+/// What the fit of seed 003's arrays may choose, one list of values per choice: the internal
+/// arrays' disks, their class and RAID level; the FC arrays' HDDs and SSDs, their RAID level, the
+/// part of the 1744 MB cache writes may hold, the controller's ceiling, the fabric and
+/// controller's time per request. Each VM keeps its 4 requests in flight (loosely sourced: the
+/// Windows trace's boot, docs/planning.md), not fitted.
 struct FitGrid {
     internal_device: [&'static str; 3],
     internal_disks: [usize; 8],
@@ -719,8 +720,8 @@ fn neighbours(here: FitPoint, sizes: FitPoint) -> impl Iterator<Item = FitPoint>
 /// Seed 003's arrays fitted again, by a program kept here so that the fit can be read and re-run
 /// (the fitted test's arrays came from a scratch search that was not kept): a coordinate search
 /// over `FIT_GRID`, from the earlier search's arrays or (`FIT_FROM=appendix`) from the seed's
-/// own, scored by `fit_distance` alone. Prints every step and, at the end, the figures held out of it.
-/// `bench/fit-seed-003` runs it and keeps what it printed.
+/// own, scored by `fit_distance` alone. Prints every step and, at the end, the figures held out
+/// of it. `bench/fit-seed-003` runs it and keeps what it printed.
 #[test]
 #[ignore = "a fit, tens of minutes: bench/fit-seed-003 runs it"]
 fn fit_seed_003s_arrays_holding_out_its_host_counters() {
