@@ -58,9 +58,17 @@ fn vms_sharing_a_disk_queue_and_their_boot_times_spread() {
     assert!(e.max_s > e.avg_s && e.avg_s > e.min_s, "{e:?}");
     assert!((e.power_on_s - 9.0).abs() < 1e-9, "{e:?}");
     assert_eq!(e.booted_per_interval.iter().sum::<usize>(), 10);
-    // The first VM powered on starts on an idle disk; the last finds nine ahead of it.
     assert_eq!(e.boots_s.len(), 10);
-    assert!(e.boots_s[0] < e.boots_s[9], "{e:?}");
+}
+
+#[test]
+fn boot_times_are_kept_in_power_on_order() {
+    // VM 0 boots 200 reads, VM 1 (powered on a second later) 10: the first is the longer boot.
+    let spec = StorageSpec { power_on_group: 1, power_on_interval_s: 1.0, ..StorageSpec::single(disk("hdd7200")) };
+    let e = simulate_boots(&spec, &[reads(200, 0.0, false), reads(10, 0.0, false)], 2, 0).expect("boots");
+    assert_eq!(e.boots_s.len(), 2);
+    assert!(e.boots_s[0] > e.boots_s[1], "{e:?}");
+    assert_eq!((e.boots_s[0], e.boots_s[1]), (e.max_s, e.min_s));
 }
 
 #[test]
