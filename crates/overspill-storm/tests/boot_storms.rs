@@ -87,17 +87,17 @@ fn hdd15k() -> DeviceSpec {
     DeviceSpec::built_in("hdd15k").expect("built in")
 }
 
-/// The internal RAID controller: a write-back cache, no queue limit, over 7 × 7.2K disks in RAID 0
-/// (where the fit left the fitted arrays; the fit and the own arrays set their own disks).
-fn internal(cache_mib: u64, issue_s: f64) -> StorageSpec {
+/// The internal RAID controller over `disks` of `device` in `raid`: a write-back cache, no queue
+/// limit.
+fn internal(device: DeviceSpec, disks: usize, raid: Raid, cache_mib: u64, issue_s: f64) -> StorageSpec {
     StorageSpec {
-        disks: 7,
-        raid: Raid::R0,
+        disks,
+        raid,
         cache_bytes: cache_mib << 20,
         cache_mode: CacheMode::WriteBack,
         power_on_group: 1,
         power_on_interval_s: issue_s / (VMS - 1) as f64,
-        ..StorageSpec::single(DeviceSpec::built_in("hdd7200").expect("built in"))
+        ..StorageSpec::single(device)
     }
 }
 
@@ -271,7 +271,7 @@ fn fitted_shape(plan: &RunPlan, arrays: [StorageSpec; 6]) -> (FittedShape, [Boot
 /// 12 × 15K at queue depth 32 (read cache) and 254 (write back); FC 24 SSDs at 32 and 254.
 fn own_arrays(nudge: SpecNudge) -> [(StorageSpec, f64, f64); 6] {
     let own = |spec: StorageSpec| StorageSpec { raid: Raid::R0, clones: Clones::Full, ..spec };
-    let internal_15k = |mib, issue_s| own(StorageSpec { device: hdd15k(), disks: 15, ..internal(mib, issue_s) });
+    let internal_15k = |mib, issue_s| own(internal(hdd15k(), 15, Raid::R0, mib, issue_s));
     let mut arrays = [
         (internal_15k(512, 119.0), 9.0 * 60.0 + 40.0, 5_382.0),
         (internal_15k(1024, 107.0), 8.0 * 60.0 + 20.0, 5_842.0),
@@ -404,7 +404,7 @@ fn study_power_ons_driven_by_storage_on_the_seeds_own_arrays() {
         power_on_ios: 30,
         ..spec
     };
-    let internal_15k = |mib| paced(StorageSpec { device: hdd15k(), disks: 15, ..internal(mib, 0.0) });
+    let internal_15k = |mib| paced(internal(hdd15k(), 15, Raid::R0, mib, 0.0));
     let storms = [
         ("internal 512 MB (seed: power-ons 1:59, avg 4:30)", internal_15k(512)),
         ("internal 1 GB (1:47, 3:42)", internal_15k(1024)),
@@ -542,6 +542,7 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
         (what, most, range_text(range), within(range, most))
     };
     let (lo, hi) = shape.ssd_over_hdd;
+    let [lo_holds, hi_holds] = ssd_over_hdd_as_the_seeds((lo, hi));
     let hdd_peaks = &own.peak_iops[..4];
     vec![
         (
@@ -562,8 +563,8 @@ fn held_storm_figures(&(_, workload, fitted, own): &StorageNudge) -> Vec<Held> {
             format!("{SEED_SSD_QUEUE_PCT} ± {CHANGE_POINTS}"),
             near(shape.ssd_queue, SEED_SSD_QUEUE_PCT),
         ),
-        ("fitted: SSD over HDD, least ×", lo, ends_text(SSD_OVER_HDD.0), ssd_over_hdd_as_the_seeds((lo, hi))[0]),
-        ("fitted: SSD over HDD, most ×", hi, ends_text(SSD_OVER_HDD.1), ssd_over_hdd_as_the_seeds((lo, hi))[1]),
+        ("fitted: SSD over HDD, least ×", lo, ends_text(SSD_OVER_HDD.0), lo_holds),
+        ("fitted: SSD over HDD, most ×", hi, ends_text(SSD_OVER_HDD.1), hi_holds),
         least("fitted: average boot, least × seed's", &shape.avg_boot, FITTED_AVG_BOOT),
         most("fitted: average boot, most × seed's", &shape.avg_boot, FITTED_AVG_BOOT),
         least("own: longest boot, least × seed's", &own.longest_boot, OWN_LONGEST_BOOT),
@@ -642,11 +643,9 @@ fn fit_grid_sizes() -> FitPoint {
 /// The six arrays of a point of the grid, in the order of `fitted_arrays`.
 fn arrays_at(p: FitPoint) -> [StorageSpec; 6] {
     let g = &FIT_GRID;
-    let internal = |mib, issue_s| StorageSpec {
-        device: DeviceSpec::built_in(g.internal_device[p[0]]).expect("built in"),
-        disks: g.internal_disks[p[1]],
-        raid: g.raid[p[2]],
-        ..internal(mib, issue_s)
+    let internal = |mib, issue_s| {
+        let device = DeviceSpec::built_in(g.internal_device[p[0]]).expect("built in");
+        internal(device, g.internal_disks[p[1]], g.raid[p[2]], mib, issue_s)
     };
     let fc = |device, disks, mode, queue_depth, issue_s| StorageSpec {
         raid: g.raid[p[5]],
