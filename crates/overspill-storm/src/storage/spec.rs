@@ -24,15 +24,16 @@ pub struct DeviceSpec {
 /// rates in its manual (Seagate Cheetah 15K.6: 112-171 MB/s); `ssd` a SATA SSD of the seeds' years (Samsung
 /// 850 EVO: its data sheet's depth-1 point and bandwidth, a published run's depth 32); `nvme`
 /// Samsung's 960 EVO (1 TB) specification as reviews list it (its random-read maximum is at
-/// depth 32 on each of four threads: 128 outstanding). The depth-4 and depth-16 points are
-/// round figures.
+/// depth 32 on each of four threads: 128 outstanding). The disks' depth-4 and depth-16 points
+/// lie where a disk that reorders its queue, simulated from data-sheet seeks, has climbed from
+/// depth 1 to depth 32 (tests/disk_queue_depths.rs); the SSDs' depth-4 points are round figures.
 /// `[queue depth, IOPS]` points.
 type Curve = &'static [(f64, f64)];
 
 const BUILT_IN: [(&str, Curve, f64); 5] = [
-    ("hdd7200", &[(1.0, 80.0), (4.0, 110.0), (16.0, 150.0), (32.0, 165.0)], 150.0),
-    ("hdd10k", &[(1.0, 140.0), (4.0, 190.0), (16.0, 250.0), (32.0, 280.0)], 113.0),
-    ("hdd15k", &[(1.0, 190.0), (4.0, 260.0), (16.0, 340.0), (32.0, 380.0)], 142.0),
+    ("hdd7200", &[(1.0, 80.0), (4.0, 105.0), (16.0, 140.0), (32.0, 165.0)], 150.0),
+    ("hdd10k", &[(1.0, 140.0), (4.0, 178.0), (16.0, 240.0), (32.0, 280.0)], 113.0),
+    ("hdd15k", &[(1.0, 190.0), (4.0, 241.0), (16.0, 324.0), (32.0, 380.0)], 142.0),
     ("ssd", &[(1.0, 10_000.0), (4.0, 25_000.0), (32.0, 71_000.0)], 540.0),
     ("nvme", &[(1.0, 14_000.0), (4.0, 45_000.0), (128.0, 380_000.0)], 3_200.0),
 ];
