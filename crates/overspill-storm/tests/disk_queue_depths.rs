@@ -58,12 +58,19 @@ const HITACHI_7K320: Mechanics = Mechanics {
     controller_overhead_ms: 0.0,
 };
 
-/// A disk whose data sheet was found only as far as its average read seek: its single-track and
-/// full-stroke seeks in the proportions of `like`, a disk of its kind whose sheet has all three.
-const fn scaled(like: Mechanics, rpm: f64, average_seek_ms: f64, controller_overhead_ms: f64) -> Mechanics {
+/// A disk of `class` whose data sheet was found only as far as its average read seek: its
+/// single-track and full-stroke seeks in the proportions of `like`, a disk whose sheet has all
+/// three.
+const fn scaled(
+    class: &'static str,
+    like: Mechanics,
+    rpm: f64,
+    average_seek_ms: f64,
+    controller_overhead_ms: f64,
+) -> Mechanics {
     let by = average_seek_ms / like.average_seek_ms;
     Mechanics {
-        class: like.class,
+        class,
         rpm,
         track_to_track_ms: like.track_to_track_ms * by,
         average_seek_ms,
@@ -77,9 +84,9 @@ const fn scaled(like: Mechanics, rpm: f64, average_seek_ms: f64, controller_over
 /// 7K320's proportions; `hdd10k` the Savvio 10K.4; `hdd15k` the Ultrastar 15K450 (300 GB,
 /// 3.1 ms, no overhead stated) in the Savvio's, the enterprise disk at hand with all three seeks.
 const DISKS: [Mechanics; 3] = [
-    scaled(HITACHI_7K320, 7_200.0, 8.5, 0.0),
+    scaled("hdd7200", HITACHI_7K320, 7_200.0, 8.5, 0.0),
     SAVVIO_10K4,
-    Mechanics { class: "hdd15k", ..scaled(SAVVIO_10K4, 15_000.0, 3.1, 0.0) },
+    scaled("hdd15k", SAVVIO_10K4, 15_000.0, 3.1, 0.0),
 ];
 
 /// Requests served per simulated depth, after as many again to fill the queue's pattern: enough
@@ -205,9 +212,9 @@ fn the_climbs_shape_hardly_depends_on_the_class_nor_on_whose_seeks_it_borrows() 
     // disk's seek proportions: if the shape moved with them, the borrowing would matter. So
     // each class is also simulated on the other sheet's proportions.
     let borrowed_otherwise = [
-        scaled(SAVVIO_10K4, 7_200.0, 8.5, 0.0),
-        scaled(HITACHI_7K320, 10_000.0, 3.8, 0.2),
-        scaled(HITACHI_7K320, 15_000.0, 3.1, 0.0),
+        scaled("hdd7200", SAVVIO_10K4, 7_200.0, 8.5, 0.0),
+        scaled("hdd10k", HITACHI_7K320, 10_000.0, 3.8, 0.2),
+        scaled("hdd15k", HITACHI_7K320, 15_000.0, 3.1, 0.0),
     ];
     let shares: Vec<[f64; 2]> =
         DISKS.iter().chain(&borrowed_otherwise).map(Climb::of).map(|c| [c.share_at(4), c.share_at(16)]).collect();
