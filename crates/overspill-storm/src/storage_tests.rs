@@ -185,3 +185,18 @@ fn the_host_counters_average_reads_and_writes_over_the_storms_intervals() {
     assert!((e.mean_read_iops - 120.0 / 165.0).abs() < 1e-9, "{e:?}");
     assert!((e.mean_write_iops - 40.0 / 165.0).abs() < 1e-9, "{e:?}");
 }
+
+#[test]
+fn the_controller_counts_reads_that_follow_on_from_the_read_before() {
+    let spec = StorageSpec::single(disk("hdd10k"));
+    // One VM reading 4 KiB after 4 KiB: every read but the first continues the one before.
+    let mut run = VmBoot::default();
+    for i in 0..50u64 {
+        run.push(0.0, [Request { write: false, golden: false, offset: i * 4096, bytes: 4096 }]);
+    }
+    let e = simulate_boots(&spec, &[run], 1, 0).expect("a boot");
+    assert_eq!((e.controller_reads, e.sequential_reads), (50, 49));
+    // A megabyte apart, none does, in either VM's space.
+    let e = simulate_boots(&spec, &[reads(50, 0.0, false)], 2, 0).expect("a boot");
+    assert_eq!((e.controller_reads, e.sequential_reads), (100, 0));
+}
