@@ -12,7 +12,7 @@ pub mod peer_tls;
 pub mod tls;
 pub mod transport;
 
-pub use listen::{ListenAddr, Listener, SocketAccess};
+pub use listen::{remove_stale_socket, ListenAddr, Listener, SocketAccess};
 pub use peer_tls::{PeerStream, PeerTls};
 pub use tls::{ServerTls, TlsMode};
 pub use transport::{connect, ReadStopper, Transport};

@@ -191,8 +191,8 @@ fn peer_pid(stream: &UnixStream) -> Option<u32> {
 
 /// Makes room for a new socket at `path`: nothing there, or a socket file that refuses
 /// connections (its server died, or was exiting and has gone since) and is removed. Anything
-/// else is left as it is and refused.
-fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
+/// else is left as it is and refused: a server removes no file it did not make.
+pub fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
     use std::io::{Error, ErrorKind};
     use std::os::unix::fs::FileTypeExt;
     let metadata = match std::fs::symlink_metadata(path) {
@@ -203,7 +203,10 @@ fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
     if !metadata.file_type().is_socket() {
         return Err(Error::new(
             ErrorKind::AlreadyExists,
-            format!("{} exists and is not a socket; it is left alone (choose another --listen path)", path.display()),
+            format!(
+                "{} exists and is not a socket; it is left alone (choose another path for the socket)",
+                path.display()
+            ),
         ));
     }
     match UnixStream::connect(path) {

@@ -15,7 +15,7 @@ use overspill_engine::{Allocation, EngineError};
 
 use crate::boot_pacing::BootGate;
 use crate::error::device_error;
-use crate::live::Live;
+use crate::live::{Live, NotCurrent};
 use crate::vms::{Ending, VmRegistry};
 
 /// What a connection to a VM is served by: its overlay, timed, recorded if the server records,
@@ -140,9 +140,17 @@ impl EngineDevice {
         purpose: Purpose,
         op: impl FnOnce(&mut overspill_engine::Overlay) -> Result<T, EngineError>,
     ) -> Result<T, DeviceError> {
-        if let Err(why) = self.live.wait_until_current(matches!(purpose, Purpose::Change)) {
-            self.reset.store(true, Ordering::SeqCst);
-            return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
+        match self.live.wait_until_current(matches!(purpose, Purpose::Change)) {
+            Ok(()) => {}
+            Err(NotCurrent::MoveFailed(why)) => {
+                self.reset.store(true, Ordering::SeqCst);
+                return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
+            }
+            Err(NotCurrent::StillMoving(why)) => {
+                // Each such request has waited the whole wait: a few lines at most.
+                tracing::warn!(vm = %self.name, %why, "a request failed waiting for the VM's move to switch over");
+                return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
+            }
         }
         let result = match self.live.vm().as_mut() {
             Some(vm) => op(&mut vm.overlay),

@@ -402,3 +402,31 @@ fn a_connection_arriving_as_the_last_one_leaves_resumes_the_vm_rather_than_join_
     assert!(registry.end(number, Ending::Lost, overlay).is_none(), "kept in grace");
     assert!(matches!(registry.claim(Some("build-1"), "golden", None), Ok(Claim::Resume { .. })));
 }
+
+/// The peer socket is made where nothing lies, or over a dead server's socket; any other file,
+/// and a live server's socket, is left as it is and the listener refused.
+#[test]
+fn a_peer_socket_replaces_only_a_dead_servers_socket() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let registry = || {
+        let lifecycle = Lifecycle { reconnect_grace: Duration::from_secs(60), state_dir: None, memory_dir: None };
+        VmRegistry::new(lifecycle).expect("registry")
+    };
+    let listen =
+        |path: PathBuf| migration::listen(&overspill_net::ListenAddr::Unix(path), "x".into(), None, registry());
+
+    let notes = dir.path().join("notes.txt");
+    std::fs::write(&notes, "mine").expect("a file");
+    let refused = listen(notes.clone()).err().expect("a file that is no socket");
+    assert_eq!(refused.kind(), std::io::ErrorKind::AlreadyExists, "{refused}");
+    assert_eq!(std::fs::read_to_string(&notes).expect("still there"), "mine");
+
+    let live = dir.path().join("live.sock");
+    let _first = listen(live.clone()).expect("a peer socket");
+    let refused = listen(live.clone()).err().expect("a live server's socket");
+    assert_eq!(refused.kind(), std::io::ErrorKind::AddrInUse, "{refused}");
+
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).expect("a socket nobody listens on"));
+    let _second = listen(stale).expect("a peer socket over a dead server's");
+}

@@ -59,7 +59,28 @@ pub(crate) struct LiveState {
 
 /// How long a request waits at the gate before it is answered with an error: longer than any
 /// switchover, shorter than a guest's own I/O timeout (30 s for Linux's SCSI and virtio disks).
-pub(crate) const GATE_WAIT: Duration = Duration::from_secs(25);
+const GATE_WAIT: Duration = Duration::from_secs(25);
+
+/// [`GATE_WAIT`], or `OVERSPILL_TEST_GATE_WAIT_MS` from the environment: a test's way to see a
+/// switchover outlast the wait without waiting 25 s.
+fn gate_wait() -> Duration {
+    static WAIT: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *WAIT.get_or_init(|| {
+        let from_test = std::env::var("OVERSPILL_TEST_GATE_WAIT_MS").ok().and_then(|ms| ms.parse().ok());
+        from_test.map_or(GATE_WAIT, Duration::from_millis)
+    })
+}
+
+/// Why a gated connection's request is not served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum NotCurrent {
+    /// The move failed: the VM is not this server's, and the connection closes.
+    MoveFailed(String),
+    /// The switchover did not come within the wait: this request fails, and the connection
+    /// stays, since the move may still commit and make the VM this server's. (Ending it then
+    /// would end the VM too, and its next connection would find nothing of its writes.)
+    StillMoving(String),
+}
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -135,12 +156,13 @@ impl Live {
     }
 
     /// Before a request: at a gated connection, waits until the VM's state here is current,
-    /// asking for the switchover if `ask` (a change). `Err` says why it never will be.
-    pub(crate) fn wait_until_current(&self, ask: bool) -> Result<(), String> {
+    /// asking for the switchover if `ask` (a change). `Err` says why it is not, yet or for good.
+    pub(crate) fn wait_until_current(&self, ask: bool) -> Result<(), NotCurrent> {
         if !self.gated.load(Ordering::Acquire) {
             return Ok(());
         }
-        let deadline = std::time::Instant::now() + GATE_WAIT;
+        let wait = gate_wait();
+        let deadline = std::time::Instant::now() + wait;
         let mut state = self.state();
         if ask && state.gate == Gate::Incoming && !state.switch_wanted {
             state.switch_wanted = true;
@@ -149,12 +171,15 @@ impl Live {
         loop {
             match &state.gate {
                 Gate::Open => return Ok(()),
-                Gate::Failed(why) => return Err(why.clone()),
+                Gate::Failed(why) => return Err(NotCurrent::MoveFailed(why.clone())),
                 Gate::Incoming => {}
             }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
-                return Err(format!("its state did not arrive from the peer within {} s", GATE_WAIT.as_secs()));
+                return Err(NotCurrent::StillMoving(format!(
+                    "its state did not arrive from the peer within {:.1} s",
+                    wait.as_secs_f64()
+                )));
             }
             state = self.wait(state, left);
         }

@@ -222,9 +222,8 @@ pub fn listen(
         };
     match address {
         ListenAddr::Unix(path) => {
-            if path.exists() && UnixStream::connect(path).is_err() {
-                std::fs::remove_file(path)?;
-            }
+            // Only a dead server's socket is removed: a live one, or any other file, refuses.
+            overspill_net::remove_stale_socket(path)?;
             let listener = UnixListener::bind(path)?;
             std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
             accept_loop(

@@ -13,10 +13,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use overspill_block::{BlockDevice, DeviceError};
+use rustix::fs::SealFlags;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_queue::QueueT;
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{
+    Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
@@ -60,6 +63,8 @@ pub(crate) struct Blk {
     scratch: Mutex<Vec<u8>>,
     /// How long a queue is watched for the next request before its worker sleeps.
     poll: Duration,
+    /// Whether the log was told this connection's guest memory may shrink (once is enough).
+    unsealed_memory_told: AtomicBool,
 }
 
 impl Blk {
@@ -79,6 +84,7 @@ impl Blk {
             shutdown: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
             poll,
+            unsealed_memory_told: AtomicBool::new(false),
         }
     }
 
@@ -233,6 +239,36 @@ impl Blk {
     }
 }
 
+/// Checks that every region of `memory` lies within the file it maps; `Ok(Some(start))` names
+/// a region whose file may still shrink (not a memfd sealed against it).
+fn backing_checked(memory: &GuestMemoryMmap) -> io::Result<Option<String>> {
+    let mut unsealed = None;
+    for region in memory.iter() {
+        let start = region.start_addr().0;
+        let Some(backing) = region.file_offset() else {
+            // Memory the backend mapped itself, not the VMM's: nothing can take it away.
+            continue;
+        };
+        let file_bytes = backing.file().metadata()?.len();
+        let end = backing.start().checked_add(region.len());
+        if end.is_none_or(|end| end > file_bytes) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "guest memory at {start:#x}: {} bytes from offset {} of a file of {file_bytes} bytes",
+                    region.len(),
+                    backing.start()
+                ),
+            ));
+        }
+        let sealed = rustix::fs::fcntl_get_seals(backing.file()).is_ok_and(|seals| seals.contains(SealFlags::SHRINK));
+        if !sealed && unsealed.is_none() {
+            unsealed = Some(format!("{start:#x}"));
+        }
+    }
+    Ok(unsealed)
+}
+
 impl GuestBytes for GuestMemoryMmap {
     fn read_at(&self, addr: u64, buf: &mut [u8]) -> bool {
         self.read_slice(buf, GuestAddress(addr)).is_ok()
@@ -300,8 +336,27 @@ impl VhostUserBackend for Blk {
         }
     }
 
-    fn update_memory(&self, _memory: Memory) -> io::Result<()> {
-        // The same atomic this backend holds a clone of: it sees the new map already.
+    fn update_memory(&self, memory: Memory) -> io::Result<()> {
+        // The same atomic this backend holds a clone of: it sees the new map already. A region
+        // longer than the file behind it would fault (SIGBUS, the whole server with every VM)
+        // at the first request touching its end: such a map ends this connection instead.
+        let unsealed = match backing_checked(&memory.memory()) {
+            Ok(unsealed) => unsealed,
+            Err(error) => {
+                tracing::warn!(%error, "vhost-user: the VMM's memory map is refused, the connection closed");
+                self.close_unlocked();
+                return Err(error);
+            }
+        };
+        if let Some(region) = unsealed {
+            if !self.unsealed_memory_told.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    region,
+                    "vhost-user: guest memory may shrink under the server (its file is not sealed against it, as \
+                     QEMU's memfd backend seals by default): a VMM that shrank it would take the server down"
+                );
+            }
+        }
         Ok(())
     }
 

@@ -192,18 +192,7 @@ impl Connection {
     /// Connects and starts the device, its queue taking requests from `base` on (QEMU gives
     /// the guest's used index after a reconnect: what was not returned is carried out again).
     fn open(socket: &Path, guest: &Guest, base: u16) -> Self {
-        let mut frontend =
-            Frontend::connect(socket, 1).unwrap_or_else(|e| panic!("connecting {}: {e}", socket.display()));
-        frontend.set_owner().expect("SET_OWNER");
-        let features = frontend.get_features().expect("GET_FEATURES");
-        let protocol = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-        assert!(features & protocol != 0, "the device offers no protocol features: {features:#x}");
-        // virtio 1.0 and the protocol features; no event index: this driver kicks every time.
-        frontend.set_features(features & ((1 << 32) | protocol)).expect("SET_FEATURES");
-        let offered = frontend.get_protocol_features().expect("GET_PROTOCOL_FEATURES");
-        frontend.set_protocol_features(offered & VhostUserProtocolFeatures::CONFIG).expect("SET_PROTOCOL_FEATURES");
-        let (_, config) = frontend.get_config(0, 8, VhostUserConfigFlags::empty(), &[0; 8]).expect("GET_CONFIG");
-        let capacity_sectors = u64::from_le_bytes(config[..8].try_into().expect("8 bytes"));
+        let (mut frontend, capacity_sectors) = Self::negotiate(socket);
         frontend.set_mem_table(&[guest.region()]).expect("SET_MEM_TABLE");
         frontend.set_vring_num(0, QUEUE).expect("SET_VRING_NUM");
         let rings = VringConfigData {
@@ -222,6 +211,23 @@ impl Connection {
         frontend.set_vring_kick(0, &kick).expect("SET_VRING_KICK");
         frontend.set_vring_enable(0, true).expect("SET_VRING_ENABLE");
         Self { frontend, kick, _call: call, capacity_sectors }
+    }
+
+    /// The features, as QEMU agrees them, up to the guest's memory; returns the frontend and
+    /// the disk's capacity in sectors.
+    fn negotiate(socket: &Path) -> (Frontend, u64) {
+        let mut frontend =
+            Frontend::connect(socket, 1).unwrap_or_else(|e| panic!("connecting {}: {e}", socket.display()));
+        frontend.set_owner().expect("SET_OWNER");
+        let features = frontend.get_features().expect("GET_FEATURES");
+        let protocol = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        assert!(features & protocol != 0, "the device offers no protocol features: {features:#x}");
+        // virtio 1.0 and the protocol features; no event index: this driver kicks every time.
+        frontend.set_features(features & ((1 << 32) | protocol)).expect("SET_FEATURES");
+        let offered = frontend.get_protocol_features().expect("GET_PROTOCOL_FEATURES");
+        frontend.set_protocol_features(offered & VhostUserProtocolFeatures::CONFIG).expect("SET_PROTOCOL_FEATURES");
+        let (_, config) = frontend.get_config(0, 8, VhostUserConfigFlags::empty(), &[0; 8]).expect("GET_CONFIG");
+        (frontend, u64::from_le_bytes(config[..8].try_into().expect("8 bytes")))
     }
 
     fn kick(&self) {
@@ -523,6 +529,23 @@ fn malformed_requests_fail_alone_and_another_vm_carries_on() {
     let connection = Connection::open(&host.socket("a"), &guest, guest.used_index());
     assert_eq!(read(&connection, &mut guest, 8, 4096), host.golden_sectors(8, 4096), "VM a after its reconnect");
     b_serves(3);
+
+    // Guest memory said to be twice the file behind it: the server would fault (SIGBUS, every
+    // VM with it) at the first request reaching past the file's end. The map is refused and
+    // the connection ends; VM a keeps its writes for its next connection.
+    write(&connection, &mut guest, 16, &pseudo_random(4096, 77));
+    drop(connection);
+    let (frontend, _) = Connection::negotiate(&host.socket("a"));
+    let too_long = VhostUserMemoryRegionInfo { memory_size: 2 * MEMORY, ..guest.region() };
+    // Without a reply asked for, the refusal shows as the connection's end, not an error here.
+    let _ = frontend.set_mem_table(&[too_long]);
+    server.wait_log("the VMM's memory map is refused");
+    assert!(server.log_text().contains("of a file of 4194304 bytes"), "{}", server.log_text());
+    host.wait_for_state("a", "in-grace");
+    drop(frontend);
+    b_serves(4);
+    let connection = Connection::open(&host.socket("a"), &guest, guest.used_index());
+    assert_eq!(read(&connection, &mut guest, 16, 4096), pseudo_random(4096, 77), "VM a after the refused map");
     drop((connection, other_connection, server));
 }
 

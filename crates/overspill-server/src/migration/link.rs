@@ -273,11 +273,13 @@ pub(super) fn decode_runs(headers: Vec<RunHeader>, payload: &[u8]) -> io::Result
                 RunHeader::Golden { first, end } => MovedRun::Golden { first, end },
                 RunHeader::Zero { first, end } => MovedRun::Zero { first, end },
                 RunHeader::Data { first, blocks } => {
-                    let len = usize::try_from(blocks * BLOCK_BYTES).map_err(io::Error::other)?;
-                    let data = payload
-                        .get(at..at + len)
-                        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "runs longer than their payload"))?;
-                    at += len;
+                    let longer = || io::Error::new(io::ErrorKind::InvalidData, "runs longer than their payload");
+                    // A peer's count: checked, not trusted to fit.
+                    let len =
+                        blocks.checked_mul(BLOCK_BYTES).and_then(|len| usize::try_from(len).ok()).ok_or_else(longer)?;
+                    let end = at.checked_add(len).ok_or_else(longer)?;
+                    let data = payload.get(at..end).ok_or_else(longer)?;
+                    at = end;
                     MovedRun::Data { first, data: data.to_vec() }
                 }
             })
@@ -287,4 +289,19 @@ pub(super) fn decode_runs(headers: Vec<RunHeader>, payload: &[u8]) -> io::Result
         return Err(io::Error::new(io::ErrorKind::InvalidData, "a payload longer than its runs"));
     }
     Ok(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_run_whose_length_overflows_is_refused_not_wrapped() {
+        // 2^52 blocks of 4 KiB is 2^64 bytes: wrapped, it would be an empty run taken as data.
+        let run = RunHeader::Data { first: 7, blocks: 1 << 52 };
+        let refused = decode_runs(vec![run], &[]).expect_err("refused");
+        assert_eq!(refused.kind(), io::ErrorKind::InvalidData, "{refused}");
+        let whole = decode_runs(vec![RunHeader::Data { first: 7, blocks: 1 }], &[5; 4096]).expect("one block");
+        assert!(matches!(&whole[..], [MovedRun::Data { first: 7, data }] if data.len() == 4096));
+    }
 }

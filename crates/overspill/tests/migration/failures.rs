@@ -148,6 +148,41 @@ fn a_destination_killed_before_it_says_ready_leaves_the_vm_at_the_source() {
     pair.assert_golden_unchanged();
 }
 
+/// A switchover slower than the wait of the destination's first write (the source held 3 s at
+/// its final delta, the wait 1 s here instead of 25): that write fails, and only it. The move
+/// commits, and the same connection serves the VM on with every acknowledged write. (Until
+/// session 49 the failed wait counted as an operator's reset: the connection's next request
+/// ended it, the VM with it, and the destination's next connection found golden data.)
+#[test]
+fn a_switchover_slower_than_the_first_writes_wait_fails_that_write_alone() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = serve_pausing(&pair, "a", "final");
+    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
+    let server_b = serve_side_with(
+        &pair.golden,
+        &b,
+        [&peers[1], &peers[0]],
+        "1M",
+        &[],
+        &[("OVERSPILL_TEST_GATE_WAIT_MS", "1000")],
+    );
+    let (mut model, source, mut destination) = moving(&pair, &a, &b);
+    let refused = destination.write(30 << 20, &[9; 4096], false);
+    assert!(refused.is_err(), "a write acknowledged before the VM's state arrived");
+    wait_for_log(&server_a, PAUSED);
+    wait_for("the move commits", || b.state_of("desk").as_deref() == Some("connected"));
+    drop(source);
+    model.assert_reads_back(&mut destination, "the destination's connection after its write's wait ran out");
+    model.write(&mut destination, 30 << 20, &pseudo_random(4096, 191));
+    model.assert_reads_back(&mut destination, "the destination after a write of its own");
+    assert_eq!(b.state_of("desk").as_deref(), Some("connected"));
+    assert_eq!(a.state_of("desk"), None, "the source kept a copy");
+    let log = server_b.log_text();
+    assert!(log.contains("did not arrive from the peer within 1.0 s"), "{log}");
+    pair.assert_golden_unchanged();
+}
+
 /// A Unix-socket relay between a server and its peer's socket, whose connections can be cut
 /// while both servers live.
 struct Relay {
