@@ -31,6 +31,8 @@ const MAGIC: u32 = 0x5146_49fb;
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const L2_COMPRESSED: u64 = 1 << 62;
 const L2_ZERO: u64 = 1;
+/// The largest L1 table qemu opens, in bytes.
+const MAX_L1_BYTES: usize = 32 << 20;
 // Incompatible feature bits (qcow2 v3).
 const INCOMPAT_DIRTY: u64 = 1 << 0;
 const INCOMPAT_CORRUPT: u64 = 1 << 1;
@@ -67,6 +69,8 @@ pub struct Qcow2Image {
     file_len: u64,
     size: u64,
     cluster_bits: u32,
+    /// Version 3: L2 entries may mark zero clusters (a reserved bit in version 2).
+    zero_clusters: bool,
     compression: Compression,
     l1: Vec<u64>,
     /// L2 tables by host offset, the least recently used out first.
@@ -248,8 +252,13 @@ impl Qcow2Image {
         let l1_offset = be64(&header, 40);
         let entries_per_l2 = cluster / 8;
         let needed = size.div_ceil(cluster * entries_per_l2);
-        if (l1_size as u64) < needed || l1_size > 32 << 20 {
+        if (l1_size as u64) < needed {
             return Err(refuse(path, format!("L1 table of {l1_size} entries cannot map {size} bytes")));
+        }
+        // qemu's own bound (QCOW_MAX_L1_SIZE, 32 MiB of table), which maps far more than any
+        // disk: each layer keeps its table for as long as it is served.
+        if l1_size > MAX_L1_BYTES / 8 {
+            return Err(refuse(path, format!("an L1 table of {l1_size} entries, more than qemu's 32 MiB of them")));
         }
         if l1_offset.checked_add(l1_size as u64 * 8).is_none_or(|end| end > file_len) {
             return Err(refuse(path, "the L1 table lies past the end of the file"));
@@ -272,6 +281,7 @@ impl Qcow2Image {
             file_len,
             size,
             cluster_bits,
+            zero_clusters: version >= 3,
             compression,
             l1,
             l2_cache: Mutex::new(lru::LruCache::new(l2_tables_kept(cluster_bits))),
@@ -358,7 +368,13 @@ impl Qcow2Image {
         if !l2_offset.is_multiple_of(cluster) || l2_offset + cluster > self.file_len {
             return Err(corrupt(&self.path, format!("L1 entry {l1_index} points at {l2_offset}, not an L2 table")));
         }
-        Ok(self.l2_table(l2_offset)?[((offset / cluster) % entries) as usize])
+        let entry = self.l2_table(l2_offset)?[((offset / cluster) % entries) as usize];
+        // As qemu: the bit is reserved before version 3, and data read as zeroes is worse than
+        // an error.
+        if !self.zero_clusters && entry & L2_COMPRESSED == 0 && entry & L2_ZERO != 0 {
+            return Err(corrupt(&self.path, format!("a zero cluster at {offset} in a version 2 image")));
+        }
+        Ok(entry)
     }
 
     fn cluster_of(&self, entry: u64) -> Cluster {

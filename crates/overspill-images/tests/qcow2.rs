@@ -218,6 +218,52 @@ fn a_data_cluster_off_a_cluster_boundary_is_refused_when_read() {
     assert!(err.to_string().contains("unaligned"), "{err}");
 }
 
+/// A version 2 image whose L2 entry has the zero bit set, which version 2 reserves: the read
+/// fails, as qemu's does, instead of serving zeroes in place of the cluster's data.
+#[test]
+fn a_zero_bit_in_a_version_2_image_is_corruption_not_zeroes() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("v2.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-o", "compat=0.10", s(&image), "8M"]);
+    run("qemu-io", &["-f", "qcow2", "-c", "write -P 0x33 0 64k", s(&image)]);
+    open_image(&image).expect("opens").read_at(&mut vec![0u8; 4096], 0).expect("a read before the change");
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&image).expect("open");
+    let mut header = [0u8; 48];
+    file.read_exact_at(&mut header, 0).expect("header");
+    let mut entry = [0u8; 8];
+    file.read_exact_at(&mut entry, u64::from_be_bytes(header[40..48].try_into().expect("8 bytes"))).expect("L1");
+    let l2 = u64::from_be_bytes(entry) & 0x00ff_ffff_ffff_fe00;
+    file.read_exact_at(&mut entry, l2).expect("L2 entry");
+    file.write_all_at(&(u64::from_be_bytes(entry) | 1).to_be_bytes(), l2).expect("patch");
+    drop(file);
+    let err = open_image(&image).expect("the header is fine").read_at(&mut vec![0u8; 4096], 0).expect_err("a zero bit");
+    assert!(err.to_string().contains("version 2"), "{err}");
+}
+
+/// An L1 table larger than qemu opens (32 MiB: 4 Mi entries) is refused at open, where it would
+/// be kept for as long as the layer is served (here 4 Mi + 1 entries for a disk that needs them
+/// all, the table's space in a sparse file).
+#[test]
+fn an_l1_table_larger_than_qemus_is_refused() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("huge.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&image), "8M"]);
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&image).expect("open");
+    let mut header = [0u8; 48];
+    file.read_exact_at(&mut header, 0).expect("header");
+    let cluster = 1u64 << u32::from_be_bytes(header[20..24].try_into().expect("4 bytes"));
+    let entries = (4u64 << 20) + 1;
+    let l1_offset = u64::from_be_bytes(header[40..48].try_into().expect("8 bytes"));
+    file.write_all_at(&(entries * cluster * (cluster / 8)).to_be_bytes(), 24).expect("size");
+    file.write_all_at(&(entries as u32).to_be_bytes(), 36).expect("L1 size");
+    file.set_len(l1_offset + entries * 8).expect("room for the table");
+    drop(file);
+    let err = Qcow2Image::open(&image).err().expect("refused").to_string();
+    assert!(err.contains("32 MiB"), "{err}");
+}
+
 /// A file changed under the reader (here cut short, its last data cluster gone) fails the read
 /// in whatever way its new bytes lead to: the error says the image changed, not that a read
 /// ran past the end of a corrupt file.
