@@ -17,6 +17,7 @@ use std::io::{self, Read, Write};
 use std::path::Path;
 use std::sync::Arc;
 
+use futures_util::StreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore};
@@ -56,6 +57,24 @@ fn client(bucket: &str, name: &str) -> Result<(Arc<dyn ObjectStore>, tokio::runt
     Ok((store, runtime))
 }
 
+/// Copies a reply's body into `buf` as it arrives; how many bytes came. A body longer than
+/// `buf` (a store that lies about its length, or never ends) is an error once it runs past, not
+/// gathered whole into memory first.
+async fn body_into(result: object_store::GetResult, buf: &mut [u8]) -> Result<usize, String> {
+    let mut body = result.into_stream();
+    let mut got = 0usize;
+    while let Some(piece) = body.next().await {
+        let piece = piece.map_err(|e| e.to_string())?;
+        let room = got.checked_add(piece.len()).and_then(|end| buf.get_mut(got..end));
+        let Some(room) = room else {
+            return Err(format!("the reply runs past the {} bytes asked for", buf.len()));
+        };
+        room.copy_from_slice(&piece);
+        got += piece.len();
+    }
+    Ok(got)
+}
+
 impl S3Image {
     /// `fetch_bytes`: the chunk a read cache in front should fetch.
     pub fn open_from_env(bucket: &str, key: &str, fetch_bytes: u64) -> Result<Self, SourceError> {
@@ -89,31 +108,28 @@ impl GoldenImage for S3Image {
             ..GetOptions::default()
         };
         let failed = |e: &dyn std::fmt::Display| io::Error::other(format!("{}: GET {offset}..{end}: {e}", self.name));
-        let bytes = self
-            .runtime
-            .block_on(async {
-                let result = self.store.get_opts(&self.path, options).await?;
-                let (etag, size) = (result.meta.e_tag.clone(), result.meta.size);
-                Ok::<_, object_store::Error>((etag, size, result.bytes().await?))
-            })
-            .map_err(|e| failed(&e))
-            .and_then(|(etag, size, bytes)| match (etag, size) {
-                (Some(etag), size) if etag == self.etag && size == self.size => Ok(bytes),
-                (etag, size) => Err(failed(&format!(
-                    "the object was replaced in the store: it is now {size} bytes with ETag {}, it was {} with {}",
-                    etag.as_deref().unwrap_or("none"),
-                    self.size,
-                    self.etag
-                ))),
-            })?;
-        let got = bytes.len();
-        if got as u64 != end - offset {
+        let wanted = &mut buf[..len];
+        let got = self.runtime.block_on(async {
+            let result = self.store.get_opts(&self.path, options).await.map_err(|e| failed(&e))?;
+            match (&result.meta.e_tag, result.meta.size) {
+                (Some(etag), size) if *etag == self.etag && size == self.size => {}
+                (etag, size) => {
+                    return Err(failed(&format!(
+                        "the object was replaced in the store: it is now {size} bytes with ETag {}, it was {} with {}",
+                        etag.as_deref().unwrap_or("none"),
+                        self.size,
+                        self.etag
+                    )))
+                }
+            }
+            body_into(result, wanted).await.map_err(|e| failed(&e))
+        })?;
+        if got != len {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!("{}: asked for {} bytes at {offset}, got {got}", self.name, end - offset),
+                format!("{}: asked for {len} bytes at {offset}, got {got}", self.name),
             ));
         }
-        buf[..got].copy_from_slice(&bytes);
         Ok(())
     }
 
@@ -204,15 +220,16 @@ impl S3Bucket {
             return Err(self.failed(name, format!("{size} bytes, not the {bytes} expected")));
         }
         let mut out = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+        let mut buffer = vec![0u8; PART_BYTES.min(size as usize)];
         let mut at = 0u64;
         while at < size {
             let end = (at + PART_BYTES as u64).min(size);
-            let bytes =
-                self.runtime.block_on(self.store.get_range(&path, at..end)).map_err(|e| self.failed(name, e))?;
-            if bytes.len() as u64 != end - at {
-                return Err(self.failed(name, format!("asked for {} bytes at {at}, got {}", end - at, bytes.len())));
+            let part = &mut buffer[..(end - at) as usize];
+            let got = self.get_range_into(&path, at, part).map_err(|e| self.failed(name, e))?;
+            if got != part.len() {
+                return Err(self.failed(name, format!("asked for {} bytes at {at}, got {got}", part.len())));
             }
-            out.write_all(&bytes)?;
+            out.write_all(part)?;
             at = end;
         }
         out.sync_all()
@@ -225,8 +242,22 @@ impl S3Bucket {
         if size > limit {
             return Err(self.failed(name, format!("{size} bytes, more than the {limit} expected")));
         }
-        let bytes = self.runtime.block_on(self.store.get_range(&path, 0..size)).map_err(|e| self.failed(name, e))?;
-        Ok(bytes.to_vec())
+        let mut bytes = vec![0u8; size as usize];
+        let got = self.get_range_into(&path, 0, &mut bytes).map_err(|e| self.failed(name, e))?;
+        if got != bytes.len() {
+            return Err(self.failed(name, format!("asked for {size} bytes, got {got}")));
+        }
+        Ok(bytes)
+    }
+
+    /// A GET of `buf.len()` bytes at `at` into `buf`; how many came.
+    fn get_range_into(&self, path: &ObjectPath, at: u64, buf: &mut [u8]) -> Result<usize, String> {
+        let range = GetRange::Bounded(at..at + buf.len() as u64);
+        let options = GetOptions { range: Some(range), ..GetOptions::default() };
+        self.runtime.block_on(async {
+            let result = self.store.get_opts(path, options).await.map_err(|e| e.to_string())?;
+            body_into(result, buf).await
+        })
     }
 
     /// `s3://BUCKET/PREFIX`.

@@ -70,4 +70,25 @@ fn a_replaced_object_fails_reads_and_a_store_without_etags_is_refused() {
     let server = WebServer::ranges(dir.path(), &["--s3", "golden", "--no-etag"]);
     let error = open(&server).err().expect("refused without an ETag");
     assert!(error.contains("no ETag"), "{error}");
+
+    // A store whose reply says 1 TiB and never ends: the read fails once the body runs past
+    // the range asked for, and the client hangs up, having taken about what it asked.
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("golden.img"), bytes(1)).expect("object");
+    let server = WebServer::ranges(dir.path(), &["--s3", "golden", "--misbehave", "endless-body", "--after", "0"]);
+    let image = open(&server).expect("open");
+    let error = image.read_at(&mut vec![0u8; 64 << 10], 0).expect_err("an endless body").to_string();
+    assert!(error.contains("runs past"), "{error}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let sent = loop {
+        let log = server.log_text();
+        let said = log.lines().find_map(|line| line.strip_prefix("range_server: endless body: "));
+        if let Some(sent) = said.and_then(|rest| rest.split(' ').next()).and_then(|n| n.parse::<u64>().ok()) {
+            break sent;
+        }
+        assert!(std::time::Instant::now() < deadline, "the server never stopped sending:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    eprintln!("the endless body: {sent} bytes sent before the client hung up");
+    assert!(sent < 64 << 20, "{sent} bytes taken for a read of 64 KiB");
 }

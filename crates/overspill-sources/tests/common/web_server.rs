@@ -65,6 +65,11 @@ impl WebServer {
         format!("http://127.0.0.1:{}/{file}", self.port)
     }
 
+    /// What the server has said on stderr so far (its request log, and its misbehaviours).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// GETs the server has answered so far.
     pub fn gets(&self) -> usize {
         std::fs::read_to_string(&self.log).unwrap_or_default().matches("\"GET ").count()

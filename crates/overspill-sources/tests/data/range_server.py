@@ -17,7 +17,9 @@ Prints "listening on PORT" once it listens (PORT 0 picks a free one). Options:
   --misbehave HOW      after the first --after N ranged GETs (default 1), answer them wrongly:
                        shifted-range (a Content-Range one byte on), cut-body (close the
                        connection half way), long-body (100 bytes more than asked), gzip (say
-                       Content-Encoding: gzip), redirect (302 to the same file, then serve it)
+                       Content-Encoding: gzip), redirect (302 to the same file, then serve it),
+                       endless-body (say a body of 1 TiB and send zeroes after the range until
+                       the client hangs up; says on stderr how much it sent)
 Standard library only.
 """
 
@@ -138,6 +140,23 @@ def make_handler(root, options):
                 body = f.read(last - first + 1)
                 if self.command == "HEAD":
                     self.reply(206, headers, length=len(body))
+                elif misbehave == "endless-body":
+                    self.send_response(206)
+                    for name, value in headers:
+                        self.send_header(name, value)
+                    self.send_header("Content-Length", str(1 << 40))
+                    self.end_headers()
+                    sent = 0
+                    try:
+                        self.wfile.write(body)
+                        sent = len(body)
+                        while sent < 1 << 40:
+                            self.wfile.write(b"\0" * 65536)
+                            sent += 65536
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                    sys.stderr.write("range_server: endless body: %d bytes sent\n" % sent)
+                    self.close_connection = True
                 elif misbehave == "long-body":
                     self.reply(206, headers, body + b"\0" * 100)
                 elif misbehave == "cut-body":
@@ -189,7 +208,7 @@ def main():
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
     parser.add_argument("--s3", metavar="BUCKET")
-    parser.add_argument("--misbehave", choices=["shifted-range", "cut-body", "long-body", "gzip", "redirect"])
+    parser.add_argument("--misbehave", choices=["shifted-range", "cut-body", "long-body", "gzip", "redirect", "endless-body"])
     parser.add_argument("--after", type=int, default=1)
     options = parser.parse_args()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", options.port), make_handler(options.dir, options))
