@@ -37,3 +37,6 @@ pub use read_cache::CachedImage;
 pub use stats::{StorageTier, VmStats};
 pub use store::{BackingFile, ScratchFile, SegmentWriters, SpaceShortages};
 pub use units::{BLOCK_BYTES, BLOCK_SIZE, SEGMENT_BYTES};
+
+/// The largest disk an overlay maps: 2^32 blocks of 4 KiB (16 TiB).
+pub const MAX_DISK_BYTES: u64 = map::MAX_BLOCKS * BLOCK_BYTES;

@@ -34,7 +34,7 @@ use crate::arena::{Arena, ARENA_SLACK_PAGES};
 use crate::budget::HostMemory;
 use crate::error::{EngineError, Result};
 use crate::golden::GoldenImage;
-use crate::map::{self, BlockMap, Slot};
+use crate::map::{BlockMap, Slot};
 use crate::ranges::RangeSet;
 use crate::spill::SpillLog;
 use crate::state::{SegmentSummaries, StateFiles, ZeroLog, ZeroRecord};
@@ -203,7 +203,7 @@ impl Overlay {
         arena: Arena,
         state: Option<(ZeroLog, SegmentSummaries)>,
     ) -> Result<Self> {
-        if golden.size().div_ceil(BLOCK_BYTES) > map::MAX_BLOCKS {
+        if golden.size() > crate::MAX_DISK_BYTES {
             return Err(EngineError::Config(format!(
                 "a disk of {} bytes has more than 2^32 blocks of 4 KiB (16 TiB), the most an overlay maps",
                 golden.size()

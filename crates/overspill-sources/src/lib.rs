@@ -190,6 +190,14 @@ pub fn open_source(source: &Source, settings: &SourceSettings) -> Result<Arc<dyn
         Source::Rbd { pool, image, snapshot } => open_rbd(pool, image, snapshot, settings, fetch_bytes)?,
     };
     refuse_a_container(remote.as_ref())?;
+    // What the remote end says the size is: checked here, before a local tier sizes its file
+    // and tables from it (every VM would be refused such a disk anyway).
+    if remote.size() > overspill_engine::MAX_DISK_BYTES {
+        return Err(SourceError::Remote {
+            what: remote.describe(),
+            message: format!("{} bytes, more than the 16 TiB a VM's overlay maps", remote.size()),
+        });
+    }
     match &settings.local_tier_dir {
         None => Ok(remote),
         Some(dir) => Ok(Arc::new(local_tier::LocalTier::new(remote, dir)?)),

@@ -41,9 +41,26 @@ pub struct LocalTier {
     broken: AtomicBool,
 }
 
+/// The most memory a local tier's chunk tables may take (a design bound: 256 KiB chunks over a
+/// 16 TiB image take 272 MiB).
+const MAX_TABLE_BYTES: u64 = 1 << 30;
+
 impl LocalTier {
     pub fn new(remote: Arc<dyn GoldenImage>, dir: &Path) -> Result<Self, SourceError> {
         let chunk_bytes = remote.preferred_fetch_bytes().unwrap_or(crate::REMOTE_FETCH_BYTES);
+        // A sum of 4 bytes and a bit per chunk, kept in memory: refused, with what to change,
+        // where small chunks over a large image would take more than a server should spend.
+        let table_bytes = remote.size().div_ceil(chunk_bytes).saturating_mul(33).div_ceil(8);
+        if table_bytes > MAX_TABLE_BYTES {
+            return Err(SourceError::Remote {
+                what: remote.describe(),
+                message: format!(
+                    "a local tier over {} bytes in chunks of {chunk_bytes} would keep {table_bytes} bytes of \
+                     checksums in memory, more than {MAX_TABLE_BYTES}: fetch in larger chunks (--remote-chunk)",
+                    remote.size()
+                ),
+            });
+        }
         let io_error = |what: String| move |source| SourceError::Io { what, source };
         std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
         static NEXT: AtomicU64 = AtomicU64::new(0);

@@ -61,6 +61,32 @@ fn assert_no_secrets(text: &str) {
     }
 }
 
+/// A server that says its image is 2^62 bytes: refused at open, before a local tier sizes its
+/// file and its tables from the claim (2^46 bytes of checksums); every VM would be refused such
+/// a disk anyway.
+#[test]
+fn an_image_larger_than_an_overlay_maps_is_refused_at_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    golden(dir.path(), 3);
+    let claim = (1u64 << 62).to_string();
+    let server = WebServer::ranges(dir.path(), &["--claim-size", &claim]);
+    let source = Source::parse(&server.url("golden.img")).expect("parse");
+    let tier = dir.path().join("tier");
+    let settings = SourceSettings { local_tier_dir: Some(tier.clone()), ..SourceSettings::default() };
+    let error = open_source(&source, &settings).err().expect("refused").to_string();
+    assert!(error.contains("16 TiB"), "{error}");
+    let made: Vec<_> = std::fs::read_dir(&tier).map(|d| d.flatten().collect()).unwrap_or_default();
+    assert!(made.is_empty(), "the local tier made {made:?}");
+    // Within an overlay's reach, 4 KiB chunks over 16 TiB would keep 17 GiB of checksums: that
+    // local tier is refused too, with what to change.
+    let claim = overspill_engine::MAX_DISK_BYTES.to_string();
+    let server = WebServer::ranges(dir.path(), &["--claim-size", &claim]);
+    let source = Source::parse(&server.url("golden.img")).expect("parse");
+    let settings = SourceSettings { remote_fetch_bytes: Some(4096), ..settings };
+    let error = open_source(&source, &settings).err().expect("refused").to_string();
+    assert!(error.contains("--remote-chunk"), "{error}");
+}
+
 #[test]
 fn random_reads_equal_the_file_and_past_the_end_reads_zero() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -11,6 +11,7 @@ Prints "listening on PORT" once it listens (PORT 0 picks a free one). Options:
   --ignore-conditions  answer as if If-Match and If-Unmodified-Since were not sent
   --no-head            refuse HEAD with 403, as a URL presigned for GET does
   --fail-every N       answer every Nth GET with 503 (a flaky server)
+  --claim-size N       say the files are N bytes long (HEAD, and the total in Content-Range)
   --tls CERT KEY       serve HTTPS
   --s3 BUCKET          answer path-style S3 requests, /BUCKET/NAME, as an S3 store would
                        (authentication is not checked)
@@ -111,9 +112,11 @@ def make_handler(root, options):
                     self.reply(412, validators)
                     return
                 headers = validators + [("Accept-Ranges", "bytes"), ("Content-Type", "application/octet-stream")]
+                # What is said of the file's length; past the file's end its ranges read zeroes.
+                claimed = options.claim_size or size
                 asked = self.headers.get("Range")
                 if asked is None:
-                    self.whole(f, size, headers)
+                    self.whole(f, claimed, headers)
                     return
                 match = RANGE.match(asked.strip())
                 if match is None:
@@ -123,21 +126,22 @@ def make_handler(root, options):
                 first, last = match.groups()
                 if first == "":
                     # bytes=-N: the last N bytes.
-                    first, last = max(0, size - int(last)), size - 1
+                    first, last = max(0, claimed - int(last)), claimed - 1
                 else:
                     first = int(first)
-                    last = size - 1 if last == "" else min(int(last), size - 1)
-                if first >= size or first > last:
-                    self.reply(416, validators + [("Content-Range", "bytes */%d" % size)])
+                    last = claimed - 1 if last == "" else min(int(last), claimed - 1)
+                if first >= claimed or first > last:
+                    self.reply(416, validators + [("Content-Range", "bytes */%d" % claimed)])
                     return
-                f.seek(first)
+                f.seek(min(first, size))
                 if options.no_last_modified_on_206:
                     headers = [h for h in headers if h[0] != "Last-Modified"]
                 shift = 1 if misbehave == "shifted-range" else 0
-                headers.append(("Content-Range", "bytes %d-%d/%d" % (first + shift, last + shift, size)))
+                headers.append(("Content-Range", "bytes %d-%d/%d" % (first + shift, last + shift, claimed)))
                 if misbehave == "gzip":
                     headers.append(("Content-Encoding", "gzip"))
                 body = f.read(last - first + 1)
+                body += b"\0" * (last - first + 1 - len(body))
                 if self.command == "HEAD":
                     self.reply(206, headers, length=len(body))
                 elif misbehave == "endless-body":
@@ -206,6 +210,7 @@ def main():
     parser.add_argument("--ignore-conditions", action="store_true")
     parser.add_argument("--no-head", action="store_true")
     parser.add_argument("--fail-every", type=int, default=0)
+    parser.add_argument("--claim-size", type=int, default=0)
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
     parser.add_argument("--s3", metavar="BUCKET")
     parser.add_argument("--misbehave", choices=["shifted-range", "cut-body", "long-body", "gzip", "redirect", "endless-body"])
