@@ -29,6 +29,8 @@ extern "C" {
     fn rados_create(cluster: *mut RadosCluster, id: *const c_char) -> c_int;
     fn rados_conf_read_file(cluster: RadosCluster, path: *const c_char) -> c_int;
     fn rados_conf_parse_env(cluster: RadosCluster, var: *const c_char) -> c_int;
+    fn rados_conf_set(cluster: RadosCluster, option: *const c_char, value: *const c_char) -> c_int;
+    fn rados_conf_get(cluster: RadosCluster, option: *const c_char, buf: *mut c_char, len: usize) -> c_int;
     fn rados_connect(cluster: RadosCluster) -> c_int;
     fn rados_shutdown(cluster: RadosCluster);
     fn rados_ioctx_create(cluster: RadosCluster, pool_name: *const c_char, ioctx: *mut RadosIoctx) -> c_int;
@@ -66,15 +68,20 @@ const EXTENT_WINDOW: u64 = 4 << 20;
 
 /// librbd's callback for `rbd_diff_iterate2`: collects the ranges that hold data.
 extern "C" fn collect_data(offset: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int {
-    // SAFETY: `arg` is the `Vec` that `window_data` passes to `rbd_diff_iterate2`, borrowed
-    // mutably for the whole call and touched by nothing else while librbd calls back (the
-    // callbacks run on the calling thread, one after another).
-    let ranges = unsafe { &mut *arg.cast::<Vec<(u64, u64)>>() };
+    // SAFETY: `arg` is the `Mutex` that `window_data` passes to `rbd_diff_iterate2`, alive
+    // until that call returns, which it does only after its last callback. librbd may call back
+    // from its own threads (its completions), more than one at once with `rbd_op_threads` above
+    // 1: a shared reference and the lock are all each callback takes.
+    let ranges = unsafe { &*arg.cast::<Mutex<Vec<(u64, u64)>>>() };
     if exists != 0 {
-        ranges.push((offset, len as u64));
+        ranges.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push((offset, len as u64));
     }
     0
 }
+
+/// How long a request to an OSD or a monitor may take before it fails, in seconds: the HTTP
+/// source's bound on one read.
+const OP_TIMEOUTS: [(&str, &str); 2] = [("rados_osd_op_timeout", "30"), ("rados_mon_op_timeout", "30")];
 
 /// Linux's EINVAL, which librbd returns negated.
 const EINVAL: c_int = 22;
@@ -151,6 +158,29 @@ impl RbdImage {
         }
         // SAFETY: a null variable name means CEPH_ARGS, which may be unset.
         check("parsing CEPH_ARGS", unsafe { rados_conf_parse_env(this.cluster, ptr::null()) })?;
+        // librados waits for ever by default on an OSD or monitor that does not answer (PGs
+        // inactive, `ceph osd pause`), and every VM reading the chunk being fetched with it: a
+        // read fails with EIO after a while instead, unless ceph.conf or CEPH_ARGS chose (a value
+        // set here would outrank theirs).
+        for (option, value) in OP_TIMEOUTS {
+            let option = c_string("a librados option", option)?;
+            let mut current = [0u8; 32];
+            // SAFETY: a configured cluster handle; `option` NUL-terminated; `current` a writable
+            // buffer of the length given, which librados fills with a NUL-terminated value.
+            let got =
+                unsafe { rados_conf_get(this.cluster, option.as_ptr(), current.as_mut_ptr().cast(), current.len()) };
+            // "0", however it is written ("0", "0.000000", "0s"): no timeout.
+            let said = std::ffi::CStr::from_bytes_until_nul(&current).ok().and_then(|v| v.to_str().ok());
+            let unset = got == 0 && said.and_then(|v| v.trim_end_matches('s').parse::<f64>().ok()) == Some(0.0);
+            if unset {
+                let value = c_string("its value", value)?;
+                // SAFETY: as above, the cluster not yet connected; both strings NUL-terminated
+                // and alive for the call.
+                check("setting a librados timeout", unsafe {
+                    rados_conf_set(this.cluster, option.as_ptr(), value.as_ptr())
+                })?;
+            }
+        }
         // SAFETY: a configured, not yet connected cluster handle.
         check("connecting to the Ceph cluster", unsafe { rados_connect(this.cluster) })?;
         let pool_c = c_string("pool name", pool)?;
@@ -211,9 +241,9 @@ impl RbdImage {
         }
         let start = window * EXTENT_WINDOW;
         let len = EXTENT_WINDOW.min(self.size.saturating_sub(start));
-        let mut found: Vec<(u64, u64)> = Vec::new();
+        let found: Mutex<Vec<(u64, u64)>> = Mutex::default();
         // SAFETY: the image is open for the life of `self`; a null snapshot name asks for
-        // everything allocated; `found` outlives the call and only `collect_data` touches it.
+        // everything allocated; `found` outlives the call, and `collect_data` only locks it.
         let code = unsafe {
             rbd_diff_iterate2(
                 self.image,
@@ -223,13 +253,14 @@ impl RbdImage {
                 1,
                 0,
                 Some(collect_data),
-                (&mut found as *mut Vec<(u64, u64)>).cast::<c_void>(),
+                (&found as *const Mutex<Vec<(u64, u64)>>).cast_mut().cast::<c_void>(),
             )
         };
         if code < 0 {
             let error = io::Error::from_raw_os_error(-code);
             return Err(io::Error::new(error.kind(), format!("{}: allocation at {start}: {error}", self.name)));
         }
+        let mut found = found.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
         found.sort_unstable();
         let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(found.len());
         for (offset, len) in found {
