@@ -147,7 +147,8 @@ impl EngineDevice {
                 return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
             }
             Err(NotCurrent::StillMoving(why)) => {
-                // Each such request has waited the whole wait: a few lines at most.
+                // One line per request that waited the whole wait (a switchover that slow is
+                // worth each).
                 tracing::warn!(vm = %self.name, %why, "a request failed waiting for the VM's move to switch over");
                 return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
             }

@@ -61,13 +61,13 @@ pub(crate) struct LiveState {
 /// switchover, shorter than a guest's own I/O timeout (30 s for Linux's SCSI and virtio disks).
 const GATE_WAIT: Duration = Duration::from_secs(25);
 
-/// [`GATE_WAIT`], or `OVERSPILL_TEST_GATE_WAIT_MS` from the environment: a test's way to see a
-/// switchover outlast the wait without waiting 25 s.
+/// [`GATE_WAIT`], or less with `OVERSPILL_TEST_GATE_WAIT_MS` in the environment: a test's way
+/// to see a switchover outlast the wait without waiting 25 s (never longer than it).
 fn gate_wait() -> Duration {
     static WAIT: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *WAIT.get_or_init(|| {
         let from_test = std::env::var("OVERSPILL_TEST_GATE_WAIT_MS").ok().and_then(|ms| ms.parse().ok());
-        from_test.map_or(GATE_WAIT, Duration::from_millis)
+        from_test.map_or(GATE_WAIT, Duration::from_millis).min(GATE_WAIT)
     })
 }
 

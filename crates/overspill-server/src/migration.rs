@@ -630,9 +630,14 @@ impl Incoming {
 
     fn take_in(&self, link: &mut Link, replies: &Replies) -> Outcome {
         let mut switch_asked: Option<Instant> = None;
+        // Once the switchover is asked for, the sender sends its last changes and `Final`: a
+        // sender that goes quiet meanwhile (stopped, its link still open) fails the move, which
+        // leaves the VM with it, rather than holding the VM's requests here for ever.
+        let mut last_heard = Instant::now();
         let written = loop {
             match replies.recv_timeout(POLL) {
                 Ok(Ok((Message::Runs { runs, round_done, blocks_left }, payload))) => {
+                    last_heard = Instant::now();
                     if let Err(error) = self.apply(runs, &payload, round_done, blocks_left) {
                         return Outcome::Failed(format!("applying what the peer sent: {error}"));
                     }
@@ -653,9 +658,16 @@ impl Incoming {
             }
             if wanted && switch_asked.is_none() {
                 switch_asked = Some(Instant::now());
+                last_heard = Instant::now();
                 if let Err(error) = link.send(&Message::Switch, &[]) {
                     return Outcome::Failed(format!("asking the peer to switch over: {error}"));
                 }
+            }
+            if switch_asked.is_some() && last_heard.elapsed() > SWITCH_TIMEOUT {
+                return Outcome::Failed(format!(
+                    "the peer sent nothing for {} s after it was asked to switch over",
+                    SWITCH_TIMEOUT.as_secs()
+                ));
             }
         };
         let started = switch_asked.unwrap_or_else(Instant::now);

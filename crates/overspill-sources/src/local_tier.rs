@@ -42,7 +42,7 @@ pub struct LocalTier {
 }
 
 /// The most memory a local tier's chunk tables may take (a design bound: 256 KiB chunks over a
-/// 16 TiB image take 272 MiB).
+/// 16 TiB image take 264 MiB).
 const MAX_TABLE_BYTES: u64 = 1 << 30;
 
 impl LocalTier {

@@ -77,7 +77,7 @@ fn an_image_larger_than_an_overlay_maps_is_refused_at_open() {
     assert!(error.contains("16 TiB"), "{error}");
     let made: Vec<_> = std::fs::read_dir(&tier).map(|d| d.flatten().collect()).unwrap_or_default();
     assert!(made.is_empty(), "the local tier made {made:?}");
-    // Within an overlay's reach, 4 KiB chunks over 16 TiB would keep 17 GiB of checksums: that
+    // Within an overlay's reach, 4 KiB chunks over 16 TiB would keep 16.5 GiB of checksums: that
     // local tier is refused too, with what to change.
     let claim = overspill_engine::MAX_DISK_BYTES.to_string();
     let server = WebServer::ranges(dir.path(), &["--claim-size", &claim]);

@@ -350,7 +350,8 @@ impl VhostUserBackend for Blk {
         };
         if let Some(region) = unsealed {
             if !self.unsealed_memory_told.swap(true, Ordering::Relaxed) {
-                tracing::warn!(
+                // hugetlbfs files cannot be sealed: said once, as information.
+                tracing::info!(
                     region,
                     "vhost-user: guest memory may shrink under the server (its file is not sealed against it, as \
                      QEMU's memfd backend seals by default): a VMM that shrank it would take the server down"

@@ -273,6 +273,9 @@ pub(super) fn decode_runs(headers: Vec<RunHeader>, payload: &[u8]) -> io::Result
                 RunHeader::Golden { first, end } => MovedRun::Golden { first, end },
                 RunHeader::Zero { first, end } => MovedRun::Zero { first, end },
                 RunHeader::Data { first, blocks } => {
+                    if first.checked_add(blocks).is_none() {
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, "a run past the last block"));
+                    }
                     let longer = || io::Error::new(io::ErrorKind::InvalidData, "runs longer than their payload");
                     // A peer's count: checked, not trusted to fit.
                     let len =
@@ -300,6 +303,9 @@ mod tests {
         // 2^52 blocks of 4 KiB is 2^64 bytes: wrapped, it would be an empty run taken as data.
         let run = RunHeader::Data { first: 7, blocks: 1 << 52 };
         let refused = decode_runs(vec![run], &[]).expect_err("refused");
+        assert_eq!(refused.kind(), io::ErrorKind::InvalidData, "{refused}");
+        let past_the_end = RunHeader::Data { first: u64::MAX, blocks: 1 };
+        let refused = decode_runs(vec![past_the_end], &[5; 4096]).expect_err("refused");
         assert_eq!(refused.kind(), io::ErrorKind::InvalidData, "{refused}");
         let whole = decode_runs(vec![RunHeader::Data { first: 7, blocks: 1 }], &[5; 4096]).expect("one block");
         assert!(matches!(&whole[..], [MovedRun::Data { first: 7, data }] if data.len() == 4096));

@@ -183,6 +183,53 @@ fn a_switchover_slower_than_the_first_writes_wait_fails_that_write_alone() {
     pair.assert_golden_unchanged();
 }
 
+/// A source that goes quiet once asked to switch over (SIGSTOPped: its peer link stays open):
+/// the destination gives the move up after 15 s without a word, tries it again for 30 s, and
+/// drops its copy; the source, running again, has the VM with every write. (Until session 49
+/// the destination waited for the source's last changes for ever, failing each request after
+/// its wait.)
+#[test]
+fn a_source_silent_at_the_switchover_fails_the_move_and_keeps_the_vm() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = pair.serve("a");
+    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
+    let server_b = serve_side_with(
+        &pair.golden,
+        &b,
+        [&peers[1], &peers[0]],
+        "1M",
+        &[],
+        &[("OVERSPILL_TEST_GATE_WAIT_MS", "1000")],
+    );
+    let (mut model, mut source, mut destination) = moving(&pair, &a, &b);
+    let signal = |which: &str| {
+        let sent = std::process::Command::new("kill").args([which, &server_a.child.id().to_string()]).status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill {which}");
+    };
+    signal("-STOP");
+    let refused = destination.write(30 << 20, &[9; 4096], false);
+    assert!(refused.is_err(), "a write acknowledged before the VM's state arrived");
+    let dropped = "VM move from a peer failed: its copy here is dropped";
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while !server_b.log_text().contains(dropped) {
+        if std::time::Instant::now() > deadline {
+            signal("-CONT");
+            panic!("the destination still waits for its silent source:\n{}", server_b.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    signal("-CONT");
+    assert!(server_b.log_text().contains("the peer sent nothing for 15 s"), "{}", server_b.log_text());
+    wait_for("A keeps the VM", || a.state_of("desk").as_deref() == Some("connected"));
+    model.assert_reads_back(&mut source, "the source after its move failed");
+    writes_during_pre_copy(&mut model, &mut source);
+    model.assert_reads_back(&mut source, "the source writing on");
+    wait_for("B holds nothing of the VM", || b.state_of("desk").is_none());
+    drop(destination);
+    pair.assert_golden_unchanged();
+}
+
 /// A Unix-socket relay between a server and its peer's socket, whose connections can be cut
 /// while both servers live.
 struct Relay {
