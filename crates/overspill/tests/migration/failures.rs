@@ -26,6 +26,13 @@ fn wait_for_log(server: &Serve, line: &str) {
 
 const PAUSED: &str = "move paused for a test";
 
+/// The destination `b`, `a` its peer, its requests waiting 1 s at the gate (instead of 25).
+fn serve_waiting_a_second(pair: &Pair, a: &Side, b: &Side) -> Serve {
+    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
+    let wait = [("OVERSPILL_TEST_GATE_WAIT_MS", "1000")];
+    serve_side_with(&pair.golden, b, [&peers[1], &peers[0]], "1M", &[], &wait)
+}
+
 /// Writes before the move (RAM and spill, a zeroed range; no TRIM, whose reads after a restart
 /// are unspecified), and the destination's connection, whose move is in its pre-copy.
 fn moving(pair: &Pair, a: &Side, b: &Side) -> (Model, overspill_nbd::client::Client, overspill_nbd::client::Client) {
@@ -158,15 +165,7 @@ fn a_switchover_slower_than_the_first_writes_wait_fails_that_write_alone() {
     let pair = Pair::new();
     let (a, b) = (pair.side("a"), pair.side("b"));
     let server_a = serve_pausing(&pair, "a", "final");
-    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
-    let server_b = serve_side_with(
-        &pair.golden,
-        &b,
-        [&peers[1], &peers[0]],
-        "1M",
-        &[],
-        &[("OVERSPILL_TEST_GATE_WAIT_MS", "1000")],
-    );
+    let server_b = serve_waiting_a_second(&pair, &a, &b);
     let (mut model, source, mut destination) = moving(&pair, &a, &b);
     let refused = destination.write(30 << 20, &[9; 4096], false);
     assert!(refused.is_err(), "a write acknowledged before the VM's state arrived");
@@ -193,15 +192,7 @@ fn a_source_silent_at_the_switchover_fails_the_move_and_keeps_the_vm() {
     let pair = Pair::new();
     let (a, b) = (pair.side("a"), pair.side("b"));
     let server_a = pair.serve("a");
-    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
-    let server_b = serve_side_with(
-        &pair.golden,
-        &b,
-        [&peers[1], &peers[0]],
-        "1M",
-        &[],
-        &[("OVERSPILL_TEST_GATE_WAIT_MS", "1000")],
-    );
+    let server_b = serve_waiting_a_second(&pair, &a, &b);
     let (mut model, mut source, mut destination) = moving(&pair, &a, &b);
     let signal = |which: &str| {
         let sent = std::process::Command::new("kill").args([which, &server_a.child.id().to_string()]).status();
