@@ -16,14 +16,18 @@
 use std::io::{self, Read, Write};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
-use object_store::{GetOptions, GetRange, ObjectStore};
+use object_store::{GetOptions, GetRange, ObjectStore, RetryConfig};
 
 use crate::SourceError;
 use overspill_engine::GoldenImage;
+
+/// Tries of a request after its first (a store's transient errors, a dropped connection).
+pub const MAX_RETRIES: usize = 3;
 
 pub struct S3Image {
     store: Arc<dyn ObjectStore>,
@@ -39,7 +43,12 @@ pub struct S3Image {
 
 /// A client of `bucket` as the environment configures it, and the runtime its requests run on.
 fn client(bucket: &str, name: &str) -> Result<(Arc<dyn ObjectStore>, tokio::runtime::Runtime), SourceError> {
-    let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    // object_store's defaults try a request 11 times over up to 3 minutes, each try up to 30 s:
+    // a VM's read would wait that long. Tries are bounded here as the HTTP source bounds its
+    // own: all of them within 30 s.
+    let retry =
+        RetryConfig { max_retries: MAX_RETRIES, retry_timeout: Duration::from_secs(30), ..RetryConfig::default() };
+    let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket).with_retry(retry);
     // object_store reads AWS_ENDPOINT; AWS_ENDPOINT_URL is what the AWS CLI reads.
     if std::env::var_os("AWS_ENDPOINT").is_none() {
         if let Ok(url) = std::env::var("AWS_ENDPOINT_URL") {

@@ -91,4 +91,22 @@ fn a_replaced_object_fails_reads_and_a_store_without_etags_is_refused() {
     };
     eprintln!("the endless body: {sent} bytes sent before the client hung up");
     assert!(sent < 64 << 20, "{sent} bytes taken for a read of 64 KiB");
+
+    // A store that drops every connection: tried once and again `MAX_RETRIES` times, not the
+    // 11 times over 3 minutes of object_store's defaults.
+    let dropping = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = dropping.local_addr().expect("address").port();
+    let tries = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = tries.clone();
+    std::thread::spawn(move || {
+        for stream in dropping.incoming() {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(stream);
+        }
+    });
+    std::env::set_var("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"));
+    let error = S3Image::open_from_env("golden", "golden.img", 1 << 20).err().expect("no store").to_string();
+    let tries = tries.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!("a store that drops every connection: {tries} tries, then {error}");
+    assert_eq!(tries, 1 + overspill_sources::s3::MAX_RETRIES, "{error}");
 }
