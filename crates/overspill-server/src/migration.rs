@@ -156,12 +156,22 @@ pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &ListenAddr, vm: &
     let Some(peers) = peers else {
         return Err(format!("this server has no peers to ask peer {shown} with"));
     };
-    match query(address, peers, vm).map(|(_, holding)| holding) {
-        Ok(Holding::Moved { to }) => Ok(to == peers.name),
-        Ok(Holding::Live | Holding::Moving) => Ok(false),
-        Ok(Holding::Nothing) => Err(format!("peer {shown} keeps no record of it")),
-        Ok(Holding::Lost { why }) => Err(format!("peer {shown} lost it ({why})")),
-        Err(error) => Err(format!("peer {shown} cannot be asked ({error})")),
+    let until = Instant::now() + IN_DOUBT_ASKING;
+    loop {
+        return match query(address, peers, vm).map(|(_, holding)| holding) {
+            Ok(Holding::Moved { to }) => Ok(to == peers.name),
+            // Between this server's `Ready` and the peer's commit (a moment, unless the peer
+            // is held up), or moving the VM on to another server: asked again, as the live
+            // path asks; still moving when time is up, it is the peer's to move.
+            Ok(Holding::Moving) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+            Ok(Holding::Live | Holding::Moving) => Ok(false),
+            Ok(Holding::Nothing) => Err(format!("peer {shown} keeps no record of it")),
+            Ok(Holding::Lost { why }) => Err(format!("peer {shown} lost it ({why})")),
+            Err(error) => Err(format!("peer {shown} cannot be asked ({error})")),
+        };
     }
 }
 
@@ -177,7 +187,8 @@ fn query(address: &ListenAddr, peers: &Peers, vm: &str) -> io::Result<(String, H
 
 /// A test's hold on a handover: with `OVERSPILL_TEST_MOVE_PAUSE=STEP` in its environment, a
 /// server stops for 3 s at STEP and says so in its log, so that a test can SIGKILL it at that
-/// very moment. Steps: `final` (the sender has sent the last changes and `Final`), `committed`
+/// very moment. Steps: `final` (the sender has sent the last changes and `Final`), `readied`
+/// (the sender has the receiver's `Ready`; its ledger does not say moved yet), `committed`
 /// (the sender's ledger says moved; the receiver is not told yet), `ready` (the receiver's
 /// ledger says in doubt; the sender is not told yet).
 fn test_pause(step: &str) {
@@ -385,6 +396,7 @@ fn send_vm_to(
         Ok(Err(error)) => return Err(failed("waiting for the peer to be ready", error)),
         Err(_) => return Err("the peer was not ready in time".into()),
     }
+    test_pause("readied");
     // The commit point: the ledger says the VM is the peer's before the peer serves it.
     registry.outgoing_committed(out, &link.peer).map_err(|e| failed("recording the move in the ledger", e))?;
     test_pause("committed");

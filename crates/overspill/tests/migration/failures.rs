@@ -221,6 +221,35 @@ fn a_source_silent_at_the_switchover_fails_the_move_and_keeps_the_vm() {
     pair.assert_golden_unchanged();
 }
 
+/// The destination killed after it said `Ready`, its source held before its ledger says moved:
+/// the restarted destination, in doubt, hears "moving" from the source and asks again until the
+/// source's ledger says moved to it, and keeps the VM with every write. (Until session 49
+/// "moving" read as "the source kept it": the destination dropped its copy, the source then
+/// committed, and the VM's name was refused everywhere, its writes gone.)
+#[test]
+fn a_destination_restarted_while_its_source_commits_keeps_the_vm() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = serve_pausing(&pair, "a", "readied");
+    let server_b = pair.serve("b");
+    let (model, source, destination) = moving(&pair, &a, &b);
+    let asking = std::thread::spawn(move || {
+        let mut destination = destination;
+        destination.write(30 << 20, &[9; 4096], false).is_ok()
+    });
+    wait_for_log(&server_a, PAUSED);
+    server_b.kill();
+    assert!(!asking.join().expect("the destination's write"), "a write acknowledged by a killed destination");
+    let server_b = pair.serve("b");
+    wait_for("A hands the VM over", || a.state_of("desk").is_none());
+    drop(source);
+    let log = server_b.log_text();
+    assert!(log.contains("its peer says it moved here"), "the restarted destination did not keep the VM:\n{log}");
+    let mut destination = b.connect("desk");
+    model.assert_reads_back(&mut destination, "the restarted destination");
+    pair.assert_golden_unchanged();
+}
+
 /// A Unix-socket relay between a server and its peer's socket, whose connections can be cut
 /// while both servers live.
 struct Relay {
