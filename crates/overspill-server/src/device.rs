@@ -140,18 +140,20 @@ impl EngineDevice {
         purpose: Purpose,
         op: impl FnOnce(&mut overspill_engine::Overlay) -> Result<T, EngineError>,
     ) -> Result<T, DeviceError> {
-        match self.live.wait_until_current(matches!(purpose, Purpose::Change)) {
-            Ok(()) => {}
-            Err(NotCurrent::MoveFailed(why)) => {
-                self.reset.store(true, Ordering::SeqCst);
-                return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
-            }
-            Err(NotCurrent::StillMoving(why)) => {
-                // One line per request that waited the whole wait (a switchover that slow is
-                // worth each).
-                tracing::warn!(vm = %self.name, %why, "a request failed waiting for the VM's move to switch over");
-                return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
-            }
+        if let Err(not_current) = self.live.wait_until_current(matches!(purpose, Purpose::Change)) {
+            let why = match not_current {
+                NotCurrent::MoveFailed(why) => {
+                    self.reset.store(true, Ordering::SeqCst);
+                    why
+                }
+                NotCurrent::StillMoving(why) => {
+                    // One line per request that waited the whole wait (a switchover that slow is
+                    // worth each).
+                    tracing::warn!(vm = %self.name, %why, "a request failed waiting for the VM's move to switch over");
+                    why
+                }
+            };
+            return Err(DeviceError::new(DeviceErrorKind::Io, format!("VM {}: {why}", self.name)));
         }
         let result = match self.live.vm().as_mut() {
             Some(vm) => op(&mut vm.overlay),

@@ -156,22 +156,23 @@ pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &ListenAddr, vm: &
     let Some(peers) = peers else {
         return Err(format!("this server has no peers to ask peer {shown} with"));
     };
+    // "Moving": between this server's `Ready` and the peer's commit (a moment, unless the peer
+    // is held up), or moving the VM on to another server. Asked again, as the live path asks;
+    // still moving when time is up, it is the peer's to move.
     let until = Instant::now() + IN_DOUBT_ASKING;
-    loop {
-        return match query(address, peers, vm).map(|(_, holding)| holding) {
-            Ok(Holding::Moved { to }) => Ok(to == peers.name),
-            // Between this server's `Ready` and the peer's commit (a moment, unless the peer
-            // is held up), or moving the VM on to another server: asked again, as the live
-            // path asks; still moving when time is up, it is the peer's to move.
-            Ok(Holding::Moving) if Instant::now() < until => {
-                std::thread::sleep(Duration::from_millis(200));
-                continue;
-            }
-            Ok(Holding::Live | Holding::Moving) => Ok(false),
-            Ok(Holding::Nothing) => Err(format!("peer {shown} keeps no record of it")),
-            Ok(Holding::Lost { why }) => Err(format!("peer {shown} lost it ({why})")),
-            Err(error) => Err(format!("peer {shown} cannot be asked ({error})")),
-        };
+    let holding = loop {
+        let answer = query(address, peers, vm).map(|(_, holding)| holding);
+        if !matches!(answer, Ok(Holding::Moving)) || Instant::now() >= until {
+            break answer;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    match holding {
+        Ok(Holding::Moved { to }) => Ok(to == peers.name),
+        Ok(Holding::Live | Holding::Moving) => Ok(false),
+        Ok(Holding::Nothing) => Err(format!("peer {shown} keeps no record of it")),
+        Ok(Holding::Lost { why }) => Err(format!("peer {shown} lost it ({why})")),
+        Err(error) => Err(format!("peer {shown} cannot be asked ({error})")),
     }
 }
 

@@ -234,10 +234,7 @@ impl S3Bucket {
         while at < size {
             let end = (at + PART_BYTES as u64).min(size);
             let part = &mut buffer[..(end - at) as usize];
-            let got = self.get_range_into(&path, at, part).map_err(|e| self.failed(name, e))?;
-            if got != part.len() {
-                return Err(self.failed(name, format!("asked for {} bytes at {at}, got {got}", part.len())));
-            }
+            self.get_range_into(name, &path, at, part)?;
             out.write_all(part)?;
             at = end;
         }
@@ -252,21 +249,25 @@ impl S3Bucket {
             return Err(self.failed(name, format!("{size} bytes, more than the {limit} expected")));
         }
         let mut bytes = vec![0u8; size as usize];
-        let got = self.get_range_into(&path, 0, &mut bytes).map_err(|e| self.failed(name, e))?;
-        if got != bytes.len() {
-            return Err(self.failed(name, format!("asked for {size} bytes, got {got}")));
-        }
+        self.get_range_into(name, &path, 0, &mut bytes)?;
         Ok(bytes)
     }
 
-    /// A GET of `buf.len()` bytes at `at` into `buf`; how many came.
-    fn get_range_into(&self, path: &ObjectPath, at: u64, buf: &mut [u8]) -> Result<usize, String> {
+    /// A GET of `buf.len()` bytes of `name` at `at` into `buf`, all of them.
+    fn get_range_into(&self, name: &str, path: &ObjectPath, at: u64, buf: &mut [u8]) -> io::Result<()> {
         let range = GetRange::Bounded(at..at + buf.len() as u64);
         let options = GetOptions { range: Some(range), ..GetOptions::default() };
-        self.runtime.block_on(async {
-            let result = self.store.get_opts(path, options).await.map_err(|e| e.to_string())?;
-            body_into(result, buf).await
-        })
+        let got = self
+            .runtime
+            .block_on(async {
+                let result = self.store.get_opts(path, options).await.map_err(|e| e.to_string())?;
+                body_into(result, buf).await
+            })
+            .map_err(|e| self.failed(name, e))?;
+        if got != buf.len() {
+            return Err(self.failed(name, format!("asked for {} bytes at {at}, got {got}", buf.len())));
+        }
+        Ok(())
     }
 
     /// `s3://BUCKET/PREFIX`.

@@ -72,7 +72,7 @@ impl WebServer {
 
     /// GETs the server has answered so far.
     pub fn gets(&self) -> usize {
-        std::fs::read_to_string(&self.log).unwrap_or_default().matches("\"GET ").count()
+        self.log_text().matches("\"GET ").count()
     }
 }
 

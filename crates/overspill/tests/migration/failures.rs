@@ -26,6 +26,18 @@ fn wait_for_log(server: &Serve, line: &str) {
 
 const PAUSED: &str = "move paused for a test";
 
+/// The destination's write, which asks for the switchover, on a thread of its own while `kill`
+/// waits for the move's test pause and SIGKILLs the destination's server: the write must not
+/// have been acknowledged.
+fn a_write_asking_while(destination: overspill_nbd::client::Client, kill: impl FnOnce()) {
+    let asking = std::thread::spawn(move || {
+        let mut destination = destination;
+        destination.write(30 << 20, &[9; 4096], false).is_ok()
+    });
+    kill();
+    assert!(!asking.join().expect("the destination's write"), "a write acknowledged by a killed destination");
+}
+
 /// The destination `b`, `a` its peer, its requests waiting 1 s at the gate (instead of 25).
 fn serve_waiting_a_second(pair: &Pair, a: &Side, b: &Side) -> Serve {
     let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
@@ -139,13 +151,10 @@ fn a_destination_killed_before_it_says_ready_leaves_the_vm_at_the_source() {
     let server_a = pair.serve("a");
     let server_b = serve_pausing(&pair, "b", "ready");
     let (mut model, mut source, destination) = moving(&pair, &a, &b);
-    let asking = std::thread::spawn(move || {
-        let mut destination = destination;
-        destination.write(30 << 20, &[9; 4096], false).is_ok()
+    a_write_asking_while(destination, || {
+        wait_for_log(&server_b, PAUSED);
+        server_b.kill();
     });
-    wait_for_log(&server_b, PAUSED);
-    server_b.kill();
-    assert!(!asking.join().expect("the destination's write"), "a write acknowledged by a killed destination");
     wait_for("A keeps the VM", || a.state_of("desk").as_deref() == Some("connected"));
     writes_during_pre_copy(&mut model, &mut source);
     let _server_b = pair.serve("b");
@@ -233,13 +242,10 @@ fn a_destination_restarted_while_its_source_commits_keeps_the_vm() {
     let server_a = serve_pausing(&pair, "a", "readied");
     let server_b = pair.serve("b");
     let (model, source, destination) = moving(&pair, &a, &b);
-    let asking = std::thread::spawn(move || {
-        let mut destination = destination;
-        destination.write(30 << 20, &[9; 4096], false).is_ok()
+    a_write_asking_while(destination, || {
+        wait_for_log(&server_a, PAUSED);
+        server_b.kill();
     });
-    wait_for_log(&server_a, PAUSED);
-    server_b.kill();
-    assert!(!asking.join().expect("the destination's write"), "a write acknowledged by a killed destination");
     let server_b = pair.serve("b");
     wait_for("A hands the VM over", || a.state_of("desk").is_none());
     drop(source);
