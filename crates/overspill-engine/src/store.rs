@@ -323,6 +323,57 @@ pub struct ScratchFile {
     kept: bool,
 }
 
+/// The name of a scratch file of this process: `overspill-PID-WHAT-HOST.KIND`, where `WHAT` is a
+/// number (or `tierN`) without `-` and `HOST` this host's mark ([`host_mark`]). The pid lets a
+/// restarted server tell a dead server's files from a live one's; the host's mark keeps it from
+/// judging another host's files by this host's pids, where hosts share a directory (an NFS
+/// `--shared-dir`) whose locks do not reach across hosts (`nolock`: each host's `flock` then
+/// sees only its own).
+pub fn scratch_file_name(what: &str, kind: &str) -> String {
+    format!("overspill-{}-{what}-{}.{kind}", std::process::id(), host_mark())
+}
+
+/// Who made a file named by [`scratch_file_name`]: its pid and kind, and whether this host did
+/// (`None` for a name without a host's mark, as servers before the mark named theirs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchOwner<'a> {
+    pub pid: u32,
+    pub this_host: Option<bool>,
+    pub kind: &'a str,
+}
+
+/// Reads a scratch file's name (see [`scratch_file_name`]); `None` for any other name.
+pub fn scratch_file_owner(name: &str) -> Option<ScratchOwner<'_>> {
+    let rest = name.strip_prefix("overspill-")?;
+    let (pid, rest) = rest.split_once('-')?;
+    let (stem, kind) = rest.rsplit_once('.')?;
+    let this_host = match stem.split_once('-') {
+        Some((what, mark)) => Some((!what.is_empty()).then(|| mark == host_mark())?),
+        None => None,
+    };
+    Some(ScratchOwner { pid: pid.parse().ok()?, this_host, kind })
+}
+
+/// This host's mark in scratch file names: its name (characters other than letters, digits and
+/// `-` as `_`) and the start of its machine id, where it has one (hosts cloned from one image
+/// often keep its name: `localhost`, `ubuntu`).
+pub fn host_mark() -> &'static str {
+    static MARK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MARK.get_or_init(|| {
+        let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default().trim().to_owned();
+        let name: String = read("/proc/sys/kernel/hostname")
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .collect();
+        let name = if name.is_empty() { "host".to_owned() } else { name };
+        let machine = read("/etc/machine-id");
+        match machine.get(..8).filter(|id| id.chars().all(|c| c.is_ascii_hexdigit())) {
+            Some(id) => format!("{name}_{id}"),
+            None => name,
+        }
+    })
+}
+
 /// Marks `file` as held by this process for as long as it has the file open (an exclusive
 /// `flock`, which the kernel drops when the process ends, however it ends): a VM's state files
 /// are named after the VM, and two servers sharing a directory may each have a VM of one name.

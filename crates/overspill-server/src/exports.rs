@@ -3,9 +3,10 @@
 //! An export name is `IMAGE` or `IMAGE@VM`: the part after `@` names the VM, whose overlay then
 //! outlives a lost connection for the reconnect grace (see `vms`) and the process (`ledger`);
 //! without it the server numbers connections and each overlay ends with its connection. The empty name is the `--base` image.
-//! Anonymous VMs' cache files are named `overspill-<server pid>-<vm number>.<kind>` so that a
-//! restarted server can tell the files of dead servers (removed at start) from those of live ones
-//! (left alone); a named VM's are named after it and outlive the process (see `ledger`).
+//! Anonymous VMs' cache files are named `overspill-<server pid>-<vm number>-<host>.<kind>` so that
+//! a restarted server can tell the files of this host's dead servers (removed at start) from those
+//! of live ones and other hosts' (left alone); a named VM's are named after it and outlive the
+//! process (see `ledger`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -501,7 +502,6 @@ impl OverlayExports {
         // provider on one spill directory, and a departing VM's file may outlive the next start
         // by the time its last segment write takes.
         static NEXT_FILE: AtomicU64 = AtomicU64::new(1);
-        let pid = std::process::id();
         let (dir, logical) = self.backing_place(kind, size);
         // Held while open, so that a server sharing the directory (in another PID namespace,
         // where our pid means nothing) leaves it alone. A name still taken was left by this
@@ -509,7 +509,8 @@ impl OverlayExports {
         // removed: the next number does.
         let file = loop {
             let number = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
-            match ScratchFile::create(dir, &format!("overspill-{pid}-{number}.{}", backing_suffix(kind)), logical) {
+            let name = overspill_engine::store::scratch_file_name(&number.to_string(), backing_suffix(kind));
+            match ScratchFile::create(dir, &name, logical) {
                 Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 created => break created?.held()?,
             }
@@ -936,16 +937,22 @@ fn writable_directory(dir: &Path) -> std::io::Result<()> {
     std::fs::remove_file(&probe)
 }
 
-/// Removes cache files left by servers that are no longer running. Files of live servers (another
-/// overspill sharing the directory) are left alone: they hold them (see
+/// Removes cache files left by servers of this host that are no longer running. Files of live
+/// servers (another overspill sharing the directory) are left alone: they hold them (see
 /// [`overspill_engine::store::hold`]), or, where the filesystem keeps no locks, their pid runs.
-/// Files under this process's own pid were left by its program before a restart in place (the
-/// same pid, a new program): removed by the program's first call, if no one holds them.
+/// Another host's files are never judged here: its pids mean nothing on this host, and its locks
+/// may not reach it. Files under this process's own pid were left by its program before a
+/// restart in place (the same pid, a new program): removed by the program's first call, if no
+/// one holds them. (Files named before names carried a host's mark count as this host's.)
 fn remove_stale_cache_files(dir: &Path, first_in_program: bool) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(cache_file_pid) else { continue };
+        let Some(owner) = name.to_str().and_then(overspill_engine::store::scratch_file_owner) else { continue };
+        if !matches!(owner.kind, "spill" | "cache" | "diff" | "golden") || owner.this_host == Some(false) {
+            continue;
+        }
+        let pid = owner.pid;
         let ours = pid == std::process::id();
         // Only candidates are probed: the probe's lock, brief as it is, would make a live
         // server's hold of a file it has just made fail.
@@ -967,14 +974,6 @@ fn remove_stale_cache_files(dir: &Path, first_in_program: bool) {
             }
         }
     }
-}
-
-fn cache_file_pid(name: &str) -> Option<u32> {
-    let rest = name.strip_prefix("overspill-")?;
-    let (pid, rest) = rest.split_once('-')?;
-    let (_, suffix) = rest.split_once('.')?;
-    matches!(suffix, "spill" | "cache" | "diff" | "golden").then_some(())?;
-    pid.parse().ok()
 }
 
 fn process_alive(pid: u32) -> bool {

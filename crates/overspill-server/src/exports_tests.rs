@@ -6,11 +6,18 @@ use overspill_block::{read_whole, ReadRequest};
 use std::time::Duration;
 
 #[test]
-fn only_cache_file_names_carry_a_pid() {
-    assert_eq!(cache_file_pid("overspill-123-7.spill"), Some(123));
-    assert_eq!(cache_file_pid("overspill-123-7.diff"), Some(123));
-    assert_eq!(cache_file_pid("overspill-123-7.txt"), None);
-    assert_eq!(cache_file_pid("golden.img"), None);
+fn scratch_file_names_carry_the_pid_and_the_host() {
+    use overspill_engine::store::{host_mark, scratch_file_name, scratch_file_owner, ScratchOwner};
+    let pid = std::process::id();
+    let made = scratch_file_name("7", "spill");
+    assert_eq!(scratch_file_owner(&made), Some(ScratchOwner { pid, this_host: Some(true), kind: "spill" }));
+    assert!(made.contains(host_mark()), "{made}");
+    let another = format!("overspill-123-7-{}x.diff", host_mark());
+    assert_eq!(scratch_file_owner(&another), Some(ScratchOwner { pid: 123, this_host: Some(false), kind: "diff" }));
+    assert_eq!(scratch_file_owner("overspill-123-tier2.golden").map(|o| o.this_host), Some(None));
+    assert_eq!(scratch_file_owner("overspill-123-7.txt").map(|o| o.kind), Some("txt"));
+    assert_eq!(scratch_file_owner("overspill-x-7.spill"), None);
+    assert_eq!(scratch_file_owner("golden.img"), None);
 }
 
 /// Files named `vm-NAME.*` in the memory and spill directories of a test.
@@ -265,7 +272,12 @@ fn stale_files_of_dead_servers_go_and_live_ones_stay() {
     let (ours, left_by_our_program) =
         (path(&format!("overspill-{pid}-1.spill")), path(&format!("overspill-{pid}-2.spill")));
     let other = path("keep.img");
-    for f in [&dead, &elsewhere, &ours, &left_by_our_program, &other] {
+    // A dead pid's file made by another host sharing the directory (an NFS `--shared-dir`
+    // without working locks): not held as this host sees it, and its pid means nothing here.
+    let mark = overspill_engine::store::host_mark();
+    let another_hosts = path(&format!("overspill-4294967-3-{mark}x.diff"));
+    let this_hosts_dead = path(&format!("overspill-4294967-4-{mark}.diff"));
+    for f in [&dead, &elsewhere, &ours, &left_by_our_program, &other, &another_hosts, &this_hosts_dead] {
         std::fs::write(f, b"x").expect("write");
     }
     let holders: Vec<std::fs::File> = [&elsewhere, &ours]
@@ -277,8 +289,9 @@ fn stale_files_of_dead_servers_go_and_live_ones_stay() {
         })
         .collect();
     remove_stale_cache_files(dir.path(), false);
-    assert!(!dead.exists());
+    assert!(!dead.exists() && !this_hosts_dead.exists());
     assert!(elsewhere.exists() && ours.exists() && left_by_our_program.exists() && other.exists());
+    assert!(another_hosts.exists(), "another host's file was judged by this host's pids");
     remove_stale_cache_files(dir.path(), true);
     assert!(!left_by_our_program.exists(), "a file our pid's earlier program left");
     assert!(elsewhere.exists() && ours.exists() && other.exists());

@@ -69,7 +69,7 @@ impl LocalTier {
         // left by this pid's program before a restart in place: the next number does.
         let (path, file) = loop {
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
-            let path = dir.join(format!("overspill-{}-tier{n}.golden", std::process::id()));
+            let path = dir.join(overspill_engine::store::scratch_file_name(&format!("tier{n}"), "golden"));
             match OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path) {
                 Err(error) if error.kind() == io::ErrorKind::AlreadyExists => continue,
                 opened => {

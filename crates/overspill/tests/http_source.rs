@@ -89,8 +89,16 @@ fn a_restart_in_place_removes_the_files_its_old_program_left_and_makes_its_own()
     let (mut server, uri) = serve(dir.path(), &["--base", &url, "--local-tier", "--ram", "1M"], &[]);
     let pid = server.child.id();
     let spill = dir.path().join("spill");
+    let mark = overspill_engine::store::host_mark();
     let ours = |name: &str| spill.join(format!("overspill-{pid}-{name}"));
-    let left = [ours("1.spill"), ours("2.spill"), ours("tier1.golden")];
+    // Named as this version names them, and as versions before the host's mark did.
+    let left = [
+        ours(&format!("1-{mark}.spill")),
+        ours(&format!("2-{mark}.spill")),
+        ours(&format!("tier1-{mark}.golden")),
+        ours("1.spill"),
+        ours("tier1.golden"),
+    ];
     for file in &left {
         std::fs::write(file, b"left by the old program").expect("plant");
     }
