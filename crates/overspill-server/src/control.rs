@@ -268,9 +268,10 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             images: targets.registry.image_store().map(|store| store.root().to_owned()),
             ..Answer::default()
         },
-        Ok(Request::Reset { vm }) => outcome(targets.registry.reset(&vm)),
+        // Every name the server keeps passed this check when its VM opened.
+        Ok(Request::Reset { vm }) => outcome(check_name("VM", &vm).and_then(|()| targets.registry.reset(&vm))),
         Ok(Request::Locate { vm }) => targets.locate(&vm),
-        Ok(Request::Drop { vm }) => outcome(targets.drop_vm(&vm)),
+        Ok(Request::Drop { vm }) => outcome(check_name("VM", &vm).and_then(|()| targets.drop_vm(&vm))),
         Ok(Request::Limit { ops: RateChange::Set { per_second: 0, .. }, .. })
         | Ok(Request::Limit { bytes: RateChange::Set { per_second: 0, .. }, .. })
         | Ok(Request::HostLimit { ops: RateChange::Set { per_second: 0, .. }, .. })
@@ -578,6 +579,28 @@ mod tests {
             let _ = BufReader::new(&stream).read_line(&mut answer);
         }
         answer
+    }
+
+    /// A name no VM could have (a path, a hidden file) is refused as such by `reset` and `drop`,
+    /// not looked up.
+    #[test]
+    fn reset_and_drop_refuse_names_no_vm_can_have() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("control.sock");
+        let registry = VmRegistry::new(Lifecycle::default()).expect("registry");
+        let _listener = spawn(&path, registry).expect("control socket");
+        for op in ["reset", "drop"] {
+            for (vm, refused) in [("../etc", true), (".hidden", true), ("vm-17", false)] {
+                let stream = UnixStream::connect(&path).expect("connect");
+                stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+                let request = format!("{{\"op\":\"{op}\",\"vm\":\"{vm}\"}}\n");
+                (&stream).write_all(request.as_bytes()).expect("request");
+                let mut answer = String::new();
+                BufReader::new(&stream).read_line(&mut answer).expect("answer");
+                assert!(answer.contains("\"ok\":false"), "{op} {vm}: {answer}");
+                assert_eq!(answer.contains("not allowed"), refused, "{op} {vm}: {answer}");
+            }
+        }
     }
 
     /// A client sending its request a byte at a time gets the same few seconds for all of it as
