@@ -245,22 +245,23 @@ impl SpillLog {
             segment.state = SegmentState::Free;
             segment.owners = Vec::new();
             self.owner_tables -= 1;
-            // Never written, so there is nothing on disk to punch.
-            self.free.push(Reverse(open.id.0));
+            // Never written as this segment, but it may be a kept one reused, its old bytes
+            // still on disk.
+            self.punch(open.id.0, stats);
         }
     }
 
     /// A whole segment counts while the log holds one: the open segment (however full: the VM
     /// keeps room for it, so that RAM is squeezed once, when it starts spilling, not block by
-    /// block as the segment fills), or a segment whose write failed (no segment is opened
-    /// until it is written). A segment being written in the background is the host's (see
+    /// block as the segment fills), and a segment whose write failed. A segment being written in the background is the host's (see
     /// `store::SegmentWriters`): it does not count here, so that the figure, and every eviction
     /// decided from it, is the same in a simulation as in a server, where writes finish in their
     /// own time. The pages in the open segment are the evicted RAM pages themselves, so this is
     /// an upper bound of what the VM holds, not more memory than its RAM tier had.
     pub fn memory_bytes(&self) -> u64 {
         let failed = self.writing.as_ref().is_some_and(|writing| writing.write.is_none());
-        let segment = if self.open.is_some() || failed { SEGMENT_BYTES } else { 0 };
+        // Both at once where a background write failed after the next segment was opened.
+        let segment = (usize::from(self.open.is_some()) + usize::from(failed)) * SEGMENT_BYTES;
         let owners = self.owner_tables as usize * BLOCKS_PER_SEGMENT;
         (segment
             + owners * std::mem::size_of::<BlockIndex>()
@@ -311,7 +312,8 @@ impl SpillLog {
     fn free_segments_left(&self) -> Option<u64> {
         self.max_segments.map(|max| {
             let in_use = (self.segments.len() - self.free.len() - self.kept.len()) as u64 - self.given_up;
-            u64::from(max) - in_use
+            // A log recovered under a lower `--spill-max` than it was written under holds more.
+            u64::from(max).saturating_sub(in_use)
         })
     }
 
@@ -834,6 +836,61 @@ mod tests {
             .expect("append after the retry");
         assert_eq!(stats.spill_segments_written.get(), 1);
         assert_eq!(read(&mut log, addrs[7], &stats), block(7), "read back from the file");
+    }
+
+    /// A VM's log recovered by a server started with a lower `--spill-max` than the one it
+    /// spilled under holds more than the limit: its next spill is refused (the subtraction
+    /// once overflowed: a panic in debug builds, no limit at all in release ones).
+    #[test]
+    fn a_log_recovered_over_more_segments_than_its_limit_refuses_the_next_spill() {
+        let stats = VmStats::default();
+        let log =
+            SpillLog::new(Box::new(MemFile::default()), Some(4 * SEGMENT_BYTES as u64), test_arena()).expect("log");
+        let sealed = (0..6u32)
+            .map(|id| {
+                let first = u64::from(id) * BLOCKS_PER_SEGMENT as u64;
+                ((id), (first..first + BLOCKS_PER_SEGMENT as u64).map(BlockIndex).collect(), 1)
+            })
+            .collect();
+        let mut log = log.recovered(6, sealed, &stats).expect("recovered");
+        let refused = log.append(Owner { block: BlockIndex(1 << 20), seq: 1 }, &block(1), Purpose::Guest, &stats);
+        assert!(matches!(refused, Err(EngineError::NoSpace(_))), "{refused:?}");
+    }
+
+    /// A segment whose background write failed stays in the VM's memory beside the segment
+    /// opened after it: both count.
+    #[test]
+    fn a_failed_segment_and_the_open_one_both_count_in_memory() {
+        let (mut log, held, full, stats, _) = one_segment_being_written(true);
+        let (_, _, done) = held.lock().expect("lock").pop().expect("held write");
+        done.send(Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))).expect("send");
+        let refused = log.append(Owner { block: BlockIndex(9999), seq: 1 }, &block(9999), Purpose::Guest, &stats);
+        assert!(matches!(refused, Err(EngineError::NoSpace(_))), "{refused:?}");
+        assert!(log.memory_bytes() >= 2 * SEGMENT_BYTES as u64, "{} bytes", log.memory_bytes());
+        full.store(false, Ordering::Relaxed);
+    }
+
+    /// A kept segment (dead, its bytes still on disk) reused as the open one, then trimmed
+    /// with everything else: its space is given back too.
+    #[test]
+    fn a_kept_segment_reopened_and_emptied_gives_its_space_back() {
+        let stats = VmStats::default();
+        let mut log = SpillLog::new(Box::new(MemFile::default()), None, test_arena()).expect("log");
+        let mut append = |log: &mut SpillLog, i: u64| {
+            log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats).expect("append")
+        };
+        let first: Vec<SpillAddr> = (0..BLOCKS_PER_SEGMENT as u64).map(|i| append(&mut log, i)).collect();
+        let mut live = vec![append(&mut log, 100_000)];
+        for addr in first {
+            log.release(addr, &stats);
+        }
+        live.extend((0..BLOCKS_PER_SEGMENT as u64).map(|i| append(&mut log, 200_000 + i)));
+        for addr in live {
+            log.release(addr, &stats);
+        }
+        log.release_pages_if_empty(&stats);
+        assert_eq!(log.disk_used_bytes(), 0);
+        assert_eq!(log.backing().allocated_bytes().expect("allocated"), 0, "space left behind on disk");
     }
 
     #[test]
