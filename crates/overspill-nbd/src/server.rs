@@ -323,8 +323,9 @@ impl Server {
             let accepted = match listener {
                 Listener::Unix(l, ..) => l.accept().map(|(s, _)| self.spawn_unless_stopping(s, next_id, "unix".into())),
                 Listener::Tcp(l, _) => l.accept().map(|(s, peer)| {
-                    // Replies are batched by the connection; Nagle would only add latency.
-                    let _ = s.set_nodelay(true);
+                    if let Err(error) = configure_accepted(&s) {
+                        tracing::warn!(%peer, %error, "could not set TCP keepalive on a connection");
+                    }
                     self.spawn_unless_stopping(s, next_id, peer.to_string())
                 }),
             };
@@ -448,3 +449,24 @@ impl AcceptFailures {
         self.last_logged = Some(Instant::now());
     }
 }
+
+/// Replies are batched by the connection, so Nagle would only add latency. Keepalive probes
+/// find a client whose host died or vanished behind a partition (no FIN, no RST): the server
+/// never sends on an idle connection, so without them it would wait for ever, the VM "still
+/// connected" and refused at its next connection. With them the connection is lost in about a
+/// minute and the VM waits out its grace for its client, as after any lost connection. A live
+/// host answers the probes whatever its VM does (a paused VM included).
+pub fn configure_accepted(stream: &std::net::TcpStream) -> std::io::Result<()> {
+    use rustix::net::sockopt;
+    stream.set_nodelay(true)?;
+    sockopt::set_socket_keepalive(stream, true)?;
+    sockopt::set_tcp_keepidle(stream, KEEPALIVE_IDLE)?;
+    sockopt::set_tcp_keepintvl(stream, KEEPALIVE_INTERVAL)?;
+    Ok(sockopt::set_tcp_keepcnt(stream, KEEPALIVE_PROBES)?)
+}
+
+/// Idle time before the first probe, the time between probes, and the probes unanswered
+/// before the connection counts as lost.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_PROBES: u32 = 3;

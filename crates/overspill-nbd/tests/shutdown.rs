@@ -252,6 +252,51 @@ fn shutdown_closes_idle_tcp_connections() {
     assert_closed(&client.read(0, &mut buf).expect_err("closed"), "TCP client");
 }
 
+/// A TCP client is probed while idle (keepalive): a client host that dies without a word is
+/// found gone, its VM free to connect again, rather than held "connected" for ever. The kernel
+/// shows the server's end of the connection with its keepalive timer running (`/proc/net/tcp`,
+/// timer 2), an idle socket without keepalive with none.
+#[test]
+fn idle_tcp_connections_are_probed_by_keepalive() {
+    let listener = Arc::new(Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".into())).expect("bind"));
+    let ListenAddr::Tcp(addr) = listener.local_addr() else { panic!("a TCP listener has a TCP address") };
+    let exports = Arc::new(OneExport::new("disk", SIZE));
+    let server = Arc::new(Server::new(exports, ServerConfig::default()));
+    let accept_loop = {
+        let (server, listener) = (server.clone(), listener.clone());
+        std::thread::spawn(move || server.run(&listener))
+    };
+    let stream = std::net::TcpStream::connect(&addr).expect("connect");
+    let (server_port, client_port) =
+        (stream.peer_addr().expect("peer").port(), stream.local_addr().expect("local").port());
+    let mut client = Client::handshake(Box::new(stream), "disk", false).expect("handshake");
+    client.write(0, &[7; BLOCK], false).expect("write");
+    // Timer 2 is the socket's own timer: keepalive, on an established socket.
+    let timer_of = |local: u16, remote: u16| -> Option<String> {
+        let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+        table.lines().skip(1).find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let port = |field: &str| u16::from_str_radix(field.rsplit(':').next()?, 16).ok();
+            (port(fields[1]) == Some(local) && port(fields[2]) == Some(remote))
+                .then(|| fields[5].split(':').next().unwrap_or_default().to_owned())
+        })
+    };
+    // Once the last reply is acknowledged (until then the retransmission timer, 1, shows).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut server_end, mut client_end) = (None, None);
+    while Instant::now() < deadline {
+        (server_end, client_end) = (timer_of(server_port, client_port), timer_of(client_port, server_port));
+        if server_end.as_deref() == Some("02") && client_end.as_deref() == Some("00") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(server_end.as_deref(), Some("02"), "the server's end is not probed");
+    assert_eq!(client_end.as_deref(), Some("00"), "the client's end (no keepalive)");
+    server.shutdown_handle().shutdown();
+    accept_loop.join().expect("accept thread").expect("run returns Ok");
+}
+
 /// Someone removed the Unix socket file (a careless cleanup, another server binding the path):
 /// no connection can reach the accept loop any more, and shutdown must still end it.
 #[test]

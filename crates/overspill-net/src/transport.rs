@@ -114,4 +114,46 @@ impl Transport for Box<dyn Transport> {
     fn read_now(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> Option<std::io::Result<usize>> {
         (**self).read_now(bufs)
     }
+
+    fn close(&mut self) -> std::io::Result<()> {
+        (**self).close()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A boxed stream ends its session as the stream itself would (a boxed TLS stream once
+    /// dropped without its close_notify).
+    #[test]
+    fn a_boxed_stream_passes_close_on() {
+        struct Closing(std::sync::Arc<std::sync::atomic::AtomicBool>);
+        impl io::Read for Closing {
+            fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+                Ok(0)
+            }
+        }
+        impl io::Write for Closing {
+            fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        impl Transport for Closing {
+            fn set_read_timeout(&self, _: Option<Duration>) -> io::Result<()> {
+                Ok(())
+            }
+            fn close(&mut self) -> io::Result<()> {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+                Ok(())
+            }
+        }
+        let closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut boxed: Box<dyn Transport> = Box::new(Closing(closed.clone()));
+        Transport::close(&mut boxed).expect("close");
+        assert!(closed.load(std::sync::atomic::Ordering::SeqCst));
+    }
 }
