@@ -849,7 +849,7 @@ mod tests {
         let sealed = (0..6u32)
             .map(|id| {
                 let first = u64::from(id) * BLOCKS_PER_SEGMENT as u64;
-                ((id), (first..first + BLOCKS_PER_SEGMENT as u64).map(BlockIndex).collect(), 1)
+                (id, (first..first + BLOCKS_PER_SEGMENT as u64).map(BlockIndex).collect(), 1)
             })
             .collect();
         let mut log = log.recovered(6, sealed, &stats).expect("recovered");
@@ -876,7 +876,7 @@ mod tests {
     fn a_kept_segment_reopened_and_emptied_gives_its_space_back() {
         let stats = VmStats::default();
         let mut log = SpillLog::new(Box::new(MemFile::default()), None, test_arena()).expect("log");
-        let mut append = |log: &mut SpillLog, i: u64| {
+        let append = |log: &mut SpillLog, i: u64| {
             log.append(Owner { block: BlockIndex(i), seq: 1 }, &block(i), Purpose::Guest, &stats).expect("append")
         };
         let first: Vec<SpillAddr> = (0..BLOCKS_PER_SEGMENT as u64).map(|i| append(&mut log, i)).collect();
