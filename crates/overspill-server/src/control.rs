@@ -228,6 +228,9 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Control, ServerEr
                         continue;
                     }
                 };
+                if !peer_may_control(&stream) {
+                    continue;
+                }
                 if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
                     clients.fetch_sub(1, Ordering::SeqCst);
                     tracing::warn!("control socket: {MAX_CLIENTS} clients already being answered; one more closed");
@@ -244,6 +247,28 @@ pub fn spawn(path: &Path, registry: Arc<VmRegistry>) -> Result<Control, ServerEr
         })
         .map_err(|e| ServerError::io("starting the control thread", e))?;
     Ok(Control { _listener: listener, sockets, peers, nbd_listen })
+}
+
+/// Whether the client at the other end of `stream` runs as the server's user or root. The
+/// socket's mode (0600) says the same, but only from the moment it is set: a client of another
+/// user could connect between the bind, under the umask's mode, and the chmod, and wait in the
+/// backlog to be answered.
+fn peer_may_control(stream: &UnixStream) -> bool {
+    match rustix::net::sockopt::socket_peercred(stream) {
+        Ok(peer) if peer.uid.is_root() || peer.uid == rustix::process::geteuid() => true,
+        Ok(peer) => {
+            tracing::warn!(
+                uid = peer.uid.as_raw(),
+                pid = peer.pid.as_raw_nonzero().get(),
+                "control socket: a client of another user refused"
+            );
+            false
+        }
+        Err(error) => {
+            tracing::warn!(%error, "control socket: the client's user is unknown; refused");
+            false
+        }
+    }
 }
 
 /// One client being answered, counted until it is dropped: when its thread ends, however it
@@ -601,6 +626,38 @@ mod tests {
                 assert_eq!(answer.contains("not allowed"), refused, "{op} {vm}: {answer}");
             }
         }
+    }
+
+    /// A client of another user that reached the socket (its mode made open here, as the
+    /// umask could leave it before the chmod) is closed unanswered; the server's own user is
+    /// answered.
+    #[test]
+    fn a_client_of_another_user_is_refused_whatever_the_sockets_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root to run a client as another user");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+        let path = dir.path().join("control.sock");
+        let registry = VmRegistry::new(Lifecycle::default()).expect("registry");
+        let _listener = spawn(&path, registry).expect("control socket");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).expect("chmod socket");
+        let script = "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\ns.settimeout(10)\n\
+                      try:\n s.sendall(b'{\"op\":\"list\"}\\n')\n print(repr(s.recv(4096)))\n\
+                      except (ConnectionResetError, BrokenPipeError):\n print('closed')";
+        let output = std::process::Command::new("python3")
+            .args(["-c", script, path.to_str().expect("utf-8")])
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .expect("python3");
+        let answer = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert!(matches!(answer.trim(), "b''" | "closed"), "another user's client was answered: {answer}");
+        assert!(list(&path).contains("\"ok\":true"), "the server's own user is answered");
     }
 
     /// A client sending its request a byte at a time gets the same few seconds for all of it as
