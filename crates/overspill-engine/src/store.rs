@@ -354,6 +354,11 @@ pub fn scratch_file_owner(name: &str) -> Option<ScratchOwner<'_>> {
     Some(ScratchOwner { pid: pid.parse().ok()?, this_host, kind })
 }
 
+/// Whether process `pid` of this host (and PID namespace) runs.
+pub fn process_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
 /// This host's mark in scratch file names: its name (characters other than letters, digits and
 /// `-` as `_`) and the start of its machine id, where it has one (hosts cloned from one image
 /// often keep its name: `localhost`, `ubuntu`).

@@ -193,13 +193,15 @@ impl ImageStore {
         let checkpoints =
             self.checkpoints_dir(image).map_err(|e| ServerError::io("making the checkpoints' directory", e))?;
         // Each layer fetched under a name of this process's own, before the lock.
-        let partial_of = |layer: &str| checkpoints.join(format!(".import-{}-{layer}.partial", std::process::id()));
+        let partials: Vec<PathBuf> =
+            manifest.layers.iter().map(|_| crate::files::partial_path(&checkpoints, "import")).collect();
+        let partial_of = |layer: usize| partials[layer].clone();
         let mut fetched = Vec::new();
         let mut below = self.version(image, version)?;
         let outcome = (|| {
-            for layer in &manifest.layers {
+            for (index, layer) in manifest.layers.iter().enumerate() {
                 let target = self.checkpoint(image, &layer.name).ok();
-                let partial = partial_of(&layer.name);
+                let partial = partial_of(index);
                 if target.is_none() {
                     let _ = std::fs::remove_file(&partial);
                     fetched.push(partial.clone());
@@ -214,7 +216,7 @@ impl ImageStore {
             }
             self.with_lock(image, |store| {
                 let mut below = store.version(image, version)?;
-                for layer in &manifest.layers {
+                for (index, layer) in manifest.layers.iter().enumerate() {
                     match store.checkpoint(image, &layer.name) {
                         Ok(there) => {
                             let backing =
@@ -228,7 +230,7 @@ impl ImageStore {
                             }
                         }
                         Err(_) => {
-                            store.link_checkpoint(image, &layer.name, &partial_of(&layer.name))?;
+                            store.link_checkpoint(image, &layer.name, &partial_of(index))?;
                         }
                     }
                     below = store.checkpoint(image, &layer.name)?;

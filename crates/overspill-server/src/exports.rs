@@ -956,7 +956,7 @@ fn remove_stale_cache_files(dir: &Path, first_in_program: bool) {
         let ours = pid == std::process::id();
         // Only candidates are probed: the probe's lock, brief as it is, would make a live
         // server's hold of a file it has just made fail.
-        if (ours && !first_in_program) || (!ours && process_alive(pid)) {
+        if (ours && !first_in_program) || (!ours && overspill_engine::store::process_alive(pid)) {
             continue;
         }
         let stale = match overspill_engine::store::held(&entry.path()) {
@@ -974,10 +974,6 @@ fn remove_stale_cache_files(dir: &Path, first_in_program: bool) {
             }
         }
     }
-}
-
-fn process_alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Replaces `target` with `bytes` in one step: written to `partial` (a name of our own beside
 /// it), then renamed over it, so a reader sees the old text or the new, never half. A `partial`
@@ -44,14 +44,61 @@ fn write_new(partial: &Path, bytes: &[u8], mode: u32) -> io::Result<File> {
 }
 
 /// Makes `dir` (and its parents) if missing, readable and searchable by all: a store's
-/// directory, which the server's user reads whoever wrote to it.
+/// directory, which the server's user reads whoever wrote to it. Each directory made is
+/// searchable whatever the umask of whoever made it (a publisher's 077 once left the store's
+/// root closed to the server), and its name is on disk in its parent before anything is put in
+/// it.
 pub fn create_shared_dir(dir: &Path) -> io::Result<()> {
-    if dir.is_dir() {
-        return Ok(());
+    use std::os::unix::fs::PermissionsExt;
+    let missing: Vec<&Path> =
+        dir.ancestors().take_while(|path| !path.as_os_str().is_empty() && !path.is_dir()).collect();
+    for path in missing.into_iter().rev() {
+        match std::fs::create_dir(path) {
+            Ok(()) => {}
+            // Made meanwhile by another publisher.
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists && path.is_dir() => continue,
+            Err(error) => return Err(error),
+        }
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+        let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        sync_directory(parent)?;
     }
-    std::fs::create_dir_all(dir)?;
-    // Searchable by the server's user whatever the umask of whoever made it (a publisher).
-    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+    Ok(())
+}
+
+/// Where this process writes a file before it takes a name in `dir`:
+/// `.overspill-PID-WHATN-HOST.partial` (`what` without `-`, `N` counting this process's
+/// calls), a name no other writer, in this process, another one or on another host sharing the
+/// store, writes at once, so that the writing needs no lock.
+pub fn partial_path(dir: &Path, what: &str) -> PathBuf {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    dir.join(format!(".{}", overspill_engine::store::scratch_file_name(&format!("{what}{call}"), "partial")))
+}
+
+/// Removes the files [`partial_path`] named for processes of this host that no longer run (a
+/// publisher killed mid-copy left up to a whole image). Another host's are left: its pids mean
+/// nothing here.
+pub fn remove_stale_partials(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(owner) =
+            name.to_str().and_then(|name| name.strip_prefix('.')).and_then(overspill_engine::store::scratch_file_owner)
+        else {
+            continue;
+        };
+        let stale = owner.kind == "partial"
+            && owner.this_host == Some(true)
+            && owner.pid != std::process::id()
+            && !overspill_engine::store::process_alive(owner.pid);
+        if stale {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(file = %entry.path().display(), "removed a dead publisher's partial file"),
+                Err(error) => tracing::warn!(file = %entry.path().display(), %error, "could not remove a partial file"),
+            }
+        }
+    }
 }
 
 /// Makes the names in `dir` (a rename, a new file) survive a host crash.

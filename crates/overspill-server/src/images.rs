@@ -22,6 +22,7 @@
 //! it, and lets go of it when the last one leaves.
 
 use std::collections::HashMap;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -79,7 +80,11 @@ impl ImageStore {
         for entry in entries.flatten() {
             let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
             if entry.path().is_dir() && check_name("image", &name).is_ok() {
-                images.push(self.image(&name)?);
+                // One image that cannot be read (another user's, removed meanwhile) hides no other.
+                match self.image(&name) {
+                    Ok(image) => images.push(image),
+                    Err(error) => tracing::warn!(image = name, %error, "image left out: it cannot be read"),
+                }
             }
         }
         images.sort_by(|a, b| a.name.cmp(&b.name));
@@ -197,9 +202,6 @@ impl ImageStore {
         }
         let dir = self.root.join(name);
         crate::files::create_shared_dir(&dir).map_err(|e| ServerError::io(format!("creating {}", dir.display()), e))?;
-        let lock = lock_image(&dir)?;
-        let next = self.next_number(name, &dir)?;
-        let version = format!("v{next}");
         // A version is one immutable file: a layer whose backing file or parent lies elsewhere
         // would change when that file does.
         let layered = overspill_images::has_backing(file)
@@ -213,16 +215,16 @@ impl ImageStore {
             Some(overspill_images::Format::Vhdx) => "vhdx",
             _ => "img",
         };
-        let target = dir.join(format!("{version}.{ext}"));
-        let partial = dir.join(format!(".{version}.{ext}.partial"));
-        let io = |e| ServerError::io(format!("publishing {} as {}", file.display(), target.display()), e);
-        // A copy a crashed publisher left (under the lock, no one else's).
+        // Copied before the image's lock is taken, under a name of this process's own: a
+        // capture or checkpoint of a running VM waits for the lock holding its VM still, and a
+        // copy may take minutes.
+        let partial = crate::files::partial_path(&dir, "publish");
+        let io = |e| ServerError::io(format!("publishing {} into {}", file.display(), dir.display()), e);
         let _ = std::fs::remove_file(&partial);
-        if let Err(error) = copy_sparse(file, &partial) {
+        if let Err(error) = copy_sparse(file, &partial).and_then(|()| seal(&partial)) {
             let _ = std::fs::remove_file(&partial);
             return Err(io(error));
         }
-        seal(&partial).map_err(io)?;
         // The copy is what is served, and `file` may have changed since it was checked (an
         // uploader still writing it could turn it into a layer over any file the server reads):
         // the copy is checked again, as it is, before it becomes a version.
@@ -233,12 +235,17 @@ impl ImageStore {
             let changed = std::io::Error::other("it changed while it was copied: publish a file nothing writes");
             return Err(ServerError::io(format!("publishing {}", file.display()), changed));
         }
-        install(&dir, &partial, &target, next).map_err(io)?;
-        if activate {
-            self.activate_locked(name, &version)?;
-        }
-        drop(lock);
-        Ok(version)
+        let published = self.with_lock(name, |store| {
+            let next = store.next_number(name, &dir)?;
+            let version = format!("v{next}");
+            install(&dir, &partial, &dir.join(format!("{version}.{ext}")), next).map_err(io)?;
+            if activate {
+                store.activate_locked(name, &version)?;
+            }
+            Ok(version)
+        });
+        let _ = std::fs::remove_file(&partial);
+        published
     }
 
     /// Writes the next version of `name` as a qcow2 layer over version `below` (its backing file,
@@ -256,19 +263,25 @@ impl ImageStore {
         // A version's backing file is another version (one directory): never a checkpoint.
         check_name("version", below)?;
         let dir = self.root.join(name);
-        let lock = lock_image(&dir)?;
+        // A version never changes: read without the lock, as the layer is written (the lock
+        // is taken only to give it its number).
         let below = self.version(name, below)?;
         let backing = below.path.file_name().and_then(|n| n.to_str()).map(str::to_owned).unwrap_or_default();
         let format = overspill_images::Format::probe(&below.path)
             .map_err(|source| ServerError::Engine { context: format!("reading {}", below.path.display()), source })?;
-        let next = self.next_number(name, &dir)?;
-        let version = format!("v{next}");
-        let target = dir.join(format!("{version}.qcow2"));
-        write_sealed(&target, |partial| write(partial, &backing, format))
-            .and_then(|partial| install(&dir, &partial, &target, next))
-            .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
-        drop(lock);
-        Ok(version)
+        let partial = crate::files::partial_path(&dir, "layer");
+        write_sealed(&partial, |partial| write(partial, &backing, format))
+            .map_err(|e| ServerError::io(format!("writing a layer over {}", below.path.display()), e))?;
+        let published = self.with_lock(name, |store| {
+            let next = store.next_number(name, &dir)?;
+            let version = format!("v{next}");
+            let target = dir.join(format!("{version}.qcow2"));
+            install(&dir, &partial, &target, next)
+                .map_err(|e| ServerError::io(format!("writing {}", target.display()), e))?;
+            Ok(version)
+        });
+        let _ = std::fs::remove_file(&partial);
+        published
     }
 
     /// Checkpoint `checkpoint` of `name` (`@checkpoint`): a layer over one of its versions.
@@ -299,37 +312,31 @@ impl ImageStore {
         write: impl FnOnce(&Path, &str, overspill_images::Format) -> std::io::Result<()>,
     ) -> Result<Version, ServerError> {
         check_name("checkpoint", checkpoint)?;
-        self.with_lock(name, |store| {
-            let below = store.version(name, below)?;
-            if store.checkpoint_path(name, checkpoint).exists() {
-                return Err(ServerError::Stage {
-                    image: name.to_owned(),
-                    why: format!("it has a checkpoint {checkpoint} already: a checkpoint is written once"),
-                });
-            }
-            store.new_checkpoint(name, &below, checkpoint, write)
-        })?;
-        self.checkpoint(name, checkpoint)
-    }
-
-    /// With the image's lock held: makes checkpoint `checkpoint` of `name` over `below`, the
-    /// file `write` makes (given the path, the backing file's name and format), sealed and
-    /// linked into place (`link` fails rather than replace one another writer put there).
-    pub(crate) fn new_checkpoint(
-        &self,
-        name: &str,
-        below: &Version,
-        checkpoint: &str,
-        write: impl FnOnce(&Path, &str, overspill_images::Format) -> std::io::Result<()>,
-    ) -> Result<(), ServerError> {
+        check_name("image", name)?;
+        let taken = || ServerError::Stage {
+            image: name.to_owned(),
+            why: format!("it has a checkpoint {checkpoint} already: a checkpoint is written once"),
+        };
+        // Written before the image's lock is taken (see `publish`); linked into place under it,
+        // never over one another writer put there meanwhile.
+        let below = self.version(name, below)?;
+        if self.checkpoint_path(name, checkpoint).exists() {
+            return Err(taken());
+        }
         let format = overspill_images::Format::probe(&below.path)
             .map_err(|source| ServerError::Engine { context: format!("reading {}", below.path.display()), source })?;
         let target = self.checkpoint_path(name, checkpoint);
         let io = |e| ServerError::io(format!("writing {}", target.display()), e);
-        self.checkpoints_dir(name).map_err(io)?;
-        write_sealed(&target, |partial| write(partial, &checkpoint_backing(below), format))
-            .and_then(|partial| link_into_place(&partial, &target))
-            .map_err(io)
+        let checkpoints = self.checkpoints_dir(name).map_err(io)?;
+        let partial = crate::files::partial_path(&checkpoints, "checkpoint");
+        write_sealed(&partial, |partial| write(partial, &checkpoint_backing(&below), format)).map_err(io)?;
+        let linked = self.with_lock(name, |_| match link_into_place(&partial, &target) {
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Err(taken()),
+            linked => linked.map_err(io),
+        });
+        let _ = std::fs::remove_file(&partial);
+        linked?;
+        self.checkpoint(name, checkpoint)
     }
 
     /// Makes sealed file `partial` (on the store's filesystem) checkpoint `checkpoint` of `name`;
@@ -395,7 +402,7 @@ impl ImageStore {
         let dir = self.root.join(name);
         // Written before the image's lock is taken (a capture or checkpoint of a running VM
         // waits for it, holding its VM still), under a name of this process's own.
-        let partial = dir.join(format!(".{version}-compacted-{}.partial", std::process::id()));
+        let partial = crate::files::partial_path(&dir, &format!("compact{version}"));
         let _ = std::fs::remove_file(&partial);
         let written = flatten(image.as_ref(), &partial).and_then(|()| {
             // Versions are told by their first bytes: a flat copy whose first bytes (the
@@ -478,7 +485,7 @@ fn seal(partial: &Path) -> std::io::Result<()> {
 fn flatten(image: &dyn overspill_engine::GoldenImage, path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     const CHUNK: u64 = 1 << 20;
-    let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path)?;
+    let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
     let size = image.size();
     file.set_len(size)?;
     let mut buffer = vec![0u8; CHUNK as usize];
@@ -535,25 +542,30 @@ pub(crate) fn checkpoint_backing(below: &Version) -> String {
 /// disk): returns that name, for the caller to give the file its own. A layer a crashed writer
 /// left there is written over (the caller holds the image's lock: it is no one else's); one
 /// that failed is removed.
-fn write_sealed(target: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> std::io::Result<PathBuf> {
-    let file_name = target.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-    let partial = target.with_file_name(format!(".{file_name}.partial"));
-    let _ = std::fs::remove_file(&partial);
-    match write(&partial).and_then(|()| seal(&partial)) {
-        Ok(()) => Ok(partial),
+fn write_sealed(partial: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> std::io::Result<()> {
+    let _ = std::fs::remove_file(partial);
+    match write(partial).and_then(|()| seal(partial)) {
+        Ok(()) => Ok(()),
         Err(error) => {
-            let _ = std::fs::remove_file(&partial);
+            let _ = std::fs::remove_file(partial);
             Err(error)
         }
     }
 }
 
 /// Gives sealed file `partial` its version's name `target`, number `next` taken for good first.
+/// Linked, never renamed over a file of that name: where the filesystem keeps no locks, two
+/// publishers may pick one number, and the second fails rather than replace the first's version.
 fn install(dir: &Path, partial: &Path, target: &Path, next: u64) -> std::io::Result<()> {
     record_highest_given(dir, next)?;
     overspill_engine::crash::point();
-    std::fs::rename(partial, target)?;
-    crate::files::sync_directory(dir)
+    link_into_place(partial, target).map_err(|error| match error.kind() {
+        std::io::ErrorKind::AlreadyExists => std::io::Error::new(
+            error.kind(),
+            format!("{} was published meanwhile by another publisher: publish again", target.display()),
+        ),
+        _ => error,
+    })
 }
 
 /// The image directory's record of the highest version number ever published in it.
@@ -578,9 +590,12 @@ fn record_highest_given(dir: &Path, number: u64) -> std::io::Result<()> {
 /// the `current` marker's temporary name. The image's directory itself is locked (`flock`), so
 /// no lock file needs a mode every publisher may open.
 fn lock_image(dir: &Path) -> Result<std::fs::File, ServerError> {
-    std::fs::File::open(dir)
+    let lock = std::fs::File::open(dir)
         .and_then(|lock| crate::files::lock_exclusive(&lock).map(|()| lock))
-        .map_err(|e| ServerError::io(format!("locking {}", dir.display()), e))
+        .map_err(|e| ServerError::io(format!("locking {}", dir.display()), e))?;
+    crate::files::remove_stale_partials(dir);
+    crate::files::remove_stale_partials(&dir.join(CHECKPOINTS));
+    Ok(lock)
 }
 
 /// The versions a server has open: one copy (and one read cache) per version in use.
@@ -774,7 +789,7 @@ fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"));
     }
     let len = before.len();
-    let target = std::fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+    let target = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(to)?;
     target.set_len(len)?;
     let mut at = 0;
     while at < len {

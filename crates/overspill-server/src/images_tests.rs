@@ -1,6 +1,7 @@
 //! Tests of the versioned image store and of the versions a server holds open.
 
 use super::*;
+use std::time::Duration;
 
 /// A captured version whose first bytes (the guest's) are a qcow2 header is not compacted
 /// into a raw file, which would be opened as that qcow2; one whose bytes are plain is, and
@@ -200,6 +201,74 @@ fn a_published_version_keeps_the_images_holes() {
     let err = store.publish("win7", Path::new("/dev/null"), false).expect_err("a device");
     assert!(err.to_string().contains("not a regular file"), "{err}");
     assert_eq!(store.image("win7").expect("image").versions.len(), 1);
+}
+
+/// A publish copies its file before it takes the image's lock (a capture or checkpoint of a
+/// running VM waits for the lock holding its VM still): the whole copy, sealed, lies in the
+/// image's directory while another holds the lock, and becomes a version once it is free.
+#[test]
+fn a_publish_copies_before_it_takes_the_images_lock() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = ImageStore::new(&dir.path().join("images"));
+    let image_dir = dir.path().join("images/win7");
+    std::fs::create_dir_all(&image_dir).expect("image dir");
+    let file = dir.path().join("golden.img");
+    std::fs::write(&file, vec![0x5au8; 4 << 20]).expect("golden");
+    let publisher = store
+        .with_lock("win7", |_| {
+            let publisher = {
+                let (store, file) = (store.clone(), file.clone());
+                std::thread::spawn(move || store.publish("win7", &file, false))
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            let copied = || {
+                std::fs::read_dir(&image_dir).expect("read dir").flatten().any(|entry| {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    let meta = entry.metadata().expect("metadata");
+                    name.ends_with(".partial") && meta.len() == 4 << 20 && meta.permissions().mode() & 0o777 == 0o444
+                })
+            };
+            while !copied() {
+                assert!(std::time::Instant::now() < deadline, "no sealed copy while the lock was held elsewhere");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(publisher)
+        })
+        .expect("lock");
+    assert_eq!(publisher.join().expect("publisher").expect("publish"), "v1");
+    let bytes = std::fs::read(store.version("win7", "v1").expect("v1").path).expect("read");
+    assert!(bytes.iter().all(|&b| b == 0x5a));
+    let left: Vec<_> = std::fs::read_dir(&image_dir)
+        .expect("read dir")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// Partial files a killed publisher of this host left (a dead pid's) go at the next locked
+/// change of the image; another host's (its pids mean nothing here) and other files stay.
+#[test]
+fn a_dead_publishers_partial_files_go_and_another_hosts_stay() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = ImageStore::new(&dir.path().join("images"));
+    let image_dir = dir.path().join("images/win7");
+    let checkpoints = image_dir.join(CHECKPOINTS);
+    std::fs::create_dir_all(&checkpoints).expect("dirs");
+    let mark = overspill_engine::store::host_mark();
+    let dead = image_dir.join(format!(".overspill-4294967-publish0-{mark}.partial"));
+    let dead_import = checkpoints.join(format!(".overspill-4294967-import3-{mark}.partial"));
+    let elsewhere = image_dir.join(format!(".overspill-4294967-publish0-{mark}x.partial"));
+    let other = image_dir.join(".notes.partial");
+    for file in [&dead, &dead_import, &elsewhere, &other] {
+        std::fs::write(file, b"half a copy").expect("plant");
+    }
+    let file = dir.path().join("golden.img");
+    std::fs::write(&file, vec![1u8; 1 << 20]).expect("golden");
+    store.publish("win7", &file, false).expect("publish");
+    assert!(!dead.exists() && !dead_import.exists(), "a dead publisher's partial files stayed");
+    assert!(elsewhere.exists() && other.exists());
 }
 
 /// Two operators (or two scripts) publishing at once: every publish gets a version of its

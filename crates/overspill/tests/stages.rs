@@ -61,6 +61,63 @@ fn publish_filled(store: &Path, image: &str, byte: u8, activate: bool) -> PathBu
     file
 }
 
+/// A publisher with a strict umask (077) making the store: every directory it makes is
+/// searchable by the server's user, the store's root and those above it included (only the
+/// image's own directory was, and a server running as its own user found the store empty).
+#[test]
+fn a_store_made_under_a_strict_umask_is_open_to_the_servers_user() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir.path().join("srv/overspill/images");
+    let file = dir.path().join("golden.img");
+    std::fs::write(&file, vec![0x33u8; 1 << 20]).expect("golden");
+    let published = Command::new("sh")
+        .args([
+            "-c",
+            "umask 077 && exec \"$0\" image --images \"$1\" publish win \"$2\"",
+            env!("CARGO_BIN_EXE_overspill"),
+        ])
+        .arg(&store)
+        .arg(&file)
+        .output()
+        .expect("sh");
+    assert!(published.status.success(), "{}", String::from_utf8_lossy(&published.stderr));
+    for made in [dir.path().join("srv"), dir.path().join("srv/overspill"), store.clone(), store.join("win")] {
+        let mode = std::fs::metadata(&made).expect("made").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755, "{} is {mode:o}", made.display());
+    }
+    let version = std::fs::metadata(store.join("win/v1.img")).expect("v1").permissions().mode() & 0o777;
+    assert_eq!(version, 0o444);
+}
+
+/// An image directory the lister cannot read (another user's) hides no other image.
+#[test]
+fn an_image_that_cannot_be_read_hides_no_other() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root to list as another user");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let store = dir.path().join("images");
+    publish_filled(&store, "win", 0x21, true);
+    publish_filled(&store, "zz", 0x22, true);
+    std::fs::set_permissions(store.join("zz"), std::fs::Permissions::from_mode(0o700)).expect("chmod zz");
+    let listed = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["image", "--images"])
+        .arg(&store)
+        .arg("list")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("overspill image list");
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.status.success(), "{text}{}", String::from_utf8_lossy(&listed.stderr));
+    assert!(text.contains("win"), "{text}");
+}
+
 #[test]
 fn the_test_group_gets_the_test_version_promote_gives_it_to_all_and_rollback_takes_it_back() {
     let dir = tempfile::tempdir().expect("tempdir");
