@@ -83,11 +83,13 @@ pub(crate) struct ZeroLog {
     region: usize,
     generation: u64,
     records: u64,
+    /// Records the last rewrite left (0 before any).
+    rewritten_to: u64,
 }
 
 impl ZeroLog {
     pub fn create(file: Box<dyn BackingFile>) -> Result<Self> {
-        let mut log = Self { file, region: 0, generation: 1, records: 0 };
+        let mut log = Self { file, region: 0, generation: 1, records: 0, rewritten_to: 0 };
         log.write_header()?;
         Ok(log)
     }
@@ -122,7 +124,7 @@ impl ZeroLog {
             records.push(ZeroRecord { first, end, seq });
         }
         let count = records.len() as u64;
-        Ok((Self { file, region, generation, records: count }, records))
+        Ok((Self { file, region, generation, records: count, rewritten_to: 0 }, records))
     }
 
     fn write_header(&mut self) -> Result<()> {
@@ -150,6 +152,12 @@ impl ZeroLog {
         self.records
     }
 
+    /// The records the last rewrite left: a log is worth rewriting again only once it has grown
+    /// well past them.
+    pub fn rewritten_to(&self) -> u64 {
+        self.rewritten_to
+    }
+
     /// Replaces the log by `records`: written into the other region, then switched to. On
     /// error the log is as it was.
     pub fn rewrite(&mut self, records: &[ZeroRecord]) -> Result<()> {
@@ -168,6 +176,7 @@ impl ZeroLog {
             (self.region, self.generation, self.records) = before;
             return Err(error);
         }
+        self.rewritten_to = self.records;
         // The old region is dead now; a failed punch only keeps its memory.
         let len = ((before.2 + 1) * RECORD_BYTES).next_multiple_of(4096);
         if let Err(error) = self.file.punch_hole(REGION_OFFSETS[before.0], len) {

@@ -110,6 +110,64 @@ fn a_zero_log_append_that_fails_fails_its_zeroing_and_changes_nothing() {
     assert!(block(&mut vm, 0).iter().all(|&b| b == 0xaa) && block(&mut vm, 1).iter().all(|&b| b == 0));
 }
 
+/// A zeros file that counts the writes of its header (offset 0): one per rewrite of the log.
+struct CountingHeaders(MemFile, Arc<std::sync::atomic::AtomicUsize>);
+
+impl overspill_engine::BackingFile for CountingHeaders {
+    fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        if offset == 0 {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.0.write_at(data, offset)
+    }
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.0.read_at(buf, offset)
+    }
+    fn punch_hole(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.0.punch_hole(offset, len)
+    }
+    fn allocated_bytes(&self) -> std::io::Result<u64> {
+        self.0.allocated_bytes()
+    }
+    fn path(&self) -> Option<&std::path::Path> {
+        None
+    }
+}
+
+/// A zero log whose rewrite comes out long (many written blocks cut its zeroed range into
+/// pieces) is not rewritten again at every zeroing after it: only once it has grown well past
+/// what the rewrite left (each rewrite walks the VM's whole map under its lock).
+#[test]
+fn a_zero_log_rewritten_long_is_not_rewritten_at_every_zeroing() {
+    let headers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let zeros = CountingHeaders(MemFile::default(), headers.clone());
+    let arena = |config: &OverlayConfig| Arena::in_memory(Overlay::arena_pages(config)).expect("arena");
+    let mut vm = persistent_in_ram(16 << 20, arena, Box::new(zeros));
+    vm.write_zeroes(0, 4096 * BLOCK).expect("zero a range");
+    for index in 0..600 {
+        vm.write(2 * index * BLOCK, &[0xaa; BLOCK as usize]).expect("write");
+    }
+    let zero_one = |vm: &mut Overlay, i: u64| vm.write_zeroes((2 * i + 1) * BLOCK, BLOCK).expect("zero one block");
+    let mut i = 0;
+    let before = headers.load(std::sync::atomic::Ordering::SeqCst);
+    while headers.load(std::sync::atomic::Ordering::SeqCst) == before {
+        zero_one(&mut vm, i);
+        i += 1;
+        assert!(i < 2000, "the log was never rewritten");
+    }
+    let after_first = headers.load(std::sync::atomic::Ordering::SeqCst);
+    for _ in 0..100 {
+        zero_one(&mut vm, i);
+        i += 1;
+    }
+    let rewrites = headers.load(std::sync::atomic::Ordering::SeqCst) - after_first;
+    assert!(rewrites <= 1, "{rewrites} rewrites in 100 zeroings after the first");
+    for index in [0, 2, 598 * 2] {
+        assert!(block(&mut vm, index).iter().all(|&b| b == 0xaa), "block {index}");
+    }
+    assert!(block(&mut vm, 1).iter().all(|&b| b == 0));
+}
+
 /// A write that needs more pages than the arena has left is refused before anything is
 /// received or changed, and the overlay goes on.
 #[test]

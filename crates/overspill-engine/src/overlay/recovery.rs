@@ -87,11 +87,13 @@ impl Overlay {
 impl Core {
     /// Rewrites the zero log as the zeroed ranges less the blocks written since, once its
     /// records outnumber those ranges by far (a guest zeroing the same blocks over and over
-    /// must not grow it forever).
+    /// must not grow it forever), and twice what the last rewrite left: one whose ranges the
+    /// VM's writes cut into many pieces comes out long, and must not be rewritten again (the
+    /// whole map walked under the VM's lock) at every zeroing after it.
     pub(super) fn rewrite_zero_log_if_long(&mut self) {
         let Some(zero_log) = &self.zero_log else { return };
         let limit = ZERO_LOG_REWRITE_RECORDS + 4 * self.zeros.len() as u64 + self.map.len() as u64 / 16;
-        if zero_log.records() <= limit {
+        if zero_log.records() <= limit.max(2 * zero_log.rewritten_to()) {
             return;
         }
         let mut written: Vec<u64> =
