@@ -125,4 +125,8 @@ impl<T: Transport> Transport for Deadlined<T> {
         }
         self.inner.read_now(bufs)
     }
+
+    fn close(&mut self) -> io::Result<()> {
+        self.inner.close()
+    }
 }

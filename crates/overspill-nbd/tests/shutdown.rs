@@ -297,6 +297,46 @@ fn idle_tcp_connections_are_probed_by_keepalive() {
     accept_loop.join().expect("accept thread").expect("run returns Ok");
 }
 
+/// A stop over TCP while the client has a request the server never read (it was still
+/// writing the reply before it): the reply it was writing reaches the client whole before the
+/// connection ends. Closed with unread input, a TCP socket resets, and the kernel throws away
+/// the reply's bytes not yet sent.
+#[test]
+fn a_stop_over_tcp_delivers_the_reply_in_hand_whole() {
+    const LARGE: usize = 32 << 20;
+    let listener = Arc::new(Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".into())).expect("bind"));
+    let ListenAddr::Tcp(addr) = listener.local_addr() else { panic!("a TCP listener has a TCP address") };
+    let exports = Arc::new(OneExport::new("disk", LARGE));
+    let server = Arc::new(Server::new(exports, ServerConfig::default()));
+    let accept_loop = {
+        let (server, listener) = (server.clone(), listener.clone());
+        std::thread::spawn(move || server.run(&listener))
+    };
+    // A small receive buffer, set before the connection is made (the window is taken then):
+    // the server's last bytes are still in its send queue when it closes.
+    let stream = {
+        use rustix::net::{sockopt, AddressFamily, SocketType};
+        let socket = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).expect("socket");
+        sockopt::set_socket_recv_buffer_size(&socket, 64 << 10).expect("SO_RCVBUF");
+        let to: std::net::SocketAddr = addr.parse().expect("address");
+        rustix::net::connect(&socket, &to).expect("connect");
+        std::net::TcpStream::from(socket)
+    };
+    let mut client = Client::handshake(Box::new(stream), "disk", false).expect("handshake");
+    client.write(LARGE as u64 - BLOCK as u64, &[0x5a; BLOCK], false).expect("write");
+    // More than the sockets' buffers hold: the server is still writing it when the next comes.
+    let large = client.send_request(CMD_READ, 0, 0, LARGE as u32, &[]).expect("send");
+    std::thread::sleep(Duration::from_millis(300));
+    let unread = client.send_request(CMD_READ, 0, 0, BLOCK as u32, &[]).expect("send");
+    std::thread::sleep(Duration::from_millis(100));
+    server.shutdown_handle().shutdown();
+    let mut buf = vec![0u8; LARGE];
+    client.reply(large, Some((0, &mut buf))).expect("the reply in hand, whole");
+    assert!(buf[LARGE - BLOCK..].iter().all(|&b| b == 0x5a), "its last block");
+    assert_closed(&client.reply(unread, None).expect_err("never read, never answered"), "TCP client");
+    accept_loop.join().expect("accept thread").expect("run returns Ok");
+}
+
 /// Someone removed the Unix socket file (a careless cleanup, another server binding the path):
 /// no connection can reach the accept loop any more, and shutdown must still end it.
 #[test]

@@ -315,27 +315,9 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
         }
     }
     if ends.network_up {
-        linger(&mut tcp);
+        crate::transport::linger(&tcp, LINGER);
     }
     failure.map_or(Ok(()), Err)
-}
-
-/// Ends the connection with a FIN, not a reset: closing a socket with unread bytes in it would
-/// throw away what this end still had queued (its close_notify last). Waits a little for the
-/// peer's end, discarding what comes.
-fn linger(tcp: &mut TcpStream) {
-    let _ = tcp.shutdown(std::net::Shutdown::Write);
-    let deadline = Instant::now() + LINGER;
-    if tcp.set_nonblocking(false).and_then(|()| tcp.set_read_timeout(Some(LINGER))).is_err() {
-        return;
-    }
-    let mut sink = [0u8; 4096];
-    while Instant::now() < deadline {
-        match tcp.read(&mut sink) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-    }
 }
 
 /// Moves the plain bytes the session has decrypted into `for_local`; `peer_sends` goes false at

@@ -301,12 +301,17 @@ impl<T: Transport> Transport for TlsStream<T> {
         if std::mem::replace(&mut self.closed, true) {
             return Ok(());
         }
+        // Then the connection under it, as its own close ends it (TCP: without a reset).
         match &mut self.inner {
             Inner::Rustls(s) => {
                 s.conn.send_close_notify();
-                s.flush()
+                s.flush()?;
+                s.sock.close()
             }
-            Inner::OpenSsl(s) => s.shutdown().map(|_| ()).map_err(io::Error::other),
+            Inner::OpenSsl(s) => {
+                s.shutdown().map_err(io::Error::other)?;
+                s.get_mut().close()
+            }
         }
     }
 }

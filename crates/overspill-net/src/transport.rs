@@ -84,6 +84,39 @@ impl Transport for std::net::TcpStream {
         let socket = self.try_clone().ok()?;
         Some(Box::new(move || socket.shutdown(Shutdown::Read)))
     }
+
+    fn close(&mut self) -> io::Result<()> {
+        linger(self, CLOSE_LINGER);
+        Ok(())
+    }
+}
+
+/// How long a TCP connection the server ends waits for its client to take the last replies and
+/// close its side.
+pub const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// Ends a TCP connection without a reset: a socket closed with input it never read resets the
+/// connection, and the kernel throws away what it had not sent yet (the end of the last reply).
+/// So the sending side is shut (the peer reads the replies, then the end), and whatever the peer
+/// still sends (requests the server will not answer) is read and dropped until the peer closes,
+/// for at most `limit`.
+pub fn linger(tcp: &TcpStream, limit: Duration) {
+    let _ = tcp.shutdown(Shutdown::Write);
+    let deadline = std::time::Instant::now() + limit;
+    if tcp.set_nonblocking(false).is_err() {
+        return;
+    }
+    let mut sink = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() || tcp.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match (&*tcp).read(&mut sink) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
 }
 
 /// Connects to a listening address as a client would.
