@@ -275,6 +275,8 @@ impl Client {
             STRUCTURED_REPLY_MAGIC => {
                 let mut first = true;
                 let mut error = None;
+                // Bytes of the read the data and hole chunks covered: all of it, once.
+                let mut covered = 0usize;
                 loop {
                     if !first {
                         self.stream.read_exact(&mut magic)?;
@@ -287,11 +289,19 @@ impl Client {
                     self.stream.read_exact(&mut rest)?;
                     let (flags, kind, length) = (be_u16(&rest), be_u16(&rest[2..]), be_u32(&rest[12..]));
                     check_cookie(cookie, be_u64(&rest[4..]))?;
-                    if let Some(e) = self.chunk(kind, length, read.as_mut().map(|(o, b)| (*o, &mut **b)))? {
-                        error = Some(e);
+                    match self.chunk(kind, length, read.as_mut().map(|(o, b)| (*o, &mut **b)))? {
+                        Chunk::Error(e) => error = Some(e),
+                        Chunk::Covered(bytes) => covered = covered.saturating_add(bytes),
                     }
                     if flags & REPLY_FLAG_DONE != 0 {
-                        return error.map_or(Ok(()), Err);
+                        let wanted = read.as_ref().map_or(0, |(_, buf)| buf.len());
+                        return match error {
+                            Some(error) => Err(error),
+                            None if covered != wanted => {
+                                Err(protocol(format!("the reply covered {covered} of the {wanted} bytes read")))
+                            }
+                            None => Ok(()),
+                        };
                     }
                 }
             }
@@ -299,10 +309,11 @@ impl Client {
         }
     }
 
-    /// Reads one structured chunk's payload; returns the error it carries, if any.
-    fn chunk(&mut self, kind: u16, length: u32, read: Option<(u64, &mut [u8])>) -> Result<Option<ClientError>> {
+    /// Reads one structured chunk's payload: the error it carries, or the bytes of the read it
+    /// covered.
+    fn chunk(&mut self, kind: u16, length: u32, read: Option<(u64, &mut [u8])>) -> Result<Chunk> {
         match kind {
-            REPLY_TYPE_NONE => Ok(None),
+            REPLY_TYPE_NONE => Ok(Chunk::Covered(0)),
             REPLY_TYPE_OFFSET_DATA => {
                 let (base, buf) = read.ok_or_else(|| protocol("data chunk for a request that reads nothing"))?;
                 let mut offset = [0u8; 8];
@@ -312,9 +323,12 @@ impl Client {
                     .and_then(|s| usize::try_from(s).ok())
                     .ok_or_else(|| protocol("data chunk before the requested range"))?;
                 let len = (length as usize).checked_sub(8).ok_or_else(|| protocol("short data chunk"))?;
-                let target = buf.get_mut(start..start + len).ok_or_else(|| protocol("data chunk past the range"))?;
+                let target = start
+                    .checked_add(len)
+                    .and_then(|end| buf.get_mut(start..end))
+                    .ok_or_else(|| protocol("data chunk past the range"))?;
                 self.stream.read_exact(target)?;
-                Ok(None)
+                Ok(Chunk::Covered(len))
             }
             REPLY_TYPE_OFFSET_HOLE => {
                 // Offset and length of zeroes.
@@ -332,7 +346,7 @@ impl Client {
                 buf.get_mut(start..start.saturating_add(len))
                     .ok_or_else(|| protocol("hole chunk past the range"))?
                     .fill(0);
-                Ok(None)
+                Ok(Chunk::Covered(len))
             }
             k if k & (1 << 15) != 0 => {
                 if !(6..=1 << 20).contains(&length) {
@@ -343,16 +357,22 @@ impl Client {
                 let errno = be_u32(&payload);
                 let msg_len = (be_u16(&payload[4..]) as usize).min(payload.len() - 6);
                 let message = String::from_utf8_lossy(&payload[6..6 + msg_len]).into_owned();
-                Ok(Some(ClientError::Errno { errno, message }))
+                Ok(Chunk::Error(ClientError::Errno { errno, message }))
             }
             other => {
                 // Unknown non-error chunk types must be skipped.
                 io::copy(&mut (&mut self.stream).take(u64::from(length)), &mut io::sink())?;
                 tracing::debug!(kind = other, "skipped unknown reply chunk");
-                Ok(None)
+                Ok(Chunk::Covered(0))
             }
         }
     }
+}
+
+/// What one structured reply chunk said.
+enum Chunk {
+    Error(ClientError),
+    Covered(usize),
 }
 
 fn check_cookie(expected: u64, got: u64) -> Result<()> {
@@ -377,5 +397,55 @@ mod tests {
         assert_eq!((u.endpoint, u.export), (Endpoint::Tcp("localhost:1234".into()), String::new()));
         assert!("nbd+unix:///x".parse::<NbdUri>().is_err());
         assert!("http://x".parse::<NbdUri>().is_err());
+    }
+
+    /// A client over bytes a server is supposed to have sent.
+    fn client_reading(reply: Vec<u8>) -> Client {
+        let stream = std::io::Cursor::new(reply);
+        Client { stream: Box::new(stream), size: 1 << 20, flags: 0, structured: true, cookie: 0, scratch: Vec::new() }
+    }
+
+    fn chunk(reply: &mut Vec<u8>, flags: u16, kind: u16, payload: &[u8]) {
+        reply.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        reply.extend_from_slice(&flags.to_be_bytes());
+        reply.extend_from_slice(&kind.to_be_bytes());
+        reply.extend_from_slice(&7u64.to_be_bytes());
+        reply.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        reply.extend_from_slice(payload);
+    }
+
+    /// A structured read reply that ends without covering the whole read is a protocol error,
+    /// not a read whose buffer keeps what it held; one that covers it is a read.
+    #[test]
+    fn a_read_reply_must_cover_the_whole_read() {
+        let data = |offset: u64, bytes: &[u8]| [&offset.to_be_bytes()[..], bytes].concat();
+        let mut short = Vec::new();
+        chunk(&mut short, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, &data(4096, &[0x5a; 512]));
+        let mut buf = vec![0xeeu8; 1024];
+        let error = client_reading(short).reply(7, Some((4096, &mut buf))).expect_err("half a read");
+        assert!(error.to_string().contains("covered 512 of the 1024"), "{error}");
+
+        let mut whole = Vec::new();
+        chunk(&mut whole, 0, REPLY_TYPE_OFFSET_DATA, &data(4096, &[0x5a; 512]));
+        let hole = [&4608u64.to_be_bytes()[..], &512u32.to_be_bytes()[..]].concat();
+        chunk(&mut whole, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, &hole);
+        client_reading(whole).reply(7, Some((4096, &mut buf))).expect("a whole read");
+        assert!(buf[..512].iter().all(|&b| b == 0x5a) && buf[512..].iter().all(|&b| b == 0));
+    }
+
+    /// A data chunk whose offset and length overflow past the buffer is refused, not a panic.
+    #[test]
+    fn a_data_chunk_whose_end_overflows_is_refused() {
+        let mut reply = Vec::new();
+        // Length 8 + (2^32 - 9) bytes at offset base + (usize::MAX - 100): its end overflows.
+        reply.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        reply.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+        reply.extend_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
+        reply.extend_from_slice(&7u64.to_be_bytes());
+        reply.extend_from_slice(&u32::MAX.to_be_bytes());
+        reply.extend_from_slice(&(usize::MAX as u64 - 100).to_be_bytes());
+        let mut buf = vec![0u8; 1024];
+        let error = client_reading(reply).reply(7, Some((0, &mut buf))).expect_err("past the range");
+        assert!(error.to_string().contains("past the range"), "{error}");
     }
 }
