@@ -561,7 +561,18 @@ impl ExportProvider for OverlayExports {
             Some(image) => (image.size(), image.describe()),
             None => {
                 let versions = self.versions.as_ref()?;
-                match self.version_for(versions, name).and_then(|version| versions.describe(image_name, version)) {
+                // A VM this server holds opens the version it booted, whatever is staged now: told
+                // of that one, an INFO agrees with the GO after it (NBD requires the same answer).
+                let booted =
+                    name.split_once('@').and_then(|(_, vm)| self.registry.booted_label(vm)).and_then(|label| {
+                        let (image, version) = label.split_once(':')?;
+                        (image == image_name).then(|| versions.store().version(image, version).ok()).flatten()
+                    });
+                let version = match booted {
+                    Some(version) => Ok(version),
+                    None => self.version_for(versions, name),
+                };
+                match version.and_then(|version| versions.describe(image_name, version)) {
                     Ok(described) => described,
                     // Offered, so that opening it refuses it by name and says why, rather than
                     // "no such export".

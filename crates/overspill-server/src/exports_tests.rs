@@ -98,6 +98,29 @@ fn a_large_golden_read_is_lent_by_the_read_cache_from_the_image_store_as_from_a_
     }
 }
 
+/// A VM that booted a version keeps it when another is made production: an INFO for its name
+/// describes the version it will open (its size), as the GO after it does; a new VM's name
+/// describes production.
+#[test]
+fn info_for_a_running_vm_describes_the_version_it_booted() {
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let store = ImageStore::new(&dirs.path().join("images"));
+    for (name, mib) in [("small.raw", 4u64), ("large.raw", 8)] {
+        let file = dirs.path().join(name);
+        std::fs::write(&file, vec![0x11u8; (mib << 20) as usize]).expect("image");
+        store.publish("win", &file, name == "small.raw").expect("publish");
+    }
+    let settings = settings_in(dirs.path(), 16 << 20);
+    let mut exports = OverlayExports::new(BTreeMap::new(), settings, HostMemory::unlimited()).expect("exports");
+    exports.with_image_store(&dirs.path().join("images"));
+    let device = exports.open("win@a", None).expect("open");
+    assert_eq!(device.size(), 4 << 20);
+    store.activate("win", "v2").expect("activate v2");
+    assert_eq!(exports.info("win@a").expect("info").size, 4 << 20, "the version VM a booted");
+    assert_eq!(exports.info("win@b").expect("info").size, 8 << 20, "production, for a new VM");
+    drop(device);
+}
+
 #[test]
 fn an_ended_vms_files_go_with_its_name_and_its_late_drop_spares_the_next_vm_of_that_name() {
     let dirs = tempfile::tempdir().expect("tempdir");

@@ -500,6 +500,14 @@ impl VmRegistry {
     }
 
     /// Names the image version a VM just claimed got, for logs, metrics and `vm list`.
+    /// What VM `vm` runs over (`IMAGE:VERSION` for a version of the store), if this server
+    /// holds it.
+    pub fn booted_label(&self, vm: &str) -> Option<String> {
+        let inner = lock(&self.inner);
+        let number = inner.names.get(vm)?;
+        inner.vms.get(number).map(|entry| entry.handle.export.clone())
+    }
+
     pub fn label(&self, number: u64, image_label: &str) {
         if let Some(entry) = lock(&self.inner).vms.get_mut(&number) {
             entry.handle.export = image_label.to_owned();
