@@ -160,8 +160,10 @@ pub(crate) fn serve_tracked<T: Transport>(
 ) -> Result<Ending, ConnectionError> {
     let result = serve_counted(stream, exports, limits, security, counters, stop, handshake_over);
     let refusal = match &result {
-        Err(ConnectionError::Handshake(HandshakeError::ExportRefused(_))) => Some(Refusal::UnknownExport),
+        Err(ConnectionError::Handshake(HandshakeError::ExportRefused(_, why))) => Some(*why),
         Err(ConnectionError::Handshake(_)) => Some(Refusal::HandshakeError),
+        // A TLS handshake cut by the handshake's deadline is that deadline's.
+        Err(ConnectionError::Tls(e)) if e.kind() == io::ErrorKind::TimedOut => Some(Refusal::HandshakeTimeout),
         Err(ConnectionError::Tls(_)) => Some(Refusal::Tls),
         Err(ConnectionError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => {
             match e.get_ref().and_then(|inner| inner.downcast_ref::<DeadlinePassed>()) {

@@ -66,8 +66,9 @@ pub enum HandshakeError {
     BadOptionMagic(u64),
     #[error("EXPORT_NAME carries {0} bytes, more than the {MAX_OPTION_BYTES} allowed (it has no error reply)")]
     ExportNameTooLarge(u32),
+    /// With why, as the refusals are counted.
     #[error("export {0:?} cannot be served")]
-    ExportRefused(String),
+    ExportRefused(String, Refusal),
     #[error("EXPORT_NAME before STARTTLS on a server that requires TLS")]
     TlsRequired,
 }
@@ -385,12 +386,14 @@ impl Handshake {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(data).into_owned();
                 // This option has no error reply: the spec's answer to a bad name is to close.
-                let refused = || HandshakeError::ExportRefused(shown(&name).to_owned());
+                let refused = |why| HandshakeError::ExportRefused(shown(&name).to_owned(), why);
                 if name.len() > MAX_STRING_BYTES {
-                    return Err(refused());
+                    return Err(refused(Refusal::UnknownExport));
                 }
-                let mut info = self.visible(exports, &name).ok_or_else(refused)?;
-                let device = exports.open(&name, self.identity.as_deref()).map_err(|_| refused())?;
+                let mut info = self.visible(exports, &name).ok_or_else(|| refused(Refusal::UnknownExport))?;
+                let device = exports
+                    .open(&name, self.identity.as_deref())
+                    .map_err(|error| refused(open_refusal(error.kind).1))?;
                 // The opened device's size, as for GO (see `info_or_go`).
                 info.size = device.size();
                 put_u64(out, info.size);
@@ -601,11 +604,7 @@ impl Handshake {
                     }
                     // NBD has no "try later" reply: an export that cannot be opened now is
                     // unavailable (as nbdkit answers); the message and the count say why.
-                    let (reply, refusal) = match error.kind {
-                        DeviceErrorKind::Refused => (REP_ERR_POLICY, Refusal::Policy),
-                        DeviceErrorKind::Exhausted => (REP_ERR_UNKNOWN, Refusal::OutOfResources),
-                        _ => (REP_ERR_UNKNOWN, Refusal::CannotOpen),
-                    };
+                    let (reply, refusal) = open_refusal(error.kind);
                     self.refusal = Some(refusal);
                     let message = format!("cannot open export: {}", error.message);
                     option_reply(out, option, reply, truncate_utf8(&message, MAX_MESSAGE_BYTES).as_bytes());
@@ -711,6 +710,15 @@ fn parse_info_request(data: &[u8]) -> Option<(String, Vec<u16>)> {
     }
     let requests = list.chunks_exact(2).map(be_u16).collect();
     Some((std::str::from_utf8(name).ok()?.to_owned(), requests))
+}
+
+/// The reply to an open that failed, and how the refusal is counted.
+fn open_refusal(kind: DeviceErrorKind) -> (u32, Refusal) {
+    match kind {
+        DeviceErrorKind::Refused => (REP_ERR_POLICY, Refusal::Policy),
+        DeviceErrorKind::Exhausted => (REP_ERR_UNKNOWN, Refusal::OutOfResources),
+        _ => (REP_ERR_UNKNOWN, Refusal::CannotOpen),
+    }
 }
 
 #[cfg(test)]

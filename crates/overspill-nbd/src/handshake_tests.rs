@@ -111,7 +111,7 @@ fn export_names_longer_than_a_string_may_be_are_refused() {
     put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
     put_option(&mut input, OPT_EXPORT_NAME, long.as_bytes());
     let error = Handshake::new().advance(&input, &mut Vec::new(), &exports).err();
-    let Some(HandshakeError::ExportRefused(shown)) = error else { panic!("{error:?}") };
+    let Some(HandshakeError::ExportRefused(shown, Refusal::UnknownExport)) = error else { panic!("{error:?}") };
     assert_eq!(shown.len(), SHOWN_BYTES);
 }
 
@@ -392,4 +392,11 @@ fn a_device_that_fails_to_open_is_reported_not_fatal() {
     let (_, progress) = Handshake::new().advance(&input, &mut out, &Failing).expect("framing ok");
     assert!(matches!(progress, Progress::NeedMore));
     assert_eq!(replies(&out)[0].1, REP_ERR_UNKNOWN);
+    // EXPORT_NAME has no error reply, only a close: still counted as an open that failed, not
+    // as a name that does not exist.
+    let mut input = Vec::new();
+    put_u32(&mut input, CLIENT_FIXED_NEWSTYLE);
+    put_option(&mut input, OPT_EXPORT_NAME, b"disk");
+    let error = Handshake::new().advance(&input, &mut Vec::new(), &Failing).err();
+    assert!(matches!(error, Some(HandshakeError::ExportRefused(_, Refusal::CannotOpen))), "{error:?}");
 }

@@ -18,6 +18,7 @@ use overspill_block::{
     BlockDevice, Capabilities, DeviceError, DeviceErrorKind, ExportAccess, ExportInfo, ExportProvider, Extent,
     ReadRequest, DEFAULT_BLOCK_SIZES,
 };
+use overspill_nbd::counters::Refusal;
 use overspill_nbd::memory::MemoryDevice;
 use overspill_nbd::server::socketpair;
 use overspill_nbd::wire::*;
@@ -906,6 +907,26 @@ fn disc_over_tls_ends_the_tls_session_before_the_connection() {
             shutdown.contains(ShutdownState::RECEIVED)
         );
         assert!(disk.calls().contains(&Call::Disconnect));
+    }
+}
+
+/// A client that asks for TLS and then never starts it is cut at the handshake's deadline and
+/// counted as such (the TLS handshake is part of the handshake), not as a failed TLS handshake;
+/// with either kind of credentials.
+#[test]
+fn a_tls_handshake_never_begun_is_counted_at_the_handshake_deadline() {
+    for psk in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let limits = Limits { handshake_timeout: Duration::from_millis(500), ..limits(1 << 20) };
+        let server = serve_with(&Disk::new(Capabilities::ALL), limits, required_tls(dir.path(), psk));
+        let counters = server.counters();
+        let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
+        assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
+        assert!(server.wait_idle(Duration::from_secs(10)), "psk {psk}: the handshake outlived its deadline");
+        let refusals = counters.refusals();
+        assert!(refusals.contains(&(Refusal::HandshakeTimeout, 1)), "psk {psk}: {refusals:?}");
+        assert!(refusals.contains(&(Refusal::Tls, 0)), "psk {psk}: {refusals:?}");
+        drop(conn);
     }
 }
 

@@ -211,13 +211,18 @@ impl ServerTls {
             Credentials::Psk(context, identity_slot) => {
                 let ssl = Ssl::new(context).map_err(io::Error::other)?;
                 let tls = ssl.accept(stream).map_err(|error| {
-                    let message = match error {
-                        openssl::ssl::HandshakeError::SetupFailure(e) => e.to_string(),
+                    let (message, kind) = match error {
+                        openssl::ssl::HandshakeError::SetupFailure(e) => {
+                            (e.to_string(), io::ErrorKind::PermissionDenied)
+                        }
                         openssl::ssl::HandshakeError::Failure(mid) | openssl::ssl::HandshakeError::WouldBlock(mid) => {
-                            mid.error().to_string()
+                            // The handshake's deadline (or a shut socket) shows through as the
+                            // socket's own error.
+                            let kind = mid.error().io_error().map_or(io::ErrorKind::PermissionDenied, io::Error::kind);
+                            (mid.error().to_string(), kind)
                         }
                     };
-                    io::Error::new(io::ErrorKind::PermissionDenied, format!("TLS handshake: {message}"))
+                    io::Error::new(kind, format!("TLS handshake: {message}"))
                 })?;
                 let identity = tls.ssl().ex_data(*identity_slot).cloned();
                 Ok(TlsStream { inner: Inner::OpenSsl(Box::new(tls)), identity, closed: false })
