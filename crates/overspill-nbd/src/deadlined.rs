@@ -2,6 +2,7 @@
 
 use std::io::{self, IoSliceMut, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use overspill_net::{ReadStopper, Transport};
@@ -11,15 +12,32 @@ use overspill_net::{ReadStopper, Transport};
 /// hold a connection slot past the deadline (a plain per-read timeout starts afresh with every
 /// byte); each write too, so a client that does not read its replies cannot either. Setting a
 /// read or write timeout, as the transmission phase does, ends the deadline.
+///
+/// In transmission it keeps the deadline of the replies being sent instead (see
+/// [`Transport::set_write_deadline`]): under TLS one write of replies is many socket writes,
+/// each of which the socket's own timeout bounds alone.
 pub(crate) struct Deadlined<T> {
     inner: T,
     deadline: Instant,
     active: AtomicBool,
+    replies: Mutex<ReplyBound>,
 }
+
+/// The replies' deadline, and the socket's write timeout as last set: re-armed only when the
+/// time left falls well below it (a setsockopt before every write would cost the fast path).
+#[derive(Default)]
+struct ReplyBound {
+    by: Option<Instant>,
+    armed: Option<Duration>,
+}
+
+/// How far past the replies' deadline a write may wait: the socket's timeout is re-armed once
+/// the time left is this much below it.
+const REARM_SLACK: Duration = Duration::from_millis(500);
 
 impl<T: Transport> Deadlined<T> {
     pub(crate) fn new(inner: T, within: Duration) -> Self {
-        Self { inner, deadline: Instant::now() + within, active: AtomicBool::new(true) }
+        Self { inner, deadline: Instant::now() + within, active: AtomicBool::new(true), replies: Mutex::default() }
     }
 
     /// Before a read: the time left, as the socket's read timeout.
@@ -34,10 +52,20 @@ impl<T: Transport> Deadlined<T> {
     /// options and never reads the replies fills both socket buffers; without this the write
     /// would block past the deadline, for good (the kernel keeps answering its zero window).
     fn arm_write(&self) -> io::Result<()> {
-        match self.left()? {
-            Some(left) => self.inner.set_write_timeout(Some(left)),
-            None => Ok(()),
+        if let Some(left) = self.left()? {
+            return self.inner.set_write_timeout(Some(left));
         }
+        let mut replies = self.replies.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(by) = replies.by else { return Ok(()) };
+        let left = by.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "replies not taken in time"));
+        }
+        if replies.armed.is_some_and(|armed| left + REARM_SLACK >= armed) {
+            return Ok(());
+        }
+        replies.armed = Some(left);
+        self.inner.set_write_timeout(Some(left))
     }
 
     /// What is left of the deadline while it holds.
@@ -112,6 +140,7 @@ impl<T: Transport> Transport for Deadlined<T> {
         // As for reads: a timeout of its own (transmission's, or the goodbye's once the
         // deadline has passed) takes over from the deadline.
         self.active.store(false, Ordering::Relaxed);
+        self.replies.lock().unwrap_or_else(PoisonError::into_inner).armed = timeout;
         self.inner.set_write_timeout(timeout)
     }
 
@@ -126,7 +155,15 @@ impl<T: Transport> Transport for Deadlined<T> {
         self.inner.read_now(bufs)
     }
 
+    fn set_write_deadline(&self, deadline: Option<Instant>) -> io::Result<()> {
+        self.replies.lock().unwrap_or_else(PoisonError::into_inner).by = deadline;
+        Ok(())
+    }
+
     fn close(&mut self) -> io::Result<()> {
+        // The goodbye is not held to the last replies' deadline (the socket's timeout stays
+        // as last armed).
+        self.replies.lock().unwrap_or_else(PoisonError::into_inner).by = None;
         self.inner.close()
     }
 }

@@ -257,6 +257,8 @@ impl<T: Transport> Wire<T> {
         }
         let reply_limit = self.deadlines.map(|d| d.request);
         let began = Instant::now();
+        // Held inside each write too: under TLS one write is many socket writes.
+        self.stream.set_write_deadline(reply_limit.filter(|limit| !limit.is_zero()).map(|limit| began + limit))?;
         let over_time = |left: bool| match reply_limit {
             Some(limit) if left && began.elapsed() >= limit => Err(stalled(limit)),
             _ => Ok(()),

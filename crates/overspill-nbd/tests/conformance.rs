@@ -930,6 +930,49 @@ fn a_tls_handshake_never_begun_is_counted_at_the_handshake_deadline() {
     }
 }
 
+/// Over TLS, a client that takes its replies a little at a time, each piece within the socket's
+/// write timeout, is still cut once the replies of one flush have taken longer than the request
+/// timeout: the deadline holds inside the TLS layer's writes (one TLS write of a few MiB is many
+/// socket writes, and the clock was read only between TLS writes: a client trickling could hold
+/// the thread for hours).
+#[test]
+fn a_tls_client_taking_its_replies_a_trickle_at_a_time_is_cut_at_the_request_timeout() {
+    for psk in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let limits = Limits { request_timeout: Duration::from_secs(2), ..limits(1 << 20) };
+        let server = serve_with(&Disk::new(Capabilities::ALL), limits, required_tls(dir.path(), psk));
+        let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
+        assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
+        let mut conn = upgrade_with(conn, psk, None);
+        conn.negotiate(false);
+        // 16 MiB of replies asked for at once.
+        for cookie in 0..16 {
+            conn.request(CMD_READ, 0, cookie, 0, 1 << 20, &[]);
+        }
+        let started = std::time::Instant::now();
+        let mut piece = vec![0u8; 64 << 10];
+        let ended = loop {
+            std::thread::sleep(Duration::from_millis(1500));
+            let mut taken = 0;
+            let mut end = false;
+            while taken < piece.len() {
+                match conn.s.read(&mut piece[taken..]) {
+                    Ok(0) | Err(_) => {
+                        end = true;
+                        break;
+                    }
+                    Ok(n) => taken += n,
+                }
+            }
+            if end || started.elapsed() > Duration::from_secs(40) {
+                break end;
+            }
+        };
+        assert!(ended, "psk {psk}: still served after {:?}", started.elapsed());
+        assert!(server.wait_idle(Duration::from_secs(10)), "psk {psk}");
+    }
+}
+
 type TlsConn = Conn<SslStream<UnixStream>>;
 /// A way to end a TLS session, named.
 type TlsEnding = (&'static str, fn(&mut TlsConn));

@@ -297,6 +297,13 @@ impl<T: Transport> Transport for TlsStream<T> {
         }
     }
 
+    fn set_write_deadline(&self, deadline: Option<std::time::Instant>) -> io::Result<()> {
+        match &self.inner {
+            Inner::Rustls(s) => s.sock.set_write_deadline(deadline),
+            Inner::OpenSsl(s) => s.get_ref().set_write_deadline(deadline),
+        }
+    }
+
     fn read_stopper(&self) -> Option<ReadStopper> {
         // The server took the socket's stopper before the upgrade; it still works underneath.
         None

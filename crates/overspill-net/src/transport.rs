@@ -34,6 +34,14 @@ pub trait Transport: Read + Write + Send + 'static {
         None
     }
 
+    /// Bounds the writes to come, however many socket writes each one takes (a TLS write of a
+    /// few MiB is many): none may wait past `deadline`. Kept by a wrapper that re-arms the
+    /// socket's write timeout before each socket write (the server's handshake wrapper, under
+    /// TLS); nothing otherwise.
+    fn set_write_deadline(&self, _deadline: Option<std::time::Instant>) -> io::Result<()> {
+        Ok(())
+    }
+
     /// Ends the session on the stream before it is dropped: TLS sends its close_notify (NBD_CMD_DISC
     /// requires the TLS session shut down before the connection closes). Nothing for a socket.
     fn close(&mut self) -> io::Result<()> {
@@ -146,6 +154,10 @@ impl Transport for Box<dyn Transport> {
 
     fn read_now(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> Option<std::io::Result<usize>> {
         (**self).read_now(bufs)
+    }
+
+    fn set_write_deadline(&self, deadline: Option<std::time::Instant>) -> std::io::Result<()> {
+        (**self).set_write_deadline(deadline)
     }
 
     fn close(&mut self) -> std::io::Result<()> {
