@@ -594,6 +594,19 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
     if args.spill_limit_bandwidth.is_some() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
         bail!("--spill-limit-bandwidth paces spill segment writes: mode {} has no spill log", args.mode);
     }
+    // Checked here, naming the flag: found later, each VM that spills (or each remote image)
+    // would be refused instead, and recovered VMs lost.
+    let segment = overspill_engine::SEGMENT_BYTES as u64;
+    if let Some(max) = args.spill_max.filter(|&max| max < 2 * segment) {
+        bail!(
+            "--spill-max {} holds fewer than two 2 MiB segments (one is kept for compaction): give at least 4M, \
+             or leave it out for no limit",
+            format_bytes(max)
+        );
+    }
+    if !args.remote_chunk.is_power_of_two() || args.remote_chunk < 4096 {
+        bail!("--remote-chunk {} must be a power of two of at least 4K", format_bytes(args.remote_chunk));
+    }
     if args.boot_time.is_zero() {
         bail!("--boot-time must be above 0 (without --boot-max, boots only give golden-image fetches priority)");
     }

@@ -183,7 +183,7 @@ fn what_cannot_work_is_refused_at_start_in_one_line() {
     let golden_arg = golden.to_str().expect("utf-8");
     let under_a_file = format!("{golden_arg}/spill");
     let missing = tmp.path().join("missing.img");
-    let cases: [(Vec<&str>, &[&str]); 7] = [
+    let cases: [(Vec<&str>, &[&str]); 10] = [
         (vec!["--base", golden_arg, "--spill-dir", &under_a_file], &["--spill-dir", "golden.img/spill"]),
         (
             vec!["--base", golden_arg, "--mode", "shared", "--shared-dir", &under_a_file],
@@ -195,6 +195,10 @@ fn what_cannot_work_is_refused_at_start_in_one_line() {
         // 0 is "off" for --idle-timeout; for these it would cut every client at once.
         (vec!["--base", golden_arg, "--request-timeout", "0"], &["--request-timeout", "above 0"]),
         (vec!["--base", golden_arg, "--handshake-timeout", "0s"], &["--handshake-timeout", "above 0"]),
+        // Found later, each VM that spills would be refused (and recovered ones lost).
+        (vec!["--base", golden_arg, "--spill-max", "0"], &["--spill-max", "two 2 MiB segments"]),
+        (vec!["--base", golden_arg, "--spill-max", "2M"], &["--spill-max", "at least 4M"]),
+        (vec!["--base", golden_arg, "--remote-chunk", "100K"], &["--remote-chunk", "power of two"]),
     ];
     for (args, expected) in cases {
         let stderr = serve_must_fail(tmp.path(), &args);
