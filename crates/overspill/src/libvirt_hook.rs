@@ -67,18 +67,26 @@ pub struct LibvirtHookArgs {
 }
 
 pub fn run(args: LibvirtHookArgs) -> anyhow::Result<()> {
-    let mut xml = String::new();
-    std::io::stdin().read_to_string(&mut xml).context("reading the domain XML on standard input")?;
+    let acts = matches!(
+        (args.operation.as_str(), args.sub_operation.as_str()),
+        ("migrate" | "restore", _) | ("prepare", "begin")
+    );
+    // Read whole, whatever the operation (libvirt writes it all), but failing only where the
+    // hook acts: libvirt takes a failed hook at `reconnect` or `attach` (its restart finding the
+    // domain running) as a reason to kill the guest's QEMU.
+    let mut input = Vec::new();
+    let read = std::io::stdin().read_to_end(&mut input);
+    if !acts {
+        return Ok(());
+    }
+    read.context("reading the domain XML on standard input")?;
+    let xml = String::from_utf8(input).context("the domain XML on standard input is not UTF-8")?;
     let disks: Vec<OverspillDisk> = overspill_disks(&xml)
         .context("reading the domain XML")?
         .into_iter()
         .filter(|disk| disk.in_directory(args.vhost_user_dir.as_deref()))
         .collect();
-    let acts = matches!(
-        (args.operation.as_str(), args.sub_operation.as_str()),
-        ("migrate" | "restore", _) | ("prepare", "begin")
-    );
-    if disks.is_empty() || !acts {
+    if disks.is_empty() {
         return Ok(());
     }
     // Which of them are this server's: another NBD server's export may hold an '@', another

@@ -163,6 +163,13 @@ fn every_plain_start_begins_from_the_golden_image_and_a_reconnect_keeps_the_over
         assert!(ok, "{operation}: {stderr}");
     }
     assert_eq!(host.first_bytes("vm-1"), [0xab; 65536], "the overlay after reconnect/attach");
+    // Nor does input it cannot read fail an operation it does not act on: libvirt kills the
+    // domain's QEMU when the hook fails at `reconnect`.
+    let unreadable = "<domain><devices><disk type='network'><source protocol='nbd' name='@a&bogus;'/></disk></devices>";
+    for operation in ["reconnect", "attach", "started"] {
+        let (ok, _, stderr) = host.hook("desktop-1", operation, "begin", unreadable);
+        assert!(ok, "{operation} over XML it cannot read: {stderr}");
+    }
 
     host.written_and_in_grace("vm-1");
     let (ok, _, stderr) = host.hook("desktop-1", "prepare", "begin", &xml);
