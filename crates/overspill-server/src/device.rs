@@ -29,12 +29,22 @@ pub(crate) fn stack(
     registry: Arc<VmRegistry>,
     limiters: Vec<Arc<Limiter>>,
     may_boot: bool,
-) -> Box<dyn BlockDevice> {
-    let (stats, recorder, size, name) = {
+) -> Result<Box<dyn BlockDevice>, DeviceError> {
+    let taken = {
         let vm = live.vm();
-        let vm = vm.as_ref().expect("a connection's overlay is there when it starts");
-        let recorder: Option<Arc<Mutex<Recorder>>> = vm.recorder.clone();
-        (vm.overlay.stats().clone(), recorder, vm.overlay.size(), vm.vm.clone())
+        vm.as_ref().map(|vm| {
+            let recorder: Option<Arc<Mutex<Recorder>>> = vm.recorder.clone();
+            (vm.overlay.stats().clone(), recorder, vm.overlay.size(), vm.vm.clone())
+        })
+    };
+    // A connection joining a multi-conn VM waits for its lock, which a capture holds to the
+    // overlay's end: by then there is nothing to join.
+    let Some((stats, recorder, size, name)) = taken else {
+        registry.leave(number);
+        return Err(DeviceError::new(
+            DeviceErrorKind::Refused,
+            "the VM's overlay ended (captured or reset) as this connection joined it: connect again",
+        ));
     };
     registry.attach_live(number, &live);
     let engine = EngineDevice {
@@ -56,11 +66,11 @@ pub(crate) fn stack(
     // the device's service time. The gate is open from the start for all but a fresh VM's
     // connection: no lock for the others' requests.
     let open = !(may_boot && boots.to_boot(&name));
-    if limiters.is_empty() {
+    Ok(if limiters.is_empty() {
         Box::new(BootGate::new(device, boots, name, reset, open))
     } else {
         Box::new(BootGate::new(Throttled::new(device, limiters), boots, name, reset, open))
-    }
+    })
 }
 
 /// One VM's overlay behind the device trait, for one connection. Dropping it ends the

@@ -637,7 +637,7 @@ impl ExportProvider for OverlayExports {
         let (number, reset, vm, fresh) = match claimed {
             Claim::Join { number, reset, live } => {
                 let registry = self.registry.clone();
-                return Ok(crate::device::stack(live, capabilities, number, reset, registry, limiters, true));
+                return crate::device::stack(live, capabilities, number, reset, registry, limiters, true);
             }
             Claim::Held => return Err(VmRegistry::already_connected(vm_name.unwrap_or_default(), name)),
             Claim::Connecting => {
@@ -664,7 +664,7 @@ impl ExportProvider for OverlayExports {
             },
         };
         let live = Arc::new(Live::new(vm));
-        Ok(crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters, fresh))
+        crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters, fresh)
     }
 }
 
@@ -753,7 +753,7 @@ impl OverlayExports {
         }
         tracing::info!(vm, peer, image = label, "VM moving here from its peer: pre-copy begins");
         let limiters = self.registry.limits().limiters_for(Some(vm), image_name);
-        Ok(crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiters, false))
+        crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiters, false)
     }
 }
 

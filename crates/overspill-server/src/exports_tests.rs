@@ -439,6 +439,31 @@ fn a_connection_arriving_as_the_last_one_leaves_resumes_the_vm_rather_than_join_
     assert!(matches!(registry.claim(Some("build-1"), "golden", None), Ok(Claim::Resume { .. })));
 }
 
+/// A connection joining a multi-conn VM whose overlay a capture ended meanwhile (it waited for
+/// the VM's lock, which the capture held) is refused, not a panic, and leaves no count behind.
+#[test]
+fn a_connection_joining_an_overlay_that_ended_meanwhile_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exports = exports_in(dir.path());
+    exports.registry.allow_multi_conn(vec!["build-*".into()]);
+    let registry = &exports.registry;
+    let Claim::Fresh { number, .. } = registry.claim(Some("build-2"), "golden", None).expect("claim") else {
+        panic!("a fresh VM");
+    };
+    let live = Arc::new(Live::new(exports.new_overlay("golden@build-2", number).expect("overlay")));
+    registry.attach_live(number, &live);
+    let Ok(Claim::Join { number: joined, reset, live: shared }) = registry.claim(Some("build-2"), "golden", None)
+    else {
+        panic!("a second connection joins");
+    };
+    drop(live.vm().take().expect("the overlay, taken as a capture takes it"));
+    let refused = crate::device::stack(shared, Capabilities::ALL, joined, reset, registry.clone(), Vec::new(), true)
+        .err()
+        .expect("nothing to join");
+    assert!(refused.message.contains("connect again"), "{}", refused.message);
+    assert!(!registry.leave(number), "the joining connection's count went with its refusal");
+}
+
 /// The peer socket is made where nothing lies, or over a dead server's socket; any other file,
 /// and a live server's socket, is left as it is and the listener refused.
 #[test]
