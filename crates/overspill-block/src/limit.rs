@@ -6,7 +6,7 @@
 //! limiter on a clock of their own, deterministically.
 
 use std::io::IoSlice;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -123,11 +123,18 @@ pub struct Limiter {
     clock: Arc<dyn Clock>,
     /// Whether any limit is set: a VM without one (most) passes without taking the lock.
     active: AtomicBool,
+    /// Counts [`Self::set`] calls, so that a request waiting looks again at what it owes.
+    changes: AtomicU64,
 }
 
 impl Limiter {
     pub fn new(limits: Limits, clock: Arc<dyn Clock>) -> Arc<Self> {
-        let limiter = Arc::new(Self { state: Mutex::default(), clock, active: AtomicBool::new(false) });
+        let limiter = Arc::new(Self {
+            state: Mutex::default(),
+            clock,
+            active: AtomicBool::new(false),
+            changes: AtomicU64::new(0),
+        });
         limiter.set(limits);
         limiter
     }
@@ -148,6 +155,21 @@ impl Limiter {
         update(&mut state.ops, limits.ops);
         update(&mut state.bytes, limits.bytes);
         self.active.store(!limits.is_none(), Ordering::Release);
+        self.changes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How long until this limiter's buckets are out of the debt they hold now, at their rates
+    /// now: at most what a request waiting here still has to wait, whatever it was told when
+    /// it came.
+    fn owed(&self) -> Duration {
+        if !self.is_active() {
+            return Duration::ZERO;
+        }
+        let now = self.clock.now();
+        let mut state = self.lock();
+        let ops = state.ops.as_mut().map_or(Duration::ZERO, |b| b.charge(0, now));
+        let bytes = state.bytes.as_mut().map_or(Duration::ZERO, |b| b.charge(0, now));
+        ops.max(bytes)
     }
 
     pub fn limits(&self) -> Limits {
@@ -192,9 +214,13 @@ impl Limiter {
         let mut held = false;
         for (bucket, cost) in [(state.ops.as_mut(), ops), (state.bytes.as_mut(), bytes)] {
             if let Some(bucket) = bucket {
+                // The debt others left stays theirs: what goes ahead may deepen it down to the
+                // floor, never lift it (one fetch that went ahead once cleared what running
+                // VMs owed, and they overtook those already waiting).
+                let before = bucket.tokens;
                 held |= !bucket.charge(cost, now).is_zero();
                 let floor = -(bucket.rate.per_second as f64) * AHEAD_DEBT_SECONDS;
-                bucket.tokens = bucket.tokens.max(floor);
+                bucket.tokens = bucket.tokens.max(floor.min(before));
             }
         }
         if held {
@@ -248,28 +274,40 @@ const WAKE_SLICE: Duration = Duration::from_millis(50);
 pub const AHEAD_DEBT_SECONDS: f64 = 2.0;
 
 /// Waits `wait` (what [`reserve`] said), counted as throttled time at every limiter of `chain`,
-/// or less if meanwhile every one of them was lifted (`vm limit … off`): a request held by a
-/// limit the operator took away goes at once. Returns the time waited.
-pub fn wait_out(chain: &[Arc<Limiter>], wait: Duration) -> Duration {
+/// or less if meanwhile its limits changed: a request held by a limit the operator took away
+/// (`vm limit … off`) or raised goes as soon as the limits still set let it, within a
+/// [`WAKE_SLICE`], whichever of the chain's limiters held it. Returns the time waited.
+pub fn wait_out(chain: &[Arc<Limiter>], mut wait: Duration) -> Duration {
     let Some(first) = chain.first() else { return Duration::ZERO };
     if wait.is_zero() {
         return wait;
     }
     chain.iter().for_each(|limiter| limiter.begin_wait());
+    let changes = |chain: &[Arc<Limiter>]| chain.iter().map(|l| l.changes.load(Ordering::Acquire)).sum::<u64>();
+    let mut seen = changes(chain);
     let mut waited = Duration::ZERO;
-    while waited < wait && chain.iter().any(|limiter| limiter.is_active()) {
+    while waited < wait {
         let slice = (wait - waited).min(WAKE_SLICE);
         first.clock.sleep(slice);
         waited += slice;
+        let now_seen = changes(chain);
+        if now_seen != seen {
+            seen = now_seen;
+            // What the limits set now still hold against: less than was owed, never more (the
+            // debt counted now may be later requests' too, and a lowered rate does not lengthen
+            // a wait already begun).
+            let owed = chain.iter().map(|limiter| limiter.owed()).max().unwrap_or(Duration::ZERO);
+            wait = wait.min(waited + owed);
+        }
     }
     chain.iter().for_each(|limiter| limiter.end_wait(waited));
     waited
 }
 
 /// A device whose requests pass a chain of limiters before they reach it. Reads are charged
-/// when they are asked for (once, whatever the parts they are answered in), writes, zeroes and
-/// trims when they arrive (zeroes and trims as operations of no bytes: they move no data);
-/// flushes go free.
+/// when they are asked for (once, whatever the parts they are answered in), prefetches
+/// (NBD_CMD_CACHE) as reads, writes, zeroes and trims when they arrive (zeroes and trims as
+/// operations of no bytes: they move no data); flushes go free.
 pub struct Throttled<D> {
     inner: D,
     chain: Vec<Arc<Limiter>>,
@@ -333,6 +371,12 @@ impl<D: BlockDevice> DeviceLayer for Throttled<D> {
     fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
         admit(&self.chain, 0);
         self.inner.trim(offset, length, fua)
+    }
+
+    /// A prefetch reads golden-image bytes as a read would: charged as one.
+    fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
+        admit(&self.chain, length);
+        self.inner.cache(offset, length)
     }
 }
 
@@ -532,6 +576,77 @@ mod tests {
         let waited = limiter.throttled().0;
         assert_eq!(waited, WAKE_SLICE, "the waiter went at its next look, not after 10 s");
         assert_eq!(limiter.throttled().1, 0, "nobody waits");
+    }
+
+    /// A VM's limit lifted while its group's stays, or raised: the waiting request goes as soon
+    /// as the limits still set let it, not after the wait it was first told.
+    #[test]
+    fn a_request_waiting_for_a_limit_lifted_or_raised_goes_once_the_rest_allow() {
+        for change in [Limits::default(), ops(1000, 1)] {
+            let clock = Arc::new(HookedClock { clock: FakeClock::default(), hook: Mutex::new(None) });
+            let vm = Limiter::new(ops(1, 1), clock.clone());
+            let group = Limiter::new(ops(1000, 1000), clock.clone());
+            let chain = [vm.clone(), group];
+            admit(&chain, 0);
+            let changed = Arc::downgrade(&vm);
+            *clock.hook.lock().expect("hook") = Some(Box::new(move || {
+                if let Some(vm) = changed.upgrade() {
+                    vm.set(change);
+                }
+            }));
+            // Ten requests' debt at one a second, the VM's limit changed during the first slice.
+            let waited = admit_counted(&chain, 10, 0);
+            assert!(waited <= 2 * WAKE_SLICE, "{change}: waited {waited:?}, not about 10 s");
+        }
+    }
+
+    /// What goes ahead never lifts the debt ordinary requests left: those that come after still
+    /// wait behind the ones already waiting.
+    #[test]
+    fn a_charge_ahead_leaves_the_others_debt_as_it_was() {
+        let clock = Arc::new(FakeClock::default());
+        let budget = Limiter::new(ops(100, 1), clock.clone());
+        let first = reserve(std::slice::from_ref(&budget), 1000, 0);
+        assert!(first >= Duration::from_secs(9), "{first:?}");
+        budget.charge_ahead(1, 0);
+        let next = reserve(std::slice::from_ref(&budget), 1, 0);
+        assert!(next >= first, "a request after the charge ahead waits {next:?}, ahead of one waiting {first:?}");
+    }
+
+    /// A prefetch (NBD_CMD_CACHE) passes the limits as a read of its length does.
+    #[test]
+    fn a_prefetch_is_charged_as_a_read() {
+        struct Nothing;
+        impl BlockDevice for Nothing {
+            fn size(&self) -> u64 {
+                1 << 30
+            }
+            fn capabilities(&self) -> crate::device::Capabilities {
+                crate::device::Capabilities::ALL
+            }
+            fn read(&mut self, _: &crate::ReadRequest, _: u64, _: &mut [u8]) -> Result<(), DeviceError> {
+                Ok(())
+            }
+            fn write(&mut self, _: u64, _: &[u8], _: bool) -> Result<(), DeviceError> {
+                Ok(())
+            }
+            fn write_zeroes(&mut self, _: u64, _: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
+                Ok(())
+            }
+            fn trim(&mut self, _: u64, _: u64, _: bool) -> Result<(), DeviceError> {
+                Ok(())
+            }
+            fn flush(&mut self) -> Result<(), DeviceError> {
+                Ok(())
+            }
+        }
+        let clock = Arc::new(FakeClock::default());
+        let limits = Limits { ops: None, bytes: Some(Rate { per_second: 1 << 20, burst: 1 << 20 }) };
+        let mut device = Throttled::new(Nothing, vec![Limiter::new(limits, clock.clone())]);
+        for _ in 0..10 {
+            BlockDevice::cache(&mut device, 0, 1 << 20).expect("cache");
+        }
+        assert!(clock.now() >= Duration::from_secs(9), "10 MiB prefetched at 1 MiB/s in {:?}", clock.now());
     }
 
     #[test]
