@@ -122,32 +122,69 @@ pub(super) fn spawn_memory_sampler(
     pages_dir: Option<PathBuf>,
     largest_request: u64,
 ) {
-    let mut quiet = overspill_engine::relief::QuietWatch::default();
-    let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || loop {
-        match read_mem_available() {
-            // Under a cgroup limit (MemoryMax=, a container) the room left in it is what counts
-            // when it is less than the host's free memory.
-            Ok(available) => host.rebalance_within(
-                read_cgroup_room().map_or(available, |room| room.min(available)),
-                pages_dir.as_deref().and_then(|dir| pages_room(dir, host.vms(), largest_request)),
-            ),
-            Err(error) => {
-                tracing::warn!(%error, "cannot read free memory; the free floor is not enforced");
-                return;
-            }
+    let mut sampler = Sampler::new(host, registry, read_caches, pages_dir, largest_request);
+    let spawned = std::thread::Builder::new().name("memory-sampler".into()).spawn(move || {
+        while sampler.tick(read_mem_available()) {
+            release_freed_memory();
+            std::thread::sleep(Duration::from_secs(1));
         }
-        match registry.upgrade() {
-            Some(registry) => {
-                let caches: Vec<_> = read_caches.caches().into_iter().map(|(_, _, cache)| cache).collect();
-                registry.give_back_memory(&host, &mut quiet, &caches)
-            }
-            None => return,
-        };
-        release_freed_memory();
-        std::thread::sleep(Duration::from_secs(1));
     });
     if let Err(error) = spawned {
         tracing::warn!(%error, "could not start the memory sampler");
+    }
+}
+
+/// What the memory sampler keeps from one second to the next.
+struct Sampler {
+    host: Arc<HostMemory>,
+    registry: std::sync::Weak<VmRegistry>,
+    read_caches: Arc<overspill_server::images::ReadCacheList>,
+    pages_dir: Option<PathBuf>,
+    largest_request: u64,
+    quiet: overspill_engine::relief::QuietWatch,
+    /// Seconds in a row free memory could not be read.
+    unreadable: u64,
+}
+
+impl Sampler {
+    fn new(
+        host: Arc<HostMemory>,
+        registry: std::sync::Weak<VmRegistry>,
+        read_caches: Arc<overspill_server::images::ReadCacheList>,
+        pages_dir: Option<PathBuf>,
+        largest_request: u64,
+    ) -> Self {
+        Self { host, registry, read_caches, pages_dir, largest_request, quiet: Default::default(), unreadable: 0 }
+    }
+
+    /// One second's work, given what free memory was read as; false once the server is gone.
+    /// A second whose free memory cannot be read (the process out of file descriptors in a
+    /// connection burst) skips the budget's rebalance and does the rest: once the sampler
+    /// ended there, for the server's life, and caps cut under pressure stayed cut.
+    fn tick(&mut self, available: std::io::Result<u64>) -> bool {
+        match available {
+            // Under a cgroup limit (MemoryMax=, a container) the room left in it is what counts
+            // when it is less than the host's free memory.
+            Ok(available) => {
+                if std::mem::take(&mut self.unreadable) > 0 {
+                    tracing::info!("free memory can be read again; the free floor is enforced");
+                }
+                self.host.rebalance_within(
+                    read_cgroup_room().map_or(available, |room| room.min(available)),
+                    self.pages_dir.as_deref().and_then(|dir| pages_room(dir, self.host.vms(), self.largest_request)),
+                )
+            }
+            Err(error) => {
+                if self.unreadable.is_multiple_of(60) {
+                    tracing::warn!(%error, seconds = self.unreadable, "cannot read free memory; the free floor is not enforced until it can be");
+                }
+                self.unreadable += 1;
+            }
+        }
+        let Some(registry) = self.registry.upgrade() else { return false };
+        let caches: Vec<_> = self.read_caches.caches().into_iter().map(|(_, _, cache)| cache).collect();
+        registry.give_back_memory(&self.host, &mut self.quiet, &caches);
+        true
     }
 }
 
@@ -166,3 +203,21 @@ fn release_freed_memory() {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn release_freed_memory() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A second whose free memory cannot be read does not end the sampler: the next one that
+    /// can rebalances the budget.
+    #[test]
+    fn free_memory_unreadable_for_a_while_is_read_again_later() {
+        let host = HostMemory::new(1 << 30, 256 << 20);
+        let registry = VmRegistry::new(overspill_server::vms::Lifecycle::default()).expect("registry");
+        let mut sampler = Sampler::new(host.clone(), Arc::downgrade(&registry), Arc::default(), None, 0);
+        assert!(sampler.tick(Err(std::io::Error::from_raw_os_error(24))), "goes on after EMFILE");
+        assert_eq!(host.available_bytes(), None);
+        assert!(sampler.tick(Ok(512 << 20)));
+        assert_eq!(host.available_bytes(), Some(512 << 20));
+    }
+}
