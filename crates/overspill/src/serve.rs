@@ -70,7 +70,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     images: Option<PathBuf>,
     /// unix:PATH or tcp:HOST:PORT.
-    #[arg(long, default_value = "tcp:127.0.0.1:10809")]
+    #[arg(long, default_value = DEFAULT_LISTEN)]
     listen: ListenAddr,
     /// Permissions of a unix: socket, in octal (for example 660). A client needs write permission
     /// to connect; the default leaves what the umask gives.
@@ -694,12 +694,23 @@ fn server_config(args: &ServeArgs, security: Security, counters: Arc<ProtocolCou
     }
 }
 
+/// Where the server listens when neither `--listen` nor systemd says.
+const DEFAULT_LISTEN: &str = "tcp:127.0.0.1:10809";
+
 /// The socket systemd handed over, or one bound at `--listen` with the access asked for.
 fn listen(args: &ServeArgs, inherited: Option<Listener>) -> anyhow::Result<Listener> {
     if let Some(listener) = inherited {
         // The socket unit says who may connect (SocketMode=, SocketGroup=).
         if args.socket_mode.is_some() || args.socket_group.is_some() {
             tracing::warn!("--socket-mode and --socket-group are ignored for a socket handed over by systemd");
+        }
+        // The socket unit says where (ListenStream=): a `listen` set in the config for another
+        // address would otherwise leave its clients refused with no word why.
+        if args.listen.to_string() != DEFAULT_LISTEN {
+            tracing::warn!(
+                listen = %args.listen,
+                "--listen is ignored: the socket systemd handed over is served (set ListenStream= in overspill.socket)"
+            );
         }
         return Ok(listener);
     }

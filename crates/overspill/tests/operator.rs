@@ -475,6 +475,8 @@ fn socket_activation_and_readiness_the_systemd_way() {
         .arg("RUST_LOG=info")
         .arg(env!("CARGO_BIN_EXE_overspill"))
         .args(serve_args(tmp.path(), &golden))
+        // Set in a config for another address: the socket handed over wins, and the log says so.
+        .args(["--listen", "tcp:127.0.0.1:9"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).expect("log"))
@@ -546,6 +548,7 @@ fn socket_activation_and_readiness_the_systemd_way() {
     let log_text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.success(), "{status}:\n{log_text}");
     assert!(log_text.contains("serving the socket systemd passed"), "{log_text}");
+    assert!(log_text.contains("--listen is ignored") && log_text.contains("tcp:127.0.0.1:9"), "{log_text}");
     assert!(aside.exists(), "the server removed the socket the service manager owns");
 }
 
