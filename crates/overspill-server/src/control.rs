@@ -41,6 +41,11 @@ pub enum Request {
     List,
     Reset {
         vm: String,
+        /// Refused, rather than done, if the VM is connected when the server looks (the libvirt
+        /// hook at a domain's start: a VM connected is another QEMU's disk). Checked and done
+        /// under one lock, where a `list` before it could be overtaken by a reconnect.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        unless_connected: bool,
     },
     Drop {
         vm: String,
@@ -294,7 +299,9 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             ..Answer::default()
         },
         // Every name the server keeps passed this check when its VM opened.
-        Ok(Request::Reset { vm }) => outcome(check_name("VM", &vm).and_then(|()| targets.registry.reset(&vm))),
+        Ok(Request::Reset { vm, unless_connected }) => {
+            outcome(check_name("VM", &vm).and_then(|()| targets.registry.reset_with(&vm, !unless_connected)))
+        }
         Ok(Request::Locate { vm }) => targets.locate(&vm),
         Ok(Request::Drop { vm }) => outcome(check_name("VM", &vm).and_then(|()| targets.drop_vm(&vm))),
         Ok(Request::Limit { ops: RateChange::Set { per_second: 0, .. }, .. })

@@ -464,6 +464,24 @@ fn a_connection_joining_an_overlay_that_ended_meanwhile_is_refused() {
     assert!(!registry.leave(number), "the joining connection's count went with its refusal");
 }
 
+/// The libvirt hook's reset at a domain's start is refused while the VM is connected (another
+/// QEMU's disk), checked under the registry's lock as it resets: a VM that reconnected after
+/// the hook's `list` keeps its writes. The operator's reset ends it all the same.
+#[test]
+fn a_reset_unless_connected_spares_a_connected_vm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exports = exports_in(dir.path());
+    let mut device = exports.open("golden@desk-4", None).expect("open");
+    device.write(0, &[7; 4096], false).expect("write");
+    let refused = exports.registry.reset_with("desk-4", false).expect_err("connected");
+    assert!(matches!(refused, ServerError::VmConnected(_)), "{refused}");
+    let mut back = vec![0; 4096];
+    read_whole(device.as_mut(), 0, &mut back).expect("read");
+    assert_eq!(back, vec![7; 4096], "its writes stay");
+    exports.registry.reset("desk-4").expect("the operator's reset");
+    drop(device);
+}
+
 /// The peer socket is made where nothing lies, or over a dead server's socket; any other file,
 /// and a live server's socket, is left as it is and the listener refused.
 #[test]

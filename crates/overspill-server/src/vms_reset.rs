@@ -22,6 +22,12 @@ impl VmRegistry {
     /// request (unanswered, so its client sends it again to the fresh overlay). A fork starts
     /// from its checkpoint again; a dropped fork's name is freed.
     pub fn reset(&self, vm: &str) -> Result<String, ServerError> {
+        self.reset_with(vm, true)
+    }
+
+    /// [`Self::reset`], refused with [`ServerError::VmConnected`] unless `even_connected`
+    /// when the VM is connected as the registry's lock is held.
+    pub fn reset_with(&self, vm: &str, even_connected: bool) -> Result<String, ServerError> {
         let number = lock(&self.inner).names.get(vm).copied();
         let maintained = number
             .filter(|&number| self.maintained(number))
@@ -52,7 +58,7 @@ impl VmRegistry {
             _ => {}
         }
         drop(inner);
-        let ended = self.end_by_name(vm, true);
+        let ended = self.end_by_name(vm, even_connected);
         if forgotten {
             ended.map(|message| format!("{message}; {unforked}"))
         } else {

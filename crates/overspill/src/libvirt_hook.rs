@@ -382,7 +382,7 @@ fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Ans
 
 /// `vm reset VM`; a VM the server does not know has nothing to reset.
 fn reset(args: &LibvirtHookArgs, vm: &str) -> anyhow::Result<()> {
-    let answer = ask(args, &Request::Reset { vm: vm.to_owned() })?;
+    let answer = ask(args, &Request::Reset { vm: vm.to_owned(), unless_connected: true })?;
     let message = answer.message.unwrap_or_default();
     if answer.ok {
         eprintln!("overspill: {message}");

@@ -135,7 +135,7 @@ fn rate_change(
 pub fn run(args: VmArgs) -> anyhow::Result<()> {
     let request = match &args.action {
         VmAction::List { .. } => Request::List,
-        VmAction::Reset { vm } => Request::Reset { vm: vm.clone() },
+        VmAction::Reset { vm } => Request::Reset { vm: vm.clone(), unless_connected: false },
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
         VmAction::Booted { vm } => Request::Booted { vm: vm.clone() },
