@@ -309,13 +309,15 @@ pub fn wait_out(chain: &[Arc<Limiter>], mut wait: Duration) -> Duration {
 /// (NBD_CMD_CACHE) as reads, writes, zeroes and trims when they arrive (zeroes and trims as
 /// operations of no bytes: they move no data); flushes go free.
 pub struct Throttled<D> {
-    inner: D,
+    /// Dropped before the device under it: a device whose drop ends its VM finds the VM's
+    /// limiter held by no connection, free to go with it.
     chain: Vec<Arc<Limiter>>,
+    inner: D,
 }
 
 impl<D: BlockDevice> Throttled<D> {
     pub fn new(inner: D, chain: Vec<Arc<Limiter>>) -> Self {
-        Self { inner, chain }
+        Self { chain, inner }
     }
 }
 

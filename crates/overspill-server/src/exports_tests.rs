@@ -482,6 +482,27 @@ fn a_reset_unless_connected_spares_a_connected_vm() {
     drop(device);
 }
 
+/// Under default limits (`serve --limit-iops`), a VM that ends cleanly takes its limiter, and
+/// with it its metrics series, along: names served once do not pile up.
+#[test]
+fn an_ended_vm_leaves_no_limiter_behind() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exports = exports_in(dir.path());
+    let limits = exports.registry.limits();
+    limits.set_default(overspill_block::Limits {
+        ops: Some(overspill_block::Rate { per_second: 1000, burst: 1000 }),
+        bytes: None,
+    });
+    for vm in ["ci-1", "ci-2"] {
+        let mut device = exports.open(&format!("golden@{vm}"), None).expect("open");
+        device.write(0, &[1; 4096], false).expect("write");
+        assert!(limits.throttling().iter().any(|(name, ..)| name == vm), "{vm} is limited while it runs");
+        device.disconnect();
+        drop(device);
+    }
+    assert!(limits.throttling().is_empty(), "{:?}", limits.throttling());
+}
+
 /// The peer socket is made where nothing lies, or over a dead server's socket; any other file,
 /// and a live server's socket, is left as it is and the listener refused.
 #[test]

@@ -169,6 +169,17 @@ impl VmLimits {
         limits
     }
 
+    /// VM `vm` has ended: its limiter goes, unless `vm limit` gave it limits of its own (kept
+    /// for its next run) or a connection still holds it. Without this every name ever served
+    /// kept a limiter and, under default limits, its own metrics series.
+    pub fn forget_vm(&self, vm: &str) {
+        let mut book = self.lock();
+        let default = book.default;
+        if book.by_vm.get(vm).is_some_and(|limiter| Arc::strong_count(limiter) == 1 && limiter.limits() == default) {
+            book.by_vm.remove(vm);
+        }
+    }
+
     /// The host's budget `which`, shared by every VM.
     pub fn host_budget(&self, which: HostBudget) -> Arc<Limiter> {
         match which {
@@ -285,5 +296,27 @@ mod tests {
         assert_eq!(limits.group_throttling().len(), 1, "the limited group is listed");
         limits.set_group("pair", Some(None), None);
         assert!(b[1].limits().is_none());
+    }
+
+    /// Under default limits every named VM gets a limiter of its own: it goes with the VM (its
+    /// metrics series too), unless the operator set the VM's limits.
+    #[test]
+    fn an_ended_vms_limiter_goes_unless_its_limits_were_set() {
+        let limits = VmLimits::default();
+        limits.set_default(Limits { ops: Some(Rate { per_second: 100, burst: 100 }), bytes: None });
+        let listed = |limits: &VmLimits| {
+            let mut names: Vec<String> = limits.throttling().into_iter().map(|(name, ..)| name).collect();
+            names.sort();
+            names
+        };
+        let (a, b) = (limits.limiters_for(Some("a"), "img"), limits.limiters_for(Some("b"), "img"));
+        limits.set("b", rate(5), None);
+        assert_eq!(listed(&limits), ["a", "b"]);
+        limits.forget_vm("a");
+        assert_eq!(listed(&limits), ["a", "b"], "a connection still holds a's");
+        drop((a, b));
+        limits.forget_vm("a");
+        limits.forget_vm("b");
+        assert_eq!(listed(&limits), ["b"], "a's went with it; b's limits were the operator's");
     }
 }

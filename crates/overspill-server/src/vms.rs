@@ -889,6 +889,7 @@ impl VmRegistry {
             inner.names.remove(&entry.handle.vm);
             // Under the lock: a next VM of the name may be made fresh once it is released.
             self.boots.booted(&entry.handle.vm);
+            self.limits.forget_vm(&entry.handle.vm);
         }
         let mut overlay = overlay.or(entry.grace.map(|g| g.parked));
         if entry.marked {
