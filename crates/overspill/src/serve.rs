@@ -548,7 +548,15 @@ fn serve_vhost_user(
         })
         .collect::<anyhow::Result<Vec<VhostExport>>>()?;
     let dir = args.vhost_user_dir.clone().unwrap_or_else(|| state_dir.join("vhost-user"));
-    std::fs::create_dir_all(&dir).with_context(|| format!("--vhost-user-dir {}", dir.display()))?;
+    if !dir.is_dir() {
+        std::fs::create_dir_all(&dir).with_context(|| format!("--vhost-user-dir {}", dir.display()))?;
+        // QEMU, running as another user, reaches its socket through it whatever the umask
+        // (the packaged unit's 0077 made it 0700): the sockets' own mode and group say who
+        // may connect.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+            .with_context(|| format!("--vhost-user-dir {}", dir.display()))?;
+    }
     let settings = VhostSettings {
         dir: dir.clone(),
         access: socket_access(args)?,
@@ -607,6 +615,8 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
     if !args.remote_chunk.is_power_of_two() || args.remote_chunk < 4096 {
         bail!("--remote-chunk {} must be a power of two of at least 4K", format_bytes(args.remote_chunk));
     }
+    // The socket group's lookup and membership, before anything starts.
+    socket_access(args)?;
     if args.boot_time.is_zero() {
         bail!("--boot-time must be above 0 (without --boot-max, boots only give golden-image fetches priority)");
     }
@@ -884,6 +894,21 @@ fn socket_access(args: &ServeArgs) -> anyhow::Result<SocketAccess> {
                 .as_raw(),
         }),
     };
+    // Found at the first socket it would fail, and take every VM of the server down with it: a
+    // user may give its files only to its own groups (the packaged unit's dynamic user is in
+    // none of QEMU's).
+    if let (Some(gid), Some(name)) = (group, args.socket_group.as_deref()) {
+        let member = nix::unistd::geteuid().is_root()
+            || nix::unistd::getegid().as_raw() == gid
+            || nix::unistd::getgroups().is_ok_and(|groups| groups.iter().any(|g| g.as_raw() == gid));
+        if !member {
+            bail!(
+                "--socket-group {name}: this server's user is in no such group, so it cannot give its sockets to it; \
+                 add the user to the group (the packaged unit: SupplementaryGroups={name} in a drop-in, \
+                 systemctl edit overspill)"
+            );
+        }
+    }
     Ok(SocketAccess { mode: args.socket_mode, group })
 }
 

@@ -216,6 +216,37 @@ fn what_cannot_work_is_refused_at_start_in_one_line() {
     assert!(golden.is_file(), "the golden image is still there");
 }
 
+/// A socket group the server's user is not in (the packaged unit's dynamic user and QEMU's
+/// group) is refused at start, saying how to put the user in it, rather than failing at the
+/// first socket and taking every VM down with the server.
+#[test]
+fn a_socket_group_the_user_is_not_in_is_refused_at_start() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root to run the server as another user");
+        return;
+    }
+    let tmp = TempDir::new().expect("tempdir");
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let golden = golden(tmp.path());
+    std::fs::set_permissions(&golden, std::fs::Permissions::from_mode(0o644)).expect("chmod golden");
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["serve", "--base"])
+        .arg(&golden)
+        .args(["--listen", &format!("unix:{}", tmp.path().join("nbd.sock").display())])
+        .args(["--socket-mode", "660", "--socket-group", "root"])
+        .uid(65534)
+        .gid(65534)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run overspill serve");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("--socket-group root") && stderr.contains("SupplementaryGroups=root"), "{stderr}");
+    assert!(!tmp.path().join("nbd.sock").exists(), "it listened before refusing");
+}
+
 /// `--log` wins over RUST_LOG, which applies when the flag is absent.
 #[test]
 fn the_log_flag_wins_over_rust_log() {

@@ -383,6 +383,12 @@ impl Host {
 fn a_frontend_reads_writes_flushes_trims_and_reads_the_vm_name() {
     let host = Host::new();
     let server = host.serve();
+    // The directory it made is QEMU's way to the socket whatever the server's umask (0077 in
+    // the packaged unit); the socket's own mode says who may connect.
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(host.dir.path().join("vhost")).expect("vhost dir").permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o711);
     let mut guest = Guest::new();
     let connection = Connection::open(&host.socket("a"), &guest, 0);
     assert_eq!(connection.capacity_sectors, DISK as u64 / SECTOR, "the capacity in the config space");
