@@ -52,6 +52,10 @@ pub struct HostMemory {
     /// cut to the memory directory's size, which holds the VMs' pages only).
     budget_bytes: AtomicU64,
     read_caches: AtomicU64,
+    /// The per-VM cap came from the VMs going over `--ram-total` (each cut to its fair share):
+    /// it grows back only by the room the cap leaves, not by free memory, which says nothing
+    /// of it (lifted the next second, the cut let the first VMs keep it all again).
+    cut_by_cap: std::sync::atomic::AtomicBool,
 }
 
 /// Why VMs were held since the last pass (bits of [`HostMemory::take_held`]).
@@ -76,6 +80,7 @@ impl HostMemory {
             read_cache_floor_bytes: AtomicU64::new(0),
             budget_bytes: AtomicU64::new(cap_bytes),
             read_caches: AtomicU64::new(0),
+            cut_by_cap: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -259,7 +264,10 @@ impl HostMemory {
         } else if previous == NO_CAP {
             NO_CAP
         } else {
-            let surplus = available_bytes.saturating_sub(self.floor_bytes).min(room_surplus);
+            let mut surplus = available_bytes.saturating_sub(self.floor_bytes).min(room_surplus);
+            if self.cut_by_cap.load(Ordering::Relaxed) {
+                surplus = surplus.min(self.cap_bytes.saturating_sub(used));
+            }
             let grown = previous.saturating_add(surplus / vms);
             // Lift the cap once it no longer binds anyone.
             if grown >= self.total_cap_bytes() {
@@ -270,6 +278,9 @@ impl HostMemory {
         };
         if used > self.cap_bytes {
             cap = cap.min(self.cap_bytes / vms);
+            self.cut_by_cap.store(true, Ordering::Relaxed);
+        } else if cap == NO_CAP {
+            self.cut_by_cap.store(false, Ordering::Relaxed);
         }
         self.per_vm_cap_bytes.store(cap, Ordering::Relaxed);
     }
@@ -402,6 +413,31 @@ mod tests {
         assert_eq!(host.per_vm_cap_bytes(), 180 << 20, "surplus shared out");
         host.rebalance(2 << 30);
         assert_eq!(host.per_vm_cap_bytes(), NO_CAP);
+    }
+
+    /// VMs over `--ram-total` are each cut to their fair share, and the cut holds while they
+    /// are at the cap, however much memory is free: it grows back only as room under the cap
+    /// comes back.
+    #[test]
+    fn a_cut_to_the_fair_share_holds_while_the_vms_are_at_the_cap() {
+        let host = HostMemory::new(100 << 20, 0);
+        for _ in 0..4 {
+            host.attach();
+        }
+        host.account(0, 101 << 20);
+        host.rebalance(16 << 30);
+        assert_eq!(host.per_vm_cap_bytes(), 25 << 20);
+        host.account(101 << 20, 100 << 20);
+        host.rebalance(16 << 30);
+        assert_eq!(host.per_vm_cap_bytes(), 25 << 20, "at the cap: the fair share holds");
+        host.account(100 << 20, 60 << 20);
+        host.rebalance(16 << 30);
+        assert_eq!(host.per_vm_cap_bytes(), 35 << 20, "grown by the room under the cap, shared");
+        host.account(60 << 20, 0);
+        for _ in 0..4 {
+            host.rebalance(16 << 30);
+        }
+        assert_eq!(host.per_vm_cap_bytes(), NO_CAP, "lifted once it binds no one");
     }
 
     /// The memory directory short of room cuts the VMs, though memory is plentiful, and bounds
