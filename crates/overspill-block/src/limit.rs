@@ -160,8 +160,8 @@ impl Limiter {
 
     /// How long until this limiter's buckets are out of the debt they hold now, at their rates
     /// now: at most what a request waiting here still has to wait, whatever it was told when
-    /// it came.
-    fn owed(&self) -> Duration {
+    /// it came, and what the next request would wait at least.
+    pub fn owed(&self) -> Duration {
         if !self.is_active() {
             return Duration::ZERO;
         }

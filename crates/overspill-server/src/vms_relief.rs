@@ -18,6 +18,18 @@ use crate::live::{Gate, Live};
 /// for many.
 const GRACE_CHUNK_BYTES: u64 = 4 * SEGMENT_BYTES as u64;
 
+/// What an in-grace VM may give back in one hold of the registry's lock now: its segment
+/// writes may wait there for the host's spill budget (`--spill-limit-bandwidth`), so while the
+/// budget owes none goes, and then one segment at a time (a few segments' wait under the lock
+/// held every reconnecting VM's claim and first write for seconds). `None`: not now.
+fn grace_chunk_bytes(limits: &crate::vm_limits::VmLimits) -> Option<u64> {
+    if !limits.spill_paced() {
+        return Some(GRACE_CHUNK_BYTES);
+    }
+    let budget = limits.host_budget(crate::vm_limits::HostBudget::Spill);
+    budget.owed().is_zero().then_some(SEGMENT_BYTES as u64)
+}
+
 /// The requests a VM has made so far: quiet is a VM whose count stands still.
 fn requests(stats: &VmStats) -> u64 {
     [&stats.guest_read, &stats.guest_write, &stats.guest_zero, &stats.guest_trim, &stats.guest_flush]
@@ -52,7 +64,7 @@ impl VmRegistry {
     /// (a request path takes that lock while holding the overlay's): a VM busy with a request
     /// is not quiet, and gives back as it writes. A VM moving to or from a peer is left alone:
     /// the move owns where its blocks are. One in its grace is worked on under the registry's
-    /// lock, a few segments at a time.
+    /// lock, a few segments at a time (see [`grace_chunk_bytes`]).
     pub fn give_back_memory(&self, host: &HostMemory, watch: &mut QuietWatch, read_caches: &[Arc<CachedImage>]) -> u64 {
         let held = host.take_held();
         let deficit = host.free_deficit_bytes();
@@ -116,6 +128,7 @@ impl VmRegistry {
                     }
                 }
                 None => loop {
+                    let Some(chunk) = grace_chunk_bytes(&self.limits) else { break };
                     let mut inner = lock(&self.inner);
                     let Some(entry) = inner.vms.get_mut(&id).filter(|entry| entry.moving.is_none()) else { break };
                     let Some(grace) = entry.grace.as_mut() else { break };
@@ -124,7 +137,7 @@ impl VmRegistry {
                     if held <= limit_bytes {
                         break;
                     }
-                    let freed = overlay.give_back_memory(limit_bytes.max(held.saturating_sub(GRACE_CHUNK_BYTES)));
+                    let freed = overlay.give_back_memory(limit_bytes.max(held.saturating_sub(chunk)));
                     given += freed;
                     if freed == 0 {
                         break;
@@ -137,5 +150,28 @@ impl VmRegistry {
             tracing::debug!(given, held, deficit, "VMs and read caches gave memory back");
         }
         given
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vm_limits::{HostBudget, VmLimits};
+    use overspill_block::limit::SystemClock;
+    use overspill_block::{Limiter, Limits, Rate};
+
+    /// Under a spill budget an in-grace VM gives back one segment per hold of the registry's
+    /// lock, and none while the budget owes (its writes would wait under the lock).
+    #[test]
+    fn an_in_grace_vm_gives_back_under_the_lock_only_what_the_spill_budget_lets_go_at_once() {
+        let limits = VmLimits::default();
+        assert_eq!(grace_chunk_bytes(&limits), Some(GRACE_CHUNK_BYTES), "no budget: a few segments");
+        let budget = Limiter::new(Limits::default(), SystemClock::shared());
+        limits.use_spill_budget(budget.clone());
+        assert_eq!(grace_chunk_bytes(&limits), Some(SEGMENT_BYTES as u64), "paced, owing nothing: one segment");
+        let rate = Rate { per_second: 1 << 20, burst: 1 << 20 };
+        limits.set_host(HostBudget::Spill, None, Some(Some(rate)));
+        overspill_block::limit::reserve(&[budget], 0, 8 << 20);
+        assert_eq!(grace_chunk_bytes(&limits), None, "the budget owes seconds: not now");
     }
 }
