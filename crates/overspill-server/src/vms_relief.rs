@@ -127,22 +127,23 @@ impl VmRegistry {
                         given += vm.as_mut().map_or(0, |vm| vm.overlay.give_back_memory(limit_bytes));
                     }
                 }
-                None => loop {
-                    let Some(chunk) = grace_chunk_bytes(&self.limits) else { break };
-                    let mut inner = lock(&self.inner);
-                    let Some(entry) = inner.vms.get_mut(&id).filter(|entry| entry.moving.is_none()) else { break };
-                    let Some(grace) = entry.grace.as_mut() else { break };
-                    let overlay = &mut grace.parked.overlay;
-                    let held = overlay.memory_accounted_bytes();
-                    if held <= limit_bytes {
-                        break;
+                None => {
+                    while let Some(chunk) = grace_chunk_bytes(&self.limits) {
+                        let mut inner = lock(&self.inner);
+                        let Some(entry) = inner.vms.get_mut(&id).filter(|entry| entry.moving.is_none()) else { break };
+                        let Some(grace) = entry.grace.as_mut() else { break };
+                        let overlay = &mut grace.parked.overlay;
+                        let held = overlay.memory_accounted_bytes();
+                        if held <= limit_bytes {
+                            break;
+                        }
+                        let freed = overlay.give_back_memory(limit_bytes.max(held.saturating_sub(chunk)));
+                        given += freed;
+                        if freed == 0 {
+                            break;
+                        }
                     }
-                    let freed = overlay.give_back_memory(limit_bytes.max(held.saturating_sub(chunk)));
-                    given += freed;
-                    if freed == 0 {
-                        break;
-                    }
-                },
+                }
             }
         }
         if given > 0 {
