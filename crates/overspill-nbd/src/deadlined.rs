@@ -23,12 +23,16 @@ pub(crate) struct Deadlined<T> {
     replies: Mutex<ReplyBound>,
 }
 
-/// The replies' deadline, and the socket's write timeout as last set: re-armed only when the
-/// time left falls well below it (a setsockopt before every write would cost the fast path).
+/// The replies' deadline while a flush runs; the socket's write timeout as last armed, and as
+/// transmission set it. Re-armed only when the time left falls well below what is armed (a
+/// setsockopt before every write would cost the fast path), and put back as transmission set
+/// it when the flush is over (a timeout lowered for one slow flush would otherwise cut the
+/// next ones short).
 #[derive(Default)]
 struct ReplyBound {
     by: Option<Instant>,
     armed: Option<Duration>,
+    configured: Option<Duration>,
 }
 
 /// How far past the replies' deadline a write may wait: the socket's timeout is re-armed once
@@ -140,7 +144,8 @@ impl<T: Transport> Transport for Deadlined<T> {
         // As for reads: a timeout of its own (transmission's, or the goodbye's once the
         // deadline has passed) takes over from the deadline.
         self.active.store(false, Ordering::Relaxed);
-        self.replies.lock().unwrap_or_else(PoisonError::into_inner).armed = timeout;
+        let mut replies = self.replies.lock().unwrap_or_else(PoisonError::into_inner);
+        (replies.armed, replies.configured) = (timeout, timeout);
         self.inner.set_write_timeout(timeout)
     }
 
@@ -156,14 +161,43 @@ impl<T: Transport> Transport for Deadlined<T> {
     }
 
     fn set_write_deadline(&self, deadline: Option<Instant>) -> io::Result<()> {
-        self.replies.lock().unwrap_or_else(PoisonError::into_inner).by = deadline;
+        let mut replies = self.replies.lock().unwrap_or_else(PoisonError::into_inner);
+        replies.by = deadline;
+        if deadline.is_none() && replies.armed != replies.configured {
+            replies.armed = replies.configured;
+            return self.inner.set_write_timeout(replies.configured);
+        }
         Ok(())
     }
 
     fn close(&mut self) -> io::Result<()> {
-        // The goodbye is not held to the last replies' deadline (the socket's timeout stays
-        // as last armed).
-        self.replies.lock().unwrap_or_else(PoisonError::into_inner).by = None;
+        // The goodbye is not held to the last replies' deadline.
+        self.set_write_deadline(None)?;
         self.inner.close()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    /// A flush that ran short of time lowers the socket's write timeout for its last writes;
+    /// once it is over the timeout is transmission's again (a lowered one cut the next
+    /// flushes short, and a goodbye sent after a quiet spell failed at once).
+    #[test]
+    fn the_write_timeout_lowered_for_one_flush_is_put_back_after_it() {
+        let (ours, _theirs) = UnixStream::pair().expect("socketpair");
+        let probe = ours.try_clone().expect("clone");
+        let mut stream = Deadlined::new(ours, Duration::from_secs(10));
+        stream.set_write_timeout(Some(Duration::from_secs(60))).expect("transmission's timeout");
+        stream.set_write_deadline(Some(Instant::now() + Duration::from_millis(300))).expect("deadline");
+        stream.write_all(b"reply").expect("write");
+        let lowered = probe.write_timeout().expect("timeout").expect("set");
+        assert!(lowered <= Duration::from_millis(300), "armed {lowered:?} for the flush's last 300 ms");
+        stream.set_write_deadline(None).expect("flush over");
+        assert_eq!(probe.write_timeout().expect("timeout"), Some(Duration::from_secs(60)));
+        std::thread::sleep(Duration::from_millis(400));
+        stream.write_all(b"goodbye").expect("a write after the flush is not held to its deadline");
     }
 }

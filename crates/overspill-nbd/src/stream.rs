@@ -257,8 +257,15 @@ impl<T: Transport> Wire<T> {
         }
         let reply_limit = self.deadlines.map(|d| d.request);
         let began = Instant::now();
-        // Held inside each write too: under TLS one write is many socket writes.
+        // Held inside each write too (under TLS one write is many socket writes), and only for
+        // this flush: a goodbye or a TLS record sent later is not held to it.
         self.stream.set_write_deadline(reply_limit.filter(|limit| !limit.is_zero()).map(|limit| began + limit))?;
+        let flushed = self.send_output(reply_limit, began);
+        let cleared = self.stream.set_write_deadline(None);
+        flushed.and(cleared)
+    }
+
+    fn send_output(&mut self, reply_limit: Option<Duration>, began: Instant) -> io::Result<()> {
         let over_time = |left: bool| match reply_limit {
             Some(limit) if left && began.elapsed() >= limit => Err(stalled(limit)),
             _ => Ok(()),

@@ -973,6 +973,30 @@ fn a_tls_client_taking_its_replies_a_trickle_at_a_time_is_cut_at_the_request_tim
     }
 }
 
+/// DISC over TLS after a spell longer than the request timeout since the last reply: the
+/// session is still shut down with close_notify (the last flush's deadline, kept past it, once
+/// failed the goodbye at once).
+#[test]
+fn disc_over_tls_after_a_quiet_spell_still_ends_the_tls_session() {
+    for psk in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let limits = Limits { request_timeout: Duration::from_millis(800), ..limits(1 << 20) };
+        let server = serve_with(&Disk::new(Capabilities::ALL), limits, required_tls(dir.path(), psk));
+        let mut conn = Conn::start(&server, CLIENT_FIXED_NEWSTYLE);
+        assert_eq!(conn.ask_final(OPT_STARTTLS, &[]), REP_ACK);
+        let mut conn = upgrade_with(conn, psk, None);
+        conn.negotiate(false);
+        conn.request(CMD_WRITE, 0, 1, 0, 4, b"abcd");
+        assert_eq!(conn.simple(1), 0);
+        std::thread::sleep(Duration::from_millis(1500));
+        conn.request(CMD_DISC, 0, 2, 0, 0, &[]);
+        let mut buf = [0u8; 16];
+        let end = conn.s.read(&mut buf);
+        let received = conn.s.get_shutdown().contains(ShutdownState::RECEIVED);
+        assert!(matches!(end, Ok(0)) && received, "psk {psk}: {end:?}, close_notify received: {received}");
+    }
+}
+
 type TlsConn = Conn<SslStream<UnixStream>>;
 /// A way to end a TLS session, named.
 type TlsEnding = (&'static str, fn(&mut TlsConn));

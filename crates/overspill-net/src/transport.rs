@@ -35,9 +35,9 @@ pub trait Transport: Read + Write + Send + 'static {
     }
 
     /// Bounds the writes to come, however many socket writes each one takes (a TLS write of a
-    /// few MiB is many): none may wait past `deadline`. Kept by a wrapper that re-arms the
-    /// socket's write timeout before each socket write (the server's handshake wrapper, under
-    /// TLS); nothing otherwise.
+    /// few MiB is many): none may wait past `deadline` (`None`: the bound is over). Kept by a
+    /// wrapper that re-arms the socket's write timeout as the time left runs out (the server's
+    /// handshake wrapper, under every connection, TLS or not); nothing otherwise.
     fn set_write_deadline(&self, _deadline: Option<std::time::Instant>) -> io::Result<()> {
         Ok(())
     }
