@@ -286,7 +286,8 @@ pub fn wait_out(chain: &[Arc<Limiter>], mut wait: Duration) -> Duration {
     let changes = |chain: &[Arc<Limiter>]| chain.iter().map(|l| l.changes.load(Ordering::Acquire)).sum::<u64>();
     let mut seen = changes(chain);
     let mut waited = Duration::ZERO;
-    while waited < wait {
+    // Every limit lifted (between the charge and this wait too): nothing left to wait for.
+    while waited < wait && chain.iter().any(|limiter| limiter.is_active()) {
         let slice = (wait - waited).min(WAKE_SLICE);
         first.clock.sleep(slice);
         waited += slice;
@@ -600,6 +601,19 @@ mod tests {
             let waited = admit_counted(&chain, 10, 0);
             assert!(waited <= 2 * WAKE_SLICE, "{change}: waited {waited:?}, not about 10 s");
         }
+    }
+
+    /// A limit lifted between a request's charge and its wait (a golden fetch waits its debt
+    /// out after the fetch): nothing left to wait for.
+    #[test]
+    fn a_limit_lifted_before_the_wait_begins_is_not_waited_for() {
+        let clock = Arc::new(FakeClock::default());
+        let budget = Limiter::new(ops(1, 1), clock.clone());
+        let chain = [budget.clone()];
+        let owed = reserve(&chain, 10, 0);
+        assert!(owed >= Duration::from_secs(9), "{owed:?}");
+        budget.set(Limits::default());
+        assert_eq!(wait_out(&chain, owed), Duration::ZERO);
     }
 
     /// What goes ahead never lifts the debt ordinary requests left: those that come after still

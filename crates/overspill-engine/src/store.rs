@@ -348,10 +348,24 @@ pub fn scratch_file_owner(name: &str) -> Option<ScratchOwner<'_>> {
     let (pid, rest) = rest.split_once('-')?;
     let (stem, kind) = rest.rsplit_once('.')?;
     let this_host = match stem.split_once('-') {
-        Some((what, mark)) => Some((!what.is_empty()).then(|| mark == host_mark())?),
+        Some((what, mark)) => Some((!what.is_empty()).then(|| same_host(mark, host_mark()))?),
         None => None,
     };
     Some(ScratchOwner { pid: pid.parse().ok()?, this_host, kind })
+}
+
+/// Whether two hosts' marks ([`host_mark`]) are one host's: by the machine id where both
+/// carry one (a host renamed since, by cloud-init or `hostnamectl`, is still itself), else by
+/// the whole mark.
+fn same_host(mark: &str, ours: &str) -> bool {
+    let machine_id = |mark: &str| {
+        let (_, id) = mark.rsplit_once('_')?;
+        (id.len() == 8 && id.chars().all(|c| c.is_ascii_hexdigit())).then(|| id.to_owned())
+    };
+    match (machine_id(mark), machine_id(ours)) {
+        (Some(theirs), Some(ours)) => theirs == ours,
+        _ => mark == ours,
+    }
 }
 
 /// Whether process `pid` of this host (and PID namespace) runs.

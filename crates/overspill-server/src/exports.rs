@@ -623,7 +623,9 @@ impl ExportProvider for OverlayExports {
         }
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.
         let capabilities = self.capabilities(name);
-        let limiters = self.registry.limits().limiters_for(vm_name, Self::image_name(name));
+        // Made only for a VM that is served: one made for a name refused would stay (its VM
+        // never ends to take it along).
+        let limiters = || self.registry.limits().limiters_for(vm_name, Self::image_name(name));
         let mut claimed = self.registry.claim(vm_name, Self::image_name(name), identity)?;
         let (joining_until, held_until) = (Instant::now() + JOIN_WAIT, Instant::now() + HELD_WAIT);
         while match claimed {
@@ -637,7 +639,7 @@ impl ExportProvider for OverlayExports {
         let (number, reset, vm, fresh) = match claimed {
             Claim::Join { number, reset, live } => {
                 let registry = self.registry.clone();
-                return crate::device::stack(live, capabilities, number, reset, registry, limiters, true);
+                return crate::device::stack(live, capabilities, number, reset, registry, limiters(), true);
             }
             Claim::Held => return Err(VmRegistry::already_connected(vm_name.unwrap_or_default(), name)),
             Claim::Connecting => {
@@ -664,7 +666,7 @@ impl ExportProvider for OverlayExports {
             },
         };
         let live = Arc::new(Live::new(vm));
-        crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters, fresh)
+        crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters(), fresh)
     }
 }
 

@@ -15,6 +15,11 @@ fn scratch_file_names_carry_the_pid_and_the_host() {
     let another = format!("overspill-123-7-{}x.diff", host_mark());
     assert_eq!(scratch_file_owner(&another), Some(ScratchOwner { pid: 123, this_host: Some(false), kind: "diff" }));
     assert_eq!(scratch_file_owner("overspill-123-tier2.golden").map(|o| o.this_host), Some(None));
+    // Renamed since (cloud-init, hostnamectl): the same machine id is still this host.
+    if let Some((_, id)) = host_mark().rsplit_once('_').filter(|(_, id)| id.len() == 8) {
+        let renamed = format!("overspill-123-7-renamed_{id}.spill");
+        assert_eq!(scratch_file_owner(&renamed).map(|o| o.this_host), Some(Some(true)), "{renamed}");
+    }
     assert_eq!(scratch_file_owner("overspill-123-7.txt").map(|o| o.kind), Some("txt"));
     assert_eq!(scratch_file_owner("overspill-x-7.spill"), None);
     assert_eq!(scratch_file_owner("golden.img"), None);

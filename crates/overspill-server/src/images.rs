@@ -187,7 +187,7 @@ impl ImageStore {
     }
 
     /// Copies `file` in as the next version (`v1`, `v2`, …) and returns its name. The copy lands
-    /// under a temporary name and is renamed into place, so a reader never sees half a version.
+    /// under a temporary name and is linked into place, so a reader never sees half a version.
     pub fn publish(&self, name: &str, file: &Path, activate: bool) -> Result<String, ServerError> {
         check_name("image", name)?;
         // Before anything opens it: opening a FIFO waits for a writer (with the image locked),
@@ -538,10 +538,9 @@ pub(crate) fn checkpoint_backing(below: &Version) -> String {
     }
 }
 
-/// Has `write` make a layer at a temporary name beside `target`, then seals it (read-only, on
-/// disk): returns that name, for the caller to give the file its own. A layer a crashed writer
-/// left there is written over (the caller holds the image's lock: it is no one else's); one
-/// that failed is removed.
+/// Has `write` make a layer at `partial` (a name of this writer's own, [`crate::files::partial_path`]),
+/// then seals it (read-only, on disk), for the caller to give the file its name under the
+/// image's lock. One that failed is removed.
 fn write_sealed(partial: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> std::io::Result<()> {
     let _ = std::fs::remove_file(partial);
     match write(partial).and_then(|()| seal(partial)) {
@@ -585,10 +584,11 @@ fn record_highest_given(dir: &Path, number: u64) -> std::io::Result<()> {
     crate::files::replace_whole_durably(&record, &partial, format!("{number}\n").as_bytes(), 0o644)
 }
 
-/// One publisher or activation at a time per image, across processes: two publishers would pick
-/// the same next number and copy into one file (a version mixing both), two activations share
-/// the `current` marker's temporary name. The image's directory itself is locked (`flock`), so
-/// no lock file needs a mode every publisher may open.
+/// One numbering or activation at a time per image, across processes: two publishers would pick
+/// the same next number, two activations share the `current` marker's temporary name. The
+/// image's directory itself is locked (`flock`), so no lock file needs a mode every publisher
+/// may open. Held briefly: files are written before it is taken. Taking it also removes the
+/// partial files this host's dead publishers left.
 fn lock_image(dir: &Path) -> Result<std::fs::File, ServerError> {
     let lock = std::fs::File::open(dir)
         .and_then(|lock| crate::files::lock_exclusive(&lock).map(|()| lock))

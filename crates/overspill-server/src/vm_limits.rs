@@ -1,6 +1,6 @@
-//! Each VM's I/O limits, and its group's, kept by name for the server's life: a VM that
-//! reconnects keeps its buckets (its debt too), and `vm limit` may set a VM's or a group's
-//! limits before it connects. A VM's requests pass its own limits and its group's, which all
+//! Each VM's I/O limits, and its group's, kept by name: a VM that reconnects keeps its buckets
+//! (its debt too), and `vm limit` may set a VM's or a group's limits before it connects; a VM's
+//! own goes with the VM unless `vm limit` set it (see [`VmLimits::forget_vm`]). A VM's requests pass its own limits and its group's, which all
 //! the group's VMs share. A VM's group is the first named group (`serve --group
 //! NAME=GLOB,…`) whose patterns match its name, else its image's (`image:NAME`). The buckets
 //! themselves, and the layer that makes requests wait, are overspill-block's ([`Limiter`]).
@@ -123,7 +123,7 @@ impl VmLimits {
     }
 
     /// The limiters a connection of VM `vm` over image `image` passes: the VM's own (made with
-    /// the default limits at the name's first use, and kept; an unnamed VM gets one of its own
+    /// the default limits at the name's first use, kept while the VM is; an unnamed VM gets one of its own
     /// only with default limits), then its group's. A limiter without limits lets requests by
     /// without a lock, so the group's is always there, for `vm limit --group` to set live.
     pub fn limiters_for(&self, vm: Option<&str>, image: &str) -> Vec<Arc<Limiter>> {

@@ -499,7 +499,6 @@ impl VmRegistry {
         lock(&self.inner).lost.insert(vm.to_owned(), format!("its state could not be recovered: {why}"));
     }
 
-    /// Names the image version a VM just claimed got, for logs, metrics and `vm list`.
     /// What VM `vm` runs over (`IMAGE:VERSION` for a version of the store), if this server
     /// holds it.
     pub fn booted_label(&self, vm: &str) -> Option<String> {
@@ -508,6 +507,7 @@ impl VmRegistry {
         inner.vms.get(number).map(|entry| entry.handle.export.clone())
     }
 
+    /// Names the image version a VM just claimed got, for logs, metrics and `vm list`.
     pub fn label(&self, number: u64, image_label: &str) {
         if let Some(entry) = lock(&self.inner).vms.get_mut(&number) {
             entry.handle.export = image_label.to_owned();

@@ -108,7 +108,9 @@ impl VmRegistry {
             }
             watch.keep_only(&numbers);
         }
-        let mut vms = in_grace;
+        // In-grace VMs that cannot give now (the spill budget owes) are left out of the plan, so
+        // that quiet connected VMs are asked instead.
+        let mut vms = if grace_chunk_bytes(&self.limits).is_some() { in_grace } else { Vec::new() };
         for (number, live, quiet) in &connected {
             // Checked before the overlay's lock is tried, not under it: the pass never holds two
             // locks at once. A move that begins in between finds blocks moved within the

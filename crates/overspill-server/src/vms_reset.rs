@@ -179,7 +179,11 @@ impl VmRegistry {
         }
         let Some(&number) = inner.names.get(vm) else {
             drop(inner);
-            return if orphans { self.reset_orphan(vm) } else { Err(ServerError::NoSuchVm(vm.to_owned())) };
+            return if orphans {
+                self.reset_orphan(vm, even_connected)
+            } else {
+                Err(ServerError::NoSuchVm(vm.to_owned()))
+            };
         };
         let entry = inner.vms.get_mut(&number).expect("names point at entries");
         if let Some(moving) = &entry.moving {
@@ -206,15 +210,16 @@ impl VmRegistry {
     /// A VM this server does not hold, whose ledger entry a server gone since this one started
     /// left (one still exiting then): its state is given up, so that a start after the reset
     /// (the libvirt hook's) does not rebuild it. Anything else is no VM of this server's.
-    fn reset_orphan(&self, vm: &str) -> Result<String, ServerError> {
+    fn reset_orphan(&self, vm: &str, even_connected: bool) -> Result<String, ServerError> {
         let Some(ledger) = &self.ledger else { return Err(ServerError::NoSuchVm(vm.to_owned())) };
         let one_at_a_time = self.orphans();
         let known = |inner: &Registered| inner.names.contains_key(vm) || inner.lost.contains_key(vm);
         let orphan = ledger.orphan(vm);
         if known(&lock(&self.inner)) {
-            // Came in meanwhile (a connection, a refusal): reset as such, once.
+            // Came in meanwhile (a connection, a refusal): reset as such, once, and refused as
+            // such if it is connected and the caller asked for that.
             drop(one_at_a_time);
-            return self.end_by_name_or_orphan(vm, true, false);
+            return self.end_by_name_or_orphan(vm, even_connected, false);
         }
         match orphan {
             Some(Ok(orphan)) => ledger.retire(vm, &orphan.state, remove_leftover_state_files),

@@ -159,8 +159,9 @@ impl Sampler {
 
     /// One second's work, given what free memory was read as; false once the server is gone.
     /// A second whose free memory cannot be read (the process out of file descriptors in a
-    /// connection burst) skips the budget's rebalance and does the rest: once the sampler
-    /// ended there, for the server's life, and caps cut under pressure stayed cut.
+    /// connection burst) is skipped, rebalance and give-back alike, and the next one tries
+    /// again: once the sampler ended there, for the server's life, and caps cut under pressure
+    /// stayed cut.
     fn tick(&mut self, available: std::io::Result<u64>) -> bool {
         match available {
             // Under a cgroup limit (MemoryMax=, a container) the room left in it is what counts
@@ -179,6 +180,8 @@ impl Sampler {
                     tracing::warn!(%error, seconds = self.unreadable, "cannot read free memory; the free floor is not enforced until it can be");
                 }
                 self.unreadable += 1;
+                // Nor given back for: the last sample's shortage may be long over.
+                return self.registry.strong_count() > 0;
             }
         }
         let Some(registry) = self.registry.upgrade() else { return false };
