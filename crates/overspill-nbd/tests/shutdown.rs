@@ -231,17 +231,23 @@ fn an_idle_server_stops_at_once_and_a_second_shutdown_is_harmless() {
     assert_eq!(h.exports.opened.load(Ordering::SeqCst), 0, "the wake-up connection opened no device");
 }
 
+/// A server of one export of `size` bytes on a TCP port of its own: the server, its address,
+/// its accept loop.
+fn tcp_server(size: usize) -> (Arc<Server>, String, std::thread::JoinHandle<std::io::Result<()>>) {
+    let listener = Arc::new(Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".into())).expect("bind"));
+    let ListenAddr::Tcp(addr) = listener.local_addr() else { panic!("a TCP listener has a TCP address") };
+    let server = Arc::new(Server::new(Arc::new(OneExport::new("disk", size)), ServerConfig::default()));
+    let accept_loop = {
+        let server = server.clone();
+        std::thread::spawn(move || server.run(&listener))
+    };
+    (server, addr, accept_loop)
+}
+
 /// The same drain over TCP: shutting a TCP socket for reading also wakes a blocked read.
 #[test]
 fn shutdown_closes_idle_tcp_connections() {
-    let listener = Arc::new(Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".into())).expect("bind"));
-    let ListenAddr::Tcp(addr) = listener.local_addr() else { panic!("a TCP listener has a TCP address") };
-    let exports = Arc::new(OneExport::new("disk", SIZE));
-    let server = Arc::new(Server::new(exports, ServerConfig::default()));
-    let accept_loop = {
-        let (server, listener) = (server.clone(), listener.clone());
-        std::thread::spawn(move || server.run(&listener))
-    };
+    let (server, addr, accept_loop) = tcp_server(SIZE);
     let stream = std::net::TcpStream::connect(&addr).expect("connect");
     let mut client = Client::handshake(Box::new(stream), "disk", false).expect("handshake");
     client.write(0, &[7; BLOCK], false).expect("write");
@@ -258,14 +264,7 @@ fn shutdown_closes_idle_tcp_connections() {
 /// timer 2), an idle socket without keepalive with none.
 #[test]
 fn idle_tcp_connections_are_probed_by_keepalive() {
-    let listener = Arc::new(Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".into())).expect("bind"));
-    let ListenAddr::Tcp(addr) = listener.local_addr() else { panic!("a TCP listener has a TCP address") };
-    let exports = Arc::new(OneExport::new("disk", SIZE));
-    let server = Arc::new(Server::new(exports, ServerConfig::default()));
-    let accept_loop = {
-        let (server, listener) = (server.clone(), listener.clone());
-        std::thread::spawn(move || server.run(&listener))
-    };
+    let (server, addr, accept_loop) = tcp_server(SIZE);
     let stream = std::net::TcpStream::connect(&addr).expect("connect");
     let (server_port, client_port) =
         (stream.peer_addr().expect("peer").port(), stream.local_addr().expect("local").port());
@@ -304,14 +303,7 @@ fn idle_tcp_connections_are_probed_by_keepalive() {
 #[test]
 fn a_stop_over_tcp_delivers_the_reply_in_hand_whole() {
     const LARGE: usize = 32 << 20;
-    let listener = Arc::new(Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".into())).expect("bind"));
-    let ListenAddr::Tcp(addr) = listener.local_addr() else { panic!("a TCP listener has a TCP address") };
-    let exports = Arc::new(OneExport::new("disk", LARGE));
-    let server = Arc::new(Server::new(exports, ServerConfig::default()));
-    let accept_loop = {
-        let (server, listener) = (server.clone(), listener.clone());
-        std::thread::spawn(move || server.run(&listener))
-    };
+    let (server, addr, accept_loop) = tcp_server(LARGE);
     // A small receive buffer, set before the connection is made (the window is taken then):
     // the server's last bytes are still in its send queue when it closes.
     let stream = {
