@@ -196,7 +196,8 @@ impl Model {
                 let name = String::from_utf8_lossy(data);
                 // Named in the error as logs show it: cut short.
                 let shown = overspill_nbd::wire::truncate_utf8(&name, overspill_nbd::handshake::SHOWN_BYTES).to_owned();
-                return ended(options, pos, Outcome::Error(HandshakeError::ExportRefused(shown)));
+                let unknown = overspill_nbd::counters::Refusal::UnknownExport;
+                return ended(options, pos, Outcome::Error(HandshakeError::ExportRefused(shown, unknown)));
             }
             pos += 16 + data.len();
             options.push((option, Some(data)));
