@@ -49,7 +49,9 @@ impl Budgeted {
         if reads.ops == 0 || !self.budget.is_active() {
             return reads;
         }
-        if self.vm.as_deref().is_some_and(|vm| self.pacing.is_booting(vm)) {
+        let ahead =
+            FOR_A_MOVE.with(|moving| moving.get()) || self.vm.as_deref().is_some_and(|vm| self.pacing.is_booting(vm));
+        if ahead {
             self.budget.charge_ahead(reads.ops, reads.bytes);
         } else {
             let wait = reserve(std::slice::from_ref(&self.budget), reads.ops, reads.bytes);
@@ -68,8 +70,23 @@ impl Budgeted {
 
 thread_local! {
     /// What the golden reads of the request this thread serves owe the budget. Frontends serve
-    /// a request's device calls on one thread; other readers (a move to a peer) owe nothing.
+    /// a request's device calls on one thread; a move's reads go ahead ([`for_a_move`]).
     static OWED: RefCell<Option<(Arc<Limiter>, Duration)>> = const { RefCell::new(None) };
+}
+
+thread_local! {
+    /// This thread reads for a VM's move to a peer ([`for_a_move`]).
+    static FOR_A_MOVE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `read` (a read a peer asked for, moving a VM) with its golden fetches going ahead, as a
+/// booting VM's do: a move is not held up, and the debt it leaves the other VMs is bounded
+/// (charged as ordinary fetches, which nobody waited out on this thread, it was unbounded).
+pub fn for_a_move<T>(read: impl FnOnce() -> T) -> T {
+    FOR_A_MOVE.with(|moving| moving.set(true));
+    let done = read();
+    FOR_A_MOVE.with(|moving| moving.set(false));
+    done
 }
 
 /// Waits out what the request this thread served owes the golden budget: called by the device
@@ -130,6 +147,25 @@ mod tests {
 
     use super::*;
     use crate::boot_pacing::PacingSettings;
+
+    /// A move's golden fetches go ahead: they never wait, and the debt they leave the other VMs
+    /// is bounded by the budget's floor however much the move reads.
+    #[test]
+    fn a_moves_fetches_go_ahead_and_leave_a_bounded_debt() {
+        let image: Arc<dyn GoldenImage> = Arc::new(MemImage::new(vec![7u8; 8 << 20]));
+        let budget =
+            Limiter::new(Limits { ops: Some(Rate { per_second: 20, burst: 1 }), bytes: None }, SystemClock::shared());
+        let view = Budgeted::view(image, budget.clone(), Arc::new(BootPacing::default()), Some("moving".into()));
+        let mut buf = vec![0u8; 4096];
+        for_a_move(|| {
+            for chunk in 0..200u64 {
+                view.read_at(&mut buf, chunk * 4096).expect("read");
+            }
+        });
+        assert!(OWED.with(|owed| owed.borrow().is_none()), "nothing left owed on the peer's thread");
+        let next = reserve(std::slice::from_ref(&budget), 1, 0);
+        assert!(next <= Duration::from_millis(2100), "the others owe {next:?} for 200 fetches at 20 a second");
+    }
 
     #[test]
     fn fetches_wait_for_the_budget_hits_and_booting_vms_do_not() {

@@ -302,7 +302,7 @@ fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &A
                     continue;
                 }
                 let mut buf = vec![0u8; length as usize];
-                match registry.read_for_peer(&vm, offset, &mut buf) {
+                match crate::golden_budget::for_a_move(|| registry.read_for_peer(&vm, offset, &mut buf)) {
                     Ok(true) => link.send(&Message::Data, &buf)?,
                     Ok(false) => link.send(&Message::NotHere, &[])?,
                     Err(why) => link.send(&Message::ReadFailed { why }, &[])?,
