@@ -162,14 +162,7 @@ impl Limiter {
     /// now: at most what a request waiting here still has to wait, whatever it was told when
     /// it came, and what the next request would wait at least.
     pub fn owed(&self) -> Duration {
-        if !self.is_active() {
-            return Duration::ZERO;
-        }
-        let now = self.clock.now();
-        let mut state = self.lock();
-        let ops = state.ops.as_mut().map_or(Duration::ZERO, |b| b.charge(0, now));
-        let bytes = state.bytes.as_mut().map_or(Duration::ZERO, |b| b.charge(0, now));
-        ops.max(bytes)
+        self.charge(0, 0)
     }
 
     pub fn limits(&self) -> Limits {

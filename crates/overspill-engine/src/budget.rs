@@ -22,7 +22,7 @@
 //! block each, which the next rebalance corrects.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 const NO_CAP: u64 = u64::MAX;
@@ -55,7 +55,7 @@ pub struct HostMemory {
     /// The per-VM cap came from the VMs going over `--ram-total` (each cut to its fair share):
     /// it grows back only by the room the cap leaves, not by free memory, which says nothing
     /// of it (lifted the next second, the cut let the first VMs keep it all again).
-    cut_by_cap: std::sync::atomic::AtomicBool,
+    cut_by_cap: AtomicBool,
 }
 
 /// Why VMs were held since the last pass (bits of [`HostMemory::take_held`]).
@@ -80,7 +80,7 @@ impl HostMemory {
             read_cache_floor_bytes: AtomicU64::new(0),
             budget_bytes: AtomicU64::new(cap_bytes),
             read_caches: AtomicU64::new(0),
-            cut_by_cap: std::sync::atomic::AtomicBool::new(false),
+            cut_by_cap: AtomicBool::new(false),
         })
     }
 

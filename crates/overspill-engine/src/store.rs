@@ -348,7 +348,8 @@ pub fn scratch_file_owner(name: &str) -> Option<ScratchOwner<'_>> {
     let (pid, rest) = rest.split_once('-')?;
     let (stem, kind) = rest.rsplit_once('.')?;
     let this_host = match stem.split_once('-') {
-        Some((what, mark)) => Some((!what.is_empty()).then(|| same_host(mark, host_mark()))?),
+        Some(("", _)) => return None,
+        Some((_, mark)) => Some(same_host(mark, host_mark())),
         None => None,
     };
     Some(ScratchOwner { pid: pid.parse().ok()?, this_host, kind })

@@ -451,22 +451,11 @@ impl AcceptFailures {
 }
 
 /// Replies are batched by the connection, so Nagle would only add latency. Keepalive probes
-/// find a client whose host died or vanished behind a partition (no FIN, no RST): the server
-/// never sends on an idle connection, so without them it would wait for ever, the VM "still
-/// connected" and refused at its next connection. With them the connection is lost in about a
-/// minute and the VM waits out its grace for its client, as after any lost connection. A live
-/// host answers the probes whatever its VM does (a paused VM included).
-pub fn configure_accepted(stream: &std::net::TcpStream) -> std::io::Result<()> {
-    use rustix::net::sockopt;
+/// (see [`overspill_net::transport::keep_alive`]) find a client whose host died without a word:
+/// the server never sends on an idle connection, so without them the VM would stay "connected"
+/// for ever and be refused at its next connection; with them the connection is lost in about a
+/// minute and the VM waits out its grace for its client, as after any lost connection.
+fn configure_accepted(stream: &std::net::TcpStream) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
-    sockopt::set_socket_keepalive(stream, true)?;
-    sockopt::set_tcp_keepidle(stream, KEEPALIVE_IDLE)?;
-    sockopt::set_tcp_keepintvl(stream, KEEPALIVE_INTERVAL)?;
-    Ok(sockopt::set_tcp_keepcnt(stream, KEEPALIVE_PROBES)?)
+    overspill_net::transport::keep_alive(stream)
 }
-
-/// Idle time before the first probe, the time between probes, and the probes unanswered
-/// before the connection counts as lost.
-pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
-pub const KEEPALIVE_PROBES: u32 = 3;

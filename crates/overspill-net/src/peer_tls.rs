@@ -27,8 +27,6 @@ use crate::tls::{common_name, invalid, read_chain, read_key, read_roots, TlsErro
 /// network (so a slow reader holds back its peer, not memory).
 const HELD_FOR_READER: usize = 1 << 20;
 const RELAY_BUFFER: usize = 64 << 10;
-/// How long a relay that is done waits for the peer's end of the connection.
-const LINGER: Duration = Duration::from_secs(2);
 /// How long a connecting peer has to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -159,10 +157,7 @@ fn relayed(mut connection: Connection, tcp: TcpStream) -> io::Result<PeerStream>
     let (near, far) = UnixStream::pair()?;
     // A peer host that vanishes ends the link in about a minute, not never: idle, by
     // keepalive probes; with data unacknowledged, by the user timeout.
-    rustix::net::sockopt::set_socket_keepalive(&tcp, true)?;
-    rustix::net::sockopt::set_tcp_keepidle(&tcp, Duration::from_secs(30))?;
-    rustix::net::sockopt::set_tcp_keepintvl(&tcp, Duration::from_secs(10))?;
-    rustix::net::sockopt::set_tcp_keepcnt(&tcp, 3)?;
+    crate::transport::keep_alive(&tcp)?;
     rustix::net::sockopt::set_tcp_user_timeout(&tcp, 60_000)?;
     tcp.set_nonblocking(true)?;
     far.set_nonblocking(true)?;
@@ -315,7 +310,7 @@ fn relay(mut tls: Connection, mut tcp: TcpStream, mut local: UnixStream) -> io::
         }
     }
     if ends.network_up {
-        crate::transport::linger(&tcp, LINGER);
+        crate::transport::linger(&tcp);
     }
     failure.map_or(Ok(()), Err)
 }

@@ -195,17 +195,15 @@ impl ImageStore {
         // Each layer fetched under a name of this process's own, before the lock.
         let partials: Vec<PathBuf> =
             manifest.layers.iter().map(|_| crate::files::partial_path(&checkpoints, "import")).collect();
-        let partial_of = |layer: usize| partials[layer].clone();
         let mut fetched = Vec::new();
         let mut below = self.version(image, version)?;
         let outcome = (|| {
-            for (index, layer) in manifest.layers.iter().enumerate() {
+            for (layer, partial) in manifest.layers.iter().zip(&partials) {
                 let target = self.checkpoint(image, &layer.name).ok();
-                let partial = partial_of(index);
                 if target.is_none() {
-                    let _ = std::fs::remove_file(&partial);
+                    let _ = std::fs::remove_file(partial);
                     fetched.push(partial.clone());
-                    fetch_layer(place, image, layer, &partial, &checkpoint_backing(&below))
+                    fetch_layer(place, image, layer, partial, &checkpoint_backing(&below))
                         .map_err(|e| ServerError::io(format!("bringing in layer {}", layer.name), e))?;
                 }
                 below = Version {
@@ -216,7 +214,7 @@ impl ImageStore {
             }
             self.with_lock(image, |store| {
                 let mut below = store.version(image, version)?;
-                for (index, layer) in manifest.layers.iter().enumerate() {
+                for (layer, partial) in manifest.layers.iter().zip(&partials) {
                     match store.checkpoint(image, &layer.name) {
                         Ok(there) => {
                             let backing =
@@ -230,7 +228,7 @@ impl ImageStore {
                             }
                         }
                         Err(_) => {
-                            store.link_checkpoint(image, &layer.name, &partial_of(index))?;
+                            store.link_checkpoint(image, &layer.name, partial)?;
                         }
                     }
                     below = store.checkpoint(image, &layer.name)?;

@@ -565,8 +565,8 @@ impl ExportProvider for OverlayExports {
                 // of that one, an INFO agrees with the GO after it (NBD requires the same answer).
                 let booted =
                     name.split_once('@').and_then(|(_, vm)| self.registry.booted_label(vm)).and_then(|label| {
-                        let (image, version) = label.split_once(':')?;
-                        (image == image_name).then(|| versions.store().version(image, version).ok()).flatten()
+                        let (image, version) = label.split_once(':').filter(|(image, _)| *image == image_name)?;
+                        versions.store().version(image, version).ok()
                     });
                 let version = match booted {
                     Some(version) => Ok(version),

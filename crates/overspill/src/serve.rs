@@ -22,6 +22,7 @@ use sd_notify::NotifyState;
 use crate::metrics;
 
 mod memory;
+mod socket;
 use crate::security::SecurityArgs;
 use crate::size::{format_bytes, parse_bytes};
 use memory::{
@@ -36,6 +37,7 @@ use overspill_server::vm_limits::HostBudget;
 use overspill_server::vms::Lifecycle;
 use overspill_server::vms::VmRegistry;
 use overspill_vhost::{VhostExport, VhostExports, VhostSettings};
+use socket::{inherited_listener, listen, parse_socket_mode, socket_access, DEFAULT_LISTEN};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -350,6 +352,8 @@ static RESTART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     check_sizes_and_limits(&args)?;
+    // The socket group's lookup and membership, before anything starts.
+    let access = socket_access(&args)?;
     // First of all the work of starting: a service manager's setup gone wrong is reported at
     // once, not after the images are opened and every VM of the last server is rebuilt.
     let inherited = inherited_listener()?;
@@ -449,9 +453,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     let server = Server::new(exports.clone(), config);
     // Before the socket exists: a signal once clients can connect always drains.
     spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
-    let vhost = serve_vhost_user(&args, &state_dir, exports)?;
+    let vhost = serve_vhost_user(&args, access, &state_dir, exports)?;
     control.serve_sockets(vhost.clone());
-    let listener = listen(&args, inherited)?;
+    let listener = listen(&args, access, inherited)?;
     // Absolute, as a hook comparing a domain's socket with it resolves paths from elsewhere.
     let nbd_listen = match listener.local_addr() {
         ListenAddr::Unix(path) => ListenAddr::Unix(std::path::absolute(&path).unwrap_or(path)),
@@ -535,6 +539,7 @@ fn serve_peers(
 /// connects at its start).
 fn serve_vhost_user(
     args: &ServeArgs,
+    access: SocketAccess,
     state_dir: &Path,
     exports: Arc<dyn overspill_block::ExportProvider>,
 ) -> anyhow::Result<Arc<VhostExports>> {
@@ -559,7 +564,7 @@ fn serve_vhost_user(
     }
     let settings = VhostSettings {
         dir: dir.clone(),
-        access: socket_access(args)?,
+        access,
         queues: args.vhost_user_queues,
         poll: Duration::from_micros(args.poll_us),
         record: Some((state_dir.join("vhost-user-vms"), write_vhost_user_record)),
@@ -615,8 +620,6 @@ fn check_sizes_and_limits(args: &ServeArgs) -> anyhow::Result<()> {
     if !args.remote_chunk.is_power_of_two() || args.remote_chunk < 4096 {
         bail!("--remote-chunk {} must be a power of two of at least 4K", format_bytes(args.remote_chunk));
     }
-    // The socket group's lookup and membership, before anything starts.
-    socket_access(args)?;
     if args.boot_time.is_zero() {
         bail!("--boot-time must be above 0 (without --boot-max, boots only give golden-image fetches priority)");
     }
@@ -704,35 +707,6 @@ fn server_config(args: &ServeArgs, security: Security, counters: Arc<ProtocolCou
     }
 }
 
-/// Where the server listens when neither `--listen` nor systemd says.
-const DEFAULT_LISTEN: &str = "tcp:127.0.0.1:10809";
-
-/// The socket systemd handed over, or one bound at `--listen` with the access asked for.
-fn listen(args: &ServeArgs, inherited: Option<Listener>) -> anyhow::Result<Listener> {
-    if let Some(listener) = inherited {
-        // The socket unit says who may connect (SocketMode=, SocketGroup=).
-        if args.socket_mode.is_some() || args.socket_group.is_some() {
-            tracing::warn!("--socket-mode and --socket-group are ignored for a socket handed over by systemd");
-        }
-        // The socket unit says where (ListenStream=): a `listen` set in the config for another
-        // address would otherwise leave its clients refused with no word why.
-        if args.listen.to_string() != DEFAULT_LISTEN {
-            tracing::warn!(
-                listen = %args.listen,
-                "--listen is ignored: the socket systemd handed over is served (set ListenStream= in overspill.socket)"
-            );
-        }
-        return Ok(listener);
-    }
-    let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
-    if let ListenAddr::Unix(path) = &args.listen {
-        socket_access(args)?.apply(path)?;
-    } else if args.socket_mode.is_some() || args.socket_group.is_some() {
-        bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
-    }
-    Ok(listener)
-}
-
 /// After the accept loop returned: connections finish the request in hand, VMs in grace are
 /// handed to the next server, and the end says whether this process becomes that server.
 fn drain(
@@ -794,37 +768,6 @@ fn raise_open_file_limit() {
     tracing::info!(limit, vms = limit / DESCRIPTORS_PER_VM, "open-file limit (about this many VMs fit)");
 }
 
-/// The listening socket systemd handed over (socket activation: `LISTEN_FDS` for this
-/// process), if any. Only the first is served.
-fn inherited_listener() -> anyhow::Result<Option<Listener>> {
-    use std::os::fd::FromRawFd;
-    // The variables stay: unsetting them while other threads run (the memory sampler, the
-    // signal thread) races their reads of the environment. They name this pid, which no child
-    // has, and a restart in place sets them anew.
-    // Variables for another process (a wrapper that started this one as its child) are not
-    // ours to judge; sd_notify would still hold their names against no sockets.
-    let ours = std::env::var("LISTEN_PID").ok().and_then(|pid| pid.trim().parse::<u32>().ok());
-    if ours != Some(std::process::id()) {
-        return Ok(None);
-    }
-    // Variables for this process that do not parse, or name sockets it was not passed, are the
-    // service manager's setup gone wrong: serving a socket of our own instead would leave the
-    // manager's unanswered.
-    let fds = sd_notify::listen_fds_with_names(false)
-        .context("the sockets the service manager passed (LISTEN_FDS, LISTEN_FDNAMES) do not add up")?;
-    let mut fds = fds.map(|(fd, _name)| fd);
-    let Some(fd) = fds.next() else { return Ok(None) };
-    if fds.next().is_some() {
-        tracing::warn!("systemd passed more than one socket: only the first is served");
-    }
-    // SAFETY: the service manager passed this descriptor to this process (LISTEN_PID is ours,
-    // checked by listen_fds) for it alone to use; nothing else in the process owns it.
-    let socket = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-    let listener = Listener::from_inherited(socket).context("the socket systemd passed (LISTEN_FDS)")?;
-    tracing::info!(listen = %listener.local_addr(), "serving the socket systemd passed");
-    Ok(Some(listener))
-}
-
 /// Tells systemd (Type=notify) how the server is doing; nothing without NOTIFY_SOCKET.
 fn notify_service_manager(states: &[NotifyState<'_>]) {
     if let Err(error) = sd_notify::notify(false, states) {
@@ -872,44 +815,6 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(format!("{text:?}: at most 100 years"));
     }
     Ok(duration)
-}
-
-fn parse_socket_mode(text: &str) -> Result<u32, String> {
-    match u32::from_str_radix(text, 8) {
-        Ok(mode) if mode <= 0o777 => Ok(mode),
-        _ => Err(format!("{text:?}: give permission bits in octal, for example 660")),
-    }
-}
-
-/// `--socket-mode` and `--socket-group`, the group looked up by name unless it is a number.
-fn socket_access(args: &ServeArgs) -> anyhow::Result<SocketAccess> {
-    let group = match args.socket_group.as_deref() {
-        None => None,
-        Some(group) => Some(match group.parse::<u32>() {
-            Ok(gid) => gid,
-            Err(_) => nix::unistd::Group::from_name(group)
-                .with_context(|| format!("looking up group {group:?}"))?
-                .with_context(|| format!("--socket-group {group:?}: no such group"))?
-                .gid
-                .as_raw(),
-        }),
-    };
-    // Found at the first socket it would fail, and take every VM of the server down with it: a
-    // user may give its files only to its own groups (the packaged unit's dynamic user is in
-    // none of QEMU's).
-    if let (Some(gid), Some(name)) = (group, args.socket_group.as_deref()) {
-        let member = nix::unistd::geteuid().is_root()
-            || nix::unistd::getegid().as_raw() == gid
-            || nix::unistd::getgroups().is_ok_and(|groups| groups.iter().any(|g| g.as_raw() == gid));
-        if !member {
-            bail!(
-                "--socket-group {name}: this server's user is in no such group, so it cannot give its sockets to it; \
-                 add the user to the group (the packaged unit: SupplementaryGroups={name} in a drop-in, \
-                 systemctl edit overspill)"
-            );
-        }
-    }
-    Ok(SocketAccess { mode: args.socket_mode, group })
 }
 
 /// The default memory directory, in /dev/shm, named after the state directory: once no VM's
