@@ -98,9 +98,7 @@ fn fatal(json: bool, message: &str) {
 }
 
 fn main() -> ExitCode {
-    // Where the binary is now: a restart in place runs what is at this path then, which is the
-    // new release after an upgrade (the running file may be gone by then).
-    let executable = std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
+    let executable = started_as();
     let cli = match parse_cli() {
         Ok(cli) => cli,
         Err(error) => {
@@ -249,6 +247,31 @@ fn page_has_subcommands(subcommand: &Option<String>) -> bool {
 /// Becomes the program at `executable` with this process's arguments: same pid, so systemd
 /// and the VMs' ledger see the same server. A listening socket systemd passed goes along as
 /// fd 3 (`LISTEN_FDS=1`, `LISTEN_PID` this pid). Returns only if the exec failed.
+/// The path this program was started by, for a restart in place to run what is at that path
+/// then: the new release after an upgrade. Symbolic links are kept (a link flipped to a new
+/// version's directory, `update-alternatives`, a Nix profile): the resolved file is the old
+/// release, or gone. A bare name is looked up in `PATH` now, as the shell did; a name that finds
+/// nothing (`exec -a`) falls back to the file running, resolved.
+fn started_as() -> std::path::PathBuf {
+    use std::path::{Path, PathBuf};
+    let running = || std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
+    let Some(name) = std::env::args_os().next().map(PathBuf::from) else {
+        return running();
+    };
+    let candidates: Vec<PathBuf> = if name.components().count() > 1 {
+        // Relative to where it was started: the server may not stay there.
+        vec![std::env::current_dir().map(|cwd| cwd.join(&name)).unwrap_or(name)]
+    } else {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        std::env::split_paths(&path).filter(|dir| dir.is_absolute()).map(|dir| dir.join(&name)).collect()
+    };
+    let is_program = |path: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    candidates.into_iter().find(|path| is_program(path)).unwrap_or_else(running)
+}
+
 fn restart_in_place(executable: &std::path::Path, listener: Option<std::os::fd::OwnedFd>) -> std::io::Error {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;

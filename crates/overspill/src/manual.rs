@@ -88,7 +88,7 @@ fn exit_status(subcommand: Option<&str>) -> Vec<(&'static str, &'static str)> {
 
 const SIGNALS: &[(&str, &str)] = &[
     ("SIGTERM, SIGINT", "serve drains: each connection finishes the request in hand (10 s at most), every named VM is handed over to the next server (its pages stay in the memory directory, its spill file and ledger entry in the spill directory), the socket is removed, and the process exits 0. A second one exits at once with status 1."),
-    ("SIGHUP", "serve drains as for SIGTERM, then executes the binary now at its path with the same arguments and the same pid (systemctl reload: an upgrade or new settings); systemd's socket is passed on. VMs stall for a moment and lose nothing."),
+    ("SIGHUP", "serve drains as for SIGTERM, then executes the binary now at the path it was started by (links followed anew) with the same arguments and the same pid (systemctl reload: an upgrade or new settings); systemd's socket is passed on. VMs stall for a moment and lose nothing."),
     ("SIGKILL, a crash", "Nothing acknowledged is lost: the next server finds each named VM through the ledger and serves it again, or refuses it by name (state lost) until overspill vm reset; it never serves golden data where a VM wrote."),
 ];
 

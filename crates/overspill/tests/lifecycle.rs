@@ -836,6 +836,53 @@ fn sighup_restarts_the_server_in_place_and_vms_resume() {
     host.assert_golden_untouched();
 }
 
+/// An upgrade that flips a link (a versioned install directory, `update-alternatives`): SIGHUP
+/// runs what the path the server was started by names now, the new release, not the file the
+/// link resolved to at start.
+#[test]
+fn sighup_runs_the_release_the_start_path_names_now() {
+    use std::os::unix::fs::{symlink, PermissionsExt};
+    let host = Host::new();
+    let dir = host.dir.path();
+    let installed = dir.join("overspill");
+    symlink(env!("CARGO_BIN_EXE_overspill"), &installed).expect("link to the first release");
+    let listen = format!("unix:{}", host.socket.display());
+    let args = ["--base", host.golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "1M"];
+    let socket = host.socket.clone();
+    let server = Serve::start_as(&installed, dir, &args, move || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let mut writer = host.connect("writer");
+    let written = write_pattern(&mut writer, 52);
+    drop(writer);
+
+    // The "next release": a program that leaves a mark, then runs the binary.
+    let marker = dir.join("next-release-ran");
+    let next = dir.join("next-release");
+    let script = format!("#!/bin/sh\necho \"$$\" > '{}'\nexec '{}' \"$@\"\n", marker.display(), env!("CARGO_BIN_EXE_overspill"));
+    std::fs::write(&next, script).expect("next release");
+    std::fs::set_permissions(&next, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let flipping = dir.join("overspill.new");
+    symlink(&next, &flipping).expect("new link");
+    std::fs::rename(&flipping, &installed).expect("flip the link");
+
+    let pid = server.child.id();
+    let hup = Command::new("kill").args(["-HUP", &pid.to_string()]).status().expect("kill");
+    assert!(hup.success());
+    let deadline = Instant::now() + WAIT;
+    while server.log_text().matches("serving").count() < 2 {
+        assert!(Instant::now() < deadline, "no second serving line after SIGHUP:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ran = std::fs::read_to_string(&marker).unwrap_or_else(|_| {
+        panic!("the restart ran the release the link named at start, not the one it names now:\n{}", server.log_text())
+    });
+    assert_eq!(ran.trim(), pid.to_string(), "the next release ran as another process");
+    let mut writer = host.connect("writer");
+    assert_same(&read_start(&mut writer, WRITTEN_BYTES), &written, "after the upgrade");
+    writer.disconnect().expect("disconnect");
+    let mut server = server;
+    server.assert_running();
+}
+
 /// Reloads asked for faster than the server restarts (a script, an impatient operator): one
 /// during a drain joins it, one while the new program starts is ignored (SIGHUP's default action
 /// would end the process there); none ends the server or a VM's writes.

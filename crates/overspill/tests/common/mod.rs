@@ -134,15 +134,23 @@ impl Serve {
     /// Anonymous connections may write (`--anonymous-writes`), as most tests of the protocol
     /// and the engine need.
     pub fn start(dir: &Path, args: &[&str], env: &[(&str, &str)], ready: impl Fn() -> bool) -> Self {
-        Self::start_with(dir, args, env, ready, true)
+        Self::start_with(Path::new(env!("CARGO_BIN_EXE_overspill")), dir, args, env, ready, true)
     }
 
     /// As [`Self::start`], with the server's default for anonymous connections (read-only).
     pub fn start_named_only(dir: &Path, args: &[&str], env: &[(&str, &str)], ready: impl Fn() -> bool) -> Self {
-        Self::start_with(dir, args, env, ready, false)
+        Self::start_with(Path::new(env!("CARGO_BIN_EXE_overspill")), dir, args, env, ready, false)
+    }
+
+    /// As [`Self::start_named_only`], the server started by the path `program` (a link to the
+    /// binary, as a package manager or an operator may install it).
+    #[allow(dead_code)]
+    pub fn start_as(program: &Path, dir: &Path, args: &[&str], ready: impl Fn() -> bool) -> Self {
+        Self::start_with(program, dir, args, &[], ready, false)
     }
 
     fn start_with(
+        program: &Path,
         dir: &Path,
         args: &[&str],
         env: &[(&str, &str)],
@@ -150,7 +158,7 @@ impl Serve {
         anonymous_writes: bool,
     ) -> Self {
         let log = dir.join("server.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        let child = Command::new(program)
             .arg("serve")
             .args(["--spill-dir", dir.join("spill").to_str().expect("utf-8 temp path")])
             .args(if args.contains(&"--ram-floor") { &[][..] } else { &["--ram-floor", "0"][..] })
