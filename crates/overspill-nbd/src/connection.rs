@@ -144,11 +144,14 @@ pub fn serve_secured_connection<T: Transport>(
     counters: &Arc<ProtocolCounters>,
     stop: &AtomicBool,
 ) -> Result<Ending, ConnectionError> {
-    serve_tracked(stream, exports, limits, security, counters, stop, &mut || {})
+    serve_tracked(stream, exports, limits, security, counters, stop, &mut || {}, &|| false)
 }
 
 /// Like [`serve_secured_connection`], calling `handshake_over` once the handshake has opened an
-/// export (the server counts connections still in their handshake).
+/// export (the server counts connections still in their handshake). A connection for which
+/// `shed` says yes at its end was cut off by the server to make room, and counted so then: how
+/// the cut ended it (an error of the shut stream, TLS's or the handshake's) is not counted again.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn serve_tracked<T: Transport>(
     stream: T,
     exports: &dyn ExportProvider,
@@ -157,8 +160,12 @@ pub(crate) fn serve_tracked<T: Transport>(
     counters: &Arc<ProtocolCounters>,
     stop: &AtomicBool,
     handshake_over: &mut dyn FnMut(),
+    shed: &dyn Fn() -> bool,
 ) -> Result<Ending, ConnectionError> {
     let result = serve_counted(stream, exports, limits, security, counters, stop, handshake_over);
+    if shed() {
+        return result;
+    }
     let refusal = match &result {
         Err(ConnectionError::Handshake(HandshakeError::ExportRefused(_, why))) => Some(*why),
         Err(ConnectionError::Handshake(_)) => Some(Refusal::HandshakeError),

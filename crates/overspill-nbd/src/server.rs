@@ -388,14 +388,17 @@ impl Server {
         let security = self.config.security.clone();
         let counters = self.config.counters.clone();
         let shutdown = self.shutdown.clone();
+        let (handshakes, handshake_key) = (self.handshakes.clone(), handshake.key);
         let spawned = std::thread::Builder::new().name(format!("nbd-{id}")).spawn(move || {
             let _slot = slot;
             let _registration = registration;
+            let over = &mut || {
+                handshaking.store(false, Ordering::SeqCst);
+                handshake.release()
+            };
+            let shed = &|| handshake_key.is_some_and(|key| lock(&handshakes).shed.contains(&key));
             let ending =
-                serve_tracked(stream, exports.as_ref(), &limits, &security, &counters, &shutdown.0.stop, &mut || {
-                    handshaking.store(false, Ordering::SeqCst);
-                    handshake.release()
-                });
+                serve_tracked(stream, exports.as_ref(), &limits, &security, &counters, &shutdown.0.stop, over, shed);
             log_ending(id, &peer, ending);
         });
         if let Err(error) = spawned {

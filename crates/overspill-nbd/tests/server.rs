@@ -601,6 +601,15 @@ fn slow_handshakes_are_shed_before_anyone_else_is_refused() {
     }
     let shed = counters.refusals().into_iter().find(|(r, _)| *r == Refusal::HandshakeShed).map_or(0, |(_, n)| n);
     assert!(shed >= 4, "slow handshakes shed: {shed}");
+    // Each cut is counted once, as shed: not again by how the cut ended its connection.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while server.active_connections() > 3 + 6 - shed as usize {
+        assert!(std::time::Instant::now() < deadline, "the shed connections never ended");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let others: Vec<_> =
+        counters.refusals().into_iter().filter(|&(r, n)| r != Refusal::HandshakeShed && n > 0).collect();
+    assert!(others.is_empty(), "shed handshakes counted again: {others:?}");
     drop(slow);
 }
 
@@ -733,4 +742,45 @@ fn one_request_asks_the_device_about_a_bounded_range() {
     }
     let asked = asked.0.lock().expect("asked").clone();
     assert_eq!(asked, vec![(CMD_BLOCK_STATUS, 256 << 20), (CMD_BLOCK_STATUS, 256 << 20), (CMD_CACHE, 32 << 20)]);
+}
+
+/// A TLS handshake shed to make room is counted once, as shed: the cut also fails its TLS
+/// handshake, which is not counted again as a TLS failure.
+#[test]
+fn a_shed_tls_handshake_is_counted_once() {
+    use overspill_net::{ServerTls, TlsMode};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let keys = dir.path().join("keys.psk");
+    std::fs::write(&keys, "alice:000102030405060708090a0b0c0d0e0f\n").expect("keys");
+    let tls = ServerTls::psk(TlsMode::Require, &keys).expect("PSK credentials");
+    let security = overspill_nbd::Security { tls: Some(Arc::new(tls)), access: None };
+    let config = ServerConfig { max_handshakes: 1, security, ..ServerConfig::default() };
+    let (server, socket) = accepting(dir.path(), config);
+    let counters = server.counters();
+    // A client that asks for TLS and never begins its TLS handshake.
+    let mut slow = UnixStream::connect(&socket).expect("connect");
+    slow.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    let mut greeting = [0u8; 18];
+    slow.read_exact(&mut greeting).expect("greeting");
+    let mut hello = CLIENT_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+    hello.extend(IHAVEOPT.to_be_bytes());
+    hello.extend(OPT_STARTTLS.to_be_bytes());
+    hello.extend(0u32.to_be_bytes());
+    slow.write_all(&hello).expect("STARTTLS");
+    let mut reply = [0u8; 20];
+    slow.read_exact(&mut reply).expect("STARTTLS reply");
+    assert_eq!(u32::from_be_bytes(reply[12..16].try_into().expect("4 bytes")), REP_ACK);
+    // Past the shedding age, a newcomer waits in the backlog: the slow handshake is cut.
+    std::thread::sleep(Duration::from_millis(1200));
+    let _late = UnixStream::connect(&socket).expect("connect");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let count = |what: Refusal| counters.refusals().into_iter().find(|(r, _)| *r == what).map_or(0, |(_, n)| n);
+    while count(Refusal::HandshakeShed) == 0 || server.active_connections() > 1 {
+        assert!(std::time::Instant::now() < deadline, "the slow TLS handshake was not cut: {:?}", counters.refusals());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let others: Vec<_> =
+        counters.refusals().into_iter().filter(|&(r, n)| r != Refusal::HandshakeShed && n > 0).collect();
+    assert!(others.is_empty(), "the shed handshake counted again: {others:?}");
+    drop(slow);
 }

@@ -849,7 +849,8 @@ fn sighup_runs_the_release_the_start_path_names_now() {
     let listen = format!("unix:{}", host.socket.display());
     let args = ["--base", host.golden.to_str().expect("utf-8"), "--listen", &listen, "--ram", "1M"];
     let socket = host.socket.clone();
-    let server = Serve::start_as(&installed, dir, &args, move || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let server =
+        Serve::start_as(&installed, dir, &args, move || std::os::unix::net::UnixStream::connect(&socket).is_ok());
     let mut writer = host.connect("writer");
     let written = write_pattern(&mut writer, 52);
     drop(writer);
@@ -857,7 +858,8 @@ fn sighup_runs_the_release_the_start_path_names_now() {
     // The "next release": a program that leaves a mark, then runs the binary.
     let marker = dir.join("next-release-ran");
     let next = dir.join("next-release");
-    let script = format!("#!/bin/sh\necho \"$$\" > '{}'\nexec '{}' \"$@\"\n", marker.display(), env!("CARGO_BIN_EXE_overspill"));
+    let script =
+        format!("#!/bin/sh\necho \"$$\" > '{}'\nexec '{}' \"$@\"\n", marker.display(), env!("CARGO_BIN_EXE_overspill"));
     std::fs::write(&next, script).expect("next release");
     std::fs::set_permissions(&next, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let flipping = dir.join("overspill.new");
