@@ -270,7 +270,14 @@ pub const AHEAD_DEBT_SECONDS: f64 = 2.0;
 /// or less if meanwhile its limits changed: a request held by a limit the operator took away
 /// (`vm limit … off`) or raised goes as soon as the limits still set let it, within a
 /// [`WAKE_SLICE`], whichever of the chain's limiters held it. Returns the time waited.
-pub fn wait_out(chain: &[Arc<Limiter>], mut wait: Duration) -> Duration {
+pub fn wait_out(chain: &[Arc<Limiter>], wait: Duration) -> Duration {
+    wait_out_unless(chain, wait, &|| false)
+}
+
+/// [`wait_out`], given up within a [`WAKE_SLICE`] once `give_up` says so: the request's VM was
+/// reset, or its server is stopping and drains its connections (a request held for minutes by
+/// a low limit would outlast the drain, and its VM be handed over as after a crash).
+pub fn wait_out_unless(chain: &[Arc<Limiter>], mut wait: Duration, give_up: &dyn Fn() -> bool) -> Duration {
     let Some(first) = chain.first() else { return Duration::ZERO };
     if wait.is_zero() {
         return wait;
@@ -280,7 +287,7 @@ pub fn wait_out(chain: &[Arc<Limiter>], mut wait: Duration) -> Duration {
     let mut seen = changes(chain);
     let mut waited = Duration::ZERO;
     // Every limit lifted (between the charge and this wait too): nothing left to wait for.
-    while waited < wait && chain.iter().any(|limiter| limiter.is_active()) {
+    while waited < wait && chain.iter().any(|limiter| limiter.is_active()) && !give_up() {
         let slice = (wait - waited).min(WAKE_SLICE);
         first.clock.sleep(slice);
         waited += slice;
@@ -306,12 +313,26 @@ pub struct Throttled<D> {
     /// Dropped before the device under it: a device whose drop ends its VM finds the VM's
     /// limiter held by no connection, free to go with it.
     chain: Vec<Arc<Limiter>>,
+    /// When a request stops waiting for its limits ([`wait_out_unless`]).
+    give_up: GiveUp,
     inner: D,
 }
 
+/// Says when a wait is to be given up; shared by the layers of one connection.
+pub type GiveUp = Arc<dyn Fn() -> bool + Send + Sync>;
+
 impl<D: BlockDevice> Throttled<D> {
     pub fn new(inner: D, chain: Vec<Arc<Limiter>>) -> Self {
-        Self { chain, inner }
+        Self::giving_up(inner, chain, Arc::new(|| false))
+    }
+
+    /// [`Self::new`], its requests' waits given up once `give_up` says so.
+    pub fn giving_up(inner: D, chain: Vec<Arc<Limiter>>, give_up: GiveUp) -> Self {
+        Self { chain, give_up, inner }
+    }
+
+    fn admit(&self, bytes: u64) {
+        wait_out_unless(&self.chain, reserve(&self.chain, 1, bytes), &*self.give_up);
     }
 }
 
@@ -327,12 +348,12 @@ impl<D: BlockDevice> DeviceLayer for Throttled<D> {
     }
 
     fn read_requested(&mut self, offset: u64, length: u64) {
-        admit(&self.chain, length);
+        self.admit(length);
         self.inner.read_requested(offset, length)
     }
 
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
-        admit(&self.chain, data.len() as u64);
+        self.admit(data.len() as u64);
         self.inner.write(offset, data, fua)
     }
 
@@ -343,12 +364,12 @@ impl<D: BlockDevice> DeviceLayer for Throttled<D> {
         fua: bool,
         payload: &mut dyn Payload,
     ) -> Result<(), DeviceError> {
-        admit(&self.chain, length as u64);
+        self.admit(length as u64);
         self.inner.write_from(offset, length, fua, payload)
     }
 
     fn write_vectored(&mut self, offset: u64, bufs: &[IoSlice<'_>], fua: bool) -> Result<(), DeviceError> {
-        admit(&self.chain, bufs.iter().map(|b| b.len() as u64).sum());
+        self.admit(bufs.iter().map(|b| b.len() as u64).sum());
         self.inner.write_vectored(offset, bufs, fua)
     }
 
@@ -360,18 +381,18 @@ impl<D: BlockDevice> DeviceLayer for Throttled<D> {
         fast_only: bool,
         fua: bool,
     ) -> Result<(), DeviceError> {
-        admit(&self.chain, 0);
+        self.admit(0);
         self.inner.write_zeroes(offset, length, may_trim, fast_only, fua)
     }
 
     fn trim(&mut self, offset: u64, length: u64, fua: bool) -> Result<(), DeviceError> {
-        admit(&self.chain, 0);
+        self.admit(0);
         self.inner.trim(offset, length, fua)
     }
 
     /// A prefetch reads golden-image bytes as a read would: charged as one.
     fn cache(&mut self, offset: u64, length: u64) -> Result<(), DeviceError> {
-        admit(&self.chain, length);
+        self.admit(length);
         self.inner.cache(offset, length)
     }
 }
@@ -607,6 +628,21 @@ mod tests {
         assert!(owed >= Duration::from_secs(9), "{owed:?}");
         budget.set(Limits::default());
         assert_eq!(wait_out(&chain, owed), Duration::ZERO);
+    }
+
+    /// A wait given up (its VM reset, its server stopping) ends within a wake-up slice, and
+    /// counts only what was waited; its limits stay as they were.
+    #[test]
+    fn a_wait_given_up_ends_within_a_slice() {
+        let clock = Arc::new(FakeClock::default());
+        let limiter = Limiter::new(ops(1, 1), clock.clone());
+        let chain = [limiter.clone()];
+        let owed = reserve(&chain, 10, 0);
+        let start = clock.now();
+        let waited = wait_out_unless(&chain, owed, &|| clock.now() >= start + Duration::from_secs(1));
+        assert!(waited >= Duration::from_secs(1) && waited <= Duration::from_secs(1) + WAKE_SLICE, "{waited:?}");
+        assert_eq!(limiter.throttled(), (waited, 0));
+        assert_eq!(limiter.limits(), ops(1, 1));
     }
 
     /// What goes ahead never lifts the debt ordinary requests left: those that come after still

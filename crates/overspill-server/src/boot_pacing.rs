@@ -14,11 +14,11 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use overspill_block::limit::GiveUp;
 use overspill_block::{BlockDevice, DeviceError, DeviceLayer, Payload, ReadRequest};
 
 /// How long a VM counts as booting when nothing says otherwise: seed 000's Windows 7 VMs took
@@ -212,21 +212,20 @@ pub struct BootGate<D> {
     inner: D,
     pacing: Arc<BootPacing>,
     vm: String,
-    /// The VM's reset flag: a reset calls off the wait for a slot.
-    reset: Arc<AtomicBool>,
+    /// Whether the connection's waits are called off: its VM was reset, or its server stops.
+    give_up: GiveUp,
     open: bool,
 }
 
 impl<D: BlockDevice> BootGate<D> {
     /// `open`: the VM is not to boot (it resumes, or moved here), and its requests pass.
-    pub fn new(inner: D, pacing: Arc<BootPacing>, vm: String, reset: Arc<AtomicBool>, open: bool) -> Self {
-        Self { inner, pacing, vm, reset, open }
+    pub fn new(inner: D, pacing: Arc<BootPacing>, vm: String, give_up: GiveUp, open: bool) -> Self {
+        Self { inner, pacing, vm, give_up, open }
     }
 
     fn pass(&mut self) {
         if !self.open {
-            let reset = &self.reset;
-            self.pacing.start_boot(&self.vm, &|| reset.load(Ordering::SeqCst));
+            self.pacing.start_boot(&self.vm, &*self.give_up);
             self.open = true;
         }
     }
@@ -235,7 +234,7 @@ impl<D: BlockDevice> BootGate<D> {
     fn served<R>(&mut self, call: impl FnOnce(&mut D) -> R) -> R {
         self.pass();
         let result = call(&mut self.inner);
-        crate::golden_budget::wait_owed();
+        crate::golden_budget::wait_owed(&*self.give_up);
         result
     }
 }
@@ -314,6 +313,7 @@ impl<D: BlockDevice> DeviceLayer for BootGate<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     fn never() -> bool {
         false

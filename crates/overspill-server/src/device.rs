@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use overspill_block::limit::GiveUp;
 use overspill_block::{
     BlockDevice, Capabilities, DepthExtent, DeviceError, DeviceErrorKind, DeviceLayer, Extent, Limiter, Payload,
     ReadRequest, Recorded, Recorder, Throttled, Timed,
@@ -60,16 +61,21 @@ pub(crate) fn stack(
         no_space: NoSpaceWarnings::default(),
     };
     let boots = registry.boots().clone();
+    let stopping = registry.clone();
     let device =
         LedgerMarked { inner: Recorded::new(Timed::new(engine, stats), recorder), registry, number, marked: false };
     // Outside the timing: the time a request waits for its limits, or for a boot slot, is not
     // the device's service time. The gate is open from the start for all but a fresh VM's
     // connection: no lock for the others' requests.
     let open = !(may_boot && boots.to_boot(&name));
+    // A wait for a boot slot or for limits ends when the VM is reset (the request then finds
+    // its overlay gone) or the server drains: no request outlasts the drain by waiting.
+    let give_up: GiveUp = Arc::new(move || reset.load(Ordering::SeqCst) || stopping.is_stopping());
     Ok(if limiters.is_empty() {
-        Box::new(BootGate::new(device, boots, name, reset, open))
+        Box::new(BootGate::new(device, boots, name, give_up, open))
     } else {
-        Box::new(BootGate::new(Throttled::new(device, limiters), boots, name, reset, open))
+        let throttled = Throttled::giving_up(device, limiters, give_up.clone());
+        Box::new(BootGate::new(throttled, boots, name, give_up, open))
     })
 }
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use overspill_block::limit::{reserve, wait_out};
+use overspill_block::limit::{reserve, wait_out_unless};
 use overspill_block::Limiter;
 use overspill_engine::golden::{Extent, SourceReads};
 use overspill_engine::GoldenImage;
@@ -89,11 +89,11 @@ pub fn for_a_move<T>(read: impl FnOnce() -> T) -> T {
     done
 }
 
-/// Waits out what the request this thread served owes the golden budget: called by the device
-/// seam's outer layer after each request, out of the VM's lock.
-pub fn wait_owed() {
+/// Waits out what the request this thread served owes the golden budget, unless `give_up` says
+/// to stop: called by the device seam's outer layer after each request, out of the VM's lock.
+pub fn wait_owed(give_up: &dyn Fn() -> bool) {
     if let Some((budget, wait)) = OWED.with(|owed| owed.borrow_mut().take()) {
-        wait_out(std::slice::from_ref(&budget), wait);
+        wait_out_unless(std::slice::from_ref(&budget), wait, give_up);
     }
 }
 
@@ -190,7 +190,7 @@ mod tests {
         // its request is done.
         running.read_at(&mut buf, 20 * (64 << 10)).expect("read");
         assert_eq!(budget.throttled().0, Duration::ZERO, "no wait inside the read (the VM's lock is held)");
-        wait_owed();
+        wait_owed(&|| false);
         let waited = budget.throttled().0;
         assert!(waited >= Duration::from_millis(400), "the running VM waited {waited:?}");
         // What the cache holds costs the storage nothing: no charge, no wait.

@@ -596,6 +596,11 @@ impl VmRegistry {
         self.boots.release_all();
     }
 
+    /// Whether the server is stopping ([`Self::server_stopping`]).
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
     /// Whether [`Self::end`] would keep VM `number`'s overlay, for its client to come back to or
     /// for the next server, rather than drop it. An answer for work worth doing before the end
     /// (outside the lock), not a promise: a reset may come in between.

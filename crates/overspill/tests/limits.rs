@@ -44,6 +44,8 @@ struct Setup {
     socket: std::path::PathBuf,
     control: std::path::PathBuf,
     server: Serve,
+    /// The server's flags, for the next server.
+    args: Vec<String>,
 }
 
 fn start(extra: &[&str]) -> Setup {
@@ -77,7 +79,8 @@ fn start_over(fill: Option<u8>, extra: &[&str]) -> Setup {
     ]
     .concat();
     let server = Serve::start_named_only(dir.path(), &args, &[], || socket.exists() && control.exists());
-    Setup { dir, socket, control, server }
+    let args = args.iter().map(|arg| arg.to_string()).collect();
+    Setup { dir, socket, control, server, args }
 }
 
 impl Setup {
@@ -360,4 +363,61 @@ fn the_spill_budget_paces_segment_writes_and_loses_nothing() {
     assert!(spilled <= allowed, "spilled {spilled} bytes in {took:.2} s; at most {allowed}");
     let waited = sample(&samples, "overspill_budget_throttled_seconds_total", &[("budget", "spill")]);
     assert!(waited > 0.5, "segment writes waited {waited} s at the spill budget");
+}
+
+/// A request waiting out a long limit (a 4 KiB write at 100 bytes a second: 40 s) stops waiting when its VM is reset (its connection closes at once after it)
+/// or its server stops (the request is served and answered within the drain, and its write is
+/// the next server's): a wait never holds a reset VM's connection, nor the drain, which gave up
+/// after 10 s and left the VM to be recovered as after a crash, its request unanswered.
+#[test]
+fn a_request_waiting_for_its_limit_gives_way_to_a_reset_and_to_a_stop() {
+    use overspill_nbd::client::{Client, NbdUri};
+    use std::sync::mpsc;
+    use std::time::Duration;
+    let mut setup = start(&["--vm-limit-bandwidth", "held=100B:100B", "--vm-limit-bandwidth", "reset=100B:100B"]);
+    let connect = |vm: &str| {
+        let uri: NbdUri = format!("nbd+unix:///@{vm}?socket={}", setup.socket.display()).parse().expect("uri");
+        Client::connect(&uri).unwrap_or_else(|e| panic!("connecting {vm}: {e}"))
+    };
+    // Each VM writes 4 KiB on a thread of its own, and says how that ended.
+    let write_held_up = |mut client: Client| {
+        let (said, ended) = mpsc::channel();
+        std::thread::spawn(move || {
+            let written = client.write(0, &[0x5a; 4096], false);
+            let _ = said.send((written.map_err(|e| e.to_string()), client));
+        });
+        ended
+    };
+    let await_waiting =
+        |server: &Serve, vm: &str| await_sample(server, "overspill_vm_throttled_requests", &[("vm", vm)], 1.0);
+
+    let reset = write_held_up(connect("reset"));
+    await_waiting(&setup.server, "reset");
+    overspill_vm(&setup.control, &["reset", "reset"]);
+    // The request in hand is served as any in hand at a reset is; the connection closes at the
+    // next one.
+    let (_, mut client) = reset.recv_timeout(Duration::from_secs(30)).expect("the reset VM's request still waits");
+    let after = client.write(0, &[1; 4096], false);
+    assert!(after.is_err(), "the reset VM's connection served on: {after:?}");
+
+    let held = write_held_up(connect("held"));
+    await_waiting(&setup.server, "held");
+    setup.server.stop();
+    let (written, client) = held.recv_timeout(Duration::from_secs(30)).expect("the request outlived the server");
+    let log = setup.server.log_text();
+    written.unwrap_or_else(|e| panic!("the write in hand at the stop was not served and answered: {e}\n{log}"));
+    drop(client);
+    assert!(!log.contains("still busy"), "the drain gave up on a waiting request:\n{log}");
+    // The next server has the write.
+    let args: Vec<&str> = setup.args.iter().map(String::as_str).collect();
+    let socket = setup.socket.clone();
+    let next = Serve::start_named_only(setup.dir.path(), &args, &[], move || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    let mut client = connect("held");
+    // Within the limit's burst of 100 bytes: read at once.
+    let mut back = vec![0u8; 64];
+    client.read(0, &mut back).expect("read back");
+    assert!(back.iter().all(|&b| b == 0x5a), "the write answered at the stop was lost");
+    drop(next);
 }
