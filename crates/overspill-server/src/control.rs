@@ -20,7 +20,7 @@ use overspill_block::VmSockets;
 use overspill_net::{ListenAddr, Listener};
 use serde::{Deserialize, Serialize};
 
-use crate::migration::{Located, Peers};
+use crate::migration::{HeldAtPeer, Located, Peers};
 use crate::vm_limits::HostBudget;
 use crate::vms::{VmRegistry, VmState, VmStatus};
 use crate::{check_name, ServerError};
@@ -46,6 +46,11 @@ pub enum Request {
         /// under one lock, where a `list` before it could be overtaken by a reconnect.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         unless_connected: bool,
+        /// At this server's peers too, each unless the VM is connected there (the libvirt hook
+        /// at a domain's fresh start: a peer's copy in grace, the VM's last run there, would
+        /// otherwise be taken by its first connection here).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        everywhere: bool,
     },
     Drop {
         vm: String,
@@ -299,9 +304,7 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
             ..Answer::default()
         },
         // Every name the server keeps passed this check when its VM opened.
-        Ok(Request::Reset { vm, unless_connected }) => {
-            outcome(check_name("VM", &vm).and_then(|()| targets.registry.reset_with(&vm, !unless_connected)))
-        }
+        Ok(Request::Reset { vm, unless_connected, everywhere }) => targets.reset(&vm, unless_connected, everywhere),
         Ok(Request::Locate { vm }) => targets.locate(&vm),
         Ok(Request::Drop { vm }) => outcome(check_name("VM", &vm).and_then(|()| targets.drop_vm(&vm))),
         Ok(Request::Limit { ops: RateChange::Set { per_second: 0, .. }, .. })
@@ -450,6 +453,23 @@ fn answer(stream: UnixStream, targets: &Targets) -> std::io::Result<()> {
 impl Targets {
     fn sockets(&self) -> Option<&Arc<dyn VmSockets>> {
         self.sockets.get()
+    }
+
+    /// `vm reset`: here, and with `everywhere` at every peer too (here first: a VM connected
+    /// here stops it before any peer's copy goes).
+    fn reset(&self, vm: &str, unless_connected: bool, everywhere: bool) -> Answer {
+        let here = check_name("VM", vm).and_then(|()| match self.registry.reset_with(vm, !unless_connected) {
+            Err(ServerError::NoSuchVm(_)) if everywhere => Ok(format!("{vm}: not held here")),
+            other => other,
+        });
+        let peers = self.peers.get().filter(|_| everywhere);
+        match (here, peers) {
+            (Ok(done), Some(peers)) => match peers.reset_everywhere(vm) {
+                Ok(()) => outcome(Ok(format!("{done}; none of this server's peers keeps it"))),
+                Err(HeldAtPeer(why)) => Answer { ok: false, message: Some(why), ..Answer::default() },
+            },
+            (here, _) => outcome(here),
+        }
     }
 
     fn locate(&self, vm: &str) -> Answer {

@@ -142,6 +142,52 @@ impl Peers {
     }
 }
 
+/// Why a VM cannot start afresh while a peer holds it.
+#[derive(Debug)]
+pub struct HeldAtPeer(pub String);
+
+impl Peers {
+    /// Ends VM `vm`'s overlay at every peer that holds it and has no connection for it (the VM's
+    /// last run there, in grace): a fresh start of the VM here, as the libvirt hook's, would
+    /// otherwise take that copy and boot into the last session's writes. Refused, naming the
+    /// peer, where the VM is connected or moving, or where a peer cannot say it holds nothing.
+    pub fn reset_everywhere(&self, vm: &str) -> Result<(), HeldAtPeer> {
+        for address in &self.addresses {
+            match reset_at(address, self, vm) {
+                Ok(Ok(())) => {}
+                Ok(Err(why)) => return Err(HeldAtPeer(format!("peer {address} keeps VM {vm}: {why}"))),
+                // A peer of an earlier release knows no reset: fine if it holds nothing live.
+                Err(reset_error) => match query(address, self, vm) {
+                    Ok((_, Holding::Nothing | Holding::Moved { .. })) => {}
+                    Ok((_, holding)) => {
+                        return Err(HeldAtPeer(format!(
+                            "peer {address} holds VM {vm} ({holding:?}) and cannot be asked to end it                              ({reset_error}); run `overspill vm reset {vm}` there"
+                        )))
+                    }
+                    Err(error) => {
+                        return Err(HeldAtPeer(format!(
+                            "peer {address} cannot be asked whether it holds VM {vm} ({error}); if that server                              is gone for good, take it out of --peer"
+                        )))
+                    }
+                },
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Asks the peer at `address` to end VM `vm`'s overlay unless it is connected there: its
+/// refusal, or an error of the link.
+fn reset_at(address: &ListenAddr, peers: &Peers, vm: &str) -> io::Result<Result<(), String>> {
+    let mut link = Link::connect(address, peers)?;
+    link.send(&Message::Reset { vm: vm.to_owned() }, &[])?;
+    match link.receive()?.0 {
+        Message::Accept => Ok(Ok(())),
+        Message::Refuse { why } => Ok(Err(why)),
+        other => Err(unexpected(&other)),
+    }
+}
+
 /// How a server records a peer's address (in its ledger): as `unix:PATH` or `tcp:HOST:PORT`, or,
 /// before tcp: peers, as a bare socket path.
 pub(crate) fn recorded_address(recorded: &str) -> ListenAddr {
@@ -296,6 +342,17 @@ fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &A
         match link.receive()?.0 {
             Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
             Message::Take { vm, image } => return send_vm(link, registry, &vm, &image),
+            Message::Reset { vm } => {
+                let answer = match crate::check_name("VM", &vm).and_then(|()| registry.reset_with(&vm, false)) {
+                    Ok(done) => {
+                        tracing::info!(vm, peer = %link.peer, %done, "VM reset for a fresh start at a peer");
+                        Message::Accept
+                    }
+                    Err(crate::ServerError::NoSuchVm(_)) => Message::Accept,
+                    Err(error) => Message::Refuse { why: error.to_string() },
+                };
+                link.send(&answer, &[])?;
+            }
             Message::Read { vm, offset, length } => {
                 if u64::from(length) > MAX_PAYLOAD_BYTES {
                     link.send(&Message::ReadFailed { why: format!("a read of {length} bytes") }, &[])?;

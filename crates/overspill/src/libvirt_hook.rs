@@ -12,20 +12,25 @@
 //! every disk that looks like one counts as overspill's, so that a migration or restore is
 //! refused rather than let through onto golden data. What the hook does:
 //!
-//! - `migrate` (on the destination, before its QEMU starts): refuses, naming the VMs. Their
-//!   writes live in the source host's server, and the destination's server would start them
-//!   from the golden image under a running guest. libvirt aborts the migration and the guest
-//!   runs on at the source.
+//! - `migrate` (on the destination, before its QEMU starts): refuses, naming the VMs, unless a
+//!   peer of this host's server holds each VM live (the server then takes it from there as the
+//!   destination QEMU connects). Otherwise their writes live in the source host's server, and
+//!   the destination's server would start them from the golden image under a running guest:
+//!   libvirt aborts the migration and the guest runs on at the source. A migration let through
+//!   is noted in `--run-dir` for the `prepare` that follows.
 //! - `restore` (`virsh restore`, a `managedsave` start, libvirt-guests' suspend): refuses. A
 //!   saved QEMU ends its disks' connections with NBD_CMD_DISC, which ends their overlays, so the
 //!   saved guest's memory would run on golden data; and an overlay waiting under the VM's name
 //!   then is another session's (started and killed since the save), not the saved one's.
 //! - `prepare begin` of any other start: `vm add` of each vhost-user VM (its socket must exist
 //!   before QEMU starts; one declared already keeps its image, others get the default image),
-//!   then `vm reset` of each VM, so that every power-on starts from the golden image, as PVS
-//!   does (a QEMU killed and started again within the grace would otherwise boot into the old
-//!   session's writes). A name the server does not know is fine; a VM still connected refuses
-//!   the start (another domain's QEMU has that disk).
+//!   then `vm reset --everywhere` of each VM, so that every power-on starts from the golden
+//!   image, as PVS does: a QEMU killed and started again within the grace, on this host or on
+//!   a peer's, would otherwise boot into the old session's writes (on a peer's, the next user of
+//!   a pooled desktop into the last one's files). A name no server knows is fine; a VM still
+//!   connected, here or at a peer, refuses the start (another domain's QEMU has that disk). The
+//!   `prepare` of a migration the hook let through (its note in `--run-dir`) resets this
+//!   server's copy only: the peer's is the running guest's.
 //! - anything else (`reconnect` and `attach` of running domains among them): nothing.
 //!
 //! Everything it prints goes to standard error: libvirt takes a `migrate` or `restore` hook's
@@ -55,6 +60,11 @@ pub struct LibvirtHookArgs {
     /// overspill VM's when its socket is NAME.sock there.
     #[arg(long, value_name = "DIR")]
     vhost_user_dir: Option<PathBuf>,
+    /// Where a migration let through at `migrate` is noted for the `prepare` that follows
+    /// (libvirt runs the two as separate hooks). Not under the server's /run/overspill, which
+    /// its unit makes for its own user.
+    #[arg(long, value_name = "DIR", default_value = "/run/overspill-libvirt-hook")]
+    run_dir: PathBuf,
     /// The domain's name.
     domain: String,
     /// libvirt's operation: prepare, start, started, stopped, release, migrate, restore,
@@ -133,9 +143,10 @@ fn migrate(args: &LibvirtHookArgs, disks: &[OverspillDisk]) -> anyhow::Result<()
             disk.vm
         );
     }
-    for vm in names(disks) {
+    let vms = names(disks);
+    for vm in &vms {
         // A server that cannot be asked cannot take the VM either: refused, saying why.
-        let answer = ask(args, &Request::Locate { vm: vm.clone() }).map_err(|error| {
+        let answer = ask(args, &Request::Locate { vm: vm.to_owned() }).map_err(|error| {
             anyhow::anyhow!(
                 "domain {domain} cannot be migrated: the writes of its overspill VM {vm} live in the overspill \
                  server of the host it runs on, and this host's server cannot be asked whether a peer holds \
@@ -153,7 +164,41 @@ fn migrate(args: &LibvirtHookArgs, disks: &[OverspillDisk]) -> anyhow::Result<()
             ),
         }
     }
+    for vm in &vms {
+        note_migration(&args.run_dir, vm).with_context(|| {
+            format!(
+                "domain {domain} cannot be migrated: noting VM {vm}'s migration in {} for the start that follows",
+                args.run_dir.display()
+            )
+        })?;
+    }
     Ok(())
+}
+
+/// How long a migration's note stands for the `prepare` that follows it (a moment later, as
+/// libvirt runs them); an older one is a migration that never started, and a plain start finds
+/// it.
+const MIGRATION_NOTE_STANDS: Duration = Duration::from_secs(300);
+
+fn migration_note(run_dir: &std::path::Path, vm: &str) -> PathBuf {
+    run_dir.join(format!("{vm}.migrating"))
+}
+
+fn note_migration(run_dir: &std::path::Path, vm: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(run_dir)?;
+    std::fs::write(migration_note(run_dir, vm), b"")
+}
+
+/// Whether VM `vm` starts here as a migration's destination (its note is taken).
+fn take_migration_note(run_dir: &std::path::Path, vm: &str) -> bool {
+    let note = migration_note(run_dir, vm);
+    let fresh = std::fs::metadata(&note)
+        .and_then(|m| m.modified())
+        .is_ok_and(|at| at.elapsed().is_ok_and(|age| age < MIGRATION_NOTE_STANDS));
+    // Taken whatever its age: it stands for one start.
+    let _ = std::fs::remove_file(&note);
+    fresh
 }
 
 /// Before a domain starts: no VM of it in use elsewhere, each vhost-user VM's socket made, and
@@ -183,7 +228,8 @@ fn prepare(args: &LibvirtHookArgs, disks: Vec<OverspillDisk>, listed: control::A
         declare(args, &disk.vm, socket)?;
     }
     for vm in names(&disks) {
-        reset(args, &vm)?;
+        let migrating = take_migration_note(&args.run_dir, &vm);
+        reset(args, &vm, !migrating)?;
     }
     Ok(())
 }
@@ -380,9 +426,10 @@ fn ask(args: &LibvirtHookArgs, request: &Request) -> anyhow::Result<control::Ans
     }
 }
 
-/// `vm reset VM`; a VM the server does not know has nothing to reset.
-fn reset(args: &LibvirtHookArgs, vm: &str) -> anyhow::Result<()> {
-    let answer = ask(args, &Request::Reset { vm: vm.to_owned(), unless_connected: true })?;
+/// `vm reset VM`, at the server's peers too if `everywhere`; a VM the server does not know has
+/// nothing to reset.
+fn reset(args: &LibvirtHookArgs, vm: &str, everywhere: bool) -> anyhow::Result<()> {
+    let answer = ask(args, &Request::Reset { vm: vm.to_owned(), unless_connected: true, everywhere })?;
     let message = answer.message.unwrap_or_default();
     if answer.ok {
         eprintln!("overspill: {message}");
@@ -395,6 +442,27 @@ fn reset(args: &LibvirtHookArgs, vm: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A migration's note stands for the one start that follows it, soon after: a note taken is
+    /// gone, and an old one (a migration that never started) counts for nothing.
+    #[test]
+    fn a_migrations_note_stands_for_one_start_soon_after() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let run_dir = dir.path().join("run");
+        assert!(!take_migration_note(&run_dir, "desk"), "no note, no migration");
+        note_migration(&run_dir, "desk").expect("note");
+        assert!(take_migration_note(&run_dir, "desk"));
+        assert!(!take_migration_note(&run_dir, "desk"), "a note stands for one start");
+        note_migration(&run_dir, "desk").expect("note");
+        let old = std::time::SystemTime::now() - MIGRATION_NOTE_STANDS - Duration::from_secs(1);
+        std::fs::File::options()
+            .write(true)
+            .open(migration_note(&run_dir, "desk"))
+            .and_then(|note| note.set_modified(old))
+            .expect("age the note");
+        assert!(!take_migration_note(&run_dir, "desk"), "an old note counts");
+        assert!(!migration_note(&run_dir, "desk").exists(), "an old note stays");
+    }
 
     #[test]
     fn nbd_disks_that_name_a_vm_and_vhost_user_disks_on_a_named_socket_are_overspill_disks() {

@@ -98,7 +98,8 @@ const FILES: &[(&str, &str)] = &[
     ("/run/overspill/control.sock", "The control socket of the packaged server (overspill vm; root only)."),
     ("/run/overspill/memory/", "Named VMs' RAM pages (tmpfs), so that a restart or an upgrade keeps them."),
     ("/var/cache/overspill/", "Spill files (2 MiB segments per VM) and state/, the ledger of named VMs (one vm-NAME.json each) and the record of VMs added with vm add."),
-    ("/etc/libvirt/hooks/qemu.d/overspill", "The libvirt hook: refuses migrations and restores that would run a guest on golden data."),
+    ("/etc/libvirt/hooks/qemu.d/overspill", "The libvirt hook: refuses migrations and restores that would run a guest on golden data, and starts every power-on from the golden image."),
+    ("/run/overspill-libvirt-hook/", "The libvirt hook's note of a migration it let through (VM.migrating), for the start that follows it."),
     ("/usr/lib/systemd/system/overspill.service, overspill.socket, overspill-libvirt-reboots.service", "The packaged units."),
 ];
 

@@ -33,7 +33,14 @@ enum VmAction {
     /// Throw a VM's overlay away now, whatever its state (a connected VM is disconnected at its
     /// next request, or within 20 s if it sends none); its next connection starts from the golden
     /// image. Also clears a lost VM.
-    Reset { vm: String },
+    Reset {
+        vm: String,
+        /// At the server's peers too (`serve --peer`), each unless the VM is connected there: a
+        /// peer's copy in grace (the VM's last run there) would otherwise be taken by the VM's
+        /// next connection here. Refused, naming the peer, where it is connected or moving.
+        #[arg(long)]
+        everywhere: bool,
+    },
     /// Throw away the overlay of a VM that is not connected (in grace, or lost), and remove
     /// its vhost-user socket if it has one (a VM `serve --vhost-user` declares gets its socket
     /// again when the server restarts).
@@ -135,7 +142,9 @@ fn rate_change(
 pub fn run(args: VmArgs) -> anyhow::Result<()> {
     let request = match &args.action {
         VmAction::List { .. } => Request::List,
-        VmAction::Reset { vm } => Request::Reset { vm: vm.clone(), unless_connected: false },
+        VmAction::Reset { vm, everywhere } => {
+            Request::Reset { vm: vm.clone(), unless_connected: false, everywhere: *everywhere }
+        }
         VmAction::Drop { vm } => Request::Drop { vm: vm.clone() },
         VmAction::Add { vm, image } => Request::Add { vm: vm.clone(), image: image.clone() },
         VmAction::Booted { vm } => Request::Booted { vm: vm.clone() },

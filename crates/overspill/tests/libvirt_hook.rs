@@ -104,6 +104,8 @@ impl Host {
         let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
             .arg("libvirt-hook")
             .args(["--control", self.control().to_str().expect("utf-8")])
+            .arg("--run-dir")
+            .arg(self.dir.path().join("hook"))
             .args(options)
             .args(["--wait", "1s", "--"])
             .args([domain, operation, sub, "-"])

@@ -65,6 +65,12 @@ pub(super) enum Message {
     Abort {
         why: String,
     },
+    /// Ends VM `vm`'s overlay here unless it is connected (a fresh start of the VM at the
+    /// asking server, whose boot must not take this server's copy): answered `Accept`, or
+    /// `Refuse` saying why not. A peer of an earlier release closes the link instead.
+    Reset {
+        vm: String,
+    },
     /// Reads the VM's disk where it is current (a receiver's reads before the switchover).
     Read {
         vm: String,

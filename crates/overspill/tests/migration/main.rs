@@ -271,6 +271,12 @@ fn a_cancelled_qemu_migration_leaves_the_vm_at_the_source() {
 /// `overspill libvirt-hook` at the destination, as libvirt runs it for an incoming migration
 /// (`DOMAIN migrate begin -`, the domain XML on standard input): exit status and what it said.
 fn migrate_hook(side: &Side, vm: &str) -> (bool, String) {
+    hook(side, vm, "migrate")
+}
+
+/// `overspill libvirt-hook DOMAIN OPERATION begin -` at `side` for a domain whose disk is VM `vm`
+/// there: exit status and what it said. Its notes between steps in the side's `hook` directory.
+fn hook(side: &Side, vm: &str, operation: &str) -> (bool, String) {
     use std::io::Write;
     let xml = format!(
         "<domain type='kvm'><name>dom-{vm}</name><devices><disk type='network' device='disk'>\
@@ -281,7 +287,9 @@ fn migrate_hook(side: &Side, vm: &str) -> (bool, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
         .args(["libvirt-hook", "--control"])
         .arg(side.dir.join("spill/state/control.sock"))
-        .args(["--wait", "1s", "--", &format!("dom-{vm}"), "migrate", "begin", "-"])
+        .arg("--run-dir")
+        .arg(side.dir.join("hook"))
+        .args(["--wait", "1s", "--", &format!("dom-{vm}"), operation, "begin", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -313,6 +321,49 @@ fn the_libvirt_hook_lets_a_migration_through_only_from_a_peer_that_holds_the_vm(
     // Asking moved nothing.
     assert_eq!(a.state_of("desk").as_deref(), Some("connected"));
     assert_eq!(b.state_of("desk"), None);
+    // The start that follows the migration (libvirt's `prepare` at the destination) leaves the
+    // source's running VM alone, and the move goes on as the destination QEMU connects.
+    let (ok, said) = hook(&b, "desk", "prepare");
+    assert!(ok, "the hook refused the start of a migration it let through: {said}");
+    assert_eq!(a.state_of("desk").as_deref(), Some("connected"));
+    let mut destination = b.connect("desk");
+    let mut back = [0u8; 4096];
+    destination.read(0, &mut back).expect("read at the destination");
+    assert_eq!(back, [7; 4096], "the destination read other than the source's write");
+    drop(source);
+}
+
+/// A fresh start (libvirt's `prepare` with no migration before it) of a VM whose last run was at
+/// a peer and waits there in grace (its QEMU killed there) begins from the golden image: the
+/// hook resets the peer's copy too, which the VM's first connection here would otherwise take,
+/// booting the next user of a pooled desktop into the last one's writes. A VM connected at the
+/// peer refuses the start, naming it.
+#[test]
+fn a_fresh_start_never_takes_a_peers_copy_of_the_vm() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let _server_a = pair.serve("a");
+    let _server_b = pair.serve("b");
+    let mut last_run = a.connect("desk");
+    last_run.write(0, &[7; 4096], false).expect("write");
+
+    let (ok, said) = hook(&b, "desk", "prepare");
+    assert!(!ok, "a start went ahead while the VM runs at a peer: {said}");
+    assert!(said.contains("desk") && said.contains(&a.peer_socket().display().to_string()), "{said}");
+    assert_eq!(a.state_of("desk").as_deref(), Some("connected"));
+
+    // Its QEMU killed at A: the overlay waits there for a reconnect.
+    drop(last_run);
+    wait_for("desk in grace at A", || a.state_of("desk").as_deref() == Some("in-grace"));
+    let (ok, said) = hook(&b, "desk", "prepare");
+    assert!(ok, "the fresh start was refused: {said}");
+    assert_eq!(a.state_of("desk"), None, "the peer kept the VM's last run");
+    let mut fresh = b.connect("desk");
+    let mut back = [0u8; 4096];
+    fresh.read(0, &mut back).expect("read");
+    assert_eq!(&back[..], &pair.golden_bytes[..4096], "the fresh start read the last run's writes");
+    fresh.disconnect().expect("disconnect");
+    pair.assert_golden_unchanged();
 }
 
 /// The source's server killed during the pre-copy: the destination's move fails, and it tries
