@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use overspill_block::{BlockDevice, DeviceError};
 use rustix::fs::SealFlags;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringState, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{
     Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
@@ -65,6 +65,23 @@ pub(crate) struct Blk {
     poll: Duration,
     /// Whether the log was told this connection's guest memory may shrink (once is enough).
     unsealed_memory_told: AtomicBool,
+    /// Queues whose guest is owed an interrupt at their next serving, whatever EVENT_IDX says:
+    /// every queue once the device starts (see [`Self::serve_queue`]).
+    signal_owed: AtomicU64,
+    /// The exit events' consumers handed to the workers, which never close them (see
+    /// [`VhostUserBackend::exit_event`] below): closed when this connection's backend goes.
+    exit_consumers: Mutex<Vec<std::os::fd::RawFd>>,
+}
+
+impl Drop for Blk {
+    fn drop(&mut self) {
+        for fd in lock(&self.exit_consumers).drain(..) {
+            // SAFETY: each fd is an exit event's consumer that vhost-user-backend 0.24 took with
+            // `into_raw_fd` into its worker's epoll and never closes; it is used by nothing else,
+            // and the worker is gone: it holds this backend until its epoll handler is dropped.
+            drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        }
+    }
 }
 
 impl Blk {
@@ -85,6 +102,8 @@ impl Blk {
             scratch: Mutex::new(Vec::new()),
             poll,
             unsealed_memory_told: AtomicBool::new(false),
+            signal_owed: AtomicU64::new(u64::MAX),
+            exit_consumers: Mutex::new(Vec::new()),
         }
     }
 
@@ -138,18 +157,39 @@ impl Blk {
         Some(device)
     }
 
-    fn serve_queue(&self, vring: &VringRwLock) -> io::Result<()> {
+    /// Serves queue `index` (its `vring`) until the guest has nothing more for it. The guest is
+    /// signalled for what was returned, and at the first serving after the device started
+    /// whatever EVENT_IDX says: a server killed mid-batch published completions it never
+    /// signalled, the next server starts past them, and the guest's `used_event` stays behind,
+    /// so that no later completion would interrupt it (the guest's I/O hung for good). An error
+    /// still signals what was returned before it.
+    fn serve_queue(&self, vring: &VringRwLock, index: u16) -> io::Result<()> {
+        let bit = 1u64 << (index % 64);
+        let first = self.signal_owed.fetch_and(!bit, Ordering::SeqCst) & bit != 0;
         let mut device = lock(&self.device);
         let Some(device) = device.as_mut() else { return Ok(()) };
-        if device.closing() {
-            // An operator reset the VM: the connection ends, its requests unanswered.
-            self.close_unlocked();
-            return Ok(());
+        let mut state = vring.get_mut();
+        let mut unsignalled = false;
+        let served = self.serve_batches(device.as_mut(), &mut state, &mut unsignalled);
+        if first || (served.is_err() && unsignalled) {
+            if let Err(error) = state.signal_used_queue() {
+                tracing::debug!(%error, queue = index, "vhost-user: could not signal the guest");
+            }
         }
+        served
+    }
+
+    /// The loop of [`Self::serve_queue`]; `unsignalled` says whether requests were returned
+    /// since the guest was last signalled.
+    fn serve_batches(
+        &self,
+        device: &mut dyn BlockDevice,
+        state: &mut VringState<Memory>,
+        unsignalled: &mut bool,
+    ) -> io::Result<()> {
         let memory = self.memory.memory();
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         let write_back = self.write_back.load(Ordering::Relaxed);
-        let mut state = vring.get_mut();
         let mut scratch = lock(&self.scratch);
         let queue_error = |e: virtio_queue::Error| io::Error::other(format!("virtqueue: {e}"));
         let mut buffers = Buffers::default();
@@ -159,6 +199,12 @@ impl Blk {
             }
             let mut served = false;
             while !self.closing.load(Ordering::Relaxed) {
+                if device.closing() {
+                    // An operator reset the VM: the connection ends, the requests not yet
+                    // returned unanswered (QEMU sends them again to the next connection).
+                    self.close_unlocked();
+                    break;
+                }
                 let next = state.get_queue().next_avail();
                 let available = state.get_queue().avail_idx(&*memory, Ordering::Acquire).map_err(queue_error)?.0;
                 if available == next {
@@ -186,21 +232,21 @@ impl Blk {
                         buffers.readable.push(segment);
                     }
                 }
-                let outcome = request::serve(
-                    device.as_mut(),
-                    &*memory,
-                    &buffers,
-                    &self.limits,
-                    &self.id,
-                    write_back,
-                    &mut scratch,
-                );
+                let outcome =
+                    request::serve(device, &*memory, &buffers, &self.limits, &self.id, write_back, &mut scratch);
                 state.add_used(head, outcome.written).map_err(queue_error)?;
                 served = true;
+                *unsignalled = true;
             }
             // The guest hears of what is done before this waits for more.
             if served && state.needs_notification().map_err(queue_error)? {
                 state.signal_used_queue()?;
+                *unsignalled = false;
+            }
+            // Closing: the requests left are the next connection's (looked for here, they
+            // would be found again and again, with this connection's locks held for ever).
+            if self.closing.load(Ordering::Relaxed) {
+                break;
             }
             // A guest at a low queue depth sends its next request a few microseconds after the
             // last reply: looked for here for `--poll-us`, it is taken without a kick, a wake-up
@@ -302,9 +348,18 @@ impl VhostUserBackend for Blk {
     }
 
     fn acked_features(&self, _features: u64) {
-        // The device is being started (again): what was stopped before no longer counts.
+        // The device is being started (again): what was stopped before no longer counts, and
+        // each queue's guest is signalled at its first serving (see `serve_queue`).
         self.used_queues.store(0, Ordering::SeqCst);
         self.stopped_queues.store(0, Ordering::SeqCst);
+        self.signal_owed.store(u64::MAX, Ordering::SeqCst);
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        // One worker for every queue: the crate's default mask covers the first 32 only, and a
+        // queue outside it is never served (its guest's I/O hangs).
+        let queues = self.num_queues();
+        vec![if queues >= 64 { u64::MAX } else { (1u64 << queues) - 1 }]
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -363,8 +418,11 @@ impl VhostUserBackend for Blk {
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         // Without one, dropping the daemon would wait forever for its worker.
-        match new_event_consumer_and_notifier(EventFlag::NONBLOCK) {
-            Ok(pair) => Some(pair),
+        match new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC) {
+            Ok(pair) => {
+                lock(&self.exit_consumers).push(std::os::fd::AsRawFd::as_raw_fd(&pair.0));
+                Some(pair)
+            }
             Err(error) => {
                 tracing::error!(%error, "vhost-user: no exit event for a worker");
                 None
@@ -391,11 +449,21 @@ impl VhostUserBackend for Blk {
         }
         let Some(vring) = vrings.get(usize::from(device_event)) else { return Ok(()) };
         self.used_queues.fetch_or(1u64 << (device_event % 64), Ordering::SeqCst);
-        if let Err(error) = self.serve_queue(vring) {
-            // Returning the error would end the worker with the queue dead and no word: the
-            // connection is closed instead, and QEMU reconnects.
-            tracing::warn!(%error, queue = device_event, "vhost-user queue failed; closing the connection");
-            self.close_unlocked();
+        // Returning an error, or unwinding, would end the worker with the queue dead, the
+        // socket open and no word: the guest's I/O would hang. The connection is closed instead,
+        // and QEMU reconnects and sends the requests not returned again (as an NBD connection's
+        // thread that panicked closes its socket).
+        let serving = std::panic::AssertUnwindSafe(|| self.serve_queue(vring, device_event));
+        match std::panic::catch_unwind(serving) {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(%error, queue = device_event, "vhost-user queue failed; closing the connection");
+                self.close_unlocked();
+            }
+            Err(_) => {
+                tracing::error!(queue = device_event, "vhost-user request panicked; closing the connection");
+                self.close_unlocked();
+            }
         }
         Ok(())
     }
@@ -461,8 +529,147 @@ mod tests {
         let queue = MockSplitQueue::new(&memory, 16);
         queue.avail().idx().store(u16::to_le(100));
         let (blk, vring) = device_on(&memory, &queue);
-        let error = blk.serve_queue(&vring).expect_err("a malformed available ring");
+        let error = blk.serve_queue(&vring, 0).expect_err("a malformed available ring");
         assert!(error.to_string().contains("100 past the next request"), "{error}");
+    }
+
+    /// Two 4 KiB writes at sectors 8 and 16, their headers and data from 0x1_0000 on, their
+    /// descriptors from table index `first`.
+    fn two_writes(memory: &GuestMemoryMmap, first: u16) -> Vec<RawDescriptor> {
+        let base = 0x1_0000 + u64::from(first) * 0x1_0000;
+        let mut descriptors = Vec::new();
+        for (i, sector) in [8u64, 16].into_iter().enumerate() {
+            let at = base + i as u64 * 0x4000;
+            memory.write_slice(&header(VIRTIO_BLK_T_OUT, sector), GuestAddress(at)).expect("header");
+            descriptors.extend(chain(
+                first + 3 * i as u16,
+                &[(at, 16, false), (at + 0x1000, 4096, false), (at + 0x2000, 1, true)],
+            ));
+        }
+        descriptors
+    }
+
+    /// A connection closing (a stopping server, a refused memory map) while its guest has
+    /// requests queued leaves them for the next connection and returns: it looked for them
+    /// again and again, its locks held, and the server's stop waited for it for ever.
+    #[test]
+    fn a_closing_connection_leaves_the_queued_requests_and_returns() {
+        let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
+        let queue = MockSplitQueue::new(&memory, 16);
+        queue.add_desc_chains(&two_writes(&memory, 0), 0).expect("chains");
+        let (blk, vring) = device_on(&memory, &queue);
+        blk.closing.store(true, Ordering::SeqCst);
+        let (done, returned) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let served = blk.serve_queue(&vring, 0);
+                let _ = done.send(served.is_ok());
+            });
+            let returned = returned.recv_timeout(Duration::from_secs(5));
+            if returned.is_err() {
+                // The spinning worker never ends: end the test process with the failure.
+                eprintln!("serve_queue still running 5 s after the connection began closing");
+                std::process::exit(101);
+            }
+        });
+        assert_eq!(queue.used().idx().load(), 0, "requests served by a closing connection");
+    }
+
+    /// With EVENT_IDX, the first serving of a queue after the device starts signals the guest
+    /// even where its `used_event` says not to (it stays behind completions a killed server
+    /// published and never signalled: without this, no completion would interrupt the guest
+    /// again); later servings signal as the guest asks.
+    #[test]
+    fn the_first_serving_after_a_start_signals_the_guest_whatever_event_idx_says() {
+        use vmm_sys_util::eventfd::EventFd;
+        let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
+        let queue = MockSplitQueue::new(&memory, 16);
+        let (blk, vring) = device_on(&memory, &queue);
+        // The mock puts its used ring where a 16-entry available ring's used_event is: the used
+        // ring goes elsewhere here.
+        let used_ring = GuestAddress(0x8000);
+        vring.set_queue_info(queue.desc_table_addr().0, queue.avail_addr().0, used_ring.0).expect("queue addresses");
+        let used_index = || u16::from_le(memory.read_obj::<u16>(GuestAddress(used_ring.0 + 2)).expect("used index"));
+        blk.set_event_idx(true);
+        vring.set_queue_event_idx(true);
+        let call = EventFd::new(rustix::event::EventfdFlags::NONBLOCK.bits() as i32).expect("eventfd");
+        let call_file = call.try_clone().expect("clone");
+        // SAFETY: the clone's descriptor is owned by nothing else; the File takes it over.
+        vring.set_call(Some(unsafe {
+            <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(call_file))
+        }));
+        // The guest's used_event far ahead of what will be returned: it asks for no interrupt.
+        let used_event = GuestAddress(queue.avail_addr().0 + 4 + 2 * 16);
+        memory.write_obj(u16::to_le(100), used_event).expect("used_event");
+        let signalled = || call.read().is_ok();
+
+        queue.add_desc_chains(&two_writes(&memory, 0)[..3], 0).expect("chain");
+        blk.serve_queue(&vring, 0).expect("served");
+        assert_eq!(used_index(), 1);
+        assert!(signalled(), "the first serving after the start did not signal the guest");
+
+        queue.add_desc_chains(&two_writes(&memory, 0)[3..], 3).expect("chain");
+        blk.serve_queue(&vring, 0).expect("served");
+        assert_eq!(used_index(), 2);
+        assert!(!signalled(), "a later serving signalled against the guest's used_event");
+
+        // A start again (a reconnect's SET_FEATURES): owed again.
+        blk.acked_features(0);
+        blk.serve_queue(&vring, 0).expect("served");
+        assert!(signalled(), "the first serving after a restart did not signal the guest");
+    }
+
+    /// A request that panics below the seam closes its connection (QEMU reconnects and sends
+    /// it again) and leaves the worker serving: the worker ended and the guest's I/O hung.
+    #[test]
+    fn a_request_that_panics_closes_its_connection_and_the_worker_lives() {
+        struct Panicking;
+        impl BlockDevice for Panicking {
+            fn size(&self) -> u64 {
+                1 << 20
+            }
+            fn capabilities(&self) -> Capabilities {
+                Capabilities::ALL
+            }
+            fn read(&mut self, _: &overspill_block::ReadRequest, _: u64, _: &mut [u8]) -> Result<(), DeviceError> {
+                Ok(())
+            }
+            fn write(&mut self, _: u64, _: &[u8], _: bool) -> Result<(), DeviceError> {
+                panic!("a bug below the seam")
+            }
+            fn write_zeroes(&mut self, _: u64, _: u64, _: bool, _: bool, _: bool) -> Result<(), DeviceError> {
+                Ok(())
+            }
+            fn trim(&mut self, _: u64, _: u64, _: bool) -> Result<(), DeviceError> {
+                Ok(())
+            }
+            fn flush(&mut self) -> Result<(), DeviceError> {
+                Ok(())
+            }
+        }
+        let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
+        let queue = MockSplitQueue::new(&memory, 16);
+        queue.add_desc_chains(&two_writes(&memory, 0)[..3], 0).expect("chain");
+        let (blk, vring) = device_on(&memory, &queue);
+        *lock(&blk.device) = Some(Box::new(Panicking));
+        let handled = blk.handle_event(0, EventSet::IN, std::slice::from_ref(&vring), 0);
+        assert!(handled.is_ok(), "the worker was told to end: {handled:?}");
+        assert!(blk.closing.load(Ordering::SeqCst), "the connection stays open with its request unanswered");
+        assert_eq!(queue.used().idx().load(), 0);
+    }
+
+    /// Every queue is served: the crate's default mask of queues per worker covers 32.
+    #[test]
+    fn every_queue_is_in_a_workers_mask() {
+        for queues in [1u16, 4, 32, 40, 64] {
+            let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
+            let config =
+                DeviceConfig { size: 1 << 20, capabilities: Capabilities::ALL, queues, limits: Limits::default() };
+            let opener: Opener = Box::new(|| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
+            let blk = Blk::new(opener, GuestMemoryAtomic::new(memory), config, b"vm".to_vec(), Duration::ZERO);
+            let covered = blk.queues_per_thread().iter().fold(0u64, |all, mask| all | mask);
+            assert_eq!(covered.count_ones(), u32::from(queues), "{queues} queues");
+        }
     }
 
     /// Three requests made available at once, served through a real split virtqueue: a write, a
@@ -484,7 +691,7 @@ mod tests {
         queue.add_desc_chains(&descriptors, 0).expect("chains");
 
         let (blk, vring) = device_on(&memory, &queue);
-        blk.serve_queue(&vring).expect("served");
+        blk.serve_queue(&vring, 0).expect("served");
 
         let used = queue.used();
         assert_eq!(used.idx().load(), 3, "three requests returned");
