@@ -609,9 +609,9 @@ impl ExportProvider for OverlayExports {
         };
         if let Some(vm) = vm_name {
             self.adopt_orphan(vm);
+            let holding = self.registry.holding(vm);
             if let Some(peers) = &self.peers {
-                let held_here = self.registry.holding(vm) == crate::vms::Holding::Live;
-                match peers.locate(vm, held_here) {
+                match peers.locate(vm, holding == crate::vms::Holding::Live) {
                     Located::Nowhere => {}
                     Located::Refused(why) => {
                         tracing::warn!(vm, "VM refused: {why}");
@@ -619,6 +619,17 @@ impl ExportProvider for OverlayExports {
                     }
                     Located::Live(address) => return self.open_incoming(name, vm, identity, peers, &address),
                 }
+            }
+            // This server's ledger says it moved the VM away, and no peer holds it now (the
+            // server it went to lost its state, or is no peer of this one): its writes are
+            // somewhere else or nowhere, never a fresh VM's here (the record was written over).
+            if let crate::vms::Holding::Moved { to } = holding {
+                let why = format!(
+                    "VM {vm} was moved from here to {to}, which holds nothing of it now; `overspill vm reset {vm}` \
+                     starts it afresh"
+                );
+                tracing::warn!(vm, "VM refused: {why}");
+                return Err(DeviceError::new(DeviceErrorKind::Refused, why));
             }
         }
         // Claimed by image name: a VM that resumes keeps the version it booted, in its overlay.

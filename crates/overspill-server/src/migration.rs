@@ -215,7 +215,15 @@ pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &ListenAddr, vm: &
     };
     match holding {
         Ok(Holding::Moved { to }) => Ok(to == peers.name),
-        Ok(Holding::Live | Holding::Moving) => Ok(false),
+        Ok(Holding::Live) => Ok(false),
+        // Still between this server's `Ready` and the peer's commit (or moving it on): the
+        // peer may yet commit to this server, whose copy is then the only one. Kept and
+        // refused, never dropped on a guess (the VM's writes were lost everywhere when it was).
+        Ok(Holding::Moving) => Err(format!(
+            "peer {shown} was still moving it after {} s (if it moved it here after all, this copy is the VM's: \
+             its files are kept, the name refused)",
+            IN_DOUBT_ASKING.as_secs()
+        )),
         Ok(Holding::Nothing) => Err(format!("peer {shown} keeps no record of it")),
         Ok(Holding::Lost { why }) => Err(format!("peer {shown} lost it ({why})")),
         Err(error) => Err(format!("peer {shown} cannot be asked ({error})")),
@@ -233,7 +241,8 @@ fn query(address: &ListenAddr, peers: &Peers, vm: &str) -> io::Result<(String, H
 }
 
 /// A test's hold on a handover: with `OVERSPILL_TEST_MOVE_PAUSE=STEP` in its environment, a
-/// server stops for 3 s at STEP and says so in its log, so that a test can SIGKILL it at that
+/// server stops for 3 s (or `OVERSPILL_TEST_MOVE_PAUSE_SECS`) at STEP and says so in its log,
+/// so that a test can SIGKILL it at that
 /// very moment. Steps: `final` (the sender has sent the last changes and `Final`), `readied`
 /// (the sender has the receiver's `Ready`; its ledger does not say moved yet), `committed`
 /// (the sender's ledger says moved; the receiver is not told yet), `ready` (the receiver's
@@ -241,8 +250,9 @@ fn query(address: &ListenAddr, peers: &Peers, vm: &str) -> io::Result<(String, H
 fn test_pause(step: &str) {
     static PAUSE_AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     if PAUSE_AT.get_or_init(|| std::env::var("OVERSPILL_TEST_MOVE_PAUSE").ok()).as_deref() == Some(step) {
-        tracing::warn!(step, "move paused for a test (OVERSPILL_TEST_MOVE_PAUSE)");
-        std::thread::sleep(Duration::from_secs(3));
+        let seconds = std::env::var("OVERSPILL_TEST_MOVE_PAUSE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+        tracing::warn!(step, seconds, "move paused for a test (OVERSPILL_TEST_MOVE_PAUSE)");
+        std::thread::sleep(Duration::from_secs(seconds));
     }
 }
 
@@ -786,8 +796,10 @@ impl Incoming {
         let until = Instant::now() + IN_DOUBT_ASKING;
         while Instant::now() < until {
             match query(&self.peer, &self.peers, &self.vm).map(|(_, holding)| holding) {
-                // Its ledger says moved (to this server, as it was told it): this copy is the VM's.
-                Ok(Holding::Moved { .. }) => return Outcome::Moved(started),
+                // Its ledger says moved to this server: this copy is the VM's.
+                Ok(Holding::Moved { to }) if to == self.peers.name => return Outcome::Moved(started),
+                // Moved on to another server since it gave this move up: that one's, not ours.
+                Ok(Holding::Moved { to }) => return Outcome::Failed(format!("the peer moved the VM to {to}")),
                 Ok(Holding::Live) => return Outcome::Failed("the peer kept the VM".into()),
                 Ok(Holding::Lost { why }) => return Outcome::Failed(format!("the peer lost the VM: {why}")),
                 // Still deciding; or no record (its ledger gone with its host?), which cannot
@@ -802,11 +814,17 @@ impl Incoming {
     fn settle(self, outcome: Outcome, link: &mut Link) {
         match outcome {
             Outcome::Moved(started) => {
-                if let Err(error) = self.registry.incoming_committed(self.number) {
-                    // The ledger still says in doubt: a next server refuses the name, no worse.
-                    tracing::warn!(vm = self.vm, %error, "could not record the moved VM as this server's");
+                match self.registry.incoming_committed(self.number) {
+                    // The peer may forget where it sent the VM: this server's ledger says so now.
+                    Ok(()) => {
+                        let _ = link.send(&Message::Done, &[]);
+                    }
+                    // The ledger still says in doubt: a next server asks the peer, which must
+                    // still say moved here (no Done), or refuses the name; never golden data.
+                    Err(error) => {
+                        tracing::warn!(vm = self.vm, %error, "could not record the moved VM as this server's")
+                    }
                 }
-                let _ = link.send(&Message::Done, &[]);
                 if let Some(vm) = self.live.vm().as_mut() {
                     vm.overlay.stop_moving();
                 }

@@ -24,7 +24,7 @@ use std::time::Instant;
 use overspill_block::{DeviceError, DeviceErrorKind};
 use serde::{Deserialize, Serialize};
 
-use super::{lock, Entry, Grace, VmRegistry};
+use super::{lock, Ending, Entry, Grace, VmRegistry};
 use crate::ledger::{remove_state_files, Marks};
 use crate::live::Live;
 use crate::vm_overlay::VmOverlay;
@@ -334,7 +334,16 @@ impl VmRegistry {
         }
         drop(inner);
         if let Some(ending) = ended {
-            // The connection ended during the move and left its end to it.
+            // The connection ended during the move and left its end to it. A clean end
+            // (NBD_CMD_DISC) is what a source QEMU sends as it quits once the guest runs at the
+            // destination: a move given up after it leaves a running guest there, which takes
+            // the VM from here again as it reconnects. So the VM waits, as after a lost
+            // connection, rather than end as a powered-off VM would (the destination would then
+            // find nothing to take, and its guest golden data).
+            let ending = match ending {
+                Ending::Deliberate => Ending::Lost,
+                other => other,
+            };
             let vm = out.live.vm().take();
             if let Some(vm) = vm {
                 drop(self.end(out.number, ending, vm));

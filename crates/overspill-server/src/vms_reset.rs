@@ -227,6 +227,15 @@ impl VmRegistry {
                 Some(state) => ledger.retire(vm, &state, remove_leftover_state_files),
                 None => ledger.unmark(vm),
             },
+            // A record that the VM was moved to a peer (one never told the move was done): the
+            // name is refused here while it stands.
+            None if ledger.moved_to(vm).is_some() => {
+                ledger.unmark(vm);
+                tracing::info!(vm, "record of the VM's move to a peer forgotten by the operator");
+                return Ok(format!(
+                    "{vm}: the record of its move to a peer is forgotten; it starts from the golden image"
+                ));
+            }
             None => return Err(ServerError::NoSuchVm(vm.to_owned())),
         }
         tracing::info!(vm, "VM left by an earlier server reset by the operator: it starts from the golden image");

@@ -174,7 +174,8 @@ impl Serve {
             .spawn()
             .expect("starting overspill serve");
         let mut server = Self { child, log };
-        let deadline = Instant::now() + Duration::from_secs(20);
+        // A server settles moves left in doubt before it listens: up to 20 s of asking a peer.
+        let deadline = Instant::now() + Duration::from_secs(40);
         while !ready() {
             server.assert_running();
             assert!(Instant::now() < deadline, "overspill serve not listening:\n{}", server.log_text());

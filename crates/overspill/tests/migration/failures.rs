@@ -164,6 +164,32 @@ fn a_destination_killed_before_it_says_ready_leaves_the_vm_at_the_source() {
     pair.assert_golden_unchanged();
 }
 
+/// The source's QEMU quits cleanly (NBD_CMD_DISC, as it does once the guest runs at the
+/// destination), which starts the switchover, and the move then fails (the destination killed
+/// before it says `Ready`): the source keeps the VM for its reconnect grace, not as a VM that
+/// ended, and the restarted destination takes it again with every write. (Until session 51 the
+/// source ended it as a powered-off VM: the destination, whose guest runs, found nothing to
+/// take and started the name from the golden image, or refused it.)
+#[test]
+fn a_move_failing_after_the_sources_clean_end_keeps_the_vm_for_the_destination() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = pair.serve("a");
+    let server_b = serve_pausing(&pair, "b", "ready");
+    let (model, source, destination) = moving(&pair, &a, &b);
+    source.disconnect().expect("the source's clean end");
+    wait_for_log(&server_b, PAUSED);
+    server_b.kill();
+    drop(destination);
+    wait_for("the move given up at A", || server_a.log_text().contains("move to a peer given up"));
+    assert_eq!(a.state_of("desk").as_deref(), Some("in-grace"), "{}", server_a.log_text());
+    let _server_b = pair.serve("b");
+    let mut destination = b.connect("desk");
+    model.assert_reads_back(&mut destination, "the destination after the move failed and was made again");
+    wait_for("A holds nothing of the VM", || a.state_of("desk").is_none());
+    pair.assert_golden_unchanged();
+}
+
 /// A switchover slower than the wait of the destination's first write (the source held 3 s at
 /// its final delta, the wait 1 s here instead of 25): that write fails, and only it. The move
 /// commits, and the same connection serves the VM on with every acknowledged write. (Until
@@ -253,6 +279,73 @@ fn a_destination_restarted_while_its_source_commits_keeps_the_vm() {
     assert!(log.contains("its peer says it moved here"), "the restarted destination did not keep the VM:\n{log}");
     let mut destination = b.connect("desk");
     model.assert_reads_back(&mut destination, "the restarted destination");
+    pair.assert_golden_unchanged();
+}
+
+/// As above, the source held at that step longer than the restarted destination asks (20 s):
+/// the destination cannot tell whether the VM is its own yet, so it keeps its copy's files and
+/// refuses the name; the source then commits to it. (Until session 51 the destination dropped its
+/// copy on "still moving" at its deadline, and the commit that followed left the VM's writes
+/// nowhere.)
+#[test]
+fn a_destination_whose_source_commits_after_it_stops_asking_keeps_its_copy() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
+    let pause = [("OVERSPILL_TEST_MOVE_PAUSE", "readied"), ("OVERSPILL_TEST_MOVE_PAUSE_SECS", "26")];
+    let server_a = serve_side_with(&pair.golden, &a, [&peers[0], &peers[1]], "1M", &[], &pause);
+    let server_b = pair.serve("b");
+    let (_model, source, destination) = moving(&pair, &a, &b);
+    a_write_asking_while(destination, || {
+        wait_for_log(&server_a, PAUSED);
+        server_b.kill();
+    });
+    let server_b = pair.serve("b");
+    let log = server_b.log_text();
+    assert!(log.contains("still moving it after 20 s"), "the restarted destination did not give up asking:\n{log}");
+    assert!(b.dir.join("spill/state/vm-desk.json").exists(), "the destination dropped its copy:\n{log}");
+    assert_eq!(b.state_of("desk").as_deref(), Some("lost"));
+    wait_for("A hands the VM over", || a.state_of("desk").is_none());
+    drop(source);
+    let refused = overspill_nbd::client::Client::connect(&b.uri("desk"));
+    assert!(refused.is_err(), "the name is served");
+    pair.assert_golden_unchanged();
+}
+
+/// The source's ledger says it moved the VM (its destination killed before it heard so), and
+/// the destination's host then comes back without its state: a connection for the VM at the
+/// source is refused by name, never served a fresh overlay in place of the record (until session
+/// 51 the source asked its peers, heard "nothing", and started the name from the golden image).
+/// `vm reset` forgets the record, and the VM starts afresh.
+#[test]
+fn a_source_whose_vm_moved_away_never_serves_the_name_afresh_on_its_own() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = serve_pausing(&pair, "a", "committed");
+    let server_b = pair.serve("b");
+    let (_model, source, destination) = moving(&pair, &a, &b);
+    a_write_asking_while(destination, || {
+        wait_for_log(&server_a, PAUSED);
+        server_b.kill();
+    });
+    wait_for("A hands the VM over", || a.state_of("desk").is_none());
+    drop(source);
+    std::fs::remove_dir_all(b.dir.join("spill")).expect("B's host loses its state");
+    let _server_b = pair.serve("b");
+    let refused = overspill_nbd::client::Client::connect(&a.uri("desk"));
+    assert!(refused.is_err(), "the source served the moved VM's name afresh:\n{}", server_a.log_text());
+    assert!(server_a.log_text().contains("was moved from here to"), "{}", server_a.log_text());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["vm", "--control"])
+        .arg(a.dir.join("spill/state/control.sock"))
+        .args(["reset", "desk"])
+        .output()
+        .expect("vm reset");
+    assert!(out.status.success(), "vm reset: {}", String::from_utf8_lossy(&out.stderr));
+    let mut fresh = a.connect("desk");
+    let mut back = vec![0u8; 4096];
+    fresh.read(0, &mut back).expect("read");
+    assert_eq!(&back[..], &pair.golden_bytes[..4096]);
     pair.assert_golden_unchanged();
 }
 
