@@ -11,9 +11,10 @@
 //! 2. Pre-copy: the sending end sends every block that is not the golden image's, then, round
 //!    after round, the blocks the VM changed meanwhile, for as long as the move lasts.
 //! 3. Switchover, at whichever comes first: the receiving end's first request (its guest runs,
-//!    so QEMU has stopped the source's), or the end of the sending end's connection. The sender
-//!    takes the VM's lock and keeps it (the fence: the source's requests wait), sends the last
-//!    changes, and the receiver records that it holds the whole state ("in doubt") and says
+//!    so QEMU has stopped the source's), or the clean end (NBD_CMD_DISC) of the sending end's
+//!    connection, which QEMU sends as it quits (a lost one may be the source's guest about to
+//!    reconnect: it hands nothing over). The sender takes the VM's lock and keeps it (the
+//!    fence: the source's requests wait), sends the last changes, and the receiver records that it holds the whole state ("in doubt") and says
 //!    `Ready`. The sender records "moved to peer" in its ledger, says `Committed`, and gives
 //!    up its copy: its connection fails its requests and closes. The receiver records the VM
 //!    as its own and serves it.
@@ -44,7 +45,7 @@ use overspill_net::{ListenAddr, PeerTls};
 use crate::live::{Gate, Live};
 
 mod link;
-use crate::vms::{Holding, MoveProgress, Offer, Outgoing, VmRegistry};
+use crate::vms::{Ending, Holding, MoveProgress, Offer, Outgoing, VmRegistry};
 use link::*;
 
 /// Data blocks per message: 2 MiB, a spill segment's worth.
@@ -500,7 +501,12 @@ fn pre_copy(link: &mut Link, replies: &Replies, out: &Outgoing, registry: &VmReg
             Some(Ok((other, _))) => return PreCopyEnd::Failed(unexpected(&other).to_string()),
             Some(Err(error)) => return PreCopyEnd::Failed(format!("the peer link failed: {error}")),
         }
-        if out.live.state().ended.is_some() {
+        // Only a clean end (NBD_CMD_DISC: the source QEMU quit, its guest running at the
+        // destination) hands the VM over now. A connection lost or cut for idleness may be the
+        // source's guest about to reconnect here (a network blip, the migration then cancelled):
+        // the move goes on until the destination's first change asks for the switchover, or
+        // fails and leaves the VM here for that reconnect.
+        if out.live.state().ended == Some(Ending::Deliberate) {
             return PreCopyEnd::SourceEnded;
         }
         let (runs, left) = {

@@ -312,6 +312,29 @@ fn a_destination_whose_source_commits_after_it_stops_asking_keeps_its_copy() {
     pair.assert_golden_unchanged();
 }
 
+/// The source's connection lost during the move (a network blip, no NBD_CMD_DISC: its guest
+/// may still run there and reconnect), then the migration cancelled (the destination QEMU quits
+/// cleanly): the lost connection did not hand the VM over, so the destination's end gives the
+/// move up and the source's guest reconnects to every write. (Until session 51 the lost
+/// connection started the switchover: the VM committed to the destination, ended there with its
+/// QEMU, and the source's reconnecting guest was served the golden image.)
+#[test]
+fn a_source_connection_lost_during_the_move_does_not_hand_the_vm_over() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let server_a = pair.serve("a");
+    let _server_b = pair.serve("b");
+    let (model, source, destination) = moving(&pair, &a, &b);
+    drop(source);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(b.state_of("desk").as_deref(), Some("incoming"), "the VM was handed over:\n{}", server_a.log_text());
+    destination.disconnect().expect("the destination QEMU quits");
+    wait_for("the move given up at A", || server_a.log_text().contains("move to a peer given up"));
+    let mut source = a.connect("desk");
+    model.assert_reads_back(&mut source, "the source's guest reconnecting after the cancelled migration");
+    pair.assert_golden_unchanged();
+}
+
 /// The source's ledger says it moved the VM (its destination killed before it heard so), and
 /// the destination's host then comes back without its state: a connection for the VM at the
 /// source is refused by name, never served a fresh overlay in place of the record (until session
