@@ -56,6 +56,11 @@ pub trait GoldenImage: Send + Sync {
         let reads = self.read_counted(&mut buf, offset)?;
         Ok((vec![Bytes::from(buf)], reads))
     }
+    /// Like [`Self::read_at`], past any cache in front: a read of the whole image (its digest,
+    /// `overspill_server::image_digest`) must not push what the VMs read out of the caches.
+    fn read_uncached(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.read_at(buf, offset)
+    }
     fn describe(&self) -> String;
     /// What tells these exact contents from other contents under the same name, for state that
     /// outlives the process: a file's device, inode, size and modification time; an S3 object's
@@ -139,6 +144,9 @@ impl<L: ImageLayer> GoldenImage for L {
     }
     fn read_shared(&self, offset: u64, len: usize) -> io::Result<(Vec<Bytes>, SourceReads)> {
         self.below().read_shared(offset, len)
+    }
+    fn read_uncached(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.below().read_uncached(buf, offset)
     }
     fn describe(&self) -> String {
         ImageLayer::describe(self)

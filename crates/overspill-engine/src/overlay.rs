@@ -286,6 +286,12 @@ impl Overlay {
         self.core.zero_log.is_some()
     }
 
+    /// What tells the golden image under this overlay from other contents (see
+    /// [`GoldenImage::identity`]).
+    pub fn image_identity(&self) -> Option<String> {
+        self.core.golden.identity()
+    }
+
     pub fn size(&self) -> u64 {
         self.core.size
     }

@@ -524,6 +524,10 @@ impl GoldenImage for CachedImage {
         Ok((shared, fetched))
     }
 
+    fn read_uncached(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.source.read_uncached(buf, offset)
+    }
+
     fn describe(&self) -> String {
         format!("{} through a {}-byte shared read cache", self.source.describe(), self.stats.capacity_bytes.get())
     }

@@ -33,7 +33,7 @@ use crate::live::Live;
 use crate::migration::{self, Incoming, Located, Peers};
 use crate::vm_limits::HostBudget;
 use crate::vm_overlay::VmOverlay;
-use crate::vms::{anonymous_label, shown_image, Claim, Lifecycle, VmRegistry};
+use crate::vms::{anonymous_label, shown_image, Claim, Lifecycle, Offer, VmRegistry};
 use crate::{check_name, ServerError};
 use overspill_block::Recorder;
 use overspill_net::ListenAddr;
@@ -167,8 +167,25 @@ impl OverlayExports {
 
     /// Asks `peers` for each named VM that connects, and takes it from the one that holds it
     /// live (see `migration`).
+    /// VMs moving between hosts need the golden images' content digests (see
+    /// `image_digest`): each image served is read for it once, in the background, and its digest
+    /// kept in the state directory.
     pub fn with_peers(&mut self, peers: Peers) {
         self.peers = Some(peers);
+        let cache = self.lifecycle.state_dir.as_ref().map(|dir| dir.join("image-digests.json"));
+        let digests = crate::image_digest::ImageDigests::new(cache);
+        for image in self.images.values() {
+            digests.start_if_host_local(image);
+        }
+        self.registry.use_image_digests(digests);
+    }
+
+    /// Has the digest of `image`, a version opened from the image store, computed if this server
+    /// moves VMs (see [`Self::with_peers`]).
+    fn digest_in_background(&self, image: &Arc<dyn GoldenImage>) {
+        if let Some(digests) = self.registry.image_digests() {
+            digests.start_if_host_local(image);
+        }
     }
 
     /// Settles the VMs recovered in doubt (see `ledger`'s `incoming`) by asking the peer each
@@ -338,6 +355,7 @@ impl OverlayExports {
             .ok_or_else(|| format!("it was made over {label}, which export {export:?} does not serve"))?;
         let versions = self.versions.as_ref().ok_or_else(|| format!("{label}: this server has no image store"))?;
         let (version, image) = versions.version(image_name, version).map_err(|e| e.to_string())?;
+        self.digest_in_background(&image);
         Ok((format!("{image_name}:{version}"), image))
     }
 
@@ -449,6 +467,7 @@ impl OverlayExports {
             Some(fork) => Self::fork_refused(name, fork, &e.to_string()),
             None => DeviceError::new(DeviceErrorKind::Invalid, e.to_string()),
         })?;
+        self.digest_in_background(&image);
         Ok((format!("{image_name}:{version}"), image))
     }
 
@@ -690,7 +709,31 @@ const JOIN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// closes without waiting for the server) must not find its own last connection in the way.
 const HELD_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long a VM moving in from another host waits for its image's digest here, inside its
+/// handshake (whose deadline is longer): digests are computed from the server's start, so only
+/// a move right after it, or after a new image version, waits.
+const DIGEST_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl OverlayExports {
+    /// Whether `image` (`label` here) holds the very bytes the VM of `offer` runs over at its
+    /// peer, whose identity of it differs (another host's copy of the file): by their digests,
+    /// never by its name and size alone.
+    fn same_contents(&self, offer: &Offer, label: &str, image: &Arc<dyn GoldenImage>) -> Result<(), String> {
+        let shown = shown_image(label);
+        let theirs = offer.image_digest.as_deref().ok_or_else(|| {
+            format!(
+                "{shown} here is another file than the one it runs over at the peer, whose digest of it is not \
+                 known yet (computed in the background from the peer's start): try again in a while"
+            )
+        })?;
+        let digests = self.registry.image_digests().ok_or_else(|| format!("{shown} here has no digest to compare"))?;
+        let ours = digests.wait_for(image, DIGEST_WAIT).map_err(|why| format!("{shown} here: {why}"))?;
+        if ours != theirs {
+            return Err(format!("{shown} here is not the image it runs over at the peer (their contents differ)"));
+        }
+        Ok(())
+    }
+
     /// A VM that peer `address` holds live connects here: it is taken from there (see
     /// `migration`), over the very image version it runs on, and its requests wait until it is
     /// this server's.
@@ -710,7 +753,7 @@ impl OverlayExports {
         let (offer, link) = migration::ask_for(peers, address, vm, image_name).map_err(refused)?;
         let image = self.image_made_over(image_name, &offer.image_label).and_then(|(label, image)| {
             if offer.image_identity.as_deref().is_some_and(|recorded| !image.matches_identity(recorded)) {
-                return Err(format!("{} here is not the image it runs over at the peer", shown_image(&label)));
+                self.same_contents(&offer, &label, &image)?;
             }
             if image.size() != offer.disk_bytes {
                 return Err(format!(

@@ -19,6 +19,7 @@ pub mod exports;
 pub mod files;
 pub mod forks;
 pub mod golden_budget;
+pub mod image_digest;
 pub mod images;
 pub mod ledger;
 mod live;

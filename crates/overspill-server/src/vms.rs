@@ -142,6 +142,8 @@ pub struct VmRegistry {
     test_vms: NamePatterns,
     /// The image store VMs are served from, if any (`serve --images`): `vm capture` writes to it.
     image_store: std::sync::OnceLock<crate::images::ImageStore>,
+    /// Golden images' content digests, for moves between hosts (servers with peers).
+    image_digests: std::sync::OnceLock<Arc<crate::image_digest::ImageDigests>>,
     moves: MoveCounters,
 }
 
@@ -259,6 +261,7 @@ impl VmRegistry {
             multi_conn: NamePatterns::default(),
             test_vms: NamePatterns::default(),
             image_store: std::sync::OnceLock::new(),
+            image_digests: std::sync::OnceLock::new(),
             moves: MoveCounters::default(),
         });
         if !registry.lifecycle.reconnect_grace.is_zero() {

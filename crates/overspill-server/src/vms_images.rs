@@ -59,6 +59,15 @@ impl VmRegistry {
         let _ = self.image_store.set(store);
     }
 
+    /// Golden images' digests are kept by `digests` from now on (a server with peers).
+    pub fn use_image_digests(&self, digests: std::sync::Arc<crate::image_digest::ImageDigests>) {
+        let _ = self.image_digests.set(digests);
+    }
+
+    pub fn image_digests(&self) -> Option<&std::sync::Arc<crate::image_digest::ImageDigests>> {
+        self.image_digests.get()
+    }
+
     pub fn image_store(&self) -> Option<&crate::images::ImageStore> {
         self.image_store.get()
     }

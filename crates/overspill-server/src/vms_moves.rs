@@ -106,6 +106,10 @@ pub struct Offer {
     /// have exactly this one.
     pub image_label: String,
     pub image_identity: Option<String>,
+    /// The image's content digest (`image_digest`), where the sending end has computed it: a
+    /// receiving end on another host, where `image_identity` never matches, compares it instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_digest: Option<String>,
     pub disk_bytes: u64,
     /// The TLS identity that made it, the only one that may open it.
     pub owner: Option<String>,
@@ -221,6 +225,7 @@ impl VmRegistry {
         let mut offer = Offer {
             image_label: entry.handle.export.clone(),
             image_identity: entry.state.as_ref().and_then(|state| state.image_identity.clone()),
+            image_digest: None,
             disk_bytes: 0,
             owner: entry.owner.clone(),
             written: entry.written,
@@ -228,7 +233,16 @@ impl VmRegistry {
         };
         drop(inner);
         // Outside the registry's lock: the move takes the VM's lock first, then the registry's.
-        offer.disk_bytes = live.vm().as_ref().map_or(0, |vm| vm.overlay.size());
+        let (disk_bytes, running_over) =
+            live.vm().as_ref().map_or((0, None), |vm| (vm.overlay.size(), vm.overlay.image_identity()));
+        offer.disk_bytes = disk_bytes;
+        // A VM without state files (no reconnect grace) records no identity: the image it runs
+        // over is compared all the same.
+        offer.image_identity = offer.image_identity.or(running_over);
+        offer.image_digest = offer
+            .image_identity
+            .as_deref()
+            .and_then(|identity| self.image_digests().and_then(|digests| digests.get(identity)));
         tracing::info!(vm, peer, "VM moving to a peer server: pre-copy begins");
         Ok(Outgoing { number, vm: vm.to_owned(), live, offer, progress, from_grace })
     }

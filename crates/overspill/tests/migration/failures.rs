@@ -357,7 +357,7 @@ fn a_source_whose_vm_moved_away_never_serves_the_name_afresh_on_its_own() {
     let _server_b = pair.serve("b");
     let refused = overspill_nbd::client::Client::connect(&a.uri("desk"));
     assert!(refused.is_err(), "the source served the moved VM's name afresh:\n{}", server_a.log_text());
-    assert!(server_a.log_text().contains("was moved from here to"), "{}", server_a.log_text());
+    server_a.wait_log("was moved from here to");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_overspill"))
         .args(["vm", "--control"])
         .arg(a.dir.join("spill/state/control.sock"))

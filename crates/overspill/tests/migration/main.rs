@@ -61,6 +61,46 @@ fn a_vm_moves_to_the_peer_its_destination_connects_to_and_its_writes_go_with_it(
     assert_eq!(sample(&at_b, "overspill_vm_switchover_seconds_count", &[]), 1.0);
 }
 
+/// Two hosts each with their own copy of the golden image (another file: another device and
+/// inode, which the VM's recorded identity names): the VM moves when the copies' contents are
+/// the same (their digests, computed from each server's start), and is refused, staying at the
+/// source, when one byte differs. (Until session 51 every move between hosts with a file image
+/// was refused: the identity compared was the source host's file's.)
+#[test]
+fn a_vm_moves_between_hosts_with_their_own_copies_of_the_image_only_if_the_bytes_match() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let copy = pair.dir.path().join("golden-at-b.img");
+    // One byte apart: refused, the VM stays at the source.
+    let mut other = pair.golden_bytes.clone();
+    other[7 << 20] ^= 1;
+    std::fs::write(&copy, &other).expect("another image at B");
+    let server_b = serve_side(&copy, &b, &a, "1M");
+    let server_a = pair.serve("a");
+    let mut model = Model(pair.golden_bytes.clone());
+    let mut source = a.connect("desk");
+    first_writes(&mut model, &mut source, &pair.golden_bytes);
+    wait_for("the digests", || {
+        server_b.log_text().contains("image digest computed") && server_a.log_text().contains("image digest computed")
+    });
+    let refused = overspill_nbd::client::Client::connect(&b.uri("desk"));
+    assert!(refused.is_err(), "the VM moved over other bytes");
+    server_b.wait_log("their contents differ");
+    assert_eq!(a.state_of("desk").as_deref(), Some("connected"));
+    drop(server_b);
+
+    // The same bytes in another file: it moves, with every write.
+    std::fs::remove_file(&copy).expect("remove");
+    std::fs::copy(&pair.golden, &copy).expect("a copy at B");
+    let server_b = serve_side(&copy, &b, &a, "1M");
+    wait_for("B's digest", || server_b.log_text().contains("image digest computed"));
+    let mut destination = b.connect("desk");
+    model.write(&mut destination, 30 << 20, &pseudo_random(4096, 170));
+    model.assert_reads_back(&mut destination, "the destination over its own copy of the image");
+    assert_eq!(a.state_of("desk"), None);
+    pair.assert_golden_unchanged();
+}
+
 /// The source's clean end (QEMU's NBD_CMD_DISC as libvirt stops it) comes before the
 /// destination's first request: it is the switchover, not the VM's end.
 #[test]
