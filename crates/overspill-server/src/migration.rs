@@ -123,6 +123,12 @@ impl Peers {
                     ))
                 }
                 Ok(Holding::Nothing) => {}
+                // A VM this server holds (in grace: its client reconnecting) is no other
+                // server's: a peer takes it only from here, in a move this server would know of.
+                // One peer down must not refuse every reconnect of the fleet.
+                Err(error) if held_here => {
+                    tracing::debug!(vm, peer = %address, %error, "a peer cannot be asked; the VM is held here");
+                }
                 Err(error) => {
                     return Located::Refused(format!(
                         "peer {} cannot be asked whether VM {vm} runs there ({error}); if that server is gone \
@@ -350,11 +356,16 @@ fn accept_loop<S: Send + 'static>(
 fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &Arc<VmRegistry>) -> io::Result<()> {
     let mut link = Link::accept(stream, name, proven)?;
     loop {
-        match link.receive()?.0 {
+        let message = link.receive()?.0;
+        // A name no VM can have (a path, say: it becomes a ledger file's) ends the link.
+        if let Some(Err(error)) = message.vm().map(|vm| crate::check_name("VM", vm)) {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, error.to_string()));
+        }
+        match message {
             Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
             Message::Take { vm, image } => return send_vm(link, registry, &vm, &image),
             Message::Reset { vm } => {
-                let answer = match crate::check_name("VM", &vm).and_then(|()| registry.reset_with(&vm, false)) {
+                let answer = match registry.reset_with(&vm, false) {
                     Ok(done) => {
                         tracing::info!(vm, peer = %link.peer, %done, "VM reset for a fresh start at a peer");
                         Message::Accept

@@ -127,15 +127,15 @@ pub(crate) struct Outgoing {
     pub(crate) live: Arc<Live>,
     pub(crate) offer: Offer,
     pub(crate) progress: Arc<MoveProgress>,
-    /// The VM was in its grace when its move began (no connection here): it goes back there if
-    /// the move is given up.
-    from_grace: bool,
+    /// The VM was in its grace when its move began (no connection here), until then (`None`:
+    /// cut for idleness, without end): it goes back there if the move is given up.
+    from_grace: Option<Option<Instant>>,
 }
 
 impl Outgoing {
     /// The VM was in its grace here when its move began: no connection here to wait for.
     pub(crate) fn had_no_connection(&self) -> bool {
-        self.from_grace
+        self.from_grace.is_some()
     }
 }
 
@@ -196,7 +196,7 @@ impl VmRegistry {
         // A fork's pin goes with it (see [`Offer::fork`]).
         let fork = inner.forks.get(vm).cloned();
         let entry = inner.vms.get_mut(&number).expect("names point at entries");
-        let from_grace = entry.grace.is_some();
+        let from_grace = entry.grace.as_ref().map(|grace| grace.until);
         let live = match entry.grace.take() {
             Some(grace) => Arc::new(Live::new(grace.parked)),
             None => entry
@@ -329,7 +329,7 @@ impl VmRegistry {
             if let Some(vm) = vm.as_mut() {
                 vm.overlay.stop_moving();
             }
-            if out.from_grace {
+            if out.from_grace.is_some() {
                 vm.take()
             } else {
                 None
@@ -343,7 +343,13 @@ impl VmRegistry {
         let Some(entry) = inner.vms.get_mut(&out.number) else { return };
         entry.moving = None;
         if let Some(parked) = parked {
-            entry.grace = Some(Grace { until: Some(Instant::now() + self.lifecycle.reconnect_grace), parked });
+            // A VM cut for idleness (a paused guest) waits on without end, as it did; another
+            // gets its grace again.
+            let until = match out.from_grace {
+                Some(None) => None,
+                _ => Some(Instant::now() + self.lifecycle.reconnect_grace),
+            };
+            entry.grace = Some(Grace { until, parked });
             return;
         }
         drop(inner);

@@ -87,6 +87,16 @@ pub(super) enum Message {
     },
 }
 
+impl Message {
+    /// The VM a peer's question or request names, if it names one.
+    pub(super) fn vm(&self) -> Option<&str> {
+        match self {
+            Self::Query { vm } | Self::Take { vm, .. } | Self::Reset { vm } | Self::Read { vm, .. } => Some(vm),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "run", rename_all = "kebab-case")]
 pub(super) enum RunHeader {

@@ -135,6 +135,54 @@ fn a_move_given_up_leaves_the_vm_at_the_source() {
     pair.assert_golden_unchanged();
 }
 
+/// A peer down (its host gone) does not refuse the reconnect of a VM this server holds in its
+/// grace: no other server can hold it. A VM this server does not hold is still refused while a
+/// peer cannot be asked. (Until session 51 one peer down refused every reconnect.)
+#[test]
+fn a_peer_down_does_not_refuse_a_vm_held_here() {
+    let pair = Pair::new();
+    let Started { a, b: _b, server_a: _server_a, server_b, model, source } = pair.start();
+    drop(source);
+    wait_for("the VM waits in its grace at A", || a.state_of("desk").as_deref() == Some("in-grace"));
+    server_b.kill();
+    let mut back = a.connect("desk");
+    model.assert_reads_back(&mut back, "the VM reconnecting while its peer is down");
+    let refused = overspill_nbd::client::Client::connect(&a.uri("elsewhere"));
+    assert!(refused.is_err(), "a VM not held here was served while a peer cannot be asked");
+    pair.assert_golden_unchanged();
+}
+
+/// A VM cut for idleness waits for its client without end (a paused guest); a move of it
+/// that fails leaves it waiting so, not on a grace that ends. (Until session 51 it came back
+/// with the reconnect grace, after which its writes were lost and its name refused.)
+#[test]
+fn an_idle_cut_vm_whose_move_fails_waits_on_without_end() {
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
+    let _server_a = serve_side_with(&pair.golden, &a, [&peers[0], &peers[1]], "1M", &["--idle-timeout", "1s"], &[]);
+    let _server_b = pair.serve("b");
+    let mut model = Model(pair.golden_bytes.clone());
+    let mut source = a.connect("desk");
+    model.write(&mut source, 0, &pseudo_random(64 << 10, 12));
+    let detail = |side: &Side| {
+        let listed = side.list();
+        listed.iter().find(|v| v["vm"] == "desk").map(|v| v["detail"].as_str().unwrap_or_default().to_owned())
+    };
+    wait_for("the VM cut for idleness", || detail(&a).is_some_and(|d| d.contains("cut for idleness")));
+    drop(source);
+    // A destination that connects and goes away before its first request: the move fails.
+    let destination = b.connect("desk");
+    drop(destination);
+    wait_for("B drops its copy", || b.state_of("desk").is_none());
+    wait_for("A holds the VM again", || a.state_of("desk").as_deref() == Some("in-grace"));
+    let now = detail(&a).unwrap_or_default();
+    assert!(now.contains("cut for idleness"), "the VM's wait now: {now}");
+    let mut back = a.connect("desk");
+    model.assert_reads_back(&mut back, "the idle VM back after the failed move");
+    pair.assert_golden_unchanged();
+}
+
 /// A VM in its grace at the source (its connection lost) moves too: the destination's
 /// connection takes it.
 #[test]
