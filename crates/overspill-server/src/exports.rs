@@ -193,8 +193,13 @@ impl OverlayExports {
     /// [`Self::with_lifecycle`] and [`Self::with_peers`], before serving.
     pub fn settle_in_doubt(&self) {
         for (vm, peer) in self.registry.in_doubt() {
-            let outcome = migration::settle_in_doubt(self.peers.as_ref(), &migration::recorded_address(&peer), &vm);
+            let address = migration::recorded_address(&peer);
+            let outcome = migration::settle_in_doubt(self.peers.as_ref(), &address, &vm);
+            let ours = outcome == Ok(true);
             self.registry.settle_in_doubt(&vm, outcome);
+            if let (true, Some(peers)) = (ours, &self.peers) {
+                migration::tell_settled(peers, &address, &vm);
+            }
         }
     }
 

@@ -149,6 +149,22 @@ impl Peers {
     }
 }
 
+/// Tells the peer at `address`, which moved VM `vm` here, that the move is settled: its record
+/// of where it sent the VM goes (while it stands, a VM of that name is refused everywhere once
+/// it ends here). Best effort: a peer that cannot be told keeps it, as before.
+pub(crate) fn tell_settled(peers: &Peers, address: &ListenAddr, vm: &str) {
+    let told = Link::connect(address, peers).and_then(|mut link| {
+        link.send(&Message::Settled { vm: vm.to_owned() }, &[])?;
+        match link.receive()?.0 {
+            Message::Accept => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    });
+    if let Err(error) = told {
+        tracing::info!(vm, peer = %address, %error, "could not tell the peer the VM's move is settled");
+    }
+}
+
 /// Why a VM cannot start afresh while a peer holds it.
 #[derive(Debug)]
 pub struct HeldAtPeer(pub String);
@@ -364,6 +380,10 @@ fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &A
         match message {
             Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
             Message::Take { vm, image } => return send_vm(link, registry, &vm, &image),
+            Message::Settled { vm } => {
+                registry.moved_acknowledged_by(&vm, &link.peer);
+                link.send(&Message::Accept, &[])?;
+            }
             Message::Reset { vm } => {
                 let answer = match registry.reset_with(&vm, false) {
                     Ok(done) => {
@@ -834,7 +854,11 @@ impl Incoming {
                 match self.registry.incoming_committed(self.number) {
                     // The peer may forget where it sent the VM: this server's ledger says so now.
                     Ok(()) => {
-                        let _ = link.send(&Message::Done, &[]);
+                        // The link failed once already when the move was in doubt: the peer is
+                        // told on a new one, else it refuses the name for good.
+                        if link.send(&Message::Done, &[]).is_err() {
+                            tell_settled(&self.peers, &self.peer, &self.vm);
+                        }
                     }
                     // The ledger still says in doubt: a next server asks the peer, which must
                     // still say moved here (no Done), or refuses the name; never golden data.

@@ -371,6 +371,14 @@ impl VmRegistry {
         }
     }
 
+    /// Peer `peer` says the VM this server moved to it is settled there: the ledger forgets
+    /// where the VM went, if it went there.
+    pub(crate) fn moved_acknowledged_by(&self, vm: &str, peer: &str) {
+        if self.ledger.as_ref().and_then(|ledger| ledger.moved_to(vm)).as_deref() == Some(peer) {
+            self.moved_acknowledged(vm);
+        }
+    }
+
     /// The peer heard the move was done: the ledger need not say where the VM went any more.
     pub(crate) fn moved_acknowledged(&self, vm: &str) {
         let Some(ledger) = &self.ledger else { return };

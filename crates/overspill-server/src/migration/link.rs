@@ -71,6 +71,11 @@ pub(super) enum Message {
     Reset {
         vm: String,
     },
+    /// The VM moved here is this server's for good (a move left in doubt, settled since): the
+    /// sending end may forget where it sent it. Answered `Accept`.
+    Settled {
+        vm: String,
+    },
     /// Reads the VM's disk where it is current (a receiver's reads before the switchover).
     Read {
         vm: String,
@@ -91,7 +96,11 @@ impl Message {
     /// The VM a peer's question or request names, if it names one.
     pub(super) fn vm(&self) -> Option<&str> {
         match self {
-            Self::Query { vm } | Self::Take { vm, .. } | Self::Reset { vm } | Self::Read { vm, .. } => Some(vm),
+            Self::Query { vm }
+            | Self::Take { vm, .. }
+            | Self::Reset { vm }
+            | Self::Settled { vm }
+            | Self::Read { vm, .. } => Some(vm),
             _ => None,
         }
     }

@@ -91,6 +91,15 @@ fn source_killed_at(step: &str) -> String {
     model.assert_reads_back(&mut destination, &format!("the destination after the source died at {step}"));
     assert_eq!(b.state_of("desk").as_deref(), Some("connected"));
     assert_eq!(a.state_of("desk"), None, "the restarted source kept a copy");
+    // The VM ends at the destination (its guest powered off), and starts there afresh: the
+    // source no longer says it sent the VM there (it was told the move settled), which refused
+    // the name for good (until session 51).
+    destination.disconnect().expect("the VM's end");
+    wait_for("B ends the VM", || b.state_of("desk").is_none());
+    let mut fresh = b.connect("desk");
+    let mut back = vec![0u8; 4096];
+    fresh.read(0, &mut back).expect("read");
+    assert_eq!(&back[..], &pair.golden_bytes[..4096], "the fresh start read other than the golden image");
     pair.assert_golden_unchanged();
     server_b.log_text()
 }
