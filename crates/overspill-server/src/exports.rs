@@ -717,7 +717,7 @@ const HELD_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// How long a VM moving in from another host waits for its image's digest here, inside its
 /// handshake (whose deadline is longer): digests are computed from the server's start, so only
 /// a move right after it, or after a new image version, waits.
-const DIGEST_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+const DIGEST_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 impl OverlayExports {
     /// Whether `image` (`label` here) holds the very bytes the VM of `offer` runs over at its

@@ -65,6 +65,8 @@ pub(crate) struct Blk {
     poll: Duration,
     /// Whether the log was told this connection's guest memory may shrink (once is enough).
     unsealed_memory_told: AtomicBool,
+    /// The VMM has spoken (asked for the device's features, its first question).
+    greeted: AtomicBool,
     /// Queues whose guest is owed an interrupt at their next serving, whatever EVENT_IDX says:
     /// every queue once the device starts (see [`Self::serve_queue`]).
     signal_owed: AtomicU64,
@@ -102,6 +104,7 @@ impl Blk {
             scratch: Mutex::new(Vec::new()),
             poll,
             unsealed_memory_told: AtomicBool::new(false),
+            greeted: AtomicBool::new(false),
             signal_owed: AtomicU64::new(u64::MAX),
             exit_consumers: Mutex::new(Vec::new()),
         }
@@ -143,6 +146,24 @@ impl Blk {
         self.closing.store(true, Ordering::SeqCst);
         drop(lock(&self.device));
         self.close_unlocked();
+    }
+
+    /// Whether the VMM has said anything yet.
+    pub(crate) fn greeted(&self) -> bool {
+        self.greeted.load(Ordering::SeqCst)
+    }
+
+    /// Whether the connection is to close: closing already, or its VM reset by an operator. The
+    /// device is not waited for: a request in hand checks the reset itself.
+    pub(crate) fn to_close(&self) -> bool {
+        if self.closing.load(Ordering::SeqCst) {
+            return true;
+        }
+        match self.device.try_lock() {
+            Ok(device) => device.as_ref().is_some_and(|device| device.closing()),
+            Err(std::sync::TryLockError::Poisoned(device)) => device.into_inner().as_ref().is_some_and(|d| d.closing()),
+            Err(std::sync::TryLockError::WouldBlock) => false,
+        }
     }
 
     /// The device back, once the connection is over; told of a deliberate end when QEMU stopped
@@ -343,6 +364,7 @@ impl VhostUserBackend for Blk {
     }
 
     fn features(&self) -> u64 {
+        self.greeted.store(true, Ordering::SeqCst);
         self.open_device();
         lock(&self.config).features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
     }

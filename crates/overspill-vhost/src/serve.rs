@@ -26,6 +26,12 @@ use crate::config::{DeviceConfig, Limits};
 /// How long an accept loop waits before it looks at its stop flag again (a waker cuts it short
 /// where it may).
 const ACCEPT_LOOK_AGAIN: Duration = Duration::from_millis(500);
+/// How often a connection is looked at from outside its threads: a VM reset while its guest
+/// sends nothing closes within this (its worker sleeps until a kick).
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+/// How long a client that connected may stay silent: the socket serves one connection at a
+/// time, and one that says nothing would keep the VM's QEMU in the backlog.
+const FIRST_MESSAGE_WITHIN: Duration = Duration::from_secs(10);
 
 /// A VM served over vhost-user.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -359,7 +365,13 @@ impl Serving {
             blk.close();
         }
         tracing::info!(vm, "vhost-user connection opened");
+        let watcher = watch(blk.clone(), vm.to_owned());
         let ended = daemon.wait();
+        if let Some((over, thread)) = watcher {
+            over.store(true, Ordering::SeqCst);
+            thread.thread().unpark();
+            let _ = thread.join();
+        }
         // Dropping the daemon stops and joins its worker: no request is carried out after.
         drop(daemon);
         tracing::info!(vm, "vhost-user connection closed");
@@ -370,6 +382,36 @@ impl Serving {
                 vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
             )) => Ok(()),
             Err(error) => Err(daemon_error(error)),
+        }
+    }
+}
+
+/// Watches a connection from outside its threads until `over` is set: closes it once its VM is
+/// reset (an idle guest's worker sleeps until a kick, and would serve its old overlay to the
+/// next request, hours later), or if the client says nothing within [`FIRST_MESSAGE_WITHIN`].
+fn watch(blk: Arc<Blk>, vm: String) -> Option<(Arc<AtomicBool>, JoinHandle<()>)> {
+    let over = Arc::new(AtomicBool::new(false));
+    let seen = over.clone();
+    let began = std::time::Instant::now();
+    let spawned = std::thread::Builder::new().name(format!("vhost-watch-{vm}")).spawn(move || {
+        while !seen.load(Ordering::SeqCst) {
+            if blk.to_close() {
+                blk.close();
+                return;
+            }
+            if !blk.greeted() && began.elapsed() >= FIRST_MESSAGE_WITHIN {
+                tracing::warn!(vm, "vhost-user client said nothing for {FIRST_MESSAGE_WITHIN:?}: connection closed");
+                blk.close();
+                return;
+            }
+            std::thread::park_timeout(WATCH_EVERY);
+        }
+    });
+    match spawned {
+        Ok(thread) => Some((over, thread)),
+        Err(error) => {
+            tracing::warn!(%error, "no thread to watch a vhost-user connection: a reset closes it at its next request");
+            None
         }
     }
 }

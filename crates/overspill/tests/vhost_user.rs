@@ -653,3 +653,34 @@ fn connections_that_come_and_go_leave_no_descriptor_behind() {
     assert!(after < before + 10, "60 connections left {} descriptors more ({before} -> {after})", after - before);
     drop(server);
 }
+
+/// `vm reset` of a VM whose guest sends nothing closes its vhost-user connection within
+/// seconds (its worker sleeps until a kick: until session 51 the old overlay waited for the
+/// guest's next request, hours later), and a client that connects and says nothing is cut
+/// after 10 s, so that the VM's QEMU, next in the socket's backlog, gets in.
+#[test]
+fn a_reset_closes_an_idle_connection_and_a_silent_client_is_cut() {
+    use std::io::Read;
+    let host = Host::new();
+    let _server = host.serve();
+    let mut guest = Guest::new();
+    let connection = Connection::open(&host.socket("a"), &guest, 0);
+    write(&connection, &mut guest, 0, &[0x5a; 4096]);
+    let (ok, said) = host.vm_command(&["reset", "a"]);
+    assert!(ok, "{said}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while connection.frontend.get_features().is_ok() {
+        assert!(Instant::now() < deadline, "the reset VM's idle connection is still open");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let mut silent = std::os::unix::net::UnixStream::connect(host.socket("b")).expect("connect");
+    silent.set_read_timeout(Some(Duration::from_secs(40))).expect("timeout");
+    let started = Instant::now();
+    let ended = silent.read(&mut [0u8; 1]);
+    assert!(matches!(ended, Ok(0)), "the silent client's connection: {ended:?}");
+    assert!(started.elapsed() < Duration::from_secs(30), "cut after {:?}", started.elapsed());
+    let mut guest = Guest::new();
+    let next = Connection::open(&host.socket("b"), &guest, 0);
+    assert_eq!(read(&next, &mut guest, 0, 4096), host.golden_sectors(0, 4096));
+}
