@@ -728,6 +728,12 @@ impl Incoming {
                 link.refuse("the VM's image changed since its move began");
                 return None;
             }
+            // A VM of that name made since by another client identity (or forked since) is not
+            // the one this connection was let in for.
+            if offer.owner != self.offer.owner || offer.fork != self.offer.fork {
+                link.refuse("the VM's owner changed since its move began");
+                return None;
+            }
             {
                 let mut vm = self.live.vm();
                 let vm = vm.as_mut()?;
