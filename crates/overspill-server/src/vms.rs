@@ -476,7 +476,8 @@ impl VmRegistry {
             direction: moves::Direction::Incoming,
             peer: peer.clone(),
             progress: Arc::default(),
-            committed: false,
+            // It had said `Ready` (its ledger says in doubt): see `Holding`.
+            committed: true,
         });
         inner.names.insert(recovered.vm.clone(), number);
         inner.vms.insert(number, entry);

@@ -51,7 +51,8 @@ pub(crate) struct Moving {
     pub(crate) peer: String,
     pub(crate) progress: Arc<MoveProgress>,
     /// Sending end: the ledger says the VM is the peer's (see
-    /// [`VmRegistry::outgoing_committed`]); nothing here may change it any more.
+    /// [`VmRegistry::outgoing_committed`]); nothing here may change it any more. Receiving
+    /// end: it said it has the whole state (`Ready`), so the copy here may be the VM's.
     pub(crate) committed: bool,
 }
 
@@ -160,7 +161,11 @@ impl VmRegistry {
         }
         if let Some(number) = inner.names.get(vm) {
             return match inner.vms.get(number).and_then(|e| e.moving.as_ref()) {
-                // Not this server's yet: the peer that sends it holds it.
+                // Not this server's yet: the peer that sends it holds it. From `Ready` on (and
+                // recovered in doubt) the copy here may be the VM's: "moving", so that nobody
+                // asking takes the name for free (a third server, hearing "moved to B" from the
+                // sender and "nothing" here, started it from the golden image).
+                Some(moving) if moving.direction == Direction::Incoming && moving.committed => Holding::Moving,
                 Some(moving) if moving.direction == Direction::Incoming => Holding::Nothing,
                 Some(moving) if moving.committed => Holding::Moved { to: moving.peer.clone() },
                 Some(_) => Holding::Moving,
@@ -475,6 +480,9 @@ impl VmRegistry {
     pub(crate) fn incoming_ready(&self, number: u64, written: bool) -> std::io::Result<()> {
         if let Some(entry) = lock(&self.inner).vms.get_mut(&number) {
             entry.written |= written;
+            if let Some(moving) = entry.moving.as_mut() {
+                moving.committed = true;
+            }
         }
         self.rewrite_incoming(number, true)
     }

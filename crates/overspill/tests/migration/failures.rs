@@ -265,6 +265,30 @@ fn a_source_silent_at_the_switchover_fails_the_move_and_keeps_the_vm() {
     pair.assert_golden_unchanged();
 }
 
+/// A destination that said `Ready` (its copy may be the VM's from then on) answers a peer that
+/// asks with "moving", not "nothing": a third server, hearing "moved to B" from the source and
+/// "nothing" from B, would start the name from the golden image (until session 51).
+#[test]
+fn a_destination_past_ready_says_the_vm_is_moving() {
+    use overspill_server::control::{ask, Request};
+    let pair = Pair::new();
+    let (a, b) = (pair.side("a"), pair.side("b"));
+    let _server_a = pair.serve("a");
+    let server_b = serve_pausing(&pair, "b", "ready");
+    let (_model, source, destination) = moving(&pair, &a, &b);
+    let mut located = None;
+    a_write_asking_while(destination, || {
+        wait_for_log(&server_b, PAUSED);
+        let control = a.dir.join("spill/state/control.sock");
+        located = Some(ask(&control, &Request::Locate { vm: "desk".into() }).expect("locate at A"));
+        server_b.kill();
+    });
+    let located = located.expect("asked");
+    let said = located.message.unwrap_or_default();
+    assert!(!located.ok && said.contains("moving"), "B past Ready, as A hears it: {said}");
+    drop(source);
+}
+
 /// The destination killed after it said `Ready`, its source held before its ledger says moved:
 /// the restarted destination, in doubt, hears "moving" from the source and asks again until the
 /// source's ledger says moved to it, and keeps the VM with every write. (Until session 49
