@@ -67,6 +67,8 @@ pub(crate) struct Blk {
     unsealed_memory_told: AtomicBool,
     /// The VMM has spoken (asked for the device's features, its first question).
     greeted: AtomicBool,
+    /// Requests a queue is served at a time before the VM's other queues get their turn.
+    pub(crate) turn_requests: usize,
     /// Queues whose guest is owed an interrupt at their next serving, whatever EVENT_IDX says:
     /// every queue once the device starts (see [`Self::serve_queue`]).
     signal_owed: AtomicU64,
@@ -105,6 +107,7 @@ impl Blk {
             poll,
             unsealed_memory_told: AtomicBool::new(false),
             greeted: AtomicBool::new(false),
+            turn_requests: TURN_REQUESTS,
             signal_owed: AtomicU64::new(u64::MAX),
             exit_consumers: Mutex::new(Vec::new()),
         }
@@ -197,29 +200,40 @@ impl Blk {
                 tracing::debug!(%error, queue = index, "vhost-user: could not signal the guest");
             }
         }
-        served
+        if let (Ok(true), Some(kick)) = (&served, state.get_kick()) {
+            // Its turn is over with requests left: kicked again, it is served after the other
+            // queues' waiting kicks (the worker's epoll takes them in turn).
+            // SAFETY: the descriptor is the queue's kick eventfd, which the vring owns and
+            // keeps open while its state is locked here; writing 1 only adds to its count.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(std::os::fd::AsRawFd::as_raw_fd(kick)) };
+            if let Err(error) = rustix::io::write(fd, &1u64.to_ne_bytes()) {
+                tracing::debug!(%error, queue = index, "vhost-user: could not kick the queue again");
+            }
+        }
+        served.map(drop)
     }
 
     /// The loop of [`Self::serve_queue`]; `unsignalled` says whether requests were returned
-    /// since the guest was last signalled.
+    /// since the guest was last signalled. Whether the queue's turn ended with requests left.
     fn serve_batches(
         &self,
         device: &mut dyn BlockDevice,
         state: &mut VringState<Memory>,
         unsignalled: &mut bool,
-    ) -> io::Result<()> {
+    ) -> io::Result<bool> {
         let memory = self.memory.memory();
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         let write_back = self.write_back.load(Ordering::Relaxed);
         let mut scratch = lock(&self.scratch);
         let queue_error = |e: virtio_queue::Error| io::Error::other(format!("virtqueue: {e}"));
         let mut buffers = Buffers::default();
+        let mut taken = 0;
         loop {
             if event_idx {
                 state.disable_notification().map_err(queue_error)?;
             }
             let mut served = false;
-            while !self.closing.load(Ordering::Relaxed) {
+            while !self.closing.load(Ordering::Relaxed) && taken < self.turn_requests {
                 if device.closing() {
                     // An operator reset the VM: the connection ends, the requests not yet
                     // returned unanswered (QEMU sends them again to the next connection).
@@ -257,6 +271,7 @@ impl Blk {
                     request::serve(device, &*memory, &buffers, &self.limits, &self.id, write_back, &mut scratch);
                 state.add_used(head, outcome.written).map_err(queue_error)?;
                 served = true;
+                taken += 1;
                 *unsignalled = true;
             }
             // The guest hears of what is done before this waits for more.
@@ -268,6 +283,9 @@ impl Blk {
             // would be found again and again, with this connection's locks held for ever).
             if self.closing.load(Ordering::Relaxed) {
                 break;
+            }
+            if taken >= self.turn_requests {
+                return Ok(true);
             }
             // A guest at a low queue depth sends its next request a few microseconds after the
             // last reply: looked for here for `--poll-us`, it is taken without a kick, a wake-up
@@ -294,7 +312,7 @@ impl Blk {
                 break;
             }
         }
-        Ok(())
+        Ok(false)
     }
 
     /// [`Self::close`] from the worker, which holds the device already.
@@ -345,6 +363,11 @@ impl GuestBytes for GuestMemoryMmap {
         self.write_slice(data, GuestAddress(addr)).is_ok()
     }
 }
+
+/// Requests a queue is served at a time (a ring's worth of the largest queue) before the VM's
+/// other queues get their turn: a queue kept busy by one vCPU's writer starved the others (a
+/// database's flushes on another vCPU waited as long as the writer ran).
+const TURN_REQUESTS: usize = 1024;
 
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A worker that panicked left the device as it was: serving on is no worse than refusing.
@@ -678,6 +701,29 @@ mod tests {
         assert!(handled.is_ok(), "the worker was told to end: {handled:?}");
         assert!(blk.closing.load(Ordering::SeqCst), "the connection stays open with its request unanswered");
         assert_eq!(queue.used().idx().load(), 0);
+    }
+
+    /// A queue is served a turn's worth of requests at a time, then kicked again to be served
+    /// after the VM's other queues' waiting kicks: one busy queue starved the others.
+    #[test]
+    fn a_busy_queue_yields_after_its_turn_and_is_kicked_again() {
+        use vmm_sys_util::eventfd::EventFd;
+        let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
+        let queue = MockSplitQueue::new(&memory, 16);
+        queue.add_desc_chains(&two_writes(&memory, 0), 0).expect("chains");
+        let (mut blk, vring) = device_on(&memory, &queue);
+        blk.turn_requests = 1;
+        let kick = EventFd::new(rustix::event::EventfdFlags::NONBLOCK.bits() as i32).expect("eventfd");
+        let kick_file = kick.try_clone().expect("clone");
+        // SAFETY: the clone's descriptor is owned by nothing else; the File takes it over.
+        vring.set_kick(Some(unsafe {
+            <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(kick_file))
+        }));
+        blk.serve_queue(&vring, 0).expect("served");
+        assert_eq!(queue.used().idx().load(), 1, "one turn, one request");
+        assert!(kick.read().is_ok(), "the queue was not kicked again with a request left");
+        blk.serve_queue(&vring, 0).expect("served");
+        assert_eq!(queue.used().idx().load(), 2);
     }
 
     /// Every queue is served: the crate's default mask of queues per worker covers 32.
