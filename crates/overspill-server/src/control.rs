@@ -598,6 +598,8 @@ fn outcome(result: Result<String, ServerError>) -> Answer {
 /// Sends one request to the control socket at `control` and returns the server's answer.
 /// How long `vm capture` waits for the server's answer.
 const CAPTURE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// How long a request that asks the server's peers (`vm reset --everywhere`) may take.
+const PEERS_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub fn ask(control: &Path, request: &Request) -> Result<Answer, ServerError> {
     let stream = UnixStream::connect(control).map_err(|e| {
@@ -606,7 +608,14 @@ pub fn ask(control: &Path, request: &Request) -> Result<Answer, ServerError> {
     let io = |e| ServerError::io(format!("talking to {}", control.display()), e);
     // A capture writes what the VM changed (gigabytes, maybe) before it answers.
     let writes_a_layer = matches!(request, Request::Capture { .. } | Request::Checkpoint { .. } | Request::Fork { .. });
-    let timeout = if writes_a_layer { CAPTURE_TIMEOUT } else { TIMEOUT };
+    // A reset everywhere asks every peer in turn, each up to a connect, a TLS handshake and an
+    // answer (seconds each when a peer is down).
+    let asks_peers = matches!(request, Request::Reset { everywhere: true, .. });
+    let timeout = match (writes_a_layer, asks_peers) {
+        (true, _) => CAPTURE_TIMEOUT,
+        (_, true) => PEERS_TIMEOUT,
+        _ => TIMEOUT,
+    };
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
     let mut text = serde_json::to_string(request).map_err(|e| ServerError::Control(e.to_string()))?;
     text.push('\n');

@@ -172,10 +172,21 @@ impl OverlayExports {
     /// kept in the state directory.
     pub fn with_peers(&mut self, peers: Peers) {
         self.peers = Some(peers);
+        self.with_image_digests();
+    }
+
+    /// Keeps the digests of the images served (see `image_digest`): a server that moves VMs,
+    /// as the destination (`with_peers`) or only as the source (`--peer-listen` alone). Call
+    /// after [`Self::with_lifecycle`]: the versions its recovered VMs hold are read too.
+    pub fn with_image_digests(&mut self) {
+        if self.registry.image_digests().is_some() {
+            return;
+        }
         let cache = self.lifecycle.state_dir.as_ref().map(|dir| dir.join("image-digests.json"));
         let digests = crate::image_digest::ImageDigests::new(cache);
-        for image in self.images.values() {
-            digests.start_if_host_local(image);
+        let versions = self.versions.iter().flat_map(OpenVersions::held_now).map(|(_, image)| image);
+        for image in self.images.values().cloned().chain(versions) {
+            digests.start_if_host_local(&image);
         }
         self.registry.use_image_digests(digests);
     }
@@ -714,9 +725,10 @@ const JOIN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// closes without waiting for the server) must not find its own last connection in the way.
 const HELD_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// How long a VM moving in from another host waits for its image's digest here, inside its
-/// handshake (whose deadline is longer): digests are computed from the server's start, so only
-/// a move right after it, or after a new image version, waits.
+/// How long a VM moving in from another host waits for its image's digest here, within the
+/// sender's 5 s wait for the offer's answer (opening the overlay comes after it): digests are
+/// computed from the server's start, so only a move right after it, or after a new image
+/// version, waits.
 const DIGEST_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 impl OverlayExports {

@@ -64,7 +64,7 @@ impl ImageDigests {
     /// object's ETag, an RBD snapshot's ids) is the same at every host, and its digest would
     /// read the whole image from the shared store for nothing.
     pub fn start_if_host_local(self: &Arc<Self>, image: &Arc<dyn GoldenImage>) {
-        if image.identity().is_some_and(|identity| identity.contains("file dev ")) {
+        if image.identity().is_some_and(|identity| host_local(&identity)) {
             self.start(image.clone());
         }
     }
@@ -120,9 +120,13 @@ impl ImageDigests {
         self.settled.notify_all();
     }
 
-    /// `image`'s digest, computed now if need be, waiting at most `wait` for it.
+    /// `image`'s digest, computed now if need be (only for an image whose identity is this
+    /// host's: another is never read whole for it), waiting at most `wait` for it.
     pub fn wait_for(self: &Arc<Self>, image: &Arc<dyn GoldenImage>, wait: Duration) -> Result<String, String> {
         let identity = image.identity().ok_or("the image has no identity to compare")?;
+        if !host_local(&identity) {
+            return Err("its contents are named alike at every host (a remote store): its digest is not read".into());
+        }
         self.start(image.clone());
         let until = Instant::now() + wait;
         let mut known = self.known();
@@ -139,6 +143,12 @@ impl ImageDigests {
             known = self.settled.wait_timeout(known, left).unwrap_or_else(PoisonError::into_inner).0;
         }
     }
+}
+
+/// Whether an image identity holds on this host alone: a file's (`golden::file_identity`,
+/// also inside a qcow2's or VHDX's).
+fn host_local(identity: &str) -> bool {
+    identity.contains("file dev ")
 }
 
 /// SHA-256 over `image`'s contents, a chunk at a time; a chunk of zeroes counts as a mark of its

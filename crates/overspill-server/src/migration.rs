@@ -184,12 +184,14 @@ impl Peers {
                     Ok((_, Holding::Nothing | Holding::Moved { .. })) => {}
                     Ok((_, holding)) => {
                         return Err(HeldAtPeer(format!(
-                            "peer {address} holds VM {vm} ({holding:?}) and cannot be asked to end it                              ({reset_error}); run `overspill vm reset {vm}` there"
+                            "peer {address} holds VM {vm} ({holding:?}) and cannot be asked to end it \
+                             ({reset_error}); run `overspill vm reset {vm}` there"
                         )))
                     }
                     Err(error) => {
                         return Err(HeldAtPeer(format!(
-                            "peer {address} cannot be asked whether it holds VM {vm} ({error}); if that server                              is gone for good, take it out of --peer"
+                            "peer {address} cannot be asked whether it holds VM {vm} ({error}); if that server \
+                             is gone for good, take it out of --peer"
                         )))
                     }
                 },
@@ -731,7 +733,13 @@ impl Incoming {
             // A VM of that name made since by another client identity (or forked since) is not
             // the one this connection was let in for.
             if offer.owner != self.offer.owner || offer.fork != self.offer.fork {
-                link.refuse("the VM's owner changed since its move began");
+                link.refuse("the VM's owner or fork pin changed since its move began");
+                return None;
+            }
+            let digests_differ =
+                matches!((&offer.image_digest, &self.offer.image_digest), (Some(now), Some(then)) if now != then);
+            if offer.image_identity != self.offer.image_identity || digests_differ {
+                link.refuse("the VM's image changed since its move began");
                 return None;
             }
             {
@@ -806,7 +814,7 @@ impl Incoming {
             return self.in_doubt(format!("saying ready to the peer: {error}"), started);
         }
         match replies.recv_timeout(SWITCH_TIMEOUT) {
-            Ok(Ok((Message::Committed, _))) => Outcome::Moved(started),
+            Ok(Ok((Message::Committed, _))) => Outcome::Moved(started, false),
             Ok(Ok((Message::Abort { why }, _))) => Outcome::Failed(format!("the peer gave up: {why}")),
             Ok(Ok((other, _))) => self.in_doubt(unexpected(&other).to_string(), started),
             Ok(Err(error)) => self.in_doubt(error.to_string(), started),
@@ -840,7 +848,7 @@ impl Incoming {
         while Instant::now() < until {
             match query(&self.peer, &self.peers, &self.vm).map(|(_, holding)| holding) {
                 // Its ledger says moved to this server: this copy is the VM's.
-                Ok(Holding::Moved { to }) if to == self.peers.name => return Outcome::Moved(started),
+                Ok(Holding::Moved { to }) if to == self.peers.name => return Outcome::Moved(started, true),
                 // Moved on to another server since it gave this move up: that one's, not ours.
                 Ok(Holding::Moved { to }) => return Outcome::Failed(format!("the peer moved the VM to {to}")),
                 Ok(Holding::Live) => return Outcome::Failed("the peer kept the VM".into()),
@@ -856,13 +864,16 @@ impl Incoming {
     /// Makes the outcome so: the VM served here, or its copy here dropped (or its name lost).
     fn settle(self, outcome: Outcome, link: &mut Link) {
         match outcome {
-            Outcome::Moved(started) => {
+            Outcome::Moved(started, in_doubt) => {
                 match self.registry.incoming_committed(self.number) {
                     // The peer may forget where it sent the VM: this server's ledger says so now.
                     Ok(()) => {
-                        // The link failed once already when the move was in doubt: the peer is
-                        // told on a new one, else it refuses the name for good.
-                        if link.send(&Message::Done, &[]).is_err() {
+                        let _ = link.send(&Message::Done, &[]);
+                        // Settled in doubt: the link failed once already, and a write on it may
+                        // still succeed and go nowhere (between hosts the TLS relay half-closes
+                        // it). The peer is told on a new link too, else it refuses the name for
+                        // good once the VM ends here.
+                        if in_doubt {
                             tell_settled(&self.peers, &self.peer, &self.vm);
                         }
                     }
@@ -915,8 +926,9 @@ impl Incoming {
 }
 
 enum Outcome {
-    /// The VM is this server's; the switchover began then.
-    Moved(Instant),
+    /// The VM is this server's; the switchover began then; it was settled in doubt (the link
+    /// failed after `Ready`).
+    Moved(Instant, bool),
     Failed(String),
     InDoubt(String),
 }

@@ -80,9 +80,10 @@ pub(crate) struct Blk {
 impl Drop for Blk {
     fn drop(&mut self) {
         for fd in lock(&self.exit_consumers).drain(..) {
-            // SAFETY: each fd is an exit event's consumer that vhost-user-backend 0.24 took with
-            // `into_raw_fd` into its worker's epoll and never closes; it is used by nothing else,
-            // and the worker is gone: it holds this backend until its epoll handler is dropped.
+            // SAFETY: each fd is an exit event's consumer that vhost-user-backend 0.24.0 (pinned
+            // in Cargo.toml for this) took with `into_raw_fd` into its worker's epoll and never
+            // closes; it is used by nothing else, and the worker is gone: it holds this backend
+            // until its epoll handler, whose epoll drops first, is dropped.
             drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
         }
     }

@@ -178,7 +178,7 @@ fn migrate(args: &LibvirtHookArgs, disks: &[OverspillDisk]) -> anyhow::Result<()
 /// How long a migration's note stands for the `prepare` that follows it (a moment later, as
 /// libvirt runs them); an older one is a migration that never started, and a plain start finds
 /// it.
-const MIGRATION_NOTE_STANDS: Duration = Duration::from_secs(300);
+const MIGRATION_NOTE_STANDS: Duration = Duration::from_secs(60);
 
 fn migration_note(run_dir: &std::path::Path, vm: &str) -> PathBuf {
     run_dir.join(format!("{vm}.migrating"))

@@ -244,9 +244,6 @@ fn page_has_subcommands(subcommand: &Option<String>) -> bool {
     }
 }
 
-/// Becomes the program at `executable` with this process's arguments: same pid, so systemd
-/// and the VMs' ledger see the same server. A listening socket systemd passed goes along as
-/// fd 3 (`LISTEN_FDS=1`, `LISTEN_PID` this pid). Returns only if the exec failed.
 /// The path this program was started by, for a restart in place to run what is at that path
 /// then: the new release after an upgrade. Symbolic links are kept (a link flipped to a new
 /// version's directory, `update-alternatives`, a Nix profile): the resolved file is the old
@@ -272,6 +269,9 @@ fn started_as() -> std::path::PathBuf {
     candidates.into_iter().find(|path| is_program(path)).unwrap_or_else(running)
 }
 
+/// Becomes the program at `executable` with this process's arguments: same pid, so systemd
+/// and the VMs' ledger see the same server. A listening socket systemd passed goes along as
+/// fd 3 (`LISTEN_FDS=1`, `LISTEN_PID` this pid). Returns only if the exec failed.
 fn restart_in_place(executable: &std::path::Path, listener: Option<std::os::fd::OwnedFd>) -> std::io::Error {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;

@@ -528,6 +528,8 @@ fn serve_peers(
         exports.with_peers(peers);
     }
     let Some(address) = &args.peer_listen else { return Ok(None) };
+    // A source only (no --peer) still sends VMs to other hosts: its images' digests are needed.
+    exports.with_image_digests();
     let listener = overspill_server::migration::listen(address, name, tls, registry.clone())
         .with_context(|| format!("--peer-listen {address}"))?;
     tracing::info!(peer_listen = %address, "peer socket up");

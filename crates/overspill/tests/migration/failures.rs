@@ -274,7 +274,10 @@ fn a_destination_past_ready_says_the_vm_is_moving() {
     let pair = Pair::new();
     let (a, b) = (pair.side("a"), pair.side("b"));
     let _server_a = pair.serve("a");
-    let server_b = serve_pausing(&pair, "b", "ready");
+    // Paused long enough for the question on a loaded machine.
+    let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
+    let pause = [("OVERSPILL_TEST_MOVE_PAUSE", "ready"), ("OVERSPILL_TEST_MOVE_PAUSE_SECS", "10")];
+    let server_b = serve_side_with(&pair.golden, &b, [&peers[1], &peers[0]], "1M", &[], &pause);
     let (_model, source, destination) = moving(&pair, &a, &b);
     let mut located = None;
     a_write_asking_while(destination, || {

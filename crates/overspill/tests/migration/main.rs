@@ -161,7 +161,8 @@ fn an_idle_cut_vm_whose_move_fails_waits_on_without_end() {
     let (a, b) = (pair.side("a"), pair.side("b"));
     let peers = [a.peer_socket(), b.peer_socket()].map(|socket| format!("unix:{}", socket.display()));
     let _server_a = serve_side_with(&pair.golden, &a, [&peers[0], &peers[1]], "1M", &["--idle-timeout", "1s"], &[]);
-    let _server_b = pair.serve("b");
+    let pause = [("OVERSPILL_TEST_MOVE_PAUSE", "ready")];
+    let server_b = serve_side_with(&pair.golden, &b, [&peers[1], &peers[0]], "1M", &[], &pause);
     let mut model = Model(pair.golden_bytes.clone());
     let mut source = a.connect("desk");
     model.write(&mut source, 0, &pseudo_random(64 << 10, 12));
@@ -171,10 +172,11 @@ fn an_idle_cut_vm_whose_move_fails_waits_on_without_end() {
     };
     wait_for("the VM cut for idleness", || detail(&a).is_some_and(|d| d.contains("cut for idleness")));
     drop(source);
-    // A destination that connects and goes away before its first request: the move fails.
+    // The move fails: its destination is killed before it says it has the whole state.
     let destination = b.connect("desk");
+    server_b.wait_log("move paused for a test");
+    server_b.kill();
     drop(destination);
-    wait_for("B drops its copy", || b.state_of("desk").is_none());
     wait_for("A holds the VM again", || a.state_of("desk").as_deref() == Some("in-grace"));
     let now = detail(&a).unwrap_or_default();
     assert!(now.contains("cut for idleness"), "the VM's wait now: {now}");
