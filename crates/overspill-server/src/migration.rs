@@ -153,13 +153,11 @@ impl Peers {
 /// of where it sent the VM goes (while it stands, a VM of that name is refused everywhere once
 /// it ends here). Best effort: a peer that cannot be told keeps it, as before.
 pub(crate) fn tell_settled(peers: &Peers, address: &ListenAddr, vm: &str) {
-    let told = Link::connect(address, peers).and_then(|mut link| {
-        link.send(&Message::Settled { vm: vm.to_owned() }, &[])?;
-        match link.receive()?.0 {
+    let told =
+        Link::connect(address, peers).and_then(|mut link| match link.ask(&Message::Settled { vm: vm.to_owned() })? {
             Message::Accept => Ok(()),
             other => Err(unexpected(&other)),
-        }
-    });
+        });
     if let Err(error) = told {
         tracing::info!(vm, peer = %address, %error, "could not tell the peer the VM's move is settled");
     }
@@ -176,40 +174,33 @@ impl Peers {
     /// peer, where the VM is connected or moving, or where a peer cannot say it holds nothing.
     pub fn reset_everywhere(&self, vm: &str) -> Result<(), HeldAtPeer> {
         for address in &self.addresses {
-            match reset_at(address, self, vm) {
-                Ok(Ok(())) => {}
-                Ok(Err(why)) => return Err(HeldAtPeer(format!("peer {address} keeps VM {vm}: {why}"))),
-                // A peer of an earlier release knows no reset: fine if it holds nothing live.
-                Err(reset_error) => match query(address, self, vm) {
+            let cannot_ask = |error: &dyn std::fmt::Display| {
+                HeldAtPeer(format!(
+                    "peer {address} cannot be asked whether it holds VM {vm} ({error}); if that server is \
+                     gone for good, take it out of --peer"
+                ))
+            };
+            let mut link = Link::connect(address, self).map_err(|error| cannot_ask(&error))?;
+            match link.ask(&Message::Reset { vm: vm.to_owned() }) {
+                Ok(Message::Accept) => {}
+                Ok(Message::Refuse { why }) => return Err(HeldAtPeer(format!("peer {address} keeps VM {vm}: {why}"))),
+                // Reached, and no answer: a peer of an earlier release, which knows no reset, is
+                // fine if it holds nothing live. (One that cannot be reached is not asked twice.)
+                other => match query(address, self, vm) {
                     Ok((_, Holding::Nothing | Holding::Moved { .. })) => {}
                     Ok((_, holding)) => {
+                        let why =
+                            other.map_or_else(|error| error.to_string(), |answer| unexpected(&answer).to_string());
                         return Err(HeldAtPeer(format!(
-                            "peer {address} holds VM {vm} ({holding:?}) and cannot be asked to end it \
-                             ({reset_error}); run `overspill vm reset {vm}` there"
-                        )))
+                            "peer {address} holds VM {vm} ({holding:?}) and cannot be asked to end it ({why}); run \
+                             `overspill vm reset {vm}` there"
+                        )));
                     }
-                    Err(error) => {
-                        return Err(HeldAtPeer(format!(
-                            "peer {address} cannot be asked whether it holds VM {vm} ({error}); if that server \
-                             is gone for good, take it out of --peer"
-                        )))
-                    }
+                    Err(error) => return Err(cannot_ask(&error)),
                 },
             }
         }
         Ok(())
-    }
-}
-
-/// Asks the peer at `address` to end VM `vm`'s overlay unless it is connected there: its
-/// refusal, or an error of the link.
-fn reset_at(address: &ListenAddr, peers: &Peers, vm: &str) -> io::Result<Result<(), String>> {
-    let mut link = Link::connect(address, peers)?;
-    link.send(&Message::Reset { vm: vm.to_owned() }, &[])?;
-    match link.receive()?.0 {
-        Message::Accept => Ok(Ok(())),
-        Message::Refuse { why } => Ok(Err(why)),
-        other => Err(unexpected(&other)),
     }
 }
 
@@ -258,8 +249,7 @@ pub(crate) fn settle_in_doubt(peers: Option<&Peers>, address: &ListenAddr, vm: &
 /// Asks the peer at `address` what it holds of VM `vm`: its name, and that.
 fn query(address: &ListenAddr, peers: &Peers, vm: &str) -> io::Result<(String, Holding)> {
     let mut link = Link::connect(address, peers)?;
-    link.send(&Message::Query { vm: vm.to_owned() }, &[])?;
-    match link.receive()?.0 {
+    match link.ask(&Message::Query { vm: vm.to_owned() })? {
         Message::Holds { holding } => Ok((std::mem::take(&mut link.peer), holding)),
         other => Err(unexpected(&other)),
     }

@@ -65,8 +65,6 @@ pub(crate) struct Blk {
     poll: Duration,
     /// Whether the log was told this connection's guest memory may shrink (once is enough).
     unsealed_memory_told: AtomicBool,
-    /// The VMM has spoken (asked for the device's features, its first question).
-    greeted: AtomicBool,
     /// Requests a queue is served at a time before the VM's other queues get their turn.
     pub(crate) turn_requests: usize,
     /// Queues whose guest is owed an interrupt at their next serving, whatever EVENT_IDX says:
@@ -107,7 +105,6 @@ impl Blk {
             scratch: Mutex::new(Vec::new()),
             poll,
             unsealed_memory_told: AtomicBool::new(false),
-            greeted: AtomicBool::new(false),
             turn_requests: TURN_REQUESTS,
             signal_owed: AtomicU64::new(u64::MAX),
             exit_consumers: Mutex::new(Vec::new()),
@@ -152,9 +149,10 @@ impl Blk {
         self.close_unlocked();
     }
 
-    /// Whether the VMM has said anything yet.
+    /// Whether the VMM has said anything yet: its first question, the device's features, opens
+    /// the device.
     pub(crate) fn greeted(&self) -> bool {
-        self.greeted.load(Ordering::SeqCst)
+        lock(&self.opener).is_none()
     }
 
     /// Whether the connection is to close: closing already, or its VM reset by an operator. The
@@ -388,7 +386,6 @@ impl VhostUserBackend for Blk {
     }
 
     fn features(&self) -> u64 {
-        self.greeted.store(true, Ordering::SeqCst);
         self.open_device();
         lock(&self.config).features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
     }
@@ -579,6 +576,18 @@ mod tests {
         assert!(error.to_string().contains("100 past the next request"), "{error}");
     }
 
+    /// An eventfd, and a file of it for the vring (the VMM's kick or call).
+    fn eventfd() -> (std::os::fd::OwnedFd, std::fs::File) {
+        let fd = rustix::event::eventfd(0, rustix::event::EventfdFlags::NONBLOCK).expect("eventfd");
+        let file = std::fs::File::from(fd.try_clone().expect("clone"));
+        (fd, file)
+    }
+
+    /// Whether the eventfd was written to since it was last looked at.
+    fn fired(fd: &std::os::fd::OwnedFd) -> bool {
+        rustix::io::read(fd, &mut [0u8; 8]).is_ok()
+    }
+
     /// Two 4 KiB writes at sectors 8 and 16, their headers and data from 0x1_0000 on, their
     /// descriptors from table index `first`.
     fn two_writes(memory: &GuestMemoryMmap, first: u16) -> Vec<RawDescriptor> {
@@ -627,7 +636,6 @@ mod tests {
     /// again); later servings signal as the guest asks.
     #[test]
     fn the_first_serving_after_a_start_signals_the_guest_whatever_event_idx_says() {
-        use vmm_sys_util::eventfd::EventFd;
         let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
         let queue = MockSplitQueue::new(&memory, 16);
         let (blk, vring) = device_on(&memory, &queue);
@@ -638,16 +646,12 @@ mod tests {
         let used_index = || u16::from_le(memory.read_obj::<u16>(GuestAddress(used_ring.0 + 2)).expect("used index"));
         blk.set_event_idx(true);
         vring.set_queue_event_idx(true);
-        let call = EventFd::new(rustix::event::EventfdFlags::NONBLOCK.bits() as i32).expect("eventfd");
-        let call_file = call.try_clone().expect("clone");
-        // SAFETY: the clone's descriptor is owned by nothing else; the File takes it over.
-        vring.set_call(Some(unsafe {
-            <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(call_file))
-        }));
+        let (call, call_file) = eventfd();
+        vring.set_call(Some(call_file));
         // The guest's used_event far ahead of what will be returned: it asks for no interrupt.
         let used_event = GuestAddress(queue.avail_addr().0 + 4 + 2 * 16);
         memory.write_obj(u16::to_le(100), used_event).expect("used_event");
-        let signalled = || call.read().is_ok();
+        let signalled = || fired(&call);
 
         queue.add_desc_chains(&two_writes(&memory, 0)[..3], 0).expect("chain");
         blk.serve_queue(&vring, 0).expect("served");
@@ -708,21 +712,16 @@ mod tests {
     /// after the VM's other queues' waiting kicks: one busy queue starved the others.
     #[test]
     fn a_busy_queue_yields_after_its_turn_and_is_kicked_again() {
-        use vmm_sys_util::eventfd::EventFd;
         let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
         let queue = MockSplitQueue::new(&memory, 16);
         queue.add_desc_chains(&two_writes(&memory, 0), 0).expect("chains");
         let (mut blk, vring) = device_on(&memory, &queue);
         blk.turn_requests = 1;
-        let kick = EventFd::new(rustix::event::EventfdFlags::NONBLOCK.bits() as i32).expect("eventfd");
-        let kick_file = kick.try_clone().expect("clone");
-        // SAFETY: the clone's descriptor is owned by nothing else; the File takes it over.
-        vring.set_kick(Some(unsafe {
-            <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(kick_file))
-        }));
+        let (kick, kick_file) = eventfd();
+        vring.set_kick(Some(kick_file));
         blk.serve_queue(&vring, 0).expect("served");
         assert_eq!(queue.used().idx().load(), 1, "one turn, one request");
-        assert!(kick.read().is_ok(), "the queue was not kicked again with a request left");
+        assert!(fired(&kick), "the queue was not kicked again with a request left");
         blk.serve_queue(&vring, 0).expect("served");
         assert_eq!(queue.used().idx().load(), 2);
     }

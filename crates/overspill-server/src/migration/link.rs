@@ -220,6 +220,12 @@ impl Link {
         receive_from(&mut self.stream)
     }
 
+    /// Sends a question without payload and receives the answer's message.
+    pub(super) fn ask(&mut self, question: &Message) -> io::Result<Message> {
+        self.send(question, &[])?;
+        Ok(self.receive()?.0)
+    }
+
     /// Hands the reading to a thread of its own, so that the move can send while it waits;
     /// the thread ends with the link.
     pub(super) fn spawn_reader(&self) -> io::Result<Replies> {
