@@ -168,6 +168,11 @@ pub struct Answer {
     /// With a locate: the peer that holds the VM live.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<String>,
+    /// With a reset `everywhere`: the server took `everywhere` in. A server of an earlier release
+    /// ignores the field it does not know and resets the VM here only, so its answer, `ok` as
+    /// it is, leaves this false ([`ask`] then finds out whether it has peers it skipped).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub everywhere: bool,
 }
 
 /// The control socket of a server: the listener (its file goes with it) and the per-VM
@@ -463,13 +468,14 @@ impl Targets {
             other => other,
         });
         let peers = self.peers.get().filter(|_| everywhere);
-        match (here, peers) {
+        let answer = match (here, peers) {
             (Ok(done), Some(peers)) => match peers.reset_everywhere(vm) {
                 Ok(()) => outcome(Ok(format!("{done}; none of this server's peers keeps it"))),
                 Err(HeldAtPeer(why)) => Answer { ok: false, message: Some(why), ..Answer::default() },
             },
             (here, _) => outcome(here),
-        }
+        };
+        Answer { everywhere, ..answer }
     }
 
     fn locate(&self, vm: &str) -> Answer {
@@ -622,7 +628,33 @@ pub fn ask(control: &Path, request: &Request) -> Result<Answer, ServerError> {
     (&stream).write_all(text.as_bytes()).map_err(io)?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(io)?;
-    serde_json::from_str(&line).map_err(|e| ServerError::Control(format!("the server's answer {line:?}: {e}")))
+    let answer: Answer =
+        serde_json::from_str(&line).map_err(|e| ServerError::Control(format!("the server's answer {line:?}: {e}")))?;
+    match request {
+        Request::Reset { vm, everywhere: true, .. } if !answer.everywhere => peers_skipped(control, vm, answer),
+        _ => Ok(answer),
+    }
+}
+
+/// The answer to a reset `everywhere` that a server of an earlier release took for a reset
+/// here (an upgraded binary, the server not restarted yet): as it is if that server has no
+/// peers, else a refusal, for a copy of the VM at a peer was left for its next start to take.
+fn peers_skipped(control: &Path, vm: &str, answer: Answer) -> Result<Answer, ServerError> {
+    let located = ask(control, &Request::Locate { vm: vm.to_owned() })?;
+    let said = located.message.unwrap_or_default();
+    // A release before peers does not know `locate`; a later one without `--peer` says so.
+    if said.starts_with("bad request") || said.starts_with("this server has no peers") {
+        return Ok(answer);
+    }
+    Ok(Answer {
+        ok: false,
+        message: Some(format!(
+            "the server at {} is of an earlier release that resets {vm} here only, not at its peers: \
+             restart it (systemctl reload overspill) so that it runs this release",
+            control.display()
+        )),
+        ..Answer::default()
+    })
 }
 
 #[cfg(test)]
@@ -729,5 +761,49 @@ mod tests {
             assert!(Instant::now() < deadline, "never answered again once the others left");
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// A reset `everywhere` is done at the peers, or refused: a server of an earlier release,
+    /// which takes it for a reset here only, passes only if it has no peers to skip.
+    #[test]
+    fn a_reset_everywhere_is_never_a_reset_here_only_at_a_server_with_peers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let reset = Request::Reset { vm: "desk".into(), unless_connected: true, everywhere: true };
+
+        let path = dir.path().join("control.sock");
+        let _listener = spawn(&path, VmRegistry::new(Lifecycle::default()).expect("registry")).expect("control socket");
+        let answer = ask(&path, &reset).expect("answer");
+        assert!(answer.ok && answer.everywhere, "this release, no peers: {answer:?}");
+
+        for (locate_says, passes) in [
+            (r#"{"ok":true,"message":"this server has no peers (serve --peer)"}"#, true),
+            (r#"{"ok":false,"message":"bad request: unknown variant `locate`"}"#, true),
+            (r#"{"ok":true,"message":"no peer holds desk"}"#, false),
+        ] {
+            let path = dir.path().join(format!("earlier-{passes}-{}.sock", locate_says.len()));
+            let server = earlier_release(&path, locate_says);
+            let answer = ask(&path, &reset).expect("answer");
+            server.join().expect("earlier release's server");
+            assert_eq!(answer.ok, passes, "locate said {locate_says}: {answer:?}");
+            if !passes {
+                let message = answer.message.unwrap_or_default();
+                assert!(message.contains("earlier release") && message.contains("desk"), "{message}");
+            }
+        }
+    }
+
+    /// A control socket answering as a release before `everywhere` did: a reset here, then the
+    /// answer `locate_says` to the locate that follows.
+    fn earlier_release(path: &Path, locate_says: &'static str) -> std::thread::JoinHandle<()> {
+        let listener = std::os::unix::net::UnixListener::bind(path).expect("bind");
+        std::thread::spawn(move || {
+            for (op, answer) in [("reset", r#"{"ok":true,"message":"desk: reset"}"#), ("locate", locate_says)] {
+                let (stream, _) = listener.accept().expect("accept");
+                let mut request = String::new();
+                BufReader::new(&stream).read_line(&mut request).expect("request");
+                assert!(request.contains(&format!(r#""op":"{op}""#)), "asked {request} for a {op}");
+                (&stream).write_all(format!("{answer}\n").as_bytes()).expect("answer");
+            }
+        })
     }
 }
