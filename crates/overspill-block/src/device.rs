@@ -298,6 +298,19 @@ pub trait ExportProvider: Send + Sync + 'static {
     /// [`ExportAccess`]), `None` without one: a provider may keep what a client made for that
     /// identity alone.
     fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError>;
+    /// [`Self::open`] for a frontend that may need the request in hand back at short notice
+    /// (vhost-user: the VMM stops the device, and waits for that request before it goes on):
+    /// once `hurry` says so, a request waiting for its limits or a boot slot waits no more and
+    /// is served. The default ignores `hurry`, for a device that never waits.
+    fn open_hurried(
+        &self,
+        name: &str,
+        identity: Option<&str>,
+        hurry: crate::limit::GiveUp,
+    ) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        let _ = hurry;
+        self.open(name, identity)
+    }
 }
 
 /// A frontend whose VMs each listen on a socket of their own, made before their VMM starts

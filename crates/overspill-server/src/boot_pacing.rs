@@ -226,7 +226,9 @@ impl<D: BlockDevice> BootGate<D> {
     fn pass(&mut self) {
         if !self.open {
             self.pacing.start_boot(&self.vm, &*self.give_up);
-            self.open = true;
+            // A wait called off is no boot slot: the request in hand passes (a reset VM's then
+            // fails; a VMM stopping the device has it back), and the next one waits again.
+            self.open = !self.pacing.to_boot(&self.vm);
         }
     }
 
@@ -416,6 +418,31 @@ mod tests {
         pacing.fresh("d");
         assert_eq!(pacing.start_boot("d", &never), Duration::ZERO, "a stopping server makes no one wait");
         assert!(pacing.figures().waited > Duration::ZERO, "the waits cut short are counted");
+    }
+
+    /// A request whose wait for a boot slot is called off (a VMM stopping the device wants it
+    /// back at once) passes without a slot, and the VM's next request waits for one again.
+    #[test]
+    fn a_wait_called_off_is_no_boot_slot() {
+        use overspill_block::BlockDevice;
+        let pacing = paced(1, Duration::from_secs(3600));
+        pacing.fresh("a");
+        pacing.fresh("b");
+        assert_eq!(pacing.start_boot("a", &never), Duration::ZERO);
+        let hurry = Arc::new(AtomicBool::new(true));
+        let called_off = hurry.clone();
+        let disk = crate::device::tests::Counted { bytes: vec![0; 4096], writes: 0 };
+        let give_up: GiveUp = Arc::new(move || called_off.load(Ordering::SeqCst));
+        let mut gate = BootGate::new(disk, pacing.clone(), "b".into(), give_up, false);
+        BlockDevice::write(&mut gate, 0, &[1; 512], false).expect("the write in hand passes");
+        assert!(pacing.to_boot("b") && !pacing.is_booting("b"), "b passed without a slot");
+        hurry.store(false, Ordering::SeqCst);
+        let next = std::thread::spawn(move || BlockDevice::write(&mut gate, 512, &[2; 512], false).map(|()| gate));
+        wait_until("b's next request waits for a slot", || pacing.figures().waiting == 1);
+        assert!(pacing.booted("a"));
+        let gate = next.join().expect("b's next request").expect("written");
+        assert!(pacing.is_booting("b"), "b boots in a's slot");
+        assert_eq!(gate.inner.writes, 2);
     }
 
     #[test]

@@ -25,12 +25,12 @@ use crate::vms::{Ending, VmRegistry};
 pub(crate) fn stack(
     live: Arc<Live>,
     capabilities: Capabilities,
-    number: u64,
-    reset: Arc<AtomicBool>,
+    connection: Connection,
     registry: Arc<VmRegistry>,
     limiters: Vec<Arc<Limiter>>,
     may_boot: bool,
 ) -> Result<Box<dyn BlockDevice>, DeviceError> {
+    let Connection { number, reset, hurry } = connection;
     let taken = {
         let vm = live.vm();
         vm.as_ref().map(|vm| {
@@ -69,14 +69,24 @@ pub(crate) fn stack(
     // connection: no lock for the others' requests.
     let open = !(may_boot && boots.to_boot(&name));
     // A wait for a boot slot or for limits ends when the VM is reset (the request then finds
-    // its overlay gone) or the server drains: no request outlasts the drain by waiting.
-    let give_up: GiveUp = Arc::new(move || reset.load(Ordering::SeqCst) || stopping.is_stopping());
+    // its overlay gone) or the server drains: no request outlasts the drain by waiting. Its
+    // frontend may call it off too (a VMM stopping the device waits for the request in hand).
+    let give_up: GiveUp = Arc::new(move || reset.load(Ordering::SeqCst) || stopping.is_stopping() || hurry());
     Ok(if limiters.is_empty() {
         Box::new(BootGate::new(device, boots, name, give_up, open))
     } else {
         let throttled = Throttled::giving_up(device, limiters, give_up.clone());
         Box::new(BootGate::new(throttled, boots, name, give_up, open))
     })
+}
+
+/// The connection a device stack serves: its number in the registry, the flag an operator's
+/// reset of its VM sets, and when its frontend needs the request in hand back at once
+/// ([`overspill_block::ExportProvider::open_hurried`]).
+pub(crate) struct Connection {
+    pub number: u64,
+    pub reset: Arc<AtomicBool>,
+    pub hurry: GiveUp,
 }
 
 /// One VM's overlay behind the device trait, for one connection. Dropping it ends the
@@ -398,7 +408,7 @@ impl<D: BlockDevice> DeviceLayer for LedgerMarked<D> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::time::Duration;
 
     use overspill_block::read_whole;
@@ -407,9 +417,9 @@ mod tests {
     use crate::vms::{Claim, Lifecycle};
 
     /// A disk in memory that counts the writes that reach it.
-    struct Counted {
-        bytes: Vec<u8>,
-        writes: usize,
+    pub(crate) struct Counted {
+        pub bytes: Vec<u8>,
+        pub writes: usize,
     }
 
     impl BlockDevice for Counted {

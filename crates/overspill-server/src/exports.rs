@@ -25,6 +25,7 @@ use overspill_engine::{
     SegmentWriters, SpaceShortages, VmStats, WriteCacheMode, SEGMENT_BYTES,
 };
 
+use crate::device::Connection;
 use crate::error::device_error;
 use crate::golden_budget::Budgeted;
 use crate::images::{ImageStore, OpenVersions, ReadCacheList, Stage, Version};
@@ -35,6 +36,7 @@ use crate::vm_limits::HostBudget;
 use crate::vm_overlay::VmOverlay;
 use crate::vms::{anonymous_label, shown_image, Claim, Lifecycle, VmRegistry};
 use crate::{check_name, ServerError};
+use overspill_block::limit::GiveUp;
 use overspill_block::Recorder;
 
 #[path = "exports_moves.rs"]
@@ -598,6 +600,15 @@ impl ExportProvider for OverlayExports {
     }
 
     fn open(&self, name: &str, identity: Option<&str>) -> Result<Box<dyn BlockDevice>, DeviceError> {
+        self.open_hurried(name, identity, Arc::new(|| false))
+    }
+
+    fn open_hurried(
+        &self,
+        name: &str,
+        identity: Option<&str>,
+        hurry: GiveUp,
+    ) -> Result<Box<dyn BlockDevice>, DeviceError> {
         let vm_name = match name.split_once('@') {
             Some((_, vm)) => {
                 check_name("VM", vm).map_err(|e| DeviceError::new(DeviceErrorKind::Refused, e.to_string()))?;
@@ -620,7 +631,7 @@ impl ExportProvider for OverlayExports {
                         tracing::warn!(vm, "VM refused: {why}");
                         return Err(DeviceError::new(DeviceErrorKind::Refused, why));
                     }
-                    Located::Live(address) => return self.open_incoming(name, vm, identity, peers, &address),
+                    Located::Live(address) => return self.open_incoming(name, vm, identity, peers, &address, hurry),
                 }
             }
             // This server's ledger says it moved the VM away, and no peer holds it now (the
@@ -652,8 +663,8 @@ impl ExportProvider for OverlayExports {
         }
         let (number, reset, vm, fresh) = match claimed {
             Claim::Join { number, reset, live } => {
-                let registry = self.registry.clone();
-                return crate::device::stack(live, capabilities, number, reset, registry, limiters(), true);
+                let (registry, connection) = (self.registry.clone(), Connection { number, reset, hurry });
+                return crate::device::stack(live, capabilities, connection, registry, limiters(), true);
             }
             Claim::Held => return Err(VmRegistry::already_connected(vm_name.unwrap_or_default(), name)),
             Claim::Connecting => {
@@ -680,7 +691,8 @@ impl ExportProvider for OverlayExports {
             },
         };
         let live = Arc::new(Live::new(vm));
-        crate::device::stack(live, capabilities, number, reset, self.registry.clone(), limiters(), fresh)
+        let connection = Connection { number, reset, hurry };
+        crate::device::stack(live, capabilities, connection, self.registry.clone(), limiters(), fresh)
     }
 }
 

@@ -4,11 +4,13 @@
 
 use std::sync::Arc;
 
+use overspill_block::limit::GiveUp;
 use overspill_block::{BlockDevice, DeviceError, DeviceErrorKind};
 use overspill_engine::GoldenImage;
 use overspill_net::ListenAddr;
 
 use super::{OverlayExports, CAPABILITIES};
+use crate::device::Connection;
 use crate::images::OpenVersions;
 use crate::live::Live;
 use crate::migration::{self, Incoming, Peers};
@@ -85,6 +87,7 @@ impl OverlayExports {
         identity: Option<&str>,
         peers: &Peers,
         address: &ListenAddr,
+        hurry: GiveUp,
     ) -> Result<Box<dyn BlockDevice>, DeviceError> {
         let refused = |why: String| {
             tracing::warn!(vm, peer = %address, "VM refused: {why}");
@@ -150,6 +153,7 @@ impl OverlayExports {
         }
         tracing::info!(vm, peer, image = label, "VM moving here from its peer: pre-copy begins");
         let limiters = self.registry.limits().limiters_for(Some(vm), image_name);
-        crate::device::stack(live, CAPABILITIES, number, reset, self.registry.clone(), limiters, false)
+        let connection = Connection { number, reset, hurry };
+        crate::device::stack(live, CAPABILITIES, connection, self.registry.clone(), limiters, false)
     }
 }

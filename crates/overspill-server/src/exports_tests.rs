@@ -462,7 +462,8 @@ fn a_connection_joining_an_overlay_that_ended_meanwhile_is_refused() {
         panic!("a second connection joins");
     };
     drop(live.vm().take().expect("the overlay, taken as a capture takes it"));
-    let refused = crate::device::stack(shared, Capabilities::ALL, joined, reset, registry.clone(), Vec::new(), true)
+    let connection = crate::device::Connection { number: joined, reset, hurry: Arc::new(|| false) };
+    let refused = crate::device::stack(shared, Capabilities::ALL, connection, registry.clone(), Vec::new(), true)
         .err()
         .expect("nothing to join");
     assert!(refused.message.contains("connect again"), "{}", refused.message);

@@ -9,13 +9,14 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use overspill_block::limit::GiveUp;
 use overspill_block::{BlockDevice, DeviceError};
 use rustix::fs::SealFlags;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringState, VringT};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{
     Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
@@ -31,8 +32,9 @@ pub(crate) type Memory = GuestMemoryAtomic<GuestMemoryMmap>;
 /// Descriptors a queue may hold; QEMU's largest.
 const MAX_QUEUE_SIZE: usize = 1024;
 
-/// Opens the VM's device for a connection.
-pub(crate) type Opener = Box<dyn FnOnce() -> Result<Box<dyn BlockDevice>, DeviceError> + Send>;
+/// Opens the VM's device for a connection; its requests' waits (for limits, a boot slot) end
+/// once the [`GiveUp`] it is given says so.
+pub(crate) type Opener = Box<dyn FnOnce(GiveUp) -> Result<Box<dyn BlockDevice>, DeviceError> + Send>;
 
 /// One connection's device and what the driver set.
 pub(crate) struct Blk {
@@ -53,6 +55,10 @@ pub(crate) struct Blk {
     /// Set when the server stops serving this connection: no request is taken any more, so
     /// that those left are replayed to the next server.
     closing: AtomicBool,
+    /// Set while QEMU stops the device (or the connection closes): QEMU waits for the request
+    /// in hand before it goes on, under its big lock (the guest, its monitor, libvirt), so that
+    /// request waits for its limits or a boot slot no more. Cleared when the device starts.
+    hurry: Arc<AtomicBool>,
     /// Queues that carried requests, and queues QEMU stopped, since the device was last
     /// started (bit per queue): when every one used has been stopped before the socket closes,
     /// QEMU stopped the device on purpose (the VM powered off or QEMU quit).
@@ -99,6 +105,7 @@ impl Blk {
             write_back: AtomicBool::new(true),
             event_idx: AtomicBool::new(false),
             closing: AtomicBool::new(false),
+            hurry: Arc::new(AtomicBool::new(false)),
             used_queues: AtomicU64::new(0),
             stopped_queues: AtomicU64::new(0),
             shutdown: Mutex::new(None),
@@ -126,7 +133,8 @@ impl Blk {
     /// elsewhere, its writes lost) closes the connection, and the VMM tries again later.
     fn open_device(&self) {
         let Some(open) = lock(&self.opener).take() else { return };
-        match open() {
+        let hurry = self.hurry.clone();
+        match open(Arc::new(move || hurry.load(Ordering::SeqCst))) {
             Ok(device) => {
                 let mut config = lock(&self.config);
                 config.size = device.size();
@@ -145,6 +153,7 @@ impl Blk {
     /// sent to the next server.
     pub(crate) fn close(&self) {
         self.closing.store(true, Ordering::SeqCst);
+        self.hurry.store(true, Ordering::SeqCst);
         drop(lock(&self.device));
         self.close_unlocked();
     }
@@ -191,14 +200,14 @@ impl Blk {
         let first = self.signal_owed.fetch_and(!bit, Ordering::SeqCst) & bit != 0;
         let mut device = lock(&self.device);
         let Some(device) = device.as_mut() else { return Ok(()) };
-        let mut state = vring.get_mut();
         let mut unsignalled = false;
-        let served = self.serve_batches(device.as_mut(), &mut state, &mut unsignalled);
+        let served = self.serve_batches(device.as_mut(), vring, &mut unsignalled);
         if first || (served.is_err() && unsignalled) {
-            if let Err(error) = state.signal_used_queue() {
+            if let Err(error) = vring.signal_used_queue() {
                 tracing::debug!(%error, queue = index, "vhost-user: could not signal the guest");
             }
         }
+        let state = vring.get_ref();
         if let (Ok(true), Some(kick)) = (&served, state.get_kick()) {
             // Its turn is over with requests left: kicked again, it is served after the other
             // queues' waiting kicks (the worker's epoll takes them in turn).
@@ -214,22 +223,27 @@ impl Blk {
 
     /// The loop of [`Self::serve_queue`]; `unsignalled` says whether requests were returned
     /// since the guest was last signalled. Whether the queue's turn ended with requests left.
+    ///
+    /// The vring's lock is held only to take a request and to return it, never while the
+    /// device carries it out: QEMU's messages about the queue take that lock, and its stop of
+    /// the device (GET_VRING_BASE, at a pause, a migration, a shutdown) takes it first, then
+    /// asks [`VhostUserBackend::stop_vring`], which calls off the request's waits and waits for
+    /// it. Held through a request waiting for a boot slot, it stalled QEMU for that long.
     fn serve_batches(
         &self,
         device: &mut dyn BlockDevice,
-        state: &mut VringState<Memory>,
+        vring: &VringRwLock,
         unsignalled: &mut bool,
     ) -> io::Result<bool> {
         let memory = self.memory.memory();
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         let write_back = self.write_back.load(Ordering::Relaxed);
         let mut scratch = lock(&self.scratch);
-        let queue_error = |e: virtio_queue::Error| io::Error::other(format!("virtqueue: {e}"));
         let mut buffers = Buffers::default();
         let mut taken = 0;
         loop {
             if event_idx {
-                state.disable_notification().map_err(queue_error)?;
+                vring.disable_notification().map_err(queue_error)?;
             }
             let mut served = false;
             while !self.closing.load(Ordering::Relaxed) && taken < self.turn_requests {
@@ -239,48 +253,22 @@ impl Blk {
                     self.close_unlocked();
                     break;
                 }
-                let next = state.get_queue().next_avail();
-                let available = state.get_queue().avail_idx(&*memory, Ordering::Acquire).map_err(queue_error)?.0;
-                if available == next {
-                    break;
-                }
-                // The guest says requests are there, and none can be taken (its ring claims more
-                // than it holds, or lies outside its memory): waiting for them would spin here
-                // for ever.
-                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(memory.clone()) else {
-                    return Err(io::Error::other(format!(
-                        "the available ring is malformed: index {available}, {} past the next request, in a \
-                         queue of {}",
-                        available.wrapping_sub(next),
-                        state.get_queue().size()
-                    )));
-                };
-                let head = chain.head_index();
-                buffers.readable.clear();
-                buffers.writable.clear();
-                for descriptor in chain {
-                    let segment = Segment { addr: descriptor.addr().0, len: descriptor.len() };
-                    if descriptor.is_write_only() {
-                        buffers.writable.push(segment);
-                    } else {
-                        buffers.readable.push(segment);
-                    }
-                }
+                let Some(head) = take_request(vring, &memory, &mut buffers)? else { break };
                 let outcome =
                     request::serve(device, &*memory, &buffers, &self.limits, &self.id, write_back, &mut scratch);
-                state.add_used(head, outcome.written).map_err(queue_error)?;
+                vring.add_used(head, outcome.written).map_err(queue_error)?;
                 served = true;
                 taken += 1;
                 *unsignalled = true;
             }
             // The guest hears of what is done before this waits for more.
-            if served && state.needs_notification().map_err(queue_error)? {
-                state.signal_used_queue()?;
+            if served && vring.needs_notification().map_err(queue_error)? {
+                vring.signal_used_queue()?;
                 *unsignalled = false;
             }
             // Closing: the requests left are the next connection's (looked for here, they
             // would be found again and again, with this connection's locks held for ever).
-            if self.closing.load(Ordering::Relaxed) {
+            if self.closing.load(Ordering::Relaxed) || !vring.get_ref().get_queue().ready() {
                 break;
             }
             if taken >= self.turn_requests {
@@ -289,10 +277,10 @@ impl Blk {
             // A guest at a low queue depth sends its next request a few microseconds after the
             // last reply: looked for here for `--poll-us`, it is taken without a kick, a wake-up
             // of this thread or a sleep (as an NBD connection polls its socket).
-            let next = state.get_queue().next_avail();
+            let next = vring.queue_next_avail();
             let deadline = Instant::now() + self.poll;
             let more = loop {
-                let available = state.get_queue().avail_idx(&*memory, Ordering::Acquire);
+                let available = vring.get_ref().get_queue().avail_idx(&*memory, Ordering::Acquire);
                 if available.map_err(queue_error)?.0 != next {
                     break true;
                 }
@@ -306,7 +294,7 @@ impl Blk {
             }
             if !event_idx
                 || self.closing.load(Ordering::Relaxed)
-                || !state.enable_notification().map_err(queue_error)?
+                || !vring.enable_notification().map_err(queue_error)?
             {
                 break;
             }
@@ -321,6 +309,46 @@ impl Blk {
             handle.shutdown();
         }
     }
+}
+
+fn queue_error(error: virtio_queue::Error) -> io::Error {
+    io::Error::other(format!("virtqueue: {error}"))
+}
+
+/// Takes the queue's next request, its buffers into `buffers`: its head, or `None` if the guest
+/// has made none available or QEMU stopped the queue.
+fn take_request(vring: &VringRwLock, memory: &GuestMemoryMmap, buffers: &mut Buffers) -> io::Result<Option<u16>> {
+    let mut state = vring.get_mut();
+    let queue = state.get_queue_mut();
+    if !queue.ready() {
+        return Ok(None);
+    }
+    let next = queue.next_avail();
+    let available = queue.avail_idx(memory, Ordering::Acquire).map_err(queue_error)?.0;
+    if available == next {
+        return Ok(None);
+    }
+    // The guest says requests are there, and none can be taken (its ring claims more than it
+    // holds, or lies outside its memory): waiting for them would spin here for ever.
+    let Some(chain) = queue.pop_descriptor_chain(memory) else {
+        return Err(io::Error::other(format!(
+            "the available ring is malformed: index {available}, {} past the next request, in a queue of {}",
+            available.wrapping_sub(next),
+            queue.size()
+        )));
+    };
+    let head = chain.head_index();
+    buffers.readable.clear();
+    buffers.writable.clear();
+    for descriptor in chain {
+        let segment = Segment { addr: descriptor.addr().0, len: descriptor.len() };
+        if descriptor.is_write_only() {
+            buffers.writable.push(segment);
+        } else {
+            buffers.readable.push(segment);
+        }
+    }
+    Ok(Some(head))
 }
 
 /// Checks that every region of `memory` lies within the file it maps; `Ok(Some(start))` names
@@ -393,6 +421,9 @@ impl VhostUserBackend for Blk {
     fn acked_features(&self, _features: u64) {
         // The device is being started (again): what was stopped before no longer counts, and
         // each queue's guest is signalled at its first serving (see `serve_queue`).
+        if !self.closing.load(Ordering::SeqCst) {
+            self.hurry.store(false, Ordering::SeqCst);
+        }
         self.used_queues.store(0, Ordering::SeqCst);
         self.stopped_queues.store(0, Ordering::SeqCst);
         self.signal_owed.store(u64::MAX, Ordering::SeqCst);
@@ -474,7 +505,9 @@ impl VhostUserBackend for Blk {
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
-        // The request being carried out is returned before QEMU reads where the queue stands.
+        // The request being carried out is returned before QEMU reads where the queue stands,
+        // at once: QEMU waits for it under its big lock.
+        self.hurry.store(true, Ordering::SeqCst);
         drop(lock(&self.device));
         self.stopped_queues.fetch_or(1u64 << (queue_index % 64), Ordering::SeqCst);
         Ok(())
@@ -557,7 +590,7 @@ mod tests {
         vring.set_enabled(true);
         let config =
             DeviceConfig { size: 1 << 20, capabilities: Capabilities::ALL, queues: 1, limits: Limits::default() };
-        let opener: Opener = Box::new(|| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
+        let opener: Opener = Box::new(|_| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
         let blk = Blk::new(opener, atomic, config, b"vm".to_vec(), Duration::from_micros(20));
         blk.open_device();
         (blk, vring)
@@ -733,7 +766,7 @@ mod tests {
             let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest memory");
             let config =
                 DeviceConfig { size: 1 << 20, capabilities: Capabilities::ALL, queues, limits: Limits::default() };
-            let opener: Opener = Box::new(|| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
+            let opener: Opener = Box::new(|_| Ok(Box::new(Disk::new(1 << 20)) as Box<dyn BlockDevice>));
             let blk = Blk::new(opener, GuestMemoryAtomic::new(memory), config, b"vm".to_vec(), Duration::ZERO);
             let covered = blk.queues_per_thread().iter().fold(0u64, |all, mask| all | mask);
             assert_eq!(covered.count_ones(), u32::from(queues), "{queues} queues");

@@ -337,7 +337,7 @@ impl Serving {
         };
         let id = vm.as_bytes()[..vm.len().min(VIRTIO_BLK_ID_BYTES as usize)].to_vec();
         let provider = self.provider.clone();
-        let opener: Opener = Box::new(move || provider.open(&export, None));
+        let opener: Opener = Box::new(move |hurry| provider.open_hurried(&export, None, hurry));
         let memory = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let blk = Arc::new(Blk::new(opener, memory.clone(), config, id, self.poll));
         let result = self.run_daemon(&blk, unix, memory);

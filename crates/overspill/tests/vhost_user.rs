@@ -194,6 +194,20 @@ impl Connection {
     fn open(socket: &Path, guest: &Guest, base: u16) -> Self {
         let (mut frontend, capacity_sectors) = Self::negotiate(socket);
         frontend.set_mem_table(&[guest.region()]).expect("SET_MEM_TABLE");
+        let (kick, call) = Self::start(&mut frontend, guest, base);
+        Self { frontend, kick, _call: call, capacity_sectors }
+    }
+
+    /// Starts the device's queue at `base` (again, after a stop: QEMU resuming a paused VM).
+    fn restart(&mut self, guest: &Guest, base: u16) {
+        let features = self.frontend.get_features().expect("GET_FEATURES");
+        let protocol = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        self.frontend.set_features(features & ((1 << 32) | protocol)).expect("SET_FEATURES");
+        (self.kick, self._call) = Self::start(&mut self.frontend, guest, base);
+    }
+
+    /// Sets up and enables the queue as QEMU does when it starts the device; its kick and call.
+    fn start(frontend: &mut Frontend, guest: &Guest, base: u16) -> (EventFd, EventFd) {
         frontend.set_vring_num(0, QUEUE).expect("SET_VRING_NUM");
         let rings = VringConfigData {
             queue_max_size: QUEUE,
@@ -210,7 +224,7 @@ impl Connection {
         frontend.set_vring_call(0, &call).expect("SET_VRING_CALL");
         frontend.set_vring_kick(0, &kick).expect("SET_VRING_KICK");
         frontend.set_vring_enable(0, true).expect("SET_VRING_ENABLE");
-        Self { frontend, kick, _call: call, capacity_sectors }
+        (kick, call)
     }
 
     /// The features, as QEMU agrees them, up to the guest's memory; returns the frontend and
@@ -624,6 +638,32 @@ fn a_vhost_user_vm_limited_by_name_waits_out_its_rate() {
     let (ok, said) = host.vm_command(&["limit", "limited"]);
     assert!(ok && said.contains("limited: 50 ops/s (burst 5)"), "{said}");
     drop(connection);
+}
+
+/// QEMU stops a device (a pause, a migration, a shutdown) with GET_VRING_BASE under its big
+/// lock, and the server answers once the request in hand is returned: a request waiting for
+/// its limits waits no more then, and is served. At 100 B/s a 4 KiB write waits 40 s; until
+/// session 52 the stop waited as long (the queue's lock held through the wait), and QEMU, its
+/// monitor and libvirt with it, were stalled.
+#[test]
+fn a_device_stopped_under_a_request_waiting_for_its_limits_stops_at_once() {
+    let host = Host::new();
+    let _server = host.serve_with(&["--vhost-user", "slow", "--vm-limit-bandwidth", "slow=100B:100B"]);
+    let mut guest = Guest::new();
+    let mut connection = Connection::open(&host.socket("slow"), &guest, 0);
+    let (_, _, status) = guest.request(T_OUT, 0, &[0x3c; 4096], 0);
+    connection.kick();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(guest.used_index(), 0, "the write did not wait for its limit");
+    let started = Instant::now();
+    let base = connection.frontend.get_vring_base(0).expect("GET_VRING_BASE");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(20), "the stop waited {took:?} for the write's limit");
+    assert_eq!((base, guest.used_index(), guest.status(status)), (1, 1, S_OK), "the write in hand, returned");
+    let (ok, said) = host.vm_command(&["limit", "slow", "--bandwidth", "off"]);
+    assert!(ok, "{said}");
+    connection.restart(&guest, 1);
+    assert_eq!(read(&connection, &mut guest, 0, 4096), vec![0x3c; 4096], "the write returned at the stop is done");
 }
 
 /// A connection costs the server no descriptor once it is over: vhost-user-backend never
