@@ -375,7 +375,37 @@ impl CachedImage {
                 })
                 .collect()
         };
-        // Each run of consecutive misses is one source read.
+        // A source that panics (caught above: a vhost-user worker lives on) would leave its
+        // claims pending, and every later reader of those chunks, in every VM, waiting for ever.
+        let fetching = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.fetch_claimed(first, &mut parts)));
+        let fetched = match fetching {
+            Ok(fetched) => fetched?,
+            Err(panic) => {
+                self.abandon(first, &parts, 0, &io::Error::other("reading the golden image panicked"));
+                std::panic::resume_unwind(panic);
+            }
+        };
+        let mut chunks = Vec::with_capacity(parts.len());
+        for part in parts {
+            chunks.push(match part {
+                Part::Have(data) => {
+                    self.stats.hits.inc();
+                    data
+                }
+                Part::Wait(pending) => {
+                    self.stats.coalesced.inc();
+                    pending.wait()?
+                }
+                Part::Fetched(data) => data,
+                Part::Fetch(_) => unreachable!("every claimed chunk was fetched above"),
+            });
+        }
+        Ok((first, chunks, fetched))
+    }
+
+    /// Fetches the chunks `parts` claims (`Part::Fetch`, `parts[0]` being chunk `first`), each
+    /// run of consecutive misses with one source read, into `Part::Fetched`: what it cost.
+    fn fetch_claimed(&self, first: u64, parts: &mut [Part]) -> io::Result<SourceReads> {
         let mut fetched = SourceReads::default();
         let mut i = 0;
         while i < parts.len() {
@@ -402,22 +432,7 @@ impl CachedImage {
             }
             i += n;
         }
-        let mut chunks = Vec::with_capacity(parts.len());
-        for part in parts {
-            chunks.push(match part {
-                Part::Have(data) => {
-                    self.stats.hits.inc();
-                    data
-                }
-                Part::Wait(pending) => {
-                    self.stats.coalesced.inc();
-                    pending.wait()?
-                }
-                Part::Fetched(data) => data,
-                Part::Fetch(_) => unreachable!("every claimed chunk was fetched above"),
-            });
-        }
-        Ok((first, chunks, fetched))
+        Ok(fetched)
     }
 
     fn fetch_run(&self, first: u64, pendings: &[&Arc<Pending>]) -> io::Result<(Vec<Chunk>, SourceReads)> {
@@ -682,10 +697,11 @@ mod tests {
         assert!(big.iter().enumerate().all(|(i, &b)| b == ((1000 + i) % 256) as u8), "bytes in order");
     }
 
-    /// Fails every read that touches `bad`.
+    /// Fails every read that touches `bad`; panics instead if `panics`.
     struct Failing {
         inner: MemImage,
         bad: std::ops::Range<u64>,
+        panics: bool,
     }
 
     impl GoldenImage for Failing {
@@ -694,6 +710,7 @@ mod tests {
         }
         fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
             if offset < self.bad.end && self.bad.start < offset + buf.len() as u64 {
+                assert!(!self.panics, "a reader's bug");
                 return Err(io::Error::other("bad sector"));
             }
             self.inner.read_at(buf, offset)
@@ -708,7 +725,7 @@ mod tests {
     #[test]
     fn a_failed_fetch_releases_every_chunk_the_request_claimed() {
         let chunk = 16 * 1024u64;
-        let source = Arc::new(Failing { inner: MemImage::new(vec![9u8; 1 << 20]), bad: 0..1 });
+        let source = Arc::new(Failing { inner: MemImage::new(vec![9u8; 1 << 20]), bad: 0..1, panics: false });
         let cache = Arc::new(CachedImage::new(source, 1 << 20, chunk));
         // Chunk 1 cached, so the request below is two runs of misses: chunk 0 (fails), chunk 2.
         let mut buf = vec![0u8; 100];
@@ -724,6 +741,29 @@ mod tests {
         let read = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("a read of chunk 2 must not hang");
         assert!(read.expect("chunk 2 is good").iter().all(|&b| b == 9));
         assert!(cache.lock().pending.is_empty(), "nothing left claimed");
+    }
+
+    /// A source read that panics (a reader's bug; a vhost-user worker catches it and lives on)
+    /// leaves no chunk claimed: every later reader of those chunks, in any VM, waited for ever.
+    #[test]
+    fn a_panicking_fetch_releases_every_chunk_the_request_claimed() {
+        let chunk = 16 * 1024u64;
+        let source = Arc::new(Failing { inner: MemImage::new(vec![9u8; 1 << 20]), bad: 0..1, panics: true });
+        let cache = Arc::new(CachedImage::new(source, 1 << 20, chunk));
+        let mut buf = vec![0u8; 100];
+        cache.read_at(&mut buf, chunk).expect("chunk 1 reads");
+        let panicking = cache.clone();
+        let read = std::thread::spawn(move || panicking.read_at(&mut vec![0u8; 3 * chunk as usize], 0)).join();
+        assert!(read.is_err(), "the read of chunk 0 panicked");
+        assert!(cache.lock().pending.is_empty(), "claims left pending after the panic");
+        let (done, finished) = std::sync::mpsc::channel();
+        let reader = cache.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let _ = done.send(reader.read_at(&mut buf, 2 * chunk).map(|()| buf));
+        });
+        let read = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("a read of chunk 2 must not hang");
+        assert!(read.expect("chunk 2 is good").iter().all(|&b| b == 9));
     }
 
     #[test]
