@@ -12,20 +12,18 @@
 //! likely. So each chunk's CRC-32C is kept in memory from its fetch and checked on every local
 //! read; a chunk that fails is fetched again.
 
+use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use overspill_engine::golden::SourceReads;
 use overspill_engine::GoldenImage;
 
 use crate::SourceError;
-
-/// Fetches of different chunks proceed in parallel; readers of one chunk wait for one fetch.
-const STRIPES: usize = 64;
 
 pub struct LocalTier {
     remote: Arc<dyn GoldenImage>,
@@ -36,7 +34,10 @@ pub struct LocalTier {
     present: Vec<AtomicU64>,
     /// Each present chunk's CRC-32C, stored before its present bit is set.
     sums: Vec<AtomicU32>,
-    stripes: Vec<Mutex<()>>,
+    /// Chunks being fetched: readers of one chunk wait for its one fetch, and a fetch of another
+    /// chunk waits for nothing (a slow remote read held up no other chunk's).
+    fetching: Mutex<HashSet<u64>>,
+    fetched: Condvar,
     /// Set after a local write fails: the tier stops growing, reads go on.
     broken: AtomicBool,
 }
@@ -80,21 +81,43 @@ impl LocalTier {
                 }
             }
         };
-        file.set_len(remote.size()).map_err(io_error(format!("sizing {}", path.display())))?;
+        if let Err(error) = file.set_len(remote.size()) {
+            // Made here, so removed here: a tier never made is never dropped.
+            let _ = std::fs::remove_file(&path);
+            return Err(io_error(format!("sizing {}", path.display()))(error));
+        }
         let chunks = remote.size().div_ceil(chunk_bytes);
         let present = (0..chunks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
         let sums = (0..chunks).map(|_| AtomicU32::new(0)).collect();
-        let stripes = (0..STRIPES).map(|_| Mutex::new(())).collect();
         tracing::info!(source = %remote.describe(), file = %path.display(), "local disk tier for a remote golden image");
-        Ok(Self { remote, file, path, chunk_bytes, present, sums, stripes, broken: AtomicBool::new(false) })
+        Ok(Self {
+            remote,
+            file,
+            path,
+            chunk_bytes,
+            present,
+            sums,
+            fetching: Mutex::new(HashSet::new()),
+            fetched: Condvar::new(),
+            broken: AtomicBool::new(false),
+        })
     }
 
     fn chunk_len(&self, chunk: u64) -> usize {
         self.chunk_bytes.min(self.remote.size() - chunk * self.chunk_bytes) as usize
     }
 
-    fn stripe(&self, chunk: u64) -> std::sync::MutexGuard<'_, ()> {
-        self.stripes[(chunk % STRIPES as u64) as usize].lock().unwrap_or_else(|p| p.into_inner())
+    fn fetching(&self) -> MutexGuard<'_, HashSet<u64>> {
+        self.fetching.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `chunk` to this reader alone (until the claim drops), once no other holds it.
+    fn claim(&self, chunk: u64) -> Claim<'_> {
+        let mut fetching = self.fetching();
+        while !fetching.insert(chunk) {
+            fetching = self.fetched.wait(fetching).unwrap_or_else(|p| p.into_inner());
+        }
+        Claim { tier: self, chunk }
     }
 
     fn is_present(&self, chunk: u64) -> bool {
@@ -157,14 +180,14 @@ impl LocalTier {
         if !self.broken.swap(true, Ordering::Relaxed) {
             tracing::warn!(file = %self.path.display(), offset = chunk * self.chunk_bytes, why, "local disk tier failed a check; new chunks are read from the remote source only");
         }
-        let _one_fetch = self.stripe(chunk);
+        let _one_fetch = self.claim(chunk);
         self.present[(chunk / 64) as usize].fetch_and(!(1 << (chunk % 64)), Ordering::AcqRel);
     }
 
     /// Fetches `chunk` and keeps it locally while the local file takes it; its bytes, or `None`
     /// when another reader made it local meanwhile.
     fn fetch(&self, chunk: u64, reads: &mut SourceReads) -> io::Result<Option<Vec<u8>>> {
-        let _one_fetch = self.stripe(chunk);
+        let _one_fetch = self.claim(chunk);
         if self.is_present(chunk) {
             return Ok(None);
         }
@@ -188,6 +211,20 @@ impl LocalTier {
             }
         }
         Ok(Some(data))
+    }
+}
+
+/// A chunk claimed for a fetch; dropped (the fetch done, failed or panicked), the chunk's
+/// waiters look again.
+struct Claim<'a> {
+    tier: &'a LocalTier,
+    chunk: u64,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.tier.fetching().remove(&self.chunk);
+        self.tier.fetched.notify_all();
     }
 }
 
@@ -328,6 +365,50 @@ mod tests {
         tier.read_at(&mut whole, 0).expect("a chunk never fetched");
         assert!(whole[..] == bytes[..1 << 20]);
         assert_eq!((remote.reads.load(Ordering::Relaxed), tier.chunks_held()), (6, 0), "fetched, not kept");
+    }
+
+    /// A remote whose read at `slow` takes two seconds.
+    struct Slow {
+        inner: MemImage,
+        slow: u64,
+    }
+
+    impl GoldenImage for Slow {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            if offset == self.slow {
+                std::thread::sleep(std::time::Duration::from_secs(2));
+            }
+            self.inner.read_at(buf, offset)
+        }
+        fn describe(&self) -> String {
+            "slow".into()
+        }
+        fn preferred_fetch_bytes(&self) -> Option<u64> {
+            Some(4096)
+        }
+    }
+
+    /// A slow fetch holds up the readers of its chunk only: chunk 64 (which shared a lock
+    /// with chunk 0 until session 52, and waited out its fetch) is fetched meanwhile.
+    #[test]
+    fn a_slow_fetch_holds_up_no_other_chunk() {
+        let remote = Arc::new(Slow { inner: MemImage::new(vec![7u8; 1 << 20]), slow: 0 });
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tier = Arc::new(LocalTier::new(remote, dir.path()).expect("tier"));
+        let slow = tier.clone();
+        let first = std::thread::spawn(move || slow.read_at(&mut [0u8; 4096], 0));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 4096];
+        tier.read_at(&mut buf, 64 * 4096).expect("chunk 64");
+        let took = started.elapsed();
+        assert!(took < std::time::Duration::from_secs(1), "chunk 64 waited {took:?} for chunk 0's fetch");
+        assert!(buf.iter().all(|&b| b == 7));
+        first.join().expect("chunk 0's reader").expect("chunk 0");
+        assert_eq!(tier.chunks_held(), 2);
     }
 
     #[test]
