@@ -229,12 +229,15 @@ impl HttpImage {
             fetch_bytes,
             request_timeout,
         };
-        let (size, validator) = match image.retrying(|image| image.runtime.block_on(image.head())).map_err(&remote)? {
+        let (size, validator) = match image
+            .retrying(|image, left| image.runtime.block_on(image.head(left)))
+            .map_err(&remote)?
+        {
             Some(learnt) => learnt,
             None => {
                 let mut first = [0u8; 1];
                 image
-                    .retrying(|image| image.runtime.block_on(image.get(0, &mut first, Expect::Learning)))
+                    .retrying(|image, left| image.runtime.block_on(image.get(0, &mut first, Expect::Learning, left)))
                     .map_err(&remote)?
             }
         };
@@ -247,14 +250,17 @@ impl HttpImage {
         // validator's round trip before a VM depends on them.
         let mut last = [0u8; 1];
         let expect = Expect::Image { size, validator: &image.validator };
-        let (_, got) =
-            image.retrying(|image| image.runtime.block_on(image.get(size - 1, &mut last, expect))).map_err(&remote)?;
+        let (_, got) = image
+            .retrying(|image, left| image.runtime.block_on(image.get(size - 1, &mut last, expect, left)))
+            .map_err(&remote)?;
         if image.validator == Validator::default() {
             // A HEAD without validators where GETs carry them (some servers and gateways):
             // the GET's, proven by the next read like any other.
             image.validator = got;
             let expect = Expect::Image { size, validator: &image.validator };
-            image.retrying(|image| image.runtime.block_on(image.get(size - 1, &mut last, expect))).map_err(&remote)?;
+            image
+                .retrying(|image, left| image.runtime.block_on(image.get(size - 1, &mut last, expect, left)))
+                .map_err(&remote)?;
         }
         // Without a validator a replaced image cannot be told from the one opened: its blocks
         // would mix with the old ones in every VM, and a restarted server would rebuild the
@@ -272,14 +278,15 @@ impl HttpImage {
 
     /// Runs `attempt` until it succeeds, fails for good, has been tried [`ATTEMPTS`] times, or
     /// the tries have taken the request timeout (a server that trickles a reply and cuts it
-    /// just before the timeout must not make a VM wait three timeouts).
-    fn retrying<T>(&self, mut attempt: impl FnMut(&Self) -> Result<T, Failure>) -> Result<T, String> {
+    /// just before the timeout must not make a VM wait three timeouts): each try is given the
+    /// time left of it.
+    fn retrying<T>(&self, mut attempt: impl FnMut(&Self, Duration) -> Result<T, Failure>) -> Result<T, String> {
         let started = std::time::Instant::now();
         let mut pause = RETRY_PAUSE;
         let mut tried = 0;
         loop {
             tried += 1;
-            match attempt(self) {
+            match attempt(self, self.request_timeout.saturating_sub(started.elapsed())) {
                 Ok(value) => return Ok(value),
                 Err(failure)
                     if failure.transient && tried < ATTEMPTS && started.elapsed() + pause < self.request_timeout =>
@@ -296,8 +303,8 @@ impl HttpImage {
 
     /// The size and validator from a HEAD; `None` when it does not say (refused, no length),
     /// for a ranged GET to tell instead.
-    async fn head(&self) -> Result<Option<(u64, Validator)>, Failure> {
-        let response = self.client.head(self.url.clone()).send().await.map_err(transport)?;
+    async fn head(&self, timeout: Duration) -> Result<Option<(u64, Validator)>, Failure> {
+        let response = self.client.head(self.url.clone()).timeout(timeout).send().await.map_err(transport)?;
         // reqwest's content_length() is that of the (empty) body of a HEAD reply: read the header.
         let length = response.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
         match length {
@@ -311,11 +318,18 @@ impl HttpImage {
         }
     }
 
-    /// GETs `buf.len()` bytes at `first` into `buf`, checking the reply against `expect`;
-    /// returns the image size and validator the reply gives.
-    async fn get(&self, first: u64, buf: &mut [u8], expect: Expect<'_>) -> Result<(u64, Validator), Failure> {
+    /// GETs `buf.len()` bytes at `first` into `buf` within `timeout`, checking the reply against
+    /// `expect`; returns the image size and validator the reply gives.
+    async fn get(
+        &self,
+        first: u64,
+        buf: &mut [u8],
+        expect: Expect<'_>,
+        timeout: Duration,
+    ) -> Result<(u64, Validator), Failure> {
         let last = first + buf.len() as u64 - 1;
-        let mut request = self.client.get(self.url.clone()).header(RANGE, format!("bytes={first}-{last}"));
+        let mut request =
+            self.client.get(self.url.clone()).timeout(timeout).header(RANGE, format!("bytes={first}-{last}"));
         if let Expect::Image { validator, .. } = expect {
             request = match (validator.strong_etag(), &validator.last_modified) {
                 (Some(etag), _) => request.header(IF_MATCH, etag.clone()),
@@ -392,7 +406,7 @@ impl GoldenImage for HttpImage {
         }
         let buf = &mut buf[..len];
         let expect = Expect::Image { size: self.size, validator: &self.validator };
-        self.retrying(|image| image.runtime.block_on(image.get(offset, buf, expect)))
+        self.retrying(|image, left| image.runtime.block_on(image.get(offset, buf, expect, left)))
             .map(|_| ())
             .map_err(|message| io::Error::other(format!("{}: GET of {len} bytes at {offset}: {message}", self.name)))
     }
@@ -435,6 +449,44 @@ mod tests {
             .to_string();
         assert!(started.elapsed() < Duration::from_secs(3), "{:?}: {error}", started.elapsed());
         assert!(error.contains("timed out") && !error.contains("tried"), "{error}");
+    }
+
+    /// All the tries of a request fit in one request timeout: a reply cut short after half of
+    /// it is tried again within what is left, not within a whole timeout more (as until
+    /// session 52: 1.5 timeouts in all here, 60 s with the default).
+    #[test]
+    fn a_reply_cut_short_is_tried_again_within_the_time_left() {
+        use std::io::{BufRead, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let port = listener.local_addr().expect("address").port();
+        // HEAD refused; the GET of byte 0 answered, its body cut after a second; then answered
+        // and never finished.
+        let _server = std::thread::spawn(move || {
+            for (reply, then) in [
+                ("405 Method Not Allowed\r\nContent-Length: 0", Duration::ZERO),
+                ("206 Partial Content\r\nContent-Range: bytes 0-0/4096\r\nContent-Length: 1", Duration::from_secs(1)),
+                ("206 Partial Content\r\nContent-Range: bytes 0-0/4096\r\nContent-Length: 1", Duration::from_secs(10)),
+            ] {
+                let (mut stream, _) = listener.accept().expect("accept");
+                let mut request = std::io::BufReader::new(stream.try_clone().expect("clone"));
+                let mut line = String::new();
+                while request.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    line.clear();
+                }
+                let head = format!("HTTP/1.1 {reply}\r\nETag: \"1\"\r\nConnection: close\r\n\r\n");
+                stream.write_all(head.as_bytes()).expect("reply");
+                std::thread::sleep(then);
+            }
+        });
+        let Ok(crate::Source::Http { url }) = crate::Source::parse(&format!("http://127.0.0.1:{port}/golden.img"))
+        else {
+            panic!("an HTTP source")
+        };
+        let started = std::time::Instant::now();
+        let error = HttpImage::open_with_timeout(&url, 1 << 20, Duration::from_secs(2)).err().expect("never answered");
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(2600), "{took:?} for a request timeout of 2 s: {error}");
+        assert!(error.to_string().contains("tried 2 times"), "{error}");
     }
 
     #[test]
