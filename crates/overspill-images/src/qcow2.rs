@@ -138,10 +138,25 @@ struct Extensions {
     data_file: bool,
 }
 
-fn read_extensions(file: &File, path: &Path, mut at: u64, cluster: u64, file_len: u64) -> Result<Extensions> {
+/// The header extensions from `at` on, which end at the end marker, the backing file's name
+/// (qemu writes it after them; an image without a marker has its name there) or the first
+/// cluster's end, whichever comes first.
+fn read_extensions(
+    file: &File,
+    path: &Path,
+    mut at: u64,
+    header: &[u8],
+    cluster: u64,
+    file_len: u64,
+) -> Result<Extensions> {
     let mut found = Extensions::default();
-    // Extensions live in the header's first cluster.
-    while at + 8 <= cluster.min(file_len) {
+    let backing_name_at = be64(header, 8);
+    let end = match backing_name_at {
+        0 => cluster,
+        name_at => cluster.min(name_at),
+    }
+    .min(file_len);
+    while at + 8 <= end {
         let mut head = [0u8; 8];
         file.read_exact_at(&mut head, at)
             .map_err(|source| EngineError::Io { what: "reading qcow2 header extensions", source })?;
@@ -149,7 +164,7 @@ fn read_extensions(file: &File, path: &Path, mut at: u64, cluster: u64, file_len
         if kind == EXT_END {
             break;
         }
-        if at + 8 + len > cluster.min(file_len) {
+        if at + 8 + len > end {
             return Err(refuse(path, "a header extension runs past the header cluster"));
         }
         match kind {
@@ -244,7 +259,7 @@ impl Qcow2Image {
                 };
             }
         }
-        let extensions = read_extensions(&file, path, header_len, cluster, file_len)?;
+        let extensions = read_extensions(&file, path, header_len, &header, cluster, file_len)?;
         if extensions.data_file {
             return Err(refuse(path, "external data files are not supported"));
         }

@@ -443,3 +443,28 @@ fn a_written_layer_is_its_base_with_the_changes_for_qemu_img_and_this_reader() {
     let untouched = image.extents(2000 * 4096, 4096).expect("extents");
     assert_eq!(untouched[0].state, Allocation::Data, "an untouched block is the base's data: {untouched:?}");
 }
+
+/// A version 2 header with no extension end marker and its backing file's name straight after
+/// it, as tools other than qemu-img write it: the extensions end where the name begins (as
+/// qemu reads them), and the image is read through its backing file. The name was read as an
+/// extension of some hundred megabytes and the image refused.
+#[test]
+fn extensions_end_where_the_backing_files_name_begins() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = dir.path().join("base.raw");
+    let expected: Vec<u8> = (0..1u32 << 20).map(|i| (i % 241) as u8).collect();
+    std::fs::write(&base, &expected).expect("base");
+    let top = dir.path().join("top.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-o", "compat=0.10", "-b", "base.raw", "-F", "raw", s(&top)]);
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&top).expect("open");
+    let name = b"base.raw";
+    file.write_all_at(&vec![0u8; 4096 - 72], 72).expect("no extensions");
+    file.write_all_at(name, 72).expect("the name after the header");
+    file.write_all_at(&72u64.to_be_bytes(), 8).expect("backing_file_offset");
+    file.write_all_at(&(name.len() as u32).to_be_bytes(), 16).expect("backing_file_size");
+    drop(file);
+    run("qemu-img", &["compare", "-f", "qcow2", "-F", "raw", s(&top), s(&base)]);
+    let image = open_image(&top).expect("opens as qemu opens it");
+    assert_reads_match(image.as_ref(), &expected);
+}
