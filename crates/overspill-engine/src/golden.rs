@@ -210,6 +210,32 @@ pub fn push_layer_run(runs: &mut Vec<LayerRun>, len: u64, depth: u32) {
     }
 }
 
+/// Appends the runs of `below` (the layer under an image, `len` bytes from `offset` on, holes
+/// past its end) one layer deeper: what a layer does not hold itself, the one under it may.
+pub fn push_layer_runs_below(
+    runs: &mut Vec<LayerRun>,
+    below: &dyn GoldenImage,
+    offset: u64,
+    len: u64,
+) -> io::Result<()> {
+    let inside = len.min(below.size().saturating_sub(offset));
+    let mut got = 0;
+    // A layer may answer a bounded piece at a time.
+    while got < inside {
+        let parts = below.layer_runs(offset + got, inside - got)?;
+        if parts.is_empty() || parts.iter().any(|part| part.len == 0) {
+            return Err(io::Error::other("a layer below reported no layer, or an empty one"));
+        }
+        for part in parts {
+            let part_len = part.len.min(inside - got);
+            push_layer_run(runs, part_len, if part.depth == 0 { 0 } else { part.depth + 1 });
+            got += part_len;
+        }
+    }
+    push_layer_run(runs, len - inside, 0);
+    Ok(())
+}
+
 /// A raw disk image file.
 #[derive(Debug)]
 pub struct RawImage {

@@ -28,7 +28,8 @@ pub mod units;
 pub use budget::{HostMemory, PagesRoom};
 pub use error::{EngineError, Result};
 pub use golden::{
-    push_extent, push_layer_run, Allocation, Extent, GoldenImage, ImageLayer, MemImage, RawImage, SourceReads,
+    push_extent, push_layer_run, push_layer_runs_below, Allocation, Extent, GoldenImage, ImageLayer, MemImage,
+    RawImage, SourceReads,
 };
 pub use overlay::{
     BackingKind, LayerRun, MovedRun, Overlay, OverlayConfig, WriteCacheMode, DEPTH_GOLDEN, DEPTH_OVERLAY,

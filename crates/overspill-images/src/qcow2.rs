@@ -22,7 +22,9 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use overspill_engine::{push_extent, push_layer_run, Allocation, EngineError, Extent, GoldenImage, LayerRun, Result};
+use overspill_engine::{
+    push_extent, push_layer_run, push_layer_runs_below, Allocation, EngineError, Extent, GoldenImage, LayerRun, Result,
+};
 
 use crate::Format;
 
@@ -560,7 +562,6 @@ impl GoldenImage for Qcow2Image {
 
     fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<LayerRun>> {
         let mut runs: Vec<LayerRun> = Vec::new();
-        let mut push = |len: u64, depth: u32| push_layer_run(&mut runs, len, depth);
         // A bounded piece per call (the caller asks again for the rest).
         let len = len.min(LAYER_RUNS_MAX_BYTES);
         let mapped = (|| -> io::Result<()> {
@@ -568,31 +569,15 @@ impl GoldenImage for Qcow2Image {
             while done < len {
                 let pos = offset + done;
                 if pos >= self.size {
-                    push(len - done, 0);
+                    push_layer_run(&mut runs, len - done, 0);
                     break;
                 }
                 let kind = self.cluster_of(self.l2_entry(pos)?);
                 let n = self.run_from(pos, (len - done).min(self.size - pos) as usize, &kind)? as u64;
                 match (&kind, &self.backing) {
-                    (Cluster::Unallocated, Some(below)) if pos < below.size() => {
-                        // What the layer below holds is one layer deeper here.
-                        let inside = n.min(below.size() - pos);
-                        let mut got = 0;
-                        while got < inside {
-                            let parts = below.layer_runs(pos + got, inside - got)?;
-                            if parts.is_empty() || parts.iter().any(|part| part.len == 0) {
-                                return Err(io::Error::other("a backing file reported no layer, or an empty one"));
-                            }
-                            for part in parts {
-                                let part_len = part.len.min(inside - got);
-                                push(part_len, if part.depth == 0 { 0 } else { part.depth + 1 });
-                                got += part_len;
-                            }
-                        }
-                        push(n - inside, 0);
-                    }
-                    (Cluster::Unallocated, _) => push(n, 0),
-                    _ => push(n, 1),
+                    (Cluster::Unallocated, Some(below)) => push_layer_runs_below(&mut runs, below.as_ref(), pos, n)?,
+                    (Cluster::Unallocated, None) => push_layer_run(&mut runs, n, 0),
+                    _ => push_layer_run(&mut runs, n, 1),
                 }
                 done += n;
             }

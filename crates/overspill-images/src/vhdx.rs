@@ -32,7 +32,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use overspill_engine::golden::file_identity;
-use overspill_engine::{push_extent, Allocation, EngineError, Extent, GoldenImage, Result};
+use overspill_engine::{
+    push_extent, push_layer_run, push_layer_runs_below, Allocation, EngineError, Extent, GoldenImage, LayerRun, Result,
+};
 
 mod format;
 
@@ -875,6 +877,35 @@ impl GoldenImage for VhdxImage {
                 self.parent_extents(&mut extents, start, run)?;
             }
             Ok(extents)
+        })();
+        self.opened.check(&self.file, &self.path)?;
+        mapped
+    }
+
+    /// This disk's own sectors (data, or blocks it says are zero) are layer 1, its parent's one
+    /// layer deeper (`qemu:allocation-depth`); a piece at a time, as [`Self::extents`].
+    fn layer_runs(&self, offset: u64, len: u64) -> io::Result<Vec<LayerRun>> {
+        let mapped = (|| -> io::Result<Vec<LayerRun>> {
+            let mut runs = Vec::new();
+            let end = offset.saturating_add(len).min(self.size);
+            if offset >= end {
+                push_layer_run(&mut runs, len, 0);
+                return Ok(runs);
+            }
+            let mut pos = offset;
+            let mut steps = 0usize;
+            while pos < end && steps < MAX_EXTENT_STEPS && runs.len() < MAX_EXTENTS {
+                steps += 1;
+                let (n, source) = self.map(pos, end - pos)?;
+                match (source, &self.parent) {
+                    (Source::Parent, Some(parent)) => push_layer_runs_below(&mut runs, parent.as_ref(), pos, n)?,
+                    (Source::Parent, None) => return Err(corrupt(self)),
+                    (Source::Zeroes(Allocation::Hole), _) => push_layer_run(&mut runs, n, 0),
+                    (Source::File(_) | Source::Zeroes(_), _) => push_layer_run(&mut runs, n, 1),
+                }
+                pos += n;
+            }
+            Ok(runs)
         })();
         self.opened.check(&self.file, &self.path)?;
         mapped

@@ -245,6 +245,67 @@ fn a_differencing_chain_reads_through_to_its_base() {
     assert_eq!(VhdxImage::open(&c.v2_path).expect("v2").depth(), 3);
 }
 
+/// Which layer of a chain of builder layers over `base` holds byte `pos` (1 the top; 0 none,
+/// where the byte reads as a hole): what `qemu:allocation-depth` answers. `base_holds` says
+/// whether the base holds it.
+fn model_depth(layers: &[&Spec], base_holds: &dyn Fn(u64) -> bool, pos: u64) -> u32 {
+    for (i, layer) in layers.iter().enumerate() {
+        if pos >= layer.virtual_size {
+            return 0;
+        }
+        let block_size = u64::from(layer.block_size);
+        let (index, within) = ((pos / block_size) as usize, (pos % block_size) as usize);
+        match layer.blocks.get(index).unwrap_or(&Block::NotPresent) {
+            Block::Full(_) | Block::Zero => return i as u32 + 1,
+            Block::Partial { present, .. } => {
+                if present.get(within / layer.logical_sector as usize).copied().unwrap_or(false) {
+                    return i as u32 + 1;
+                }
+            }
+            Block::NotPresent if layer.parent.is_some() => {}
+            _ => return 0,
+        }
+    }
+    if base_holds(pos) {
+        layers.len() as u32 + 1
+    } else {
+        0
+    }
+}
+
+/// A differencing disk's layers: its own sectors at depth 1, its parent's at 2, the base's at
+/// 3 (`qemu:allocation-depth`); until session 52 every stored byte of the chain said 1.
+#[test]
+fn a_differencing_chain_says_which_layer_holds_each_sector() {
+    let c = chain();
+    let base = VhdxImage::open(&c.base).expect("base opens");
+    let base_extents = base.extents(0, CHAIN_SIZE).expect("base extents");
+    let base_holds = |pos: u64| {
+        let mut at = 0;
+        base_extents.iter().any(|e| {
+            let holds = (at..at + e.len).contains(&pos) && e.state != Allocation::Hole;
+            at += e.len;
+            holds
+        })
+    };
+    let image = open_image(&c.v2_path).expect("the chain opens");
+    let mut depths = Vec::new();
+    while (depths.len() as u64) * 512 < CHAIN_SIZE {
+        let at = depths.len() as u64 * 512;
+        for run in image.layer_runs(at, CHAIN_SIZE - at).expect("layer runs") {
+            assert_eq!(run.len % 512, 0, "a run of whole sectors");
+            depths.extend(std::iter::repeat_n(run.depth, (run.len / 512) as usize));
+        }
+    }
+    let mut seen = [0u64; 4];
+    for (sector, &depth) in depths.iter().enumerate() {
+        let expected = model_depth(&[&c.v2, &c.v1], &base_holds, sector as u64 * 512);
+        assert_eq!(depth, expected, "sector {sector}");
+        seen[depth as usize] += 1;
+    }
+    assert!(seen.iter().all(|&n| n > 0), "every depth, 0 to 3, somewhere: {seen:?}");
+}
+
 #[test]
 fn reads_are_safe_from_many_threads() {
     let c = chain();
