@@ -94,7 +94,7 @@ impl OverlayExports {
             DeviceError::new(DeviceErrorKind::Refused, why)
         };
         let image_name = Self::image_name(name);
-        let (offer, link) = migration::ask_for(peers, address, vm, image_name).map_err(refused)?;
+        let (offer, link) = migration::ask_for(peers, address, vm, image_name, identity).map_err(refused)?;
         let image = self.image_made_over(image_name, &offer.image_label).and_then(|(label, image)| {
             if offer.image_identity.as_deref().is_some_and(|recorded| !image.matches_identity(recorded)) {
                 self.same_contents(&offer, &label, &image)?;

@@ -225,6 +225,30 @@ fn a_vm_is_opened_only_by_the_identity_that_made_it() {
 /// the move was done leaves the VM in doubt: its next start asks the sending peer, and keeps
 /// the VM if the peer's ledger says it moved here, drops its copy if the peer kept the VM,
 /// and refuses the name (never golden data) if the peer cannot tell.
+/// A VM is put on the move only for its owner: a peer asking for it for another client
+/// identity is refused before the VM moves (its reconnects refused meanwhile, until session 52),
+/// and only the peer it moves to reads its disk.
+#[test]
+fn a_vm_is_sent_only_for_its_owner_and_read_only_by_the_peer_it_moves_to() {
+    use crate::vms::Asker;
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let exports = exports_in(dirs.path());
+    let mut device = exports.open("golden@desk", Some("alice")).expect("open");
+    device.write(0, &[7; 4096], false).expect("write");
+    let registry = &exports.registry;
+    let mut buf = vec![0u8; 4096];
+    let asker = |identity: &str| Asker { identity: Some(identity.to_owned()) };
+    let refused = registry.start_outgoing("desk", "golden", "b", Some(&asker("bob"))).err().expect("bob's ask");
+    assert!(refused.contains("another client identity"), "{refused}");
+    assert_eq!(registry.read_for_peer("desk", "b", 0, &mut buf), Ok(false), "not moving");
+    let out = registry.start_outgoing("desk", "golden", "b", Some(&asker("alice"))).expect("alice's ask");
+    assert_eq!(registry.read_for_peer("desk", "c", 0, &mut buf), Ok(false), "c is not where it moves");
+    assert_eq!(registry.read_for_peer("desk", "b", 0, &mut buf), Ok(true));
+    assert_eq!(buf, vec![7; 4096], "alice's write, read by the peer it moves to");
+    registry.finish_outgoing(out, None);
+    drop(device);
+}
+
 #[test]
 fn a_vm_left_in_doubt_is_settled_by_asking_the_peer_it_was_moving_from() {
     use crate::ledger::{Ledger, Marks};

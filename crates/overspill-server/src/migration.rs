@@ -45,7 +45,7 @@ use overspill_net::{ListenAddr, PeerTls};
 use crate::live::{Gate, Live};
 
 mod link;
-use crate::vms::{Ending, Holding, MoveProgress, Offer, Outgoing, VmRegistry};
+use crate::vms::{Asker, Ending, Holding, MoveProgress, Offer, Outgoing, VmRegistry};
 use link::*;
 
 /// Data blocks per message: 2 MiB, a spill segment's worth.
@@ -314,6 +314,7 @@ pub fn listen(
                 move |stream| {
                     serve(stream, None);
                 },
+                MAX_PEER_CONNECTIONS,
             )?;
             Ok(PeerListener { path: Some(path.clone()) })
         }
@@ -332,17 +333,26 @@ pub fn listen(
                         Err(error) => tracing::warn!(%error, "a peer connection was refused"),
                     }
                 },
+                MAX_PEER_CONNECTIONS,
             )?;
             Ok(PeerListener { path: None })
         }
     }
 }
 
-/// Serves each connection `incoming` accepts in a thread of its own.
+/// Peer connections served at once; more are closed as they come. Moves, their reads and
+/// questions take one each: a host emptied by moving a hundred VMs at once takes two hundred.
+/// Counted before TLS, so that connections nobody authenticates cannot take a thread each
+/// without end.
+const MAX_PEER_CONNECTIONS: usize = 256;
+
+/// Serves each connection `accept` takes in a thread of its own, at most `most` at once.
 fn accept_loop<S: Send + 'static>(
     mut accept: impl FnMut() -> io::Result<S> + Send + 'static,
     serve: impl Fn(S) + Clone + Send + 'static,
+    most: usize,
 ) -> io::Result<()> {
+    let serving = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new().name("peer-listener".into()).spawn(move || loop {
         let stream = match accept() {
             Ok(stream) => stream,
@@ -353,12 +363,31 @@ fn accept_loop<S: Send + 'static>(
                 continue;
             }
         };
+        let slot = Slot(serving.clone());
+        if serving.fetch_add(1, Ordering::SeqCst) >= most {
+            tracing::warn!(most, "a peer connection was closed unserved: as many are served already");
+            continue;
+        }
         let serve = serve.clone();
-        if let Err(error) = std::thread::Builder::new().name("peer".into()).spawn(move || serve(stream)) {
+        let spawned = std::thread::Builder::new().name("peer".into()).spawn(move || {
+            let _slot = slot;
+            serve(stream);
+        });
+        if let Err(error) = spawned {
             tracing::warn!(%error, "could not serve a peer");
         }
     })?;
     Ok(())
+}
+
+/// One connection counted among those served: given back when it drops, however its
+/// connection ended (a panic too).
+struct Slot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &Arc<VmRegistry>) -> io::Result<()> {
@@ -371,7 +400,7 @@ fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &A
         }
         match message {
             Message::Query { vm } => link.send(&Message::Holds { holding: registry.holding(&vm) }, &[])?,
-            Message::Take { vm, image } => return send_vm(link, registry, &vm, &image),
+            Message::Take { vm, image, asker } => return send_vm(link, registry, &vm, &image, asker.as_ref()),
             Message::Settled { vm } => {
                 registry.moved_acknowledged_by(&vm, &link.peer);
                 link.send(&Message::Accept, &[])?;
@@ -393,7 +422,7 @@ fn serve_peer(stream: UnixStream, name: &str, proven: Option<&str>, registry: &A
                     continue;
                 }
                 let mut buf = vec![0u8; length as usize];
-                match crate::golden_budget::for_a_move(|| registry.read_for_peer(&vm, offset, &mut buf)) {
+                match crate::golden_budget::for_a_move(|| registry.read_for_peer(&vm, &link.peer, offset, &mut buf)) {
                     Ok(true) => link.send(&Message::Data, &buf)?,
                     Ok(false) => link.send(&Message::NotHere, &[])?,
                     Err(why) => link.send(&Message::ReadFailed { why }, &[])?,
@@ -413,9 +442,9 @@ enum PreCopyEnd {
 }
 
 /// The sending end of a move.
-fn send_vm(mut link: Link, registry: &Arc<VmRegistry>, vm: &str, image: &str) -> io::Result<()> {
+fn send_vm(mut link: Link, registry: &Arc<VmRegistry>, vm: &str, image: &str, asker: Option<&Asker>) -> io::Result<()> {
     let peer = link.peer.clone();
-    let out = match registry.start_outgoing(vm, image, &peer) {
+    let out = match registry.start_outgoing(vm, image, &peer, asker) {
         Ok(out) => out,
         Err(why) => return link.send(&Message::Refuse { why }, &[]),
     };
@@ -594,12 +623,19 @@ pub(crate) struct Incoming {
     pub(crate) offer: Offer,
 }
 
-/// Asks peer `address` to send VM `vm` (over image `image`): its offer, and the link to take
-/// it on.
-pub(crate) fn ask_for(peers: &Peers, address: &ListenAddr, vm: &str, image: &str) -> Result<(Offer, PeerLink), String> {
+/// Asks peer `address` to send VM `vm` (over image `image`) for a connection of client
+/// `identity`: its offer, and the link to take it on.
+pub(crate) fn ask_for(
+    peers: &Peers,
+    address: &ListenAddr,
+    vm: &str,
+    image: &str,
+    identity: Option<&str>,
+) -> Result<(Offer, PeerLink), String> {
     let shown = address;
     let mut link = Link::connect(address, peers).map_err(|e| format!("peer {shown}: {e}"))?;
-    link.send(&Message::Take { vm: vm.to_owned(), image: image.to_owned() }, &[])
+    let asker = Some(Asker { identity: identity.map(str::to_owned) });
+    link.send(&Message::Take { vm: vm.to_owned(), image: image.to_owned(), asker }, &[])
         .map_err(|e| format!("peer {shown}: {e}"))?;
     match link.receive().map_err(|e| format!("peer {shown}: {e}"))?.0 {
         Message::Offer { offer } => Ok((offer, PeerLink(link))),
@@ -715,7 +751,9 @@ impl Incoming {
     fn again(&self, until: Instant) -> Option<(Link, Replies)> {
         while Instant::now() < until && self.live.state().ended.is_none() {
             std::thread::sleep(Duration::from_millis(300));
-            let Ok((offer, link)) = ask_for(&self.peers, &self.peer, &self.vm, &self.image) else { continue };
+            // The connection here was let in as the VM's owner, if it has one.
+            let asking = self.offer.owner.as_deref();
+            let Ok((offer, link)) = ask_for(&self.peers, &self.peer, &self.vm, &self.image, asking) else { continue };
             if offer.image_label != self.offer.image_label || offer.disk_bytes != self.offer.disk_bytes {
                 link.refuse("the VM's image changed since its move began");
                 return None;
@@ -921,4 +959,42 @@ enum Outcome {
     Moved(Instant, bool),
     Failed(String),
     InDoubt(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Beyond `most` connections served at once, more are closed as they come, and a slot is
+    /// given back as a connection ends, whatever its end.
+    #[test]
+    fn a_peer_listener_serves_at_most_so_many_connections_at_once() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("peer.sock");
+        let listener = UnixListener::bind(&path).expect("bind");
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = Arc::new(std::sync::Mutex::new(released));
+        let serve = move |stream: UnixStream| {
+            // Held until the test lets one go, which then ends by a panic.
+            let let_go = released.lock().unwrap_or_else(std::sync::PoisonError::into_inner).recv().is_ok();
+            drop(stream);
+            assert!(!let_go, "a connection's end by a panic gives its slot back too");
+        };
+        accept_loop(move || listener.accept().map(|(stream, _)| stream), serve, 3).expect("listener");
+        let connect = || {
+            let stream = UnixStream::connect(&path).expect("connect");
+            stream.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
+            stream
+        };
+        let closed_at_once = |mut stream: UnixStream| matches!(stream.read(&mut [0u8; 1]), Ok(0));
+        let held: Vec<UnixStream> = (0..3).map(|_| connect()).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(closed_at_once(connect()), "a fourth connection was served");
+        release.send(()).expect("release one");
+        std::thread::sleep(Duration::from_millis(200));
+        let fourth = connect();
+        assert!(!closed_at_once(fourth.try_clone().expect("clone")), "a slot was not given back");
+        drop((held, fourth, release));
+    }
 }

@@ -55,7 +55,7 @@ mod relief;
 mod reset;
 #[path = "vms_status.rs"]
 mod status;
-pub use moves::{Direction, Holding, MoveCounters, MoveProgress, Offer};
+pub use moves::{Asker, Direction, Holding, MoveCounters, MoveProgress, Offer};
 pub(crate) use moves::{Moving, Outgoing};
 pub use status::{VmHandle, VmState, VmStatus};
 

@@ -121,6 +121,14 @@ pub struct Offer {
     pub fork: Option<crate::forks::Fork>,
 }
 
+/// Who asks for a VM at the receiving end: the client identity its connection proved (TLS),
+/// if any. The sending end checks it against the VM's owner before the VM starts moving: a
+/// client may not put another's VM on the move (its reconnects refused meanwhile) by asking.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Asker {
+    pub identity: Option<String>,
+}
+
 /// A VM this server is sending, from [`VmRegistry::start_outgoing`].
 pub(crate) struct Outgoing {
     pub(crate) number: u64,
@@ -179,12 +187,24 @@ impl VmRegistry {
         }
     }
 
-    /// Begins sending VM `vm` to `peer`, which asks for it over image `image`: its overlay is
-    /// shared with the move from now on (its connection goes on), or taken out of its grace.
-    pub(crate) fn start_outgoing(&self, vm: &str, image: &str, peer: &str) -> Result<Outgoing, String> {
+    /// Begins sending VM `vm` to `peer`, which asks for it over image `image` for `asker`: its
+    /// overlay is shared with the move from now on (its connection goes on), or taken out of
+    /// its grace.
+    pub(crate) fn start_outgoing(
+        &self,
+        vm: &str,
+        image: &str,
+        peer: &str,
+        asker: Option<&Asker>,
+    ) -> Result<Outgoing, String> {
         let mut inner = lock(&self.inner);
         let number = *inner.names.get(vm).ok_or_else(|| format!("this server does not hold VM {vm}"))?;
         let entry = inner.vms.get_mut(&number).expect("names point at entries");
+        if let (Some(owner), Some(asker)) = (&entry.owner, asker) {
+            if asker.identity.as_ref() != Some(owner) {
+                return Err(format!("VM {vm} belongs to another client identity"));
+            }
+        }
         if let Some(moving) = &entry.moving {
             return Err(format!("VM {vm} is already moving (with peer {})", moving.peer));
         }
@@ -252,13 +272,15 @@ impl VmRegistry {
         Ok(Outgoing { number, vm: vm.to_owned(), live, offer, progress, from_grace })
     }
 
-    /// Reads VM `vm`'s disk for the peer it is moving to (its reads before the switchover):
-    /// `Ok(false)` when it is not moving from here (any more).
-    pub(crate) fn read_for_peer(&self, vm: &str, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
+    /// Reads VM `vm`'s disk for `peer`, the one it is moving to (its reads before the
+    /// switchover): `Ok(false)` when it is not moving from here to there (any more). No other
+    /// peer reads it.
+    pub(crate) fn read_for_peer(&self, vm: &str, peer: &str, offset: u64, buf: &mut [u8]) -> Result<bool, String> {
         let live = {
             let inner = lock(&self.inner);
             let Some(entry) = inner.names.get(vm).and_then(|number| inner.vms.get(number)) else { return Ok(false) };
-            if entry.moving.as_ref().map(|m| m.direction) != Some(Direction::Outgoing) {
+            let moving_to = |m: &Moving| m.direction == Direction::Outgoing && m.peer == peer;
+            if !entry.moving.as_ref().is_some_and(moving_to) {
                 return Ok(false);
             }
             entry.live.as_ref().and_then(Weak::upgrade)

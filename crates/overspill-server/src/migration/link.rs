@@ -11,7 +11,7 @@ use overspill_net::{ListenAddr, PeerTls};
 use serde::{Deserialize, Serialize};
 
 use super::{Peers, ANSWER_TIMEOUT, SWITCH_TIMEOUT};
-use crate::vms::{Holding, Offer};
+use crate::vms::{Asker, Holding, Offer};
 
 /// The peer protocol's version: a peer that speaks another is refused.
 pub(super) const PROTOCOL: u32 = 1;
@@ -31,10 +31,13 @@ pub(super) enum Message {
     Holds {
         holding: Holding,
     },
-    /// Sends VM `vm`, asked for over image `image`.
+    /// Sends VM `vm`, asked for over image `image` by a connection of `asker` (none from a
+    /// peer of an earlier release, which checks the VM's owner only once offered it).
     Take {
         vm: String,
         image: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        asker: Option<Asker>,
     },
     Offer {
         offer: Offer,
