@@ -24,6 +24,9 @@ use crate::op::GuestOp;
 const MAGIC: &[u8; 8] = b"OVSPTRC\0";
 const VERSION: u32 = 1;
 pub const RECORD_BYTES: usize = 24;
+/// The latest time a record may have, from the trace's start: a year. A time past it is a
+/// corrupt record, not a VM's (a planner laid its timeline out to it, and ran out of memory).
+pub const MAX_RECORD_TIME_US: u64 = 366 * 24 * 3600 * 1_000_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
@@ -193,7 +196,11 @@ impl Trace {
             if offset.checked_add(u64::from(length)).is_none_or(|end| end > disk_bytes) {
                 return Err(TraceError::Malformed(format!("record {i}: {offset}+{length} is past the disk")));
             }
-            records.push(Record { time_us: u64_at(0), offset, length, kind, flags: b[21], phase });
+            let time_us = u64_at(0);
+            if time_us > MAX_RECORD_TIME_US {
+                return Err(TraceError::Malformed(format!("record {i}: at {time_us} µs, more than a year in")));
+            }
+            records.push(Record { time_us, offset, length, kind, flags: b[21], phase });
         }
         Ok(Self { header: TraceHeader { disk_bytes, vm, phases }, records, truncated_bytes })
     }
@@ -233,11 +240,15 @@ mod tests {
         bytes.extend_from_slice(&[1, 2, 3]);
         let t = Trace::from_reader(&mut bytes.as_slice()).expect("partial tail");
         assert_eq!((t.records.len(), t.truncated_bytes), (4, 3));
-        // Records past the disk, unknown commands, other versions and other files are refused.
+        // Records past the disk or a year in, unknown commands, other versions and other files
+        // are refused.
         let mut past = std::fs::read(&path).expect("read bytes");
         let first = past.len() - 4 * RECORD_BYTES;
         past[first + 8..first + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
         assert!(matches!(Trace::from_reader(&mut past.as_slice()), Err(TraceError::Malformed(_))));
+        let mut late = std::fs::read(&path).expect("read bytes");
+        late[first..first + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(Trace::from_reader(&mut late.as_slice()), Err(TraceError::Malformed(_))));
         let mut cmd = std::fs::read(&path).expect("read bytes");
         cmd[first + 20] = 9;
         assert!(matches!(Trace::from_reader(&mut cmd.as_slice()), Err(TraceError::Malformed(_))));

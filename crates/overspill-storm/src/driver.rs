@@ -303,9 +303,17 @@ impl RunPlan {
         }
     }
 
-    /// One VM per trace, at the times they were recorded. Phases are the first trace's.
-    pub fn from_traces(traces: &[Trace]) -> Self {
+    /// One VM per trace, at the times they were recorded. Traces of other phases than the
+    /// first's are refused: their requests in phases past its own would be dropped unsaid.
+    pub fn from_traces(traces: &[Trace]) -> Result<Self, String> {
         let phase_names = traces.first().map_or_else(Vec::new, |t| t.header.phases.clone());
+        if let Some(other) = traces.iter().find(|t| t.header.phases != phase_names) {
+            return Err(format!(
+                "the traces' phases differ: {phase_names:?} in the first, {:?} in VM {}'s; take traces of one \
+                 kind together (a `serve --record` trace has one phase, a storm's those of its profile)",
+                other.header.phases, other.header.vm
+            ));
+        }
         let phases = phase_names.len().max(1);
         let mut starts_ms = vec![vec![0u64; traces.len()]; phases];
         let mut windows_ms = vec![(u64::MAX, 0u64); phases];
@@ -330,13 +338,13 @@ impl RunPlan {
                 *w = (w.1, w.1);
             }
         }
-        Self {
+        Ok(Self {
             phase_names: if phase_names.is_empty() { vec!["recorded".into()] } else { phase_names },
             disk_bytes: traces.iter().map(|t| t.header.disk_bytes).max().unwrap_or(0),
             direct: Vec::new(),
             ops,
             timeline: Timeline { starts_ms, windows_ms },
-        }
+        })
     }
 
     pub fn vms(&self) -> usize {

@@ -86,6 +86,9 @@ pub struct HostNeeds {
     pub spill_bytes: u64,
     /// Spill operations per second in the busiest interval, all VMs.
     pub spill_peak_iops: f64,
+    /// Guest requests of the host's VMs that failed (writes refused for want of room): any is
+    /// a plan that does not work, however light its load.
+    pub guest_errors: u64,
 }
 
 /// What the golden store serves the whole fleet in one storm.
@@ -239,6 +242,7 @@ pub fn plan_fleet(boots: &RunPlan, options: &FleetOptions) -> Result<FleetPlan, 
                     read_cache_bytes: options.read_cache_bytes,
                     spill_bytes: results.iter().map(|r| r.peak_cache_disk_bytes).sum(),
                     spill_peak_iops: spill_peak as f64 / seconds,
+                    guest_errors: results.iter().flat_map(|r| &r.phases).map(|p| p.errors).sum(),
                 });
             }
         }
@@ -257,22 +261,33 @@ pub fn plan_fleet(boots: &RunPlan, options: &FleetOptions) -> Result<FleetPlan, 
 /// The fleet plan as Markdown (docs/scale-out.md quotes it).
 pub fn markdown(plan: &FleetPlan) -> String {
     let h = &plan.host;
-    let mut out = format!(
-        "{} hosts × {} VMs, golden images on {:?}, `{}` at {} per VM.\n\n\
+    let failed = if h.guest_errors > 0 {
+        format!(
+            "**FAILED: {} guest requests of a host's VMs failed** (writes refused for want of room at {} per \
+             VM): the load below is no saving.\n\n",
+            h.guest_errors,
+            format_bytes(plan.ram_per_vm_bytes)
+        )
+    } else {
+        String::new()
+    };
+    let mut out = failed
+        + &format!(
+            "{} hosts × {} VMs, golden images on {:?}, `{}` at {} per VM.\n\n\
          Per host: RAM {} (overlays' peaks summed, plus a {} read cache), spill disk {}, \
          spill {:.1} IOPS in the busiest interval.\n\n\
          | storm | host caching | golden store peak IOPS | avg IOPS | peak MiB/s | avg MiB/s | read in all |\n\
          | --- | --- | ---: | ---: | ---: | ---: | ---: |\n",
-        plan.hosts,
-        plan.vms_per_host,
-        plan.golden,
-        plan.mode,
-        format_bytes(plan.ram_per_vm_bytes),
-        format_bytes(h.ram_bytes),
-        format_bytes(h.read_cache_bytes),
-        format_bytes(h.spill_bytes),
-        h.spill_peak_iops,
-    );
+            plan.hosts,
+            plan.vms_per_host,
+            plan.golden,
+            plan.mode,
+            format_bytes(plan.ram_per_vm_bytes),
+            format_bytes(h.ram_bytes),
+            format_bytes(h.read_cache_bytes),
+            format_bytes(h.spill_bytes),
+            h.spill_peak_iops,
+        );
     for s in &plan.store {
         out.push_str(&format!(
             "| {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {} |\n",

@@ -213,11 +213,8 @@ fn seed_bars(report: &StormReport, p: usize) -> Result<Option<String>, String> {
     let here = |config: &ConfigReport| -> f64 {
         let Some(phase) = config.phases.get(p) else { return 0.0 };
         let tiers = seed_tiers(config);
-        let rows = phase.tiers.iter().filter(|r| tiers.contains(&r.tier.as_str()));
-        // The event-log disk took the guests' requests in place, as the seeds' did: counted as
-        // they are.
-        let in_place = |r: &TierRow| r.tier == TIERS[DIRECT] || config.mode.as_deref() == Some("shared");
-        rows.map(|r| if in_place(r) { r.total_ops_per_vm } else { r.ios_4k_per_vm() }).sum()
+        let rows: Vec<&TierRow> = phase.tiers.iter().filter(|r| tiers.contains(&r.tier.as_str())).collect();
+        as_the_seeds_counted(config, &rows)
     };
     let svg = grouped_bars(
         &configs,
@@ -231,6 +228,14 @@ fn seed_bars(report: &StormReport, p: usize) -> Result<Option<String>, String> {
         "1 I/O per VM",
     )?;
     Ok(Some(svg))
+}
+
+/// I/Os per VM of `rows` (the tiers a seed figure of `config` measured) as the seeds counted
+/// them: the event-log disk's and shared storage's requests as they are (they took the guests'
+/// requests in place, as the seeds' did), a write cache's traffic in 4 KiB I/Os.
+fn as_the_seeds_counted(config: &ConfigReport, rows: &[&TierRow]) -> f64 {
+    let in_place = |r: &TierRow| r.tier == TIERS[DIRECT] || config.mode.as_deref() == Some("shared");
+    rows.iter().map(|r| if in_place(r) { r.total_ops_per_vm } else { r.ios_4k_per_vm() }).sum()
 }
 
 /// The tiers (names in [`TIERS`]) a configuration's seed figure measured: for `shared` (MCS)
@@ -364,14 +369,15 @@ fn compact(v: f64) -> String {
 }
 
 /// What the seeds measured beside what reached the same kind of storage here, in both units:
-/// overspill's own operations, and its traffic in 4 KiB operations as the seeds' in-place
-/// caches would have issued it. For `shared` (MCS) every tier counts, golden-image reads
+/// overspill's own operations, and its I/Os as the seeds counted them (the chart's bars: a
+/// write cache's traffic in 4 KiB operations as the seeds' in-place caches would have issued
+/// it, the event-log disk's and shared storage's requests as they are). For `shared` (MCS) every tier counts, golden-image reads
 /// included, as in the seeds' MCS figures; for the write caches only their own storage, since
 /// the seeds' PVS runs streamed the golden image from the PVS server's RAM.
 fn seeds_table(report: &StormReport) -> String {
     let mut out = String::from(
         "<table><tr><th>phase</th><th>configuration</th><th>tiers compared</th><th>operations per VM here</th>\
-         <th>in 4 KiB I/Os</th><th>seeds' I/Os per VM</th><th>IOPS/VM here</th><th>seeds' IOPS/VM</th>\
+         <th>as the seeds counted</th><th>seeds' I/Os per VM</th><th>IOPS/VM here</th><th>seeds' IOPS/VM</th>\
          <th>seed row</th><th>the model and this row</th></tr>",
     );
     let mut any = false;
@@ -382,7 +388,7 @@ fn seeds_table(report: &StormReport) -> String {
             let rows: Vec<_> = ph.tiers.iter().filter(|r| compared.contains(&r.tier.as_str())).collect();
             let ops: f64 = rows.iter().map(|r| r.total_ops_per_vm).sum();
             let iops: f64 = rows.iter().map(|r| r.iops_per_vm).sum();
-            let ios_4k: f64 = rows.iter().map(|r| r.ios_4k_per_vm()).sum();
+            let counted = as_the_seeds_counted(config, &rows);
             let names = compared;
             any = true;
             let _ = write!(
@@ -393,7 +399,7 @@ fn seeds_table(report: &StormReport) -> String {
                 html_escape(&config.label),
                 names.join(", "),
                 compact(ops),
-                compact(ios_4k),
+                compact(counted),
                 compact(seed.total_io_per_vm),
                 compact(iops),
                 compact(seed.iops_per_vm),

@@ -50,7 +50,9 @@ pub struct VmFigures {
     pub golden_read_bytes: u64,
     pub spill_writes: u64,
     pub spill_reads: u64,
+    pub cache_file_reads: u64,
     pub cache_file_writes: u64,
+    pub shared_reads: u64,
     pub shared_writes: u64,
     pub peak_spill_bytes: u64,
     pub peak_ram_bytes: u64,
@@ -61,6 +63,8 @@ pub struct VmFigures {
     pub first_phase_golden_ops: u64,
     pub first_phase_golden_bytes: u64,
     pub first_phase_duration_s: f64,
+    /// Guest requests that failed (a write refused for want of room: RAM full in `ram` mode,
+    /// the spill disk full): a RAM size that gives any is too small, whatever else it saves.
     pub errors: u64,
 }
 
@@ -76,6 +80,8 @@ pub struct RamRow {
     pub boot: Option<BootEstimate>,
     /// The same boots with `boot_max` VMs booting at most at once.
     pub boot_paced: Option<BootEstimate>,
+    /// Guest requests that failed, all VMs: the row is a failure if any did.
+    pub errors: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -110,7 +116,9 @@ fn figures(plan: &RunPlan, results: &[VmResult]) -> Vec<VmFigures> {
                 golden_read_bytes: r.phases.iter().map(|p| p.tiers[golden].read_bytes).sum(),
                 spill_writes: total(tier_index(StorageTier::Spill)).1,
                 spill_reads: total(tier_index(StorageTier::Spill)).0,
+                cache_file_reads: total(tier_index(StorageTier::CacheFile)).0,
                 cache_file_writes: total(tier_index(StorageTier::CacheFile)).1,
+                shared_reads: total(tier_index(StorageTier::Shared)).0,
                 shared_writes: total(tier_index(StorageTier::Shared)).1,
                 peak_spill_bytes: r.peak_cache_disk_bytes,
                 peak_ram_bytes: r.peak_cache_memory_bytes,
@@ -125,9 +133,15 @@ fn figures(plan: &RunPlan, results: &[VmResult]) -> Vec<VmFigures> {
         .collect()
 }
 
-/// Every storage operation of one VM, all tiers (the planner's "storage ops").
+/// Every storage operation of one VM, all tiers (the planner's "storage ops"): the parts of
+/// [`STORAGE_PARTS`].
 fn storage_ops(f: &VmFigures) -> u64 {
-    f.golden_reads + f.spill_writes + f.spill_reads + f.cache_file_writes + f.shared_writes
+    f.golden_reads + f.spill_writes + f.spill_reads + cache_file_and_shared(f)
+}
+
+/// The reads and writes of a VM's write-cache file and of shared storage (modes `disk`, `shared`).
+fn cache_file_and_shared(f: &VmFigures) -> u64 {
+    f.cache_file_reads + f.cache_file_writes + f.shared_reads + f.shared_writes
 }
 
 fn model(plan: &RunPlan, options: &PlanOptions, ram: u64) -> Result<Vec<VmFigures>, EngineError> {
@@ -260,7 +274,7 @@ pub fn spill_write_lower_bound(peak_live: u64, ram_bytes: u64) -> u64 {
 
 /// Plans `traces` (named `names` in the report) for every RAM size of `options`.
 pub fn plan(traces: &[Trace], names: Vec<String>, options: &PlanOptions) -> Result<PlanReport, EngineError> {
-    let run_plan = RunPlan::from_traces(traces);
+    let run_plan = RunPlan::from_traces(traces).map_err(EngineError::Config)?;
     let mut sizes = options.ram.clone();
     sizes.sort_unstable();
     sizes.dedup();
@@ -285,6 +299,7 @@ pub fn plan(traces: &[Trace], names: Vec<String>, options: &PlanOptions) -> Resu
             spill_writes_per_vm: spill_writes,
             spill_writes_lower_bound_per_vm: bound,
             engine_over_bound: (bound > 0.0).then(|| spill_writes / bound),
+            errors: vms.iter().map(|f| f.errors).sum(),
             vms,
         });
     }
@@ -306,11 +321,12 @@ pub fn html(report: &PlanReport) -> Result<String, String> {
     let mut out = format!(
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>overspill plan</title><style>{PAGE_STYLE}</style>\
          </head><body><h1>overspill plan</h1><p>{} traces, mode <code>{}</code>, shared read cache {}; figures \
-         per VM over the whole trace.</p><h2>Storage operations per VM</h2>{}{}<h2>Spill writes per VM, and \
+         per VM over the whole trace.</p>{}<h2>Storage operations per VM</h2>{}{}<h2>Spill writes per VM, and \
          the least any cache of that size could do</h2>{}{}",
         report.traces.len(),
         escape(&report.mode),
         format_bytes(report.read_cache_bytes),
+        failures(report).iter().map(|f| format!("<p class=\"failed\">{}</p>", escape(f))).collect::<String>(),
         storage_chart(report)?,
         swatches(&STORAGE_PARTS.map(|(name, color)| (name, color))),
         spill_chart(report)?,
@@ -336,14 +352,15 @@ pub fn html(report: &PlanReport) -> Result<String, String> {
 const PAGE_STYLE: &str = "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}\
 table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px}td,th{border:1px solid #ccc;padding:2px 8px;\
 text-align:right}th{background:#f2f2f2}.legend{font-size:13px;margin:.3em 0 1.5em}\
-.legend span{display:inline-block;width:12px;height:12px;margin:0 5px 0 16px;vertical-align:middle}svg{display:block}";
+.legend span{display:inline-block;width:12px;height:12px;margin:0 5px 0 16px;vertical-align:middle}svg{display:block}\
+.failed{color:#b00;font-weight:bold}";
 
 /// The parts of "storage ops", stacked in this order.
 const STORAGE_PARTS: [(&str, RGBColor); 4] = [
     ("golden-image reads", RGBColor(44, 160, 44)),
     ("spill reads", RGBColor(31, 119, 180)),
     ("spill writes", RGBColor(214, 39, 40)),
-    ("cache-file and shared writes", RGBColor(255, 127, 14)),
+    ("cache-file and shared reads and writes", RGBColor(255, 127, 14)),
 ];
 const SPILL_COLOR: RGBColor = RGBColor(214, 39, 40);
 const BOUND_COLOR: RGBColor = RGBColor(120, 120, 120);
@@ -370,12 +387,7 @@ fn error(e: impl std::fmt::Display) -> String {
 fn storage_parts(row: &RamRow) -> [f64; 4] {
     let n = row.vms.len().max(1) as f64;
     let mean = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).sum::<u64>() as f64 / n;
-    [
-        mean(|f| f.golden_reads),
-        mean(|f| f.spill_reads),
-        mean(|f| f.spill_writes),
-        mean(|f| f.cache_file_writes + f.shared_writes),
-    ]
+    [mean(|f| f.golden_reads), mean(|f| f.spill_reads), mean(|f| f.spill_writes), mean(cache_file_and_shared)]
 }
 
 /// One series of bars: its colour, its column within each RAM size's group (series sharing a
@@ -420,7 +432,7 @@ fn ram_bars(report: &PlanReport, y_desc: &str, series: &[Bars]) -> Result<String
         for (i, row) in report.rows.iter().enumerate() {
             let (x, y) = chart.backend_coord(&(i as f64 + 0.5, 0.0));
             let style = ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
-            root.draw(&Text::new(format_bytes(row.ram_bytes).replace(".0 ", " "), (x, y + 6), style)).map_err(error)?;
+            root.draw(&Text::new(ram_label(row), (x, y + 6), style)).map_err(error)?;
         }
         root.present().map_err(error)?;
     }
@@ -459,7 +471,7 @@ fn boot_rows(report: &PlanReport) -> Vec<(String, &BootEstimate)> {
     report
         .rows
         .iter()
-        .flat_map(|r| with_paced(format_bytes(r.ram_bytes).replace(".0 ", " "), r.boot.as_ref(), r.boot_paced.as_ref()))
+        .flat_map(|r| with_paced(ram_label(r), r.boot.as_ref(), r.boot_paced.as_ref()))
         .chain(with_paced(
             "no cache".to_owned(),
             report.boot_without_cache.as_ref(),
@@ -568,20 +580,49 @@ fn boot_color(k: usize) -> RGBColor {
     RGBColor(r, g, b)
 }
 
+/// A RAM size as the boot estimates and charts name it, marked when its guests got errors.
+fn ram_label(row: &RamRow) -> String {
+    let size = format_bytes(row.ram_bytes).replace(".0 ", " ");
+    if row.errors > 0 {
+        format!("{size} (FAILED)")
+    } else {
+        size
+    }
+}
+
+/// What failed, one line per RAM size whose guests got errors: said first, so that no figure
+/// of such a size is read as a saving.
+fn failures(report: &PlanReport) -> Vec<String> {
+    report
+        .rows
+        .iter()
+        .filter(|row| row.errors > 0)
+        .map(|row| {
+            format!(
+                "FAILED at {} per VM: {} guest requests failed (writes refused for want of room); its \
+                 figures are no saving",
+                format_bytes(row.ram_bytes),
+                row.errors
+            )
+        })
+        .collect()
+}
+
 /// The figures as HTML tables: per RAM size, then the boot estimates.
 fn tables(report: &PlanReport) -> String {
     let mut out = String::from(
-        "<table><tr><th>RAM/VM</th><th>storage ops</th><th>golden reads</th><th>spill writes</th>\
-         <th>spill reads</th><th>spill writes, lower bound</th><th>engine/bound</th><th>peak spill</th>\
-         <th>peak RAM</th></tr>",
+        "<table><tr><th>RAM/VM</th><th>guest errors</th><th>storage ops</th><th>golden reads</th>\
+         <th>spill writes</th><th>spill reads</th><th>spill writes, lower bound</th><th>engine/bound</th>\
+         <th>peak spill</th><th>peak RAM</th></tr>",
     );
     for row in &report.rows {
         let p = storage_parts(row);
         let max = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).max().unwrap_or(0);
         out.push_str(&format!(
-            "<tr><td>{}</td><td>{:.0}</td><td>{:.0}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{}</td>\
-             <td>{}</td><td>{}</td></tr>",
-            format_bytes(row.ram_bytes),
+            "<tr><td>{}</td><td>{}</td><td>{:.0}</td><td>{:.0}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td>\
+             <td>{}</td><td>{}</td><td>{}</td></tr>",
+            escape(&ram_label(row)),
+            row.errors,
             row.storage_ops_per_vm,
             p[0],
             p[2],
@@ -627,9 +668,16 @@ pub fn text(report: &PlanReport) -> String {
         report.mode,
         format_bytes(report.read_cache_bytes)
     );
+    for failure in failures(report) {
+        out.push_str(&format!("{failure}\n"));
+    }
+    if report.rows.iter().any(|row| row.errors > 0) {
+        out.push('\n');
+    }
     out.push_str(&format!(
-        "{:>10} {:>12} {:>12} {:>12} {:>12} {:>14} {:>10} {:>12} {:>12}\n",
+        "{:>18} {:>8} {:>12} {:>12} {:>12} {:>12} {:>14} {:>10} {:>12} {:>12}\n",
         "RAM/VM",
+        "errors",
         "storage ops",
         "golden rd",
         "spill wr",
@@ -644,8 +692,9 @@ pub fn text(report: &PlanReport) -> String {
         let mean = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).sum::<u64>() as f64 / n;
         let max = |f: fn(&VmFigures) -> u64| row.vms.iter().map(f).max().unwrap_or(0);
         out.push_str(&format!(
-            "{:>10} {:>12.0} {:>12.0} {:>12.1} {:>12.1} {:>14.1} {:>10} {:>12} {:>12}\n",
-            format_bytes(row.ram_bytes),
+            "{:>18} {:>8} {:>12.0} {:>12.0} {:>12.1} {:>12.1} {:>14.1} {:>10} {:>12} {:>12}\n",
+            ram_label(row),
+            row.errors,
             row.storage_ops_per_vm,
             mean(|f| f.golden_reads),
             row.spill_writes_per_vm,
@@ -684,6 +733,50 @@ pub fn text(report: &PlanReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use overspill_block::trace::{Record, TraceHeader};
+
+    /// A trace of 4 KiB writes over `mib` MiB, each block then read back.
+    fn writes_then_reads(mib: u64) -> Trace {
+        let header = TraceHeader { disk_bytes: 1 << 30, vm: "vm".into(), phases: vec!["boot".into()] };
+        let blocks = mib * 256;
+        let record =
+            |i: u64, kind| Record { time_us: i, offset: (i % blocks) * 4096, length: 4096, kind, flags: 0, phase: 0 };
+        let records = (0..blocks)
+            .map(|i| record(i, GuestOp::Write))
+            .chain((blocks..2 * blocks).map(|i| record(i, GuestOp::Read)));
+        Trace { header, records: records.collect(), truncated_bytes: 0 }
+    }
+
+    fn options(mode: WriteCacheMode, ram: Vec<u64>) -> PlanOptions {
+        PlanOptions { ram, mode, read_cache_bytes: 0, storage: None, vms: 1, boot_max: None }
+    }
+
+    /// A RAM size whose guests got errors (RAM full in `ram` mode) is said to have failed, first
+    /// and in its row: its storage figures (none reach storage) would read as the best saving.
+    #[test]
+    fn a_ram_size_whose_guests_got_errors_is_shown_as_failed() {
+        let trace = writes_then_reads(8);
+        let report =
+            plan(&[trace], vec!["t".into()], &options(WriteCacheMode::Ram, vec![1 << 20, 64 << 20])).expect("plan");
+        assert!(report.rows[0].errors > 0 && report.rows[1].errors == 0, "1 MiB fails, 64 MiB holds the 8 MiB");
+        let text = text(&report);
+        assert!(text.starts_with("Plan for") && text.contains("FAILED at 1.0 MiB per VM"), "{text}");
+        assert!(text.contains("1 MiB (FAILED)") && !text.contains("64 MiB (FAILED)"), "{text}");
+        let page = html(&report).expect("html");
+        assert!(page.contains("<p class=\"failed\">FAILED at 1.0 MiB") && page.contains("1 MiB (FAILED)"), "{page}");
+    }
+
+    /// Storage ops count every tier's reads and writes: a write-cache file's reads too.
+    #[test]
+    fn storage_ops_count_the_reads_of_every_tier() {
+        let report =
+            plan(&[writes_then_reads(1)], vec!["t".into()], &options(WriteCacheMode::Disk, vec![0])).expect("plan");
+        let vm = &report.rows[0].vms[0];
+        assert!(vm.cache_file_reads > 0 && vm.cache_file_writes > 0, "{vm:?}");
+        assert_eq!(report.rows[0].storage_ops_per_vm, storage_ops(vm) as f64);
+        assert_eq!(storage_ops(vm), vm.golden_reads + vm.cache_file_reads + vm.cache_file_writes);
+    }
 
     #[test]
     fn the_lower_bound_counts_segments_of_what_ram_cannot_hold() {

@@ -17,6 +17,11 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 const MIB: u64 = 1 << 20;
+/// The longest phase a workload may have: a week (a longer one is a typo, and its timeline
+/// alone would take gigabytes).
+const MAX_PHASE_S: f64 = 7.0 * 24.0 * 3600.0;
+/// The most requests one VM may make in a phase (each is kept in memory until the storm runs).
+const MAX_PHASE_REQUESTS: u64 = 100_000_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
@@ -219,13 +224,33 @@ impl Workload {
             if !(phase.recency_skew >= 1.0 && phase.recency_skew.is_finite()) {
                 return Err(format!("phase {}: recency_skew must be 1 or more", phase.name));
             }
-            if phase.duration_s <= 0.0 || phase.ios == 0 {
-                return Err(format!("phase {}: needs a duration and IOs", phase.name));
+            if !(phase.duration_s > 0.0 && phase.duration_s <= MAX_PHASE_S) || phase.ios == 0 {
+                return Err(format!("phase {}: needs a duration (above 0, at most a week) and IOs", phase.name));
+            }
+            if !(phase.trims_per_write >= 0.0 && phase.trims_per_write.is_finite()) {
+                return Err(format!("phase {}: trims_per_write must be 0 or more", phase.name));
+            }
+            let trims = phase.ios as f64 * (1.0 - phase.read_fraction) * phase.trims_per_write;
+            if phase.ios as f64 + trims + phase.flushes as f64 > MAX_PHASE_REQUESTS as f64 {
+                return Err(format!("phase {}: more than {MAX_PHASE_REQUESTS} requests per VM", phase.name));
             }
             for (size, _) in phase.read_sizes.iter().chain(&phase.write_sizes) {
                 if *size == 0 || *size % 512 != 0 || *size > 32 << 20 {
                     return Err(format!("phase {}: sizes must be multiples of 512 up to 32 MiB", phase.name));
                 }
+            }
+            // A read lands anywhere in the system region, a write anywhere in its area.
+            if phase.read_sizes.iter().any(|(size, _)| u64::from(*size) >= d.system_mib * MIB) {
+                return Err(format!("phase {}: read sizes must be smaller than the system region", phase.name));
+            }
+            let smallest_area = phase
+                .write_areas
+                .iter()
+                .filter_map(|(name, _)| d.areas.iter().find(|a| &a.name == name))
+                .map(|a| a.size_mib * MIB)
+                .min();
+            if smallest_area.is_some_and(|bytes| phase.write_sizes.iter().any(|(size, _)| u64::from(*size) > bytes)) {
+                return Err(format!("phase {}: write sizes must fit the smallest of its write areas", phase.name));
             }
             for (area, _) in &phase.write_areas {
                 match d.areas.iter().find(|a| &a.name == area) {
@@ -549,6 +574,26 @@ mod tests {
             .replace("event_log_reads = 0.56", "event_log_reads = 0.0");
         let err = Workload::parse("x", &all_appends).expect_err("more event-log writes than writes");
         assert!(err.to_string().contains("phase boot: direct_share with event_log_reads"), "{err}");
+        // What passed the check and then panicked or aborted the storm.
+        let reads_of_a_mib = [("system_mib = 1024", "system_mib = 1"), ("[[4096, 0.57]", "[[1048576, 0.57]")];
+        let var_of_a_mib = [
+            ("start_mib = 1024, size_mib = 512", "start_mib = 1024, size_mib = 1"),
+            ("[262144, 0.2]]", "[2097152, 0.2]]"),
+        ];
+        for (edits, why) in [
+            (&reads_of_a_mib[..], "smaller than the system region"),
+            (&var_of_a_mib[..], "fit the smallest"),
+            (&[("duration_s = 20", "duration_s = inf")][..], "at most a week"),
+            (&[("duration_s = 20", "duration_s = 1e12")][..], "at most a week"),
+            (&[("duration_s = 20", "duration_s = nan")][..], "at most a week"),
+        ] {
+            let bad = edits.iter().fold(good.to_owned(), |text, (from, to)| {
+                assert!(text.contains(from), "the test edits {from}");
+                text.replacen(from, to, 1)
+            });
+            let err = Workload::parse("x", &bad).expect_err(why);
+            assert!(err.to_string().contains(why), "{edits:?}: {err}");
+        }
     }
 
     #[test]

@@ -78,7 +78,19 @@ fn host_caches_cut_what_the_golden_store_serves() {
     // 8 MiB of RAM per VM does not hold a win7 boot's writes: the host needs a spill disk.
     assert!(plan.host.spill_bytes > 0 && plan.host.spill_peak_iops > 0.0, "{:?}", plan.host);
     assert!(plan.host.ram_bytes > (1 << 30) && plan.host.ram_bytes <= 6 * (16 << 20) + (1 << 30), "{:?}", plan.host);
+    assert_eq!(plan.host.guest_errors, 0);
+    assert!(!overspill_storm::fleet::markdown(&plan).contains("FAILED"));
     // A file store has no local tier.
-    let file = plan_fleet(&boots(3), &FleetOptions { golden: GoldenStore::File, ..options }).expect("plans");
+    let file = plan_fleet(&boots(3), &FleetOptions { golden: GoldenStore::File, ..options.clone() }).expect("plans");
     assert_eq!(file.store.len(), 4);
+    // In RAM alone 8 MiB does not hold a boot's writes: the guests get errors, and the plan
+    // says it failed before any figure.
+    let ram = FleetOptions { mode: WriteCacheMode::Ram, ..options };
+    let failed = plan_fleet(&boots(3), &ram).expect("plans");
+    assert!(failed.host.guest_errors > 0, "{:?}", failed.host);
+    assert!(
+        overspill_storm::fleet::markdown(&failed).starts_with("**FAILED: "),
+        "{}",
+        overspill_storm::fleet::markdown(&failed)
+    );
 }

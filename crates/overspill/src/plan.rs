@@ -138,7 +138,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             stagger_s: args.stagger.as_secs_f64(),
             interval_s: 10,
         };
-        let fleet = fleet::plan_fleet(&overspill_storm::driver::RunPlan::from_traces(&traces), &fleet_options)?;
+        let boots = overspill_storm::driver::RunPlan::from_traces(&traces).map_err(anyhow::Error::msg)?;
+        let fleet = fleet::plan_fleet(&boots, &fleet_options)?;
         let markdown = fleet::markdown(&fleet);
         println!("\nFleet plan (each trace's first phase as the boot storm):\n\n{markdown}");
         std::fs::write(args.out.join("fleet.md"), &markdown)?;

@@ -25,7 +25,7 @@ pub struct ReplayArgs {
     #[arg(long)]
     fast: bool,
     /// Pace at this many times the recorded speed (default 1: as recorded).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::storm::parse_speed)]
     speed: f64,
     /// Where report.json and report.html go.
     #[arg(long, default_value = "overspill-replay-report")]
@@ -39,7 +39,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         .iter()
         .map(|p| Trace::read(p).with_context(|| format!("reading trace {}", p.display())))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let plan = RunPlan::from_traces(&traces);
+    let plan = RunPlan::from_traces(&traces).map_err(anyhow::Error::msg)?;
     let config = StormConfig {
         vms: plan.vms(),
         boot_interval_s: 0.0,

@@ -13,6 +13,7 @@ use clap::Args;
 use overspill_engine::{GoldenImage, HostMemory, VmStats, WriteCacheMode};
 use overspill_images::open_image;
 use overspill_nbd::client::{Endpoint, NbdUri};
+use overspill_nbd::server::ShutdownHandle;
 use overspill_nbd::{Server, ServerConfig};
 use overspill_net::{ListenAddr, Listener, SocketAccess};
 use overspill_storm::driver::{self, RemoteTarget, RunPlan, StormConfig, Target};
@@ -50,13 +51,13 @@ pub struct StormArgs {
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     read_cache: u64,
     /// Seconds between VM boots (0: all at once, a boot storm).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse_interval)]
     boot_interval: f64,
     /// Seconds between logons (the seeds used 8 to 30).
-    #[arg(long, default_value_t = 15.0)]
+    #[arg(long, default_value_t = 15.0, value_parser = parse_interval)]
     logon_interval: f64,
     /// Pace requests at this many times real time; without it they run back to back.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_speed)]
     speed: Option<f64>,
     /// Run against these NBD servers (nbd://…, nbd+unix://…) instead of in-process ones. `{n}`
     /// in the export name becomes each VM's number, so that each is a named VM of an overspill
@@ -184,6 +185,23 @@ impl Run {
     }
 }
 
+/// A pace (`--speed`): a finite number above 0 (at 0 the profile's clock was divided by
+/// nothing, and every VM's thread panicked).
+pub(crate) fn parse_speed(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(speed) if speed.is_finite() && speed > 0.0 => Ok(speed),
+        _ => Err(format!("{s:?} is no speed: a number above 0, such as 1 or 0.5")),
+    }
+}
+
+/// Seconds between events: a finite number, 0 or more.
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => Ok(seconds),
+        _ => Err(format!("{s:?} is no interval: a number of seconds, 0 or more")),
+    }
+}
+
 struct LocalTarget {
     socket: PathBuf,
     registry: Arc<VmRegistry>,
@@ -191,11 +209,19 @@ struct LocalTarget {
     event_logs_apart: bool,
     /// The VMs' vhost-user sockets, when the guests reach their disk that way (removed with it).
     _vhost: Option<VhostExports>,
+    /// The configuration's server, stopped with it: left running, each configuration kept its
+    /// accept loop and its overlays' exports, read cache included, until the storm ended.
+    stop: ShutdownHandle,
+    serving: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for LocalTarget {
-    /// The server's socket goes with the configuration: a storm left one behind for each.
+    /// The server and its socket go with the configuration: a storm left one behind for each.
     fn drop(&mut self) {
+        self.stop.shutdown();
+        if let Some(serving) = self.serving.take() {
+            let _ = serving.join();
+        }
         let _ = std::fs::remove_file(&self.socket);
     }
 }
@@ -365,12 +391,20 @@ fn start_local_server(
         None => None,
     };
     let server = Server::new(exports, ServerConfig::default());
-    std::thread::Builder::new().name(format!("storm-server-{index}")).spawn(move || {
+    let stop = server.shutdown_handle();
+    let serving = std::thread::Builder::new().name(format!("storm-server-{index}")).spawn(move || {
         if let Err(error) = server.run(&listener) {
             tracing::error!(%error, "storm server stopped");
         }
     })?;
-    Ok(LocalTarget { socket, registry, event_logs_apart: mode != WriteCacheMode::Shared, _vhost: vhost })
+    Ok(LocalTarget {
+        socket,
+        registry,
+        event_logs_apart: mode != WriteCacheMode::Shared,
+        _vhost: vhost,
+        stop,
+        serving: Some(serving),
+    })
 }
 
 /// Prints the report's tables and writes its files.

@@ -274,7 +274,7 @@ fn the_report_page_renders_in_a_real_browser() {
         "<th>IOPS / VM</th>",
         "seed 000 figure",
         "Against the seeds, in both units",
-        "<th>in 4 KiB I/Os</th>",
+        "<th>as the seeds counted</th>",
         // Which seed figures the model was fitted on, and which it predicts.
         "<th>the model and this row</th>",
         "fitted (win7-vdi's event-log share)",
