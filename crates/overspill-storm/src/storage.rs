@@ -470,7 +470,10 @@ impl<'a> Sim<'a> {
             }
             self.vms[vm].waiting[i] = sent;
             if sent == 0 {
-                self.guest_op_done(vm);
+                // Done as soon as issued (served from RAM): counted here, and the loop issues
+                // the next (calling back into `issue` went one frame deeper per such operation,
+                // and a long run of them overflowed the stack).
+                self.op_completed(vm);
             }
         }
     }
@@ -727,6 +730,12 @@ impl<'a> Sim<'a> {
     }
 
     fn guest_op_done(&mut self, vm: usize) {
+        self.op_completed(vm);
+        self.issue(vm);
+    }
+
+    /// One of the VM's operations is done; the last ends its boot.
+    fn op_completed(&mut self, vm: usize) {
         let total = self.boots[vm % self.boots.len()].ops.len();
         let state = &mut self.vms[vm];
         state.in_flight -= 1;
@@ -734,7 +743,6 @@ impl<'a> Sim<'a> {
         if state.completed == total {
             self.boot_done(vm);
         }
-        self.issue(vm);
     }
 
     fn estimate(&self) -> BootEstimate {

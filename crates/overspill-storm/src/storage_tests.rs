@@ -200,3 +200,16 @@ fn the_controller_counts_reads_that_follow_on_from_the_read_before() {
     let e = simulate_boots(&spec, &[reads(50, 0.0, false)], 2, 0).expect("a boot");
     assert_eq!((e.controller_reads, e.sequential_reads), (100, 0));
 }
+
+/// A boot of a million operations served from RAM (no storage request each) at the same
+/// instant: done in a loop, where each such operation took a stack frame more and the run
+/// overflowed the stack (found by review, session 52).
+#[test]
+fn a_long_run_of_operations_served_from_ram_is_no_recursion() {
+    let mut boot = VmBoot::default();
+    for _ in 0..1_000_000 {
+        boot.push(0.0, []);
+    }
+    let estimate = simulate_boots(&StorageSpec::single(disk("ssd")), &[boot], 1, 0).expect("an estimate");
+    assert_eq!(estimate.max_s, 0.0, "nothing reached the storage: {estimate:?}");
+}
