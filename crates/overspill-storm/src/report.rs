@@ -161,13 +161,15 @@ impl ConfigReport {
         })
     }
 
-    /// "boot: min 9.8 s, avg 11.2 s, max 12.9 s (3 of 3 VMs booted)"; for synthetic VMs also
-    /// their boots' read latency, and in a fairness run what the copiers beside them moved.
+    /// "boot: min 9.8 s, avg 11.2 s, max 12.9 s of wall clock (3 of 3 VMs booted)": this run's
+    /// time on this machine, not the profile's (a synthetic storm runs unpaced unless asked);
+    /// for synthetic VMs also their boots' read latency, and in a fairness run what the copiers
+    /// beside them moved.
     pub fn boot_text(&self) -> Option<String> {
         let all = self.boot_times_s.as_ref()?.len();
         let mut text = match self.boot_summary() {
             Some((min, avg, max, n)) => {
-                format!("boot: min {min:.1} s, avg {avg:.1} s, max {max:.1} s ({n} of {all} VMs booted)")
+                format!("boot: min {min:.1} s, avg {avg:.1} s, max {max:.1} s of wall clock ({n} of {all} VMs booted)")
             }
             None => format!("boot: none of {all} VMs booted"),
         };
