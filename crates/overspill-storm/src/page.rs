@@ -255,18 +255,22 @@ fn seed_row_text(seed: &SeedRow) -> String {
     }
 }
 
-/// Storage IOPS per VM over phase `p`'s own window, one line per configuration.
+/// Storage IOPS per VM over phase `p`'s window, one line per configuration, each over its own
+/// window (real guests' phases start and last as long as each configuration's guests took).
 fn phase_timeline(report: &StormReport, p: usize) -> Result<String, String> {
-    let Some(&(start, end)) = report.configs.first().and_then(|c| c.phase_windows_s.get(p)) else {
+    let windows: Vec<Option<(f64, f64)>> = report.configs.iter().map(|c| c.phase_windows_s.get(p).copied()).collect();
+    let Some(longest) = windows.iter().flatten().map(|&(start, end)| end - start).reduce(f64::max) else {
         return Ok(String::new());
     };
     let bucket = report.bucket_s as f64;
-    let minutes = end - start >= 300.0;
+    let minutes = longest >= 300.0;
     let scale = if minutes { 60.0 } else { 1.0 };
     let series: Vec<Vec<(f64, f64)>> = report
         .configs
         .iter()
-        .map(|c| {
+        .zip(&windows)
+        .map(|(c, window)| {
+            let Some(&(start, end)) = window.as_ref() else { return Vec::new() };
             c.timeline_iops_per_vm
                 .iter()
                 .enumerate()
@@ -276,7 +280,7 @@ fn phase_timeline(report: &StormReport, p: usize) -> Result<String, String> {
                 .collect()
         })
         .collect();
-    let x_max = ((end - start) / scale).max(1.0 / scale);
+    let x_max = (longest / scale).max(1.0 / scale);
     let y_max = series.iter().flatten().map(|p| p.1).fold(0.0f64, f64::max).max(0.01) * 1.15;
     let mut svg = String::new();
     {
@@ -670,12 +674,19 @@ pub fn html(report: &StormReport) -> Result<String, String> {
     let seed_legend =
         [("this run, same tiers".to_owned(), HERE_COLOR, false), ("seeds' figure".to_owned(), SEED_COLOR, true)];
     for (p, (phase, source)) in report.phase_sources.iter().enumerate() {
-        let duration = report.configs.first().and_then(|c| c.phases.get(p)).map_or(0.0, |ph| ph.duration_s);
+        // Real guests' phases last as long as each configuration's took.
+        let durations: Vec<f64> =
+            report.configs.iter().filter_map(|c| c.phases.get(p)).map(|ph| ph.duration_s).collect();
+        let (shortest, longest) = durations.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &d| (lo.min(d), hi.max(d)));
+        let duration = if longest - shortest >= 1.0 {
+            format!("{} to {}", duration_text(shortest), duration_text(longest))
+        } else {
+            duration_text(longest)
+        };
         let _ = write!(
             out,
-            "<h3>{} ({})</h3><p class=\"source\">profile: {}</p>",
+            "<h3>{} ({duration})</h3><p class=\"source\">profile: {}</p>",
             html_escape(phase),
-            duration_text(duration),
             html_escape(source)
         );
         if let Some(svg) = seed_bars(report, p)? {
