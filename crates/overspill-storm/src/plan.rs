@@ -144,9 +144,17 @@ fn cache_file_and_shared(f: &VmFigures) -> u64 {
     f.cache_file_reads + f.cache_file_writes + f.shared_reads + f.shared_writes
 }
 
+/// The plan reads no timeline: one bucket holds the longest trace (a year; a timeline of 10 s
+/// buckets took some 60 MB per VM of a month-long `serve --record` trace).
+const ONE_BUCKET_S: u64 = overspill_block::trace::MAX_RECORD_TIME_US / 1_000_000 + 1;
+
 fn model(plan: &RunPlan, options: &PlanOptions, ram: u64) -> Result<Vec<VmFigures>, EngineError> {
-    let config =
-        ModelConfig { mode: options.mode, ram_bytes: ram, read_cache_bytes: options.read_cache_bytes, bucket_s: 10 };
+    let config = ModelConfig {
+        mode: options.mode,
+        ram_bytes: ram,
+        read_cache_bytes: options.read_cache_bytes,
+        bucket_s: ONE_BUCKET_S,
+    };
     Ok(figures(plan, &simulate(plan, &config)?))
 }
 
@@ -182,7 +190,7 @@ pub fn boots_without_cache(plan: &RunPlan) -> Vec<VmBoot> {
 /// are left to the storage model's read cache (the same code as serve's), which shares them
 /// between the storm's VMs in the order they ask.
 pub fn boots_through_overlay(plan: &RunPlan, options: &PlanOptions, ram: u64) -> Result<Vec<VmBoot>, EngineError> {
-    let config = ModelConfig { mode: options.mode, ram_bytes: ram, read_cache_bytes: 0, bucket_s: 10 };
+    let config = ModelConfig { mode: options.mode, ram_bytes: ram, read_cache_bytes: 0, bucket_s: ONE_BUCKET_S };
     let mut boots = vec![VmBoot::default(); plan.vms()];
     // Per VM: its counters after its last request, and where its next spill segment goes.
     let mut last = vec![[(0u64, 0u64, 0u64, 0u64); 4]; plan.vms()];
