@@ -6,6 +6,8 @@ use overspill_block::{BlockDevice, Capabilities, DeviceError, ReadRequest};
 pub(crate) struct Disk {
     pub(crate) bytes: Vec<u8>,
     pub(crate) calls: Vec<String>,
+    /// Run before each write (a slow disk, a look at what the guest was told meanwhile).
+    pub(crate) before_write: Option<Box<dyn FnMut() + Send>>,
 }
 
 impl BlockDevice for Disk {
@@ -23,6 +25,9 @@ impl BlockDevice for Disk {
         Ok(())
     }
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        if let Some(before_write) = self.before_write.as_mut() {
+            before_write();
+        }
         self.calls.push(format!("write {offset} {} fua={fua}", data.len()));
         self.bytes[offset as usize..offset as usize + data.len()].copy_from_slice(data);
         Ok(())
@@ -52,6 +57,6 @@ impl BlockDevice for Disk {
 impl Disk {
     /// `size` bytes of a pattern, so that reads show where they came from.
     pub(crate) fn new(size: usize) -> Self {
-        Self { bytes: (0..size).map(|i| (i % 251) as u8).collect(), calls: Vec::new() }
+        Self { bytes: (0..size).map(|i| (i % 251) as u8).collect(), calls: Vec::new(), before_write: None }
     }
 }
