@@ -67,7 +67,13 @@ fn parse_cli() -> anyhow::Result<Cli> {
     let mut command = Cli::command();
     // Built, so that each flag says how many values it takes.
     command.build();
-    let matches = command.clone().get_matches_from(&args);
+    let matches = match command.clone().try_get_matches_from(&args) {
+        Ok(matches) => matches,
+        // Help and version are printed as asked; errors go out as every fatal error does (a
+        // JSON line under --log-json).
+        Err(error) if !error.use_stderr() => error.exit(),
+        Err(error) => return Err(error.into()),
+    };
     if let Some(("serve", serve)) = matches.subcommand() {
         if let Some(path) = serve.get_one::<std::path::PathBuf>("config") {
             let definition = command.find_subcommand("serve").expect("serve is a subcommand");
@@ -78,6 +84,14 @@ fn parse_cli() -> anyhow::Result<Cli> {
         }
     }
     Ok(Cli::from_arg_matches(&matches)?)
+}
+
+/// What `serve`'s command line and configuration file say now (a SIGHUP restarts with it).
+fn serve_args_now() -> anyhow::Result<serve::ServeArgs> {
+    match parse_cli()?.command {
+        Command::Serve(args) => Ok(args),
+        _ => anyhow::bail!("the command line is no longer `serve`"),
+    }
 }
 
 /// The error that ends the process, on standard error: a JSON line shaped as the log's are
@@ -102,7 +116,7 @@ fn main() -> ExitCode {
     let cli = match parse_cli() {
         Ok(cli) => cli,
         Err(error) => {
-            fatal(std::env::args().any(|arg| arg == "--log-json"), &one_line(&error));
+            fatal(std::env::args_os().any(|arg| arg == "--log-json"), &one_line(&error));
             return ExitCode::from(2);
         }
     };
@@ -152,7 +166,7 @@ fn main() -> ExitCode {
         logs.init();
     }
     let result = match cli.command {
-        Command::Serve(args) => match serve::run(args) {
+        Command::Serve(args) => match serve::run(args, Box::new(serve_args_now)) {
             Ok(serve::ServeEnd::Restart(listener)) => {
                 // The log lines queued before it come first.
                 drop(flush_at_exit);

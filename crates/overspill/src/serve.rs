@@ -350,7 +350,17 @@ pub enum ServeEnd {
 /// Set by SIGHUP: the drain that follows ends in a restart in place.
 static RESTART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
+/// The server's arguments as its command line and configuration file give them now: what a
+/// SIGHUP would restart with, read before the drain (see [`reload_refused`]).
+pub type ArgsNow = Box<dyn Fn() -> anyhow::Result<ServeArgs> + Send>;
+
+pub fn run(args: ServeArgs, args_now: ArgsNow) -> anyhow::Result<ServeEnd> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    // Taken from the start, and acted on once the server serves: a SIGHUP's default action
+    // (between the socket's bind, where a client may connect, and the handler) ended the
+    // process.
+    let signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
     check_sizes_and_limits(&args)?;
     // The socket group's lookup and membership, before anything starts.
     let access = socket_access(&args)?;
@@ -452,7 +462,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ServeEnd> {
     spawn_image_watch(Arc::downgrade(&exports));
     let server = Server::new(exports.clone(), config);
     // Before the socket exists: a signal once clients can connect always drains.
-    spawn_signal_handler(server.shutdown_handle(), registry.clone())?;
+    let places = (state_dir.clone(), memory_dir.clone());
+    let reload_check = Box::new(move || reload_refused(&*args_now, &places));
+    spawn_signal_handler(signals, server.shutdown_handle(), registry.clone(), reload_check)?;
     let vhost = serve_vhost_user(&args, access, &state_dir, exports)?;
     control.serve_sockets(vhost.clone());
     let listener = listen(&args, access, inherited)?;
@@ -840,17 +852,55 @@ impl Drop for EmptyDirRemoved {
 /// How long SIGTERM waits for connections to finish the request in hand.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// SIGTERM or SIGINT drains the server, SIGHUP drains it and restarts it in place; a second
-/// SIGTERM or SIGINT exits at once, a second SIGHUP is already under way.
-fn spawn_signal_handler(shutdown: ShutdownHandle, registry: Arc<VmRegistry>) -> anyhow::Result<()> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let mut signals =
-        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
+/// Why a SIGHUP must not restart the server with what its command line and configuration file
+/// say now, if they say what cannot start (a typo: the restarted program would exit, and every
+/// VM's reconnect fail until someone came), or would keep the VMs' state elsewhere than
+/// `places` (state and memory directories): the restarted server would find no VM, and each
+/// running guest reconnecting would get a fresh overlay over the golden image.
+fn reload_refused(args_now: &dyn Fn() -> anyhow::Result<ServeArgs>, places: &(PathBuf, PathBuf)) -> Option<String> {
+    let next = match args_now().and_then(|next| check_sizes_and_limits(&next).map(|()| next)) {
+        Ok(next) => next,
+        Err(error) => return Some(format!("the configuration as it is now does not start: {error:#}")),
+    };
+    let state_dir = next.state_dir.clone().unwrap_or_else(|| next.spill_dir.join("state"));
+    let memory_dir = next.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
+    if (&state_dir, &memory_dir) != (&places.0, &places.1) {
+        return Some(format!(
+            "the configuration now keeps the VMs' state in {} and their memory in {} (the running server: {} and \
+             {}): a restart in place would not find the running VMs and would start them afresh from the golden \
+             image; move the state while the VMs are stopped, with a stop and a start",
+            state_dir.display(),
+            memory_dir.display(),
+            places.0.display(),
+            places.1.display()
+        ));
+    }
+    None
+}
+
+/// SIGTERM or SIGINT drains the server, SIGHUP drains it and restarts it in place unless
+/// `reload_check` says why not (then it goes on serving); a second SIGTERM or SIGINT exits at
+/// once, a second SIGHUP is already under way.
+fn spawn_signal_handler(
+    mut signals: signal_hook::iterator::Signals,
+    shutdown: ShutdownHandle,
+    registry: Arc<VmRegistry>,
+    reload_check: Box<dyn Fn() -> Option<String> + Send>,
+) -> anyhow::Result<()> {
+    use signal_hook::consts::SIGHUP;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
             let mut signals = signals.forever();
-            if let Some(signal) = signals.next() {
+            let first = signals.by_ref().find(|&signal| {
+                let refused = (signal == SIGHUP).then(|| reload_check()).flatten();
+                if let Some(why) = &refused {
+                    tracing::error!("SIGHUP: not restarting, the server goes on as it is: {why}");
+                    notify_service_manager(&[NotifyState::Status("reload refused: see the log")]);
+                }
+                refused.is_none()
+            });
+            if let Some(signal) = first {
                 if signal == SIGHUP {
                     // A restart is cheap now that VMs outlive the process: reloading means
                     // becoming a new server, which reads every flag, credential and image again.

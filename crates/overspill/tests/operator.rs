@@ -781,6 +781,62 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     assert!(stderr.contains("\"rma\" is not a flag of serve") && stderr.contains("overspill.toml"), "{stderr}");
 }
 
+/// `systemctl reload` after an edit of the configuration: a file the server could not start
+/// with (a typo), or one that keeps the VMs' state elsewhere (the restarted server would find
+/// no VM, and each running guest would reconnect to a fresh overlay over the golden image), is
+/// refused, said in the log, and the server goes on as it is; a good edit restarts it.
+#[test]
+fn a_reload_that_would_not_start_or_would_lose_the_vms_is_refused_and_the_server_goes_on() {
+    let tmp = TempDir::new().expect("tempdir");
+    let golden = golden(tmp.path());
+    let socket = tmp.path().join("reload.sock");
+    let config = tmp.path().join("overspill.toml");
+    // The state directory in the file (the test's harness gives the spill directory itself).
+    let state_dir = |name: &str| format!("state-dir = {:?}\n", tmp.path().join(name).display().to_string());
+    let good = format!(
+        "base = {:?}\nlisten = \"unix:{}\"\nram = \"64M\"\n{}",
+        golden.display().to_string(),
+        socket.display(),
+        state_dir("state")
+    );
+    std::fs::write(&config, &good).expect("config");
+    let args = ["--config", config.to_str().expect("utf-8")];
+    let mut server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let pid = server.child.id();
+    server.wait_log("serving");
+    for (edit, said) in [
+        (format!("{good}rma = \"64M\"\n"), "\"rma\" is not a flag of serve"),
+        (
+            good.replace(&state_dir("state"), &state_dir("elsewhere")),
+            "a restart in place would not find the running VMs",
+        ),
+    ] {
+        assert_ne!(edit, good, "the test edits the configuration");
+        std::fs::write(&config, &edit).expect("config");
+        let refusals = server.log_text().matches("SIGHUP: not restarting").count();
+        nix_kill(pid, "HUP");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while server.log_text().matches("SIGHUP: not restarting").count() == refusals {
+            assert!(Instant::now() < deadline, "no refusal of the reload:\n{}", server.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let log = server.log_text();
+        assert!(log.contains(said), "the refusal does not say {said:?}:\n{log}");
+        assert!(!log.contains("draining"), "the server drained for a reload it refused:\n{log}");
+        server.assert_running();
+        Client::connect(&socket_uri(&socket, "@vm")).expect("still serving").disconnect().expect("disconnect");
+    }
+    std::fs::write(&config, &good).expect("config");
+    nix_kill(pid, "HUP");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.log_text().matches("serving").count() < 2 {
+        assert!(Instant::now() < deadline, "a good reload did not restart:\n{}", server.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server.assert_running();
+    assert_eq!(server.child.id(), pid);
+}
+
 /// `overspill man [SUBCOMMAND]` renders pages `man` formats, with every flag; `overspill
 /// completions SHELL` prints a script the shell accepts.
 #[test]
