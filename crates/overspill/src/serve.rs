@@ -893,7 +893,7 @@ fn spawn_signal_handler(
         .spawn(move || {
             let mut signals = signals.forever();
             let first = signals.by_ref().find(|&signal| {
-                let refused = (signal == SIGHUP).then(|| reload_check()).flatten();
+                let refused = (signal == SIGHUP).then(&reload_check).flatten();
                 if let Some(why) = &refused {
                     tracing::error!("SIGHUP: not restarting, the server goes on as it is: {why}");
                     notify_service_manager(&[NotifyState::Status("reload refused: see the log")]);
