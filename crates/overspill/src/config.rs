@@ -10,6 +10,9 @@ use anyhow::{bail, Context};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Command};
 
+/// Flags whose numbers are octal: a TOML integer for one is refused (see [`flags_from_file`]).
+const OCTAL_FLAGS: &[&str] = &["socket-mode"];
+
 /// The flags FILE stands for, leaving out those `given` has from the command line. `serve` is
 /// the subcommand's definition, for the names and kinds of its flags.
 pub fn flags_from_file(path: &Path, serve: &Command, given: &ArgMatches) -> anyhow::Result<Vec<OsString>> {
@@ -34,6 +37,14 @@ pub fn flags_from_file(path: &Path, serve: &Command, given: &ArgMatches) -> anyh
         for value in values {
             let text = match value {
                 toml::Value::String(s) => s.clone(),
+                // TOML keeps no base: `0o660` is 432, which the flag (octal) took for 0432, open
+                // to every user; `660` is 660, which the flag took for 0660 as meant.
+                toml::Value::Integer(_) if OCTAL_FLAGS.contains(&key.as_str()) => {
+                    bail!(
+                        "--config {}: {key} = {value}: write the octal mode as a string, {key} = \"660\"",
+                        path.display()
+                    )
+                }
                 toml::Value::Integer(n) => n.to_string(),
                 toml::Value::Float(x) => x.to_string(),
                 toml::Value::Boolean(on) if !takes_value => {

@@ -779,6 +779,10 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     std::fs::write(&config, "rma = \"64M\"\n").expect("config");
     let stderr = serve_must_fail(tmp.path(), &["--config", config.to_str().expect("utf-8")]);
     assert!(stderr.contains("\"rma\" is not a flag of serve") && stderr.contains("overspill.toml"), "{stderr}");
+    // TOML's 0o660 is the integer 432, which the flag read as octal 0432: open to every user.
+    std::fs::write(&config, "socket-mode = 0o660\n").expect("config");
+    let stderr = serve_must_fail(tmp.path(), &["--config", config.to_str().expect("utf-8")]);
+    assert!(stderr.contains("socket-mode = 432: write the octal mode as a string"), "{stderr}");
 }
 
 /// `systemctl reload` after an edit of the configuration: a file the server could not start
