@@ -91,6 +91,20 @@ fn socket_mode_and_group_let_exactly_the_chosen_group_connect() {
     assert!(!out.status.success(), "another user connected to a 600 socket:\n{}", out.all());
     assert!(out.all().contains("ermission denied"), "{}", out.all());
     drop(server);
+
+    // NBD over TCP (the default listener) beside vhost-user sockets: the mode is theirs (it
+    // was refused, as if it could apply only to the NBD socket, breaking docs/vhost-user.md's
+    // command).
+    let vhost = tmp.path().join("vhost");
+    let desk = vhost.join("desk.sock");
+    let args = ["--base", golden.to_str().expect("utf-8"), "--listen", "tcp:127.0.0.1:0", "--vhost-user", "desk"];
+    let vhost_dir = ["--vhost-user-dir", vhost.to_str().expect("utf-8"), "--socket-mode", "660"];
+    let mode_660 = || std::fs::metadata(&desk).is_ok_and(|m| m.mode() & 0o777 == 0o660);
+    let mut server = Serve::start(tmp.path(), &[&args[..], &vhost_dir[..]].concat(), &[], mode_660);
+    // The vhost-user sockets are made before the NBD listener: serving is what says it started.
+    server.wait_log("serving");
+    server.assert_running();
+    drop(server);
 }
 
 /// `overspill serve … 2>&1 | tee log`, and tee dies: VMs still connect, SIGTERM still drains.

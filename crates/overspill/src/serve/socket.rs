@@ -11,9 +11,13 @@ pub(super) const DEFAULT_LISTEN: &str = "tcp:127.0.0.1:10809";
 
 /// The socket systemd handed over, or one bound at `--listen` with the access asked for.
 pub(super) fn listen(args: &ServeArgs, access: SocketAccess, inherited: Option<Listener>) -> anyhow::Result<Listener> {
+    // The vhost-user sockets take them too, whatever the NBD socket is.
+    let for_nbd_only = (args.socket_mode.is_some() || args.socket_group.is_some())
+        && args.vhost_user.is_empty()
+        && args.vhost_user_dir.is_none();
     if let Some(listener) = inherited {
         // The socket unit says who may connect (SocketMode=, SocketGroup=).
-        if args.socket_mode.is_some() || args.socket_group.is_some() {
+        if for_nbd_only {
             tracing::warn!("--socket-mode and --socket-group are ignored for a socket handed over by systemd");
         }
         // The socket unit says where (ListenStream=): a `listen` set in the config for another
@@ -29,7 +33,7 @@ pub(super) fn listen(args: &ServeArgs, access: SocketAccess, inherited: Option<L
     let listener = Listener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     if let ListenAddr::Unix(path) = &args.listen {
         access.apply(path)?;
-    } else if args.socket_mode.is_some() || args.socket_group.is_some() {
+    } else if for_nbd_only {
         bail!("--socket-mode and --socket-group apply to a unix: socket, not {}", args.listen);
     }
     Ok(listener)
