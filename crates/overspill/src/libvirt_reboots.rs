@@ -28,7 +28,7 @@ pub struct LibvirtRebootsArgs {
 }
 
 pub fn run(args: LibvirtRebootsArgs) -> anyhow::Result<()> {
-    let mut events = Command::new("virsh")
+    let mut events = virsh_command()
         .args(["-c", &args.connect, "qemu-monitor-event", "--loop", "--event", "SHUTDOWN"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -61,8 +61,16 @@ pub fn rebooted_domain(line: &str) -> Option<String> {
     (details["reason"] == "guest-reset").then(|| domain.to_owned())
 }
 
+/// virsh as this program reads it: in the C locale (its events and `domstate` are translated,
+/// and the system's locale, which systemd passes to services, made "shut off" "ausgeschaltet").
+fn virsh_command() -> Command {
+    let mut virsh = Command::new("virsh");
+    virsh.env("LC_ALL", "C");
+    virsh
+}
+
 fn virsh(connect: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new("virsh")
+    let out = virsh_command()
         .args(["-c", connect])
         .args(args)
         .stdin(Stdio::null())
