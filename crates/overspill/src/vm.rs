@@ -252,9 +252,14 @@ fn control_socket_from(given: Option<&Path>, variable: Option<PathBuf>, config: 
     if let Some(variable) = variable.filter(|v| !v.as_os_str().is_empty()) {
         return variable;
     }
+    // Where serve puts it from that file: `control`, else in the state directory, which is
+    // `state-dir`, else `spill-dir`'s `state`.
     let configured = std::fs::read_to_string(config).ok().and_then(|text| {
         let table: toml::Table = text.parse().ok()?;
-        table.get("control")?.as_str().map(PathBuf::from)
+        let path = |key: &str| table.get(key).and_then(toml::Value::as_str).map(PathBuf::from);
+        path("control")
+            .or_else(|| path("state-dir").map(|state| state.join("control.sock")))
+            .or_else(|| path("spill-dir").map(|spill| spill.join("state").join("control.sock")))
     });
     if let Some(configured) = configured {
         return configured;
@@ -311,8 +316,9 @@ mod tests {
         }
     }
 
-    /// `--control` wins, then the variable, then the host's configuration; without any of
-    /// them, the unit's socket or serve's default.
+    /// `--control` wins, then the variable, then the host's configuration (its `control`, or
+    /// its state or spill directory's socket); without any of them, the unit's socket or
+    /// serve's default.
     #[test]
     fn the_control_socket_is_the_flag_then_the_variable_then_the_configuration() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -323,6 +329,11 @@ mod tests {
         assert_eq!(control_socket_from(Some(flag), variable(), &config), flag);
         assert_eq!(control_socket_from(None, variable(), &config), Path::new("/variable.sock"));
         assert_eq!(control_socket_from(None, None, &config), Path::new("/run/site/control.sock"));
+        // Without `control`, where serve makes it from the file's state or spill directory.
+        std::fs::write(&config, "spill-dir = \"/srv/spill\"\nstate-dir = \"/srv/state\"\n").expect("config");
+        assert_eq!(control_socket_from(None, None, &config), Path::new("/srv/state/control.sock"));
+        std::fs::write(&config, "spill-dir = \"/srv/spill\"\n").expect("config");
+        assert_eq!(control_socket_from(None, None, &config), Path::new("/srv/spill/state/control.sock"));
         let fallback = control_socket_from(None, None, &dir.path().join("none.toml"));
         let expected =
             if Path::new(UNIT_CONTROL_SOCKET).exists() { UNIT_CONTROL_SOCKET } else { DEFAULT_CONTROL_SOCKET };
