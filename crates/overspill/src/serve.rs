@@ -100,9 +100,10 @@ pub struct ServeArgs {
     /// Directory of the spill files (ram+disk) and local cache files (disk).
     #[arg(long, default_value = "/var/tmp/overspill")]
     spill_dir: PathBuf,
-    /// Directory standing for shared storage, for the differencing files of mode `shared`.
-    #[arg(long, default_value = "/var/tmp/overspill/shared")]
-    shared_dir: PathBuf,
+    /// Directory standing for shared storage, for the differencing files of mode `shared`
+    /// (default: SPILL_DIR/shared).
+    #[arg(long)]
+    shared_dir: Option<PathBuf>,
     /// Limit on each VM's spill file (one 2 MiB segment of it kept for compaction); beyond it
     /// the VM gets ENOSPC.
     #[arg(long, value_parser = parse_bytes)]
@@ -663,7 +664,7 @@ fn overlay_exports(
         spill_direct: args.spill_direct,
         spill_writers: args.spill_writers,
         spill_dir: args.spill_dir.clone(),
-        shared_dir: args.shared_dir.clone(),
+        shared_dir: args.shared_dir.clone().unwrap_or_else(|| args.spill_dir.join("shared")),
         read_cache_bytes: args.read_cache,
     };
     let cache_dirs: Vec<PathBuf> = settings.cache_dir().map(|(_, dir)| dir.clone()).into_iter().collect();
@@ -696,6 +697,9 @@ fn overlay_exports(
              restart. Give --memory-dir a directory under RuntimeDirectory= with RuntimeDirectoryPreserve=yes, as \
              docs/overspill.service does"
         );
+    }
+    if !args.reconnect_grace.is_zero() && std::env::var_os("INVOCATION_ID").is_some() {
+        warn_of_private_tmp(args, state_dir);
     }
     if !args.reconnect_grace.is_zero() && args.mode.backing_file() != Some(BackingKind::SpillLog) {
         if let Some(dir) = cache_dirs.first() {
@@ -829,6 +833,26 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(format!("{text:?}: at most 100 years"));
     }
     Ok(duration)
+}
+
+/// Under systemd, what the server keeps across restarts in /tmp or /var/tmp, which a unit with
+/// PrivateTmp= (docs/overspill.service has it) has of its own and loses when it stops.
+fn warn_of_private_tmp(args: &ServeArgs, state_dir: &Path) {
+    let shared = args.shared_dir.clone().unwrap_or_else(|| args.spill_dir.join("shared"));
+    let kept = [
+        ("--state-dir", Some(state_dir)),
+        ("--spill-dir", Some(args.spill_dir.as_path())),
+        ("--shared-dir", (args.mode == WriteCacheMode::Shared).then_some(shared.as_path())),
+    ];
+    for (flag, dir) in kept {
+        let Some(dir) = dir.filter(|dir| dir.starts_with("/tmp") || dir.starts_with("/var/tmp")) else { continue };
+        tracing::warn!(
+            dir = %dir.display(),
+            "started by systemd with {flag} under /tmp or /var/tmp: a unit with PrivateTmp= loses it when it \
+             stops, and no VM outlives a restart; use CacheDirectory= (docs/overspill.service keeps \
+             /var/cache/overspill)"
+        );
+    }
 }
 
 /// The default memory directory, in /dev/shm, named after the state directory: once no VM's

@@ -892,8 +892,9 @@ fn man_pages_and_completions_render() {
 }
 
 /// A unit that leaves out `--memory-dir` keeps the VMs' pages in `/dev/shm`, which systemd
-/// empties when such a unit stops: the server says so at start (systemd's INVOCATION_ID tells it
-/// that a unit started it).
+/// empties when such a unit stops, and one whose spill directory is under /tmp loses it with
+/// PrivateTmp=: the server says so at start (systemd's INVOCATION_ID tells it that a unit
+/// started it).
 #[test]
 fn pages_in_dev_shm_under_systemd_are_warned_of() {
     let tmp = TempDir::new().expect("tempdir");
@@ -921,6 +922,10 @@ fn pages_in_dev_shm_under_systemd_are_warned_of() {
         assert!(child.wait().expect("wait").success());
         let text = std::fs::read_to_string(&log).expect("log");
         assert_eq!(text.contains("then no VM would outlive a"), warned, "{invocation:?}:\n{text}");
+        // The spill directory (and the state in it) under /tmp: a unit's PrivateTmp= loses it.
+        let under_tmp = tmp.path().starts_with("/tmp") || tmp.path().starts_with("/var/tmp");
+        let private_tmp = text.contains("started by systemd with --spill-dir under /tmp or /var/tmp");
+        assert_eq!(private_tmp, warned && under_tmp, "{invocation:?}:\n{text}");
         if warned {
             // The default memory directory the warning names, made in /dev/shm for this state
             // directory: gone with the server, which left no VM's pages in it.
