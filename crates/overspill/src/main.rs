@@ -165,6 +165,12 @@ fn main() -> ExitCode {
     } else {
         logs.init();
     }
+    if matches!(
+        cli.command,
+        Command::Image(_) | Command::Stat(_) | Command::Plan(_) | Command::Completions { .. } | Command::Man { .. }
+    ) {
+        end_quietly_on_a_closed_pipe();
+    }
     let result = match cli.command {
         Command::Serve(args) => match serve::run(args, Box::new(serve_args_now)) {
             Ok(serve::ServeEnd::Restart(listener)) => {
@@ -327,6 +333,18 @@ fn restart_in_place(executable: &std::path::Path, listener: Option<std::os::fd::
         eprintln!("overspill: could not ignore SIGHUP across the restart: {error}");
     }
     command.exec()
+}
+
+/// A command that only prints (`overspill image list | head -1`) ends quietly when its reader
+/// goes, as other tools do: Rust ignores SIGPIPE, and `println!` then panicked. Not for the
+/// commands that write sockets (a peer gone is an error they report).
+fn end_quietly_on_a_closed_pipe() {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: SIG_DFL installs no handler code, so nothing runs in a signal context; the
+    // commands that take this write no socket that relies on SIGPIPE being ignored.
+    if let Err(error) = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) } {
+        tracing::debug!(%error, "SIGPIPE's default action could not be restored");
+    }
 }
 
 /// An error and its causes on one line, each cause once: many error types print their source

@@ -17,13 +17,21 @@ use serde::Serialize;
 
 use crate::metrics::SCRAPE_TIMEOUT;
 
+/// `--interval`: seconds from 0.1 to a day (`inf` or `1e20` panicked at the first refresh).
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(seconds) if (0.1..=86_400.0).contains(&seconds) => Ok(seconds),
+        _ => Err(format!("{s:?}: a number of seconds from 0.1 to 86400")),
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct StatArgs {
     /// The server's metrics endpoint (serve --metrics).
     #[arg(long, default_value = "http://127.0.0.1:10810/metrics")]
     url: String,
-    /// Seconds between refreshes.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds between refreshes (0.1 to a day).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_interval)]
     interval: f64,
     /// Print one view (rates over one interval) and exit.
     #[arg(long)]
@@ -531,7 +539,7 @@ impl Scrape {
 }
 
 pub fn run(args: StatArgs) -> anyhow::Result<()> {
-    let interval = Duration::from_secs_f64(args.interval.max(0.1));
+    let interval = Duration::from_secs_f64(args.interval);
     let layout = Layout { width: 80, height: None, sort: args.sort, reversed: false, footer: false };
     if args.once {
         let first = Scrape::take(&args.url)?;

@@ -889,6 +889,19 @@ fn man_pages_and_completions_render() {
     let syntax = Command::new("bash").arg("-n").arg(&script).status().expect("bash");
     assert!(syntax.success(), "the bash completion script does not parse");
     assert!(std::fs::read_to_string(&script).expect("script").contains("--reconnect-grace"));
+
+    // `overspill completions bash | head -1`: a reader that goes early ends the command
+    // quietly (it panicked).
+    let mut man = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .args(["completions", "bash"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("overspill man");
+    drop(man.stdout.take());
+    let out = man.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked") && out.status.code() != Some(101), "{:?}: {stderr}", out.status);
 }
 
 /// A unit that leaves out `--memory-dir` keeps the VMs' pages in `/dev/shm`, which systemd
