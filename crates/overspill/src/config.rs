@@ -10,14 +10,24 @@ use anyhow::{bail, Context};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Command};
 
-/// Flags whose numbers are octal: a TOML integer for one is refused (see [`flags_from_file`]).
+/// Flags whose numbers are octal: a TOML integer for one written with a base (`0o660`) is
+/// refused (see [`flags_from_file`]).
 const OCTAL_FLAGS: &[&str] = &["socket-mode"];
+
+/// Whether `key`'s value is written in the file `text` as a number with a base (`0o`, `0x`,
+/// `0b`): TOML's value keeps none.
+fn written_with_a_base(text: &str, key: &str) -> bool {
+    text.lines().any(|line| {
+        let value = line.trim_start().strip_prefix(key).map(str::trim_start).and_then(|rest| rest.strip_prefix('='));
+        value.map(str::trim_start).is_some_and(|v| ["0o", "0x", "0b"].iter().any(|base| v.starts_with(base)))
+    })
+}
 
 /// The flags FILE stands for, leaving out those `given` has from the command line. `serve` is
 /// the subcommand's definition, for the names and kinds of its flags.
 pub fn flags_from_file(path: &Path, serve: &Command, given: &ArgMatches) -> anyhow::Result<Vec<OsString>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
-    let table: toml::Table = text.parse().with_context(|| format!("--config {}", path.display()))?;
+    let file = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
+    let table: toml::Table = file.parse().with_context(|| format!("--config {}", path.display()))?;
     let mut flags = Vec::new();
     for (key, value) in &table {
         let Some(arg) = serve.get_arguments().find(|a| a.get_long() == Some(key.as_str())) else {
@@ -38,8 +48,8 @@ pub fn flags_from_file(path: &Path, serve: &Command, given: &ArgMatches) -> anyh
             let text = match value {
                 toml::Value::String(s) => s.clone(),
                 // TOML keeps no base: `0o660` is 432, which the flag (octal) took for 0432, open
-                // to every user; `660` is 660, which the flag took for 0660 as meant.
-                toml::Value::Integer(_) if OCTAL_FLAGS.contains(&key.as_str()) => {
+                // to every user; `660` is 660, which the flag takes for 0660 as meant.
+                toml::Value::Integer(_) if OCTAL_FLAGS.contains(&key.as_str()) && written_with_a_base(&file, key) => {
                     bail!(
                         "--config {}: {key} = {value}: write the octal mode as a string, {key} = \"660\"",
                         path.display()

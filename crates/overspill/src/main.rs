@@ -17,6 +17,10 @@ struct Cli {
     /// others (storm's output is its tables).
     #[arg(long, global = true)]
     log: Option<String>,
+    /// Only says whether a server keeping its VMs as this says may restart in place into this
+    /// program with the rest of the command line (see `answer_reload_check`): for the server.
+    #[arg(long, global = true, hide = true, value_name = "RUNNING")]
+    reload_check: Option<String>,
     /// Log as JSON lines instead of human-readable text.
     #[arg(long, global = true)]
     log_json: bool,
@@ -86,12 +90,60 @@ fn parse_cli() -> anyhow::Result<Cli> {
     Ok(Cli::from_arg_matches(&matches)?)
 }
 
-/// What `serve`'s command line and configuration file say now (a SIGHUP restarts with it).
-fn serve_args_now() -> anyhow::Result<serve::ServeArgs> {
-    match parse_cli()?.command {
-        Command::Serve(args) => Ok(args),
-        _ => anyhow::bail!("the command line is no longer `serve`"),
+/// `--reload-check RUNNING`: says whether a server keeping its VMs where RUNNING says (JSON of
+/// [`serve::RunningPlaces`]) may restart in place into this program with `command` (serve's
+/// command line and configuration file as they are now): exit status 0 if so, else 1 and why
+/// on stdout. A running server asks the program its restart would run, so that a new release
+/// judges its own flags (one that does not know `--reload-check` refuses it without serving).
+fn answer_reload_check(running: &str, command: Command) -> ExitCode {
+    let refused = match (serde_json::from_str::<serve::RunningPlaces>(running), command) {
+        (Err(error), _) => Some(format!("--reload-check does not parse: {error}")),
+        (Ok(running), Command::Serve(next)) => serve::reload_refused(&next, &running),
+        (Ok(_), _) => Some("the command line is no longer `serve`".to_owned()),
+    };
+    match refused {
+        Some(why) => {
+            println!("{why}");
+            ExitCode::FAILURE
+        }
+        None => ExitCode::SUCCESS,
     }
+}
+
+/// The running server's reload check: asks `executable` (what a restart in place runs) with
+/// this process's command line.
+fn reload_check_by(executable: std::path::PathBuf) -> serve::ReloadCheck {
+    Box::new(move |running| {
+        let running = match serde_json::to_string(running) {
+            Ok(running) => running,
+            Err(error) => return Some(format!("the running server's places: {error}")),
+        };
+        let asked = std::process::Command::new(&executable)
+            .args(
+                [std::ffi::OsString::from("--reload-check"), running.into()]
+                    .into_iter()
+                    .chain(std::env::args_os().skip(1)),
+            )
+            .env_remove("LISTEN_FDS")
+            .env_remove("LISTEN_PID")
+            .env_remove("LISTEN_FDNAMES")
+            .env_remove("NOTIFY_SOCKET")
+            .stdin(std::process::Stdio::null())
+            .output();
+        match asked {
+            Err(error) => Some(format!("{} could not be run: {error}", executable.display())),
+            Ok(out) if out.status.success() => None,
+            Ok(out) => {
+                let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+                let said = said.trim();
+                Some(if said.is_empty() {
+                    format!("{} answered the reload check with {}", executable.display(), out.status)
+                } else {
+                    said.to_owned()
+                })
+            }
+        }
+    })
 }
 
 /// The error that ends the process, on standard error: a JSON line shaped as the log's are
@@ -120,6 +172,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(running) = &cli.reload_check {
+        return answer_reload_check(running, cli.command);
+    }
     let json = cli.log_json;
     let default_level = match cli.command {
         Command::Serve(_) | Command::LibvirtReboots(_) => "info",
@@ -172,7 +227,7 @@ fn main() -> ExitCode {
         end_quietly_on_a_closed_pipe();
     }
     let result = match cli.command {
-        Command::Serve(args) => match serve::run(args, Box::new(serve_args_now)) {
+        Command::Serve(args) => match serve::run(args, reload_check_by(executable.clone())) {
             Ok(serve::ServeEnd::Restart(listener)) => {
                 // The log lines queued before it come first.
                 drop(flush_at_exit);

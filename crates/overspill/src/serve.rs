@@ -351,17 +351,24 @@ pub enum ServeEnd {
 /// Set by SIGHUP: the drain that follows ends in a restart in place.
 static RESTART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// The server's arguments as its command line and configuration file give them now: what a
-/// SIGHUP would restart with, read before the drain (see [`reload_refused`]).
-pub type ArgsNow = Box<dyn Fn() -> anyhow::Result<ServeArgs> + Send>;
+/// Where a running server keeps what its VMs need across a restart in place: a SIGHUP whose
+/// configuration would put it elsewhere is refused (see [`reload_refused`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunningPlaces {
+    pub state_dir: PathBuf,
+    pub memory_dir: PathBuf,
+    pub mode: String,
+}
 
-pub fn run(args: ServeArgs, args_now: ArgsNow) -> anyhow::Result<ServeEnd> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    // Taken from the start, and acted on once the server serves: a SIGHUP's default action
-    // (between the socket's bind, where a client may connect, and the handler) ended the
-    // process.
-    let signals =
-        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
+/// Why a SIGHUP must not restart the server now (`None`: it may): asked of the program the
+/// restart would run, with the command line and configuration file as they are then.
+pub type ReloadCheck = Box<dyn Fn(&RunningPlaces) -> Option<String> + Send + Sync>;
+
+pub fn run(args: ServeArgs, reload_check: ReloadCheck) -> anyhow::Result<ServeEnd> {
+    // From the start: a SIGTERM while the images open and the VMs of the last server are
+    // rebuilt stops the start at once (as its default action did), and a SIGHUP then waits for
+    // the server to serve (its default action ended the process).
+    let signal_targets = spawn_signal_handler()?;
     check_sizes_and_limits(&args)?;
     // The socket group's lookup and membership, before anything starts.
     let access = socket_access(&args)?;
@@ -463,9 +470,13 @@ pub fn run(args: ServeArgs, args_now: ArgsNow) -> anyhow::Result<ServeEnd> {
     spawn_image_watch(Arc::downgrade(&exports));
     let server = Server::new(exports.clone(), config);
     // Before the socket exists: a signal once clients can connect always drains.
-    let places = (state_dir.clone(), memory_dir.clone());
-    let reload_check = Box::new(move || reload_refused(&*args_now, &places));
-    spawn_signal_handler(signals, server.shutdown_handle(), registry.clone(), reload_check)?;
+    let places =
+        RunningPlaces { state_dir: state_dir.clone(), memory_dir: memory_dir.clone(), mode: args.mode.to_string() };
+    signal_targets.serve(SignalTargets {
+        shutdown: server.shutdown_handle(),
+        registry: registry.clone(),
+        reload_check: Box::new(move || reload_check(&places)),
+    });
     let vhost = serve_vhost_user(&args, access, &state_dir, exports)?;
     control.serve_sockets(vhost.clone());
     let listener = listen(&args, access, inherited)?;
@@ -876,56 +887,111 @@ impl Drop for EmptyDirRemoved {
 /// How long SIGTERM waits for connections to finish the request in hand.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Why a SIGHUP must not restart the server with what its command line and configuration file
-/// say now, if they say what cannot start (a typo: the restarted program would exit, and every
-/// VM's reconnect fail until someone came), or would keep the VMs' state elsewhere than
-/// `places` (state and memory directories): the restarted server would find no VM, and each
-/// running guest reconnecting would get a fresh overlay over the golden image.
-fn reload_refused(args_now: &dyn Fn() -> anyhow::Result<ServeArgs>, places: &(PathBuf, PathBuf)) -> Option<String> {
-    let next = match args_now().and_then(|next| check_sizes_and_limits(&next).map(|()| next)) {
-        Ok(next) => next,
-        Err(error) => return Some(format!("the configuration as it is now does not start: {error:#}")),
-    };
+/// Why a SIGHUP must not restart a server that keeps its VMs at `running` with `next`, the
+/// arguments its command line and configuration file give now: they cannot start (a typo: the
+/// restarted program would exit, and every VM's reconnect fail until someone came), or they
+/// would keep the VMs' state or memory elsewhere (the restarted server would find no VM, and
+/// each running guest reconnecting would get a fresh overlay over the golden image) or their
+/// write caches in another mode (every VM refused). Run by the program the restart would run
+/// (`main`'s reload check), so that a new release's flags are its own to judge.
+pub fn reload_refused(next: &ServeArgs, running: &RunningPlaces) -> Option<String> {
+    if let Err(error) = check_sizes_and_limits(next)
+        .and_then(|()| socket_access(next).map(drop))
+        .and_then(|()| next.security.security().map(drop).context("TLS and access settings"))
+    {
+        return Some(format!("the configuration as it is now does not start: {error:#}"));
+    }
     let state_dir = next.state_dir.clone().unwrap_or_else(|| next.spill_dir.join("state"));
     let memory_dir = next.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
-    if (&state_dir, &memory_dir) != (&places.0, &places.1) {
+    if (&state_dir, &memory_dir) != (&running.state_dir, &running.memory_dir) {
         return Some(format!(
             "the configuration now keeps the VMs' state in {} and their memory in {} (the running server: {} and \
              {}): a restart in place would not find the running VMs and would start them afresh from the golden \
              image; move the state while the VMs are stopped, with a stop and a start",
             state_dir.display(),
             memory_dir.display(),
-            places.0.display(),
-            places.1.display()
+            running.state_dir.display(),
+            running.memory_dir.display()
+        ));
+    }
+    if next.mode.to_string() != running.mode {
+        return Some(format!(
+            "the configuration now asks mode {} (the running VMs' write caches are in mode {}): a restart in place \
+             would refuse every VM; change the mode while the VMs are stopped",
+            next.mode, running.mode
         ));
     }
     None
 }
 
-/// SIGTERM or SIGINT drains the server, SIGHUP drains it and restarts it in place unless
-/// `reload_check` says why not (then it goes on serving); a second SIGTERM or SIGINT exits at
-/// once, a second SIGHUP is already under way.
-fn spawn_signal_handler(
-    mut signals: signal_hook::iterator::Signals,
+/// What the signal thread acts on once the server serves.
+struct SignalTargets {
     shutdown: ShutdownHandle,
     registry: Arc<VmRegistry>,
-    reload_check: Box<dyn Fn() -> Option<String> + Send>,
-) -> anyhow::Result<()> {
-    use signal_hook::consts::SIGHUP;
+    reload_check: Box<dyn Fn() -> Option<String> + Send + Sync>,
+}
+
+/// The signal thread's targets, set once the server serves.
+struct SignalTargetsSlot {
+    targets: Arc<std::sync::OnceLock<SignalTargets>>,
+    reload_asked: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SignalTargetsSlot {
+    /// The server serves: signals drain it from now on, and a SIGHUP that came during the
+    /// start is acted on now.
+    fn serve(self, targets: SignalTargets) {
+        if self.targets.set(targets).is_err() {
+            return;
+        }
+        if self.reload_asked.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            if let Err(error) = signal_hook::low_level::raise(signal_hook::consts::SIGHUP) {
+                tracing::warn!(%error, "the reload asked for during the start could not be made");
+            }
+        }
+    }
+}
+
+/// Takes SIGTERM, SIGINT and SIGHUP from now on. While the server starts, SIGTERM or SIGINT
+/// ends the process as its default action would, and a SIGHUP waits for the server to serve.
+/// Then SIGTERM or SIGINT drains the server, and SIGHUP drains it and restarts it in place
+/// unless the targets' reload check says why not (then it goes on serving); a second SIGTERM or
+/// SIGINT exits at once, a second SIGHUP is already under way.
+fn spawn_signal_handler() -> anyhow::Result<SignalTargetsSlot> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
+    let slot = SignalTargetsSlot { targets: Arc::default(), reload_asked: Arc::default() };
+    let (targets, reload_asked) = (slot.targets.clone(), slot.reload_asked.clone());
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
-            let mut signals = signals.forever();
-            let first = signals.by_ref().find(|&signal| {
-                let refused = (signal == SIGHUP).then(&reload_check).flatten();
-                if let Some(why) = &refused {
-                    tracing::error!("SIGHUP: not restarting, the server goes on as it is: {why}");
-                    notify_service_manager(&[NotifyState::Status("reload refused: see the log")]);
+            let mut stopping = false;
+            for signal in signals.forever() {
+                let Some(targets) = targets.get() else {
+                    if signal == SIGHUP {
+                        tracing::info!("SIGHUP while starting: the server reloads once it serves");
+                        reload_asked.store(true, std::sync::atomic::Ordering::SeqCst);
+                        continue;
+                    }
+                    tracing::warn!(signal, "signal received while starting: the start ends here");
+                    let _ = signal_hook::low_level::emulate_default_handler(signal);
+                    std::process::exit(1);
+                };
+                if stopping {
+                    if signal == SIGHUP {
+                        tracing::info!("SIGHUP while stopping: the drain under way goes on");
+                        continue;
+                    }
+                    tracing::warn!(signal, "second signal: exiting without waiting for connections");
+                    std::process::exit(1);
                 }
-                refused.is_none()
-            });
-            if let Some(signal) = first {
                 if signal == SIGHUP {
+                    if let Some(why) = (targets.reload_check)() {
+                        tracing::error!("SIGHUP: not restarting, the server goes on as it is: {why}");
+                        notify_service_manager(&[NotifyState::Status("reload refused: see the log")]);
+                        continue;
+                    }
                     // A restart is cheap now that VMs outlive the process: reloading means
                     // becoming a new server, which reads every flag, credential and image again.
                     RESTART.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -934,20 +1000,13 @@ fn spawn_signal_handler(
                 } else {
                     tracing::info!(signal, "signal received: draining connections");
                 }
-                registry.server_stopping();
-                shutdown.shutdown();
-            }
-            for signal in signals {
-                if signal == SIGHUP {
-                    tracing::info!("SIGHUP while stopping: the drain under way goes on");
-                    continue;
-                }
-                tracing::warn!(signal, "second signal: exiting without waiting for connections");
-                std::process::exit(1);
+                targets.registry.server_stopping();
+                targets.shutdown.shutdown();
+                stopping = true;
             }
         })
         .context("starting the signal thread")?;
-    Ok(())
+    Ok(slot)
 }
 
 /// `NAME=GLOB[,GLOB…]`: a named group of VMs and the patterns of its members' names.

@@ -774,7 +774,7 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     std::fs::write(
         &config,
         format!(
-            "base = {golden:?}\nlisten = \"unix:{}\"\nram = \"64M\"\nreconnect-grace = \"30s\"\nexport = [\"second={golden}\"]\n",
+            "base = {golden:?}\nlisten = \"unix:{}\"\nram = \"64M\"\nreconnect-grace = \"30s\"\nexport = [\"second={golden}\"]\nsocket-mode = 660\n",
             socket.display(),
             golden = golden.display().to_string()
         ),
@@ -783,6 +783,8 @@ fn a_config_file_sets_flags_and_the_command_line_wins() {
     let args = ["--config", config.to_str().expect("utf-8"), "--ram", "32M"];
     let mut server = Serve::start(tmp.path(), &args, &[], || std::os::unix::net::UnixStream::connect(&socket).is_ok());
     let vm = Client::connect(&socket_uri(&socket, "second@vm")).expect("the config's second export serves");
+    // A mode written as a decimal integer is the octal it reads as (0o660 is refused below).
+    assert_eq!(std::fs::metadata(&socket).expect("socket").mode() & 0o777, 0o660);
     vm.disconnect().expect("disconnect");
     server.stop();
     let log = server.log_text();
@@ -853,6 +855,51 @@ fn a_reload_that_would_not_start_or_would_lose_the_vms_is_refused_and_the_server
     }
     server.assert_running();
     assert_eq!(server.child.id(), pid);
+}
+
+/// A SIGTERM while the server starts (a golden image on a web server that does not answer, or
+/// many VMs to rebuild) ends the start at once, as its default action did: taken from the
+/// start of serve for the sake of SIGHUP, it once waited for the server to serve (systemd's
+/// stop waited out its timeout, then killed it).
+#[test]
+fn a_sigterm_while_starting_ends_the_start() {
+    let tmp = TempDir::new().expect("tempdir");
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+    let port = silent.local_addr().expect("address").port();
+    // Accepts connections, reads nothing and answers nothing.
+    let _silent = std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().take(8).collect();
+        std::thread::sleep(Duration::from_secs(60));
+        drop(held);
+    });
+    let log = tmp.path().join("server.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("serve")
+        .args(["--base", &format!("http://127.0.0.1:{port}/golden.img")])
+        .args(["--listen", &format!("unix:{}", tmp.path().join("nbd.sock").display())])
+        .args(["--spill-dir", tmp.path().join("spill").to_str().expect("utf-8")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("overspill serve");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(child.try_wait().expect("wait").is_none(), "the start ended by itself");
+    nix_kill(child.id(), "TERM");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still starting 10 s after SIGTERM:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(15), "ended as SIGTERM's default action ends it: {status:?}");
 }
 
 /// `overspill man [SUBCOMMAND]` renders pages `man` formats, with every flag; `overspill
