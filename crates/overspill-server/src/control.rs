@@ -470,7 +470,7 @@ impl Targets {
         let peers = self.peers.get().filter(|_| everywhere);
         let answer = match (here, peers) {
             (Ok(done), Some(peers)) => match peers.reset_everywhere(vm) {
-                Ok(()) => outcome(Ok(format!("{done}; none of this server's peers keeps it"))),
+                Ok(()) => outcome(Ok(format!("{done}; {PEERS_ASKED}"))),
                 Err(HeldAtPeer(why)) => Answer { ok: false, message: Some(why), ..Answer::default() },
             },
             (here, _) => outcome(here),
@@ -636,10 +636,18 @@ pub fn ask(control: &Path, request: &Request) -> Result<Answer, ServerError> {
     }
 }
 
-/// The answer to a reset `everywhere` that a server of an earlier release took for a reset
-/// here (an upgraded binary, the server not restarted yet): as it is if that server has no
-/// peers, else a refusal, for a copy of the VM at a peer was left for its next start to take.
+/// What a server of session 51's release, which asked its peers already, says once none keeps
+/// the VM (it sent no `everywhere` back).
+const PEERS_ASKED: &str = "none of this server's peers keeps it";
+
+/// The answer to a reset `everywhere` that a server of an earlier release may have taken for a
+/// reset here (an upgraded binary, the server not restarted yet): as it is if that server asked
+/// its peers (session 51's release did), refused the reset (its reason stands), or has no
+/// peers; else a refusal, for a copy of the VM at a peer was left for its next start to take.
 fn peers_skipped(control: &Path, vm: &str, answer: Answer) -> Result<Answer, ServerError> {
+    if !answer.ok || answer.message.as_deref().is_some_and(|said| said.contains(PEERS_ASKED)) {
+        return Ok(answer);
+    }
     let located = ask(control, &Request::Locate { vm: vm.to_owned() })?;
     let said = located.message.unwrap_or_default();
     // A release before peers does not know `locate`; a later one without `--peer` says so.
@@ -763,8 +771,9 @@ mod tests {
         }
     }
 
-    /// A reset `everywhere` is done at the peers, or refused: a server of an earlier release,
-    /// which takes it for a reset here only, passes only if it has no peers to skip.
+    /// A reset `everywhere` is done at the peers, or refused: a server of session 51's release
+    /// (which asked its peers but sends no `everywhere` back) and a refusal pass as answered; an
+    /// earlier one, which takes it for a reset here only, passes only if it has no peers to skip.
     #[test]
     fn a_reset_everywhere_is_never_a_reset_here_only_at_a_server_with_peers() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -775,13 +784,27 @@ mod tests {
         let answer = ask(&path, &reset).expect("answer");
         assert!(answer.ok && answer.everywhere, "this release, no peers: {answer:?}");
 
+        // Session 51's release asked its peers, and said so: its answer stands, no locate.
+        let path = dir.path().join("session-51.sock");
+        let server = earlier_release(
+            &path,
+            r#"{"ok":true,"message":"desk: reset; none of this server's peers keeps it"}"#,
+            None,
+        );
+        assert!(ask(&path, &reset).expect("answer").ok);
+        server.join().expect("session 51's server");
+        // Nor is a refusal's reason replaced.
+        let path = dir.path().join("refused.sock");
+        let server = earlier_release(&path, r#"{"ok":false,"message":"VM desk runs at peer b"}"#, None);
+        assert_eq!(ask(&path, &reset).expect("answer").message.as_deref(), Some("VM desk runs at peer b"));
+        server.join().expect("the refusing server");
         for (locate_says, passes) in [
             (r#"{"ok":true,"message":"this server has no peers (serve --peer)"}"#, true),
             (r#"{"ok":false,"message":"bad request: unknown variant `locate`"}"#, true),
             (r#"{"ok":true,"message":"no peer holds desk"}"#, false),
         ] {
             let path = dir.path().join(format!("earlier-{passes}-{}.sock", locate_says.len()));
-            let server = earlier_release(&path, locate_says);
+            let server = earlier_release(&path, r#"{"ok":true,"message":"desk: reset"}"#, Some(locate_says));
             let answer = ask(&path, &reset).expect("answer");
             server.join().expect("earlier release's server");
             assert_eq!(answer.ok, passes, "locate said {locate_says}: {answer:?}");
@@ -792,12 +815,17 @@ mod tests {
         }
     }
 
-    /// A control socket answering as a release before `everywhere` did: a reset here, then the
-    /// answer `locate_says` to the locate that follows.
-    fn earlier_release(path: &Path, locate_says: &'static str) -> std::thread::JoinHandle<()> {
+    /// A control socket answering as an earlier release did: `reset_says` to the reset, then,
+    /// if asked, `locate_says` to the locate that follows.
+    fn earlier_release(
+        path: &Path,
+        reset_says: &'static str,
+        locate_says: Option<&'static str>,
+    ) -> std::thread::JoinHandle<()> {
         let listener = std::os::unix::net::UnixListener::bind(path).expect("bind");
         std::thread::spawn(move || {
-            for (op, answer) in [("reset", r#"{"ok":true,"message":"desk: reset"}"#), ("locate", locate_says)] {
+            let answers = [("reset", Some(reset_says)), ("locate", locate_says)];
+            for (op, answer) in answers.into_iter().filter_map(|(op, answer)| Some((op, answer?))) {
                 let (stream, _) = listener.accept().expect("accept");
                 let mut request = String::new();
                 BufReader::new(&stream).read_line(&mut request).expect("request");

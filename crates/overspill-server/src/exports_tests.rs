@@ -221,10 +221,6 @@ fn a_vm_is_opened_only_by_the_identity_that_made_it() {
     exports.open("golden@open", Some("bob")).expect("a VM made without an identity is anyone's");
 }
 
-/// A receiving server killed between saying it had a moving VM's whole state and hearing
-/// the move was done leaves the VM in doubt: its next start asks the sending peer, and keeps
-/// the VM if the peer's ledger says it moved here, drops its copy if the peer kept the VM,
-/// and refuses the name (never golden data) if the peer cannot tell.
 /// A VM is put on the move only for its owner: a peer asking for it for another client
 /// identity is refused before the VM moves (its reconnects refused meanwhile, until session 52),
 /// and only the peer it moves to reads its disk.
@@ -249,6 +245,10 @@ fn a_vm_is_sent_only_for_its_owner_and_read_only_by_the_peer_it_moves_to() {
     drop(device);
 }
 
+/// A receiving server killed between saying it had a moving VM's whole state and hearing
+/// the move was done leaves the VM in doubt: its next start asks the sending peer, and keeps
+/// the VM if the peer's ledger says it moved here, drops its copy if the peer kept the VM,
+/// and refuses the name (never golden data) if the peer cannot tell.
 #[test]
 fn a_vm_left_in_doubt_is_settled_by_asking_the_peer_it_was_moving_from() {
     use crate::ledger::{Ledger, Marks};

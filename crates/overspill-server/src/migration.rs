@@ -321,13 +321,22 @@ pub fn listen(
         ListenAddr::Tcp(host_port) => {
             let tls = tls.ok_or_else(|| io::Error::other("a tcp: peer socket needs TLS credentials"))?;
             let listener = TcpListener::bind(host_port.as_str())?;
+            let handshaking = Arc::new(Handshaking::default());
             accept_loop(
                 move || listener.accept().map(|(tcp, _)| tcp),
                 move |tcp: TcpStream| {
+                    let Some(_handshake) = handshaking.begin(&tcp) else {
+                        tracing::warn!(
+                            "a peer connection was closed unserved: its address has {MAX_HANDSHAKES_PER_ADDRESS} TLS \
+                             handshakes under way"
+                        );
+                        return;
+                    };
                     let authenticated = tcp
                         .set_read_timeout(Some(ANSWER_TIMEOUT))
                         .and_then(|()| tcp.set_write_timeout(Some(ANSWER_TIMEOUT)))
                         .and_then(|()| tls.accept(tcp));
+                    drop(_handshake);
                     match authenticated {
                         Ok(peer) => serve(peer.stream, Some(peer.identity)),
                         Err(error) => tracing::warn!(%error, "a peer connection was refused"),
@@ -345,6 +354,47 @@ pub fn listen(
 /// Counted before TLS, so that connections nobody authenticates cannot take a thread each
 /// without end.
 const MAX_PEER_CONNECTIONS: usize = 256;
+
+/// TLS handshakes under way at once from one address: connections that never finish theirs
+/// hold a slot of [`MAX_PEER_CONNECTIONS`] each for the handshake's timeout, and one address
+/// may not take them all from the real peers.
+const MAX_HANDSHAKES_PER_ADDRESS: usize = 8;
+
+/// The TLS handshakes under way, by the address they come from.
+#[derive(Default)]
+struct Handshaking(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+impl Handshaking {
+    /// One more handshake from `tcp`'s address, unless it has as many as it may.
+    fn begin(self: &Arc<Self>, tcp: &TcpStream) -> Option<Handshake> {
+        let address = tcp.peer_addr().ok()?.ip();
+        let mut under_way = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = under_way.entry(address).or_default();
+        if *count >= MAX_HANDSHAKES_PER_ADDRESS {
+            return None;
+        }
+        *count += 1;
+        Some(Handshake { all: self.clone(), address })
+    }
+}
+
+/// A TLS handshake counted for its address until it drops.
+struct Handshake {
+    all: Arc<Handshaking>,
+    address: std::net::IpAddr,
+}
+
+impl Drop for Handshake {
+    fn drop(&mut self) {
+        let mut under_way = self.all.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = under_way.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                under_way.remove(&self.address);
+            }
+        }
+    }
+}
 
 /// Serves each connection `accept` takes in a thread of its own, at most `most` at once.
 fn accept_loop<S: Send + 'static>(
@@ -965,6 +1015,28 @@ enum Outcome {
 mod tests {
     use super::*;
 
+    /// One address may have only so many TLS handshakes under way: a host opening connections
+    /// it never authenticates cannot take every slot from the real peers.
+    #[test]
+    fn one_address_has_only_so_many_handshakes_under_way() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("listener");
+        let address = listener.local_addr().expect("address");
+        let handshaking = Arc::new(Handshaking::default());
+        let mut connections = Vec::new();
+        let mut handshakes = Vec::new();
+        for _ in 0..=MAX_HANDSHAKES_PER_ADDRESS {
+            connections.push(TcpStream::connect(address).expect("connect"));
+            let (accepted, _) = listener.accept().expect("accept");
+            handshakes.push(handshaking.begin(&accepted));
+        }
+        let begun = handshakes.iter().filter(|h| h.is_some()).count();
+        assert_eq!(begun, MAX_HANDSHAKES_PER_ADDRESS, "the address's handshakes beyond the limit");
+        handshakes.truncate(1);
+        connections.push(TcpStream::connect(address).expect("connect"));
+        let (accepted, _) = listener.accept().expect("accept");
+        assert!(handshaking.begin(&accepted).is_some(), "the handshakes that ended gave their slots back");
+    }
+
     /// Beyond `most` connections served at once, more are closed as they come, and a slot is
     /// given back as a connection ends, whatever its end.
     #[test]
@@ -984,17 +1056,20 @@ mod tests {
         accept_loop(move || listener.accept().map(|(stream, _)| stream), serve, 3).expect("listener");
         let connect = || {
             let stream = UnixStream::connect(&path).expect("connect");
-            stream.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
+            stream.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
             stream
         };
+        // Closed by the listener (the read ends), or held by a server (the read times out).
         let closed_at_once = |mut stream: UnixStream| matches!(stream.read(&mut [0u8; 1]), Ok(0));
+        // Accepted in order by one thread: the fourth finds the three before it served.
         let held: Vec<UnixStream> = (0..3).map(|_| connect()).collect();
-        std::thread::sleep(Duration::from_millis(200));
         assert!(closed_at_once(connect()), "a fourth connection was served");
         release.send(()).expect("release one");
-        std::thread::sleep(Duration::from_millis(200));
-        let fourth = connect();
-        assert!(!closed_at_once(fourth.try_clone().expect("clone")), "a slot was not given back");
-        drop((held, fourth, release));
+        // The slot comes back as its thread unwinds: a connection is served again soon after.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while closed_at_once(connect()) {
+            assert!(std::time::Instant::now() < deadline, "a slot was not given back");
+        }
+        drop((held, release));
     }
 }

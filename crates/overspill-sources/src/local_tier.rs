@@ -367,10 +367,11 @@ mod tests {
         assert_eq!((remote.reads.load(Ordering::Relaxed), tier.chunks_held()), (6, 0), "fetched, not kept");
     }
 
-    /// A remote whose read at `slow` takes two seconds.
+    /// A remote whose read at `slow` takes two seconds; `began` says it began.
     struct Slow {
         inner: MemImage,
         slow: u64,
+        began: AtomicBool,
     }
 
     impl GoldenImage for Slow {
@@ -379,6 +380,7 @@ mod tests {
         }
         fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
             if offset == self.slow {
+                self.began.store(true, Ordering::SeqCst);
                 std::thread::sleep(std::time::Duration::from_secs(2));
             }
             self.inner.read_at(buf, offset)
@@ -395,12 +397,15 @@ mod tests {
     /// with chunk 0 until session 52, and waited out its fetch) is fetched meanwhile.
     #[test]
     fn a_slow_fetch_holds_up_no_other_chunk() {
-        let remote = Arc::new(Slow { inner: MemImage::new(vec![7u8; 1 << 20]), slow: 0 });
+        let remote =
+            Arc::new(Slow { inner: MemImage::new(vec![7u8; 1 << 20]), slow: 0, began: AtomicBool::new(false) });
         let dir = tempfile::tempdir().expect("tempdir");
-        let tier = Arc::new(LocalTier::new(remote, dir.path()).expect("tier"));
+        let tier = Arc::new(LocalTier::new(remote.clone(), dir.path()).expect("tier"));
         let slow = tier.clone();
         let first = std::thread::spawn(move || slow.read_at(&mut [0u8; 4096], 0));
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        while !remote.began.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         let started = std::time::Instant::now();
         let mut buf = [0u8; 4096];
         tier.read_at(&mut buf, 64 * 4096).expect("chunk 64");

@@ -280,8 +280,9 @@ impl Blk {
                     (*unsignalled, unsignalled_since) = (false, None);
                 }
             }
-            // The guest hears of what is done before this waits for more.
-            if served && vring.needs_notification().map_err(queue_error)? {
+            // The guest hears of what is done before this waits for more (unless a slow request
+            // was told of already: a second interrupt would find nothing new).
+            if served && *unsignalled && vring.needs_notification().map_err(queue_error)? {
                 vring.signal_used_queue()?;
                 *unsignalled = false;
             }
@@ -440,8 +441,10 @@ impl VhostUserBackend for Blk {
     fn acked_features(&self, _features: u64) {
         // The device is being started (again): what was stopped before no longer counts, and
         // each queue's guest is signalled at its first serving (see `serve_queue`).
-        if !self.closing.load(Ordering::SeqCst) {
-            self.hurry.store(false, Ordering::SeqCst);
+        self.hurry.store(false, Ordering::SeqCst);
+        // A close between the two would otherwise wait out the request's limits.
+        if self.closing.load(Ordering::SeqCst) {
+            self.hurry.store(true, Ordering::SeqCst);
         }
         self.used_queues.store(0, Ordering::SeqCst);
         self.stopped_queues.store(0, Ordering::SeqCst);
