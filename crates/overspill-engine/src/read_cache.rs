@@ -720,50 +720,44 @@ mod tests {
         }
     }
 
+    /// Reads chunks 0 to 2 with chunk 1 cached (two runs of misses: chunk 0, then chunk 2) from a
+    /// source whose chunk 0 fails (an error, or a panic), then chunk 2 alone: it must be read,
+    /// not waited for, and nothing stay claimed.
+    fn a_read_of_chunk_2_after_chunk_0_failed(panics: bool) {
+        let chunk = 16 * 1024u64;
+        let source = Arc::new(Failing { inner: MemImage::new(vec![9u8; 1 << 20]), bad: 0..1, panics });
+        let cache = Arc::new(CachedImage::new(source, 1 << 20, chunk));
+        let mut buf = vec![0u8; 100];
+        cache.read_at(&mut buf, chunk).expect("chunk 1 reads");
+        let failing = cache.clone();
+        let read = std::thread::spawn(move || failing.read_at(&mut vec![0u8; 3 * chunk as usize], 0)).join();
+        match read {
+            Err(_) => assert!(panics, "chunk 0's read panicked"),
+            Ok(read) => assert!(!panics && read.is_err(), "chunk 0 is bad: {read:?}"),
+        }
+        assert!(cache.lock().pending.is_empty(), "claims left pending");
+        let (done, finished) = std::sync::mpsc::channel();
+        let reader = cache.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let _ = done.send(reader.read_at(&mut buf, 2 * chunk).map(|()| buf));
+        });
+        let read = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("a read of chunk 2 must not hang");
+        assert!(read.expect("chunk 2 is good").iter().all(|&b| b == 9));
+    }
+
     /// A request whose first run of misses fails must not leave its later misses claimed: the
     /// next reader of those chunks would wait for a fetch nobody makes (this hung the simulation).
     #[test]
     fn a_failed_fetch_releases_every_chunk_the_request_claimed() {
-        let chunk = 16 * 1024u64;
-        let source = Arc::new(Failing { inner: MemImage::new(vec![9u8; 1 << 20]), bad: 0..1, panics: false });
-        let cache = Arc::new(CachedImage::new(source, 1 << 20, chunk));
-        // Chunk 1 cached, so the request below is two runs of misses: chunk 0 (fails), chunk 2.
-        let mut buf = vec![0u8; 100];
-        cache.read_at(&mut buf, chunk).expect("chunk 1 reads");
-        let mut big = vec![0u8; 3 * chunk as usize];
-        assert!(cache.read_at(&mut big, 0).is_err(), "chunk 0 is bad");
-        let (done, finished) = std::sync::mpsc::channel();
-        let reader = cache.clone();
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 4096];
-            let _ = done.send(reader.read_at(&mut buf, 2 * chunk).map(|()| buf));
-        });
-        let read = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("a read of chunk 2 must not hang");
-        assert!(read.expect("chunk 2 is good").iter().all(|&b| b == 9));
-        assert!(cache.lock().pending.is_empty(), "nothing left claimed");
+        a_read_of_chunk_2_after_chunk_0_failed(false);
     }
 
-    /// A source read that panics (a reader's bug; a vhost-user worker catches it and lives on)
-    /// leaves no chunk claimed: every later reader of those chunks, in any VM, waited for ever.
+    /// The same when the source read panics (a reader's bug; a vhost-user worker catches it and
+    /// lives on): every later reader of those chunks, in any VM, waited for ever.
     #[test]
     fn a_panicking_fetch_releases_every_chunk_the_request_claimed() {
-        let chunk = 16 * 1024u64;
-        let source = Arc::new(Failing { inner: MemImage::new(vec![9u8; 1 << 20]), bad: 0..1, panics: true });
-        let cache = Arc::new(CachedImage::new(source, 1 << 20, chunk));
-        let mut buf = vec![0u8; 100];
-        cache.read_at(&mut buf, chunk).expect("chunk 1 reads");
-        let panicking = cache.clone();
-        let read = std::thread::spawn(move || panicking.read_at(&mut vec![0u8; 3 * chunk as usize], 0)).join();
-        assert!(read.is_err(), "the read of chunk 0 panicked");
-        assert!(cache.lock().pending.is_empty(), "claims left pending after the panic");
-        let (done, finished) = std::sync::mpsc::channel();
-        let reader = cache.clone();
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 4096];
-            let _ = done.send(reader.read_at(&mut buf, 2 * chunk).map(|()| buf));
-        });
-        let read = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("a read of chunk 2 must not hang");
-        assert!(read.expect("chunk 2 is good").iter().all(|&b| b == 9));
+        a_read_of_chunk_2_after_chunk_0_failed(true);
     }
 
     #[test]
