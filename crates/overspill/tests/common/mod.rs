@@ -10,6 +10,41 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+/// A 4 MiB golden image of pseudo-random bytes, `dir/golden.img`.
+pub fn golden(dir: &Path) -> PathBuf {
+    let path = dir.join("golden.img");
+    std::fs::write(&path, pseudo_random(4 << 20, 7)).expect("golden image");
+    path
+}
+
+/// Export `export` of the server listening on Unix socket `socket`.
+pub fn socket_uri(socket: &Path, export: &str) -> overspill_nbd::client::NbdUri {
+    format!("nbd+unix:///{export}?socket={}", socket.display()).parse().expect("uri")
+}
+
+/// Sends `signal` (`HUP`, `TERM`) to process `pid`.
+pub fn nix_kill(pid: u32, signal: &str) {
+    let status = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().expect("kill");
+    assert!(status.success());
+}
+
+/// `overspill serve ARGS` that must fail at start: its standard error.
+pub fn serve_must_fail(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_overspill"))
+        .arg("serve")
+        .args(["--ram-floor", "0", "--listen", &format!("unix:{}", dir.join("nbd.sock").display())])
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run overspill serve");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "serve {args:?} started:\n{stderr}");
+    assert!(!dir.join("nbd.sock").exists(), "serve {args:?} listened before refusing:\n{stderr}");
+    stderr
+}
+
 /// How long a real client may run before the test calls it hung.
 pub const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
 
