@@ -34,8 +34,8 @@ const MAX_QUEUE_SIZE: usize = 1024;
 
 /// How long a completion may wait for the rest of its batch before the guest hears of it:
 /// requests served from memory (a few microseconds each) are signalled together, a slow one
-/// (a spill-disk read, a remote golden image's fetch) at once, not after the whole batch (a
-/// batch of 32 reads of 5 ms each held the first completion 155 ms).
+/// (a spill-disk read, a remote golden image's fetch) at once, not after the whole batch (in a
+/// batch of 32 reads of 5 ms each, the first completion waited for the other 31).
 const SIGNAL_WITHIN: Duration = Duration::from_micros(200);
 
 /// Opens the VM's device for a connection; its requests' waits (for limits, a boot slot) end

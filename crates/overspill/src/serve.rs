@@ -341,6 +341,23 @@ fn open_images(args: &ServeArgs) -> anyhow::Result<BTreeMap<String, Arc<dyn Gold
     Ok(images)
 }
 
+impl ServeArgs {
+    /// The state directory: `--state-dir`, else SPILL_DIR/state.
+    fn state_dir_in_use(&self) -> PathBuf {
+        self.state_dir.clone().unwrap_or_else(|| self.spill_dir.join("state"))
+    }
+
+    /// The memory directory: `--memory-dir`, else one in /dev/shm named after the state directory.
+    fn memory_dir_in_use(&self) -> PathBuf {
+        self.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&self.state_dir_in_use()))
+    }
+
+    /// Mode `shared`'s directory: `--shared-dir`, else SPILL_DIR/shared.
+    fn shared_dir_in_use(&self) -> PathBuf {
+        self.shared_dir.clone().unwrap_or_else(|| self.spill_dir.join("shared"))
+    }
+}
+
 /// How `serve` ended.
 pub enum ServeEnd {
     /// SIGTERM or SIGINT: every VM handed over, the process exits.
@@ -364,8 +381,7 @@ pub fn run(args: ServeArgs, reload_check: ReloadCheck) -> anyhow::Result<ServeEn
     raise_open_file_limit();
     let images = open_images(&args)?;
     let security = args.security.security().context("TLS and access settings")?;
-    let state_dir = args.state_dir.clone().unwrap_or_else(|| args.spill_dir.join("state"));
-    let memory_dir = args.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
+    let (state_dir, memory_dir) = (args.state_dir_in_use(), args.memory_dir_in_use());
     let ram_total = ram_total_within(&memory_dir, args.ram_total);
     // Declared before everything that puts files in it, so dropped after them all.
     let mut litter =
@@ -661,7 +677,7 @@ fn overlay_exports(
         spill_direct: args.spill_direct,
         spill_writers: args.spill_writers,
         spill_dir: args.spill_dir.clone(),
-        shared_dir: args.shared_dir.clone().unwrap_or_else(|| args.spill_dir.join("shared")),
+        shared_dir: args.shared_dir_in_use(),
         read_cache_bytes: args.read_cache,
     };
     let cache_dirs: Vec<PathBuf> = settings.cache_dir().map(|(_, dir)| dir.clone()).into_iter().collect();
@@ -835,7 +851,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 /// Under systemd, what the server keeps across restarts in /tmp or /var/tmp, which a unit with
 /// PrivateTmp= (docs/overspill.service has it) has of its own and loses when it stops.
 fn warn_of_private_tmp(args: &ServeArgs, state_dir: &Path) {
-    let shared = args.shared_dir.clone().unwrap_or_else(|| args.spill_dir.join("shared"));
+    let shared = args.shared_dir_in_use();
     let kept = [
         ("--state-dir", Some(state_dir)),
         ("--spill-dir", Some(args.spill_dir.as_path())),

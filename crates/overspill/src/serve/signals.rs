@@ -10,7 +10,6 @@ use overspill_nbd::server::ShutdownHandle;
 use overspill_server::vms::VmRegistry;
 use sd_notify::NotifyState;
 
-use super::memory::default_memory_dir;
 use super::socket::socket_access;
 use super::{check_sizes_and_limits, notify_service_manager, ServeArgs};
 
@@ -44,8 +43,7 @@ pub fn reload_refused(next: &ServeArgs, running: &RunningPlaces) -> Option<Strin
     {
         return Some(format!("the configuration as it is now does not start: {error:#}"));
     }
-    let state_dir = next.state_dir.clone().unwrap_or_else(|| next.spill_dir.join("state"));
-    let memory_dir = next.memory_dir.clone().unwrap_or_else(|| default_memory_dir(&state_dir));
+    let (state_dir, memory_dir) = (next.state_dir_in_use(), next.memory_dir_in_use());
     if (&state_dir, &memory_dir) != (&running.state_dir, &running.memory_dir) {
         return Some(format!(
             "the configuration now keeps the VMs' state in {} and their memory in {} (the running server: {} and \
